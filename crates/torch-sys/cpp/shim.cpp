@@ -1,0 +1,178 @@
+// The C++ side of stageload's shim over libtorch: what tch does not expose.
+//
+// Every function returns nullptr on success or a malloc'd, NUL-terminated message on failure,
+// which the caller frees with sl_free. Every C++ exception, standard or not, is caught here:
+// nothing unwinds into Rust and nothing aborts the process.
+#include <ATen/ATen.h>
+#include <ATen/Context.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <c10/core/Allocator.h>
+#include <c10/core/CachingDeviceAllocator.h>
+#include <torch/torch.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <string>
+
+extern "C" {
+
+void sl_free(void* p) { std::free(p); }
+
+}  // extern "C"
+
+namespace {
+
+char* copy_message(const char* text) {
+  size_t n = std::strlen(text);
+  char* out = static_cast<char*>(std::malloc(n + 1));
+  if (out != nullptr) std::memcpy(out, text, n + 1);
+  return out;
+}
+
+template <typename F>
+char* guarded(F&& body) {
+  try {
+    body();
+    return nullptr;
+  } catch (const c10::Error& e) {
+    return copy_message(e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    return copy_message(e.what());
+  } catch (...) {
+    return copy_message("unknown C++ exception (not derived from std::exception)");
+  }
+}
+
+// 0 = CPU, 1 = CUDA, 2 = MPS (matches GeneratorDevice on the Rust side).
+c10::Device generator_device(int kind, int index) {
+  switch (kind) {
+    case 0: return c10::Device(c10::kCPU);
+    case 1:
+      TORCH_CHECK(at::hasCUDA(), "CUDA is not available");
+      TORCH_CHECK(index >= 0 && index < static_cast<int>(at::detail::getCUDAHooks().deviceCount()),
+                  "CUDA device index ", index, " out of range");
+      return c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(index));
+    case 2:
+      TORCH_CHECK(at::hasMPS(), "MPS is not available");
+      return c10::Device(c10::kMPS);
+    default: break;
+  }
+  TORCH_CHECK(false, "unknown generator device kind ", kind);
+  return c10::Device(c10::kCPU);
+}
+
+c10::StorageImpl* storage_of(const at::Tensor* t) {
+  TORCH_CHECK(t != nullptr && t->defined(), "undefined tensor");
+  TORCH_CHECK(t->has_storage(), "tensor has no storage (sparse or opaque layout)");
+  return t->storage().unsafeGetStorageImpl();
+}
+
+}  // namespace
+
+extern "C" {
+
+char* sl_generator_get_state(int kind, int index, uint8_t** out, size_t* len) {
+  return guarded([&] {
+    auto gen = at::globalContext().defaultGenerator(generator_device(kind, index));
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    at::Tensor state = gen.get_state();
+    TORCH_CHECK(state.scalar_type() == at::kByte, "generator state is not a byte tensor");
+    state = state.contiguous();
+    size_t n = static_cast<size_t>(state.numel());
+    uint8_t* buf = static_cast<uint8_t*>(std::malloc(n == 0 ? 1 : n));
+    TORCH_CHECK(buf != nullptr, "out of memory copying a generator state of ", n, " bytes");
+    std::memcpy(buf, state.data_ptr<uint8_t>(), n);
+    *out = buf;
+    *len = n;
+  });
+}
+
+char* sl_generator_set_state(int kind, int index, const uint8_t* data, size_t len) {
+  return guarded([&] {
+    auto gen = at::globalContext().defaultGenerator(generator_device(kind, index));
+    at::Tensor state = at::empty({static_cast<int64_t>(len)}, at::TensorOptions().dtype(at::kByte));
+    if (len > 0) std::memcpy(state.data_ptr<uint8_t>(), data, len);
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    gen.set_state(state);
+  });
+}
+
+char* sl_cuda_device_count(int64_t* out) {
+  return guarded([&] {
+    *out = at::hasCUDA() ? static_cast<int64_t>(at::detail::getCUDAHooks().deviceCount()) : 0;
+  });
+}
+
+char* sl_mps_available(bool* out) {
+  return guarded([&] { *out = at::hasMPS(); });
+}
+
+char* sl_storage_info(const at::Tensor* t, uint64_t* id, size_t* nbytes, bool* allocated) {
+  return guarded([&] {
+    c10::StorageImpl* s = storage_of(t);
+    *id = reinterpret_cast<uint64_t>(s);
+    *nbytes = s->nbytes();
+    // The unchecked accessor: a freed storage throws on every checked access by design.
+    *allocated = s->_mutable_data_ptr_no_checks().get() != nullptr;
+  });
+}
+
+char* sl_storage_free(const at::Tensor* t, const char* message, size_t* freed) {
+  return guarded([&] {
+    c10::StorageImpl* s = storage_of(t);
+    size_t n = s->nbytes();
+    c10::Device device = s->device();
+    // The old DataPtr is destroyed here, which hands the memory back to its allocator.
+    s->set_data_ptr_noswap(c10::DataPtr(nullptr, device));
+    s->set_nbytes(0);
+    // From now on every access to the data (kernels included) throws this message instead of
+    // dereferencing a null pointer.
+    s->release_data_and_set_meta_custom_data_ptr_error_msg_(
+        std::string(message ? message : "this tensor's storage was released by stageload"));
+    *freed = n;
+  });
+}
+
+char* sl_storage_realloc(const at::Tensor* t, size_t nbytes) {
+  return guarded([&] {
+    c10::StorageImpl* s = storage_of(t);
+    TORCH_CHECK(s->_mutable_data_ptr_no_checks().get() == nullptr && s->nbytes() == 0,
+                "storage is still allocated (", s->nbytes(), " bytes); free it before reallocating");
+    c10::Allocator* allocator = s->allocator();
+    if (allocator == nullptr) allocator = c10::GetAllocator(s->device().type());
+    TORCH_CHECK(allocator != nullptr, "no allocator for device ", s->device());
+    s->set_data_ptr_noswap(allocator->allocate(nbytes));
+    s->set_nbytes(nbytes);
+    s->clear_data_ptr_access_error_msg_();
+  });
+}
+
+char* sl_cuda_empty_cache() {
+  return guarded([&] {
+    TORCH_CHECK(at::hasCUDA(), "CUDA is not available");
+    c10::getDeviceAllocator(c10::kCUDA)->emptyCache();
+  });
+}
+
+char* sl_cuda_memory(int index, int64_t* allocated, int64_t* reserved, int64_t* peak_allocated,
+                     int64_t* peak_reserved) {
+  return guarded([&] {
+    generator_device(1, index);  // validates availability and the index
+    auto stats = c10::getDeviceAllocator(c10::kCUDA)->getDeviceStats(static_cast<c10::DeviceIndex>(index));
+    constexpr size_t all = static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);
+    *allocated = stats.allocated_bytes[all].current;
+    *reserved = stats.reserved_bytes[all].current;
+    *peak_allocated = stats.allocated_bytes[all].peak;
+    *peak_reserved = stats.reserved_bytes[all].peak;
+  });
+}
+
+char* sl_cuda_reset_peak(int index) {
+  return guarded([&] {
+    generator_device(1, index);
+    c10::getDeviceAllocator(c10::kCUDA)->resetPeakStats(static_cast<c10::DeviceIndex>(index));
+  });
+}
+
+}  // extern "C"

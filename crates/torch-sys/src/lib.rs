@@ -1,0 +1,206 @@
+//! The FFI fence: stageload's C++ shim over libtorch, and nothing else.
+//!
+//! tch does not expose generator states, freeing or reallocating a tensor's storage in place, or
+//! the CUDA caching allocator's statistics. `cpp/shim.cpp` does, compiled against the libtorch
+//! that torch-sys found. Each extern function below is wrapped exactly once by a safe function
+//! that turns the shim's error string into a [`ShimError`] naming the operation. The shim catches
+//! every C++ exception, so no libtorch error aborts the process.
+//!
+//! Everything above this crate (release and reload in place, RNG preservation, CUDA memory in
+//! traces) is built from these few safe functions.
+
+use std::ffi::{c_char, c_int, CStr};
+use tch::Tensor;
+use torch_sys::C_tensor;
+
+/// A libtorch call made through the shim failed; carries libtorch's own message.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("libtorch {operation} failed: {message}")]
+pub struct ShimError {
+    /// The shim operation, e.g. `"set generator state"`.
+    pub operation: &'static str,
+    /// libtorch's message (without its C++ backtrace).
+    pub message: String,
+}
+
+/// Result of a shim call.
+pub type ShimResult<T> = Result<T, ShimError>;
+
+mod ffi {
+    use super::*;
+    extern "C" {
+        pub fn sl_free(p: *mut std::ffi::c_void);
+        pub fn sl_generator_get_state(kind: c_int, index: c_int, out: *mut *mut u8, len: *mut usize) -> *mut c_char;
+        pub fn sl_generator_set_state(kind: c_int, index: c_int, data: *const u8, len: usize) -> *mut c_char;
+        pub fn sl_cuda_device_count(out: *mut i64) -> *mut c_char;
+        pub fn sl_mps_available(out: *mut bool) -> *mut c_char;
+        pub fn sl_storage_info(t: *const C_tensor, id: *mut u64, nbytes: *mut usize, allocated: *mut bool) -> *mut c_char;
+        pub fn sl_storage_free(t: *const C_tensor, message: *const c_char, freed: *mut usize) -> *mut c_char;
+        pub fn sl_storage_realloc(t: *const C_tensor, nbytes: usize) -> *mut c_char;
+        pub fn sl_cuda_empty_cache() -> *mut c_char;
+        pub fn sl_cuda_memory(index: c_int, allocated: *mut i64, reserved: *mut i64, peak_allocated: *mut i64, peak_reserved: *mut i64) -> *mut c_char;
+        pub fn sl_cuda_reset_peak(index: c_int) -> *mut c_char;
+    }
+}
+
+/// Turns the shim's return value (null, or a malloc'd message) into a result.
+fn check(operation: &'static str, err: *mut c_char) -> ShimResult<()> {
+    if err.is_null() {
+        return Ok(());
+    }
+    // SAFETY: a non-null return is a NUL-terminated string the shim malloc'd for us; we copy it
+    // and free it exactly once with the shim's own `free`.
+    let message = unsafe {
+        let text = CStr::from_ptr(err).to_string_lossy().into_owned();
+        ffi::sl_free(err.cast());
+        text
+    };
+    Err(ShimError { operation, message })
+}
+
+/// A device whose default random generator the shim can read and restore.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum GeneratorDevice {
+    /// torch's default CPU generator.
+    Cpu,
+    /// The default generator of CUDA device `n`.
+    Cuda(usize),
+    /// The MPS generator (macOS).
+    Mps,
+}
+
+impl GeneratorDevice {
+    fn code(self) -> (c_int, c_int) {
+        match self {
+            GeneratorDevice::Cpu => (0, 0),
+            GeneratorDevice::Cuda(i) => (1, i as c_int),
+            GeneratorDevice::Mps => (2, 0),
+        }
+    }
+}
+
+/// The state of a default generator, as the bytes libtorch serialises it to
+/// (5056 bytes for the CPU's mt19937).
+pub fn generator_state(device: GeneratorDevice) -> ShimResult<Vec<u8>> {
+    let (kind, index) = device.code();
+    let mut data: *mut u8 = std::ptr::null_mut();
+    let mut len = 0usize;
+    // SAFETY: the out-pointers are valid for writes; on success the shim stores a malloc'd
+    // buffer of `len` bytes that we copy and free once.
+    let err = unsafe { ffi::sl_generator_get_state(kind, index, &mut data, &mut len) };
+    check("get generator state", err)?;
+    // SAFETY: success guarantees `data` points to `len` initialised bytes owned by us.
+    let bytes = unsafe {
+        let bytes = std::slice::from_raw_parts(data, len).to_vec();
+        ffi::sl_free(data.cast());
+        bytes
+    };
+    Ok(bytes)
+}
+
+/// Restores a default generator to a state read by [`generator_state`].
+pub fn set_generator_state(device: GeneratorDevice, state: &[u8]) -> ShimResult<()> {
+    let (kind, index) = device.code();
+    // SAFETY: `state` is a valid slice for the duration of the call; the shim copies it.
+    let err = unsafe { ffi::sl_generator_set_state(kind, index, state.as_ptr(), state.len()) };
+    check("set generator state", err)
+}
+
+/// Number of CUDA devices; 0 when CUDA is not available (never an error on a CPU machine).
+pub fn cuda_device_count() -> ShimResult<usize> {
+    let mut n = 0i64;
+    // SAFETY: the out-pointer is valid for a write.
+    let err = unsafe { ffi::sl_cuda_device_count(&mut n) };
+    check("count CUDA devices", err)?;
+    Ok(n.max(0) as usize)
+}
+
+/// Whether this libtorch was built with MPS and an MPS device is present.
+pub fn mps_available() -> ShimResult<bool> {
+    let mut available = false;
+    // SAFETY: the out-pointer is valid for a write.
+    let err = unsafe { ffi::sl_mps_available(&mut available) };
+    check("query MPS", err)?;
+    Ok(available)
+}
+
+/// What the shim reports about the storage behind a tensor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StorageInfo {
+    /// Identity of the storage (its `StorageImpl` address): equal for tensors that share it.
+    pub id: u64,
+    /// Bytes the storage holds now (0 once freed).
+    pub nbytes: usize,
+    /// Whether the storage has memory behind it.
+    pub allocated: bool,
+}
+
+/// Identity, size and allocation state of a tensor's storage.
+pub fn storage_info(tensor: &Tensor) -> ShimResult<StorageInfo> {
+    let mut info = StorageInfo { id: 0, nbytes: 0, allocated: false };
+    // SAFETY: `tensor.as_ptr()` is a live `at::Tensor*` borrowed for the call; out-pointers valid.
+    let err = unsafe {
+        ffi::sl_storage_info(tensor.as_ptr(), &mut info.id, &mut info.nbytes, &mut info.allocated)
+    };
+    check("read storage info", err)?;
+    Ok(info)
+}
+
+/// Frees a tensor's storage in place, keeping its sizes and dtype. Every tensor sharing that
+/// storage sees it gone: any op on them fails with a libtorch error carrying `message` (say,
+/// which model was released and when), never with numbers. Returns the bytes freed.
+pub fn free_storage(tensor: &Tensor, message: &str) -> ShimResult<usize> {
+    let message = std::ffi::CString::new(message.replace('\0', " ")).expect("NULs replaced");
+    let mut freed = 0usize;
+    // SAFETY: `tensor.as_ptr()` is a live `at::Tensor*` and `message` a NUL-terminated string,
+    // both valid for the call; the shim swaps the storage's data pointer, which every holder of
+    // the storage observes consistently, and copies the message.
+    let err = unsafe { ffi::sl_storage_free(tensor.as_ptr(), message.as_ptr(), &mut freed) };
+    check("free storage", err)?;
+    Ok(freed)
+}
+
+/// Gives a freed storage `nbytes` of fresh, uninitialised memory from its own allocator.
+/// The caller fills it before use.
+pub fn realloc_storage(tensor: &Tensor, nbytes: usize) -> ShimResult<()> {
+    // SAFETY: `tensor.as_ptr()` is a live `at::Tensor*`; the shim refuses an allocated storage.
+    let err = unsafe { ffi::sl_storage_realloc(tensor.as_ptr(), nbytes) };
+    check("reallocate storage", err)
+}
+
+/// Empties the CUDA caching allocator; "CUDA is not available" on a machine without it.
+pub fn cuda_empty_cache() -> ShimResult<()> {
+    // SAFETY: no arguments; the shim checks availability.
+    let err = unsafe { ffi::sl_cuda_empty_cache() };
+    check("empty the CUDA cache", err)
+}
+
+/// Bytes of the CUDA caching allocator on one device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct CudaMemory {
+    /// Bytes held by live tensors.
+    pub allocated: u64,
+    /// Bytes reserved from the driver (allocated plus cached).
+    pub reserved: u64,
+    /// High-water mark of `allocated` since the last [`cuda_reset_peak`].
+    pub peak_allocated: u64,
+    /// High-water mark of `reserved` since the last [`cuda_reset_peak`].
+    pub peak_reserved: u64,
+}
+
+/// The CUDA caching allocator's statistics for `device`.
+pub fn cuda_memory(device: usize) -> ShimResult<CudaMemory> {
+    let (mut a, mut r, mut pa, mut pr) = (0i64, 0i64, 0i64, 0i64);
+    // SAFETY: out-pointers are valid for writes; the shim validates the device index.
+    let err = unsafe { ffi::sl_cuda_memory(device as c_int, &mut a, &mut r, &mut pa, &mut pr) };
+    check("read CUDA memory", err)?;
+    let bytes = |v: i64| v.max(0) as u64;
+    Ok(CudaMemory { allocated: bytes(a), reserved: bytes(r), peak_allocated: bytes(pa), peak_reserved: bytes(pr) })
+}
+
+/// Resets the CUDA peak statistics of `device`.
+pub fn cuda_reset_peak(device: usize) -> ShimResult<()> {
+    // SAFETY: plain integer argument; the shim validates it.
+    let err = unsafe { ffi::sl_cuda_reset_peak(device as c_int) };
+    check("reset CUDA peak", err)
+}

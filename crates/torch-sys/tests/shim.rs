@@ -1,0 +1,133 @@
+//! The shim against real libtorch on the CPU: generator states, storage release and
+//! reallocation in place, storage identity, C++ exceptions turned into errors, CUDA queries on a
+//! machine without CUDA.
+
+use stageload_torch_sys::*;
+use tch::{nn, nn::Module, Device, Kind, Tensor};
+
+fn rss_bytes() -> u64 {
+    let statm = std::fs::read_to_string("/proc/self/statm").expect("read /proc/self/statm");
+    let pages: u64 = statm.split_whitespace().nth(1).unwrap().parse().unwrap();
+    // SAFETY: sysconf has no preconditions.
+    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) } as u64;
+    pages * page
+}
+
+#[test]
+fn cpu_generator_state_round_trip_survives_a_module_build() {
+    tch::manual_seed(1234);
+    let state = generator_state(GeneratorDevice::Cpu).unwrap();
+    assert_eq!(state.len(), 5056, "mt19937 state of the CPU generator");
+    let expected = Tensor::randn([64], (Kind::Float, Device::Cpu));
+
+    set_generator_state(GeneratorDevice::Cpu, &state).unwrap();
+    // Building a module draws from the default generator ...
+    let vs = nn::VarStore::new(Device::Cpu);
+    let layer = nn::linear(vs.root(), 32, 32, Default::default());
+    let _ = layer.forward(&Tensor::ones([1, 32], (Kind::Float, Device::Cpu)));
+    let drifted = Tensor::randn([64], (Kind::Float, Device::Cpu));
+    assert!(!drifted.equal(&expected), "the build must have moved the generator");
+
+    // ... and restoring the saved state gives the same draws as before it.
+    set_generator_state(GeneratorDevice::Cpu, &state).unwrap();
+    let again = Tensor::randn([64], (Kind::Float, Device::Cpu));
+    assert!(again.equal(&expected));
+}
+
+#[test]
+fn freeing_a_storage_returns_its_memory_and_reallocating_restores_values() {
+    const BYTES: i64 = 256 << 20;
+    let tensor = Tensor::randn([BYTES / 4], (Kind::Float, Device::Cpu));
+    let copy = tensor.copy();
+    let before = rss_bytes();
+    let freed = free_storage(&tensor, "released by the test").unwrap();
+    let after = rss_bytes();
+    assert_eq!(freed as i64, BYTES);
+    let dropped = before.saturating_sub(after);
+    assert!(
+        dropped as f64 >= 0.9 * BYTES as f64,
+        "RSS dropped by {dropped} bytes, expected at least 90% of {BYTES}"
+    );
+    let info = storage_info(&tensor).unwrap();
+    assert!(!info.allocated);
+    assert_eq!(info.nbytes, 0);
+    assert_eq!(tensor.size(), vec![BYTES / 4], "sizes are kept");
+
+    // Using the freed tensor is libtorch's error, never numbers and never a crash.
+    let err = tensor.f_sum(Kind::Float).expect_err("sum of a freed tensor");
+    assert!(err.to_string().contains("released by the test"), "{err}");
+    let view = tensor.shallow_clone();
+    assert!(view.f_mul(&view).is_err());
+
+    realloc_storage(&tensor, BYTES as usize).unwrap();
+    assert!(storage_info(&tensor).unwrap().allocated);
+    tch::no_grad(|| tensor.shallow_clone().f_copy_(&copy)).unwrap();
+    assert!(tensor.equal(&copy));
+    // A second reallocation of a live storage is refused.
+    let err = realloc_storage(&tensor, 16).unwrap_err();
+    assert_eq!(err.operation, "reallocate storage");
+    assert!(err.message.contains("still allocated"), "{err}");
+}
+
+#[test]
+fn tensors_sharing_a_storage_have_one_identity() {
+    let base = Tensor::zeros([8, 8], (Kind::Float, Device::Cpu));
+    let row = base.narrow(0, 2, 1);
+    let alias = base.shallow_clone();
+    let other = Tensor::zeros([8, 8], (Kind::Float, Device::Cpu));
+    let ids: Vec<u64> = [&base, &row, &alias].iter().map(|t| storage_info(t).unwrap().id).collect();
+    assert!(ids.iter().all(|&id| id == ids[0]));
+    assert_ne!(storage_info(&other).unwrap().id, ids[0]);
+    // Counted once: all three report the whole storage's bytes.
+    let distinct: std::collections::HashSet<u64> = ids.into_iter().collect();
+    assert_eq!(distinct.len(), 1);
+    assert_eq!(storage_info(&row).unwrap().nbytes, 8 * 8 * 4);
+    // Freeing through one handle frees it for all.
+    free_storage(&row, "row freed").unwrap();
+    assert!(!storage_info(&base).unwrap().allocated);
+    let err = base.f_sum(Kind::Float).unwrap_err();
+    assert!(err.to_string().contains("row freed"), "{err}");
+    assert!(base.f_matmul(&base).is_err());
+    assert!(base.shallow_clone().f_copy_(&Tensor::ones([8, 8], (Kind::Float, Device::Cpu))).is_err());
+}
+
+#[test]
+fn a_libtorch_exception_becomes_an_error_naming_the_operation() {
+    let err = set_generator_state(GeneratorDevice::Cpu, &[1, 2, 3]).unwrap_err();
+    assert_eq!(err.operation, "set generator state");
+    assert!(!err.message.is_empty());
+    let shown = err.to_string();
+    assert!(shown.contains("set generator state"), "{shown}");
+    assert!(shown.contains(&err.message), "{shown}");
+    // The generator still works after the refused call.
+    let _ = Tensor::randn([4], (Kind::Float, Device::Cpu));
+    // An undefined tensor is refused, not dereferenced.
+    let err = storage_info(&Tensor::new()).unwrap_err();
+    assert!(err.message.contains("undefined tensor"), "{err}");
+}
+
+#[test]
+fn cuda_queries_answer_not_available_without_cuda() {
+    let count = cuda_device_count().unwrap();
+    if count == 0 {
+        for err in [
+            cuda_empty_cache().unwrap_err(),
+            cuda_memory(0).unwrap_err(),
+            cuda_reset_peak(0).unwrap_err(),
+            generator_state(GeneratorDevice::Cuda(0)).unwrap_err(),
+        ] {
+            assert!(err.message.contains("CUDA is not available"), "{err}");
+        }
+    } else {
+        // On a CUDA machine the same calls work, and an out-of-range device is an error.
+        let t = Tensor::ones([1 << 20], (Kind::Float, Device::Cuda(0)));
+        let mem = cuda_memory(0).unwrap();
+        assert!(mem.allocated >= 4 << 20);
+        drop(t);
+        cuda_empty_cache().unwrap();
+        cuda_reset_peak(0).unwrap();
+        assert_eq!(generator_state(GeneratorDevice::Cuda(0)).unwrap().is_empty(), false);
+        assert!(cuda_memory(count).unwrap_err().message.contains("out of range"));
+    }
+    assert_eq!(tch::Cuda::device_count() as usize, count, "shim and tch agree");
+}
