@@ -1,0 +1,81 @@
+//! Release and reallocation in place of a model's storages.
+//!
+//! A model is known by its named tensors (a VarStore's parameters and buffers). Several tensors
+//! may share one storage (tied weights, views, a backbone two models hold): storages are
+//! identified through the shim and counted, freed and reallocated once each.
+
+use std::collections::HashSet;
+
+use stageload_torch_sys::{self as shim, ShimError};
+use tch::Tensor;
+
+/// One distinct storage of a model, with the size it had when the model was built.
+#[derive(Debug)]
+pub struct StorageRecord {
+    pub id: u64,
+    pub nbytes: usize,
+    /// A tensor on this storage, to reach it through the shim.
+    pub tensor: Tensor,
+}
+
+/// What one release did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ReleaseStats {
+    /// Bytes of storage freed.
+    pub freed: u64,
+    /// Bytes of storage left alone because another resident model shares them.
+    pub kept: u64,
+}
+
+/// The distinct storages behind `tensors`, in first-seen order.
+pub fn distinct_storages(tensors: &[(String, Tensor)]) -> Result<Vec<StorageRecord>, ShimError> {
+    let mut seen = HashSet::new();
+    let mut records = Vec::new();
+    for (_, tensor) in tensors {
+        let info = shim::storage_info(tensor)?;
+        if seen.insert(info.id) {
+            records.push(StorageRecord { id: info.id, nbytes: info.nbytes, tensor: tensor.shallow_clone() });
+        }
+    }
+    Ok(records)
+}
+
+/// Total bytes of the distinct storages behind `tensors` (each storage once, whole).
+pub fn storage_bytes(tensors: &[(String, Tensor)]) -> Result<u64, ShimError> {
+    Ok(distinct_storages(tensors)?.iter().map(|s| s.nbytes as u64).sum())
+}
+
+/// Frees every storage in `storages` whose id is not in `keep`. Storages already freed count
+/// for nothing. Any later use of their tensors fails with `message`.
+pub fn release(storages: &[StorageRecord], keep: &HashSet<u64>, message: &str) -> Result<ReleaseStats, ShimError> {
+    let mut stats = ReleaseStats::default();
+    for storage in storages {
+        if keep.contains(&storage.id) {
+            stats.kept += storage.nbytes as u64;
+        } else if shim::storage_info(&storage.tensor)?.allocated {
+            stats.freed += shim::free_storage(&storage.tensor, message)? as u64;
+        }
+    }
+    Ok(stats)
+}
+
+/// Gives every freed storage of `storages` its memory back (uninitialised); returns the ids
+/// reallocated, so the caller refills exactly those.
+pub fn reallocate(storages: &[StorageRecord]) -> Result<HashSet<u64>, ShimError> {
+    let mut reallocated = HashSet::new();
+    for storage in storages {
+        if storage.nbytes > 0 && !shim::storage_info(&storage.tensor)?.allocated {
+            shim::realloc_storage(&storage.tensor, storage.nbytes)?;
+            reallocated.insert(storage.id);
+        }
+    }
+    Ok(reallocated)
+}
+
+/// Frees again the storages of `ids` (undoing a [`reallocate`] whose refill failed).
+pub fn free_ids(storages: &[StorageRecord], ids: &HashSet<u64>, message: &str) -> Result<(), ShimError> {
+    for storage in storages.iter().filter(|s| ids.contains(&s.id)) {
+        shim::free_storage(&storage.tensor, message)?;
+    }
+    Ok(())
+}
