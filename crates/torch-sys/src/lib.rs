@@ -204,3 +204,15 @@ pub fn cuda_reset_peak(device: usize) -> ShimResult<()> {
     let err = unsafe { ffi::sl_cuda_reset_peak(device as c_int) };
     check("reset CUDA peak", err)
 }
+
+/// Hands free heap memory back to the OS. libtorch's CPU allocator uses `malloc`; glibc keeps
+/// freed blocks below its (dynamic, up to 32 MiB) mmap threshold in its heap, so without a trim
+/// a released model's smaller tensors would still count in the process RSS. A no-op where the C
+/// library is not glibc.
+pub fn trim_host_heap() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: malloc_trim only walks glibc's own arenas; it has no preconditions.
+    unsafe {
+        libc::malloc_trim(0);
+    }
+}

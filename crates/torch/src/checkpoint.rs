@@ -219,8 +219,8 @@ impl Checkpoint {
                     found: entry.kind,
                 });
             }
-            let allocated = stageload_torch_sys::storage_info(target).map(|i| i.allocated || i.nbytes == 0);
-            if target.numel() > 0 && !allocated.unwrap_or(false) {
+            let allocated = stageload_torch_sys::storage_info(target).is_ok_and(|i| i.allocated);
+            if target.numel() > 0 && !allocated {
                 return Err(CheckpointError::Unallocated { tensor: name.clone() });
             }
             plan.push(entry);

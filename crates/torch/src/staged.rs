@@ -59,6 +59,8 @@ pub enum StageError {
     WrongType { model: String, expected: &'static str, actual: &'static str },
     #[error("'{model}' is locked by this thread (a ModelGuard is alive) and cannot be released; drop the guard before entering stage {stage:?}")]
     InUse { model: String, stage: Option<String> },
+    #[error("'{model}' is already locked by this thread; use the ModelGuard you hold instead of locking it again")]
+    LockedTwice { model: String },
     #[error("checkpoint of '{model}': {source}")]
     Checkpoint { model: String, source: CheckpointError },
     #[error("'{model}': {source}")]
@@ -104,6 +106,12 @@ impl<T> Clone for Shared<T> {
     }
 }
 
+impl<T> std::fmt::Debug for Shared<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Shared<{}>", std::any::type_name::<T>())
+    }
+}
+
 impl<T> Shared<T> {
     pub fn lock(&self) -> MutexGuard<'_, T> {
         self.0.lock().unwrap_or_else(|e| e.into_inner())
@@ -138,7 +146,7 @@ impl BuildContext<'_> {
             let alive = entry
                 .tensors
                 .iter()
-                .all(|(_, t)| stageload_torch_sys::storage_info(t).map(|i| i.allocated || i.nbytes == 0).unwrap_or(false));
+                .all(|(_, t)| t.numel() == 0 || stageload_torch_sys::storage_info(t).is_ok_and(|i| i.allocated));
             if alive {
                 let component = entry
                     .component
@@ -214,18 +222,27 @@ impl Instance {
         self.body.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Locks the body for a release, refusing when this very thread holds it (a deadlock).
-    fn lock_for_release(&self, stage: &Option<String>) -> Result<MutexGuard<'_, Body>> {
+    /// Locks the body, waiting for other threads but refusing when this very thread already
+    /// holds it (which would deadlock): `in_use` makes the error.
+    fn lock_unless_held_here(&self, in_use: impl FnOnce() -> StageError) -> Result<MutexGuard<'_, Body>> {
         match self.body.try_lock() {
             Ok(body) => Ok(body),
             Err(std::sync::TryLockError::Poisoned(e)) => Ok(e.into_inner()),
             Err(std::sync::TryLockError::WouldBlock) => {
                 if *self.holder.lock().unwrap_or_else(|e| e.into_inner()) == Some(std::thread::current().id()) {
-                    return Err(StageError::InUse { model: self.name.clone(), stage: stage.clone() });
+                    return Err(in_use());
                 }
                 Ok(self.lock_body())
             }
         }
+    }
+
+    fn lock_for_release(&self, stage: &Option<String>) -> Result<MutexGuard<'_, Body>> {
+        self.lock_unless_held_here(|| StageError::InUse { model: self.name.clone(), stage: stage.clone() })
+    }
+
+    fn lock_for_use(&self) -> Result<MutexGuard<'_, Body>> {
+        self.lock_unless_held_here(|| StageError::LockedTwice { model: self.name.clone() })
     }
 }
 
@@ -255,7 +272,7 @@ impl<M: 'static> Handle<M> {
     /// Locks the model for use; [`StageError::Released`] once it was released. While the guard
     /// lives, a release of the model from another thread waits for it.
     pub fn lock(&self) -> Result<ModelGuard<'_, M>> {
-        let body = self.instance.lock_body();
+        let body = self.instance.lock_for_use()?;
         if let Some(stage) = self.instance.released_at() {
             return Err(StageError::Released { model: self.instance.name.clone(), stage });
         }
@@ -665,13 +682,17 @@ impl StagedModels {
         self.release_all(&mut state, &leaving)
     }
 
-    /// Releases `names` (resident ones) in order, then empties the CUDA cache once.
+    /// Releases `names` (resident ones) in order, then returns the memory to the OS once: the
+    /// host heap is trimmed and the CUDA cache emptied.
     fn release_all(&self, state: &mut State, names: &[String]) -> Result<ReleaseStats> {
         let mut total = ReleaseStats::default();
         for name in names {
             let stats = self.release_one(state, name)?;
             total.freed += stats.freed;
             total.kept += stats.kept;
+        }
+        if total.freed > 0 {
+            stageload_torch_sys::trim_host_heap();
         }
         if total.freed > 0 && stageload_torch_sys::cuda_device_count().unwrap_or(0) > 0 {
             if let Err(err) = stageload_torch_sys::cuda_empty_cache() {

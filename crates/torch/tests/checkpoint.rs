@@ -1,0 +1,165 @@
+//! Checkpoint I/O against real safetensors files written by the test: round trips for every
+//! dtype, conversions, and every bad input leaving the targets as they were.
+
+use stageload::checkpoint::{save, Checkpoint, CheckpointError};
+use tch::{Device, Kind, Tensor};
+
+fn tmp(name: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("stageload-ckpt-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir.join(name)
+}
+
+fn sample(kind: Kind, shape: &[i64]) -> Tensor {
+    let t = Tensor::randn(shape, (Kind::Float, Device::Cpu)) * 50.0;
+    match kind {
+        Kind::Bool => t.gt(0.0),
+        Kind::Uint8 => t.abs().to_kind(Kind::Uint8),
+        _ => t.to_kind(kind),
+    }
+}
+
+fn named(name: &str, t: &Tensor) -> (String, Tensor) {
+    (name.to_string(), t.shallow_clone())
+}
+
+#[test]
+fn every_dtype_round_trips() {
+    let kinds = [
+        Kind::Bool, Kind::Uint8, Kind::Int8, Kind::Int16, Kind::Int, Kind::Int64,
+        Kind::Half, Kind::BFloat16, Kind::Float, Kind::Double,
+    ];
+    let originals: Vec<(String, Tensor)> =
+        kinds.iter().enumerate().map(|(i, &k)| (format!("t{i}"), sample(k, &[3, 5, 7]))).collect();
+    let path = tmp("dtypes.safetensors");
+    save(&originals, &path).unwrap();
+    let targets: Vec<(String, Tensor)> =
+        originals.iter().map(|(n, t)| (n.clone(), Tensor::zeros([3, 5, 7], (t.kind(), Device::Cpu)))).collect();
+    let report = Checkpoint::open(&[&path]).unwrap().load_into(&targets, |_| {}).unwrap();
+    assert_eq!(report.tensors, kinds.len());
+    assert!(report.unused.is_empty());
+    for ((name, original), (_, loaded)) in originals.iter().zip(&targets) {
+        assert!(original.equal(loaded), "{name} ({:?}) differs after the round trip", original.kind());
+    }
+}
+
+#[test]
+fn dtypes_convert_into_the_models_kind() {
+    let source = Tensor::randn([64, 33], (Kind::Float, Device::Cpu));
+    let ints = Tensor::arange(100, (Kind::Int, Device::Cpu));
+    let path = tmp("convert.safetensors");
+    save(&[named("w", &source), named("half", &source.to_kind(Kind::Half)), named("i", &ints)], &path).unwrap();
+    let checkpoint = Checkpoint::open(&[&path]).unwrap();
+    for (name, kind) in [("w", Kind::Half), ("w", Kind::BFloat16), ("w", Kind::Double), ("half", Kind::Float), ("i", Kind::Int64), ("i", Kind::Float)] {
+        let entry = &checkpoint.entries()[name];
+        let target = Tensor::zeros(entry.shape.as_slice(), (kind, Device::Cpu));
+        checkpoint.load_into(&[named(name, &target)], |_| {}).unwrap();
+        let reference = match name { "w" => source.to_kind(kind), "half" => source.to_kind(Kind::Half).to_kind(kind), _ => ints.to_kind(kind) };
+        assert!(target.equal(&reference), "{name} into {kind:?}");
+    }
+}
+
+#[test]
+fn a_model_split_over_files_loads_and_progress_counts_every_byte() {
+    let a = Tensor::randn([256, 256], (Kind::Float, Device::Cpu));
+    let b = Tensor::randn([1000], (Kind::Float, Device::Cpu));
+    let (pa, pb) = (tmp("split-a.safetensors"), tmp("split-b.safetensors"));
+    save(&[named("a", &a), named("extra", &b)], &pa).unwrap();
+    save(&[named("b", &b)], &pb).unwrap();
+    let targets = vec![("a".to_string(), a.zeros_like()), ("b".to_string(), b.zeros_like())];
+    let mut last = None;
+    let report = Checkpoint::open(&[&pa, &pb]).unwrap().load_into(&targets, |p| last = Some(p)).unwrap();
+    assert!(targets[0].1.equal(&a) && targets[1].1.equal(&b));
+    assert_eq!(report.unused, vec!["extra".to_string()], "entries the model lacks are reported");
+    let last = last.unwrap();
+    assert_eq!((last.done, last.total), ((256 * 256 + 1000) * 4, (256 * 256 + 1000) * 4));
+    assert_eq!(report.bytes, last.total);
+    // The same name in two files is refused.
+    let err = Checkpoint::open(&[&pb, &pb]).unwrap_err();
+    assert!(matches!(err, CheckpointError::DuplicateTensor { ref tensor, .. } if tensor == "b"), "{err}");
+}
+
+/// A failed load must leave every target untouched: targets start at a sentinel value.
+fn assert_untouched(targets: &[(String, Tensor)]) {
+    for (name, t) in targets {
+        assert!(t.equal(&t.full_like(7.0)), "{name} was modified by a failed load");
+    }
+}
+
+#[test]
+fn bad_input_is_a_clear_error_and_changes_nothing() {
+    let w = Tensor::randn([8, 4], (Kind::Float, Device::Cpu));
+    let path = tmp("bad.safetensors");
+    save(&[named("w", &w), named("v", &w)], &path).unwrap();
+    let checkpoint = Checkpoint::open(&[&path]).unwrap();
+    let sentinel = |shape: &[i64], kind| Tensor::full(shape, 7.0, (kind, Device::Cpu));
+
+    // A tensor the files lack: named, with the files; the other target (listed first) untouched.
+    let targets = vec![("v".into(), sentinel(&[8, 4], Kind::Float)), ("missing.weight".into(), sentinel(&[2], Kind::Float))];
+    let err = checkpoint.load_into(&targets, |_| {}).unwrap_err();
+    let text = err.to_string();
+    assert!(text.contains("'missing.weight'") && text.contains("bad.safetensors"), "{text}");
+    assert_untouched(&targets);
+
+    // Shape mismatch: expected against found.
+    let targets = vec![("v".into(), sentinel(&[8, 4], Kind::Float)), ("w".into(), sentinel(&[4, 8], Kind::Float))];
+    let text = checkpoint.load_into(&targets, |_| {}).unwrap_err().to_string();
+    assert!(text.contains("'w'") && text.contains("[4, 8]") && text.contains("[8, 4]"), "{text}");
+    assert_untouched(&targets);
+
+    // A float entry does not load into an integer tensor.
+    let targets = vec![("v".into(), sentinel(&[8, 4], Kind::Float)), ("w".into(), sentinel(&[8, 4], Kind::Int64))];
+    let text = checkpoint.load_into(&targets, |_| {}).unwrap_err().to_string();
+    assert!(text.contains("'w'") && text.contains("Int64") && text.contains("Float"), "{text}");
+    assert_untouched(&targets);
+
+    // A released target (no storage) is refused before anything is copied.
+    let released = sentinel(&[8, 4], Kind::Float);
+    stageload_torch_sys::free_storage(&released, "test").unwrap();
+    let targets = vec![("w".into(), released)];
+    assert!(matches!(checkpoint.load_into(&targets, |_| {}), Err(CheckpointError::Unallocated { .. })));
+}
+
+#[test]
+fn missing_truncated_and_corrupt_files_are_errors_naming_the_file() {
+    let missing = tmp("does-not-exist.safetensors");
+    let err = Checkpoint::open(&[&missing]).unwrap_err();
+    assert!(matches!(err, CheckpointError::Open { .. }) && err.to_string().contains("does-not-exist"), "{err}");
+
+    let good = tmp("whole.safetensors");
+    save(&[named("w", &Tensor::randn([128, 128], (Kind::Float, Device::Cpu)))], &good).unwrap();
+    let bytes = std::fs::read(&good).unwrap();
+
+    let truncated = tmp("truncated.safetensors");
+    std::fs::write(&truncated, &bytes[..bytes.len() - 100]).unwrap();
+    let err = Checkpoint::open(&[&truncated]).unwrap_err();
+    assert!(matches!(err, CheckpointError::Invalid { .. }) && err.to_string().contains("truncated.safetensors"), "{err}");
+
+    let huge_header = tmp("huge-header.safetensors");
+    let mut b = bytes.clone();
+    b[..8].copy_from_slice(&(bytes.len() as u64 * 2).to_le_bytes());
+    std::fs::write(&huge_header, &b).unwrap();
+    assert!(matches!(Checkpoint::open(&[&huge_header]), Err(CheckpointError::Invalid { .. })));
+
+    let not_json = tmp("not-json.safetensors");
+    let mut b = bytes.clone();
+    b[8] = b'!';
+    std::fs::write(&not_json, &b).unwrap();
+    assert!(matches!(Checkpoint::open(&[&not_json]), Err(CheckpointError::Invalid { .. })));
+
+    let tiny = tmp("tiny.safetensors");
+    std::fs::write(&tiny, [1u8, 2, 3]).unwrap();
+    assert!(matches!(Checkpoint::open(&[&tiny]), Err(CheckpointError::Invalid { .. })));
+}
+
+#[test]
+fn loads_into_storage_that_was_released_then_reallocated() {
+    let w = Tensor::randn([512, 512], (Kind::Float, Device::Cpu));
+    let path = tmp("realloc.safetensors");
+    save(&[named("w", &w)], &path).unwrap();
+    let target = w.copy();
+    let bytes = stageload_torch_sys::free_storage(&target, "released").unwrap();
+    stageload_torch_sys::realloc_storage(&target, bytes).unwrap();
+    Checkpoint::open(&[&path]).unwrap().load_into(&[named("w", &target)], |_| {}).unwrap();
+    assert!(target.equal(&w));
+}

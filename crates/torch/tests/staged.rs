@@ -1,0 +1,474 @@
+//! StagedModels with real tch models on the CPU: plan validation, lazy loads, release and reload
+//! in place, RNG preservation (with its control), threads, failing loaders, shared components,
+//! stage hooks.
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use stageload::hook::EnterOnCall;
+use stageload::{Built, EventKind, ListSink, ModelSpec, SharedRng, StageError, StagedModels};
+use tch::nn::{self, Module, VarStore};
+use tch::{Device, Kind, Tensor};
+
+#[derive(Debug)]
+struct Mlp {
+    l1: nn::Linear,
+    l2: nn::Linear,
+}
+
+impl Module for Mlp {
+    fn forward(&self, xs: &Tensor) -> Tensor {
+        xs.apply(&self.l1).relu().apply(&self.l2)
+    }
+}
+
+fn mlp(vs: &VarStore, width: i64) -> Mlp {
+    let root = vs.root();
+    Mlp { l1: nn::linear(&root / "l1", width, width, Default::default()), l2: nn::linear(&root / "l2", width, width, Default::default()) }
+}
+
+fn build_mlp(width: i64) -> Built {
+    let vs = VarStore::new(Device::Cpu);
+    let model = mlp(&vs, width);
+    Built::new(model, &vs)
+}
+
+fn spec(name: &str, width: i64) -> ModelSpec {
+    ModelSpec::new(name, move |_| Ok(build_mlp(width)))
+}
+
+fn tmp_dir() -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("stageload-staged-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// Writes a checkpoint for an Mlp of `width` (seeded, so every call writes the same values).
+fn checkpoint_for(name: &str, width: i64) -> PathBuf {
+    let path = tmp_dir().join(format!("{name}-{width}.safetensors"));
+    if !path.exists() {
+        let vs = VarStore::new(Device::Cpu);
+        let _ = mlp(&vs, width);
+        let mut vars: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
+        vars.sort_by(|a, b| a.0.cmp(&b.0));
+        stageload::checkpoint::save(&vars, &path).unwrap();
+    }
+    path
+}
+
+fn input(width: i64) -> Tensor {
+    Tensor::ones([2, width], (Kind::Float, Device::Cpu))
+}
+
+fn rss() -> i64 {
+    let statm = std::fs::read_to_string("/proc/self/statm").unwrap();
+    let pages: i64 = statm.split_whitespace().nth(1).unwrap().parse().unwrap();
+    pages * 4096
+}
+
+fn two_stage(sink: Arc<ListSink>) -> StagedModels {
+    StagedModels::builder()
+        .model(spec("encoder", 16))
+        .model(spec("decoder", 16))
+        .model(spec("helper", 8))
+        .stage("encode", ["encoder"])
+        .stage("decode", ["decoder"])
+        .events(sink)
+        .build()
+        .unwrap()
+}
+
+#[test]
+fn the_plan_is_validated_at_construction() {
+    let err = StagedModels::builder().model(spec("a", 4)).stage("s", ["a", "ghost"]).pin("phantom").build().err().unwrap();
+    match &err {
+        StageError::PlanWithoutLoader { names } => assert_eq!(names, &["ghost".to_string(), "phantom".to_string()]),
+        other => panic!("unexpected {other}"),
+    }
+    assert!(err.to_string().contains("ghost") && err.to_string().contains("phantom"));
+    let err = StagedModels::builder().model(spec("a", 4)).model(spec("a", 4)).build().err().unwrap();
+    assert!(matches!(err, StageError::DuplicateModel { .. }), "{err}");
+}
+
+#[test]
+fn membership_length_and_names_never_load() {
+    let sink = Arc::new(ListSink::new());
+    let models = two_stage(sink.clone());
+    assert!(models.contains("encoder") && !models.contains("nope"));
+    assert_eq!(models.len(), 3);
+    assert_eq!(models.names(), ["encoder", "decoder", "helper"]);
+    assert!(models.resident().is_empty());
+    assert!(sink.events().is_empty());
+    let err = models.get::<Mlp>("nope").err().unwrap();
+    assert!(err.to_string().contains("'nope'") && err.to_string().contains("encoder"), "{err}");
+}
+
+#[test]
+fn get_loads_once_and_notes_loads_outside_the_stage() {
+    let sink = Arc::new(ListSink::new());
+    let models = two_stage(sink.clone());
+    models.enter("encode").unwrap();
+    let encoder = models.get::<Mlp>("encoder").unwrap();
+    let again = models.get::<Mlp>("encoder").unwrap();
+    let guard = encoder.lock().unwrap();
+    let err = again.lock().err().unwrap();
+    assert!(matches!(err, StageError::LockedTwice { .. }), "locking twice on one thread is an error, not a deadlock: {err}");
+    drop(guard);
+    let first = encoder.lock().unwrap().forward(&input(16));
+    let second = again.lock().unwrap().forward(&input(16));
+    assert!(first.equal(&second), "both handles reach the same model");
+    let loads = sink.of_kind(EventKind::Load);
+    assert_eq!(loads.len(), 1, "built once");
+    assert_eq!(loads[0].model.as_deref(), Some("encoder"));
+    assert_eq!(loads[0].stage.as_deref(), Some("encode"));
+    assert_eq!(loads[0].bytes, Some(2 * (16 * 16 + 16) * 4));
+    assert_eq!(loads[0].note, None);
+
+    models.get::<Mlp>("helper").unwrap();
+    let loads = sink.of_kind(EventKind::Load);
+    assert_eq!(loads[1].note.as_deref(), Some("outside_stage"));
+
+    let strict = StagedModels::builder().model(spec("a", 4)).model(spec("b", 4)).stage("s", ["a"]).strict(true).build().unwrap();
+    strict.enter("s").unwrap();
+    let err = strict.get::<Mlp>("b").err().unwrap();
+    assert!(matches!(err, StageError::OutsideStage { .. }) && err.to_string().contains("'b'"), "{err}");
+    assert!(strict.get::<Mlp>("a").is_ok());
+
+    let err = models.get::<String>("encoder").err().unwrap();
+    assert!(matches!(err, StageError::WrongType { .. }), "{err}");
+}
+
+#[test]
+fn entering_a_stage_releases_in_place_and_handles_name_the_stage() {
+    let sink = Arc::new(ListSink::new());
+    let models = two_stage(sink.clone());
+    let err = models.enter("nowhere").unwrap_err();
+    assert!(err.to_string().contains("'nowhere'") && err.to_string().contains("decode") && err.to_string().contains("encode"), "{err}");
+
+    models.enter("encode").unwrap();
+    let encoder = models.get::<Mlp>("encoder").unwrap();
+    models.pin("helper").unwrap();
+    models.get::<Mlp>("helper").unwrap();
+    let raw_weight = encoder.lock().unwrap().l1.ws.shallow_clone();
+
+    let stats = models.enter("decode").unwrap();
+    assert_eq!(stats.freed, 2 * (16 * 16 + 16) * 4);
+    assert_eq!(models.resident(), ["helper"], "pinned helper stays, encoder goes");
+    assert!(encoder.is_released());
+    let err = encoder.lock().err().unwrap();
+    assert!(err.to_string().contains("'encoder' was released when entering stage 'decode'"), "{err}");
+    // Code that bypasses the handle gets libtorch's error, never stale numbers.
+    let err = raw_weight.f_sum(Kind::Float).unwrap_err();
+    assert!(err.to_string().contains("'encoder' was released"), "{err}");
+
+    let kinds: Vec<EventKind> = sink.events().iter().map(|e| e.kind).collect();
+    assert_eq!(kinds, [EventKind::Stage, EventKind::Load, EventKind::Load, EventKind::Stage, EventKind::Release]);
+
+    models.unpin("helper");
+    models.enter("decode").unwrap();
+    assert!(models.resident().is_empty(), "unpinned helper goes at the next enter");
+}
+
+#[test]
+fn release_returns_memory_and_reload_in_place_brings_it_back_without_drawing() {
+    const WIDTH: i64 = 2048; // two 16 MiB matrices
+    let path = checkpoint_for("big", WIDTH);
+    let sink = Arc::new(ListSink::new());
+    let chacha = SharedRng::new(ChaCha8Rng::seed_from_u64(3));
+    let models = StagedModels::builder()
+        .model(ModelSpec::new("big", |_| Ok(build_mlp(WIDTH))).checkpoint([path]))
+        .stage("use", ["big"])
+        .stage("other", Vec::<String>::new())
+        .register_rng(Arc::new(chacha.clone()))
+        .events(sink.clone())
+        .build()
+        .unwrap();
+    models.enter("use").unwrap();
+    let big = models.get::<Mlp>("big").unwrap();
+    let before = big.lock().unwrap().forward(&input(WIDTH));
+    let model_bytes = 2 * (WIDTH * WIDTH + WIDTH) * 4;
+
+    let resident = rss();
+    models.enter("other").unwrap();
+    let released = rss();
+    assert!(resident - released >= model_bytes * 9 / 10, "RSS fell by {} of {model_bytes}", resident - released);
+
+    tch::manual_seed(99);
+    let torch_state = stageload_torch_sys::generator_state(stageload_torch_sys::GeneratorDevice::Cpu).unwrap();
+    let chacha_next = chacha.lock().clone().gen::<u64>();
+    models.enter("use").unwrap();
+    let again = models.get::<Mlp>("big").unwrap();
+    assert!(rss() - released >= model_bytes * 9 / 10, "RSS came back");
+    assert!(!big.is_released(), "the old handle works again: same object");
+    assert!(big.lock().unwrap().forward(&input(WIDTH)).equal(&before));
+    assert!(again.lock().unwrap().forward(&input(WIDTH)).equal(&before));
+    assert_eq!(stageload_torch_sys::generator_state(stageload_torch_sys::GeneratorDevice::Cpu).unwrap(), torch_state);
+    assert_eq!(chacha.lock().gen::<u64>(), chacha_next);
+    let reload = &sink.of_kind(EventKind::Reload)[0];
+    assert_eq!(reload.note.as_deref(), Some("in_place"));
+    assert_eq!(reload.bytes, Some(model_bytes as u64));
+}
+
+#[test]
+fn reload_without_checkpoint_rebuilds_and_old_handles_stay_released() {
+    let sink = Arc::new(ListSink::new());
+    let models = two_stage(sink.clone());
+    models.enter("encode").unwrap();
+    let old = models.get::<Mlp>("encoder").unwrap();
+    models.enter("decode").unwrap();
+    models.enter("encode").unwrap();
+    let new = models.get::<Mlp>("encoder").unwrap();
+    assert!(old.lock().is_err() && new.lock().is_ok());
+    let reload = &sink.of_kind(EventKind::Reload)[0];
+    assert_eq!(reload.note.as_deref(), Some("rebuilt"));
+}
+
+/// Seeds, draws torch and ChaCha noise, builds a model lazily between the draws, draws again.
+fn seeded_run(preserve: bool) -> (Tensor, Tensor, u64, u64) {
+    let chacha = SharedRng::new(ChaCha8Rng::seed_from_u64(11));
+    let models = StagedModels::builder()
+        .model(ModelSpec::new("lazy", {
+            let chacha = chacha.clone();
+            move |_| {
+                let built = build_mlp(32);
+                let _: u64 = chacha.lock().gen(); // a loader that draws from the pipeline's RNG too
+                Ok(built)
+            }
+        }))
+        .stage("s", ["lazy"])
+        .register_rng(Arc::new(chacha.clone()))
+        .preserve_rng(preserve)
+        .build()
+        .unwrap();
+    tch::manual_seed(5);
+    let first = Tensor::randn([16], (Kind::Float, Device::Cpu));
+    let c1: u64 = chacha.lock().gen();
+    models.enter("s").unwrap();
+    models.get::<Mlp>("lazy").unwrap();
+    let second = Tensor::randn([16], (Kind::Float, Device::Cpu));
+    let c2: u64 = chacha.lock().gen();
+    (first, second, c1, c2)
+}
+
+#[test]
+fn builds_preserve_every_rng_and_the_control_drifts() {
+    // Reference: the same draws with no build in between.
+    tch::manual_seed(5);
+    let first = Tensor::randn([16], (Kind::Float, Device::Cpu));
+    let second = Tensor::randn([16], (Kind::Float, Device::Cpu));
+    let mut reference = ChaCha8Rng::seed_from_u64(11);
+    let (c1, c2): (u64, u64) = (reference.gen(), reference.gen());
+
+    let (f, s, d1, d2) = seeded_run(true);
+    assert!(f.equal(&first) && s.equal(&second), "torch noise unchanged by the lazy build");
+    assert_eq!((d1, d2), (c1, c2), "ChaCha noise unchanged by the lazy build");
+
+    let (f, s, d1, d2) = seeded_run(false);
+    assert!(f.equal(&first) && d1 == c1, "draws before the build still match");
+    assert!(!s.equal(&second), "without preservation the torch draw after the build drifts");
+    assert_ne!(d2, c2, "without preservation the ChaCha draw after the build drifts");
+}
+
+#[test]
+fn two_threads_asking_for_one_model_build_it_once() {
+    let builds = Arc::new(AtomicUsize::new(0));
+    let models = Arc::new(
+        StagedModels::builder()
+            .model(ModelSpec::new("slow", {
+                let builds = builds.clone();
+                move |_| {
+                    builds.fetch_add(1, Ordering::SeqCst);
+                    std::thread::sleep(std::time::Duration::from_millis(200));
+                    Ok(build_mlp(8))
+                }
+            }))
+            .model(spec("other", 8))
+            .build()
+            .unwrap(),
+    );
+    let threads: Vec<_> = (0..2)
+        .map(|_| {
+            let models = models.clone();
+            std::thread::spawn(move || models.get::<Mlp>("slow").unwrap().lock().unwrap().forward(&input(8)))
+        })
+        .collect();
+    let outs: Vec<Tensor> = threads.into_iter().map(|t| t.join().unwrap()).collect();
+    assert_eq!(builds.load(Ordering::SeqCst), 1);
+    assert!(outs[0].equal(&outs[1]));
+    // Two models held at once.
+    let (a, b) = (models.get::<Mlp>("slow").unwrap(), models.get::<Mlp>("other").unwrap());
+    let (ga, gb) = (a.lock().unwrap(), b.lock().unwrap());
+    assert_eq!(ga.forward(&input(8)).size(), gb.forward(&input(8)).size());
+}
+
+#[test]
+fn failing_and_panicking_loaders_leave_the_slot_unloaded_and_the_rng_restored() {
+    let attempts = Arc::new(AtomicUsize::new(0));
+    let sink = Arc::new(ListSink::new());
+    let models = StagedModels::builder()
+        .model(ModelSpec::new("fails", |_| {
+            let _ = Tensor::randn([100], (Kind::Float, Device::Cpu));
+            Err("weights folder not found".into())
+        }))
+        .model(ModelSpec::new("panics", {
+            let attempts = attempts.clone();
+            move |_| {
+                let _ = Tensor::randn([100], (Kind::Float, Device::Cpu));
+                if attempts.fetch_add(1, Ordering::SeqCst) == 0 {
+                    panic!("shape bug in the loader");
+                }
+                Ok(build_mlp(4))
+            }
+        }))
+        .model(spec("fine", 4))
+        .events(sink.clone())
+        .build()
+        .unwrap();
+    tch::manual_seed(8);
+    let state = stageload_torch_sys::generator_state(stageload_torch_sys::GeneratorDevice::Cpu).unwrap();
+    let err = models.get::<Mlp>("fails").err().unwrap();
+    assert!(err.to_string().contains("'fails'") && err.to_string().contains("weights folder not found"), "{err}");
+    let err = models.get::<Mlp>("panics").err().unwrap();
+    assert!(matches!(err, StageError::LoaderPanicked { .. }) && err.to_string().contains("shape bug"), "{err}");
+    assert_eq!(stageload_torch_sys::generator_state(stageload_torch_sys::GeneratorDevice::Cpu).unwrap(), state);
+    assert!(models.resident().is_empty());
+    assert_eq!(sink.of_kind(EventKind::Error).len(), 2);
+    // The registry stays usable, and the slot can be tried again.
+    assert!(models.get::<Mlp>("fine").is_ok());
+    assert!(models.get::<Mlp>("panics").is_ok());
+    assert_eq!(sink.of_kind(EventKind::Load).len(), 2);
+}
+
+#[derive(Debug)]
+struct Extractor {
+    backbone: stageload::Shared<Mlp>,
+    head: nn::Linear,
+}
+
+impl Extractor {
+    fn forward(&self, xs: &Tensor) -> Tensor {
+        self.backbone.lock().forward(xs).apply(&self.head)
+    }
+}
+
+fn extractor(name: &str, builds: Arc<AtomicUsize>) -> ModelSpec {
+    ModelSpec::new(name, move |ctx| {
+        let backbone = ctx.shared("backbone", || {
+            builds.fetch_add(1, Ordering::SeqCst);
+            let vs = VarStore::new(Device::Cpu);
+            let model = mlp(&vs, 256);
+            Ok((model, vs.variables().into_iter().collect()))
+        })?;
+        let vs = VarStore::new(Device::Cpu);
+        let head = nn::linear(vs.root() / "head", 256, 4, Default::default());
+        Ok(Built::new(Extractor { backbone, head }, &vs))
+    })
+}
+
+#[test]
+fn a_shared_backbone_is_built_once_and_freed_after_its_last_user() {
+    let builds = Arc::new(AtomicUsize::new(0));
+    let sink = Arc::new(ListSink::new());
+    let models = StagedModels::builder()
+        .model(extractor("ss", builds.clone()))
+        .model(extractor("shape", builds.clone()))
+        .stage("structure", ["ss", "shape"])
+        .stage("shape_only", ["shape"])
+        .stage("decode", Vec::<String>::new())
+        .events(sink.clone())
+        .build()
+        .unwrap();
+    models.enter("structure").unwrap();
+    let ss = models.get::<Extractor>("ss").unwrap();
+    let shape = models.get::<Extractor>("shape").unwrap();
+    assert_eq!(builds.load(Ordering::SeqCst), 1, "one backbone");
+    let backbone_bytes = 2 * (256 * 256 + 256) * 4;
+    let head_bytes = (256 * 4 + 4) * 4;
+    assert_eq!(models.resident_bytes(), backbone_bytes + 2 * head_bytes, "shared storage counted once");
+
+    let stats = models.enter("shape_only").unwrap();
+    assert_eq!((stats.freed, stats.kept), (head_bytes, backbone_bytes), "backbone kept for 'shape'");
+    assert!(shape.lock().unwrap().forward(&input(256)).size() == [2, 4]);
+    assert!(ss.lock().is_err());
+
+    let stats = models.enter("decode").unwrap();
+    assert_eq!((stats.freed, stats.kept), (head_bytes + backbone_bytes, 0), "freed after the last user");
+    let release = sink.of_kind(EventKind::Release);
+    assert_eq!(release[0].note.as_deref(), Some(format!("kept={backbone_bytes}").as_str()));
+
+    // Needed again: the released backbone is rebuilt, not handed out empty.
+    models.enter("shape_only").unwrap();
+    let shape = models.get::<Extractor>("shape").unwrap();
+    assert!(shape.lock().unwrap().forward(&input(256)).size() == [2, 4]);
+    assert_eq!(builds.load(Ordering::SeqCst), 2);
+}
+
+#[test]
+fn close_releases_pinned_models_and_refuses_later_loads() {
+    let models = two_stage(Arc::new(ListSink::new()));
+    models.pin("helper").unwrap();
+    let helper = models.get::<Mlp>("helper").unwrap();
+    models.close().unwrap();
+    assert!(helper.lock().is_err());
+    let err = models.get::<Mlp>("encoder").err().unwrap();
+    assert!(matches!(err, StageError::Closed { .. }) && err.to_string().contains("'encoder'"), "{err}");
+    assert!(models.pin("ghost").is_err());
+}
+
+#[test]
+fn registered_models_removal_and_hand_over() {
+    let models = two_stage(Arc::new(ListSink::new()));
+    models.insert("prebuilt", build_mlp(4)).unwrap();
+    assert_eq!(models.len(), 4);
+    let prebuilt = models.get::<Mlp>("prebuilt").unwrap();
+    models.enter("encode").unwrap();
+    assert!(prebuilt.lock().is_err());
+    let err = models.get::<Mlp>("prebuilt").err().unwrap();
+    assert!(matches!(err, StageError::NoLoader { .. }) && err.to_string().contains("cannot come back"), "{err}");
+
+    models.remove("prebuilt").unwrap();
+    assert!(!models.contains("prebuilt"));
+
+    let taken = models.take::<Mlp>("decoder").unwrap();
+    assert!(!models.contains("decoder"));
+    models.enter("encode").unwrap();
+    assert!(taken.lock().is_ok(), "a handed-over model is never released by the registry");
+}
+
+#[test]
+fn a_model_locked_by_this_thread_is_not_released_into_a_deadlock() {
+    let models = two_stage(Arc::new(ListSink::new()));
+    models.enter("encode").unwrap();
+    let encoder = models.get::<Mlp>("encoder").unwrap();
+    let guard = encoder.lock().unwrap();
+    let err = models.enter("decode").unwrap_err();
+    assert!(matches!(err, StageError::InUse { .. }) && err.to_string().contains("'encoder'"), "{err}");
+    drop(guard);
+    models.enter("decode").unwrap();
+    assert!(encoder.is_released());
+}
+
+#[test]
+fn a_wrapped_module_enters_its_stage_when_called() {
+    let sink = Arc::new(ListSink::new());
+    let models = Arc::new(two_stage(sink.clone()));
+    models.enter("encode").unwrap();
+    let encoder = models.get::<Mlp>("encoder").unwrap();
+    let decode_step = EnterOnCall::new(models.clone(), "decode", Tensor::ones([16, 16], (Kind::Float, Device::Cpu))).mark_end("decode done");
+    // The pipeline's own code only calls the wrapped value.
+    let out = decode_step.call(|w| input(16).matmul(w)).unwrap();
+    assert_eq!(out.size(), [2, 16]);
+    assert_eq!(models.current_stage().as_deref(), Some("decode"));
+    assert!(encoder.is_released());
+    decode_step.call(|_| ()).unwrap();
+    assert_eq!(sink.of_kind(EventKind::Stage).len(), 2, "calling again in the same stage enters nothing");
+    assert_eq!(sink.of_kind(EventKind::Mark).len(), 2);
+
+    // As a tch Module.
+    let layer = EnterOnCall::new(models.clone(), "encode", nn::linear(VarStore::new(Device::Cpu).root(), 16, 16, Default::default()));
+    let _ = layer.forward(&input(16));
+    assert_eq!(models.current_stage().as_deref(), Some("encode"));
+}
