@@ -3,4 +3,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 eval "$(scripts/setup-libtorch.sh)"
-cargo run --release --example two_models -- "$@"
+cargo run --example two_models -- "$@"

@@ -4,4 +4,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 eval "$(scripts/setup-libtorch.sh)"
-cargo test --workspace --all-targets "$@"
+cargo test --workspace "$@"
