@@ -65,15 +65,17 @@ struct Measure {
 }
 
 /// Runs `load` with the high-water mark reset; the peak over the model is anonymous memory
-/// only (pages of a mapped file that appeared during the load are subtracted).
-fn measured(load: impl FnOnce()) -> Measure {
+/// only: pages of a file still mapped by what `load` returns are subtracted, then it is dropped.
+fn measured<T>(load: impl FnOnce() -> T) -> Measure {
     let (before, file_before) = (status("VmRSS"), status("RssFile"));
     std::fs::write("/proc/self/clear_refs", "5").expect("reset VmHWM");
     let start = Instant::now();
-    load();
+    let still_mapped = load();
     let seconds = start.elapsed().as_secs_f64();
     let file_pages = status("RssFile") - file_before;
-    Measure { seconds, peak_over: status("VmHWM") - before - file_pages }
+    let peak_over = status("VmHWM") - before - file_pages;
+    drop(still_mapped);
+    Measure { seconds, peak_over }
 }
 
 fn drop_page_cache(path: &Path) {
@@ -143,6 +145,7 @@ fn main() {
                         }
                     })
                     .expect("load");
+                checkpoint
             });
             if let Some(bar) = bar {
                 bar.finish_and_clear();
@@ -182,7 +185,8 @@ fn main() {
             summary.insert(format!("{loader}_{mode}_peak_over_pct"), over.into());
         }
     }
-    let g = |k: &str| summary[k].as_f64().unwrap();
+    let values = summary.clone();
+    let g = |k: &str| values[k].as_f64().unwrap();
     let ratios = format!(
         "stageload/tch {:.1}x, stageload/python {:.2}x (warm, medians)",
         g("stageload_warm_gbps") / g("tch_warm_gbps"),
