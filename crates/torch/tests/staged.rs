@@ -2,7 +2,6 @@
 //! in place, RNG preservation (with its control), threads, failing loaders, shared components,
 //! stage hooks.
 
-use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
@@ -40,34 +39,10 @@ fn spec(name: &str, width: i64) -> ModelSpec {
     ModelSpec::new(name, move |_| Ok(build_mlp(width)))
 }
 
-fn tmp_dir() -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("stageload-staged-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
-
-/// Writes a checkpoint for an Mlp of `width` (seeded, so every call writes the same values).
-fn checkpoint_for(name: &str, width: i64) -> PathBuf {
-    let path = tmp_dir().join(format!("{name}-{width}.safetensors"));
-    if !path.exists() {
-        let vs = VarStore::new(Device::Cpu);
-        let _ = mlp(&vs, width);
-        let mut vars: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
-        vars.sort_by(|a, b| a.0.cmp(&b.0));
-        stageload::checkpoint::save(&vars, &path).unwrap();
-    }
-    path
-}
-
 fn input(width: i64) -> Tensor {
     Tensor::ones([2, width], (Kind::Float, Device::Cpu))
 }
 
-fn rss() -> i64 {
-    let statm = std::fs::read_to_string("/proc/self/statm").unwrap();
-    let pages: i64 = statm.split_whitespace().nth(1).unwrap().parse().unwrap();
-    pages * 4096
-}
 
 fn two_stage(sink: Arc<ListSink>) -> StagedModels {
     StagedModels::builder()
@@ -170,46 +145,6 @@ fn entering_a_stage_releases_in_place_and_handles_name_the_stage() {
     models.unpin("helper");
     models.enter("decode").unwrap();
     assert!(models.resident().is_empty(), "unpinned helper goes at the next enter");
-}
-
-#[test]
-fn release_returns_memory_and_reload_in_place_brings_it_back_without_drawing() {
-    const WIDTH: i64 = 2048; // two 16 MiB matrices
-    let path = checkpoint_for("big", WIDTH);
-    let sink = Arc::new(ListSink::new());
-    let chacha = SharedRng::new(ChaCha8Rng::seed_from_u64(3));
-    let models = StagedModels::builder()
-        .model(ModelSpec::new("big", |_| Ok(build_mlp(WIDTH))).checkpoint([path]))
-        .stage("use", ["big"])
-        .stage("other", Vec::<String>::new())
-        .register_rng(Arc::new(chacha.clone()))
-        .events(sink.clone())
-        .build()
-        .unwrap();
-    models.enter("use").unwrap();
-    let big = models.get::<Mlp>("big").unwrap();
-    let before = big.lock().unwrap().forward(&input(WIDTH));
-    let model_bytes = 2 * (WIDTH * WIDTH + WIDTH) * 4;
-
-    let resident = rss();
-    models.enter("other").unwrap();
-    let released = rss();
-    assert!(resident - released >= model_bytes * 9 / 10, "RSS fell by {} of {model_bytes}", resident - released);
-
-    tch::manual_seed(99);
-    let torch_state = stageload_torch_sys::generator_state(stageload_torch_sys::GeneratorDevice::Cpu).unwrap();
-    let chacha_next = chacha.lock().clone().gen::<u64>();
-    models.enter("use").unwrap();
-    let again = models.get::<Mlp>("big").unwrap();
-    assert!(rss() - released >= model_bytes * 9 / 10, "RSS came back");
-    assert!(!big.is_released(), "the old handle works again: same object");
-    assert!(big.lock().unwrap().forward(&input(WIDTH)).equal(&before));
-    assert!(again.lock().unwrap().forward(&input(WIDTH)).equal(&before));
-    assert_eq!(stageload_torch_sys::generator_state(stageload_torch_sys::GeneratorDevice::Cpu).unwrap(), torch_state);
-    assert_eq!(chacha.lock().gen::<u64>(), chacha_next);
-    let reload = &sink.of_kind(EventKind::Reload)[0];
-    assert_eq!(reload.note.as_deref(), Some("in_place"));
-    assert_eq!(reload.bytes, Some(model_bytes as u64));
 }
 
 #[test]
@@ -471,4 +406,36 @@ fn a_wrapped_module_enters_its_stage_when_called() {
     let layer = EnterOnCall::new(models.clone(), "encode", nn::linear(VarStore::new(Device::Cpu).root(), 16, 16, Default::default()));
     let _ = layer.forward(&input(16));
     assert_eq!(models.current_stage().as_deref(), Some("encode"));
+}
+
+#[test]
+fn tied_storage_is_counted_once_and_a_second_release_frees_nothing() {
+    use stageload::storage::{distinct_storages, release, storage_bytes};
+    let weight = Tensor::ones([4, 4], (Kind::Float, Device::Cpu));
+    let tensors = vec![("a".to_string(), weight.shallow_clone()), ("b".to_string(), weight.shallow_clone())];
+    assert_eq!(storage_bytes(&tensors).unwrap(), 64);
+    let storages = distinct_storages(&tensors).unwrap();
+    let keep = std::collections::HashSet::new();
+    assert_eq!(release(&storages, &keep, "test").unwrap().freed, 64);
+    assert_eq!(release(&storages, &keep, "test").unwrap().freed, 0);
+}
+
+#[test]
+fn a_replacement_that_shares_weights_keeps_them_and_removal_unpins() {
+    let models = two_stage(Arc::new(ListSink::new()));
+    let vs = VarStore::new(Device::Cpu);
+    let first = mlp(&vs, 4);
+    let shared_weight = first.l1.ws.shallow_clone();
+    models.insert("swap", Built::new(first, &vs)).unwrap();
+    // The replacement shares l1's weight with the model it replaces.
+    let replacement = Built::from_tensors(shared_weight.shallow_clone(), vec![("w".into(), shared_weight.shallow_clone())]);
+    models.insert("swap", replacement).unwrap();
+    assert!(shared_weight.f_sum(Kind::Float).is_ok(), "shared weight kept");
+    assert!(models.get::<Tensor>("swap").unwrap().lock().is_ok());
+
+    models.pin("swap").unwrap();
+    models.remove("swap").unwrap();
+    models.insert("swap", build_mlp(4)).unwrap();
+    models.enter("encode").unwrap();
+    assert!(!models.resident().contains(&"swap".to_string()), "the removed pin does not come back with the name");
 }

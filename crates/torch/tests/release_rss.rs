@@ -1,0 +1,96 @@
+//! Release and reload in place measured on the process RSS. Alone in its own test binary, so
+//! that no other test allocates or frees memory between the readings.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use stageload::{Built, EventKind, ListSink, ModelSpec, SharedRng, StagedModels};
+use tch::nn::{self, Module, VarStore};
+use tch::{Device, Kind, Tensor};
+
+#[derive(Debug)]
+struct Mlp {
+    l1: nn::Linear,
+    l2: nn::Linear,
+}
+
+impl Module for Mlp {
+    fn forward(&self, xs: &Tensor) -> Tensor {
+        xs.apply(&self.l1).relu().apply(&self.l2)
+    }
+}
+
+fn mlp(vs: &VarStore, width: i64) -> Mlp {
+    let root = vs.root();
+    Mlp { l1: nn::linear(&root / "l1", width, width, Default::default()), l2: nn::linear(&root / "l2", width, width, Default::default()) }
+}
+
+fn build_mlp(width: i64) -> Built {
+    let vs = VarStore::new(Device::Cpu);
+    let model = mlp(&vs, width);
+    Built::new(model, &vs)
+}
+
+fn checkpoint_for(name: &str, width: i64) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("stageload-rss-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join(format!("{name}-{width}.safetensors"));
+    let vs = VarStore::new(Device::Cpu);
+    let _ = mlp(&vs, width);
+    let vars: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
+    stageload::checkpoint::save(&vars, &path).unwrap();
+    path
+}
+
+fn input(width: i64) -> Tensor {
+    Tensor::ones([2, width], (Kind::Float, Device::Cpu))
+}
+
+fn rss() -> i64 {
+    let statm = std::fs::read_to_string("/proc/self/statm").unwrap();
+    let pages: i64 = statm.split_whitespace().nth(1).unwrap().parse().unwrap();
+    pages * 4096
+}
+
+#[test]
+fn release_returns_memory_and_reload_in_place_brings_it_back_without_drawing() {
+    const WIDTH: i64 = 2048; // two 16 MiB matrices
+    let path = checkpoint_for("big", WIDTH);
+    let sink = Arc::new(ListSink::new());
+    let chacha = SharedRng::new(ChaCha8Rng::seed_from_u64(3));
+    let models = StagedModels::builder()
+        .model(ModelSpec::new("big", |_| Ok(build_mlp(WIDTH))).checkpoint([path]))
+        .stage("use", ["big"])
+        .stage("other", Vec::<String>::new())
+        .register_rng(Arc::new(chacha.clone()))
+        .events(sink.clone())
+        .build()
+        .unwrap();
+    models.enter("use").unwrap();
+    let big = models.get::<Mlp>("big").unwrap();
+    let before = big.lock().unwrap().forward(&input(WIDTH));
+    let model_bytes = 2 * (WIDTH * WIDTH + WIDTH) * 4;
+
+    let resident = rss();
+    models.enter("other").unwrap();
+    let released = rss();
+    assert!(resident - released >= model_bytes * 9 / 10, "RSS fell by {} of {model_bytes}", resident - released);
+
+    tch::manual_seed(99);
+    let torch_state = stageload_torch_sys::generator_state(stageload_torch_sys::GeneratorDevice::Cpu).unwrap();
+    let chacha_next = chacha.lock().clone().gen::<u64>();
+    models.enter("use").unwrap();
+    let again = models.get::<Mlp>("big").unwrap();
+    assert!(rss() - released >= model_bytes * 9 / 10, "RSS came back");
+    assert!(!big.is_released(), "the old handle works again: same object");
+    assert!(big.lock().unwrap().forward(&input(WIDTH)).equal(&before));
+    assert!(again.lock().unwrap().forward(&input(WIDTH)).equal(&before));
+    assert_eq!(stageload_torch_sys::generator_state(stageload_torch_sys::GeneratorDevice::Cpu).unwrap(), torch_state);
+    assert_eq!(chacha.lock().gen::<u64>(), chacha_next);
+    let reload = &sink.of_kind(EventKind::Reload)[0];
+    assert_eq!(reload.note.as_deref(), Some("in_place"));
+    assert_eq!(reload.bytes, Some(model_bytes as u64));
+}
+
