@@ -6,32 +6,12 @@ use std::sync::Arc;
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use stageload::{Built, EventKind, ListSink, ModelSpec, SharedRng, StagedModels};
-use tch::nn::{self, Module, VarStore};
-use tch::{Device, Kind, Tensor};
+use stageload::{EventKind, ListSink, ModelSpec, SharedRng, StagedModels};
+use tch::nn::{Module, VarStore};
+use tch::{Device, Tensor};
 
-#[derive(Debug)]
-struct Mlp {
-    l1: nn::Linear,
-    l2: nn::Linear,
-}
-
-impl Module for Mlp {
-    fn forward(&self, xs: &Tensor) -> Tensor {
-        xs.apply(&self.l1).relu().apply(&self.l2)
-    }
-}
-
-fn mlp(vs: &VarStore, width: i64) -> Mlp {
-    let root = vs.root();
-    Mlp { l1: nn::linear(&root / "l1", width, width, Default::default()), l2: nn::linear(&root / "l2", width, width, Default::default()) }
-}
-
-fn build_mlp(width: i64) -> Built {
-    let vs = VarStore::new(Device::Cpu);
-    let model = mlp(&vs, width);
-    Built::new(model, &vs)
-}
+mod common;
+use common::{build_mlp, input, mlp, Mlp};
 
 fn checkpoint_for(name: &str, width: i64) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("stageload-rss-{}", std::process::id()));
@@ -44,9 +24,6 @@ fn checkpoint_for(name: &str, width: i64) -> PathBuf {
     path
 }
 
-fn input(width: i64) -> Tensor {
-    Tensor::ones([2, width], (Kind::Float, Device::Cpu))
-}
 
 fn rss() -> i64 {
     let statm = std::fs::read_to_string("/proc/self/statm").unwrap();

@@ -12,36 +12,13 @@ use stageload::{Built, EventKind, ListSink, ModelSpec, SharedRng, StageError, St
 use tch::nn::{self, Module, VarStore};
 use tch::{Device, Kind, Tensor};
 
-#[derive(Debug)]
-struct Mlp {
-    l1: nn::Linear,
-    l2: nn::Linear,
-}
-
-impl Module for Mlp {
-    fn forward(&self, xs: &Tensor) -> Tensor {
-        xs.apply(&self.l1).relu().apply(&self.l2)
-    }
-}
-
-fn mlp(vs: &VarStore, width: i64) -> Mlp {
-    let root = vs.root();
-    Mlp { l1: nn::linear(&root / "l1", width, width, Default::default()), l2: nn::linear(&root / "l2", width, width, Default::default()) }
-}
-
-fn build_mlp(width: i64) -> Built {
-    let vs = VarStore::new(Device::Cpu);
-    let model = mlp(&vs, width);
-    Built::new(model, &vs)
-}
+mod common;
+use common::{build_mlp, input, mlp, Mlp};
 
 fn spec(name: &str, width: i64) -> ModelSpec {
     ModelSpec::new(name, move |_| Ok(build_mlp(width)))
 }
 
-fn input(width: i64) -> Tensor {
-    Tensor::ones([2, width], (Kind::Float, Device::Cpu))
-}
 
 
 fn two_stage(sink: Arc<ListSink>) -> StagedModels {

@@ -1,0 +1,33 @@
+//! A small real tch model shared by the registry's test binaries.
+#![allow(dead_code)]
+
+use stageload::Built;
+use tch::nn::{self, Module, VarStore};
+use tch::{Device, Kind, Tensor};
+
+#[derive(Debug)]
+pub struct Mlp {
+    pub l1: nn::Linear,
+    pub l2: nn::Linear,
+}
+
+impl Module for Mlp {
+    fn forward(&self, xs: &Tensor) -> Tensor {
+        xs.apply(&self.l1).relu().apply(&self.l2)
+    }
+}
+
+pub fn mlp(vs: &VarStore, width: i64) -> Mlp {
+    let root = vs.root();
+    Mlp { l1: nn::linear(&root / "l1", width, width, Default::default()), l2: nn::linear(&root / "l2", width, width, Default::default()) }
+}
+
+pub fn build_mlp(width: i64) -> Built {
+    let vs = VarStore::new(Device::Cpu);
+    let model = mlp(&vs, width);
+    Built::new(model, &vs)
+}
+
+pub fn input(width: i64) -> Tensor {
+    Tensor::ones([2, width], (Kind::Float, Device::Cpu))
+}
