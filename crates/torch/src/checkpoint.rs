@@ -144,10 +144,10 @@ impl Checkpoint {
         for path in files {
             let path = path.as_ref().to_path_buf();
             let file = std::fs::File::open(&path).map_err(|source| CheckpointError::Open { path: path.clone(), source })?;
-            // SAFETY: the mapping is read-only and private to this process. Like every
-            // memory-mapped reader we rely on the file not being truncated while it is mapped.
             // `populate` faults the pages in at once (a page-cache read), far cheaper than one
             // fault per 4 KiB page during the copies.
+            // SAFETY: the mapping is read-only and private to this process. Like every
+            // memory-mapped reader we rely on the file not being truncated while it is mapped.
             let map = unsafe { memmap2::MmapOptions::new().populate().map(&file) }.map_err(|source| CheckpointError::Open { path: path.clone(), source })?;
             let index = checkpoint.files.len();
             {
