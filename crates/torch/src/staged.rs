@@ -210,6 +210,25 @@ struct Body {
 }
 
 impl Instance {
+    fn new(name: &str, type_name: &'static str, model: Box<dyn Any + Send>, tensors: Vec<(String, Tensor)>) -> Result<Arc<Self>> {
+        let storages = storage::distinct_storages(&tensors).map_err(|source| StageError::Torch { model: name.to_string(), source })?;
+        Ok(Arc::new(Instance {
+            name: name.to_string(),
+            type_name,
+            body: Mutex::new(Body { model, tensors, storages }),
+            released: Mutex::new(None),
+            holder: Mutex::new(None),
+        }))
+    }
+
+    /// Marks the instance released at `stage` and frees its storages not in `keep`.
+    fn release(&self, keep: &HashSet<u64>, stage: &Option<String>) -> Result<ReleaseStats> {
+        let body = self.lock_for_release(stage)?;
+        *self.released.lock().unwrap_or_else(|e| e.into_inner()) = Some(stage.clone());
+        storage::release(&body.storages, keep, &released_message(&self.name, stage))
+            .map_err(|source| StageError::Torch { model: self.name.clone(), source })
+    }
+
     fn released_at(&self) -> Option<Option<String>> {
         self.released.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
@@ -631,16 +650,9 @@ impl StagedModels {
             load_checkpoint(name, checkpoint, &targets)?;
         }
         tensors.extend(shared.into_iter().map(|(n, t, _)| (n, t)));
-        let storages = storage::distinct_storages(&tensors).map_err(|source| StageError::Torch { model: name.to_string(), source })?;
-        let bytes = storages.iter().map(|s| s.nbytes as u64).sum();
-        let instance = Instance {
-            name: name.to_string(),
-            type_name,
-            body: Mutex::new(Body { model, tensors, storages }),
-            released: Mutex::new(None),
-            holder: Mutex::new(None),
-        };
-        Ok((Arc::new(instance), bytes))
+        let instance = Instance::new(name, type_name, model, tensors)?;
+        let bytes = instance.lock_body().storages.iter().map(|s| s.nbytes as u64).sum();
+        Ok((instance, bytes))
     }
 
     /// Brings a released instance back in place: reallocates its freed storages and refills
@@ -709,12 +721,7 @@ impl StagedModels {
         let keep: HashSet<u64> = state.resident().filter(|(n, _)| *n != name).flat_map(|(_, i)| i.storage_ids()).collect();
         let stage = state.current.clone();
         let started = Instant::now();
-        let stats = {
-            let body = instance.lock_for_release(&stage)?;
-            *instance.released.lock().unwrap_or_else(|e| e.into_inner()) = Some(stage.clone());
-            storage::release(&body.storages, &keep, &released_message(name, &stage))
-                .map_err(|source| StageError::Torch { model: name.to_string(), source })?
-        };
+        let stats = instance.release(&keep, &stage)?;
         state.slots[index].state = SlotState::Released { stage: stage.clone(), instance };
         let note = (stats.kept > 0).then(|| format!("kept={}", stats.kept));
         self.emit(EventKind::Release, stage, Some(name), Some(stats.freed), Some(started.elapsed().as_secs_f64()), note);
@@ -753,26 +760,14 @@ impl StagedModels {
     /// Registers an already-built model with no loader: once released it cannot come back. A
     /// model already under that name is released first (storage it shares with `built` is kept).
     pub fn insert(&self, name: &str, built: Built) -> Result<()> {
-        let (model, type_name, tensors) = (built.model, built.type_name, built.tensors);
-        let storages = storage::distinct_storages(&tensors).map_err(|source| StageError::Torch { model: name.to_string(), source })?;
-        let new_ids: HashSet<u64> = storages.iter().map(|s| s.id).collect();
-        let instance = Arc::new(Instance {
-            name: name.to_string(),
-            type_name,
-            body: Mutex::new(Body { model, tensors, storages }),
-            released: Mutex::new(None),
-            holder: Mutex::new(None),
-        });
+        let instance = Instance::new(name, built.type_name, built.model, built.tensors)?;
+        let new_ids = instance.storage_ids();
         let mut state = self.state();
         if let Ok(index) = state.index(name) {
             if let SlotState::Resident(old) = &state.slots[index].state {
                 let old = Arc::clone(old);
                 let stage = state.current.clone();
-                let body = old.lock_for_release(&stage)?;
-                *old.released.lock().unwrap_or_else(|e| e.into_inner()) = Some(stage.clone());
-                let stats = storage::release(&body.storages, &new_ids, &released_message(name, &stage))
-                    .map_err(|source| StageError::Torch { model: name.to_string(), source })?;
-                drop(body);
+                let stats = old.release(&new_ids, &stage)?;
                 self.emit(EventKind::Release, stage, Some(name), Some(stats.freed), None, Some("replaced".into()));
             }
             let slot = &mut state.slots[index];
