@@ -1,9 +1,10 @@
 //! RNG preservation around builds, with its control, and a failing or panicking loader leaving
 //! the generators as they were. Alone in its own test binary: other tests build models, which
-//! draw from torch's global CPU generator, and would race with these readings.
+//! draw from torch's global CPU generator, and would race with these readings. The two tests
+//! here take `GLOBAL_GENERATOR` so that they do not race with each other either.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -12,6 +13,9 @@ use tch::{Device, Kind, Tensor};
 
 mod common;
 use common::{build_mlp, Mlp};
+
+/// Held by every test of this binary for its whole run: torch's CPU generator is process-wide.
+static GLOBAL_GENERATOR: Mutex<()> = Mutex::new(());
 
 /// Seeds, draws torch and ChaCha noise, builds a model lazily between the draws, draws again.
 fn seeded_run(preserve: bool) -> (Tensor, Tensor, u64, u64) {
@@ -42,6 +46,7 @@ fn seeded_run(preserve: bool) -> (Tensor, Tensor, u64, u64) {
 
 #[test]
 fn builds_preserve_every_rng_and_the_control_drifts() {
+    let _alone = GLOBAL_GENERATOR.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
     // Reference: the same draws with no build in between.
     tch::manual_seed(5);
     let first = Tensor::randn([16], (Kind::Float, Device::Cpu));
@@ -61,6 +66,7 @@ fn builds_preserve_every_rng_and_the_control_drifts() {
 
 #[test]
 fn failing_and_panicking_loaders_leave_the_slot_unloaded_and_the_rng_restored() {
+    let _alone = GLOBAL_GENERATOR.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
     let attempts = Arc::new(AtomicUsize::new(0));
     let sink = Arc::new(ListSink::new());
     let models = StagedModels::builder()
