@@ -1,0 +1,230 @@
+//! stageload-probe: memory readings of this machine and of processes, for the guard (is there
+//! room, is the command growing too much) and the meter (where a run's memory went). Torch-free.
+//!
+//! Linux reads `/proc` (through the `procfs` crate) and cgroupfs ([`cgroup`]); macOS uses
+//! `sysctl` and `proc_pid_rusage`. A reading the platform lacks is `None`, never a panic; a
+//! reading that fails is an error naming the file or call, and callers decide what to do (the
+//! guard treats it as "unknown", the meter records it once).
+
+pub mod cgroup;
+pub mod units;
+
+#[cfg(target_os = "linux")]
+mod linux;
+#[cfg(target_os = "linux")]
+use linux as platform;
+#[cfg(target_os = "macos")]
+mod macos;
+#[cfg(target_os = "macos")]
+use macos as platform;
+
+use serde::{Deserialize, Serialize};
+use thiserror::Error;
+
+pub use cgroup::CgroupMemory;
+
+/// A reading that could not be taken.
+#[derive(Debug, Error, Clone, PartialEq, Eq)]
+pub enum ProbeError {
+    #[error("cannot read {source_name}: {message}")]
+    Read { source_name: String, message: String },
+    #[error("{source_name} is inconsistent: {message}")]
+    Inconsistent { source_name: String, message: String },
+    #[error("{0} is not available on this platform")]
+    Unsupported(&'static str),
+}
+
+/// The machine's memory and swap. Bytes throughout.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SystemMemory {
+    /// Physical memory. Linux: `MemTotal` of `/proc/meminfo`; macOS: `hw.memsize`.
+    pub total: u64,
+    /// What new allocations can get without swapping. Linux: `MemAvailable` (or
+    /// MemFree + Cached + Buffers − Shmem on kernels without it); macOS:
+    /// `kern.memorystatus_level` percent of `total`.
+    pub available: u64,
+    /// Linux: `SwapTotal`; macOS: `vm.swapusage` total.
+    pub swap_total: u64,
+    /// Linux: `SwapTotal − SwapFree`; macOS: `vm.swapusage` used. System-wide, not this process's.
+    pub swap_used: u64,
+    /// The tightest memory-limited cgroup this process runs in, when its limit is below `total`.
+    pub cgroup: Option<CgroupMemory>,
+}
+
+impl SystemMemory {
+    /// The memory this process's world has: the cgroup limit inside a limited group, else `total`.
+    pub fn budget_total(&self) -> u64 {
+        self.cgroup.as_ref().map_or(self.total, |group| group.limit)
+    }
+
+    /// `available`, bounded by the cgroup's headroom inside a limited group.
+    pub fn budget_available(&self) -> u64 {
+        let group = self.cgroup.as_ref().map_or(u64::MAX, CgroupMemory::headroom);
+        self.available.min(group)
+    }
+
+    /// [`budget_available`](Self::budget_available) as a percentage of
+    /// [`budget_total`](Self::budget_total).
+    pub fn available_percent(&self) -> f64 {
+        100.0 * self.budget_available() as f64 / self.budget_total().max(1) as f64
+    }
+}
+
+/// Pressure stall information for memory (Linux ≥ 4.20 with PSI enabled): the share of the
+/// last 10 s, in percent, in which some / all non-idle tasks waited for memory.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Pressure {
+    pub some_avg10: f64,
+    pub full_avg10: f64,
+}
+
+/// One process's memory. Bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ProcessMemory {
+    /// Resident set. Linux: `VmRSS` of `/proc/PID/status`; macOS: `ri_resident_size`.
+    pub rss: u64,
+    /// Resident anonymous memory (`RssAnon`), the process's own heap; Linux only.
+    pub rss_anon: Option<u64>,
+    /// Swapped-out private memory (`VmSwap`); Linux only.
+    pub swap: Option<u64>,
+    /// High-water mark of the resident set (`VmHWM`), resettable with [`reset_peak`]; macOS:
+    /// `ri_lifetime_max_phys_footprint`.
+    pub peak: Option<u64>,
+    /// macOS physical footprint (`ri_phys_footprint`), what Activity Monitor shows; None on Linux.
+    pub footprint: Option<u64>,
+}
+
+impl ProcessMemory {
+    /// What the process holds of its own: anonymous resident memory plus swap where known (the
+    /// file-backed pages of mapped checkpoints are reclaimable and not counted), else RSS.
+    pub fn own(&self) -> u64 {
+        match self.rss_anon {
+            Some(anon) => anon + self.swap.unwrap_or(0),
+            None => self.footprint.unwrap_or(self.rss),
+        }
+    }
+}
+
+/// One line of the process table.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ProcessEntry {
+    pub pid: i32,
+    pub ppid: i32,
+    /// Process group id.
+    pub pgid: i32,
+    /// Exited but not reaped yet: holds no memory and is not running.
+    pub zombie: bool,
+    /// The command line, arguments joined by spaces; empty for kernel threads and zombies.
+    pub cmdline: String,
+}
+
+/// The machine's memory now.
+pub fn system_memory() -> Result<SystemMemory, ProbeError> {
+    platform::system_memory()
+}
+
+/// Memory pressure now; `Ok(None)` where the kernel or platform has no such reading.
+pub fn pressure() -> Result<Option<Pressure>, ProbeError> {
+    platform::pressure()
+}
+
+/// A process's memory now.
+pub fn process_memory(pid: i32) -> Result<ProcessMemory, ProbeError> {
+    platform::process_memory(pid)
+}
+
+/// Resets this process's high-water mark (`VmHWM`) to its current RSS, so the next
+/// [`ProcessMemory::peak`] is the peak since now (Linux: `/proc/self/clear_refs` ← 5).
+pub fn reset_peak() -> Result<(), ProbeError> {
+    platform::reset_peak()
+}
+
+/// Every process this user can see. Processes that vanish during the scan are left out.
+pub fn processes() -> Result<Vec<ProcessEntry>, ProbeError> {
+    platform::processes()
+}
+
+/// `pid` and its chain of parents, stopping before pid 1, at an unknown parent or at a cycle.
+pub fn ancestors(table: &[ProcessEntry], pid: i32) -> Vec<i32> {
+    let mut chain = vec![pid];
+    let mut current = pid;
+    while let Some(entry) = table.iter().find(|e| e.pid == current) {
+        if entry.ppid <= 1 || chain.contains(&entry.ppid) {
+            break;
+        }
+        chain.push(entry.ppid);
+        current = entry.ppid;
+    }
+    chain
+}
+
+/// Every process below `root` in the process tree (not `root` itself).
+pub fn descendants(table: &[ProcessEntry], root: i32) -> Vec<i32> {
+    let mut found = Vec::new();
+    let mut frontier = vec![root];
+    while let Some(parent) = frontier.pop() {
+        for entry in table.iter().filter(|e| e.ppid == parent && e.pid != root) {
+            if !found.contains(&entry.pid) {
+                found.push(entry.pid);
+                frontier.push(entry.pid);
+            }
+        }
+    }
+    found
+}
+
+#[cfg(not(any(target_os = "linux", target_os = "macos")))]
+mod platform {
+    //! Other platforms: every reading says it is not available.
+    use super::*;
+    pub fn system_memory() -> Result<SystemMemory, ProbeError> {
+        Err(ProbeError::Unsupported("system memory"))
+    }
+    pub fn pressure() -> Result<Option<Pressure>, ProbeError> {
+        Ok(None)
+    }
+    pub fn process_memory(_: i32) -> Result<ProcessMemory, ProbeError> {
+        Err(ProbeError::Unsupported("process memory"))
+    }
+    pub fn reset_peak() -> Result<(), ProbeError> {
+        Err(ProbeError::Unsupported("peak reset"))
+    }
+    pub fn processes() -> Result<Vec<ProcessEntry>, ProbeError> {
+        Err(ProbeError::Unsupported("process table"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry(pid: i32, ppid: i32) -> ProcessEntry {
+        ProcessEntry { pid, ppid, pgid: pid, zombie: false, cmdline: format!("p{pid}") }
+    }
+
+    #[test]
+    fn ancestors_stop_at_init_unknown_parents_and_cycles() {
+        let table = [entry(10, 1), entry(20, 10), entry(30, 20), entry(40, 41), entry(41, 40)];
+        assert_eq!(ancestors(&table, 30), vec![30, 20, 10]);
+        assert_eq!(ancestors(&table, 99), vec![99]);
+        assert_eq!(ancestors(&table, 40), vec![40, 41]);
+    }
+
+    #[test]
+    fn descendants_walk_the_whole_subtree() {
+        let table = [entry(10, 1), entry(20, 10), entry(30, 20), entry(31, 20), entry(50, 1)];
+        let mut below = descendants(&table, 10);
+        below.sort();
+        assert_eq!(below, vec![20, 30, 31]);
+        assert!(descendants(&table, 50).is_empty());
+    }
+
+    #[test]
+    fn budget_follows_the_cgroup_when_limited() {
+        let mut memory = SystemMemory { total: 100, available: 60, swap_total: 0, swap_used: 0, cgroup: None };
+        assert_eq!((memory.budget_total(), memory.budget_available()), (100, 60));
+        assert!((memory.available_percent() - 60.0).abs() < 1e-9);
+        memory.cgroup = Some(CgroupMemory { path: "/x".into(), limit: 40, usage: 30, reclaimable: 5 });
+        assert_eq!((memory.budget_total(), memory.budget_available()), (40, 15));
+    }
+}
