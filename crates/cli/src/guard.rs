@@ -1,0 +1,164 @@
+//! `stageload guard [OPTIONS] -- COMMAND [ARGS...]`: flags, their checks (all before any
+//! waiting), and the exit code.
+
+use std::ffi::OsString;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::Args;
+use regex::Regex;
+use stageload_guard::{exit, run_guarded, GuardConfig, GuardLog, Signals, SystemClock, SystemReadings};
+use stageload_probe::units::{format_gb, parse_duration, parse_size};
+
+const EXIT_CODES: &str = "\
+Exit codes:
+  N        the command's own exit code
+  128+N    a signal N ended the command, or the guard got SIGINT/SIGTERM/SIGHUP (it stops the
+           command first; a second signal skips the grace and kills at once)
+  3        the guard stopped the command (swap over budget, memory low twice, --max-memory)
+  4        no room within --start-timeout (with --check: it would not start now)
+  126      the command was found but cannot be executed
+  127      the command was not found
+  2        bad usage: an invalid flag, or no command after --
+
+Sizes: 8G, 512M, 1.5GiB (binary), 2GB (decimal), 100 (bytes). Durations: 250ms, 90s, 30m, 2h.";
+
+/// Start COMMAND only when there is memory for it, in its own process group; stop the group
+/// when swap grows past the budget, available memory stays too low, or the command passes
+/// --max-memory.
+#[derive(Args)]
+#[command(after_help = EXIT_CODES)]
+pub struct GuardArgs {
+    /// Start only when at least PCT percent of memory is available (of the cgroup limit in a container)
+    #[arg(long, value_name = "PCT", default_value = "40", value_parser = percent)]
+    wait_free: u8,
+    /// Swap the system may gain over its level at the start before the command is stopped
+    #[arg(long, value_name = "SIZE", default_value = "8G", value_parser = size)]
+    swap_budget: u64,
+    /// Absolute swap ceiling: caps the budget, and waits until swap + budget fits under it
+    #[arg(long, value_name = "SIZE", value_parser = size)]
+    swap_limit: Option<u64>,
+    /// Stop the command after two readings in a row under PCT percent available
+    #[arg(long, value_name = "PCT", default_value = "10", value_parser = percent)]
+    kill_free: u8,
+    /// Do not start while a process whose command line matches REGEX runs (repeatable; the
+    /// guard and its ancestors are ignored)
+    #[arg(long, value_name = "REGEX", value_parser = regex)]
+    busy: Vec<Regex>,
+    /// With --busy: start only after no busy process was seen for this long
+    #[arg(long, value_name = "DUR", default_value = "1m", value_parser = duration)]
+    quiet_for: Duration,
+    /// Give up waiting for room after this long (exit 4)
+    #[arg(long, value_name = "DUR", default_value = "30m", value_parser = duration)]
+    start_timeout: Duration,
+    /// Interval of the readings while waiting and while watching
+    #[arg(long, value_name = "DUR", default_value = "100ms", value_parser = positive_duration)]
+    poll: Duration,
+    /// Time between SIGTERM and SIGKILL when stopping the command
+    #[arg(long, value_name = "DUR", default_value = "5s", value_parser = duration)]
+    grace: Duration,
+    /// Stop the command when its own memory (RSS + swap over its processes) passes SIZE
+    #[arg(long, value_name = "SIZE", value_parser = size)]
+    max_memory: Option<u64>,
+    /// Also write every decision, with the readings behind it, as JSON lines to FILE
+    #[arg(long, value_name = "FILE")]
+    log: Option<PathBuf>,
+    /// Only say whether the command would start now, and if not, why (exit 0 or 4)
+    #[arg(long)]
+    check: bool,
+    /// The command and its arguments, after --
+    #[arg(last = true, value_name = "COMMAND")]
+    command: Vec<OsString>,
+}
+
+fn percent(text: &str) -> Result<u8, String> {
+    let value: u64 = text.trim().parse().map_err(|_| format!("'{text}' is not a whole percent (0 to 100)"))?;
+    u8::try_from(value).ok().filter(|v| *v <= 100).ok_or_else(|| format!("{value} is out of range (0 to 100)"))
+}
+
+fn size(text: &str) -> Result<u64, String> {
+    parse_size(text).map_err(|e| e.to_string())
+}
+
+fn duration(text: &str) -> Result<Duration, String> {
+    parse_duration(text).map_err(|e| e.to_string())
+}
+
+fn positive_duration(text: &str) -> Result<Duration, String> {
+    let value = duration(text)?;
+    if value.is_zero() {
+        return Err(format!("'{text}': the poll interval must be more than zero"));
+    }
+    Ok(value)
+}
+
+fn regex(text: &str) -> Result<Regex, String> {
+    Regex::new(text).map_err(|e| format!("bad regex '{text}': {e}"))
+}
+
+pub fn run(args: GuardArgs) -> i32 {
+    if args.command.is_empty() && !args.check {
+        eprintln!("stageload guard: guard needs a command after -- (for example: stageload guard -- python run.py)");
+        return exit::USAGE;
+    }
+    let config = GuardConfig {
+        wait_free: f64::from(args.wait_free),
+        swap_budget: args.swap_budget,
+        swap_limit: args.swap_limit,
+        kill_free: f64::from(args.kill_free),
+        busy: args.busy,
+        quiet_for: args.quiet_for,
+        start_timeout: args.start_timeout,
+        poll: args.poll,
+        grace: args.grace,
+        max_memory: args.max_memory,
+    };
+    let mut log = match GuardLog::new(args.log.as_deref(), !args.check) {
+        Ok(log) => log,
+        Err(error) => {
+            let path = args.log.as_deref().unwrap_or_else(|| "".as_ref()).display();
+            eprintln!("stageload guard: cannot write --log {path}: {error}");
+            return exit::USAGE;
+        }
+    };
+    if args.check {
+        return check(&config, &mut log);
+    }
+    let signals = match Signals::install() {
+        Ok(signals) => signals,
+        Err(error) => {
+            eprintln!("stageload guard: cannot install signal handlers: {error}");
+            return exit::USAGE;
+        }
+    };
+    let outcome = run_guarded(&args.command, &config, &mut SystemReadings, &mut SystemClock::new(), &mut log, &signals);
+    outcome.exit_code()
+}
+
+/// `--check`: one look at the machine, printed to stdout.
+fn check(config: &GuardConfig, log: &mut GuardLog) -> i32 {
+    let (reasons, memory) = stageload_guard::check_once(config, &mut SystemReadings, log);
+    if let Some(memory) = &memory {
+        println!(
+            "memory: {:.0}% available ({} of {}), swap used {} of {}",
+            memory.available_percent(),
+            format_gb(memory.budget_available()),
+            format_gb(memory.budget_total()),
+            format_gb(memory.swap_used),
+            format_gb(memory.swap_total)
+        );
+    }
+    if reasons.is_empty() {
+        let quiet = if config.busy.is_empty() {
+            String::new()
+        } else {
+            format!(" (after {:.0} s with no busy process)", config.quiet_for.as_secs_f64())
+        };
+        println!("would start now{quiet}");
+        0
+    } else {
+        log.note("check", &format!("would wait ({})", stageload_guard::decide::describe(&reasons)), memory.as_ref());
+        println!("would wait: {}", stageload_guard::decide::describe(&reasons));
+        exit::NO_ROOM
+    }
+}

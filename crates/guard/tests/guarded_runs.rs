@@ -1,0 +1,259 @@
+//! The guard with scripted system readings and a scripted admission clock, around real
+//! commands: the original's guard tests, and the process-group cases a guard must get right.
+//!
+//! The guard counts every process below its own as the command's, so the tests of this binary
+//! run one at a time (`ONE_GUARD`). Every command is bounded: a `sleep 60` at most, and the
+//! guard stops it well before.
+
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use regex::Regex;
+use stageload_guard::{
+    run_guarded, Clock, GuardConfig, GuardLog, Outcome, Readings, Signals, Stop,
+};
+use stageload_probe::units::GIB;
+use stageload_probe::{ProbeError, ProcessEntry, SystemMemory};
+
+static ONE_GUARD: Mutex<()> = Mutex::new(());
+
+fn one_guard() -> std::sync::MutexGuard<'static, ()> {
+    ONE_GUARD.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// System readings from a script (one per call, then the last one again); the process table is
+/// scripted for the first calls, then real.
+struct Scripted {
+    memory: Vec<SystemMemory>,
+    calls: usize,
+    tables: Vec<Vec<ProcessEntry>>,
+}
+
+impl Scripted {
+    fn levels(levels: &[u64]) -> Self {
+        Scripted { memory: levels.iter().map(|&l| memory(l, 0)).collect(), calls: 0, tables: Vec::new() }
+    }
+    fn swaps(swaps_gib: &[u64]) -> Self {
+        Scripted { memory: swaps_gib.iter().map(|&s| memory(90, s)).collect(), calls: 0, tables: Vec::new() }
+    }
+}
+
+fn memory(available_percent: u64, swap_gib: u64) -> SystemMemory {
+    SystemMemory { total: 100 * GIB, available: available_percent * GIB, swap_total: 64 * GIB, swap_used: swap_gib * GIB, cgroup: None }
+}
+
+impl Readings for Scripted {
+    fn memory(&mut self) -> Result<SystemMemory, ProbeError> {
+        let reading = self.memory[self.calls.min(self.memory.len() - 1)].clone();
+        self.calls += 1;
+        Ok(reading)
+    }
+    fn processes(&mut self) -> Result<Vec<ProcessEntry>, ProbeError> {
+        if self.tables.is_empty() {
+            stageload_probe::processes()
+        } else {
+            Ok(self.tables.remove(0))
+        }
+    }
+}
+
+/// Admission time that moves only when the guard sleeps.
+struct FakeClock(Duration);
+
+impl Clock for FakeClock {
+    fn now(&self) -> Duration {
+        self.0
+    }
+    fn sleep(&mut self, duration: Duration) {
+        self.0 += duration;
+    }
+}
+
+fn config() -> GuardConfig {
+    GuardConfig { poll: Duration::from_millis(50), grace: Duration::from_secs(1), ..GuardConfig::default() }
+}
+
+fn sh(script: &str) -> Vec<OsString> {
+    ["sh", "-c", script].into_iter().map(OsString::from).collect()
+}
+
+fn guard(command: &[OsString], config: &GuardConfig, readings: &mut dyn Readings) -> (Outcome, Vec<String>, Duration) {
+    let mut log = GuardLog::silent();
+    let started = Instant::now();
+    let outcome = run_guarded(command, config, readings, &mut FakeClock(Duration::ZERO), &mut log, &Signals::none());
+    (outcome, log.lines().to_vec(), started.elapsed())
+}
+
+fn has(lines: &[String], text: &str) -> bool {
+    lines.iter().any(|line| line.contains(text))
+}
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("stageload-guard-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// Whether `pid` still runs (a zombie, or a pid now used by nobody, counts as gone).
+fn running(pid: i32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .map(|stat| stat.rsplit_once(')').is_some_and(|(_, rest)| !rest.trim_start().starts_with('Z')))
+        .unwrap_or(false)
+}
+
+fn read_pid(path: &Path) -> i32 {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        if let Some(pid) = std::fs::read_to_string(path).ok().and_then(|t| t.trim().parse().ok()) {
+            return pid;
+        }
+        assert!(Instant::now() < deadline, "{} never written", path.display());
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+#[test]
+fn waits_for_memory_then_runs_the_command() {
+    let _alone = one_guard();
+    let (outcome, lines, _) = guard(&sh("exit 0"), &config(), &mut Scripted::levels(&[30, 35, 90]));
+    assert_eq!(outcome, Outcome::Exited(0), "{lines:?}");
+    assert!(has(&lines, "waiting (memory available 30% < 40%)"), "{lines:?}");
+    assert_eq!(lines.iter().filter(|l| l.contains("waiting")).count(), 1, "logged once while the kind is the same");
+}
+
+#[test]
+fn gives_up_when_there_is_no_room_in_time_and_never_starts() {
+    let _alone = one_guard();
+    let dir = scratch("no-room");
+    let marker = dir.join("started");
+    let config = GuardConfig { start_timeout: Duration::from_secs(10), ..config() };
+    let (outcome, lines, elapsed) = guard(&sh(&format!("touch {}", marker.display())), &config, &mut Scripted::levels(&[10]));
+    assert_eq!((outcome.exit_code(), outcome), (4, Outcome::NoRoom));
+    assert!(has(&lines, "no room after 10 s (memory available 10% < 40%)"), "{lines:?}");
+    assert!(!marker.exists());
+    assert!(elapsed < Duration::from_secs(5), "the admission clock is scripted: {elapsed:?}");
+}
+
+#[test]
+fn waits_for_swap_headroom_under_the_limit() {
+    let _alone = one_guard();
+    let config = GuardConfig { swap_limit: Some(20 * GIB), ..config() };
+    let (outcome, lines, _) = guard(&sh("exit 0"), &config, &mut Scripted::swaps(&[15, 15, 5]));
+    assert_eq!(outcome, Outcome::Exited(0));
+    assert!(has(&lines, "> limit 20.0 GB"), "{lines:?}");
+}
+
+#[test]
+fn waits_while_a_busy_process_runs_but_not_for_itself() {
+    let _alone = one_guard();
+    let config = GuardConfig { busy: vec![Regex::new("ltx-2-mlx").unwrap()], quiet_for: Duration::ZERO, ..config() };
+    let me = std::process::id() as i32;
+    let entry = |pid, ppid, cmdline: &str| ProcessEntry { pid, ppid, pgid: pid, zombie: false, cmdline: cmdline.into() };
+    // The guard itself (this process) carries the pattern on its command line; a stranger does once.
+    let mut readings = Scripted::levels(&[90]);
+    readings.tables = vec![
+        vec![entry(me, 1, "stageload guard --busy ltx-2-mlx -- x"), entry(4242, 1, "python ltx-2-mlx/run.py")],
+        vec![entry(me, 1, "stageload guard --busy ltx-2-mlx -- x")],
+    ];
+    let (outcome, lines, _) = guard(&sh("exit 0"), &config, &mut readings);
+    assert_eq!(outcome, Outcome::Exited(0), "{lines:?}");
+    assert!(has(&lines, "busy: python ltx-2-mlx/run.py"), "{lines:?}");
+}
+
+#[test]
+fn a_swap_rise_over_the_budget_stops_the_command() {
+    let _alone = one_guard();
+    let (outcome, lines, elapsed) = guard(&sh("sleep 60"), &config(), &mut Scripted::swaps(&[1, 1, 2, 10]));
+    assert_eq!(outcome.exit_code(), 3);
+    assert_eq!(outcome, Outcome::Stopped(Stop::Swap { used: 10 * GIB, stop_above: 9 * GIB }));
+    assert!(has(&lines, "killing pid") && has(&lines, "(swap 10.0 GB > 9.0 GB)"), "{lines:?}");
+    assert!(elapsed < Duration::from_secs(15), "{elapsed:?}");
+}
+
+#[test]
+fn two_low_memory_samples_in_a_row_stop_the_command() {
+    let _alone = one_guard();
+    let (outcome, lines, _) = guard(&sh("sleep 60"), &config(), &mut Scripted::levels(&[90, 5, 50, 5, 5]));
+    assert_eq!(outcome.exit_code(), 3, "{lines:?}");
+    assert!(has(&lines, "memory available 5% < 10% twice"), "{lines:?}");
+}
+
+#[test]
+fn exit_codes_of_the_command_pass_through() {
+    let _alone = one_guard();
+    let real = || Scripted::levels(&[90]);
+    assert_eq!(guard(&sh("exit 7"), &config(), &mut real()).0.exit_code(), 7);
+    assert_eq!(guard(&sh("kill -TERM $$; sleep 5"), &config(), &mut real()).0.exit_code(), 143);
+    let (outcome, lines, _) = guard(&[OsString::from("/no/such/program")], &config(), &mut real());
+    assert_eq!(outcome.exit_code(), 127);
+    assert!(has(&lines, "cannot start '/no/such/program'"), "{lines:?}");
+    let dir = scratch("not-executable");
+    let script = dir.join("script.sh");
+    std::fs::write(&script, "#!/bin/sh\nexit 0\n").unwrap();
+    assert_eq!(guard(&[script.into_os_string()], &config(), &mut real()).0.exit_code(), 126);
+}
+
+#[test]
+fn a_command_that_ignores_sigterm_is_killed_after_the_grace() {
+    let _alone = one_guard();
+    let dir = scratch("ignores-term");
+    let pid_file = dir.join("pid");
+    let script = format!("trap '' TERM; sleep 60 & echo $! > {}; wait", pid_file.display());
+    let started = Instant::now();
+    let handle = {
+        let script = script.clone();
+        std::thread::spawn(move || guard(&sh(&script), &config(), &mut Scripted::levels(&[90, 90, 90, 90, 5])))
+    };
+    let sleeper = read_pid(&pid_file);
+    let (outcome, lines, _) = handle.join().unwrap();
+    let elapsed = started.elapsed();
+    assert_eq!(outcome.exit_code(), 3, "{lines:?}");
+    assert!(elapsed >= Duration::from_secs(1), "the grace was given: {elapsed:?}");
+    assert!(elapsed < Duration::from_secs(10), "{elapsed:?}");
+    assert!(!running(sleeper), "the member that ignored SIGTERM is gone");
+}
+
+#[test]
+fn a_grandchild_that_left_the_group_is_stopped_too() {
+    let _alone = one_guard();
+    let dir = scratch("setsid");
+    let pid_file = dir.join("pid");
+    // setsid puts the grandchild in a session and group of its own; the shell then exits.
+    let script = format!("setsid sh -c 'echo $$ > {}; exec sleep 60' & sleep 60", pid_file.display());
+    let handle = std::thread::spawn(move || guard(&sh(&script), &config(), &mut Scripted::levels(&[90, 90, 90, 90, 90, 90, 5])));
+    let escaped = read_pid(&pid_file);
+    let (outcome, lines, _) = handle.join().unwrap();
+    assert_eq!(outcome.exit_code(), 3, "{lines:?}");
+    assert!(!running(escaped), "the setsid grandchild {escaped} was stopped");
+}
+
+#[test]
+fn leftovers_of_a_finished_command_are_stopped_before_the_leader_is_reaped() {
+    let _alone = one_guard();
+    let dir = scratch("leftover");
+    let pid_file = dir.join("pid");
+    let script = format!("sleep 60 & echo $! > {}; exit 5", pid_file.display());
+    let (outcome, lines, _) = guard(&sh(&script), &config(), &mut Scripted::levels(&[90]));
+    let leftover = read_pid(&pid_file);
+    assert_eq!(outcome, Outcome::Exited(5), "{lines:?}");
+    assert!(has(&lines, "left 1 processes running"), "{lines:?}");
+    assert!(!running(leftover));
+}
+
+#[test]
+fn max_memory_stops_a_command_that_allocates_past_it() {
+    let _alone = one_guard();
+    // Python allocates (and touches) 32 MiB every 50 ms, up to 512 MiB at most.
+    let program = "import time\nblocks = []\nfor _ in range(16):\n    blocks.append(b'x' * (32 << 20))\n    time.sleep(0.05)\ntime.sleep(30)\n";
+    let command: Vec<OsString> = ["python3", "-c", program].into_iter().map(OsString::from).collect();
+    let config = GuardConfig { max_memory: Some(160 << 20), ..config() };
+    let (outcome, lines, elapsed) = guard(&command, &config, &mut Scripted::levels(&[90]));
+    let Outcome::Stopped(Stop::MaxMemory { used, max }) = outcome else { panic!("{outcome:?} {lines:?}") };
+    assert_eq!(max, 160 << 20);
+    assert!(used > max && used < 512 << 20, "stopped on the way up: {used}");
+    assert!(has(&lines, "--max-memory"), "{lines:?}");
+    assert!(elapsed < Duration::from_secs(20), "{elapsed:?}");
+}
