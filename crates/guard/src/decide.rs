@@ -6,7 +6,7 @@ use std::fmt;
 use std::time::Duration;
 
 use regex::Regex;
-use stageload_probe::units::format_gb;
+use stageload_probe::units::{format_bytes, format_gb};
 use stageload_probe::{ProbeError, ProcessEntry, SystemMemory};
 
 use crate::GuardConfig;
@@ -148,7 +148,7 @@ impl fmt::Display for Stop {
                 write!(f, "memory available {percent:.0}% < {kill_free:.0}% twice")
             }
             Stop::MaxMemory { used, max } => {
-                write!(f, "command uses {} > --max-memory {}", format_gb(*used), format_gb(*max))
+                write!(f, "command uses {} > --max-memory {}", format_bytes(*used), format_bytes(*max))
             }
         }
     }

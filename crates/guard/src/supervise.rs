@@ -24,7 +24,7 @@ use nix::sys::signal::{kill, killpg, SigSet, SigmaskHow, Signal};
 use nix::sys::wait::{waitpid, WaitPidFlag, WaitStatus};
 use nix::unistd::{getpgrp, tcgetpgrp, tcsetpgrp, Pid};
 use serde_json::json;
-use stageload_probe::units::format_gb;
+use stageload_probe::units::{format_bytes, format_gb};
 use stageload_probe::ProcessEntry;
 
 use crate::signals::name as signal_name;
@@ -84,7 +84,7 @@ pub fn run_guarded(
         config.kill_free
     );
     if let Some(max) = config.max_memory {
-        message += &format!(", or when the command passes {}", format_gb(max));
+        message += &format!(", or when the command passes {}", format_bytes(max));
     }
     log.note("start", &message, Some(&at_start));
     let job = match Job::spawn(command) {

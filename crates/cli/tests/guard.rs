@@ -1,0 +1,214 @@
+//! `stageload guard` as users run it: the real binary, real readings, real signals. Each run has
+//! a hard deadline and the commands it starts are bounded (`sleep 60` at most, stopped early).
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use nix::sys::signal::{kill, Signal};
+use nix::unistd::Pid;
+
+const STAGELOAD: &str = env!("CARGO_BIN_EXE_stageload");
+
+/// Flags that make admission and the watch ignore how busy this shared machine is.
+const ANY_MACHINE: [&str; 4] = ["--wait-free", "0", "--kill-free", "0"];
+
+fn guard(args: &[&str]) -> Command {
+    let mut command = Command::new(STAGELOAD);
+    command.arg("guard").args(args).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
+    command
+}
+
+/// Waits for `child` at most `deadline`, killing it if it is late.
+fn finish(mut child: Child, deadline: Duration) -> Output {
+    let until = Instant::now() + deadline;
+    while child.try_wait().unwrap().is_none() {
+        if Instant::now() > until {
+            let _ = child.kill();
+            panic!("guard still running after {deadline:?}: {:?}", child.wait_with_output().unwrap());
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    child.wait_with_output().unwrap()
+}
+
+fn run(args: &[&str]) -> Output {
+    finish(guard(args).spawn().unwrap(), Duration::from_secs(30))
+}
+
+fn stderr(output: &Output) -> String {
+    String::from_utf8_lossy(&output.stderr).into_owned()
+}
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("stageload-cli-guard-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn read_pid(path: &Path) -> i32 {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        if let Some(pid) = std::fs::read_to_string(path).ok().and_then(|t| t.trim().parse().ok()) {
+            return pid;
+        }
+        assert!(Instant::now() < deadline, "{} never written", path.display());
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// Whether `pid` still runs (zombies and vanished pids count as gone), waiting up to 5 s for it to go.
+fn gone_soon(pid: i32) -> bool {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let running = std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .map(|stat| stat.rsplit_once(')').is_some_and(|(_, rest)| !rest.trim_start().starts_with('Z')))
+            .unwrap_or(false);
+        if !running {
+            return true;
+        }
+        if Instant::now() > deadline {
+            let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn guard_needs_a_command() {
+    for args in [&["--"][..], &[][..]] {
+        let output = run(args);
+        assert_eq!(output.status.code(), Some(2));
+        assert!(stderr(&output).contains("needs a command"), "{}", stderr(&output));
+    }
+}
+
+#[test]
+fn bad_flags_are_refused_before_any_waiting_naming_the_flag() {
+    let cases = [
+        (["--wait-free", "140"], "--wait-free", "out of range"),
+        (["--kill-free", "ten"], "--kill-free", "whole percent"),
+        (["--poll", "0s"], "--poll", "more than zero"),
+        (["--busy", "ltx("], "--busy", "bad regex"),
+        (["--swap-budget", "lots"], "--swap-budget", "not a size"),
+        (["--max-memory", "1.5X"], "--max-memory", "not a size"),
+        (["--start-timeout", "soon"], "--start-timeout", "not a duration"),
+    ];
+    for (flags, flag, message) in cases {
+        let started = Instant::now();
+        let output = run(&[flags[0], flags[1], "--", "true"]);
+        let text = stderr(&output);
+        assert_eq!(output.status.code(), Some(2), "{flags:?}: {text}");
+        assert!(text.contains(flag) && text.contains(message), "{flags:?}: {text}");
+        assert!(started.elapsed() < Duration::from_secs(5));
+    }
+    let output = run(&["--no-such-flag", "--", "true"]);
+    assert_eq!(output.status.code(), Some(2));
+}
+
+#[test]
+fn help_documents_the_exit_codes() {
+    let output = Command::new(STAGELOAD).args(["guard", "--help"]).output().unwrap();
+    let text = String::from_utf8_lossy(&output.stdout);
+    for code in ["128+N", "  3 ", "  4 ", "126", "127", "  2 "] {
+        assert!(text.contains(code), "{code} missing from:\n{text}");
+    }
+}
+
+#[test]
+fn exit_codes_pass_through_and_start_failures_are_named() {
+    let with = |command: &[&str]| {
+        let mut args = ANY_MACHINE.to_vec();
+        args.push("--");
+        args.extend_from_slice(command);
+        run(&args)
+    };
+    assert_eq!(with(&["sh", "-c", "exit 7"]).status.code(), Some(7));
+    assert_eq!(with(&["sh", "-c", "kill -TERM $$; sleep 5"]).status.code(), Some(143));
+    let output = with(&["/no/such/program"]);
+    assert_eq!(output.status.code(), Some(127));
+    assert!(stderr(&output).contains("cannot start '/no/such/program'"), "{}", stderr(&output));
+    let dir = scratch("not-executable");
+    let script = dir.join("script.sh");
+    std::fs::write(&script, "#!/bin/sh\nexit 0\n").unwrap();
+    assert_eq!(with(&[script.to_str().unwrap()]).status.code(), Some(126));
+}
+
+#[test]
+fn no_room_exits_4_after_the_start_timeout_and_check_says_why() {
+    // 100 % available never happens on a running machine.
+    let output = run(&["--wait-free", "100", "--start-timeout", "300ms", "--poll", "50ms", "--", "true"]);
+    assert_eq!(output.status.code(), Some(4));
+    assert!(stderr(&output).contains("no room after") && stderr(&output).contains("< 100%"), "{}", stderr(&output));
+
+    let output = run(&["--wait-free", "100", "--check"]);
+    assert_eq!(output.status.code(), Some(4));
+    let text = String::from_utf8_lossy(&output.stdout);
+    assert!(text.contains("would wait: memory available") && text.contains("memory:"), "{text}");
+    let output = run(&["--wait-free", "0", "--check", "--", "true"]);
+    assert_eq!(output.status.code(), Some(0));
+    assert!(String::from_utf8_lossy(&output.stdout).contains("would start now"));
+}
+
+#[test]
+fn sigterm_to_the_guard_stops_its_command_first_and_exits_143() {
+    let dir = scratch("sigterm");
+    let pid_file = dir.join("pid");
+    let script = format!("echo $$ > {}; exec sleep 60", pid_file.display());
+    let child = guard(&[&ANY_MACHINE[..], &["--", "sh", "-c", &script]].concat()).spawn().unwrap();
+    let guard_pid = child.id() as i32;
+    let command = read_pid(&pid_file);
+    kill(Pid::from_raw(guard_pid), Signal::SIGTERM).unwrap();
+    let output = finish(child, Duration::from_secs(15));
+    assert_eq!(output.status.code(), Some(143), "{}", stderr(&output));
+    assert!(stderr(&output).contains("got SIGTERM, stopping pid"), "{}", stderr(&output));
+    assert!(gone_soon(command), "the command {command} is gone");
+}
+
+#[test]
+fn a_signal_while_waiting_exits_without_starting() {
+    let dir = scratch("sighup-waiting");
+    let marker = dir.join("started");
+    let child = guard(&["--wait-free", "100", "--", "touch", marker.to_str().unwrap()]).spawn().unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    kill(Pid::from_raw(child.id() as i32), Signal::SIGHUP).unwrap();
+    let output = finish(child, Duration::from_secs(10));
+    assert_eq!(output.status.code(), Some(129), "{}", stderr(&output));
+    assert!(stderr(&output).contains("got SIGHUP before starting the command"));
+    assert!(!marker.exists());
+}
+
+#[test]
+fn a_guard_killed_with_sigkill_does_not_leave_its_command_running() {
+    let dir = scratch("sigkill");
+    let pid_file = dir.join("pid");
+    let script = format!("echo $$ > {}; exec sleep 60", pid_file.display());
+    let child = guard(&[&ANY_MACHINE[..], &["--", "sh", "-c", &script]].concat()).spawn().unwrap();
+    let command = read_pid(&pid_file);
+    kill(Pid::from_raw(child.id() as i32), Signal::SIGKILL).unwrap();
+    let output = finish(child, Duration::from_secs(10));
+    assert_eq!(output.status.code(), None, "killed");
+    assert!(gone_soon(command), "the command {command} died with its guard");
+}
+
+#[test]
+fn max_memory_stops_an_allocating_command_and_the_log_has_the_readings() {
+    let dir = scratch("max-memory");
+    let log = dir.join("guard.jsonl");
+    // 32 MiB more every 50 ms, 512 MiB at most.
+    let program = "import time\nblocks = []\nfor _ in range(16):\n    blocks.append(b'x' * (32 << 20))\n    time.sleep(0.05)\ntime.sleep(30)\n";
+    let args = [&ANY_MACHINE[..], &["--max-memory", "128M", "--grace", "1s", "--log", log.to_str().unwrap(), "--", "python3", "-c", program]].concat();
+    let output = finish(guard(&args).spawn().unwrap(), Duration::from_secs(30));
+    assert_eq!(output.status.code(), Some(3), "{}", stderr(&output));
+    assert!(stderr(&output).contains("> --max-memory 128.0 MiB"), "{}", stderr(&output));
+    let records: Vec<serde_json::Value> =
+        std::fs::read_to_string(&log).unwrap().lines().map(|line| serde_json::from_str(line).unwrap()).collect();
+    let events: Vec<&str> = records.iter().map(|r| r["event"].as_str().unwrap()).collect();
+    assert_eq!(events, ["start", "started", "stop"], "{records:?}");
+    let stop = &records[2];
+    let used = stop["detail"]["command_memory"].as_u64().unwrap();
+    assert!(used > 128 << 20 && used < 512 << 20, "{stop}");
+    assert!(stop["memory"]["available"].as_u64().unwrap() > 0, "{stop}");
+}
