@@ -212,3 +212,76 @@ fn max_memory_stops_an_allocating_command_and_the_log_has_the_readings() {
     assert!(used > 128 << 20 && used < 512 << 20, "{stop}");
     assert!(stop["memory"]["available"].as_u64().unwrap() > 0, "{stop}");
 }
+
+#[test]
+fn a_second_signal_skips_the_grace() {
+    let dir = scratch("double-signal");
+    let pid_file = dir.join("pid");
+    let script = format!("trap '' TERM; echo $$ > {}; sleep 60", pid_file.display());
+    let args = [&ANY_MACHINE[..], &["--grace", "30s", "--", "sh", "-c", &script]].concat();
+    let child = guard(&args).spawn().unwrap();
+    let guard_pid = Pid::from_raw(child.id() as i32);
+    let command = read_pid(&pid_file);
+    let started = Instant::now();
+    kill(guard_pid, Signal::SIGINT).unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    kill(guard_pid, Signal::SIGINT).unwrap();
+    let output = finish(child, Duration::from_secs(20));
+    assert_eq!(output.status.code(), Some(130), "{}", stderr(&output));
+    assert!(started.elapsed() < Duration::from_secs(10), "the 30 s grace was cut short: {:?}", started.elapsed());
+    assert!(gone_soon(command));
+}
+
+/// Runs the guard on a pseudo-terminal (Python's pty module), types `keys` into it once the
+/// command runs, and returns what the terminal showed and the guard's exit code.
+fn on_a_terminal(command: &str, keys: &str) -> (String, i32) {
+    let driver = r#"
+import os, pty, sys, time, select
+pid, fd = pty.fork()
+if pid == 0:
+    os.execv(sys.argv[1], [sys.argv[1], "guard", "--wait-free", "0", "--kill-free", "0", "--", "sh", "-c", sys.argv[2]])
+out = b""
+deadline = time.monotonic() + 10
+def pump(until):
+    global out
+    while time.monotonic() < until:
+        ready, _, _ = select.select([fd], [], [], 0.05)
+        if ready:
+            try:
+                chunk = os.read(fd, 4096)
+            except OSError:
+                return
+            if not chunk:
+                return
+            out += chunk
+pump(time.monotonic() + 1.0)
+os.write(fd, sys.argv[3].encode())
+pump(deadline)
+done, status = os.waitpid(pid, os.WNOHANG)
+if done == 0:
+    os.killpg(pid, 9)  # the guard is its session's leader: its whole group goes
+    _, status = os.waitpid(pid, 0)
+sys.stdout.write(out.decode(errors="replace"))
+sys.stdout.write("\nEXIT %d\n" % os.waitstatus_to_exitcode(status))
+"#;
+    let output = Command::new("python3")
+        .args(["-c", driver, STAGELOAD, command, keys])
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&output.stdout).into_owned();
+    let code = text.rsplit_once("EXIT ").and_then(|(_, code)| code.trim().parse().ok()).unwrap_or(-1);
+    (text, code)
+}
+
+#[test]
+fn at_a_terminal_the_command_reads_it_and_gets_ctrl_c() {
+    // Without the terminal handed to the command's group, `read` would stop on SIGTTIN and hang.
+    let (text, code) = on_a_terminal("read line; echo got:$line", "hello\n");
+    assert_eq!(code, 0, "{text}");
+    assert!(text.contains("got:hello"), "{text}");
+    // Ctrl-C reaches the command (its shell dies of SIGINT), the guard passes 130 on.
+    let (text, code) = on_a_terminal("sleep 30", "\x03");
+    assert_eq!(code, 130, "{text}");
+    assert!(text.contains("guard: exit 130"), "{text}");
+}
