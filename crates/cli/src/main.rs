@@ -1,7 +1,9 @@
 //! `stageload`: the torch-free command line. `guard` runs one heavy command only when there is
-//! room and stops it before it takes the machine down (see [`guard`]).
+//! room and stops it before it takes the machine down (see [`guard`]); `plan` says before a run
+//! whether a staged pipeline fits this machine (see [`plan`]).
 
 mod guard;
+mod plan;
 
 use std::process::ExitCode;
 
@@ -17,12 +19,14 @@ struct Cli {
 #[derive(Subcommand)]
 enum Commands {
     Guard(guard::GuardArgs),
+    Plan(plan::PlanArgs),
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let code = match cli.command {
         Commands::Guard(args) => guard::run(args),
+        Commands::Plan(args) => plan::run(args),
     };
     ExitCode::from(u8::try_from(code).unwrap_or(u8::MAX))
 }

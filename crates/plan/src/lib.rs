@@ -1,0 +1,12 @@
+//! stageload-plan: know before a run whether a staged pipeline fits this machine. Torch-free.
+//!
+//! - [`pipeline`]: the TOML pipeline description (models, checkpoints, stages, pins, working
+//!   memory), checked, with each model's size read from its checkpoints' headers only.
+//! - [`plan`](mod@plan): stage by stage residency, loads, releases, reloads, bytes read, and a verdict
+//!   per stage against this machine's budget, staged and eager.
+
+pub mod pipeline;
+pub mod plan;
+
+pub use pipeline::{Model, Pipeline, PipelineError, Placement, Stage};
+pub use plan::{plan, Budget, BudgetSource, EagerPlan, Plan, StagePlan, Verdict, SCHEMA_VERSION};

@@ -1,0 +1,264 @@
+//! The pipeline description file: models with their checkpoints, the stages in order, pinned
+//! models, working memory. The same file feeds `stageload plan` and `StagedModels`, so the plan
+//! that was checked is the plan that runs.
+//!
+//! ```toml
+//! pinned = ["backbone"]
+//!
+//! [[models]]
+//! name = "backbone"
+//! files = ["weights/backbone.safetensors"]   # relative to this file's folder
+//! device = "cpu"                             # cpu (default), cuda, cuda:N, mps
+//!
+//! [[models]]
+//! name = "denoiser"
+//! files = ["weights/denoiser-1.safetensors", "weights/denoiser-2.safetensors"]
+//! dtype = "bf16"                             # loaded as (default: as stored)
+//!
+//! [[stages]]
+//! name = "denoise"
+//! models = ["backbone", "denoiser"]
+//! working = "2G"                             # activations etc. beyond the weights (host)
+//! device_working = "4G"                      # the same on the GPU
+//! ```
+
+use std::collections::HashSet;
+use std::fs;
+use std::io::Read;
+use std::path::{Path, PathBuf};
+
+use safetensors::tensor::Metadata;
+use serde::{Deserialize, Serialize};
+use stageload_probe::units::parse_size;
+use thiserror::Error;
+
+/// Why a pipeline file or one of its checkpoints cannot be planned.
+#[derive(Debug, Error)]
+pub enum PipelineError {
+    #[error("cannot read pipeline file {path}: {message}")]
+    Read { path: PathBuf, message: String },
+    #[error("pipeline file {path} is not valid: {message}")]
+    Syntax { path: PathBuf, message: String },
+    #[error("pipeline file {path}: {message}")]
+    Invalid { path: PathBuf, message: String },
+    #[error("model '{model}': cannot read checkpoint {file}: {message}")]
+    Checkpoint { model: String, file: PathBuf, message: String },
+}
+
+/// A model as the file describes it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelEntry {
+    pub name: String,
+    /// Safetensors files, relative to the pipeline file's folder unless absolute.
+    pub files: Vec<PathBuf>,
+    /// `cpu` (default), `cuda`, `cuda:N` or `mps`.
+    #[serde(default = "cpu")]
+    pub device: String,
+    /// The dtype the model is loaded as (`f16`, `bf16`, `f32`, ...); default: as stored.
+    #[serde(default)]
+    pub dtype: Option<String>,
+}
+
+fn cpu() -> String {
+    "cpu".to_string()
+}
+
+/// A stage as the file describes it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StageEntry {
+    pub name: String,
+    #[serde(default)]
+    pub models: Vec<String>,
+    /// Host memory the stage needs beyond its weights (a size: `2G`).
+    #[serde(default)]
+    pub working: Option<String>,
+    /// Device memory the stage needs beyond its weights.
+    #[serde(default)]
+    pub device_working: Option<String>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PipelineFile {
+    #[serde(default)]
+    pinned: Vec<String>,
+    #[serde(default)]
+    models: Vec<ModelEntry>,
+    #[serde(default)]
+    stages: Vec<StageEntry>,
+}
+
+/// Where a model's weights live while it is resident.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Placement {
+    Host,
+    Device,
+}
+
+/// A checked model: its files resolved and its size read from their headers.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Model {
+    pub name: String,
+    pub files: Vec<PathBuf>,
+    pub device: String,
+    pub placement: Placement,
+    pub dtype: Option<String>,
+    /// Tensors over all files.
+    pub tensors: usize,
+    /// Bytes resident once loaded (in `dtype` when given, else as stored).
+    pub bytes: u64,
+    /// Bytes read from disk per load (the tensors' data as stored).
+    pub file_bytes: u64,
+}
+
+/// A checked stage.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Stage {
+    pub name: String,
+    pub models: Vec<String>,
+    pub working: u64,
+    pub device_working: u64,
+}
+
+/// A checked pipeline: every name resolved, every checkpoint header read.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Pipeline {
+    pub path: PathBuf,
+    pub models: Vec<Model>,
+    pub stages: Vec<Stage>,
+    pub pinned: Vec<String>,
+}
+
+impl Pipeline {
+    pub fn model(&self, name: &str) -> Option<&Model> {
+        self.models.iter().find(|m| m.name == name)
+    }
+}
+
+/// Bits per element of a dtype name as users write it (`f16`, `bfloat16`, `F32`, `int8`, ...).
+pub fn dtype_bits(name: &str) -> Option<usize> {
+    let bits = match name.to_ascii_lowercase().as_str() {
+        "bool" | "u8" | "uint8" | "i8" | "int8" | "f8_e4m3" | "f8_e5m2" => 8,
+        "f16" | "float16" | "half" | "bf16" | "bfloat16" | "i16" | "int16" | "u16" | "uint16" => 16,
+        "f32" | "float32" | "float" | "i32" | "int32" | "u32" | "uint32" => 32,
+        "f64" | "float64" | "double" | "i64" | "int64" | "long" | "u64" | "uint64" => 64,
+        _ => return None,
+    };
+    Some(bits)
+}
+
+/// One checkpoint's header: (tensors, bytes of data as stored, element counts).
+fn read_header(path: &Path) -> Result<(usize, u64, u64), String> {
+    let mut file = fs::File::open(path).map_err(|e| e.to_string())?;
+    let file_len = file.metadata().map_err(|e| e.to_string())?.len();
+    let mut length = [0u8; 8];
+    file.read_exact(&mut length).map_err(|_| format!("{file_len} bytes: too short for a safetensors header"))?;
+    let header_len = u64::from_le_bytes(length);
+    if header_len > file_len - 8 {
+        return Err(format!("header length {header_len} B is larger than the file ({file_len} B): truncated or not safetensors"));
+    }
+    let mut header = vec![0u8; header_len as usize];
+    file.read_exact(&mut header).map_err(|e| e.to_string())?;
+    let text = std::str::from_utf8(&header).map_err(|e| format!("header is not UTF-8: {e}"))?;
+    // safetensors' own Metadata: checks the JSON, the dtypes, and that the offsets are contiguous
+    // and match each tensor's shape and dtype.
+    let metadata: Metadata = serde_json::from_str(text).map_err(|e| format!("header is not a valid safetensors header: {e}"))?;
+    let tensors = metadata.tensors();
+    let data_end = tensors.values().map(|info| info.data_offsets.1 as u64).max().unwrap_or(0);
+    if 8 + header_len + data_end > file_len {
+        return Err(format!(
+            "the header describes {} B of data but the file holds {} B after it: truncated",
+            data_end,
+            file_len - 8 - header_len
+        ));
+    }
+    let elements = tensors.values().map(|info| info.shape.iter().product::<usize>() as u64).sum();
+    Ok((tensors.len(), data_end, elements))
+}
+
+impl Pipeline {
+    /// Reads and checks a pipeline file and the headers of every checkpoint it names.
+    pub fn load(path: &Path) -> Result<Pipeline, PipelineError> {
+        let text = fs::read_to_string(path)
+            .map_err(|e| PipelineError::Read { path: path.to_path_buf(), message: e.to_string() })?;
+        let file: PipelineFile = toml::from_str(&text)
+            .map_err(|e| PipelineError::Syntax { path: path.to_path_buf(), message: e.to_string() })?;
+        let invalid = |message: String| PipelineError::Invalid { path: path.to_path_buf(), message };
+        let folder = path.parent().unwrap_or(Path::new("."));
+
+        let mut names = HashSet::new();
+        let mut models = Vec::new();
+        for entry in file.models {
+            if !names.insert(entry.name.clone()) {
+                return Err(invalid(format!("model '{}' is described twice", entry.name)));
+            }
+            if entry.files.is_empty() {
+                return Err(invalid(format!("model '{}' has no files: give its safetensors checkpoint(s)", entry.name)));
+            }
+            let placement = match entry.device.as_str() {
+                "cpu" => Placement::Host,
+                "cuda" | "mps" => Placement::Device,
+                device if device.strip_prefix("cuda:").is_some_and(|n| n.parse::<u32>().is_ok()) => Placement::Device,
+                other => {
+                    return Err(invalid(format!(
+                        "model '{}': unknown device '{other}' (cpu, cuda, cuda:N or mps)",
+                        entry.name
+                    )))
+                }
+            };
+            let loaded_bits = match &entry.dtype {
+                Some(dtype) => Some(dtype_bits(dtype).ok_or_else(|| {
+                    invalid(format!("model '{}': unknown dtype '{dtype}' (f16, bf16, f32, f64, i8 ... i64, u8, bool)", entry.name))
+                })?),
+                None => None,
+            };
+            let files: Vec<PathBuf> = entry.files.iter().map(|f| folder.join(f)).collect();
+            let (mut tensors, mut file_bytes, mut elements) = (0, 0, 0);
+            for file in &files {
+                let (count, bytes, numel) = read_header(file).map_err(|message| PipelineError::Checkpoint {
+                    model: entry.name.clone(),
+                    file: file.clone(),
+                    message,
+                })?;
+                tensors += count;
+                file_bytes += bytes;
+                elements += numel;
+            }
+            let bytes = loaded_bits.map_or(file_bytes, |bits| elements * bits as u64 / 8);
+            models.push(Model { name: entry.name, files, device: entry.device, placement, dtype: entry.dtype, tensors, bytes, file_bytes });
+        }
+
+        let mut stage_names = HashSet::new();
+        let mut stages = Vec::new();
+        for entry in file.stages {
+            if !stage_names.insert(entry.name.clone()) {
+                return Err(invalid(format!("stage '{}' is described twice", entry.name)));
+            }
+            for model in &entry.models {
+                if !names.contains(model) {
+                    return Err(invalid(format!("stage '{}' names unknown model '{model}'", entry.name)));
+                }
+            }
+            let size = |field: &str, value: &Option<String>| -> Result<u64, PipelineError> {
+                value.as_deref().map_or(Ok(0), |text| {
+                    parse_size(text).map_err(|e| invalid(format!("stage '{}': {field}: {e}", entry.name)))
+                })
+            };
+            let working = size("working", &entry.working)?;
+            let device_working = size("device_working", &entry.device_working)?;
+            stages.push(Stage { name: entry.name, models: entry.models, working, device_working });
+        }
+        if stages.is_empty() {
+            return Err(invalid("no stages: add [[stages]] entries with a name and the models they use".into()));
+        }
+        for pinned in &file.pinned {
+            if !names.contains(pinned) {
+                return Err(invalid(format!("pinned names unknown model '{pinned}'")));
+            }
+        }
+        Ok(Pipeline { path: path.to_path_buf(), models, stages, pinned: file.pinned })
+    }
+}

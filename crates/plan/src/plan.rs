@@ -1,0 +1,307 @@
+//! The fit plan: stage by stage, what is resident, loaded and released, what it needs, and
+//! whether that fits this machine; the same for eager loading (every model at once).
+//!
+//! A model kept from one stage to the next (listed by both, or pinned) stays resident and is
+//! counted once; a model a stage does not list and that is not pinned is released at the stage's
+//! entry, and loaded again (read from disk again) if a later stage lists it.
+
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+use stageload_probe::units::format_bytes;
+
+use crate::pipeline::{Model, Pipeline, Placement};
+
+/// The version of the JSON schema of [`Plan`]; raised on any incompatible change.
+pub const SCHEMA_VERSION: u32 = 1;
+
+/// Where the host budget comes from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum BudgetSource {
+    /// `MemTotal` / `MemAvailable` of this machine.
+    Machine,
+    /// The memory-limited cgroup this process runs in.
+    Cgroup,
+    /// `--memory`: the user's number, taken as both total and available.
+    Flag,
+}
+
+/// Memory a plan is checked against, bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Budget {
+    pub total: u64,
+    pub available: u64,
+    pub source: BudgetSource,
+}
+
+impl Budget {
+    /// This machine's budget now: the cgroup limit inside a limited cgroup, else the machine.
+    pub fn of_this_machine() -> Result<Budget, stageload_probe::ProbeError> {
+        let memory = stageload_probe::system_memory()?;
+        let source = if memory.cgroup.is_some() { BudgetSource::Cgroup } else { BudgetSource::Machine };
+        Ok(Budget { total: memory.budget_total(), available: memory.budget_available(), source })
+    }
+
+    /// A budget the user gave (`--memory`, `--device-memory`).
+    pub fn given(bytes: u64) -> Budget {
+        Budget { total: bytes, available: bytes, source: BudgetSource::Flag }
+    }
+}
+
+/// Whether a need fits a budget.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum Verdict {
+    /// Fits in what is available now.
+    Fits,
+    /// Fits in the total once other processes free `free` bytes.
+    FitsIfFreed { free: u64 },
+    /// Larger than the total by `by` bytes.
+    DoesNotFit { by: u64 },
+    /// Nothing to check against (device memory without `--device-memory`).
+    NotChecked,
+}
+
+impl Verdict {
+    pub fn of(need: u64, budget: Option<&Budget>) -> Verdict {
+        match budget {
+            None if need == 0 => Verdict::Fits,
+            None => Verdict::NotChecked,
+            Some(budget) if need <= budget.available => Verdict::Fits,
+            Some(budget) if need <= budget.total => Verdict::FitsIfFreed { free: need - budget.available },
+            Some(budget) => Verdict::DoesNotFit { by: need - budget.total },
+        }
+    }
+
+    pub fn fits(&self) -> bool {
+        !matches!(self, Verdict::DoesNotFit { .. })
+    }
+
+    /// `fits` / `fits if other processes free 1.2 GiB` / `does not fit by 3.0 GiB`.
+    pub fn describe(&self) -> String {
+        match self {
+            Verdict::Fits => "fits".to_string(),
+            Verdict::FitsIfFreed { free } => format!("fits if other processes free {}", format_bytes(*free)),
+            Verdict::DoesNotFit { by } => format!("does not fit by {}", format_bytes(*by)),
+            Verdict::NotChecked => "not checked (give --device-memory)".to_string(),
+        }
+    }
+}
+
+/// One stage of the staged run.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StagePlan {
+    pub name: String,
+    /// Models resident during the stage (listed, kept, or pinned).
+    pub resident: Vec<String>,
+    /// Models loaded during the stage (first loads and reloads).
+    pub loaded: Vec<String>,
+    /// Of `loaded`, those released earlier and read again.
+    pub reloaded: Vec<String>,
+    /// Models released at the stage's entry.
+    pub released: Vec<String>,
+    /// Host bytes of the resident weights, and with the stage's working memory.
+    pub weights: u64,
+    pub need: u64,
+    /// The same on the device.
+    pub device_weights: u64,
+    pub device_need: u64,
+    /// Bytes read from disk by the stage's loads.
+    pub read: u64,
+    pub verdict: Verdict,
+    pub device_verdict: Verdict,
+}
+
+/// The same pipeline with every model loaded up front.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct EagerPlan {
+    pub weights: u64,
+    pub device_weights: u64,
+    /// The largest need over the stages: every weight plus the stage's working memory.
+    pub need: u64,
+    pub device_need: u64,
+    pub peak_stage: String,
+    pub read: u64,
+    pub verdict: Verdict,
+    pub device_verdict: Verdict,
+}
+
+/// The whole plan; its JSON form is `stageload plan --json`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Plan {
+    pub schema: u32,
+    pub pipeline: PathBuf,
+    pub models: Vec<Model>,
+    pub budget: Budget,
+    pub device_budget: Option<Budget>,
+    pub stages: Vec<StagePlan>,
+    /// The stage with the largest host need, and that need.
+    pub peak_stage: String,
+    pub peak_need: u64,
+    pub device_peak_need: u64,
+    /// Bytes read from disk over the whole staged run, reloads included.
+    pub read: u64,
+    pub eager: EagerPlan,
+    /// Every stage fits (now, or once other processes free memory) on the host and the device.
+    pub fits: bool,
+}
+
+fn bytes_on(models: &[&Model], placement: Placement) -> u64 {
+    models.iter().filter(|m| m.placement == placement).map(|m| m.bytes).sum()
+}
+
+/// Plans `pipeline` against `budget` (and `device_budget` for models on a GPU).
+pub fn plan(pipeline: &Pipeline, budget: Budget, device_budget: Option<Budget>) -> Plan {
+    // Ties for a peak go to the earliest stage (`max_by_key` keeps the last, hence `rev`).
+    // A pipeline from `Pipeline::load` names only its own models; unknown names count nothing.
+    let file_bytes = |name: &String| pipeline.model(name).map_or(0, |m| m.file_bytes);
+    let mut resident: Vec<String> = Vec::new();
+    let mut ever_loaded: Vec<String> = Vec::new();
+    let mut stages = Vec::new();
+    for stage in &pipeline.stages {
+        let keep = |name: &String| stage.models.contains(name) || pipeline.pinned.contains(name);
+        let released: Vec<String> = resident.iter().filter(|name| !keep(name)).cloned().collect();
+        resident.retain(|name| keep(name));
+        let loaded: Vec<String> = stage.models.iter().filter(|name| !resident.contains(name)).cloned().collect();
+        let reloaded: Vec<String> = loaded.iter().filter(|name| ever_loaded.contains(name)).cloned().collect();
+        resident.extend(loaded.iter().cloned());
+        ever_loaded.extend(loaded.iter().filter(|name| !ever_loaded.contains(name)).cloned().collect::<Vec<_>>());
+        let resident_models: Vec<&Model> = resident.iter().filter_map(|name| pipeline.model(name)).collect();
+        let weights = bytes_on(&resident_models, Placement::Host);
+        let device_weights = bytes_on(&resident_models, Placement::Device);
+        let (need, device_need) = (weights + stage.working, device_weights + stage.device_working);
+        stages.push(StagePlan {
+            name: stage.name.clone(),
+            resident: resident.clone(),
+            read: loaded.iter().map(file_bytes).sum(),
+            loaded,
+            reloaded,
+            released,
+            weights,
+            need,
+            device_weights,
+            device_need,
+            verdict: Verdict::of(need, Some(&budget)),
+            device_verdict: Verdict::of(device_need, device_budget.as_ref()),
+        });
+    }
+    let (peak_stage, peak_need) = stages.iter().rev().max_by_key(|s| s.need).map_or((String::new(), 0), |s| (s.name.clone(), s.need));
+    let all: Vec<&Model> = pipeline.models.iter().collect();
+    let (all_host, all_device) = (bytes_on(&all, Placement::Host), bytes_on(&all, Placement::Device));
+    let (eager_stage, eager_working) =
+        pipeline.stages.iter().rev().max_by_key(|s| s.working).map_or((String::new(), 0), |s| (s.name.clone(), s.working));
+    let eager_need = all_host + eager_working;
+    let eager_device_need = all_device + pipeline.stages.iter().map(|s| s.device_working).max().unwrap_or(0);
+    let eager = EagerPlan {
+        weights: all_host,
+        device_weights: all_device,
+        need: eager_need,
+        device_need: eager_device_need,
+        peak_stage: eager_stage,
+        read: pipeline.models.iter().map(|m| m.file_bytes).sum(),
+        verdict: Verdict::of(eager_need, Some(&budget)),
+        device_verdict: Verdict::of(eager_device_need, device_budget.as_ref()),
+    };
+    Plan {
+        schema: SCHEMA_VERSION,
+        pipeline: pipeline.path.clone(),
+        models: pipeline.models.clone(),
+        budget,
+        device_budget,
+        peak_stage,
+        peak_need,
+        device_peak_need: stages.iter().map(|s| s.device_need).max().unwrap_or(0),
+        read: stages.iter().map(|s| s.read).sum(),
+        fits: stages.iter().all(|s| s.verdict.fits() && s.device_verdict.fits()),
+        stages,
+        eager,
+    }
+}
+
+impl Plan {
+    /// The plan as `stageload plan` prints it.
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        let list = |names: &[String]| if names.is_empty() { "-".to_string() } else { names.join(", ") };
+        let has_device = self.models.iter().any(|m| m.placement == Placement::Device);
+        out += &format!("pipeline {}: {} models, {} stages\n\n", self.pipeline.display(), self.models.len(), self.stages.len());
+        for model in &self.models {
+            out += &format!(
+                "  model {:<20} {:>11} on {:<6} {} tensor(s) in {} file(s){}\n",
+                model.name,
+                format_bytes(model.bytes),
+                model.device,
+                model.tensors,
+                model.files.len(),
+                model.dtype.as_ref().map_or(String::new(), |d| format!(", loaded as {d}"))
+            );
+        }
+        out += "\n";
+        for stage in &self.stages {
+            out += &format!(
+                "stage {}: resident {} ({}), needs {} -> {}\n",
+                stage.name,
+                list(&stage.resident),
+                format_bytes(stage.weights),
+                format_bytes(stage.need),
+                stage.verdict.describe()
+            );
+            if has_device {
+                out += &format!(
+                    "  device: weights {}, needs {} -> {}\n",
+                    format_bytes(stage.device_weights),
+                    format_bytes(stage.device_need),
+                    stage.device_verdict.describe()
+                );
+            }
+            out += &format!(
+                "  at entry: releases {}; loads {} (reads {}{})\n",
+                list(&stage.released),
+                list(&stage.loaded),
+                format_bytes(stage.read),
+                if stage.reloaded.is_empty() { String::new() } else { format!(", reloads {}", stage.reloaded.join(", ")) }
+            );
+        }
+        let source = match self.budget.source {
+            BudgetSource::Machine => "this machine",
+            BudgetSource::Cgroup => "this cgroup's limit",
+            BudgetSource::Flag => "--memory",
+        };
+        out += &format!(
+            "\npeak stage: {} needs {}\nread from disk over the run: {} (eager: {})\nbudget ({source}): {} total, {} available",
+            self.peak_stage,
+            format_bytes(self.peak_need),
+            format_bytes(self.read),
+            format_bytes(self.eager.read),
+            format_bytes(self.budget.total),
+            format_bytes(self.budget.available)
+        );
+        if let Some(device) = &self.device_budget {
+            out += &format!("; device {}", format_bytes(device.total));
+        }
+        let peak_verdict = self.stages.iter().find(|s| s.name == self.peak_stage).map(|s| s.verdict);
+        out += &format!(
+            "\nstaged: peak {} -> {}\neager (every model at once): peak {} at {} -> {}\n",
+            format_bytes(self.peak_need),
+            peak_verdict.map_or(String::new(), |v| v.describe()),
+            format_bytes(self.eager.need),
+            self.eager.peak_stage,
+            self.eager.verdict.describe()
+        );
+        if has_device {
+            out += &format!(
+                "device: staged peak {}, eager {} -> {}\n",
+                format_bytes(self.device_peak_need),
+                format_bytes(self.eager.device_need),
+                self.eager.device_verdict.describe()
+            );
+        }
+        out += &format!(
+            "staging saves {} at the peak\n=> {}\n",
+            format_bytes(self.eager.need.saturating_sub(self.peak_need)),
+            if self.fits { "fits" } else { "does not fit" }
+        );
+        out
+    }
+}

@@ -1,0 +1,246 @@
+//! Pipeline files and plans over real safetensors files written here: sizes from headers, the
+//! staged and eager plans, the verdict's boundaries, every bad input, and the JSON schema.
+
+use std::path::{Path, PathBuf};
+
+use safetensors::tensor::TensorView;
+use safetensors::Dtype;
+use stageload_plan::{plan, Budget, BudgetSource, Pipeline, PipelineError, Verdict};
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("stageload-plan-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// Writes a real safetensors file of zero-filled tensors.
+fn checkpoint(path: &Path, tensors: &[(&str, Dtype, &[usize])]) {
+    let buffers: Vec<Vec<u8>> =
+        tensors.iter().map(|(_, dtype, shape)| vec![0u8; shape.iter().product::<usize>() * dtype.bitsize() / 8]).collect();
+    let views: Vec<(String, TensorView)> = tensors
+        .iter()
+        .zip(&buffers)
+        .map(|((name, dtype, shape), data)| (name.to_string(), TensorView::new(*dtype, shape.to_vec(), data).unwrap()))
+        .collect();
+    safetensors::serialize_to_file(views, None, path).unwrap();
+}
+
+/// A folder with an encoder (f32, 1 MiB, one file), a decoder split over two files (f16 + f32 +
+/// i64) and a backbone (bf16), and a pipeline file around them.
+fn fixture(name: &str, pipeline: &str) -> PathBuf {
+    let dir = scratch(name);
+    checkpoint(&dir.join("encoder.safetensors"), &[("w", Dtype::F32, &[512, 512])]);
+    checkpoint(&dir.join("decoder-1.safetensors"), &[("a", Dtype::F16, &[256, 256]), ("b", Dtype::F32, &[1000])]);
+    checkpoint(&dir.join("decoder-2.safetensors"), &[("c", Dtype::I64, &[10, 10])]);
+    checkpoint(&dir.join("backbone.safetensors"), &[("x", Dtype::BF16, &[1024, 256])]);
+    let path = dir.join("pipeline.toml");
+    std::fs::write(&path, pipeline).unwrap();
+    path
+}
+
+const MODELS: &str = r#"
+[[models]]
+name = "encoder"
+files = ["encoder.safetensors"]
+
+[[models]]
+name = "decoder"
+files = ["decoder-1.safetensors", "decoder-2.safetensors"]
+
+[[models]]
+name = "backbone"
+files = ["backbone.safetensors"]
+"#;
+
+const ENCODER: u64 = 512 * 512 * 4;
+const DECODER: u64 = 256 * 256 * 2 + 1000 * 4 + 100 * 8;
+const BACKBONE: u64 = 1024 * 256 * 2;
+const KIB: u64 = 1 << 10;
+const MIB: u64 = 1 << 20;
+
+fn stages(extra: &str) -> String {
+    format!(
+        "pinned = [\"backbone\"]\n{MODELS}{extra}\n\
+         [[stages]]\nname = \"setup\"\n\n\
+         [[stages]]\nname = \"encode\"\nmodels = [\"backbone\", \"encoder\"]\nworking = \"64K\"\n\n\
+         [[stages]]\nname = \"both\"\nmodels = [\"encoder\", \"decoder\"]\n\n\
+         [[stages]]\nname = \"decode\"\nmodels = [\"decoder\"]\nworking = \"512K\"\n\n\
+         [[stages]]\nname = \"again\"\nmodels = [\"encoder\"]\n"
+    )
+}
+
+#[test]
+fn model_sizes_come_from_the_headers_of_every_file() {
+    let path = fixture("sizes", &stages(""));
+    let pipeline = Pipeline::load(&path).unwrap();
+    let sizes: Vec<(&str, u64, usize, usize)> =
+        pipeline.models.iter().map(|m| (m.name.as_str(), m.bytes, m.tensors, m.files.len())).collect();
+    assert_eq!(sizes, [("encoder", ENCODER, 1, 1), ("decoder", DECODER, 3, 2), ("backbone", BACKBONE, 1, 1)]);
+    assert!(pipeline.models[0].files[0].starts_with(path.parent().unwrap()), "files are relative to the pipeline file");
+}
+
+#[test]
+fn a_load_dtype_changes_resident_bytes_not_bytes_read() {
+    let text = stages("").replace("files = [\"encoder.safetensors\"]", "files = [\"encoder.safetensors\"]\ndtype = \"bf16\"");
+    let pipeline = Pipeline::load(&fixture("dtype", &text)).unwrap();
+    let encoder = pipeline.model("encoder").unwrap();
+    assert_eq!((encoder.bytes, encoder.file_bytes), (ENCODER / 2, ENCODER));
+}
+
+fn names(list: &[String]) -> Vec<&str> {
+    list.iter().map(String::as_str).collect()
+}
+
+#[test]
+fn the_staged_plan_counts_kept_models_once_and_reloads_again() {
+    let pipeline = Pipeline::load(&fixture("staged", &stages(""))).unwrap();
+    let plan = plan(&pipeline, Budget::given(64 * MIB), None);
+    let rows: Vec<(&str, Vec<&str>, Vec<&str>, Vec<&str>, u64)> = plan
+        .stages
+        .iter()
+        .map(|s| (s.name.as_str(), names(&s.resident), names(&s.loaded), names(&s.released), s.need))
+        .collect();
+    assert_eq!(
+        rows,
+        [
+            ("setup", vec![], vec![], vec![], 0),
+            ("encode", vec!["backbone", "encoder"], vec!["backbone", "encoder"], vec![], BACKBONE + ENCODER + 64 * KIB),
+            // The pinned backbone stays; the encoder, listed again, is kept and counted once.
+            ("both", vec!["backbone", "encoder", "decoder"], vec!["decoder"], vec![], BACKBONE + ENCODER + DECODER),
+            ("decode", vec!["backbone", "decoder"], vec![], vec!["encoder"], BACKBONE + DECODER + 512 * KIB),
+            ("again", vec!["backbone", "encoder"], vec!["encoder"], vec!["decoder"], BACKBONE + ENCODER),
+        ]
+    );
+    assert_eq!(plan.stages[4].reloaded, ["encoder"]);
+    assert_eq!(plan.read, BACKBONE + 2 * ENCODER + DECODER, "the reload reads the encoder again");
+    assert_eq!(plan.eager.read, BACKBONE + ENCODER + DECODER);
+    assert_eq!((plan.peak_stage.as_str(), plan.peak_need), ("both", BACKBONE + ENCODER + DECODER));
+    assert_eq!(plan.eager.need, BACKBONE + ENCODER + DECODER + 512 * KIB);
+    assert_eq!(plan.eager.peak_stage, "decode");
+    assert!(plan.fits && plan.stages.iter().all(|s| s.verdict == Verdict::Fits));
+    let text = plan.render();
+    for expected in ["stage again: resident backbone, encoder", "reloads encoder", "peak stage: both", "=> fits"] {
+        assert!(text.contains(expected), "{expected} missing:\n{text}");
+    }
+}
+
+#[test]
+fn verdict_boundaries() {
+    let budget = Budget { total: 100, available: 60, source: BudgetSource::Machine };
+    assert_eq!(Verdict::of(60, Some(&budget)), Verdict::Fits);
+    assert_eq!(Verdict::of(61, Some(&budget)), Verdict::FitsIfFreed { free: 1 });
+    assert_eq!(Verdict::of(100, Some(&budget)), Verdict::FitsIfFreed { free: 40 });
+    assert_eq!(Verdict::of(101, Some(&budget)), Verdict::DoesNotFit { by: 1 });
+    assert_eq!(Verdict::of(1, None), Verdict::NotChecked);
+    assert_eq!(Verdict::of(0, None), Verdict::Fits);
+    assert!(Verdict::FitsIfFreed { free: 1 }.fits() && !Verdict::DoesNotFit { by: 1 }.fits());
+    assert_eq!(Verdict::DoesNotFit { by: 3 << 30 }.describe(), "does not fit by 3.0 GiB");
+}
+
+#[test]
+fn staging_fits_where_eager_does_not() {
+    let pipeline = Pipeline::load(&fixture("fit", &stages(""))).unwrap();
+    let peak = BACKBONE + ENCODER + DECODER;
+    let plan = plan(&pipeline, Budget::given(peak), None);
+    assert!(plan.fits);
+    assert_eq!(plan.eager.verdict, Verdict::DoesNotFit { by: 512 * KIB });
+    let plan = stageload_plan::plan(&pipeline, Budget::given(peak - 1), None);
+    assert!(!plan.fits);
+    assert_eq!(plan.stages[2].verdict, Verdict::DoesNotFit { by: 1 });
+    assert!(plan.render().contains("=> does not fit"));
+}
+
+#[test]
+fn device_models_are_checked_against_the_device_budget() {
+    let text = stages("").replace("files = [\"decoder-1.safetensors\", \"decoder-2.safetensors\"]", "files = [\"decoder-1.safetensors\", \"decoder-2.safetensors\"]\ndevice = \"cuda:0\"");
+    let pipeline = Pipeline::load(&fixture("device", &text)).unwrap();
+    let unchecked = plan(&pipeline, Budget::given(64 * MIB), None);
+    assert_eq!(unchecked.stages[2].device_verdict, Verdict::NotChecked);
+    assert_eq!(unchecked.stages[2].weights, BACKBONE + ENCODER, "the decoder is not in host memory");
+    let checked = plan(&pipeline, Budget::given(64 * MIB), Some(Budget::given(DECODER)));
+    assert_eq!(checked.stages[2].device_verdict, Verdict::Fits);
+    let tight = plan(&pipeline, Budget::given(64 * MIB), Some(Budget::given(DECODER - 1)));
+    assert!(!tight.fits);
+}
+
+fn error_of(name: &str, pipeline: &str) -> String {
+    match Pipeline::load(&fixture(name, pipeline)) {
+        Ok(_) => panic!("{name}: accepted"),
+        Err(error) => error.to_string(),
+    }
+}
+
+#[test]
+fn bad_pipeline_files_name_what_is_wrong() {
+    let cases = [
+        ("dup-model", format!("{MODELS}{MODELS}[[stages]]\nname = \"s\"\n"), "model 'encoder' is described twice"),
+        ("dup-stage", stages("") + "\n[[stages]]\nname = \"setup\"\n", "stage 'setup' is described twice"),
+        ("unknown-model", stages("") + "\n[[stages]]\nname = \"x\"\nmodels = [\"vae\"]\n", "stage 'x' names unknown model 'vae'"),
+        ("no-files", stages("\n[[models]]\nname = \"empty\"\nfiles = []\n"), "model 'empty' has no files"),
+        ("bad-dtype", stages("").replace("name = \"encoder\"", "name = \"encoder\"\ndtype = \"f12\""), "unknown dtype 'f12'"),
+        ("bad-device", stages("").replace("name = \"encoder\"", "name = \"encoder\"\ndevice = \"tpu\""), "unknown device 'tpu'"),
+        ("bad-pin", stages("").replace("pinned = [\"backbone\"]", "pinned = [\"vae\"]"), "pinned names unknown model 'vae'"),
+        ("bad-working", stages("").replace("working = \"64K\"", "working = \"lots\""), "stage 'encode': working: not a size"),
+        ("no-stages", MODELS.to_string(), "no stages"),
+        ("syntax", "[[models]\nname=".to_string(), "is not valid"),
+        ("unknown-field", stages("").replace("name = \"encoder\"", "name = \"encoder\"\nfile = \"x\""), "unknown field `file`"),
+    ];
+    for (name, text, expected) in cases {
+        let error = error_of(name, &text);
+        assert!(error.contains(expected) && error.contains("pipeline.toml"), "{name}: {error}");
+    }
+    let missing = Pipeline::load(Path::new("/no/such/pipeline.toml")).unwrap_err();
+    assert!(matches!(missing, PipelineError::Read { .. }) && missing.to_string().contains("/no/such/pipeline.toml"));
+}
+
+#[test]
+fn bad_checkpoints_name_the_model_and_the_file() {
+    let dir = scratch("bad-checkpoints");
+    let pipeline_for = |file: &str| format!("[[models]]\nname = \"m\"\nfiles = [\"{file}\"]\n[[stages]]\nname = \"s\"\nmodels = [\"m\"]\n");
+    let write = |name: &str, bytes: &[u8]| std::fs::write(dir.join(name), bytes).unwrap();
+    let header = |json: &str| [&(json.len() as u64).to_le_bytes()[..], json.as_bytes()].concat();
+    write("huge-header.safetensors", &[&(1u64 << 40).to_le_bytes()[..], b"{}"].concat());
+    write("not-json.safetensors", &header("{not json"));
+    write("bad-dtype.safetensors", &[header(r#"{"w":{"dtype":"Q7","shape":[2],"data_offsets":[0,2]}}"#), vec![0, 0]].concat());
+    write("truncated.safetensors", &[header(r#"{"w":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}}"#), vec![0; 8]].concat());
+    write("tiny.safetensors", b"abc");
+    let cases = [
+        ("missing.safetensors", "No such file"),
+        ("huge-header.safetensors", "larger than the file"),
+        ("not-json.safetensors", "not a valid safetensors header"),
+        ("bad-dtype.safetensors", "Q7"),
+        ("truncated.safetensors", "truncated"),
+        ("tiny.safetensors", "too short"),
+    ];
+    for (file, expected) in cases {
+        let path = dir.join(format!("{file}.toml"));
+        std::fs::write(&path, pipeline_for(file)).unwrap();
+        let error = Pipeline::load(&path).unwrap_err().to_string();
+        assert!(error.contains("model 'm'") && error.contains(file) && error.contains(expected), "{file}: {error}");
+    }
+}
+
+#[test]
+fn the_json_schema_is_stable() {
+    let pipeline = Pipeline::load(&fixture("json", &stages(""))).unwrap();
+    let json = serde_json::to_value(plan(&pipeline, Budget::given(64 * MIB), None)).unwrap();
+    let keys = |value: &serde_json::Value| {
+        let mut keys: Vec<String> = value.as_object().unwrap().keys().cloned().collect();
+        keys.sort();
+        keys
+    };
+    assert_eq!(json["schema"], 1);
+    assert_eq!(
+        keys(&json),
+        ["budget", "device_budget", "device_peak_need", "eager", "fits", "models", "peak_need", "peak_stage", "pipeline", "read", "schema", "stages"]
+    );
+    assert_eq!(
+        keys(&json["stages"][0]),
+        ["device_need", "device_verdict", "device_weights", "loaded", "name", "need", "read", "released", "reloaded", "resident", "verdict", "weights"]
+    );
+    assert_eq!(keys(&json["eager"]), ["device_need", "device_verdict", "device_weights", "need", "peak_stage", "read", "verdict", "weights"]);
+    assert_eq!(keys(&json["models"][0]), ["bytes", "device", "dtype", "file_bytes", "files", "name", "placement", "tensors"]);
+    assert_eq!(json["stages"][1]["verdict"], serde_json::json!({"kind": "fits"}));
+    assert_eq!(json["budget"], serde_json::json!({"total": 64 * MIB, "available": 64 * MIB, "source": "flag"}));
+}
