@@ -13,7 +13,7 @@
 //! state they preserve is global), and two threads asking for one model build it once.
 
 use std::any::Any;
-use std::collections::{BTreeMap, BTreeSet, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::marker::PhantomData;
 use std::path::PathBuf;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -381,9 +381,30 @@ pub struct StagedModelsBuilder {
     rngs: Vec<Arc<dyn RngSnapshot>>,
     preserve_rng: bool,
     strict: bool,
+    planned_checkpoints: HashMap<String, Vec<PathBuf>>,
+    planned_models: Vec<String>,
 }
 
 impl StagedModelsBuilder {
+    /// Takes the stages (in order), the pins and each model's checkpoint files from a pipeline
+    /// description, the file `stageload plan` checked, so the plan that was checked is the plan
+    /// that runs. Loaders still come from [`model`](Self::model): a model of the file without
+    /// one is a [`StageError::PlanWithoutLoader`] at [`build`](Self::build). A `ModelSpec` that
+    /// declares no checkpoint gets the file's.
+    pub fn pipeline(mut self, pipeline: &stageload_plan::Pipeline) -> Self {
+        for stage in &pipeline.stages {
+            self = self.stage(stage.name.clone(), stage.models.iter().cloned());
+        }
+        for name in &pipeline.pinned {
+            self = self.pin(name.clone());
+        }
+        for model in &pipeline.models {
+            self.planned_checkpoints.insert(model.name.clone(), model.files.clone());
+            self.planned_models.push(model.name.clone());
+        }
+        self
+    }
+
     pub fn model(mut self, spec: ModelSpec) -> Self {
         self.specs.push(spec);
         self
@@ -432,7 +453,11 @@ impl StagedModelsBuilder {
             if slots.iter().any(|s| s.name == spec.name) {
                 return Err(StageError::DuplicateModel { name: spec.name });
             }
-            slots.push(Slot { name: spec.name, loader: Some(spec.loader), checkpoint: spec.checkpoint, state: SlotState::Unloaded, loads: 0 });
+            let checkpoint = match (spec.checkpoint.is_empty(), self.planned_checkpoints.get(&spec.name)) {
+                (true, Some(planned)) => planned.clone(),
+                _ => spec.checkpoint,
+            };
+            slots.push(Slot { name: spec.name, loader: Some(spec.loader), checkpoint, state: SlotState::Unloaded, loads: 0 });
         }
         let known: HashSet<&str> = slots.iter().map(|s| s.name.as_str()).collect();
         let unknown: BTreeSet<String> = self
@@ -440,6 +465,7 @@ impl StagedModelsBuilder {
             .iter()
             .flat_map(|(_, m)| m.iter())
             .chain(self.pinned.iter())
+            .chain(self.planned_models.iter())
             .filter(|n| !known.contains(n.as_str()))
             .cloned()
             .collect();
@@ -479,7 +505,17 @@ enum Plan {
 
 impl StagedModels {
     pub fn builder() -> StagedModelsBuilder {
-        StagedModelsBuilder { specs: Vec::new(), stages: Vec::new(), pinned: Vec::new(), sink: None, rngs: Vec::new(), preserve_rng: true, strict: false }
+        StagedModelsBuilder {
+            specs: Vec::new(),
+            stages: Vec::new(),
+            pinned: Vec::new(),
+            sink: None,
+            rngs: Vec::new(),
+            preserve_rng: true,
+            strict: false,
+            planned_checkpoints: HashMap::new(),
+            planned_models: Vec::new(),
+        }
     }
 
     fn state(&self) -> MutexGuard<'_, State> {

@@ -17,8 +17,6 @@ fn spec(name: &str, width: i64) -> ModelSpec {
     ModelSpec::new(name, move |_| Ok(build_mlp(width)))
 }
 
-
-
 fn two_stage(sink: Arc<ListSink>) -> StagedModels {
     StagedModels::builder()
         .model(spec("encoder", 16))
@@ -329,4 +327,40 @@ fn a_replacement_that_shares_weights_keeps_them_and_removal_unpins() {
     models.insert("swap", build_mlp(4)).unwrap();
     models.enter("encode").unwrap();
     assert!(!models.resident().contains(&"swap".to_string()), "the removed pin does not come back with the name");
+}
+
+#[test]
+fn the_pipeline_file_that_plan_checks_is_the_plan_that_runs() {
+    let dir = std::env::temp_dir().join(format!("stageload-staged-pipeline-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    // Checkpoints written from a reference model; the loaders below build fresh random ones.
+    let vs = VarStore::new(Device::Cpu);
+    let reference = mlp(&vs, 16);
+    let reference_out = reference.forward(&input(16));
+    let tensors: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
+    for name in ["encoder", "decoder"] {
+        stageload::checkpoint::save(&tensors, dir.join(format!("{name}.safetensors"))).unwrap();
+    }
+    let toml = "pinned = [\"encoder\"]\n\
+        [[models]]\nname = \"encoder\"\nfiles = [\"encoder.safetensors\"]\n\
+        [[models]]\nname = \"decoder\"\nfiles = [\"decoder.safetensors\"]\n\
+        [[stages]]\nname = \"encode\"\nmodels = [\"encoder\"]\n\
+        [[stages]]\nname = \"decode\"\nmodels = [\"decoder\"]\n";
+    let path = dir.join("pipeline.toml");
+    std::fs::write(&path, toml).unwrap();
+    let pipeline = stageload::Pipeline::load(&path).unwrap();
+
+    let models = StagedModels::builder().pipeline(&pipeline).model(spec("encoder", 16)).model(spec("decoder", 16)).build().unwrap();
+    assert_eq!(models.stage_models("decode").unwrap(), ["decoder"]);
+    models.enter("encode").unwrap();
+    let encoder = models.get::<Mlp>("encoder").unwrap();
+    assert!(encoder.lock().unwrap().forward(&input(16)).equal(&reference_out), "weights came from the file's checkpoint");
+    models.enter("decode").unwrap();
+    models.get::<Mlp>("decoder").unwrap();
+    assert_eq!(models.resident(), ["encoder", "decoder"], "the file's pin holds");
+
+    // A model of the file without a loader is refused, by name.
+    let err = StagedModels::builder().pipeline(&pipeline).model(spec("encoder", 16)).build().err().unwrap();
+    assert!(matches!(&err, StageError::PlanWithoutLoader { names } if names == &["decoder"]), "{err}");
+    std::fs::remove_dir_all(&dir).unwrap();
 }
