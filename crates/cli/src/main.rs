@@ -1,9 +1,11 @@
 //! `stageload`: the torch-free command line. `guard` runs one heavy command only when there is
 //! room and stops it before it takes the machine down (see [`guard`]); `plan` says before a run
-//! whether a staged pipeline fits this machine (see [`plan`]).
+//! whether a staged pipeline fits this machine (see [`plan`]); `summary` and `plot` show where a
+//! recorded run's memory went (see [`trace`]).
 
 mod guard;
 mod plan;
+mod trace;
 
 use std::process::ExitCode;
 
@@ -20,6 +22,8 @@ struct Cli {
 enum Commands {
     Guard(guard::GuardArgs),
     Plan(plan::PlanArgs),
+    Summary(trace::SummaryArgs),
+    Plot(trace::PlotArgs),
 }
 
 fn main() -> ExitCode {
@@ -27,6 +31,8 @@ fn main() -> ExitCode {
     let code = match cli.command {
         Commands::Guard(args) => guard::run(args),
         Commands::Plan(args) => plan::run(args),
+        Commands::Summary(args) => trace::summary(args),
+        Commands::Plot(args) => trace::plot(args),
     };
     ExitCode::from(u8::try_from(code).unwrap_or(u8::MAX))
 }

@@ -1,0 +1,90 @@
+//! `stageload summary TRACE...` and `stageload plot TRACE... -o FILE`: what a recorded run's
+//! memory did, as tables (one per trace, and side by side for several) or as a chart.
+
+use std::path::PathBuf;
+
+use clap::Args;
+use stageload_trace::{plot, read_trace, summarize, table, Summary, Trace};
+
+/// Summarize traces: overall peak, per-stage windows and peaks, loads, releases, swap, errors;
+/// several traces also side by side (the first is the base of the differences).
+#[derive(Args)]
+#[command(after_help = "Exit codes: 0 done; 2 a trace is missing, broken inside, or of a newer schema.")]
+pub struct SummaryArgs {
+    /// JSONL traces written by the meter
+    #[arg(required = true)]
+    traces: Vec<PathBuf>,
+    /// Print the summaries as JSON (a list, one per trace)
+    #[arg(long)]
+    json: bool,
+}
+
+/// Draw memory over time: one panel per trace, stage bands, load and release markers.
+#[derive(Args)]
+#[command(after_help = "Exit codes: 0 done; 2 a trace cannot be read or the chart cannot be written.")]
+pub struct PlotArgs {
+    /// JSONL traces written by the meter
+    #[arg(required = true)]
+    traces: Vec<PathBuf>,
+    /// The chart: FILE.svg or FILE.png
+    #[arg(short, long, value_name = "FILE")]
+    output: PathBuf,
+    /// Width in pixels
+    #[arg(long, default_value_t = 1200)]
+    width: u32,
+}
+
+fn load(paths: &[PathBuf]) -> Result<Vec<(Trace, Summary)>, String> {
+    paths
+        .iter()
+        .map(|path| {
+            let trace = read_trace(path).map_err(|e| e.to_string())?;
+            let summary = summarize(&trace);
+            Ok((trace, summary))
+        })
+        .collect()
+}
+
+pub fn summary(args: SummaryArgs) -> i32 {
+    let loaded = match load(&args.traces) {
+        Ok(loaded) => loaded,
+        Err(error) => {
+            eprintln!("stageload summary: {error}");
+            return 2;
+        }
+    };
+    if args.json {
+        let summaries: Vec<&Summary> = loaded.iter().map(|(_, s)| s).collect();
+        println!("{}", serde_json::to_string_pretty(&summaries).expect("summaries are plain data"));
+        return 0;
+    }
+    for (trace, summary) in &loaded {
+        println!("{}", table::render(summary, &trace.path));
+    }
+    if loaded.len() > 1 {
+        let labelled: Vec<(String, &Summary)> = loaded.iter().map(|(t, s)| (table::label(s, &t.path), s)).collect();
+        println!("side by side (peak per stage):\n{}", table::compare(&labelled));
+    }
+    0
+}
+
+pub fn plot(args: PlotArgs) -> i32 {
+    let loaded = match load(&args.traces) {
+        Ok(loaded) => loaded,
+        Err(error) => {
+            eprintln!("stageload plot: {error}");
+            return 2;
+        }
+    };
+    let traces: Vec<(String, &Trace, &Summary)> = loaded.iter().map(|(t, s)| (table::label(s, &t.path), t, s)).collect();
+    match plot::plot(&traces, &args.output, args.width) {
+        Ok(()) => {
+            println!("wrote {}", args.output.display());
+            0
+        }
+        Err(error) => {
+            eprintln!("stageload plot: {error}");
+            2
+        }
+    }
+}

@@ -1,0 +1,20 @@
+//! stageload-trace: where a run's memory went. Torch-free.
+//!
+//! - [`record`]: the JSONL trace format (header, samples, events, exact peaks, errors, end).
+//! - [`meter`]: the background sampler writing a trace while the pipeline runs.
+//! - [`reader`]: reading a trace back, tolerating a half-written last line.
+//! - [`summary`]: per-stage windows and peaks, loads, releases, swap, errors.
+//! - [`table`]: summaries as text, and several traces side by side.
+//! - [`plot`]: memory over time as SVG or PNG.
+
+pub mod meter;
+pub mod plot;
+pub mod reader;
+pub mod record;
+pub mod summary;
+pub mod table;
+
+pub use meter::{DeviceMemory, Meter, MeterOptions, MeterReadings, SystemMeterReadings};
+pub use reader::{read_trace, Trace, TraceError};
+pub use record::{EventRecord, Record};
+pub use summary::{summarize, StageWindow, Summary};

@@ -1,0 +1,343 @@
+//! The meter: a background thread that writes one `sample` line every interval (0.25 s by
+//! default), plus one sample at every event the pipeline reports, to a JSONL trace flushed per
+//! line, so a run killed with SIGKILL still leaves a readable trace.
+//!
+//! Exact per-stage peaks (Linux): the kernel's RSS high-water mark is reset when a window begins
+//! and read when it ends, and written as a `peak` record, so a spike between two samples is not
+//! lost. A window ends at a `stage` event and again at each `release` that follows it at once
+//! (the memory being released still belongs to the previous stage), matching how the summary
+//! cuts windows.
+//!
+//! A reading that fails is written once as an `error` record per source and message; sampling
+//! goes on, and the same error after a recovery is written again.
+
+use std::collections::HashMap;
+use std::fs::{self, File};
+use std::io::{self, Write};
+use std::path::Path;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant, SystemTime};
+
+use serde_json::{Map, Value};
+use stageload_probe::{Pressure, ProbeError, ProcessMemory, SystemMemory};
+
+use crate::record::{millis, ErrorRecord, EventRecord, Header, PeakRecord, Record, Sample, SCHEMA_VERSION};
+
+/// Device memory from the torch side (CUDA's caching allocator).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeviceMemory {
+    pub allocated: u64,
+    pub reserved: u64,
+}
+
+/// Where the meter's readings come from. The defaults read this process and this machine;
+/// tests inject failing or scripted ones, the torch side adds the device.
+pub trait MeterReadings: Send {
+    fn process(&mut self) -> Result<ProcessMemory, ProbeError> {
+        stageload_probe::process_memory(std::process::id() as i32)
+    }
+    fn system(&mut self) -> Result<SystemMemory, ProbeError> {
+        stageload_probe::system_memory()
+    }
+    fn pressure(&mut self) -> Result<Option<Pressure>, ProbeError> {
+        stageload_probe::pressure()
+    }
+    /// Resets the process's high-water mark (a new window begins).
+    fn reset_peak(&mut self) -> Result<(), ProbeError> {
+        stageload_probe::reset_peak()
+    }
+    /// Device memory, when a device is in use.
+    fn device(&mut self) -> Option<Result<DeviceMemory, String>> {
+        None
+    }
+}
+
+type DeviceReader = Box<dyn FnMut() -> Result<DeviceMemory, String> + Send>;
+
+/// This process and this machine, plus an optional device reader.
+#[derive(Default)]
+pub struct SystemMeterReadings {
+    device: Option<DeviceReader>,
+}
+
+impl SystemMeterReadings {
+    /// Adds a device reader (the torch side gives one for CUDA).
+    pub fn with_device(reader: impl FnMut() -> Result<DeviceMemory, String> + Send + 'static) -> Self {
+        SystemMeterReadings { device: Some(Box::new(reader)) }
+    }
+}
+
+impl MeterReadings for SystemMeterReadings {
+    fn device(&mut self) -> Option<Result<DeviceMemory, String>> {
+        self.device.as_mut().map(|read| read())
+    }
+}
+
+/// How to meter a run.
+pub struct MeterOptions {
+    pub interval: Duration,
+    /// Where the models run, for the header: `cpu`, `cuda:0`, `mps`.
+    pub device: String,
+    /// The user's fields for the header (mode, seed, ...); kept under `meta`.
+    pub meta: Map<String, Value>,
+    pub readings: Box<dyn MeterReadings>,
+}
+
+impl Default for MeterOptions {
+    fn default() -> Self {
+        MeterOptions {
+            interval: Duration::from_millis(250),
+            device: "cpu".to_string(),
+            meta: Map::new(),
+            readings: Box::new(SystemMeterReadings::default()),
+        }
+    }
+}
+
+impl MeterOptions {
+    pub fn interval(mut self, interval: Duration) -> Self {
+        self.interval = interval;
+        self
+    }
+    pub fn device(mut self, device: impl Into<String>) -> Self {
+        self.device = device.into();
+        self
+    }
+    pub fn meta(mut self, key: impl Into<String>, value: impl Into<Value>) -> Self {
+        self.meta.insert(key.into(), value.into());
+        self
+    }
+    pub fn readings(mut self, readings: impl MeterReadings + 'static) -> Self {
+        self.readings = Box::new(readings);
+        self
+    }
+}
+
+/// What the writer side holds under one lock: the file, the readers, and the window state.
+struct Writer {
+    file: File,
+    readings: Box<dyn MeterReadings>,
+    /// The last error written per source; cleared when the source reads again.
+    errors: HashMap<&'static str, String>,
+    /// The stage whose window is open.
+    window: String,
+    /// Right after a stage event, releases still belong to this (previous) window.
+    release_tail: Option<String>,
+    /// Whether the peak can be reset here (Linux); else no `peak` records.
+    exact_peaks: bool,
+    finished: bool,
+}
+
+struct Shared {
+    origin: Instant,
+    writer: Mutex<Writer>,
+    stop: Mutex<bool>,
+    wake: Condvar,
+}
+
+/// A running meter. [`finish`](Meter::finish) (or dropping it) writes the last sample and the
+/// `end` record.
+pub struct Meter {
+    shared: Arc<Shared>,
+    thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl Writer {
+    fn write(&mut self, record: &Record) {
+        let mut line = serde_json::to_string(record).expect("records are plain data");
+        line.push('\n');
+        // One write per line, flushed at once: a killed run leaves whole lines. A full disk must
+        // not take the pipeline down; the line is lost.
+        let _ = self.file.write_all(line.as_bytes()).and_then(|()| self.file.flush());
+    }
+
+    /// Notes a reading's outcome: an error is written once per source and message.
+    fn outcome<T>(&mut self, t: f64, source: &'static str, result: Result<T, String>) -> Option<T> {
+        match result {
+            Ok(value) => {
+                self.errors.remove(source);
+                Some(value)
+            }
+            Err(error) => {
+                if self.errors.get(source) != Some(&error) {
+                    self.errors.insert(source, error.clone());
+                    self.write(&Record::Error(ErrorRecord { t, source: source.to_string(), error }));
+                }
+                None
+            }
+        }
+    }
+
+    fn sample(&mut self, t: f64) {
+        let process = self.readings.process().map_err(|e| e.to_string());
+        let process = self.outcome(t, "process", process);
+        let system = self.readings.system().map_err(|e| e.to_string());
+        let system = self.outcome(t, "system", system);
+        let pressure = self.readings.pressure().map_err(|e| e.to_string());
+        let pressure = self.outcome(t, "pressure", pressure).flatten();
+        let device = self.readings.device();
+        let device = device.and_then(|result| self.outcome(t, "device", result));
+        self.write(&Record::Sample(Sample {
+            t,
+            rss: process.map(|p| p.footprint.unwrap_or(p.rss)),
+            swap: process.and_then(|p| p.swap),
+            hwm: process.and_then(|p| p.peak),
+            available: system.as_ref().map(SystemMemory::budget_available),
+            swap_used: system.as_ref().map(|s| s.swap_used),
+            swap_total: system.as_ref().map(|s| s.swap_total),
+            cgroup_usage: system.as_ref().and_then(|s| s.cgroup.as_ref().map(|c| c.usage)),
+            cgroup_limit: system.as_ref().and_then(|s| s.cgroup.as_ref().map(|c| c.limit)),
+            psi_some: pressure.map(|p| p.some_avg10),
+            psi_full: pressure.map(|p| p.full_avg10),
+            device_allocated: device.map(|d| d.allocated),
+            device_reserved: device.map(|d| d.reserved),
+        }));
+    }
+
+    /// Ends the window of `stage` at `t`: writes its exact peak and starts a new one.
+    fn close_window(&mut self, t: f64, stage: String) {
+        if !self.exact_peaks {
+            return;
+        }
+        let peak = self.readings.process().map_err(|e| e.to_string());
+        if let Some(rss) = self.outcome(t, "peak", peak).and_then(|p| p.peak) {
+            self.write(&Record::Peak(PeakRecord { t, stage, rss }));
+        }
+        let reset = self.readings.reset_peak().map_err(|e| e.to_string());
+        self.outcome(t, "peak", reset);
+    }
+}
+
+impl Meter {
+    /// Creates (or truncates) the trace at `path`, writes the header and a first sample, and
+    /// starts sampling in the background.
+    pub fn start(path: impl AsRef<Path>, options: MeterOptions) -> io::Result<Meter> {
+        let path = path.as_ref();
+        if let Some(folder) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
+            fs::create_dir_all(folder)?;
+        }
+        let file = File::create(path)?;
+        let mut readings = options.readings;
+        let exact_peaks = readings.reset_peak().is_ok();
+        let total_memory = readings.system().map(|s| s.budget_total()).unwrap_or(0);
+        let mut writer = Writer {
+            file,
+            readings,
+            errors: HashMap::new(),
+            window: "setup".to_string(),
+            release_tail: None,
+            exact_peaks,
+            finished: false,
+        };
+        writer.write(&Record::Header(Header {
+            schema: SCHEMA_VERSION,
+            utc: humantime::format_rfc3339_seconds(SystemTime::now()).to_string(),
+            pid: std::process::id(),
+            host: fs::read_to_string("/proc/sys/kernel/hostname")
+                .or_else(|_| fs::read_to_string("/etc/hostname"))
+                .map(|h| h.trim().to_string())
+                .unwrap_or_default(),
+            os: std::env::consts::OS.to_string(),
+            total_memory,
+            device: options.device,
+            command: std::env::args().collect(),
+            interval: options.interval.as_secs_f64(),
+            meta: options.meta,
+        }));
+        let origin = Instant::now();
+        writer.sample(0.0);
+        let shared = Arc::new(Shared { origin, writer: Mutex::new(writer), stop: Mutex::new(false), wake: Condvar::new() });
+        let background = shared.clone();
+        let interval = options.interval;
+        let thread = std::thread::Builder::new().name("stageload-meter".into()).spawn(move || {
+            let mut stop = background.stop.lock().unwrap_or_else(|e| e.into_inner());
+            loop {
+                // Returns at once when finish() has already asked to stop.
+                let (guard, _) =
+                    background.wake.wait_timeout_while(stop, interval, |stopped| !*stopped).unwrap_or_else(|e| e.into_inner());
+                stop = guard;
+                if *stop {
+                    return;
+                }
+                let t = millis(background.origin.elapsed().as_secs_f64());
+                background.lock().sample(t);
+            }
+        })?;
+        Ok(Meter { shared, thread: Mutex::new(Some(thread)) })
+    }
+
+    /// Seconds since the meter started, for `at`.
+    pub fn t(&self, at: Instant) -> f64 {
+        millis(at.saturating_duration_since(self.shared.origin).as_secs_f64())
+    }
+
+    /// Writes an event that ended at `at`, then a sample. `record.t` and `record.start` are set
+    /// here.
+    pub fn event(&self, at: Instant, mut record: EventRecord) {
+        let t = self.t(at);
+        record.t = t;
+        record.start = record.seconds.map(|s| millis(t - s));
+        let mut writer = self.shared.lock();
+        if writer.finished {
+            return;
+        }
+        match record.kind.as_str() {
+            "stage" => {
+                let previous = std::mem::replace(&mut writer.window, record.stage.clone().unwrap_or_default());
+                writer.close_window(t, previous.clone());
+                writer.release_tail = Some(previous);
+            }
+            "release" => {
+                if let Some(previous) = writer.release_tail.clone() {
+                    writer.close_window(t, previous);
+                }
+            }
+            _ => writer.release_tail = None,
+        }
+        writer.write(&Record::Event(record));
+        writer.sample(t);
+    }
+
+    /// A `mark` event with a label (for example "pipeline loaded").
+    pub fn mark(&self, label: &str) {
+        self.event(Instant::now(), EventRecord { kind: "mark".into(), note: Some(label.into()), ..EventRecord::default() });
+    }
+
+    /// Takes one sample now.
+    pub fn sample(&self) {
+        let t = self.t(Instant::now());
+        self.shared.lock().sample(t);
+    }
+
+    /// Stops sampling, writes the last window's peak, a last sample and the `end` record.
+    pub fn finish(&self) {
+        *self.shared.stop.lock().unwrap_or_else(|e| e.into_inner()) = true;
+        self.shared.wake.notify_all();
+        if let Some(thread) = self.thread.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            let _ = thread.join();
+        }
+        let t = self.t(Instant::now());
+        let mut writer = self.shared.lock();
+        if writer.finished {
+            return;
+        }
+        let window = writer.window.clone();
+        writer.close_window(t, window);
+        writer.sample(t);
+        writer.write(&Record::End { t });
+        writer.finished = true;
+    }
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, Writer> {
+        self.writer.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+impl Drop for Meter {
+    fn drop(&mut self) {
+        self.finish();
+    }
+}

@@ -1,0 +1,137 @@
+//! Charts of memory over time with `plotters`: one panel per trace on shared axes, the RSS line,
+//! each stage as a band with its name, load (▲) and release (×) markers; SVG or PNG by the
+//! file's extension. Text uses DejaVu Sans compiled in (the `dejavu` crate), so charts render
+//! the same on a machine without fonts.
+
+use std::path::Path;
+use std::sync::Once;
+
+use plotters::coord::Shift;
+use plotters::prelude::*;
+use plotters::style::FontStyle;
+use thiserror::Error;
+
+use crate::reader::Trace;
+use crate::record::Record;
+use crate::summary::Summary;
+
+#[derive(Debug, Error)]
+pub enum PlotError {
+    #[error("cannot draw {path}: {message}")]
+    Draw { path: String, message: String },
+    #[error("{path}: give a file ending in .svg or .png")]
+    Format { path: String },
+}
+
+const GB: f64 = (1u64 << 30) as f64;
+const LINE_COLORS: [RGBColor; 4] = [RGBColor(196, 98, 16), RGBColor(31, 119, 180), RGBColor(44, 160, 44), RGBColor(148, 103, 189)];
+const BAND: RGBColor = RGBColor(235, 235, 235);
+
+fn register_font() {
+    static FONT: Once = Once::new();
+    FONT.call_once(|| {
+        // The bundled font is valid TrueType; were it not, text would be missing, not the chart.
+        let _ = plotters::style::register_font("sans-serif", FontStyle::Normal, dejavu::sans::regular());
+    });
+}
+
+/// Draws `traces` (with their summaries and labels) into `path` (.svg or .png), `width` pixels
+/// wide and 300 pixels per panel.
+pub fn plot(traces: &[(String, &Trace, &Summary)], path: &Path, width: u32) -> Result<(), PlotError> {
+    register_font();
+    let size = (width, 300 * traces.len().max(1) as u32 + 40);
+    let name = path.display().to_string();
+    let draw_error = |e: String| PlotError::Draw { path: name.clone(), message: e };
+    match path.extension().and_then(|e| e.to_str()).map(str::to_ascii_lowercase).as_deref() {
+        Some("svg") => {
+            let root = SVGBackend::new(path, size).into_drawing_area();
+            draw(&root, traces).map_err(draw_error)?;
+            root.present().map_err(|e| draw_error(e.to_string()))
+        }
+        Some("png") => {
+            let root = BitMapBackend::new(path, size).into_drawing_area();
+            draw(&root, traces).map_err(draw_error)?;
+            root.present().map_err(|e| draw_error(e.to_string()))
+        }
+        _ => Err(PlotError::Format { path: name }),
+    }
+}
+
+fn draw<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, traces: &[(String, &Trace, &Summary)]) -> Result<(), String> {
+    let error = |e: DrawingAreaErrorKind<DB::ErrorType>| e.to_string();
+    root.fill(&WHITE).map_err(error)?;
+    let root = root.titled("memory over time (RSS)", ("sans-serif", 20)).map_err(error)?;
+    let max_t = traces.iter().map(|(_, _, s)| s.stages.last().map_or(0.0, |w| w.start + w.seconds)).fold(1.0, f64::max);
+    let max_gb = traces.iter().map(|(_, _, s)| s.peak as f64 / GB).fold(0.1, f64::max) * 1.15;
+    for (index, ((label, trace, summary), panel)) in traces.iter().zip(root.split_evenly((traces.len().max(1), 1))).enumerate() {
+        let color = LINE_COLORS[index % LINE_COLORS.len()];
+        let caption = format!(
+            "{label}: peak {:.2} GB{}",
+            summary.peak as f64 / GB,
+            if summary.complete { "" } else { ", stopped (no end record)" }
+        );
+        let mut chart = ChartBuilder::on(&panel)
+            .caption(caption, ("sans-serif", 16))
+            .margin(8)
+            .x_label_area_size(32)
+            .y_label_area_size(52)
+            .build_cartesian_2d(0.0..max_t, 0.0..max_gb)
+            .map_err(error)?;
+        chart
+            .configure_mesh()
+            .disable_mesh()
+            .x_desc("seconds")
+            .y_desc("GB")
+            .label_style(("sans-serif", 12))
+            .draw()
+            .map_err(error)?;
+        // Stage bands, alternating, with their names at the top.
+        for (i, window) in summary.stages.iter().enumerate() {
+            let (start, end) = (window.start, window.start + window.seconds);
+            if i % 2 == 1 {
+                chart.draw_series(std::iter::once(Rectangle::new([(start, 0.0), (end, max_gb)], BAND.filled()))).map_err(error)?;
+            }
+            chart
+                .draw_series(std::iter::once(Text::new(window.stage.clone(), (start, max_gb * 0.97), ("sans-serif", 11))))
+                .map_err(error)?;
+        }
+        let points: Vec<(f64, f64)> = trace
+            .records
+            .iter()
+            .filter_map(|r| match r {
+                Record::Sample(s) => s.rss.map(|rss| (s.t, rss as f64 / GB)),
+                _ => None,
+            })
+            .collect();
+        chart
+            .draw_series(LineSeries::new(points.iter().copied(), color.stroke_width(2)))
+            .map_err(error)?
+            .label(label.clone())
+            .legend(move |(x, y)| PathElement::new([(x, y), (x + 16, y)], color.stroke_width(2)));
+        // The RSS just after an event, for placing its marker on the line.
+        let level_at = |t: f64| points.iter().find(|(pt, _)| *pt >= t).or(points.last()).map_or(0.0, |(_, gb)| *gb);
+        for record in &trace.records {
+            if let Record::Event(event) = record {
+                let at = (event.t, level_at(event.t));
+                match event.kind.as_str() {
+                    "load" | "reload" => {
+                        chart.draw_series(std::iter::once(TriangleMarker::new(at, 6, color.filled()))).map_err(error)?;
+                    }
+                    "release" => {
+                        chart.draw_series(std::iter::once(Cross::new(at, 5, BLACK.stroke_width(2)))).map_err(error)?;
+                    }
+                    _ => {}
+                }
+            }
+        }
+        chart
+            .configure_series_labels()
+            .label_font(("sans-serif", 12))
+            .background_style(WHITE.mix(0.8))
+            .border_style(BLACK)
+            .position(SeriesLabelPosition::UpperRight)
+            .draw()
+            .map_err(error)?;
+    }
+    Ok(())
+}

@@ -1,0 +1,149 @@
+//! The trace format: one JSON object per line, tagged by `type`. Times `t` are seconds since the
+//! meter started (monotonic, millisecond precision); sizes are bytes.
+//!
+//! | `type` | what |
+//! |---|---|
+//! | `header` | first line: schema version, pid, host, OS, total memory, device, command, interval, user `meta` (its own object, so it cannot overwrite the fields above) |
+//! | `sample` | the process's RSS, swap and high-water mark, the system's available memory and swap, cgroup usage and limit, memory pressure, device memory: each present only where the platform has it |
+//! | `event` | what the pipeline did: `stage`, `load`, `reload`, `release`, `mark`, `error`, with model, stage, bytes, seconds (loads also give their `start`) |
+//! | `peak` | the exact RSS high-water mark of the window that ends at `t` (Linux: `VmHWM`, reset at every window start), so a peak between two samples is not lost |
+//! | `error` | a reading that failed, once per distinct error and source |
+//! | `end` | last line; absent when the run was killed |
+
+use serde::{Deserialize, Serialize};
+
+/// The version of this format; a reader refuses traces of a newer one.
+pub const SCHEMA_VERSION: u32 = 1;
+
+/// One line of a trace.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum Record {
+    Header(Header),
+    Sample(Sample),
+    Event(EventRecord),
+    Peak(PeakRecord),
+    Error(ErrorRecord),
+    End { t: f64 },
+}
+
+impl Record {
+    /// The record's time, if it has one (every record but the header).
+    pub fn t(&self) -> Option<f64> {
+        match self {
+            Record::Header(_) => None,
+            Record::Sample(s) => Some(s.t),
+            Record::Event(e) => Some(e.t),
+            Record::Peak(p) => Some(p.t),
+            Record::Error(e) => Some(e.t),
+            Record::End { t } => Some(*t),
+        }
+    }
+}
+
+/// Who, where and what: the first line of a trace.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Header {
+    pub schema: u32,
+    /// Wall-clock start, RFC 3339 UTC to the second.
+    pub utc: String,
+    pub pid: u32,
+    pub host: String,
+    pub os: String,
+    /// Physical memory (or the cgroup limit in a limited cgroup), bytes.
+    pub total_memory: u64,
+    /// Where the models run: `cpu`, `cuda:0`, `mps`.
+    pub device: String,
+    /// The process's command line.
+    pub command: Vec<String>,
+    /// Seconds between background samples.
+    pub interval: f64,
+    /// The user's own fields (mode, seed, pipeline, ...).
+    #[serde(default)]
+    pub meta: serde_json::Map<String, serde_json::Value>,
+}
+
+/// The readings at one moment. Absent fields: not available on this platform, or the reading
+/// failed (an `error` record says so).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Sample {
+    pub t: f64,
+    /// Process resident set (Linux `VmRSS`; macOS physical footprint).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rss: Option<u64>,
+    /// Process swapped-out memory (Linux `VmSwap`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub swap: Option<u64>,
+    /// Process high-water mark since the current window began (Linux `VmHWM`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hwm: Option<u64>,
+    /// System memory available (`MemAvailable`, or the cgroup headroom).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub available: Option<u64>,
+    /// System swap used and total.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub swap_used: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub swap_total: Option<u64>,
+    /// The memory-limited cgroup's usage and limit, when the process runs in one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cgroup_usage: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cgroup_limit: Option<u64>,
+    /// Memory pressure, percent of the last 10 s (PSI some / full).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub psi_some: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub psi_full: Option<f64>,
+    /// Device (CUDA) memory allocated by tensors and reserved by the caching allocator.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device_allocated: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device_reserved: Option<u64>,
+}
+
+/// Something the pipeline did.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct EventRecord {
+    /// When the work ended.
+    pub t: f64,
+    /// `stage`, `load`, `reload`, `release`, `mark`, `error`.
+    pub kind: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
+    /// The stage current at the time (for `stage`: the stage entered).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stage: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bytes: Option<u64>,
+    /// How long the work took; it began at `start` = `t` − `seconds`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub seconds: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub start: Option<f64>,
+    /// `outside_stage`, `kept=N bytes`, a mark's label, an error message.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub note: Option<String>,
+}
+
+/// The exact RSS peak of the window of `stage` up to `t`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PeakRecord {
+    pub t: f64,
+    pub stage: String,
+    pub rss: u64,
+}
+
+/// A reading that failed.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ErrorRecord {
+    pub t: f64,
+    /// Which reading: `process`, `system`, `pressure`, `device`, `peak`.
+    pub source: String,
+    pub error: String,
+}
+
+/// Seconds rounded to milliseconds, as every `t` in a trace.
+pub fn millis(seconds: f64) -> f64 {
+    (seconds * 1000.0).round() / 1000.0
+}

@@ -1,0 +1,195 @@
+//! What a trace says: the overall peak, per-stage windows with their peaks and durations, loads,
+//! releases, swap, errors.
+//!
+//! Stage windows:
+//! 1. A window begins at its `stage` event, or, when `release` events follow that event at once
+//!    (in event order), at the last of those releases: until they finish, the memory still
+//!    belongs to the previous stage.
+//! 2. A synthetic `setup` window covers the time from 0 to the first stage (replaced by that
+//!    stage when it begins at 0).
+//! 3. Consecutive windows of the same name merge (the first start wins).
+//! 4. A window runs to the next one's start; the last one to the last sample.
+//! 5. Its peak is the largest of the samples in `[start, end)` (the last window includes its
+//!    end) and of the exact `peak` records that close it (`start < t ≤ end`).
+
+use serde::{Deserialize, Serialize};
+
+use crate::reader::Trace;
+use crate::record::{millis, EventRecord, Header, Record, Sample};
+
+/// One stage window.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StageWindow {
+    pub stage: String,
+    pub start: f64,
+    pub seconds: f64,
+    /// The window's peak RSS: exact where the kernel's high-water mark was recorded, else the
+    /// largest sample; `None` when nothing was measured inside it.
+    pub peak: Option<u64>,
+    /// The largest sample alone (what 0.25 s sampling saw).
+    pub sampled_peak: Option<u64>,
+}
+
+/// Loads and reloads.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Loads {
+    pub count: usize,
+    pub reloads: usize,
+    pub bytes: u64,
+    pub seconds: f64,
+    /// bytes / seconds, in 10^9 bytes per second.
+    pub gb_per_s: f64,
+}
+
+/// Releases.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Releases {
+    pub count: usize,
+    pub bytes: u64,
+}
+
+/// System swap at the first sample, its peak and at the last sample.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Swap {
+    pub start: u64,
+    pub peak: u64,
+    pub end: u64,
+}
+
+/// A reading that failed during the run.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ReadingError {
+    pub t: f64,
+    pub source: String,
+    pub error: String,
+}
+
+/// Everything [`summarize`] finds in a trace.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Summary {
+    pub header: Option<Header>,
+    /// The trace has its `end` record (the run was not killed).
+    pub complete: bool,
+    pub duration: f64,
+    /// The largest RSS seen (samples and exact peaks), and when.
+    pub peak: u64,
+    pub peak_t: f64,
+    pub stages: Vec<StageWindow>,
+    pub loads: Loads,
+    pub releases: Releases,
+    /// Models loaded outside the stage that listed them.
+    pub outside_stage: Vec<String>,
+    pub swap: Option<Swap>,
+    /// The process's own swapped-out memory at its peak.
+    pub process_swap_peak: Option<u64>,
+    pub min_available: Option<u64>,
+    pub device_allocated_peak: Option<u64>,
+    pub device_reserved_peak: Option<u64>,
+    pub errors: Vec<ReadingError>,
+}
+
+fn window_starts(events: &[&EventRecord]) -> Vec<(String, f64)> {
+    let mut starts = Vec::new();
+    for (i, event) in events.iter().enumerate() {
+        if event.kind != "stage" {
+            continue;
+        }
+        let tail = events[i + 1..].iter().take_while(|e| e.kind == "release").last();
+        starts.push((event.stage.clone().unwrap_or_default(), tail.map_or(event.t, |release| release.t)));
+    }
+    starts
+}
+
+/// Summarizes a trace's records.
+pub fn summarize(trace: &Trace) -> Summary {
+    let records = &trace.records;
+    let samples: Vec<&Sample> = records.iter().filter_map(|r| if let Record::Sample(s) = r { Some(s) } else { None }).collect();
+    let events: Vec<&EventRecord> = records.iter().filter_map(|r| if let Record::Event(e) = r { Some(e) } else { None }).collect();
+    let peaks: Vec<(f64, u64)> = records.iter().filter_map(|r| if let Record::Peak(p) = r { Some((p.t, p.rss)) } else { None }).collect();
+    let last_t = samples.last().map(|s| s.t).or_else(|| records.iter().filter_map(Record::t).last()).unwrap_or(0.0);
+
+    // Windows: synthetic setup, release-aware starts, consecutive repeats merged.
+    let mut windows: Vec<(String, f64)> = vec![("setup".to_string(), 0.0)];
+    for (stage, start) in window_starts(&events) {
+        if windows.len() == 1 && start <= 0.0 {
+            windows[0] = (stage, 0.0);
+        } else if windows.last().is_some_and(|(last, _)| *last == stage) {
+            continue;
+        } else {
+            windows.push((stage, start));
+        }
+    }
+    let stages = windows
+        .iter()
+        .enumerate()
+        .map(|(i, (stage, start))| {
+            let last = i + 1 == windows.len();
+            let end = windows.get(i + 1).map_or(last_t, |(_, next)| *next);
+            let sampled_peak = samples
+                .iter()
+                .filter(|s| s.t >= *start && (s.t < end || (last && s.t <= end)))
+                .filter_map(|s| s.rss)
+                .max();
+            let exact = peaks.iter().filter(|(t, _)| (*t > *start || i == 0) && *t <= end).map(|(_, rss)| *rss).max();
+            StageWindow {
+                stage: stage.clone(),
+                start: *start,
+                seconds: millis((end - start).max(0.0)),
+                peak: sampled_peak.max(exact),
+                sampled_peak,
+            }
+        })
+        .collect();
+
+    let (peak_t, peak) = samples
+        .iter()
+        .filter_map(|s| s.rss.map(|rss| (s.t, rss)))
+        .chain(peaks.iter().copied())
+        .max_by_key(|(_, rss)| *rss)
+        .unwrap_or((0.0, 0));
+    let loaded: Vec<&&EventRecord> = events.iter().filter(|e| e.kind == "load" || e.kind == "reload").collect();
+    let (bytes, seconds) = (loaded.iter().filter_map(|e| e.bytes).sum::<u64>(), loaded.iter().filter_map(|e| e.seconds).sum::<f64>());
+    let loads = Loads {
+        count: loaded.len(),
+        reloads: loaded.iter().filter(|e| e.kind == "reload").count(),
+        bytes,
+        seconds: millis(seconds),
+        gb_per_s: if seconds > 0.0 { bytes as f64 / seconds / 1e9 } else { 0.0 },
+    };
+    let released: Vec<&&EventRecord> = events.iter().filter(|e| e.kind == "release").collect();
+    let mut outside_stage: Vec<String> = loaded
+        .iter()
+        .filter(|e| e.note.as_deref().is_some_and(|n| n.contains("outside_stage")))
+        .filter_map(|e| e.model.clone())
+        .collect();
+    outside_stage.sort();
+    outside_stage.dedup();
+    let swaps: Vec<u64> = samples.iter().filter_map(|s| s.swap_used).collect();
+    Summary {
+        header: records.iter().find_map(|r| if let Record::Header(h) = r { Some(h.clone()) } else { None }),
+        complete: records.iter().any(|r| matches!(r, Record::End { .. })),
+        duration: millis(samples.last().map_or(0.0, |l| l.t - samples[0].t)),
+        peak,
+        peak_t,
+        stages,
+        loads,
+        releases: Releases { count: released.len(), bytes: released.iter().filter_map(|e| e.bytes).sum() },
+        outside_stage,
+        swap: (!swaps.is_empty()).then(|| Swap {
+            start: swaps[0],
+            peak: swaps.iter().copied().max().unwrap_or(0),
+            end: swaps[swaps.len() - 1],
+        }),
+        process_swap_peak: samples.iter().filter_map(|s| s.swap).max(),
+        min_available: samples.iter().filter_map(|s| s.available).min(),
+        device_allocated_peak: samples.iter().filter_map(|s| s.device_allocated).max(),
+        device_reserved_peak: samples.iter().filter_map(|s| s.device_reserved).max(),
+        errors: records
+            .iter()
+            .filter_map(|r| match r {
+                Record::Error(e) => Some(ReadingError { t: e.t, source: e.source.clone(), error: e.error.clone() }),
+                _ => None,
+            })
+            .collect(),
+    }
+}

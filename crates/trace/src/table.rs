@@ -1,0 +1,137 @@
+//! Summaries as text: one table per trace, and a side-by-side table of per-stage peaks for
+//! several traces (eager against staged) with the differences.
+
+use stageload_probe::units::format_bytes;
+
+use crate::summary::Summary;
+
+/// The name a trace goes by in tables and charts: its `mode` meta field, else the file stem.
+pub fn label(summary: &Summary, path: &std::path::Path) -> String {
+    summary
+        .header
+        .as_ref()
+        .and_then(|h| h.meta.get("mode"))
+        .and_then(|mode| mode.as_str().map(str::to_string))
+        .unwrap_or_else(|| path.file_stem().map_or("trace".into(), |s| s.to_string_lossy().into_owned()))
+}
+
+fn opt_bytes(value: Option<u64>) -> String {
+    value.map_or("-".to_string(), format_bytes)
+}
+
+/// One trace's summary as a table.
+pub fn render(summary: &Summary, path: &std::path::Path) -> String {
+    let mut out = format!("trace {} ({})", path.display(), label(summary, path));
+    if let Some(header) = &summary.header {
+        out += &format!(", pid {} on {}, device {}", header.pid, header.host, header.device);
+    }
+    out += if summary.complete { "\n" } else { ", ended without its end record (killed?)\n" };
+    out += &format!(
+        "peak {} at {:.1} s; {:.1} s in all\n",
+        format_bytes(summary.peak),
+        summary.peak_t,
+        summary.duration
+    );
+    let loads = &summary.loads;
+    out += &format!(
+        "loads: {} ({} reloads), {} in {:.2} s ({:.2} GB/s); releases: {}, {}\n",
+        loads.count,
+        loads.reloads,
+        format_bytes(loads.bytes),
+        loads.seconds,
+        loads.gb_per_s,
+        summary.releases.count,
+        format_bytes(summary.releases.bytes)
+    );
+    if let Some(swap) = summary.swap {
+        out += &format!(
+            "system swap: start {}, peak {}, end {}; process swap peak {}\n",
+            format_bytes(swap.start),
+            format_bytes(swap.peak),
+            format_bytes(swap.end),
+            opt_bytes(summary.process_swap_peak)
+        );
+    }
+    out += &format!("lowest available memory: {}\n", opt_bytes(summary.min_available));
+    if summary.device_allocated_peak.is_some() {
+        out += &format!(
+            "device: allocated peak {}, reserved peak {}\n",
+            opt_bytes(summary.device_allocated_peak),
+            opt_bytes(summary.device_reserved_peak)
+        );
+    }
+    if !summary.outside_stage.is_empty() {
+        out += &format!("loaded outside their stage: {}\n", summary.outside_stage.join(", "));
+    }
+    for error in &summary.errors {
+        out += &format!("reading failed at {:.1} s ({}): {}\n", error.t, error.source, error.error);
+    }
+    out += &format!("\n{:<16} {:>9} {:>9} {:>12} {:>12}\n", "stage", "start s", "time s", "peak", "sampled");
+    for stage in &summary.stages {
+        out += &format!(
+            "{:<16} {:>9.2} {:>9.2} {:>12} {:>12}\n",
+            stage.stage,
+            stage.start,
+            stage.seconds,
+            opt_bytes(stage.peak),
+            opt_bytes(stage.sampled_peak)
+        );
+    }
+    out
+}
+
+/// Several traces side by side: per-stage peaks, each against the first trace, and the totals.
+pub fn compare(summaries: &[(String, &Summary)]) -> String {
+    let Some((base_label, _)) = summaries.first() else { return String::new() };
+    let mut stages: Vec<String> = Vec::new();
+    for (_, summary) in summaries {
+        for window in &summary.stages {
+            if !stages.contains(&window.stage) {
+                stages.push(window.stage.clone());
+            }
+        }
+    }
+    let mut out = format!("{:<16}", "stage");
+    for (label, _) in summaries {
+        out += &format!(" {label:>12}");
+    }
+    for (label, _) in &summaries[1..] {
+        out += &format!(" {:>22}", format!("{label} - {base_label}"));
+        out += &format!(" {:>8}", format!("{base_label}/{label}"));
+    }
+    out += "\n";
+    let peak_of = |summary: &Summary, stage: &str| summary.stages.iter().find(|w| w.stage == stage).and_then(|w| w.peak);
+    let mut row = |name: &str, values: Vec<Option<u64>>| {
+        out += &format!("{name:<16}");
+        for value in &values {
+            out += &format!(" {:>12}", opt_bytes(*value));
+        }
+        for value in &values[1..] {
+            match (values[0], *value) {
+                (Some(base), Some(other)) => {
+                    let difference = other as i128 - base as i128;
+                    let sign = if difference < 0 { "-" } else { "+" };
+                    out += &format!(" {:>22}", format!("{sign}{}", format_bytes(difference.unsigned_abs() as u64)));
+                    out += &format!(" {:>8}", if other > 0 { format!("{:.2}x", base as f64 / other as f64) } else { "-".into() });
+                }
+                _ => out += &format!(" {:>22} {:>8}", "-", "-"),
+            }
+        }
+        out += "\n";
+    };
+    for stage in &stages {
+        row(stage, summaries.iter().map(|(_, s)| peak_of(s, stage)).collect());
+    }
+    row("overall peak", summaries.iter().map(|(_, s)| Some(s.peak)).collect());
+    row("bytes loaded", summaries.iter().map(|(_, s)| Some(s.loads.bytes)).collect());
+    out += &format!("{:<16}", "load seconds");
+    for (_, summary) in summaries {
+        out += &format!(" {:>12.2}", summary.loads.seconds);
+    }
+    out += &format!("\n{:<16}", "run seconds");
+    for (_, summary) in summaries {
+        out += &format!(" {:>12.2}", summary.duration);
+    }
+    out += "\n";
+    out
+}

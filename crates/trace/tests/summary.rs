@@ -1,0 +1,173 @@
+//! Reader and summary on hand-written traces: the original's worked examples, the release tail,
+//! repeated stages, exact peak records, loads, errors, and every way a file can be broken.
+
+use std::path::PathBuf;
+
+use stageload_trace::record::{EventRecord, PeakRecord, Record, Sample};
+use stageload_trace::{read_trace, summarize, table, Summary, Trace, TraceError};
+
+fn sample(t: f64, rss: u64) -> Record {
+    Record::Sample(Sample { t, rss: Some(rss), ..Sample::default() })
+}
+
+fn event(t: f64, kind: &str, stage: Option<&str>) -> Record {
+    Record::Event(EventRecord { t, kind: kind.into(), stage: stage.map(Into::into), ..EventRecord::default() })
+}
+
+fn stage(t: f64, name: &str) -> Record {
+    event(t, "stage", Some(name))
+}
+
+fn release(t: f64) -> Record {
+    event(t, "release", None)
+}
+
+fn summary_of(records: Vec<Record>) -> Summary {
+    summarize(&Trace { path: PathBuf::from("hand.jsonl"), records, skipped_last_line: false })
+}
+
+fn windows(summary: &Summary) -> Vec<(&str, f64, Option<u64>)> {
+    summary.stages.iter().map(|w| (w.stage.as_str(), w.seconds, w.peak)).collect()
+}
+
+#[test]
+fn a_stage_starts_after_the_releases_its_entry_set_off() {
+    // structure at 0.1; texture at 2.0 followed by a release at 2.1.
+    let summary = summary_of(vec![
+        sample(0.0, 100),
+        stage(0.1, "structure"),
+        sample(1.0, 300),
+        stage(2.0, "texture"),
+        release(2.1),
+        sample(3.0, 250),
+        sample(4.0, 120),
+    ]);
+    assert_eq!(windows(&summary), [("setup", 0.1, Some(100)), ("structure", 2.0, Some(300)), ("texture", 1.9, Some(250))]);
+}
+
+#[test]
+fn a_sample_during_the_release_tail_belongs_to_the_previous_stage() {
+    let summary = summary_of(vec![
+        sample(0.0, 10),
+        stage(1.0, "texture"),
+        sample(1.5, 300),
+        stage(5.0, "decode"),
+        sample(5.4, 290),
+        release(6.0),
+        sample(6.5, 40),
+        sample(7.5, 60),
+    ]);
+    assert_eq!(windows(&summary), [("setup", 1.0, Some(10)), ("texture", 5.0, Some(300)), ("decode", 1.5, Some(60))]);
+}
+
+#[test]
+fn an_explicit_setup_merges_with_the_synthetic_one_and_repeats_merge() {
+    let summary = summary_of(vec![
+        sample(0.0, 10),
+        stage(3.5, "setup"),
+        sample(4.0, 30),
+        stage(5.0, "structure"),
+        stage(5.5, "structure"),
+        sample(6.0, 20),
+    ]);
+    assert_eq!(windows(&summary), [("setup", 5.0, Some(30)), ("structure", 1.0, Some(20))]);
+    // A stage entered at 0 replaces the synthetic setup.
+    let summary = summary_of(vec![stage(0.0, "load"), sample(0.0, 5), sample(1.0, 7)]);
+    assert_eq!(windows(&summary), [("load", 1.0, Some(7))]);
+    // A load between the stage event and a release ends the tail.
+    let summary = summary_of(vec![sample(0.0, 1), stage(1.0, "a"), event(1.2, "load", Some("a")), release(1.5), sample(2.0, 2)]);
+    assert_eq!(summary.stages[1].start, 1.0);
+}
+
+#[test]
+fn exact_peak_records_raise_a_window_that_sampling_missed() {
+    let summary = summary_of(vec![
+        sample(0.0, 100),
+        Record::Peak(PeakRecord { t: 1.0, stage: "setup".into(), rss: 150 }),
+        stage(1.0, "spike"),
+        sample(1.0, 100),
+        Record::Peak(PeakRecord { t: 2.0, stage: "spike".into(), rss: 900 }),
+        stage(2.0, "after"),
+        release(2.2),
+        Record::Peak(PeakRecord { t: 2.2, stage: "spike".into(), rss: 950 }),
+        sample(2.2, 110),
+        Record::Peak(PeakRecord { t: 3.0, stage: "after".into(), rss: 120 }),
+        sample(3.0, 110),
+    ]);
+    let peaks: Vec<(&str, Option<u64>, Option<u64>)> =
+        summary.stages.iter().map(|w| (w.stage.as_str(), w.peak, w.sampled_peak)).collect();
+    assert_eq!(peaks, [("setup", Some(150), Some(100)), ("spike", Some(950), Some(100)), ("after", Some(120), Some(110))]);
+    assert_eq!((summary.peak, summary.peak_t), (950, 2.2));
+}
+
+#[test]
+fn loads_releases_outside_stage_swap_and_errors() {
+    let load = |t: f64, kind: &str, model: &str, bytes: u64, seconds: f64, note: Option<&str>| {
+        Record::Event(EventRecord {
+            t,
+            kind: kind.into(),
+            model: Some(model.into()),
+            bytes: Some(bytes),
+            seconds: Some(seconds),
+            note: note.map(Into::into),
+            ..EventRecord::default()
+        })
+    };
+    let summary = summary_of(vec![
+        Record::Sample(Sample { t: 0.0, rss: Some(1), swap_used: Some(100), available: Some(900), ..Sample::default() }),
+        load(1.0, "load", "encoder", 2_000_000_000, 1.0, None),
+        load(2.0, "reload", "encoder", 2_000_000_000, 0.5, Some("in_place")),
+        load(2.5, "load", "helper", 1_000_000_000, 0.5, Some("outside_stage")),
+        Record::Event(EventRecord { t: 3.0, kind: "release".into(), bytes: Some(2_000_000_000), ..EventRecord::default() }),
+        Record::Error(stageload_trace::record::ErrorRecord { t: 3.1, source: "system".into(), error: "cannot read /proc/meminfo".into() }),
+        Record::Sample(Sample { t: 4.0, rss: Some(2), swap_used: Some(400), available: Some(500), ..Sample::default() }),
+        Record::Sample(Sample { t: 5.0, rss: Some(1), swap_used: Some(300), ..Sample::default() }),
+        Record::End { t: 5.0 },
+    ]);
+    assert_eq!((summary.loads.count, summary.loads.reloads, summary.loads.bytes), (3, 1, 5_000_000_000));
+    assert_eq!((summary.loads.seconds, summary.loads.gb_per_s), (2.0, 2.5));
+    assert_eq!((summary.releases.count, summary.releases.bytes), (1, 2_000_000_000));
+    assert_eq!(summary.outside_stage, ["helper"]);
+    let swap = summary.swap.unwrap();
+    assert_eq!((swap.start, swap.peak, swap.end), (100, 400, 300));
+    assert_eq!(summary.min_available, Some(500));
+    assert_eq!(summary.errors.len(), 1);
+    assert!(summary.complete && summary.duration == 5.0);
+    let text = table::render(&summary, std::path::Path::new("run.jsonl"));
+    for expected in ["loads: 3 (1 reloads)", "2.50 GB/s", "loaded outside their stage: helper", "reading failed at 3.1 s (system)"] {
+        assert!(text.contains(expected), "{expected} missing:\n{text}");
+    }
+}
+
+#[test]
+fn side_by_side_table_gives_differences_and_ratios() {
+    let eager = summary_of(vec![sample(0.0, 4 << 30), stage(1.0, "decode"), sample(2.0, 6 << 30)]);
+    let staged = summary_of(vec![sample(0.0, 1 << 30), stage(1.0, "decode"), sample(2.0, 2 << 30)]);
+    let text = table::compare(&[("eager".into(), &eager), ("staged".into(), &staged)]);
+    assert!(text.contains("staged - eager") && text.contains("eager/staged"), "{text}");
+    let decode = text.lines().find(|l| l.starts_with("decode")).unwrap();
+    assert!(decode.contains("6.0 GiB") && decode.contains("2.0 GiB") && decode.contains("-4.0 GiB") && decode.contains("3.00x"), "{decode}");
+}
+
+fn write(name: &str, text: &str) -> PathBuf {
+    let path = std::env::temp_dir().join(format!("stageload-reader-{name}-{}.jsonl", std::process::id()));
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+#[test]
+fn the_reader_skips_only_a_half_written_last_line() {
+    let good = "{\"type\":\"sample\",\"t\":0.0,\"rss\":5}\n{\"type\":\"sample\",\"t\":0.5,\"rss\":7}\n";
+    let trace = read_trace(write("half", &format!("{good}{{\"type\":\"sam"))).unwrap();
+    assert!(trace.skipped_last_line && trace.records.len() == 2);
+    assert_eq!(summarize(&trace).peak, 7);
+    let error = read_trace(write("broken", &format!("{{\"type\":\"sample\",\"t\":0.0}}\nnot json\n{good}"))).unwrap_err();
+    assert!(matches!(error, TraceError::Broken { line: 2, .. }), "{error}");
+    assert!(error.to_string().contains("line 2"));
+    let error = read_trace(write("unknown-type", &format!("{good}{{\"type\":\"weird\",\"t\":1}}\n{good}"))).unwrap_err();
+    assert!(matches!(error, TraceError::Broken { line: 3, .. }), "{error}");
+    let newer = "{\"type\":\"header\",\"schema\":9,\"utc\":\"x\",\"pid\":1,\"host\":\"h\",\"os\":\"linux\",\"total_memory\":1,\"device\":\"cpu\",\"command\":[],\"interval\":0.25}\n";
+    assert!(matches!(read_trace(write("newer", newer)).unwrap_err(), TraceError::Schema { found: 9, .. }));
+    assert!(matches!(read_trace(write("empty", "\n\n")).unwrap_err(), TraceError::Empty { .. }));
+    assert!(read_trace("/no/such/trace.jsonl").unwrap_err().to_string().contains("/no/such/trace.jsonl"));
+}
