@@ -9,10 +9,12 @@
 //! - [`storage`]: release and reallocation of a model's storages through the shim.
 //! - [`hook`]: enter a stage when a module or closure you do not own is called.
 //! - [`events`]: what happened, for traces and tests.
+//! - [`meter`]: a run's memory and events as a JSONL trace (the meter of `stageload-trace`).
 
 pub mod checkpoint;
 pub mod events;
 pub mod hook;
+pub mod meter;
 pub mod rng;
 pub mod staged;
 pub mod storage;

@@ -1,0 +1,65 @@
+//! Traces of a StagedModels run: the meter of `stageload-trace` receives the registry's events
+//! (every load, reload, release and stage entry becomes a trace line followed by a sample), and
+//! its samples include CUDA allocator memory when the models run on a GPU.
+//!
+//! ```no_run
+//! # use std::sync::Arc;
+//! # use stageload::{meter, StagedModels};
+//! let meter = Arc::new(meter::start("run.jsonl", tch::Device::Cpu, meter::MeterOptions::default().meta("mode", "staged"))?);
+//! let models = StagedModels::builder().events(meter.clone()) /* models, stages */ .build()?;
+//! // ... run the pipeline ...
+//! meter.finish();
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+
+use std::path::Path;
+
+use tch::Device;
+
+use crate::events::{Event, EventKind, EventSink};
+pub use stageload_trace::{DeviceMemory, Meter, MeterOptions, SystemMeterReadings};
+
+/// The name of an event kind in a trace.
+fn kind_name(kind: EventKind) -> &'static str {
+    match kind {
+        EventKind::Load => "load",
+        EventKind::Reload => "reload",
+        EventKind::Release => "release",
+        EventKind::Stage => "stage",
+        EventKind::Mark => "mark",
+        EventKind::Error => "error",
+    }
+}
+
+impl EventSink for Meter {
+    fn emit(&self, event: &Event) {
+        self.event(
+            event.at,
+            stageload_trace::EventRecord {
+                kind: kind_name(event.kind).to_string(),
+                model: event.model.clone(),
+                stage: event.stage.clone(),
+                bytes: event.bytes,
+                seconds: event.seconds,
+                note: event.note.clone(),
+                ..Default::default()
+            },
+        );
+    }
+}
+
+/// Starts a meter for a pipeline whose models run on `device`: the header names the device, and
+/// on CUDA every sample carries the allocator's allocated and reserved bytes.
+pub fn start(path: impl AsRef<Path>, device: Device, options: MeterOptions) -> std::io::Result<Meter> {
+    let options = match device {
+        Device::Cuda(index) => options.device(format!("cuda:{index}")).readings(SystemMeterReadings::with_device(move || {
+            stageload_torch_sys::cuda_memory(index)
+                .map(|m| DeviceMemory { allocated: m.allocated, reserved: m.reserved })
+                .map_err(|e| e.to_string())
+        })),
+        Device::Mps => options.device("mps"),
+        Device::Vulkan => options.device("vulkan"),
+        Device::Cpu => options.device("cpu"),
+    };
+    Meter::start(path, options)
+}
