@@ -65,6 +65,16 @@ pub fn summary(args: SummaryArgs) -> i32 {
         let labelled: Vec<(String, &Summary)> = loaded.iter().map(|(t, s)| (table::label(s, &t.path), s)).collect();
         println!("side by side (peak per stage):\n{}", table::compare(&labelled));
     }
+    if let [(_, eager), (_, staged)] = loaded.as_slice() {
+        let checks = table::against_eager(eager, staged);
+        if !checks.is_empty() {
+            println!(
+                "second against first, per stage (expected = its own weights + the working memory the first run shows;\n\
+                 ratio = peak / expected, at most 1.05 when nothing is left over from earlier stages):\n{}",
+                table::render_checks(&checks)
+            );
+        }
+    }
     0
 }
 

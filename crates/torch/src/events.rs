@@ -49,6 +49,10 @@ pub struct Event {
     /// Extra detail: `outside_stage`, `kept=N bytes`, `in_place`, `rebuilt`, an error message.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub note: Option<String>,
+    /// Bytes of weights the registry holds right after this event (loads, reloads, releases and
+    /// stage entries), shared storage counted once.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub resident: Option<u64>,
 }
 
 impl Event {
@@ -63,6 +67,7 @@ impl Event {
             bytes: None,
             seconds: None,
             note: None,
+            resident: None,
         }
     }
 }

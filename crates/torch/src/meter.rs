@@ -17,7 +17,7 @@ use std::path::Path;
 use tch::Device;
 
 use crate::events::{Event, EventKind, EventSink};
-pub use stageload_trace::{DeviceMemory, Meter, MeterOptions, SystemMeterReadings};
+pub use stageload_trace::{read_trace, summarize, DeviceMemory, Meter, MeterOptions, Summary, SystemMeterReadings};
 
 /// The name of an event kind in a trace.
 fn kind_name(kind: EventKind) -> &'static str {
@@ -42,6 +42,7 @@ impl EventSink for Meter {
                 bytes: event.bytes,
                 seconds: event.seconds,
                 note: event.note.clone(),
+                resident: event.resident,
                 ..Default::default()
             },
         );

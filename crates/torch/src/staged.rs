@@ -186,6 +186,11 @@ impl ModelSpec {
         ModelSpec { name: name.into(), loader: Arc::new(loader), checkpoint: Vec::new() }
     }
 
+    /// The model's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
     /// Declares the safetensors files holding every tensor of the model: they fill it after each
     /// build, and a released model comes back from them in place.
     pub fn checkpoint<P: Into<PathBuf>>(mut self, files: impl IntoIterator<Item = P>) -> Self {
@@ -198,6 +203,9 @@ impl ModelSpec {
 struct Instance {
     name: String,
     type_name: &'static str,
+    /// (identity, bytes) of each distinct storage: fixed at creation, read without the body
+    /// lock, so accounting never waits on (or deadlocks with) a model in use.
+    storage_sizes: Vec<(u64, u64)>,
     body: Mutex<Body>,
     released: Mutex<Option<Option<String>>>,
     holder: Mutex<Option<ThreadId>>,
@@ -215,6 +223,7 @@ impl Instance {
         Ok(Arc::new(Instance {
             name: name.to_string(),
             type_name,
+            storage_sizes: storages.iter().map(|s| (s.id, s.nbytes as u64)).collect(),
             body: Mutex::new(Body { model, tensors, storages }),
             released: Mutex::new(None),
             holder: Mutex::new(None),
@@ -234,7 +243,7 @@ impl Instance {
     }
 
     fn storage_ids(&self) -> HashSet<u64> {
-        self.lock_body().storages.iter().map(|s| s.id).collect()
+        self.storage_sizes.iter().map(|(id, _)| *id).collect()
     }
 
     fn lock_body(&self) -> MutexGuard<'_, Body> {
@@ -522,7 +531,10 @@ impl StagedModels {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    fn emit(&self, kind: EventKind, stage: Option<String>, model: Option<&str>, bytes: Option<u64>, seconds: Option<f64>, note: Option<String>) {
+    /// Sends an event to the sink. `resident` is what the registry holds after it (the weights
+    /// curve of a trace); the caller computes it because it may hold the state lock.
+    #[allow(clippy::too_many_arguments)]
+    fn emit(&self, kind: EventKind, stage: Option<String>, model: Option<&str>, bytes: Option<u64>, seconds: Option<f64>, note: Option<String>, resident: Option<u64>) {
         if let Some(sink) = &self.sink {
             let mut event = Event::now(kind);
             event.stage = stage;
@@ -530,6 +542,7 @@ impl StagedModels {
             event.bytes = bytes;
             event.seconds = seconds;
             event.note = note;
+            event.resident = resident;
             sink.emit(&event);
         }
     }
@@ -574,13 +587,16 @@ impl StagedModels {
 
     /// Bytes of the distinct storages of every resident model (shared storage counted once).
     pub fn resident_bytes(&self) -> u64 {
-        let state = self.state();
+        Self::resident_bytes_of(&self.state())
+    }
+
+    fn resident_bytes_of(state: &State) -> u64 {
         let mut seen = HashSet::new();
         let mut total = 0;
         for (_, instance) in state.resident() {
-            for s in &instance.lock_body().storages {
-                if seen.insert(s.id) {
-                    total += s.nbytes as u64;
+            for (id, bytes) in &instance.storage_sizes {
+                if seen.insert(*id) {
+                    total += bytes;
                 }
             }
         }
@@ -594,6 +610,12 @@ impl StagedModels {
             return Err(StageError::WrongType { model: name.to_string(), expected: std::any::type_name::<M>(), actual: instance.type_name });
         }
         Ok(Handle { instance, _model: PhantomData })
+    }
+
+    /// Builds (or brings back) `name` now without handing out a handle: for loading models up
+    /// front (eager runs) or ahead of the stage that uses them. Emits `load` or `reload`.
+    pub fn load(&self, name: &str) -> Result<()> {
+        self.instance(name).map(drop)
     }
 
     fn instance(&self, name: &str) -> Result<Arc<Instance>> {
@@ -656,13 +678,14 @@ impl StagedModels {
                     Plan::InPlace { .. } => (EventKind::Reload, Some("in_place")),
                 };
                 let note = [how, outside.then_some("outside_stage")].into_iter().flatten().collect::<Vec<_>>().join(",");
-                self.emit(kind, stage, Some(name), Some(bytes), Some(seconds), (!note.is_empty()).then_some(note));
+                let resident = Some(self.resident_bytes());
+                self.emit(kind, stage, Some(name), Some(bytes), Some(seconds), (!note.is_empty()).then_some(note), resident);
                 Ok(instance)
             }
             Err(err) => {
                 slot.state = previous;
                 drop(state);
-                self.emit(EventKind::Error, stage, Some(name), None, Some(seconds), Some(err.to_string()));
+                self.emit(EventKind::Error, stage, Some(name), None, Some(seconds), Some(err.to_string()), None);
                 Err(err)
             }
         }
@@ -687,7 +710,7 @@ impl StagedModels {
         }
         tensors.extend(shared.into_iter().map(|(n, t, _)| (n, t)));
         let instance = Instance::new(name, type_name, model, tensors)?;
-        let bytes = instance.lock_body().storages.iter().map(|s| s.nbytes as u64).sum();
+        let bytes = instance.storage_sizes.iter().map(|(_, bytes)| bytes).sum();
         Ok((instance, bytes))
     }
 
@@ -721,7 +744,7 @@ impl StagedModels {
             return Err(StageError::UnknownStage { stage: stage.to_string(), known: state.stages.keys().cloned().collect() });
         };
         state.current = Some(stage.to_string());
-        self.emit(EventKind::Stage, Some(stage.to_string()), None, None, None, None);
+        self.emit(EventKind::Stage, Some(stage.to_string()), None, None, None, None, Some(Self::resident_bytes_of(&state)));
         let leaving: Vec<String> = state
             .resident()
             .map(|(n, _)| n.to_string())
@@ -760,7 +783,8 @@ impl StagedModels {
         let stats = instance.release(&keep, &stage)?;
         state.slots[index].state = SlotState::Released { stage: stage.clone(), instance };
         let note = (stats.kept > 0).then(|| format!("kept={}", stats.kept));
-        self.emit(EventKind::Release, stage, Some(name), Some(stats.freed), Some(started.elapsed().as_secs_f64()), note);
+        let resident = Some(Self::resident_bytes_of(state));
+        self.emit(EventKind::Release, stage, Some(name), Some(stats.freed), Some(started.elapsed().as_secs_f64()), note, resident);
         Ok(stats)
     }
 
@@ -780,13 +804,18 @@ impl StagedModels {
     /// Emits a `mark` event with `label`.
     pub fn mark(&self, label: &str) {
         let stage = self.state().current.clone();
-        self.emit(EventKind::Mark, stage, None, None, None, Some(label.to_string()));
+        self.emit(EventKind::Mark, stage, None, None, None, Some(label.to_string()), None);
     }
 
-    /// Releases every resident model, pinned ones too, and refuses further loads.
+    /// Releases every resident model, pinned ones too, and refuses further loads. Emits a `close`
+    /// mark, then one `release` per model.
     pub fn close(&self) -> Result<ReleaseStats> {
         let mut state = self.state();
         let names: Vec<String> = state.resident().map(|(n, _)| n.to_string()).collect();
+        // A `close` mark first, so a trace does not read these releases as the tail of the last
+        // stage's entry.
+        let resident = Some(Self::resident_bytes_of(&state));
+        self.emit(EventKind::Mark, state.current.clone(), None, None, None, Some("close".into()), resident);
         let stats = self.release_all(&mut state, &names)?;
         state.current = None;
         state.closed = true;
@@ -804,7 +833,7 @@ impl StagedModels {
                 let old = Arc::clone(old);
                 let stage = state.current.clone();
                 let stats = old.release(&new_ids, &stage)?;
-                self.emit(EventKind::Release, stage, Some(name), Some(stats.freed), None, Some("replaced".into()));
+                self.emit(EventKind::Release, stage, Some(name), Some(stats.freed), None, Some("replaced".into()), None);
             }
             let slot = &mut state.slots[index];
             slot.state = SlotState::Resident(instance);

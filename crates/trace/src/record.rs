@@ -124,6 +124,9 @@ pub struct EventRecord {
     /// `outside_stage`, `kept=N bytes`, a mark's label, an error message.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub note: Option<String>,
+    /// Bytes of model weights resident right after the event.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resident: Option<u64>,
 }
 
 /// The exact RSS peak of the window of `stage` up to `t`.

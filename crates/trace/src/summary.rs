@@ -11,6 +11,8 @@
 //! 4. A window runs to the next one's start; the last one to the last sample.
 //! 5. Its peak is the largest of the samples in `[start, end)` (the last window includes its
 //!    end) and of the exact `peak` records that close it (`start < t ≤ end`).
+//! 6. Its weights are the largest `resident` of the events inside it, and of the last one at or
+//!    before its start (what it inherited).
 
 use serde::{Deserialize, Serialize};
 
@@ -28,6 +30,10 @@ pub struct StageWindow {
     pub peak: Option<u64>,
     /// The largest sample alone (what 0.25 s sampling saw).
     pub sampled_peak: Option<u64>,
+    /// The most model weight resident during the window (from the events' `resident`), when
+    /// the trace has it: the peak minus this is the stage's working memory and the process's base.
+    #[serde(default)]
+    pub weights: Option<u64>,
 }
 
 /// Loads and reloads.
@@ -131,12 +137,15 @@ pub fn summarize(trace: &Trace) -> Summary {
                 .filter_map(|s| s.rss)
                 .max();
             let exact = peaks.iter().filter(|(t, _)| (*t > *start || i == 0) && *t <= end).map(|(_, rss)| *rss).max();
+            let inherited = events.iter().filter(|e| e.t <= *start).filter_map(|e| e.resident).last();
+            let inside = events.iter().filter(|e| e.t > *start && e.t < end).filter_map(|e| e.resident).max();
             StageWindow {
                 stage: stage.clone(),
                 start: *start,
                 seconds: millis((end - start).max(0.0)),
                 peak: sampled_peak.max(exact),
                 sampled_peak,
+                weights: inherited.max(inside),
             }
         })
         .collect();

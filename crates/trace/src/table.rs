@@ -66,15 +66,82 @@ pub fn render(summary: &Summary, path: &std::path::Path) -> String {
     for error in &summary.errors {
         out += &format!("reading failed at {:.1} s ({}): {}\n", error.t, error.source, error.error);
     }
-    out += &format!("\n{:<16} {:>9} {:>9} {:>12} {:>12}\n", "stage", "start s", "time s", "peak", "sampled");
+    out += &format!("\n{:<16} {:>9} {:>9} {:>12} {:>12} {:>12}\n", "stage", "start s", "time s", "peak", "sampled", "weights");
     for stage in &summary.stages {
         out += &format!(
-            "{:<16} {:>9.2} {:>9.2} {:>12} {:>12}\n",
+            "{:<16} {:>9.2} {:>9.2} {:>12} {:>12} {:>12}\n",
             stage.stage,
             stage.start,
             stage.seconds,
             opt_bytes(stage.peak),
-            opt_bytes(stage.sampled_peak)
+            opt_bytes(stage.sampled_peak),
+            opt_bytes(stage.weights)
+        );
+    }
+    out
+}
+
+/// One stage of [`against_eager`]: what staging should hold and what it held.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct StageCheck {
+    pub stage: String,
+    pub staged_weights: u64,
+    /// Eager peak − eager weights: the stage's working memory plus the process's base.
+    pub working: u64,
+    /// `staged_weights + working`: the stage's own weights and working memory, nothing else.
+    pub expected: u64,
+    pub staged_peak: u64,
+    pub eager_peak: u64,
+}
+
+impl StageCheck {
+    /// Staged peak over what the stage needs (≤ 1.05: nothing left over from earlier stages).
+    pub fn ratio(&self) -> f64 {
+        self.staged_peak as f64 / self.expected.max(1) as f64
+    }
+}
+
+/// Checks a staged run against an eager run of the same pipeline, stage by stage: the staged
+/// peak against the stage's own weights plus the working memory the eager run shows. Stages
+/// missing a peak or weights in either trace are left out.
+pub fn against_eager(eager: &Summary, staged: &Summary) -> Vec<StageCheck> {
+    staged
+        .stages
+        .iter()
+        .filter_map(|window| {
+            let eager_window = eager.stages.iter().find(|w| w.stage == window.stage)?;
+            let (eager_peak, eager_weights) = (eager_window.peak?, eager_window.weights?);
+            let (staged_peak, staged_weights) = (window.peak?, window.weights?);
+            let working = eager_peak.saturating_sub(eager_weights);
+            Some(StageCheck {
+                stage: window.stage.clone(),
+                staged_weights,
+                working,
+                expected: staged_weights + working,
+                staged_peak,
+                eager_peak,
+            })
+        })
+        .collect()
+}
+
+/// [`against_eager`] as a table.
+pub fn render_checks(checks: &[StageCheck]) -> String {
+    let mut out = format!(
+        "{:<16} {:>14} {:>12} {:>12} {:>12} {:>12} {:>8} {:>12}\n",
+        "stage", "staged weights", "working", "expected", "staged peak", "eager peak", "ratio", "eager/staged"
+    );
+    for check in checks {
+        out += &format!(
+            "{:<16} {:>14} {:>12} {:>12} {:>12} {:>12} {:>8.3} {:>11.2}x\n",
+            check.stage,
+            format_bytes(check.staged_weights),
+            format_bytes(check.working),
+            format_bytes(check.expected),
+            format_bytes(check.staged_peak),
+            format_bytes(check.eager_peak),
+            check.ratio(),
+            check.eager_peak as f64 / check.staged_peak.max(1) as f64
         );
     }
     out
