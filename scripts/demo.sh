@@ -1,6 +1,30 @@
 #!/usr/bin/env bash
-# The README's main job: builds and runs the demo pipeline staged, on real libtorch.
+# The README's main job: the cascade demo pipeline run eager and staged, each in its own process
+# under `stageload guard`; both traces, the side-by-side summary, the chart, and whether the
+# latents matched bit for bit, in one folder (default target/demo; DEMO_OUT to change it).
+# Extra arguments go to the cascade example (for example --scale 0.1 for a quick run).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 eval "$(scripts/setup-libtorch.sh)"
-cargo run --example two_models -- "$@"
+out="${DEMO_OUT:-target/demo}"
+cargo build --example cascade
+cargo build -p stageload-cli --bin stageload
+mkdir -p "$out"
+stageload=target/debug/stageload
+for mode in eager staged; do
+    echo "== cascade, $mode, under stageload guard"
+    "$stageload" guard --wait-free 25 --start-timeout 10m --log "$out/guard-$mode.jsonl" -- \
+        target/debug/examples/cascade --mode "$mode" --trace "$out/$mode.jsonl" \
+        --fingerprints "$out/latents-$mode.txt" "$@" | tee "$out/$mode.log"
+done
+"$stageload" summary "$out/eager.jsonl" "$out/staged.jsonl" | tee "$out/summary.txt"
+"$stageload" plot "$out/eager.jsonl" "$out/staged.jsonl" -o "$out/memory.svg"
+"$stageload" plot "$out/eager.jsonl" "$out/staged.jsonl" -o "$out/memory.png"
+if cmp -s "$out/latents-eager.txt" "$out/latents-staged.txt"; then
+    echo "latents: eager and staged match bit for bit ($(wc -l < "$out/latents-staged.txt") fingerprints)"
+else
+    echo "latents: eager and staged DIFFER:"
+    diff "$out/latents-eager.txt" "$out/latents-staged.txt" || true
+    exit 1
+fi
+echo "everything is in $out/"

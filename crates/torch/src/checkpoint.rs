@@ -1,19 +1,25 @@
-//! Checkpoint I/O: safetensors files memory-mapped and copied once, straight into the storage of
-//! the tensors that receive them.
+//! Checkpoint I/O: safetensors files read once, straight into the storage of the tensors that
+//! receive them.
 //!
 //! `tch::nn::VarStore::load` reads the whole file into a `Vec`, builds a tensor per entry and then
-//! copies it into the variable: two transient copies of the model. Here the file is mapped, each
-//! entry is viewed in place as a CPU tensor and copied (with dtype conversion where needed) into
-//! its target, so the only extra memory is the page cache of the mapping.
+//! copies it into the variable: two transient copies of the model. Here only the headers are read
+//! at open; at load, an entry whose target is a contiguous CPU tensor of the same dtype is read
+//! with `pread` directly into the target's memory: no copy, no mapping, and the process's RSS
+//! grows by the model alone (a mapped file's pages would count in RSS while mapped). Entries that
+//! need a dtype conversion or go to a GPU pass through a buffer of one entry, converted by
+//! libtorch's `copy_`.
 //!
-//! Every check happens before the first byte is copied: each target has an entry, shapes match,
-//! dtypes convert, targets have storage. A failed check leaves every target as it was.
+//! Every check happens before the first byte is read: each target has an entry, shapes match,
+//! dtypes convert, targets have storage, the files are as long as their headers say. A failed
+//! check leaves every target as it was.
 
 use std::collections::HashMap;
+use std::fs::File;
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
-use memmap2::Mmap;
-use safetensors::{Dtype, SafeTensors};
+use safetensors::tensor::Metadata;
+use safetensors::Dtype;
 use tch::{Device, Kind, Tensor};
 
 /// Why a checkpoint could not be read or loaded. Each variant names the file and the tensor.
@@ -37,6 +43,8 @@ pub enum CheckpointError {
     Unallocated { tensor: String },
     #[error("copying tensor '{tensor}' from {path} failed: {source}")]
     Copy { tensor: String, path: PathBuf, source: tch::TchError },
+    #[error("reading tensor '{tensor}' from {path} failed: {source}")]
+    Read { tensor: String, path: PathBuf, source: std::io::Error },
 }
 
 fn quoted(names: &[String]) -> String {
@@ -100,9 +108,9 @@ pub struct Entry {
     pub file: usize,
     pub kind: Kind,
     pub shape: Vec<i64>,
-    /// Byte range inside the mapped file.
-    pub start: usize,
-    pub end: usize,
+    /// Byte range inside the file.
+    pub start: u64,
+    pub end: u64,
 }
 
 /// What a load did.
@@ -123,10 +131,10 @@ pub struct Progress {
     pub total: u64,
 }
 
-/// One or several safetensors files, mapped, with their headers checked and indexed.
+/// One or several safetensors files, open, with their headers checked and indexed.
 pub struct Checkpoint {
     files: Vec<PathBuf>,
-    maps: Vec<Mmap>,
+    handles: Vec<File>,
     entries: HashMap<String, Entry>,
 }
 
@@ -136,48 +144,64 @@ impl std::fmt::Debug for Checkpoint {
     }
 }
 
+/// Reads and checks one file's header: its length fits the file, it is a valid safetensors
+/// header (the crate's own `Metadata` checks the JSON, dtypes, and that offsets are contiguous
+/// and match shapes), and the data it describes is all in the file.
+fn read_header(path: &Path, file: &mut File) -> Result<(u64, Metadata), CheckpointError> {
+    use std::io::Read;
+    let invalid = |reason: String| CheckpointError::Invalid { path: path.to_path_buf(), reason };
+    let length = file.metadata().map_err(|source| CheckpointError::Open { path: path.to_path_buf(), source })?.len();
+    let mut prefix = [0u8; 8];
+    file.read_exact(&mut prefix).map_err(|_| invalid(format!("{length} bytes, too short for a header")))?;
+    let header_length = u64::from_le_bytes(prefix);
+    if header_length > length - 8 {
+        return Err(invalid(format!("header length {header_length} B is larger than the file ({length} B)")));
+    }
+    let mut header = vec![0u8; header_length as usize];
+    file.read_exact(&mut header).map_err(|e| invalid(e.to_string()))?;
+    let text = std::str::from_utf8(&header).map_err(|e| invalid(format!("header is not UTF-8: {e}")))?;
+    let metadata: Metadata = serde_json::from_str(text).map_err(|e| invalid(format!("bad header: {e}")))?;
+    let data_start = 8 + header_length;
+    let data_end = metadata.tensors().values().map(|info| info.data_offsets.1 as u64).max().unwrap_or(0);
+    if data_start + data_end > length {
+        return Err(invalid(format!("the header describes {data_end} B of data, the file holds {} B", length - data_start)));
+    }
+    Ok((data_start, metadata))
+}
+
 impl Checkpoint {
-    /// Maps every file and checks its header: valid JSON, offsets inside the file and covering
+    /// Opens every file and checks its header: valid JSON, offsets inside the file and covering
     /// its data, supported dtypes, no tensor name in two files.
     pub fn open<P: AsRef<Path>>(files: &[P]) -> Result<Self, CheckpointError> {
-        let mut checkpoint = Checkpoint { files: Vec::new(), maps: Vec::new(), entries: HashMap::new() };
+        let mut checkpoint = Checkpoint { files: Vec::new(), handles: Vec::new(), entries: HashMap::new() };
         for path in files {
             let path = path.as_ref().to_path_buf();
-            let file = std::fs::File::open(&path).map_err(|source| CheckpointError::Open { path: path.clone(), source })?;
-            // `populate` faults the pages in at once (a page-cache read), far cheaper than one
-            // fault per 4 KiB page during the copies.
-            // SAFETY: the mapping is read-only and private to this process. Like every
-            // memory-mapped reader we rely on the file not being truncated while it is mapped.
-            let map = unsafe { memmap2::MmapOptions::new().populate().map(&file) }.map_err(|source| CheckpointError::Open { path: path.clone(), source })?;
+            let mut file = File::open(&path).map_err(|source| CheckpointError::Open { path: path.clone(), source })?;
+            let (data_start, metadata) = read_header(&path, &mut file)?;
             let index = checkpoint.files.len();
-            {
-                let parsed = SafeTensors::deserialize(&map)
-                    .map_err(|e| CheckpointError::Invalid { path: path.clone(), reason: e.to_string() })?;
-                for (name, view) in parsed.tensors() {
-                    let kind = kind_of(view.dtype()).ok_or_else(|| CheckpointError::UnsupportedDtype {
-                        path: path.clone(),
-                        tensor: name.clone(),
-                        dtype: format!("{:?}", view.dtype()),
-                    })?;
-                    let start = view.data().as_ptr() as usize - map.as_ptr() as usize;
-                    let entry = Entry {
-                        file: index,
-                        kind,
-                        shape: view.shape().iter().map(|&d| d as i64).collect(),
-                        start,
-                        end: start + view.data().len(),
-                    };
-                    if let Some(previous) = checkpoint.entries.insert(name.clone(), entry) {
-                        return Err(CheckpointError::DuplicateTensor {
-                            tensor: name,
-                            first: checkpoint.files[previous.file].clone(),
-                            second: path,
-                        });
-                    }
+            for (name, info) in metadata.tensors() {
+                let kind = kind_of(info.dtype).ok_or_else(|| CheckpointError::UnsupportedDtype {
+                    path: path.clone(),
+                    tensor: name.clone(),
+                    dtype: format!("{:?}", info.dtype),
+                })?;
+                let entry = Entry {
+                    file: index,
+                    kind,
+                    shape: info.shape.iter().map(|&d| d as i64).collect(),
+                    start: data_start + info.data_offsets.0 as u64,
+                    end: data_start + info.data_offsets.1 as u64,
+                };
+                if let Some(previous) = checkpoint.entries.insert(name.clone(), entry) {
+                    return Err(CheckpointError::DuplicateTensor {
+                        tensor: name,
+                        first: checkpoint.files[previous.file].clone(),
+                        second: path,
+                    });
                 }
             }
             checkpoint.files.push(path);
-            checkpoint.maps.push(map);
+            checkpoint.handles.push(file);
         }
         Ok(checkpoint)
     }
@@ -240,17 +264,31 @@ impl Checkpoint {
         let plan = self.check(targets)?;
         let total: u64 = targets.iter().map(|(_, t)| (t.numel() * t.kind().elt_size_in_bytes()) as u64).sum();
         let mut report = LoadReport::default();
+        let mut buffer: Vec<u8> = Vec::new();
         tch::no_grad(|| -> Result<(), CheckpointError> {
             for ((name, target), entry) in targets.iter().zip(plan) {
-                let bytes = &self.maps[entry.file][entry.start..entry.end];
-                let strides = contiguous_strides(&entry.shape);
-                // SAFETY: `bytes` covers exactly numel × element size of `entry.kind` (checked by
-                // safetensors at open) and outlives `source`, which is dropped at the end of
-                // this iteration; libtorch only reads through it (it is the source of copy_).
-                let source = unsafe { Tensor::f_from_blob(bytes.as_ptr(), &entry.shape, &strides, entry.kind, Device::Cpu) }
-                    .map_err(|source| self.copy_error(name, entry, source))?;
-                let mut destination = target.shallow_clone();
-                destination.f_copy_(&source).map_err(|source| self.copy_error(name, entry, source))?;
+                let length = (entry.end - entry.start) as usize;
+                let file = &self.handles[entry.file];
+                let read_error = |source| CheckpointError::Read { tensor: name.clone(), path: self.files[entry.file].clone(), source };
+                if length > 0 && target.device() == Device::Cpu && target.kind() == entry.kind && target.is_contiguous() {
+                    // SAFETY: the target is an allocated (checked), contiguous CPU tensor of the
+                    // entry's kind and shape (checked), so its memory is exactly `length` bytes
+                    // from data_ptr; no Rust reference to it exists and nothing else writes to it
+                    // while the registry loads it.
+                    let memory = unsafe { std::slice::from_raw_parts_mut(target.data_ptr() as *mut u8, length) };
+                    file.read_exact_at(memory, entry.start).map_err(read_error)?;
+                } else if length > 0 {
+                    buffer.resize(length, 0);
+                    file.read_exact_at(&mut buffer, entry.start).map_err(read_error)?;
+                    let strides = contiguous_strides(&entry.shape);
+                    // SAFETY: `buffer` holds exactly numel × element size of `entry.kind` and
+                    // outlives `source`, dropped at the end of this block; libtorch only reads
+                    // through it (it is the source of copy_).
+                    let source = unsafe { Tensor::f_from_blob(buffer.as_ptr(), &entry.shape, &strides, entry.kind, Device::Cpu) }
+                        .map_err(|source| self.copy_error(name, entry, source))?;
+                    let mut destination = target.shallow_clone();
+                    destination.f_copy_(&source).map_err(|source| self.copy_error(name, entry, source))?;
+                }
                 let copied = (target.numel() * target.kind().elt_size_in_bytes()) as u64;
                 report.bytes += copied;
                 report.tensors += 1;

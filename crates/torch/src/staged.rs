@@ -753,17 +753,14 @@ impl StagedModels {
         self.release_all(&mut state, &leaving)
     }
 
-    /// Releases `names` (resident ones) in order, then returns the memory to the OS once: the
-    /// host heap is trimmed and the CUDA cache emptied.
+    /// Releases `names` (resident ones) in order (each release trims the host heap), then empties
+    /// the CUDA cache once.
     fn release_all(&self, state: &mut State, names: &[String]) -> Result<ReleaseStats> {
         let mut total = ReleaseStats::default();
         for name in names {
             let stats = self.release_one(state, name)?;
             total.freed += stats.freed;
             total.kept += stats.kept;
-        }
-        if total.freed > 0 {
-            stageload_torch_sys::trim_host_heap();
         }
         if total.freed > 0 && stageload_torch_sys::cuda_device_count().unwrap_or(0) > 0 {
             if let Err(err) = stageload_torch_sys::cuda_empty_cache() {
@@ -782,6 +779,10 @@ impl StagedModels {
         let started = Instant::now();
         let stats = instance.release(&keep, &stage)?;
         state.slots[index].state = SlotState::Released { stage: stage.clone(), instance };
+        if stats.freed > 0 {
+            // Before the event, so that a meter reading at the event sees the memory gone.
+            stageload_torch_sys::trim_host_heap();
+        }
         let note = (stats.kept > 0).then(|| format!("kept={}", stats.kept));
         let resident = Some(Self::resident_bytes_of(state));
         self.emit(EventKind::Release, stage, Some(name), Some(stats.freed), Some(started.elapsed().as_secs_f64()), note, resident);
