@@ -161,6 +161,29 @@ pub fn fingerprint(tensor: &Tensor) -> String {
     format!("{:x}", hasher.finalize())
 }
 
+/// A progress bar on stderr for each checkpoint load (shown only at a terminal).
+fn progress_bar() -> impl Fn(&str, stageload::checkpoint::Progress) + Send + Sync {
+    let bar: std::sync::Mutex<Option<(String, indicatif::ProgressBar)>> = std::sync::Mutex::new(None);
+    move |model, progress| {
+        let mut current = bar.lock().unwrap_or_else(|e| e.into_inner());
+        if current.as_ref().is_none_or(|(name, _)| name != model) {
+            let new = indicatif::ProgressBar::new(progress.total).with_message(format!("loading {model}"));
+            new.set_style(
+                indicatif::ProgressStyle::with_template("{msg:<28} {bar:30} {bytes}/{total_bytes} {binary_bytes_per_sec}")
+                    .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+            );
+            *current = Some((model.to_string(), new));
+        }
+        if let Some((_, bar)) = current.as_ref() {
+            bar.set_position(progress.done);
+            if progress.done >= progress.total {
+                bar.finish_and_clear();
+                *current = None;
+            }
+        }
+    }
+}
+
 /// How the pipeline loads its models.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum Mode {
@@ -261,6 +284,9 @@ impl Pipeline {
             Mode::Eager => (spec.stages.iter().map(|(stage, _)| (stage.clone(), names.clone())).collect(), names.clone()),
         };
         let mut builder = StagedModels::builder().events(meter.clone()).register_rng(chacha).preserve_rng(!args.no_preserve_rng);
+        if std::io::IsTerminal::is_terminal(&std::io::stderr()) {
+            builder = builder.progress(progress_bar());
+        }
         for model in spec.models {
             builder = builder.model(model);
         }

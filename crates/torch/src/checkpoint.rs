@@ -276,10 +276,10 @@ impl Checkpoint {
                     // from data_ptr; no Rust reference to it exists and nothing else writes to it
                     // while the registry loads it.
                     let memory = unsafe { std::slice::from_raw_parts_mut(target.data_ptr() as *mut u8, length) };
-                    file.read_exact_at(memory, entry.start).map_err(read_error)?;
+                    read_parallel(file, entry.start, memory).map_err(read_error)?;
                 } else if length > 0 {
                     buffer.resize(length, 0);
-                    file.read_exact_at(&mut buffer, entry.start).map_err(read_error)?;
+                    read_parallel(file, entry.start, &mut buffer).map_err(read_error)?;
                     let strides = contiguous_strides(&entry.shape);
                     // SAFETY: `buffer` holds exactly numel × element size of `entry.kind` and
                     // outlives `source`, dropped at the end of this block; libtorch only reads
@@ -305,6 +305,25 @@ impl Checkpoint {
     fn copy_error(&self, name: &str, entry: &Entry, source: tch::TchError) -> CheckpointError {
         CheckpointError::Copy { tensor: name.to_string(), path: self.files[entry.file].clone(), source }
     }
+}
+
+/// Reads `memory.len()` bytes at `offset`, split over the CPUs for large reads: a single thread
+/// copies from the page cache at about 5 GB/s here, two at about 8.
+fn read_parallel(file: &File, offset: u64, memory: &mut [u8]) -> std::io::Result<()> {
+    const SPLIT_ABOVE: usize = 8 << 20;
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(8);
+    if memory.len() <= SPLIT_ABOVE || threads == 1 {
+        return file.read_exact_at(memory, offset);
+    }
+    let part = memory.len().div_ceil(threads).next_multiple_of(4096);
+    std::thread::scope(|scope| {
+        let readers: Vec<_> = memory
+            .chunks_mut(part)
+            .enumerate()
+            .map(|(i, chunk)| scope.spawn(move || file.read_exact_at(chunk, offset + (i * part) as u64)))
+            .collect();
+        readers.into_iter().try_for_each(|reader| reader.join().unwrap_or_else(|_| Err(std::io::Error::other("a reader thread panicked"))))
+    })
 }
 
 fn contiguous_strides(shape: &[i64]) -> Vec<i64> {

@@ -23,7 +23,7 @@ use std::time::Instant;
 use tch::nn::VarStore;
 use tch::Tensor;
 
-use crate::checkpoint::{Checkpoint, CheckpointError};
+use crate::checkpoint::{Checkpoint, CheckpointError, Progress};
 use crate::events::{Event, EventKind, EventSink};
 use crate::rng::{PreservedRng, RngSnapshot};
 use crate::storage::{self, ReleaseStats, StorageRecord};
@@ -171,6 +171,9 @@ impl BuildContext<'_> {
 }
 
 type Loader = dyn Fn(&BuildContext) -> Result<Built, BoxError> + Send + Sync;
+
+/// Told how far a checkpoint load has come: the model and bytes done of the total.
+type ProgressHook = dyn Fn(&str, Progress) + Send + Sync;
 
 /// How to build one model: its loader and, optionally, its safetensors checkpoint files.
 pub struct ModelSpec {
@@ -390,6 +393,7 @@ pub struct StagedModelsBuilder {
     rngs: Vec<Arc<dyn RngSnapshot>>,
     preserve_rng: bool,
     strict: bool,
+    progress: Option<Arc<ProgressHook>>,
     planned_checkpoints: HashMap<String, Vec<PathBuf>>,
     planned_models: Vec<String>,
 }
@@ -449,6 +453,13 @@ impl StagedModelsBuilder {
         self
     }
 
+    /// Called as checkpoint loads progress (model name, bytes done of the total), for a progress
+    /// bar on long loads. Runs on the loading thread; keep it quick.
+    pub fn progress(mut self, hook: impl Fn(&str, Progress) + Send + Sync + 'static) -> Self {
+        self.progress = Some(Arc::new(hook));
+        self
+    }
+
     /// Refuses loads outside the current stage's plan instead of noting them.
     pub fn strict(mut self, on: bool) -> Self {
         self.strict = on;
@@ -491,6 +502,7 @@ impl StagedModelsBuilder {
             rngs: self.rngs,
             preserve_rng: self.preserve_rng,
             strict: self.strict,
+            progress: self.progress,
         })
     }
 }
@@ -505,6 +517,7 @@ pub struct StagedModels {
     rngs: Vec<Arc<dyn RngSnapshot>>,
     preserve_rng: bool,
     strict: bool,
+    progress: Option<Arc<ProgressHook>>,
 }
 
 enum Plan {
@@ -522,6 +535,7 @@ impl StagedModels {
             rngs: Vec::new(),
             preserve_rng: true,
             strict: false,
+            progress: None,
             planned_checkpoints: HashMap::new(),
             planned_models: Vec::new(),
         }
@@ -657,7 +671,7 @@ impl StagedModels {
             let _one_build_at_a_time = self.build_lock.lock().unwrap_or_else(|e| e.into_inner());
             match &plan {
                 Plan::Build { loader, checkpoint, .. } => self.build(name, loader, checkpoint),
-                Plan::InPlace { instance, checkpoint } => Self::refill(instance, checkpoint).map(|bytes| (Arc::clone(instance), bytes)),
+                Plan::InPlace { instance, checkpoint } => self.refill(instance, checkpoint).map(|bytes| (Arc::clone(instance), bytes)),
             }
         };
         let seconds = started.elapsed().as_secs_f64();
@@ -706,7 +720,7 @@ impl StagedModels {
         if !checkpoint.is_empty() {
             let mut targets: Vec<(String, Tensor)> = tensors.iter().map(|(n, t)| (n.clone(), t.shallow_clone())).collect();
             targets.extend(shared.iter().filter(|(_, _, fresh)| *fresh).map(|(n, t, _)| (n.clone(), t.shallow_clone())));
-            load_checkpoint(name, checkpoint, &targets)?;
+            self.load_checkpoint(name, checkpoint, &targets)?;
         }
         tensors.extend(shared.into_iter().map(|(n, t, _)| (n, t)));
         let instance = Instance::new(name, type_name, model, tensors)?;
@@ -714,9 +728,25 @@ impl StagedModels {
         Ok((instance, bytes))
     }
 
+    fn load_checkpoint(&self, model: &str, files: &[PathBuf], targets: &[(String, Tensor)]) -> Result<()> {
+        let wrap = |source| StageError::Checkpoint { model: model.to_string(), source };
+        let checkpoint = Checkpoint::open(files).map_err(wrap)?;
+        let report = checkpoint
+            .load_into(targets, |progress| {
+                if let Some(hook) = &self.progress {
+                    hook(model, progress)
+                }
+            })
+            .map_err(wrap)?;
+        if !report.unused.is_empty() {
+            tracing::debug!(model, unused = ?report.unused, "checkpoint entries the model does not have");
+        }
+        Ok(())
+    }
+
     /// Brings a released instance back in place: reallocates its freed storages and refills
     /// them from the checkpoint. On failure the instance stays released as it was.
-    fn refill(instance: &Arc<Instance>, checkpoint: &[PathBuf]) -> Result<u64> {
+    fn refill(&self, instance: &Arc<Instance>, checkpoint: &[PathBuf]) -> Result<u64> {
         let name = &instance.name;
         let torch = |source| StageError::Torch { model: name.clone(), source };
         let body = instance.lock_body();
@@ -727,7 +757,7 @@ impl StagedModels {
             .filter(|(_, t)| stageload_torch_sys::storage_info(t).is_ok_and(|i| reallocated.contains(&i.id)))
             .map(|(n, t)| (n.clone(), t.shallow_clone()))
             .collect();
-        if let Err(err) = load_checkpoint(name, checkpoint, &targets) {
+        if let Err(err) = self.load_checkpoint(name, checkpoint, &targets) {
             let stage = instance.released_at().flatten();
             storage::free_ids(&body.storages, &reallocated, &released_message(name, &stage)).map_err(torch)?;
             return Err(err);
@@ -884,15 +914,6 @@ fn released_message(model: &str, stage: &Option<String>) -> String {
     format!("stageload: model '{model}' was released{} and its weights are gone; get it from the registry again", at_stage(stage))
 }
 
-fn load_checkpoint(model: &str, files: &[PathBuf], targets: &[(String, Tensor)]) -> Result<()> {
-    let wrap = |source| StageError::Checkpoint { model: model.to_string(), source };
-    let checkpoint = Checkpoint::open(files).map_err(wrap)?;
-    let report = checkpoint.load_into(targets, |_| {}).map_err(wrap)?;
-    if !report.unused.is_empty() {
-        tracing::debug!(model, unused = ?report.unused, "checkpoint entries the model does not have");
-    }
-    Ok(())
-}
 
 fn panic_message(panic: &(dyn Any + Send)) -> String {
     panic
