@@ -6,7 +6,7 @@ use std::process::{Command, Output};
 const STAGELOAD: &str = env!("CARGO_BIN_EXE_stageload");
 const GIB: u64 = 1 << 30;
 
-fn fixture(dir: &PathBuf, mode: &str, decode_peak: u64, complete: bool) -> PathBuf {
+fn fixture(dir: &std::path::Path, mode: &str, decode_peak: u64, complete: bool) -> PathBuf {
     let header = format!(
         "{{\"type\":\"header\",\"schema\":1,\"utc\":\"2026-11-30T12:00:00Z\",\"pid\":7,\"host\":\"h\",\"os\":\"linux\",\
          \"total_memory\":{},\"device\":\"cpu\",\"command\":[\"cascade\"],\"interval\":0.25,\"meta\":{{\"mode\":\"{mode}\"}}}}",
@@ -54,7 +54,7 @@ fn summary_prints_tables_and_a_side_by_side_comparison() {
     assert!(text.contains("trace") && text.contains("(eager), pid 7 on h"), "{text}");
     assert!(text.contains("ended without its end record"), "the killed staged run says so:\n{text}");
     assert!(text.contains("loads: 1 (0 reloads), 1.0 GiB in 0.50 s (2.15 GB/s)"), "{text}");
-    let decode = text.lines().filter(|l| l.starts_with("decode")).last().unwrap();
+    let decode = text.lines().rev().find(|l| l.starts_with("decode")).unwrap();
     assert!(decode.contains("3.0 GiB") && decode.contains("1.0 GiB") && decode.contains("-2.0 GiB") && decode.contains("3.00x"), "{decode}");
 
     let (output, text) = stageload(&["summary", "--json", eager.to_str().unwrap()]);

@@ -335,19 +335,19 @@ impl Job {
 
     /// Reaps the leader (last of all) and gives the terminal back to the guard's group.
     fn reap(self, log: &mut GuardLog) {
+        // Elsewhere than Linux the exit was seen by reaping it.
+        let already_reaped = cfg!(not(target_os = "linux")) && self.exit.is_some();
         let cap = Instant::now() + Duration::from_secs(10);
-        #[cfg(not(target_os = "linux"))]
-        let already_reaped = self.exit.is_some();
-        #[cfg(target_os = "linux")]
-        let already_reaped = false;
-        while !already_reaped {
-            match waitpid(self.leader, Some(WaitPidFlag::WNOHANG)) {
-                Ok(WaitStatus::StillAlive) if Instant::now() < cap => std::thread::sleep(Duration::from_millis(20)),
-                Ok(WaitStatus::StillAlive) => {
-                    log.note("unreaped", &format!("pid {} has not exited; not waiting for it", self.leader), None);
-                    break;
+        if !already_reaped {
+            loop {
+                match waitpid(self.leader, Some(WaitPidFlag::WNOHANG)) {
+                    Ok(WaitStatus::StillAlive) if Instant::now() < cap => std::thread::sleep(Duration::from_millis(20)),
+                    Ok(WaitStatus::StillAlive) => {
+                        log.note("unreaped", &format!("pid {} has not exited; not waiting for it", self.leader), None);
+                        break;
+                    }
+                    _ => break,
                 }
-                _ => break,
             }
         }
         if self.terminal {

@@ -112,7 +112,7 @@ pub fn summarize(trace: &Trace) -> Summary {
     let samples: Vec<&Sample> = records.iter().filter_map(|r| if let Record::Sample(s) = r { Some(s) } else { None }).collect();
     let events: Vec<&EventRecord> = records.iter().filter_map(|r| if let Record::Event(e) = r { Some(e) } else { None }).collect();
     let peaks: Vec<(f64, u64)> = records.iter().filter_map(|r| if let Record::Peak(p) = r { Some((p.t, p.rss)) } else { None }).collect();
-    let last_t = samples.last().map(|s| s.t).or_else(|| records.iter().filter_map(Record::t).last()).unwrap_or(0.0);
+    let last_t = samples.last().map(|s| s.t).or_else(|| records.iter().rev().find_map(Record::t)).unwrap_or(0.0);
 
     // Windows: synthetic setup, release-aware starts, consecutive repeats merged.
     let mut windows: Vec<(String, f64)> = vec![("setup".to_string(), 0.0)];
@@ -137,7 +137,7 @@ pub fn summarize(trace: &Trace) -> Summary {
                 .filter_map(|s| s.rss)
                 .max();
             let exact = peaks.iter().filter(|(t, _)| (*t > *start || i == 0) && *t <= end).map(|(_, rss)| *rss).max();
-            let inherited = events.iter().filter(|e| e.t <= *start).filter_map(|e| e.resident).last();
+            let inherited = events.iter().rev().filter(|e| e.t <= *start).find_map(|e| e.resident);
             let inside = events.iter().filter(|e| e.t > *start && e.t < end).filter_map(|e| e.resident).max();
             StageWindow {
                 stage: stage.clone(),
