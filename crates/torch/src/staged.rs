@@ -722,9 +722,12 @@ impl StagedModels {
             targets.extend(shared.iter().filter(|(_, _, fresh)| *fresh).map(|(n, t, _)| (n.clone(), t.shallow_clone())));
             self.load_checkpoint(name, checkpoint, &targets)?;
         }
+        // Shared components another model already built are not loaded again: not counted.
+        let reused: Vec<(String, Tensor)> = shared.iter().filter(|(_, _, fresh)| !fresh).map(|(n, t, _)| (n.clone(), t.shallow_clone())).collect();
+        let reused = storage::distinct_storages(&reused).map_err(|source| StageError::Torch { model: name.to_string(), source })?;
         tensors.extend(shared.into_iter().map(|(n, t, _)| (n, t)));
         let instance = Instance::new(name, type_name, model, tensors)?;
-        let bytes = instance.storage_sizes.iter().map(|(_, bytes)| bytes).sum();
+        let bytes = instance.storage_sizes.iter().filter(|(id, _)| !reused.iter().any(|r| r.id == *id)).map(|(_, bytes)| bytes).sum();
         Ok((instance, bytes))
     }
 

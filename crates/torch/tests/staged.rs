@@ -212,6 +212,10 @@ fn a_shared_backbone_is_built_once_and_freed_after_its_last_user() {
     let backbone_bytes = 2 * (256 * 256 + 256) * 4;
     let head_bytes = (256 * 4 + 4) * 4;
     assert_eq!(models.resident_bytes(), backbone_bytes + 2 * head_bytes, "shared storage counted once");
+    let loaded: Vec<Option<u64>> = sink.of_kind(EventKind::Load).iter().map(|e| e.bytes).collect();
+    assert_eq!(loaded, [Some(backbone_bytes + head_bytes), Some(head_bytes)], "the reused backbone is not loaded twice");
+    let resident: Vec<Option<u64>> = sink.of_kind(EventKind::Load).iter().map(|e| e.resident).collect();
+    assert_eq!(resident, [Some(backbone_bytes + head_bytes), Some(backbone_bytes + 2 * head_bytes)]);
 
     let stats = models.enter("shape_only").unwrap();
     assert_eq!((stats.freed, stats.kept), (head_bytes, backbone_bytes), "backbone kept for 'shape'");
