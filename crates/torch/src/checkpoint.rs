@@ -271,10 +271,10 @@ impl Checkpoint {
                 let file = &self.handles[entry.file];
                 let read_error = |source| CheckpointError::Read { tensor: name.clone(), path: self.files[entry.file].clone(), source };
                 if length > 0 && target.device() == Device::Cpu && target.kind() == entry.kind && target.is_contiguous() {
-                    // SAFETY: the target is an allocated (checked), contiguous CPU tensor of the
-                    // entry's kind and shape (checked), so its memory is exactly `length` bytes
-                    // from data_ptr; no Rust reference to it exists and nothing else writes to it
-                    // while the registry loads it.
+                    // The target is an allocated (checked), contiguous CPU tensor of the entry's
+                    // kind and shape (checked): its memory is exactly `length` bytes at data_ptr.
+                    // SAFETY: that memory is valid for writes of `length` bytes; no Rust reference
+                    // to it exists and nothing else touches it while it is being loaded.
                     let memory = unsafe { std::slice::from_raw_parts_mut(target.data_ptr() as *mut u8, length) };
                     read_parallel(file, entry.start, memory).map_err(read_error)?;
                 } else if length > 0 {
