@@ -16,6 +16,12 @@ for mode in eager staged; do
     "$stageload" guard --wait-free 25 --start-timeout 10m --log "$out/guard-$mode.jsonl" -- \
         target/debug/examples/cascade --mode "$mode" --trace "$out/$mode.jsonl" \
         --fingerprints "$out/latents-$mode.txt" "$@" | tee "$out/$mode.log"
+    if [ "$mode" = eager ]; then
+        # The staged run builds its registry from this description: check it against the machine first.
+        description=$(sed -n 's/^pipeline description \(.*\) (stageload plan reads it)$/\1/p' "$out/eager.log")
+        echo "== stageload plan $description"
+        "$stageload" plan "$description" | tee "$out/plan.txt" || echo "(the plan says it does not fit; running anyway under the guard)"
+    fi
 done
 "$stageload" summary "$out/eager.jsonl" "$out/staged.jsonl" | tee "$out/summary.txt"
 "$stageload" plot "$out/eager.jsonl" "$out/staged.jsonl" -o "$out/memory.svg"

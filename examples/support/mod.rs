@@ -260,6 +260,40 @@ pub struct PipelineSpec {
     pub pinned: Vec<String>,
 }
 
+impl PipelineSpec {
+    /// Writes the pipeline description `stageload plan` reads (models with their checkpoint
+    /// files, stages, pins) to `path`.
+    pub fn write_description(&self, path: &Path) -> Result<(), BoxError> {
+        #[derive(serde::Serialize)]
+        struct Model<'a> {
+            name: &'a str,
+            files: Vec<String>,
+        }
+        #[derive(serde::Serialize)]
+        struct Stage<'a> {
+            name: &'a str,
+            models: &'a [String],
+        }
+        #[derive(serde::Serialize)]
+        struct Description<'a> {
+            pinned: &'a [String],
+            models: Vec<Model<'a>>,
+            stages: Vec<Stage<'a>>,
+        }
+        let description = Description {
+            pinned: &self.pinned,
+            models: self
+                .models
+                .iter()
+                .map(|m| Model { name: m.name(), files: m.checkpoint_files().iter().map(|f| f.display().to_string()).collect() })
+                .collect(),
+            stages: self.stages.iter().map(|(name, models)| Stage { name, models }).collect(),
+        };
+        std::fs::write(path, toml::to_string(&description)?)?;
+        Ok(())
+    }
+}
+
 impl Pipeline {
     /// Builds the registry for `mode`: staged runs the plan; eager pins every model (so no
     /// stage releases anything) and the caller loads them all before seeding.
@@ -277,6 +311,9 @@ impl Pipeline {
             .meta("preserve_rng", !args.no_preserve_rng);
         let meter = Arc::new(meter::start(&trace, Device::Cpu, options)?);
         let names: Vec<String> = spec.models.iter().map(|m| m.name().to_string()).collect();
+        let description = args.cache_folder(spec.name).join(format!("{}.toml", spec.name));
+        spec.write_description(&description)?;
+        println!("pipeline description {} (stageload plan reads it)", description.display());
         // Eager: every stage lists every model and every model is pinned, so nothing is ever
         // released and no load is outside its stage.
         let (plan, pinned) = match args.mode {
@@ -290,11 +327,17 @@ impl Pipeline {
         for model in spec.models {
             builder = builder.model(model);
         }
-        for (stage, models) in &plan {
-            builder = builder.stage(stage.clone(), models.iter().cloned());
-        }
-        for name in &pinned {
-            builder = builder.pin(name.clone());
+        match args.mode {
+            // Staged: stages and pins come from the description `stageload plan` checks.
+            Mode::Staged => builder = builder.pipeline(&stageload::Pipeline::load(&description)?),
+            Mode::Eager => {
+                for (stage, models) in &plan {
+                    builder = builder.stage(stage.clone(), models.iter().cloned());
+                }
+                for name in &pinned {
+                    builder = builder.pin(name.clone());
+                }
+            }
         }
         Ok(Pipeline {
             models: builder.build()?,

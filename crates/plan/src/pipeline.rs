@@ -98,7 +98,18 @@ pub enum Placement {
     Device,
 }
 
-/// A checked model: its files resolved and its size read from their headers.
+/// One checkpoint file of a model and what it holds.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Part {
+    pub file: PathBuf,
+    /// Bytes resident once loaded (in the model's `dtype` when given, else as stored).
+    pub bytes: u64,
+    /// Bytes read from disk to load it.
+    pub file_bytes: u64,
+}
+
+/// A checked model: its files resolved and its size read from their headers. A file that several
+/// models list (a shared backbone) is held once while any of them is resident, and read once.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Model {
     pub name: String,
@@ -112,6 +123,8 @@ pub struct Model {
     pub bytes: u64,
     /// Bytes read from disk per load (the tensors' data as stored).
     pub file_bytes: u64,
+    /// The same, file by file.
+    pub parts: Vec<Part>,
 }
 
 /// A checked stage.
@@ -216,19 +229,21 @@ impl Pipeline {
                 None => None,
             };
             let files: Vec<PathBuf> = entry.files.iter().map(|f| folder.join(f)).collect();
-            let (mut tensors, mut file_bytes, mut elements) = (0, 0, 0);
+            let mut tensors = 0;
+            let mut parts = Vec::new();
             for file in &files {
-                let (count, bytes, numel) = read_header(file).map_err(|message| PipelineError::Checkpoint {
+                let (count, file_bytes, elements) = read_header(file).map_err(|message| PipelineError::Checkpoint {
                     model: entry.name.clone(),
                     file: file.clone(),
                     message,
                 })?;
                 tensors += count;
-                file_bytes += bytes;
-                elements += numel;
+                let bytes = loaded_bits.map_or(file_bytes, |bits| elements * bits as u64 / 8);
+                parts.push(Part { file: file.clone(), bytes, file_bytes });
             }
-            let bytes = loaded_bits.map_or(file_bytes, |bits| elements * bits as u64 / 8);
-            models.push(Model { name: entry.name, files, device: entry.device, placement, dtype: entry.dtype, tensors, bytes, file_bytes });
+            let bytes = parts.iter().map(|p| p.bytes).sum();
+            let file_bytes = parts.iter().map(|p| p.file_bytes).sum();
+            models.push(Model { name: entry.name, files, device: entry.device, placement, dtype: entry.dtype, tensors, bytes, file_bytes, parts });
         }
 
         let mut stage_names = HashSet::new();

@@ -147,15 +147,29 @@ pub struct Plan {
     pub fits: bool,
 }
 
+/// Bytes the models on `placement` hold together, a file several of them list counted once.
 fn bytes_on(models: &[&Model], placement: Placement) -> u64 {
-    models.iter().filter(|m| m.placement == placement).map(|m| m.bytes).sum()
+    let mut seen = std::collections::HashSet::new();
+    models
+        .iter()
+        .filter(|m| m.placement == placement)
+        .flat_map(|m| &m.parts)
+        .filter(|part| seen.insert(&part.file))
+        .map(|part| part.bytes)
+        .sum()
+}
+
+/// Bytes read to load `loading` while `resident` are held: files already held are not read again.
+fn read_for(loading: &[&Model], resident: &[&Model]) -> u64 {
+    let mut held: std::collections::HashSet<&PathBuf> = resident.iter().flat_map(|m| m.parts.iter().map(|p| &p.file)).collect();
+    loading.iter().flat_map(|m| &m.parts).filter(|part| held.insert(&part.file)).map(|part| part.file_bytes).sum()
 }
 
 /// Plans `pipeline` against `budget` (and `device_budget` for models on a GPU).
 pub fn plan(pipeline: &Pipeline, budget: Budget, device_budget: Option<Budget>) -> Plan {
     // Ties for a peak go to the earliest stage (`max_by_key` keeps the last, hence `rev`).
     // A pipeline from `Pipeline::load` names only its own models; unknown names count nothing.
-    let file_bytes = |name: &String| pipeline.model(name).map_or(0, |m| m.file_bytes);
+    let models_of = |names: &[String]| -> Vec<&Model> { names.iter().filter_map(|name| pipeline.model(name)).collect() };
     let mut resident: Vec<String> = Vec::new();
     let mut ever_loaded: Vec<String> = Vec::new();
     let mut stages = Vec::new();
@@ -165,16 +179,17 @@ pub fn plan(pipeline: &Pipeline, budget: Budget, device_budget: Option<Budget>) 
         resident.retain(|name| keep(name));
         let loaded: Vec<String> = stage.models.iter().filter(|name| !resident.contains(name)).cloned().collect();
         let reloaded: Vec<String> = loaded.iter().filter(|name| ever_loaded.contains(name)).cloned().collect();
+        let read = read_for(&models_of(&loaded), &models_of(&resident));
         resident.extend(loaded.iter().cloned());
         ever_loaded.extend(loaded.iter().filter(|name| !ever_loaded.contains(name)).cloned().collect::<Vec<_>>());
-        let resident_models: Vec<&Model> = resident.iter().filter_map(|name| pipeline.model(name)).collect();
+        let resident_models = models_of(&resident);
         let weights = bytes_on(&resident_models, Placement::Host);
         let device_weights = bytes_on(&resident_models, Placement::Device);
         let (need, device_need) = (weights + stage.working, device_weights + stage.device_working);
         stages.push(StagePlan {
             name: stage.name.clone(),
             resident: resident.clone(),
-            read: loaded.iter().map(file_bytes).sum(),
+            read,
             loaded,
             reloaded,
             released,
@@ -199,7 +214,7 @@ pub fn plan(pipeline: &Pipeline, budget: Budget, device_budget: Option<Budget>) 
         need: eager_need,
         device_need: eager_device_need,
         peak_stage: eager_stage,
-        read: pipeline.models.iter().map(|m| m.file_bytes).sum(),
+        read: read_for(&all, &[]),
         verdict: Verdict::of(eager_need, Some(&budget)),
         device_verdict: Verdict::of(eager_device_need, device_budget.as_ref()),
     };

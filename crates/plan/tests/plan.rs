@@ -240,7 +240,30 @@ fn the_json_schema_is_stable() {
         ["device_need", "device_verdict", "device_weights", "loaded", "name", "need", "read", "released", "reloaded", "resident", "verdict", "weights"]
     );
     assert_eq!(keys(&json["eager"]), ["device_need", "device_verdict", "device_weights", "need", "peak_stage", "read", "verdict", "weights"]);
-    assert_eq!(keys(&json["models"][0]), ["bytes", "device", "dtype", "file_bytes", "files", "name", "placement", "tensors"]);
+    assert_eq!(keys(&json["models"][0]), ["bytes", "device", "dtype", "file_bytes", "files", "name", "parts", "placement", "tensors"]);
+    assert_eq!(keys(&json["models"][0]["parts"][0]), ["bytes", "file", "file_bytes"]);
     assert_eq!(json["stages"][1]["verdict"], serde_json::json!({"kind": "fits"}));
     assert_eq!(json["budget"], serde_json::json!({"total": 64 * MIB, "available": 64 * MIB, "source": "flag"}));
+}
+
+#[test]
+fn a_file_shared_by_resident_models_is_held_and_read_once() {
+    // Two extractors list the same backbone file, each with a head of its own (the encoder's
+    // file stands in for a head, the decoder's first file for the other).
+    let text = "[[models]]\nname = \"a\"\nfiles = [\"backbone.safetensors\", \"encoder.safetensors\"]\n\n\
+                [[models]]\nname = \"b\"\nfiles = [\"backbone.safetensors\", \"decoder-2.safetensors\"]\n\n\
+                [[stages]]\nname = \"first\"\nmodels = [\"a\"]\n\n\
+                [[stages]]\nname = \"both\"\nmodels = [\"a\", \"b\"]\n\n\
+                [[stages]]\nname = \"second\"\nmodels = [\"b\"]\n";
+    let pipeline = Pipeline::load(&fixture("shared-file", text)).unwrap();
+    let plan = plan(&pipeline, Budget::given(64 * MIB), None);
+    let head_b = 100 * 8;
+    let rows: Vec<(u64, u64)> = plan.stages.iter().map(|s| (s.weights, s.read)).collect();
+    assert_eq!(
+        rows,
+        [(BACKBONE + ENCODER, BACKBONE + ENCODER), (BACKBONE + ENCODER + head_b, head_b), (BACKBONE + head_b, 0)],
+        "the backbone is held once and not read again while a model holding it stays"
+    );
+    assert_eq!(plan.eager.weights, BACKBONE + ENCODER + head_b);
+    assert_eq!(plan.eager.read, BACKBONE + ENCODER + head_b);
 }

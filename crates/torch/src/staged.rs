@@ -194,6 +194,11 @@ impl ModelSpec {
         &self.name
     }
 
+    /// The checkpoint files declared with [`checkpoint`](Self::checkpoint).
+    pub fn checkpoint_files(&self) -> &[PathBuf] {
+        &self.checkpoint
+    }
+
     /// Declares the safetensors files holding every tensor of the model: they fill it after each
     /// build, and a released model comes back from them in place.
     pub fn checkpoint<P: Into<PathBuf>>(mut self, files: impl IntoIterator<Item = P>) -> Self {
