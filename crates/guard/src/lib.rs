@@ -145,28 +145,25 @@ pub enum Admitted {
     Signal(i32),
 }
 
-/// The busy command lines now, leaving out this process and its ancestors.
-fn busy_now(config: &GuardConfig, readings: &mut dyn Readings, log: &mut GuardLog) -> Vec<String> {
+/// The busy command lines now, leaving out this process and its ancestors; an error when the
+/// process table cannot be read (the check is blind then, and finds nothing busy).
+fn busy_now(config: &GuardConfig, readings: &mut dyn Readings) -> Result<Vec<String>, String> {
     if config.busy.is_empty() {
-        return Vec::new();
+        return Ok(Vec::new());
     }
-    match readings.processes() {
-        Ok(table) => {
-            let exclude = stageload_probe::ancestors(&table, std::process::id() as i32);
-            decide::busy_commands(&config.busy, &table, &exclude)
-        }
-        Err(error) => {
-            log.note("blind", &format!("cannot list processes for --busy: {error}"), None);
-            Vec::new()
-        }
-    }
+    let table = readings.processes().map_err(|error| format!("cannot list processes for --busy: {error}"))?;
+    let exclude = stageload_probe::ancestors(&table, std::process::id() as i32);
+    Ok(decide::busy_commands(&config.busy, &table, &exclude))
 }
 
 /// One admission check now, for `--check`: the reasons not to start (empty: it would start).
 /// A `--quiet-for` countdown cannot be judged from one look and is left out.
 pub fn check_once(config: &GuardConfig, readings: &mut dyn Readings, log: &mut GuardLog) -> (Vec<Wait>, Option<SystemMemory>) {
     let memory = readings.memory();
-    let busy = busy_now(config, readings, log);
+    let busy = busy_now(config, readings).unwrap_or_else(|blind| {
+        log.note("blind", &blind, None);
+        Vec::new()
+    });
     let one_look = GuardConfig { quiet_for: Duration::ZERO, ..config.clone() };
     let reasons = Admission::new().check(&one_look, Duration::ZERO, memory.as_ref(), &busy);
     (reasons, memory.ok())
@@ -184,12 +181,26 @@ pub fn wait_for_room(
     let deadline = clock.now() + config.start_timeout;
     let mut admission = Admission::new();
     let mut last_logged: Option<Vec<Wait>> = None;
+    let mut last_blind: Option<String> = None;
     loop {
         if let Some(signal) = signals.received() {
             return Admitted::Signal(signal);
         }
         let memory = readings.memory();
-        let busy = busy_now(config, readings, log);
+        let busy = match busy_now(config, readings) {
+            Ok(busy) => {
+                last_blind = None;
+                busy
+            }
+            Err(blind) => {
+                // Logged once per distinct error, not every poll.
+                if last_blind.as_ref() != Some(&blind) {
+                    log.note("blind", &blind, None);
+                    last_blind = Some(blind);
+                }
+                Vec::new()
+            }
+        };
         let now = clock.now();
         let reasons = admission.check(config, now, memory.as_ref(), &busy);
         let memory = match (reasons.is_empty(), memory) {

@@ -29,14 +29,16 @@ struct Scripted {
     memory: Vec<SystemMemory>,
     calls: usize,
     tables: Vec<Vec<ProcessEntry>>,
+    /// The process table cannot be read this many times first.
+    blind: usize,
 }
 
 impl Scripted {
     fn levels(levels: &[u64]) -> Self {
-        Scripted { memory: levels.iter().map(|&l| memory(l, 0)).collect(), calls: 0, tables: Vec::new() }
+        Scripted { memory: levels.iter().map(|&l| memory(l, 0)).collect(), calls: 0, tables: Vec::new(), blind: 0 }
     }
     fn swaps(swaps_gib: &[u64]) -> Self {
-        Scripted { memory: swaps_gib.iter().map(|&s| memory(90, s)).collect(), calls: 0, tables: Vec::new() }
+        Scripted { memory: swaps_gib.iter().map(|&s| memory(90, s)).collect(), calls: 0, tables: Vec::new(), blind: 0 }
     }
 }
 
@@ -51,6 +53,10 @@ impl Readings for Scripted {
         Ok(reading)
     }
     fn processes(&mut self) -> Result<Vec<ProcessEntry>, ProbeError> {
+        if self.blind > 0 {
+            self.blind -= 1;
+            return Err(ProbeError::Read { source_name: "/proc".into(), message: "hidden".into() });
+        }
         if self.tables.is_empty() {
             stageload_probe::processes()
         } else {
@@ -161,6 +167,18 @@ fn waits_while_a_busy_process_runs_but_not_for_itself() {
     let (outcome, lines, _) = guard(&sh("exit 0"), &config, &mut readings);
     assert_eq!(outcome, Outcome::Exited(0), "{lines:?}");
     assert!(has(&lines, "busy: python ltx-2-mlx/run.py"), "{lines:?}");
+}
+
+#[test]
+fn a_process_table_that_cannot_be_read_is_logged_once() {
+    let _alone = one_guard();
+    let config = GuardConfig { busy: vec![Regex::new("ltx-2-mlx").unwrap()], quiet_for: Duration::ZERO, ..config() };
+    // Low memory for five polls while /proc cannot be read, then room.
+    let mut readings = Scripted::levels(&[10, 10, 10, 10, 10, 90]);
+    readings.blind = 3;
+    let (outcome, lines, _) = guard(&sh("exit 0"), &config, &mut readings);
+    assert_eq!(outcome, Outcome::Exited(0), "{lines:?}");
+    assert_eq!(lines.iter().filter(|l| l.contains("cannot list processes for --busy")).count(), 1, "{lines:?}");
 }
 
 #[test]
