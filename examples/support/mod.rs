@@ -201,9 +201,18 @@ pub struct Pipeline {
     pinned: Vec<String>,
     meter: Arc<Meter>,
     trace: PathBuf,
+    /// The trace was not asked for: it goes away after the stage peaks are printed.
+    temporary_trace: bool,
     check_residency: bool,
     fingerprints: Vec<(String, String)>,
     fingerprint_file: Option<PathBuf>,
+}
+
+fn positive_scale(text: &str) -> Result<f64, String> {
+    match text.parse::<f64>() {
+        Ok(scale) if scale.is_finite() && scale > 0.0 => Ok(scale),
+        _ => Err(format!("'{text}' is not a positive number (1 is the default size, 0.01 a tiny one)")),
+    }
 }
 
 /// What the examples' command lines share.
@@ -212,8 +221,8 @@ pub struct CommonArgs {
     /// eager: load everything up front; staged: per stage
     #[arg(long, value_enum, default_value = "staged")]
     pub mode: Mode,
-    /// Model and token sizes relative to the default (1.0: about 3 GB of weights)
-    #[arg(long, default_value_t = 1.0)]
+    /// Model and token sizes relative to the default (1.0: about 3 GB of weights; 4 for bigger machines)
+    #[arg(long, default_value_t = 1.0, value_parser = positive_scale)]
     pub scale: f64,
     /// Seed of the run
     #[arg(long, default_value_t = 7)]
@@ -346,6 +355,7 @@ impl Pipeline {
             pinned,
             meter,
             trace,
+            temporary_trace: args.trace.is_none(),
             check_residency: args.check_residency,
             fingerprints: Vec::new(),
             fingerprint_file: args.fingerprints.clone(),
@@ -401,7 +411,9 @@ impl Pipeline {
         self.models.close()?;
         self.meter.finish();
         let summary = stageload::meter::summarize(&stageload::meter::read_trace(&self.trace)?);
-        println!("trace {}", self.trace.display());
+        if !self.temporary_trace {
+            println!("trace {}", self.trace.display());
+        }
         for window in &summary.stages {
             let peak = window.peak.map_or("-".to_string(), |p| format!("{:.1} MiB", p as f64 / (1u64 << 20) as f64));
             println!("stage {:<12} {:>8.2} s  peak {peak}", window.stage, window.seconds);
@@ -414,6 +426,9 @@ impl Pipeline {
             summary.loads.seconds,
             summary.peak as f64 / (1u64 << 20) as f64
         );
+        if self.temporary_trace {
+            std::fs::remove_file(&self.trace)?;
+        }
         if let Some(path) = &self.fingerprint_file {
             let mut file = std::fs::File::create(path)?;
             for (name, print) in &self.fingerprints {
