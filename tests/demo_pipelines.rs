@@ -18,11 +18,9 @@ fn example(name: &str) -> PathBuf {
     path
 }
 
-fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("stageload-demo-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+/// A folder for one test, removed with its contents when dropped.
+fn scratch(name: &str) -> tempfile::TempDir {
+    tempfile::Builder::new().prefix(&format!("stageload-demo-{name}-")).tempdir().unwrap()
 }
 
 struct Run {
@@ -56,7 +54,8 @@ fn run(example_name: &str, dir: &Path, label: &str, extra: &[&str]) -> Run {
 }
 
 fn check_determinism(example_name: &str, first: &str, after_build: &str) {
-    let dir = scratch(example_name);
+    let folder = scratch(example_name);
+    let dir = folder.path();
     let eager = run(example_name, &dir, "eager", &["--mode", "eager"]);
     let staged = run(example_name, &dir, "staged", &["--mode", "staged", "--check-residency"]);
     assert!(eager.latents.len() >= 4, "{}", eager.stdout);
@@ -65,7 +64,6 @@ fn check_determinism(example_name: &str, first: &str, after_build: &str) {
     let control = run(example_name, &dir, "control", &["--mode", "staged", "--no-preserve-rng"]);
     assert_eq!(control.latents[first], eager.latents[first], "the first latent is drawn before any lazy build");
     assert_ne!(control.latents[after_build], eager.latents[after_build], "without preservation the draws after a lazy build drift");
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[test]
@@ -80,7 +78,8 @@ fn text_to_image_staged_equals_eager_and_the_control_drifts() {
 
 #[test]
 fn cascade_holds_only_the_planned_models_and_reloads_the_shape_decoder_once() {
-    let dir = scratch("cascade-plan");
+    let folder = scratch("cascade-plan");
+    let dir = folder.path();
     let staged = run("cascade", &dir, "staged", &["--mode", "staged", "--check-residency"]);
     let extractors = ["ss_extractor", "shape512_extractor", "shape1024_extractor", "tex_extractor"];
     let plan: BTreeMap<&str, Vec<&str>> = [
@@ -114,5 +113,4 @@ fn cascade_holds_only_the_planned_models_and_reloads_the_shape_decoder_once() {
     let reloads: Vec<&(String, String)> = events.iter().filter(|(kind, _)| kind == "reload").collect();
     assert_eq!(reloads, [&("reload".to_string(), "shape_decoder".to_string())], "{events:?}");
     assert_eq!(events.iter().filter(|(_, model)| model == "shape_decoder").count(), 2);
-    std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -1,7 +1,7 @@
 //! `stageload guard` as users run it: the real binary, real readings, real signals. Each run has
 //! a hard deadline and the commands it starts are bounded (`sleep 60` at most, stopped early).
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
@@ -40,11 +40,9 @@ fn stderr(output: &Output) -> String {
     String::from_utf8_lossy(&output.stderr).into_owned()
 }
 
-fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("stageload-cli-guard-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+/// A folder for one test, removed with its contents when dropped.
+fn scratch(name: &str) -> tempfile::TempDir {
+    tempfile::Builder::new().prefix(&format!("stageload-cli-guard-{name}-")).tempdir().unwrap()
 }
 
 fn read_pid(path: &Path) -> i32 {
@@ -130,7 +128,8 @@ fn exit_codes_pass_through_and_start_failures_are_named() {
     let output = with(&["/no/such/program"]);
     assert_eq!(output.status.code(), Some(127));
     assert!(stderr(&output).contains("cannot start '/no/such/program'"), "{}", stderr(&output));
-    let dir = scratch("not-executable");
+    let folder = scratch("not-executable");
+    let dir = folder.path();
     let script = dir.join("script.sh");
     std::fs::write(&script, "#!/bin/sh\nexit 0\n").unwrap();
     assert_eq!(with(&[script.to_str().unwrap()]).status.code(), Some(126));
@@ -154,7 +153,8 @@ fn no_room_exits_4_after_the_start_timeout_and_check_says_why() {
 
 #[test]
 fn sigterm_to_the_guard_stops_its_command_first_and_exits_143() {
-    let dir = scratch("sigterm");
+    let folder = scratch("sigterm");
+    let dir = folder.path();
     let pid_file = dir.join("pid");
     let script = format!("echo $$ > {}; exec sleep 60", pid_file.display());
     let child = guard(&[&ANY_MACHINE[..], &["--", "sh", "-c", &script]].concat()).spawn().unwrap();
@@ -169,7 +169,8 @@ fn sigterm_to_the_guard_stops_its_command_first_and_exits_143() {
 
 #[test]
 fn a_signal_while_waiting_exits_without_starting() {
-    let dir = scratch("sighup-waiting");
+    let folder = scratch("sighup-waiting");
+    let dir = folder.path();
     let marker = dir.join("started");
     let child = guard(&["--wait-free", "100", "--", "touch", marker.to_str().unwrap()]).spawn().unwrap();
     std::thread::sleep(Duration::from_millis(300));
@@ -182,7 +183,8 @@ fn a_signal_while_waiting_exits_without_starting() {
 
 #[test]
 fn a_guard_killed_with_sigkill_does_not_leave_its_command_running() {
-    let dir = scratch("sigkill");
+    let folder = scratch("sigkill");
+    let dir = folder.path();
     let pid_file = dir.join("pid");
     let script = format!("echo $$ > {}; exec sleep 60", pid_file.display());
     let child = guard(&[&ANY_MACHINE[..], &["--", "sh", "-c", &script]].concat()).spawn().unwrap();
@@ -195,7 +197,8 @@ fn a_guard_killed_with_sigkill_does_not_leave_its_command_running() {
 
 #[test]
 fn max_memory_stops_an_allocating_command_and_the_log_has_the_readings() {
-    let dir = scratch("max-memory");
+    let folder = scratch("max-memory");
+    let dir = folder.path();
     let log = dir.join("guard.jsonl");
     // 32 MiB more every 50 ms, 512 MiB at most.
     let program = "import time\nblocks = []\nfor _ in range(16):\n    blocks.append(b'x' * (32 << 20))\n    time.sleep(0.05)\ntime.sleep(30)\n";
@@ -215,7 +218,8 @@ fn max_memory_stops_an_allocating_command_and_the_log_has_the_readings() {
 
 #[test]
 fn a_second_signal_skips_the_grace() {
-    let dir = scratch("double-signal");
+    let folder = scratch("double-signal");
+    let dir = folder.path();
     let pid_file = dir.join("pid");
     let script = format!("trap '' TERM; echo $$ > {}; sleep 60", pid_file.display());
     let args = [&ANY_MACHINE[..], &["--grace", "30s", "--", "sh", "-c", &script]].concat();

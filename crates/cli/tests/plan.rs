@@ -8,11 +8,23 @@ use safetensors::Dtype;
 
 const STAGELOAD: &str = env!("CARGO_BIN_EXE_stageload");
 
+/// A pipeline file in its own folder; the folder goes when this is dropped.
+struct Fixture {
+    folder: tempfile::TempDir,
+    path: PathBuf,
+}
+
+impl std::ops::Deref for Fixture {
+    type Target = std::path::Path;
+    fn deref(&self) -> &std::path::Path {
+        &self.path
+    }
+}
+
 /// A pipeline of two 1 MiB f32 models used in turn, in a fresh folder.
-fn pipeline(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("stageload-cli-plan-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
+fn pipeline(name: &str) -> Fixture {
+    let folder = tempfile::Builder::new().prefix(&format!("stageload-cli-plan-{name}-")).tempdir().unwrap();
+    let dir = folder.path();
     let data = vec![0u8; 1 << 20];
     for model in ["encoder", "decoder"] {
         let view = TensorView::new(Dtype::F32, vec![512, 512], &data).unwrap();
@@ -27,7 +39,7 @@ fn pipeline(name: &str) -> PathBuf {
          [[stages]]\nname = \"decode\"\nmodels = [\"decoder\"]\n",
     )
     .unwrap();
-    path
+    Fixture { folder, path }
 }
 
 fn plan(args: &[&str]) -> (Output, String) {
@@ -75,7 +87,7 @@ fn bad_input_exits_2_naming_the_problem() {
     assert_eq!(output.status.code(), Some(2));
     assert!(text.contains("cannot read pipeline file /no/such/pipeline.toml"), "{text}");
     let path = pipeline("bad");
-    std::fs::write(path.parent().unwrap().join("encoder.safetensors"), b"\x10\0\0\0\0\0\0\0{").unwrap();
+    std::fs::write(path.folder.path().join("encoder.safetensors"), b"\x10\0\0\0\0\0\0\0{").unwrap();
     let (output, text) = plan(&[path.to_str().unwrap()]);
     assert_eq!(output.status.code(), Some(2));
     assert!(text.contains("model 'encoder'") && text.contains("encoder.safetensors"), "{text}");

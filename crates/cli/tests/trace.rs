@@ -31,11 +31,9 @@ fn fixture(dir: &std::path::Path, mode: &str, decode_peak: u64, complete: bool) 
     path
 }
 
-fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("stageload-cli-trace-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+/// A folder for one test, removed with its contents when dropped.
+fn scratch(name: &str) -> tempfile::TempDir {
+    tempfile::Builder::new().prefix(&format!("stageload-cli-trace-{name}-")).tempdir().unwrap()
 }
 
 fn stageload(args: &[&str]) -> (Output, String) {
@@ -46,7 +44,8 @@ fn stageload(args: &[&str]) -> (Output, String) {
 
 #[test]
 fn summary_prints_tables_and_a_side_by_side_comparison() {
-    let dir = scratch("summary");
+    let folder = scratch("summary");
+    let dir = folder.path();
     let eager = fixture(&dir, "eager", 3 * GIB, true);
     let staged = fixture(&dir, "staged", GIB, false);
     let (output, text) = stageload(&["summary", eager.to_str().unwrap(), staged.to_str().unwrap()]);
@@ -67,7 +66,8 @@ fn summary_prints_tables_and_a_side_by_side_comparison() {
 
 #[test]
 fn summary_and_plot_refuse_missing_and_broken_traces() {
-    let dir = scratch("bad");
+    let folder = scratch("bad");
+    let dir = folder.path();
     let (output, text) = stageload(&["summary", "/no/such/trace.jsonl"]);
     assert_eq!(output.status.code(), Some(2));
     assert!(text.contains("/no/such/trace.jsonl"), "{text}");
@@ -84,7 +84,8 @@ fn summary_and_plot_refuse_missing_and_broken_traces() {
 
 #[test]
 fn plot_writes_svg_and_png() {
-    let dir = scratch("plot");
+    let folder = scratch("plot");
+    let dir = folder.path();
     let eager = fixture(&dir, "eager", 3 * GIB, true);
     let staged = fixture(&dir, "staged", GIB, true);
     for name in ["memory.svg", "memory.png"] {

@@ -6,7 +6,7 @@
 //! guard stops it well before.
 
 use std::ffi::OsString;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -96,11 +96,9 @@ fn has(lines: &[String], text: &str) -> bool {
     lines.iter().any(|line| line.contains(text))
 }
 
-fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("stageload-guard-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+/// A folder for one test, removed with its contents when dropped.
+fn scratch(name: &str) -> tempfile::TempDir {
+    tempfile::Builder::new().prefix(&format!("stageload-guard-{name}-")).tempdir().unwrap()
 }
 
 /// Whether `pid` still runs (a zombie, or a pid now used by nobody, counts as gone).
@@ -133,7 +131,8 @@ fn waits_for_memory_then_runs_the_command() {
 #[test]
 fn gives_up_when_there_is_no_room_in_time_and_never_starts() {
     let _alone = one_guard();
-    let dir = scratch("no-room");
+    let folder = scratch("no-room");
+    let dir = folder.path();
     let marker = dir.join("started");
     let config = GuardConfig { start_timeout: Duration::from_secs(10), ..config() };
     let (outcome, lines, elapsed) = guard(&sh(&format!("touch {}", marker.display())), &config, &mut Scripted::levels(&[10]));
@@ -208,7 +207,8 @@ fn exit_codes_of_the_command_pass_through() {
     let (outcome, lines, _) = guard(&[OsString::from("/no/such/program")], &config(), &mut real());
     assert_eq!(outcome.exit_code(), 127);
     assert!(has(&lines, "cannot start '/no/such/program'"), "{lines:?}");
-    let dir = scratch("not-executable");
+    let folder = scratch("not-executable");
+    let dir = folder.path();
     let script = dir.join("script.sh");
     std::fs::write(&script, "#!/bin/sh\nexit 0\n").unwrap();
     assert_eq!(guard(&[script.into_os_string()], &config(), &mut real()).0.exit_code(), 126);
@@ -217,7 +217,8 @@ fn exit_codes_of_the_command_pass_through() {
 #[test]
 fn a_command_that_ignores_sigterm_is_killed_after_the_grace() {
     let _alone = one_guard();
-    let dir = scratch("ignores-term");
+    let folder = scratch("ignores-term");
+    let dir = folder.path();
     let pid_file = dir.join("pid");
     let script = format!("trap '' TERM; sleep 60 & echo $! > {}; wait", pid_file.display());
     let started = Instant::now();
@@ -237,7 +238,8 @@ fn a_command_that_ignores_sigterm_is_killed_after_the_grace() {
 #[test]
 fn a_grandchild_that_left_the_group_is_stopped_too() {
     let _alone = one_guard();
-    let dir = scratch("setsid");
+    let folder = scratch("setsid");
+    let dir = folder.path();
     let pid_file = dir.join("pid");
     // setsid puts the grandchild in a session and group of its own; the shell then exits.
     let script = format!("setsid sh -c 'echo $$ > {}; exec sleep 60' & sleep 60", pid_file.display());
@@ -251,7 +253,8 @@ fn a_grandchild_that_left_the_group_is_stopped_too() {
 #[test]
 fn leftovers_of_a_finished_command_are_stopped_before_the_leader_is_reaped() {
     let _alone = one_guard();
-    let dir = scratch("leftover");
+    let folder = scratch("leftover");
+    let dir = folder.path();
     let pid_file = dir.join("pid");
     let script = format!("sleep 60 & echo $! > {}; exit 5", pid_file.display());
     let (outcome, lines, _) = guard(&sh(&script), &config(), &mut Scripted::levels(&[90]));

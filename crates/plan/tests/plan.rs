@@ -7,11 +7,22 @@ use safetensors::tensor::TensorView;
 use safetensors::Dtype;
 use stageload_plan::{plan, Budget, BudgetSource, Pipeline, PipelineError, Verdict};
 
-fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("stageload-plan-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+/// A folder for one test, removed with its contents when dropped.
+fn scratch(name: &str) -> tempfile::TempDir {
+    tempfile::Builder::new().prefix(&format!("stageload-plan-{name}-")).tempdir().unwrap()
+}
+
+/// A pipeline file in its own folder; the folder goes when this is dropped.
+struct Fixture {
+    _folder: tempfile::TempDir,
+    path: PathBuf,
+}
+
+impl std::ops::Deref for Fixture {
+    type Target = Path;
+    fn deref(&self) -> &Path {
+        &self.path
+    }
 }
 
 /// Writes a real safetensors file of zero-filled tensors.
@@ -28,15 +39,16 @@ fn checkpoint(path: &Path, tensors: &[(&str, Dtype, &[usize])]) {
 
 /// A folder with an encoder (f32, 1 MiB, one file), a decoder split over two files (f16 + f32 +
 /// i64) and a backbone (bf16), and a pipeline file around them.
-fn fixture(name: &str, pipeline: &str) -> PathBuf {
-    let dir = scratch(name);
+fn fixture(name: &str, pipeline: &str) -> Fixture {
+    let folder = scratch(name);
+    let dir = folder.path();
     checkpoint(&dir.join("encoder.safetensors"), &[("w", Dtype::F32, &[512, 512])]);
     checkpoint(&dir.join("decoder-1.safetensors"), &[("a", Dtype::F16, &[256, 256]), ("b", Dtype::F32, &[1000])]);
     checkpoint(&dir.join("decoder-2.safetensors"), &[("c", Dtype::I64, &[10, 10])]);
     checkpoint(&dir.join("backbone.safetensors"), &[("x", Dtype::BF16, &[1024, 256])]);
     let path = dir.join("pipeline.toml");
     std::fs::write(&path, pipeline).unwrap();
-    path
+    Fixture { _folder: folder, path }
 }
 
 const MODELS: &str = r#"
@@ -196,7 +208,8 @@ fn bad_pipeline_files_name_what_is_wrong() {
 
 #[test]
 fn bad_checkpoints_name_the_model_and_the_file() {
-    let dir = scratch("bad-checkpoints");
+    let folder = scratch("bad-checkpoints");
+    let dir = folder.path();
     let pipeline_for = |file: &str| format!("[[models]]\nname = \"m\"\nfiles = [\"{file}\"]\n[[stages]]\nname = \"s\"\nmodels = [\"m\"]\n");
     let write = |name: &str, bytes: &[u8]| std::fs::write(dir.join(name), bytes).unwrap();
     let header = |json: &str| [&(json.len() as u64).to_le_bytes()[..], json.as_bytes()].concat();

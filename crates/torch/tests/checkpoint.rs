@@ -4,10 +4,11 @@
 use stageload::checkpoint::{save, Checkpoint, CheckpointError};
 use tch::{Device, Kind, Tensor};
 
-fn tmp(name: &str) -> std::path::PathBuf {
-    let dir = std::env::temp_dir().join(format!("stageload-ckpt-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    dir.join(name)
+/// A file path in a folder of its own, removed with its contents when the folder is dropped.
+fn tmp(name: &str) -> (tempfile::TempDir, std::path::PathBuf) {
+    let folder = tempfile::Builder::new().prefix("stageload-ckpt-").tempdir().unwrap();
+    let path = folder.path().join(name);
+    (folder, path)
 }
 
 fn sample(kind: Kind, shape: &[i64]) -> Tensor {
@@ -31,7 +32,7 @@ fn every_dtype_round_trips() {
     ];
     let originals: Vec<(String, Tensor)> =
         kinds.iter().enumerate().map(|(i, &k)| (format!("t{i}"), sample(k, &[3, 5, 7]))).collect();
-    let path = tmp("dtypes.safetensors");
+    let (_path_folder, path) = tmp("dtypes.safetensors");
     save(&originals, &path).unwrap();
     let targets: Vec<(String, Tensor)> =
         originals.iter().map(|(n, t)| (n.clone(), Tensor::zeros([3, 5, 7], (t.kind(), Device::Cpu)))).collect();
@@ -47,7 +48,7 @@ fn every_dtype_round_trips() {
 fn dtypes_convert_into_the_models_kind() {
     let source = Tensor::randn([64, 33], (Kind::Float, Device::Cpu));
     let ints = Tensor::arange(100, (Kind::Int, Device::Cpu));
-    let path = tmp("convert.safetensors");
+    let (_path_folder, path) = tmp("convert.safetensors");
     save(&[named("w", &source), named("half", &source.to_kind(Kind::Half)), named("i", &ints)], &path).unwrap();
     let checkpoint = Checkpoint::open(&[&path]).unwrap();
     for (name, kind) in [("w", Kind::Half), ("w", Kind::BFloat16), ("w", Kind::Double), ("half", Kind::Float), ("i", Kind::Int64), ("i", Kind::Float)] {
@@ -63,7 +64,7 @@ fn dtypes_convert_into_the_models_kind() {
 fn a_model_split_over_files_loads_and_progress_counts_every_byte() {
     let a = Tensor::randn([256, 256], (Kind::Float, Device::Cpu));
     let b = Tensor::randn([1000], (Kind::Float, Device::Cpu));
-    let (pa, pb) = (tmp("split-a.safetensors"), tmp("split-b.safetensors"));
+    let ((_pa_folder, pa), (_pb_folder, pb)) = (tmp("split-a.safetensors"), tmp("split-b.safetensors"));
     save(&[named("a", &a), named("extra", &b)], &pa).unwrap();
     save(&[named("b", &b)], &pb).unwrap();
     let targets = vec![("a".to_string(), a.zeros_like()), ("b".to_string(), b.zeros_like())];
@@ -89,7 +90,7 @@ fn assert_untouched(targets: &[(String, Tensor)]) {
 #[test]
 fn bad_input_is_a_clear_error_and_changes_nothing() {
     let w = Tensor::randn([8, 4], (Kind::Float, Device::Cpu));
-    let path = tmp("bad.safetensors");
+    let (_path_folder, path) = tmp("bad.safetensors");
     save(&[named("w", &w), named("v", &w)], &path).unwrap();
     let checkpoint = Checkpoint::open(&[&path]).unwrap();
     let sentinel = |shape: &[i64], kind| Tensor::full(shape, 7.0, (kind, Device::Cpu));
@@ -122,32 +123,32 @@ fn bad_input_is_a_clear_error_and_changes_nothing() {
 
 #[test]
 fn missing_truncated_and_corrupt_files_are_errors_naming_the_file() {
-    let missing = tmp("does-not-exist.safetensors");
+    let (_missing_folder, missing) = tmp("does-not-exist.safetensors");
     let err = Checkpoint::open(&[&missing]).unwrap_err();
     assert!(matches!(err, CheckpointError::Open { .. }) && err.to_string().contains("does-not-exist"), "{err}");
 
-    let good = tmp("whole.safetensors");
+    let (_good_folder, good) = tmp("whole.safetensors");
     save(&[named("w", &Tensor::randn([128, 128], (Kind::Float, Device::Cpu)))], &good).unwrap();
     let bytes = std::fs::read(&good).unwrap();
 
-    let truncated = tmp("truncated.safetensors");
+    let (_truncated_folder, truncated) = tmp("truncated.safetensors");
     std::fs::write(&truncated, &bytes[..bytes.len() - 100]).unwrap();
     let err = Checkpoint::open(&[&truncated]).unwrap_err();
     assert!(matches!(err, CheckpointError::Invalid { .. }) && err.to_string().contains("truncated.safetensors"), "{err}");
 
-    let huge_header = tmp("huge-header.safetensors");
+    let (_huge_header_folder, huge_header) = tmp("huge-header.safetensors");
     let mut b = bytes.clone();
     b[..8].copy_from_slice(&(bytes.len() as u64 * 2).to_le_bytes());
     std::fs::write(&huge_header, &b).unwrap();
     assert!(matches!(Checkpoint::open(&[&huge_header]), Err(CheckpointError::Invalid { .. })));
 
-    let not_json = tmp("not-json.safetensors");
+    let (_not_json_folder, not_json) = tmp("not-json.safetensors");
     let mut b = bytes.clone();
     b[8] = b'!';
     std::fs::write(&not_json, &b).unwrap();
     assert!(matches!(Checkpoint::open(&[&not_json]), Err(CheckpointError::Invalid { .. })));
 
-    let tiny = tmp("tiny.safetensors");
+    let (_tiny_folder, tiny) = tmp("tiny.safetensors");
     std::fs::write(&tiny, [1u8, 2, 3]).unwrap();
     assert!(matches!(Checkpoint::open(&[&tiny]), Err(CheckpointError::Invalid { .. })));
 }
@@ -155,7 +156,7 @@ fn missing_truncated_and_corrupt_files_are_errors_naming_the_file() {
 #[test]
 fn loads_into_storage_that_was_released_then_reallocated() {
     let w = Tensor::randn([512, 512], (Kind::Float, Device::Cpu));
-    let path = tmp("realloc.safetensors");
+    let (_path_folder, path) = tmp("realloc.safetensors");
     save(&[named("w", &w)], &path).unwrap();
     let target = w.copy();
     let bytes = stageload_torch_sys::free_storage(&target, "released").unwrap();

@@ -13,17 +13,16 @@ use tch::{Device, Tensor};
 mod common;
 use common::{build_mlp, input, mlp, Mlp};
 
-fn checkpoint_for(name: &str, width: i64) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("stageload-rss-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join(format!("{name}-{width}.safetensors"));
+/// A checkpoint of an MLP in a folder of its own, removed when the folder is dropped.
+fn checkpoint_for(name: &str, width: i64) -> (tempfile::TempDir, PathBuf) {
+    let folder = tempfile::Builder::new().prefix("stageload-rss-").tempdir().unwrap();
+    let path = folder.path().join(format!("{name}-{width}.safetensors"));
     let vs = VarStore::new(Device::Cpu);
     let _ = mlp(&vs, width);
     let vars: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
     stageload::checkpoint::save(&vars, &path).unwrap();
-    path
+    (folder, path)
 }
-
 
 fn rss() -> i64 {
     let statm = std::fs::read_to_string("/proc/self/statm").unwrap();
@@ -34,7 +33,7 @@ fn rss() -> i64 {
 #[test]
 fn release_returns_memory_and_reload_in_place_brings_it_back_without_drawing() {
     const WIDTH: i64 = 2048; // two 16 MiB matrices
-    let path = checkpoint_for("big", WIDTH);
+    let (_folder, path) = checkpoint_for("big", WIDTH);
     let sink = Arc::new(ListSink::new());
     let chacha = SharedRng::new(ChaCha8Rng::seed_from_u64(3));
     let models = StagedModels::builder()

@@ -13,11 +13,9 @@ use stageload_trace::{plot::plot, read_trace, summarize, EventRecord, Meter, Met
 
 static ONE_METER: Mutex<()> = Mutex::new(());
 
-fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("stageload-meter-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+/// A folder for one test, removed with its contents when dropped.
+fn scratch(name: &str) -> tempfile::TempDir {
+    tempfile::Builder::new().prefix(&format!("stageload-meter-{name}-")).tempdir().unwrap()
 }
 
 /// Enters a stage 20 ms after the previous one, so that no window is empty.
@@ -29,7 +27,8 @@ fn stage(meter: &Meter, name: &str) {
 #[test]
 fn a_run_writes_header_samples_events_and_end() {
     let _alone = ONE_METER.lock().unwrap_or_else(|e| e.into_inner());
-    let path = scratch("run").join("nested/run.jsonl");
+    let folder = scratch("run");
+    let path = folder.path().join("nested/run.jsonl");
     let options = MeterOptions::default().interval(Duration::from_millis(50)).meta("mode", "staged").meta("pid", 1);
     let meter = Meter::start(&path, options).unwrap();
     stage(&meter, "encode");
@@ -64,7 +63,8 @@ fn a_run_writes_header_samples_events_and_end() {
 #[test]
 fn the_exact_stage_peak_catches_a_spike_that_sampling_misses() {
     let _alone = ONE_METER.lock().unwrap_or_else(|e| e.into_inner());
-    let path = scratch("spike").join("spike.jsonl");
+    let folder = scratch("spike");
+    let path = folder.path().join("spike.jsonl");
     // No background sample will fall inside the spike: the interval is far longer than the run.
     let meter = Meter::start(&path, MeterOptions::default().interval(Duration::from_secs(60))).unwrap();
     stage(&meter, "quiet");
@@ -113,7 +113,8 @@ impl MeterReadings for Flaky {
 
 #[test]
 fn a_failing_reading_is_recorded_once_per_error_and_again_after_recovery() {
-    let path = scratch("flaky").join("flaky.jsonl");
+    let folder = scratch("flaky");
+    let path = folder.path().join("flaky.jsonl");
     let meter = Meter::start(&path, MeterOptions::default().interval(Duration::from_secs(60)).readings(Flaky { calls: 0 })).unwrap();
     for name in ["a", "b", "c", "d", "e", "f"] {
         stage(&meter, name);
@@ -138,7 +139,8 @@ fn example(name: &str) -> PathBuf {
 
 #[test]
 fn a_run_killed_with_sigkill_leaves_a_trace_that_summary_and_plot_read() {
-    let dir = scratch("killed");
+    let folder = scratch("killed");
+    let dir = folder.path();
     let path = dir.join("killed.jsonl");
     let mut child = Command::new(example("metered_stages"))
         .args(["--trace", path.to_str().unwrap(), "--stages", "50", "--block-mib", "16", "--hold-ms", "100"])
@@ -164,7 +166,8 @@ fn a_run_killed_with_sigkill_leaves_a_trace_that_summary_and_plot_read() {
 #[test]
 fn plot_writes_real_svg_and_png() {
     let _alone = ONE_METER.lock().unwrap_or_else(|e| e.into_inner());
-    let dir = scratch("plot");
+    let folder = scratch("plot");
+    let dir = folder.path();
     let status = Command::new(example("metered_stages"))
         .args(["--trace", dir.join("run.jsonl").to_str().unwrap(), "--stages", "3", "--block-mib", "32", "--hold-ms", "150"])
         .stdout(Stdio::null())

@@ -149,14 +149,16 @@ fn side_by_side_table_gives_differences_and_ratios() {
     assert!(decode.contains("6.0 GiB") && decode.contains("2.0 GiB") && decode.contains("-4.0 GiB") && decode.contains("3.00x"), "{decode}");
 }
 
-fn write(name: &str, text: &str) -> PathBuf {
-    let path = std::env::temp_dir().join(format!("stageload-reader-{name}-{}.jsonl", std::process::id()));
+fn write(folder: &tempfile::TempDir, name: &str, text: &str) -> PathBuf {
+    let path = folder.path().join(format!("{name}.jsonl"));
     std::fs::write(&path, text).unwrap();
     path
 }
 
 #[test]
 fn the_reader_skips_only_a_half_written_last_line() {
+    let folder = tempfile::Builder::new().prefix("stageload-reader-").tempdir().unwrap();
+    let write = |name: &str, text: &str| write(&folder, name, text);
     let good = "{\"type\":\"sample\",\"t\":0.0,\"rss\":5}\n{\"type\":\"sample\",\"t\":0.5,\"rss\":7}\n";
     let trace = read_trace(write("half", &format!("{good}{{\"type\":\"sam"))).unwrap();
     assert!(trace.skipped_last_line && trace.records.len() == 2);
