@@ -94,17 +94,6 @@ pub struct ProcessMemory {
     pub footprint: Option<u64>,
 }
 
-impl ProcessMemory {
-    /// What the process holds of its own: anonymous resident memory plus swap where known (the
-    /// file-backed pages of mapped checkpoints are reclaimable and not counted), else RSS.
-    pub fn own(&self) -> u64 {
-        match self.rss_anon {
-            Some(anon) => anon + self.swap.unwrap_or(0),
-            None => self.footprint.unwrap_or(self.rss),
-        }
-    }
-}
-
 /// One line of the process table.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ProcessEntry {
