@@ -24,10 +24,8 @@
 
 use std::collections::HashSet;
 use std::fs;
-use std::io::Read;
 use std::path::{Path, PathBuf};
 
-use safetensors::tensor::Metadata;
 use serde::{Deserialize, Serialize};
 use stageload_probe::units::parse_size;
 use thiserror::Error;
@@ -166,30 +164,11 @@ pub fn dtype_bits(name: &str) -> Option<usize> {
 /// One checkpoint's header: (tensors, bytes of data as stored, element counts).
 fn read_header(path: &Path) -> Result<(usize, u64, u64), String> {
     let mut file = fs::File::open(path).map_err(|e| e.to_string())?;
-    let file_len = file.metadata().map_err(|e| e.to_string())?.len();
-    let mut length = [0u8; 8];
-    file.read_exact(&mut length).map_err(|_| format!("{file_len} bytes: too short for a safetensors header"))?;
-    let header_len = u64::from_le_bytes(length);
-    if header_len > file_len - 8 {
-        return Err(format!("header length {header_len} B is larger than the file ({file_len} B): truncated or not safetensors"));
-    }
-    let mut header = vec![0u8; header_len as usize];
-    file.read_exact(&mut header).map_err(|e| e.to_string())?;
-    let text = std::str::from_utf8(&header).map_err(|e| format!("header is not UTF-8: {e}"))?;
-    // safetensors' own Metadata: checks the JSON, the dtypes, and that the offsets are contiguous
-    // and match each tensor's shape and dtype.
-    let metadata: Metadata = serde_json::from_str(text).map_err(|e| format!("header is not a valid safetensors header: {e}"))?;
-    let tensors = metadata.tensors();
-    let data_end = tensors.values().map(|info| info.data_offsets.1 as u64).max().unwrap_or(0);
-    if 8 + header_len + data_end > file_len {
-        return Err(format!(
-            "the header describes {} B of data but the file holds {} B after it: truncated",
-            data_end,
-            file_len - 8 - header_len
-        ));
-    }
+    let header = crate::header::read_header(&mut file)?;
+    let tensors = header.metadata.tensors();
+    let data_bytes = tensors.values().map(|info| info.data_offsets.1 as u64).max().unwrap_or(0);
     let elements = tensors.values().map(|info| info.shape.iter().product::<usize>() as u64).sum();
-    Ok((tensors.len(), data_end, elements))
+    Ok((tensors.len(), data_bytes, elements))
 }
 
 impl Pipeline {

@@ -18,7 +18,6 @@ use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
-use safetensors::tensor::Metadata;
 use safetensors::Dtype;
 use tch::{Device, Kind, Tensor};
 
@@ -144,31 +143,6 @@ impl std::fmt::Debug for Checkpoint {
     }
 }
 
-/// Reads and checks one file's header: its length fits the file, it is a valid safetensors
-/// header (the crate's own `Metadata` checks the JSON, dtypes, and that offsets are contiguous
-/// and match shapes), and the data it describes is all in the file.
-fn read_header(path: &Path, file: &mut File) -> Result<(u64, Metadata), CheckpointError> {
-    use std::io::Read;
-    let invalid = |reason: String| CheckpointError::Invalid { path: path.to_path_buf(), reason };
-    let length = file.metadata().map_err(|source| CheckpointError::Open { path: path.to_path_buf(), source })?.len();
-    let mut prefix = [0u8; 8];
-    file.read_exact(&mut prefix).map_err(|_| invalid(format!("{length} bytes, too short for a header")))?;
-    let header_length = u64::from_le_bytes(prefix);
-    if header_length > length - 8 {
-        return Err(invalid(format!("header length {header_length} B is larger than the file ({length} B)")));
-    }
-    let mut header = vec![0u8; header_length as usize];
-    file.read_exact(&mut header).map_err(|e| invalid(e.to_string()))?;
-    let text = std::str::from_utf8(&header).map_err(|e| invalid(format!("header is not UTF-8: {e}")))?;
-    let metadata: Metadata = serde_json::from_str(text).map_err(|e| invalid(format!("bad header: {e}")))?;
-    let data_start = 8 + header_length;
-    let data_end = metadata.tensors().values().map(|info| info.data_offsets.1 as u64).max().unwrap_or(0);
-    if data_start + data_end > length {
-        return Err(invalid(format!("the header describes {data_end} B of data, the file holds {} B", length - data_start)));
-    }
-    Ok((data_start, metadata))
-}
-
 impl Checkpoint {
     /// Opens every file and checks its header: valid JSON, offsets inside the file and covering
     /// its data, supported dtypes, no tensor name in two files.
@@ -177,7 +151,8 @@ impl Checkpoint {
         for path in files {
             let path = path.as_ref().to_path_buf();
             let mut file = File::open(&path).map_err(|source| CheckpointError::Open { path: path.clone(), source })?;
-            let (data_start, metadata) = read_header(&path, &mut file)?;
+            let stageload_plan::header::Header { data_start, metadata } = stageload_plan::header::read_header(&mut file)
+                .map_err(|reason| CheckpointError::Invalid { path: path.clone(), reason })?;
             let index = checkpoint.files.len();
             for (name, info) in metadata.tensors() {
                 let kind = kind_of(info.dtype).ok_or_else(|| CheckpointError::UnsupportedDtype {
