@@ -59,53 +59,66 @@ fn read_group(dir: &Path, v2: bool, machine_total: u64) -> Option<CgroupMemory> 
     Some(CgroupMemory { path: dir.to_path_buf(), limit, usage, reclaimable: stat_field(dir, reclaim_field) })
 }
 
-/// The tightest memory-limited group among `leaf` and its ancestors up to `mount`.
-fn tightest(mount: &Path, leaf: &str, v2: bool, machine_total: u64) -> Option<CgroupMemory> {
+/// `leaf` and its ancestors up to `mount`, leaf first.
+fn group_and_ancestors(mount: &Path, leaf: &str, v2: bool, dirs: &mut Vec<GroupDir>) {
     let mut dir = mount.join(leaf.trim_start_matches('/'));
     if !dir.is_dir() {
         // Inside a cgroup namespace the path in /proc/self/cgroup may not exist under the
         // mount; the mount's root is then the process's own group.
         dir = mount.to_path_buf();
     }
-    let mut best: Option<CgroupMemory> = None;
     loop {
-        if let Some(group) = read_group(&dir, v2, machine_total) {
-            if best.as_ref().is_none_or(|b| group.headroom() < b.headroom()) {
-                best = Some(group);
-            }
-        }
+        dirs.push(GroupDir { path: dir.clone(), v2 });
         if dir == mount || !dir.pop() || !dir.starts_with(mount) {
-            return best;
+            return;
         }
     }
 }
 
-/// The memory limit that applies to the process whose `/proc/PID/cgroup` text is given, looked
-/// up under `cgroup_root` (normally `/sys/fs/cgroup`); `None` when no limit below
-/// `machine_total` applies.
-pub fn cgroup_memory(proc_cgroup: &str, cgroup_root: &Path, machine_total: u64) -> Option<CgroupMemory> {
-    let mut found: Vec<CgroupMemory> = Vec::new();
+/// A control group folder whose memory files may hold a limit.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GroupDir {
+    pub path: PathBuf,
+    /// cgroup v2 file names (else v1).
+    pub v2: bool,
+}
+
+/// Where the limits of the process whose `/proc/PID/cgroup` text is given can be, under
+/// `cgroup_root` (normally `/sys/fs/cgroup`): its group in each memory hierarchy and their
+/// ancestors. Resolving this once lets a poll read only the limit files.
+pub fn group_dirs(proc_cgroup: &str, cgroup_root: &Path) -> Vec<GroupDir> {
+    let mut dirs = Vec::new();
     for line in proc_cgroup.lines() {
         let mut fields = line.splitn(3, ':');
         let (Some(id), Some(controllers), Some(path)) = (fields.next(), fields.next(), fields.next()) else {
             continue;
         };
-        let group = if id == "0" && controllers.is_empty() {
+        if id == "0" && controllers.is_empty() {
             // v2: the unified hierarchy is the mount itself, or `unified/` on hybrid hosts.
             let mount = if cgroup_root.join("cgroup.controllers").exists() {
                 cgroup_root.to_path_buf()
             } else {
                 cgroup_root.join("unified")
             };
-            tightest(&mount, path, true, machine_total)
+            group_and_ancestors(&mount, path, true, &mut dirs);
         } else if controllers.split(',').any(|c| c == "memory") {
-            tightest(&cgroup_root.join("memory"), path, false, machine_total)
-        } else {
-            None
-        };
-        found.extend(group);
+            group_and_ancestors(&cgroup_root.join("memory"), path, false, &mut dirs);
+        }
     }
-    found.into_iter().min_by_key(CgroupMemory::headroom)
+    dirs
+}
+
+/// The tightest (least headroom) memory-limited group among `dirs`; `None` when none has a
+/// limit below `machine_total`.
+pub fn tightest(dirs: &[GroupDir], machine_total: u64) -> Option<CgroupMemory> {
+    dirs.iter().filter_map(|dir| read_group(&dir.path, dir.v2, machine_total)).min_by_key(CgroupMemory::headroom)
+}
+
+/// The memory limit that applies to the process whose `/proc/PID/cgroup` text is given, looked
+/// up under `cgroup_root` (normally `/sys/fs/cgroup`); `None` when no limit below
+/// `machine_total` applies.
+pub fn cgroup_memory(proc_cgroup: &str, cgroup_root: &Path, machine_total: u64) -> Option<CgroupMemory> {
+    tightest(&group_dirs(proc_cgroup, cgroup_root), machine_total)
 }
 
 #[cfg(test)]

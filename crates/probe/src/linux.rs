@@ -6,6 +6,7 @@
 
 use std::collections::HashMap;
 use std::path::Path;
+use std::sync::OnceLock;
 
 use procfs::process::{ClearRefs, Process};
 use procfs::Current;
@@ -52,8 +53,13 @@ pub(crate) fn parse_meminfo(text: &str) -> Result<(u64, u64, u64, u64), ProbeErr
 pub fn system_memory() -> Result<SystemMemory, ProbeError> {
     let text = std::fs::read_to_string("/proc/meminfo").map_err(|e| read_error("/proc/meminfo", e))?;
     let (total, available, swap_total, swap_used) = parse_meminfo(&text)?;
-    let own_groups = std::fs::read_to_string("/proc/self/cgroup").unwrap_or_default();
-    let cgroup = cgroup::cgroup_memory(&own_groups, Path::new("/sys/fs/cgroup"), total);
+    // Where this process's limits can be is resolved once; each reading reads only their files.
+    static GROUP_DIRS: OnceLock<Vec<cgroup::GroupDir>> = OnceLock::new();
+    let dirs = GROUP_DIRS.get_or_init(|| {
+        let own_groups = std::fs::read_to_string("/proc/self/cgroup").unwrap_or_default();
+        cgroup::group_dirs(&own_groups, Path::new("/sys/fs/cgroup"))
+    });
+    let cgroup = cgroup::tightest(dirs, total);
     Ok(SystemMemory { total, available, swap_total, swap_used, cgroup })
 }
 
