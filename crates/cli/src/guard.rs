@@ -8,7 +8,9 @@ use std::time::Duration;
 use clap::Args;
 use regex::Regex;
 use stageload_guard::{exit, run_guarded, GuardConfig, GuardLog, Signals, SystemClock, SystemReadings};
-use stageload_probe::units::{format_gb, parse_duration, parse_size};
+use stageload_probe::units::format_gb;
+
+use crate::args::{duration, size};
 
 const EXIT_CODES: &str = "\
 Exit codes:
@@ -76,14 +78,6 @@ fn percent(text: &str) -> Result<u8, String> {
     u8::try_from(value).ok().filter(|v| *v <= 100).ok_or_else(|| format!("{value} is out of range (0 to 100)"))
 }
 
-fn size(text: &str) -> Result<u64, String> {
-    parse_size(text).map_err(|e| e.to_string())
-}
-
-fn duration(text: &str) -> Result<Duration, String> {
-    parse_duration(text).map_err(|e| e.to_string())
-}
-
 fn positive_duration(text: &str) -> Result<Duration, String> {
     let value = duration(text)?;
     if value.is_zero() {
@@ -116,8 +110,9 @@ pub fn run(args: GuardArgs) -> i32 {
     let mut log = match GuardLog::new(args.log.as_deref(), !args.check) {
         Ok(log) => log,
         Err(error) => {
-            let path = args.log.as_deref().unwrap_or_else(|| "".as_ref()).display();
-            eprintln!("stageload guard: cannot write --log {path}: {error}");
+            // Only creating the --log file can fail.
+            let path = args.log.unwrap_or_default();
+            eprintln!("stageload guard: cannot write --log {}: {error}", path.display());
             return exit::USAGE;
         }
     };

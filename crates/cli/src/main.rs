@@ -3,6 +3,7 @@
 //! whether a staged pipeline fits this machine (see [`plan`]); `summary` and `plot` show where a
 //! recorded run's memory went (see [`trace`]).
 
+mod args;
 mod guard;
 mod plan;
 mod trace;

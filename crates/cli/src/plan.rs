@@ -5,7 +5,8 @@ use std::path::PathBuf;
 
 use clap::Args;
 use stageload_plan::{plan, Budget, Pipeline};
-use stageload_probe::units::parse_size;
+
+use crate::args::size;
 
 /// Exit codes of `stageload plan`.
 const EXIT_CODES: &str = "\
@@ -23,10 +24,10 @@ pub struct PlanArgs {
     #[arg(long)]
     json: bool,
     /// Check against this much host memory instead of this machine's
-    #[arg(long, value_name = "SIZE", value_parser = |s: &str| parse_size(s).map_err(|e| e.to_string()))]
+    #[arg(long, value_name = "SIZE", value_parser = size)]
     memory: Option<u64>,
     /// Device (GPU) memory to check models on cuda or mps against
-    #[arg(long, value_name = "SIZE", value_parser = |s: &str| parse_size(s).map_err(|e| e.to_string()))]
+    #[arg(long, value_name = "SIZE", value_parser = size)]
     device_memory: Option<u64>,
 }
 

@@ -34,25 +34,21 @@ pub struct PlotArgs {
     width: u32,
 }
 
-fn load(paths: &[PathBuf]) -> Result<Vec<(Trace, Summary)>, String> {
-    paths
+/// Reads and summarizes `paths`; on the first that cannot be read, says so for `command`.
+fn load(command: &str, paths: &[PathBuf]) -> Option<Vec<(Trace, Summary)>> {
+    let loaded: Result<Vec<_>, _> = paths
         .iter()
         .map(|path| {
-            let trace = read_trace(path).map_err(|e| e.to_string())?;
+            let trace = read_trace(path)?;
             let summary = summarize(&trace);
             Ok((trace, summary))
         })
-        .collect()
+        .collect();
+    loaded.map_err(|error: stageload_trace::TraceError| eprintln!("stageload {command}: {error}")).ok()
 }
 
 pub fn summary(args: SummaryArgs) -> i32 {
-    let loaded = match load(&args.traces) {
-        Ok(loaded) => loaded,
-        Err(error) => {
-            eprintln!("stageload summary: {error}");
-            return 2;
-        }
-    };
+    let Some(loaded) = load("summary", &args.traces) else { return 2 };
     if args.json {
         let summaries: Vec<&Summary> = loaded.iter().map(|(_, s)| s).collect();
         println!("{}", serde_json::to_string_pretty(&summaries).expect("summaries are plain data"));
@@ -79,13 +75,7 @@ pub fn summary(args: SummaryArgs) -> i32 {
 }
 
 pub fn plot(args: PlotArgs) -> i32 {
-    let loaded = match load(&args.traces) {
-        Ok(loaded) => loaded,
-        Err(error) => {
-            eprintln!("stageload plot: {error}");
-            return 2;
-        }
-    };
+    let Some(loaded) = load("plot", &args.traces) else { return 2 };
     let traces: Vec<(String, &Trace, &Summary)> = loaded.iter().map(|(t, s)| (table::label(s, &t.path), t, s)).collect();
     match plot::plot(&traces, &args.output, args.width) {
         Ok(()) => {

@@ -19,10 +19,10 @@ pub struct GuardLog {
     lines: Vec<String>,
 }
 
-/// The UTC time of day, `HH:MM:SSZ`.
+/// The UTC time of day, `HH:MM:SSZ` (the time part of RFC 3339).
 fn utc_stamp() -> String {
-    let seconds = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs()) % 86_400;
-    format!("{:02}:{:02}:{:02}Z", seconds / 3600, seconds / 60 % 60, seconds % 60)
+    let rfc3339 = humantime::format_rfc3339_seconds(SystemTime::now()).to_string();
+    rfc3339.split_once('T').map_or(rfc3339.clone(), |(_, time)| time.to_string())
 }
 
 impl GuardLog {

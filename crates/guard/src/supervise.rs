@@ -125,7 +125,8 @@ fn watch_job(
             let outcome = match status {
                 WaitStatus::Signaled(_, signal, _) => Outcome::Signaled(signal as i32),
                 WaitStatus::Exited(_, code) => Outcome::Exited(code),
-                other => Outcome::Exited(exit_code_of(other)),
+                // Waiting for exits only, nothing else is reported.
+                _ => Outcome::Exited(exit::STOPPED),
             };
             log.record("exit", &format!("exit {}", outcome.exit_code()), None, json!({ "exit": outcome.exit_code() }));
             let leftovers = job.members(readings).len();
@@ -160,14 +161,6 @@ fn watch_job(
             job.reap(log);
             return Outcome::Stopped(stop);
         }
-    }
-}
-
-fn exit_code_of(status: WaitStatus) -> i32 {
-    match status {
-        WaitStatus::Exited(_, code) => code,
-        WaitStatus::Signaled(_, signal, _) => 128 + signal as i32,
-        _ => exit::STOPPED,
     }
 }
 
