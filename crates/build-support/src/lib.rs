@@ -3,7 +3,13 @@
 //! Cargo does not pass link arguments from a dependency to its dependents, so each such package
 //! calls [`link_libtorch`] from its own `build.rs`. The package must depend directly on
 //! `stageload-torch-sys`, whose build script publishes the libtorch folder as
-//! `DEP_STAGELOAD_SHIM_LIBTORCH_LIB`.
+//! `DEP_STAGELOAD_SHIM_LIBTORCH_LIB`. The shim's build script also checks, with
+//! [`check_libtorch_version`], that the libtorch found is the release tch 0.26 is written for.
+
+use std::path::Path;
+
+/// The libtorch release (major, minor) that tch 0.26 and the shim are written for.
+pub const LIBTORCH_WANTED: (u32, u32) = (2, 13);
 
 /// Emits an rpath to libtorch's lib folder (so nothing needs `LD_LIBRARY_PATH`) and, on Linux,
 /// `--no-as-needed -ltorch` so that `libtorch_cuda` stays linked and CUDA is seen where present.
@@ -24,5 +30,77 @@ pub fn link_libtorch_at(lib: &std::path::Path) {
         println!("cargo:rustc-link-arg=-Wl,--no-as-needed");
         println!("cargo:rustc-link-arg=-ltorch");
         println!("cargo:rustc-link-arg=-Wl,--as-needed");
+    }
+}
+
+fn version_field(header: &str, field: &str) -> Option<u32> {
+    header.lines().find_map(|line| {
+        let rest = line.trim().strip_prefix("#define ")?.strip_prefix(field)?;
+        rest.trim().parse().ok()
+    })
+}
+
+/// Reads the version header under libtorch's `include` folder and returns, when it is not
+/// [`LIBTORCH_WANTED`], the message that stops the build: the version found, the one needed and
+/// how to point `LIBTORCH` or the set-up script's cache at it.
+pub fn check_libtorch_version(include: &Path) -> Result<(), String> {
+    let header_path = include.join("torch/headeronly/version.h");
+    let fallback = include.join("torch/csrc/api/include/torch/version.h");
+    let text = std::fs::read_to_string(&header_path).or_else(|_| std::fs::read_to_string(&fallback)).unwrap_or_default();
+    let found = (version_field(&text, "TORCH_VERSION_MAJOR"), version_field(&text, "TORCH_VERSION_MINOR"));
+    if found == (Some(LIBTORCH_WANTED.0), Some(LIBTORCH_WANTED.1)) {
+        return Ok(());
+    }
+    let shown = match found {
+        (Some(major), Some(minor)) => format!("{major}.{minor}"),
+        _ => format!("of an unknown version (neither {} nor {} gives it)", header_path.display(), fallback.display()),
+    };
+    Err(format!(
+        "stageload needs libtorch {}.{} (tch 0.26), but the libtorch at {} is {shown}. \
+         Point LIBTORCH at a libtorch 2.13.0 folder, or unset LIBTORCH and run \
+         scripts/setup-libtorch.sh, which installs torch==2.13.0 into the per-user cache \
+         (STAGELOAD_CACHE).",
+        LIBTORCH_WANTED.0,
+        LIBTORCH_WANTED.1,
+        include.parent().unwrap_or(include).display()
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn libtorch_with_header(relative: &str, major: u32, minor: u32) -> tempfile::TempDir {
+        let root = tempfile::TempDir::new().unwrap();
+        let header = root.path().join("include").join(relative);
+        std::fs::create_dir_all(header.parent().unwrap()).unwrap();
+        let text = format!("#pragma once\n#define TORCH_VERSION_MAJOR {major}\n#define TORCH_VERSION_MINOR {minor}\n#define TORCH_VERSION_PATCH 0\n");
+        std::fs::write(header, text).unwrap();
+        root
+    }
+
+    #[test]
+    fn the_wanted_release_passes_under_either_header() {
+        for relative in ["torch/headeronly/version.h", "torch/csrc/api/include/torch/version.h"] {
+            let root = libtorch_with_header(relative, 2, 13);
+            assert_eq!(check_libtorch_version(&root.path().join("include")), Ok(()), "{relative}");
+        }
+    }
+
+    #[test]
+    fn another_release_is_refused_naming_both_versions_and_the_way_out() {
+        let root = libtorch_with_header("torch/headeronly/version.h", 2, 12);
+        let message = check_libtorch_version(&root.path().join("include")).unwrap_err();
+        for part in ["needs libtorch 2.13", "is 2.12", "LIBTORCH", "scripts/setup-libtorch.sh", "STAGELOAD_CACHE"] {
+            assert!(message.contains(part), "'{part}' missing from: {message}");
+        }
+        assert!(message.contains(&root.path().display().to_string()), "names the folder: {message}");
+    }
+
+    #[test]
+    fn a_folder_without_a_version_header_is_refused() {
+        let root = tempfile::TempDir::new().unwrap();
+        let message = check_libtorch_version(&root.path().join("include")).unwrap_err();
+        assert!(message.contains("unknown version") && message.contains("version.h"), "{message}");
     }
 }
