@@ -38,9 +38,9 @@ def main(path, runs):
         model.load_state_dict(state)
         seconds = time.perf_counter() - start
         file_pages = status("RssFile") - file_before
-        over = status("VmHWM") - before - file_pages
+        with_file = status("VmHWM") - before
         del state
-        print(json.dumps({"seconds": seconds, "bytes": model_bytes, "peak_over": over}), flush=True)
+        print(json.dumps({"seconds": seconds, "bytes": model_bytes, "peak_over": with_file - file_pages, "peak_with_file": with_file}), flush=True)
 
 
 if __name__ == "__main__":

@@ -205,10 +205,32 @@ pub fn cuda_reset_peak(device: usize) -> ShimResult<()> {
     check("reset CUDA peak", err)
 }
 
+/// The allocation size from which [`map_large_host_blocks`] makes glibc serve each block with its
+/// own mapping.
+pub const HOST_MMAP_THRESHOLD: usize = 1 << 20;
+
+/// Makes glibc serve every host allocation of [`HOST_MMAP_THRESHOLD`] or more with its own
+/// mapping, returned to the OS when freed, for the whole process. By default glibc raises its
+/// mmap threshold each time a mapped block is freed (up to 32 MiB), after which weight-sized and
+/// activation-sized blocks land in the heap: freed memory then stays in the process until a trim,
+/// and how much stays depends on the order of frees (the working memory of one run differed by
+/// 70 MiB from the next). A fixed threshold turns that off. Returns whether the setting took
+/// (false where the C library is not glibc).
+pub fn map_large_host_blocks() -> bool {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: mallopt only sets a parameter of glibc's allocator; M_MMAP_THRESHOLD accepts any
+    // value up to 32 MiB on 64-bit targets and takes effect for later allocations.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, HOST_MMAP_THRESHOLD as libc::c_int) == 1
+    }
+    #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+    false
+}
+
 /// Hands free heap memory back to the OS. libtorch's CPU allocator uses `malloc`; glibc keeps
-/// freed blocks below its (dynamic, up to 32 MiB) mmap threshold in its heap, so without a trim
-/// a released model's smaller tensors would still count in the process RSS. A no-op where the C
-/// library is not glibc.
+/// freed blocks below its mmap threshold in its heap, so without a trim a released model's
+/// smaller tensors would still count in the process RSS. A no-op where the C library is not
+/// glibc.
 pub fn trim_host_heap() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     // SAFETY: malloc_trim only walks glibc's own arenas; it has no preconditions.

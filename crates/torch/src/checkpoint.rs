@@ -3,18 +3,24 @@
 //!
 //! `tch::nn::VarStore::load` reads the whole file into a `Vec`, builds a tensor per entry and then
 //! copies it into the variable: two transient copies of the model. Here only the headers are read
-//! at open; at load, an entry whose target is a contiguous CPU tensor of the same dtype is read
-//! with `pread` directly into the target's memory: no copy, no mapping, and the process's RSS
-//! grows by the model alone (a mapped file's pages would count in RSS while mapped). Entries that
-//! need a dtype conversion or go to a GPU pass through a buffer of one entry, converted by
-//! libtorch's `copy_`.
+//! at open. At load, an entry whose target is a contiguous CPU tensor of the same dtype is read
+//! with `pread` straight into the target's memory, in pieces of at most 16 MiB that the CPUs take
+//! in turn: no copy, and no mapping whose pages would count in the process's RSS. (Mapping the
+//! file a window at a time and copying from it measured 10.0 GB/s against 11.2 GB/s for this
+//! path on the load benchmark's checkpoint; a mapping of the whole file is faster still when the
+//! page cache holds huge pages, but puts the whole file in RSS during the load.) Entries that
+//! need a dtype conversion, go to a GPU, or land in strided or overlapping (tied) targets are read
+//! a window of rows at a time into one reused buffer of at most 16 MiB and handed to libtorch's
+//! `copy_`, one after the other.
 //!
 //! Every check happens before the first byte is read: each target has an entry, shapes match,
 //! dtypes convert, targets have storage, the files are as long as their headers say. A failed
 //! check leaves every target as it was.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::fs::File;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
@@ -230,7 +236,10 @@ impl Checkpoint {
     }
 
     /// Copies the entry of each target's name into it, converting dtypes where they differ.
-    /// Everything is checked first; on a check failure no target has changed.
+    /// Everything is checked first; on a check failure no target has changed. A read error (an
+    /// I/O error, or a file truncated since [`Checkpoint::open`]) is an error too, but by then
+    /// the targets may be partly written: load them again. (StagedModels never keeps a model
+    /// whose load failed.)
     pub fn load_into(
         &self,
         targets: &[(String, Tensor)],
@@ -238,67 +247,172 @@ impl Checkpoint {
     ) -> Result<LoadReport, CheckpointError> {
         let plan = self.check(targets)?;
         let total: u64 = targets.iter().map(|(_, t)| (t.numel() * t.kind().elt_size_in_bytes()) as u64).sum();
-        let mut report = LoadReport::default();
-        let mut buffer: Vec<u8> = Vec::new();
+        let done = AtomicU64::new(0);
+        let (mut direct, mut converted): (Vec<_>, Vec<_>) = targets.iter().zip(plan).partition(|((_, target), entry)| {
+            target.device() == Device::Cpu && target.kind() == entry.kind && target.is_contiguous()
+        });
+        // Targets whose memory overlaps (tied weights) are copied one after the other.
+        let overlapping = overlapping_targets(&direct);
+        if !overlapping.is_empty() {
+            let (tied, separate): (Vec<_>, Vec<_>) = direct.into_iter().enumerate().partition(|(i, _)| overlapping.contains(i));
+            converted.extend(tied.into_iter().map(|(_, pair)| pair));
+            direct = separate.into_iter().map(|(_, pair)| pair).collect();
+        }
+        // Direct copies: every chunk of every entry is a job; the CPUs take jobs in turn.
+        let mut jobs = Vec::new();
+        for ((name, target), entry) in &direct {
+            let length = (entry.end - entry.start) as usize;
+            if length == 0 {
+                continue;
+            }
+            // The target is an allocated (checked), contiguous CPU tensor of the entry's kind and
+            // shape (checked): its memory is exactly `length` bytes at data_ptr.
+            // SAFETY: that memory is valid for writes of `length` bytes; no Rust reference to it
+            // exists, and each job below writes a disjoint part of it, nothing else touches it.
+            let memory = unsafe { std::slice::from_raw_parts_mut(target.data_ptr() as *mut u8, length) };
+            for (i, chunk) in memory.chunks_mut(WINDOW).enumerate() {
+                jobs.push(Job { name, entry, offset: entry.start + (i * WINDOW) as u64, memory: chunk });
+            }
+        }
+        self.run_jobs(jobs, &done, |done| progress(Progress { done, total }))?;
+        let mut buffer = Vec::new();
         tch::no_grad(|| -> Result<(), CheckpointError> {
-            for ((name, target), entry) in targets.iter().zip(plan) {
-                let length = (entry.end - entry.start) as usize;
-                let file = &self.handles[entry.file];
-                let read_error = |source| CheckpointError::Read { tensor: name.clone(), path: self.files[entry.file].clone(), source };
-                if length > 0 && target.device() == Device::Cpu && target.kind() == entry.kind && target.is_contiguous() {
-                    // The target is an allocated (checked), contiguous CPU tensor of the entry's
-                    // kind and shape (checked): its memory is exactly `length` bytes at data_ptr.
-                    // SAFETY: that memory is valid for writes of `length` bytes; no Rust reference
-                    // to it exists and nothing else touches it while it is being loaded.
-                    let memory = unsafe { std::slice::from_raw_parts_mut(target.data_ptr() as *mut u8, length) };
-                    read_parallel(file, entry.start, memory).map_err(read_error)?;
-                } else if length > 0 {
-                    buffer.resize(length, 0);
-                    read_parallel(file, entry.start, &mut buffer).map_err(read_error)?;
-                    let strides = contiguous_strides(&entry.shape);
-                    // SAFETY: `buffer` holds exactly numel × element size of `entry.kind` and
-                    // outlives `source`, dropped at the end of this block; libtorch only reads
-                    // through it (it is the source of copy_).
-                    let source = unsafe { Tensor::f_from_blob(buffer.as_ptr(), &entry.shape, &strides, entry.kind, Device::Cpu) }
-                        .map_err(|source| self.copy_error(name, entry, source))?;
-                    let mut destination = target.shallow_clone();
-                    destination.f_copy_(&source).map_err(|source| self.copy_error(name, entry, source))?;
-                }
-                let copied = (target.numel() * target.kind().elt_size_in_bytes()) as u64;
-                report.bytes += copied;
-                report.tensors += 1;
-                progress(Progress { done: report.bytes, total });
+            for ((name, target), entry) in converted {
+                self.copy_converted(name, target, entry, &mut buffer)?;
+                let bytes = (target.numel() * target.kind().elt_size_in_bytes()) as u64;
+                progress(Progress { done: done.fetch_add(bytes, Ordering::Relaxed) + bytes, total });
             }
             Ok(())
         })?;
-        let wanted: std::collections::HashSet<&str> = targets.iter().map(|(n, _)| n.as_str()).collect();
-        report.unused = self.entries.keys().filter(|n| !wanted.contains(n.as_str())).cloned().collect();
-        report.unused.sort();
-        Ok(report)
+        let wanted: HashSet<&str> = targets.iter().map(|(n, _)| n.as_str()).collect();
+        let mut unused: Vec<String> = self.entries.keys().filter(|n| !wanted.contains(n.as_str())).cloned().collect();
+        unused.sort();
+        Ok(LoadReport { bytes: total, tensors: targets.len(), unused })
     }
 
-    fn copy_error(&self, name: &str, entry: &Entry, source: tch::TchError) -> CheckpointError {
-        CheckpointError::Copy { tensor: name.to_string(), path: self.files[entry.file].clone(), source }
+    /// Runs the direct copies on up to [`MAX_THREADS`] threads, the caller's among them (only it
+    /// calls `progress`, with the bytes done by all).
+    fn run_jobs(&self, jobs: Vec<Job<'_>>, done: &AtomicU64, mut progress: impl FnMut(u64)) -> Result<(), CheckpointError> {
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(MAX_THREADS).min(jobs.len()).max(1);
+        let queue = Mutex::new(jobs.into_iter());
+        let failed: Mutex<Option<CheckpointError>> = Mutex::new(None);
+        let work = |report: &mut dyn FnMut(u64)| {
+            loop {
+                // Taken in a statement of its own, so that the queue is unlocked while copying.
+                let next = queue.lock().unwrap_or_else(|e| e.into_inner()).next();
+                let Some(job) = next else { return };
+                let bytes = job.memory.len() as u64;
+                if let Err(err) = self.copy_direct(job) {
+                    failed.lock().unwrap_or_else(|e| e.into_inner()).get_or_insert(err);
+                    // The other threads find the queue empty.
+                    queue.lock().unwrap_or_else(|e| e.into_inner()).by_ref().for_each(drop);
+                    return;
+                }
+                report(done.fetch_add(bytes, Ordering::Relaxed) + bytes);
+            }
+        };
+        std::thread::scope(|scope| {
+            for _ in 1..threads {
+                scope.spawn(|| work(&mut |_| {}));
+            }
+            work(&mut progress);
+        });
+        match failed.into_inner().unwrap_or_else(|e| e.into_inner()) {
+            Some(err) => Err(err),
+            None => Ok(()),
+        }
+    }
+
+    /// One piece of a direct copy, read straight into its target.
+    fn copy_direct(&self, job: Job<'_>) -> Result<(), CheckpointError> {
+        let file = &self.handles[job.entry.file];
+        file.read_exact_at(job.memory, job.offset).map_err(|source| self.read_error(job.name, job.entry, source))
+    }
+
+    /// Copies an entry through libtorch's `copy_` (dtype conversion, other devices, strided or
+    /// tied targets): a window of whole rows (along the first dimension) at a time is read into
+    /// `buffer` and copied into the same rows of the target.
+    fn copy_converted(&self, name: &str, target: &Tensor, entry: &Entry, buffer: &mut Vec<u8>) -> Result<(), CheckpointError> {
+        let length = (entry.end - entry.start) as usize;
+        if length == 0 {
+            return Ok(());
+        }
+        let copy_error = |source| CheckpointError::Copy { tensor: name.to_string(), path: self.files[entry.file].clone(), source };
+        let rows = entry.shape.first().copied().unwrap_or(1).max(1) as usize;
+        let row_bytes = length / rows;
+        let step = (WINDOW / row_bytes).max(1);
+        for first in (0..rows).step_by(step) {
+            let count = step.min(rows - first);
+            buffer.resize(count * row_bytes, 0);
+            let file = &self.handles[entry.file];
+            file.read_exact_at(buffer, entry.start + (first * row_bytes) as u64).map_err(|source| self.read_error(name, entry, source))?;
+            let mut shape = entry.shape.clone();
+            let mut destination = match shape.first_mut() {
+                Some(dim) => {
+                    *dim = count as i64;
+                    target.f_narrow(0, first as i64, count as i64).map_err(copy_error)?
+                }
+                None => target.shallow_clone(),
+            };
+            // SAFETY: `buffer` holds exactly the `count` rows of `entry.kind` that `shape` and its
+            // contiguous strides span, and outlives `source` (dropped at the end of this
+            // iteration); libtorch only reads from the source of copy_.
+            let source = unsafe { Tensor::f_from_blob(buffer.as_ptr(), &shape, &contiguous_strides(&shape), entry.kind, Device::Cpu) }
+                .map_err(copy_error)?;
+            destination.f_copy_(&source).map_err(copy_error)?;
+        }
+        Ok(())
+    }
+
+    fn read_error(&self, name: &str, entry: &Entry, source: std::io::Error) -> CheckpointError {
+        CheckpointError::Read { tensor: name.to_string(), path: self.files[entry.file].clone(), source }
     }
 }
 
-/// Reads `memory.len()` bytes at `offset`, split over the CPUs for large reads: a single thread
-/// copies from the page cache at about 5 GB/s here, two at about 8.
-fn read_parallel(file: &File, offset: u64, memory: &mut [u8]) -> std::io::Result<()> {
-    const SPLIT_ABOVE: usize = 8 << 20;
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(8);
-    if memory.len() <= SPLIT_ABOVE || threads == 1 {
-        return file.read_exact_at(memory, offset);
+/// Indexes of the targets whose memory overlaps another's.
+fn overlapping_targets(targets: &[(&(String, Tensor), &Entry)]) -> HashSet<usize> {
+    let ranges: Vec<(usize, usize)> = targets
+        .iter()
+        .map(|((_, t), _)| {
+            let start = t.data_ptr() as usize;
+            (start, start + t.numel() * t.kind().elt_size_in_bytes())
+        })
+        .collect();
+    overlapping_ranges(&ranges)
+}
+
+/// Indexes of the non-empty byte ranges `[start, end)` that overlap another.
+fn overlapping_ranges(ranges: &[(usize, usize)]) -> HashSet<usize> {
+    let mut order: Vec<usize> = (0..ranges.len()).filter(|&i| ranges[i].1 > ranges[i].0).collect();
+    order.sort_unstable_by_key(|&i| ranges[i]);
+    let mut overlapping = HashSet::new();
+    let mut furthest: Option<(usize, usize)> = None; // (end, index) of the range reaching furthest so far
+    for i in order {
+        let (start, end) = ranges[i];
+        match furthest {
+            Some((reach, owner)) if start < reach => {
+                overlapping.extend([owner, i]);
+                if end > reach {
+                    furthest = Some((end, i));
+                }
+            }
+            _ => furthest = Some((end, i)),
+        }
     }
-    let part = memory.len().div_ceil(threads).next_multiple_of(4096);
-    std::thread::scope(|scope| {
-        let readers: Vec<_> = memory
-            .chunks_mut(part)
-            .enumerate()
-            .map(|(i, chunk)| scope.spawn(move || file.read_exact_at(chunk, offset + (i * part) as u64)))
-            .collect();
-        readers.into_iter().try_for_each(|reader| reader.join().unwrap_or_else(|_| Err(std::io::Error::other("a reader thread panicked"))))
-    })
+    overlapping
+}
+
+/// Largest piece read at once: the size of a direct-copy job, and of the conversion buffer.
+const WINDOW: usize = 16 << 20;
+/// Threads that read at once.
+const MAX_THREADS: usize = 8;
+
+/// One piece of a direct copy: `memory.len()` bytes of the file at `offset` into `memory`.
+struct Job<'a> {
+    name: &'a str,
+    entry: &'a Entry,
+    offset: u64,
+    memory: &'a mut [u8],
 }
 
 fn contiguous_strides(shape: &[i64]) -> Vec<i64> {
@@ -333,4 +447,19 @@ pub fn save<P: AsRef<Path>>(tensors: &[(String, Tensor)], path: P) -> Result<(),
     let tmp = path.with_extension("safetensors.partial");
     safetensors::serialize_to_file(views, None, &tmp).map_err(|e| invalid(e.to_string()))?;
     std::fs::rename(&tmp, path).map_err(|source| CheckpointError::Open { path: path.to_path_buf(), source })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::overlapping_ranges;
+
+    #[test]
+    fn overlapping_ranges_are_found_and_touching_or_empty_ones_are_not() {
+        let set = |v: &[usize]| v.iter().copied().collect::<std::collections::HashSet<_>>();
+        assert_eq!(overlapping_ranges(&[(0, 10), (10, 20), (30, 40)]), set(&[]), "touching is not overlapping");
+        assert_eq!(overlapping_ranges(&[(0, 10), (0, 10)]), set(&[0, 1]), "one tensor under two names");
+        assert_eq!(overlapping_ranges(&[(50, 60), (0, 100), (10, 20), (200, 210)]), set(&[0, 1, 2]), "inside a larger one, any order");
+        assert_eq!(overlapping_ranges(&[(0, 10), (5, 15), (12, 20)]), set(&[0, 1, 2]), "a chain");
+        assert_eq!(overlapping_ranges(&[(5, 5), (0, 10)]), set(&[]), "an empty range overlaps nothing");
+    }
 }

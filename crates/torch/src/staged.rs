@@ -398,6 +398,7 @@ pub struct StagedModelsBuilder {
     rngs: Vec<Arc<dyn RngSnapshot>>,
     preserve_rng: bool,
     strict: bool,
+    map_large_host_blocks: bool,
     progress: Option<Arc<ProgressHook>>,
     planned_checkpoints: HashMap<String, Vec<PathBuf>>,
     planned_models: Vec<String>,
@@ -466,13 +467,27 @@ impl StagedModelsBuilder {
     }
 
     /// Refuses loads outside the current stage's plan instead of noting them.
+    /// Whether [`Self::build`] fixes glibc's mmap threshold so that freed weight- and
+    /// activation-sized blocks go back to the OS at once (default on; a process-wide setting).
+    pub fn map_large_host_blocks(mut self, on: bool) -> Self {
+        self.map_large_host_blocks = on;
+        self
+    }
+
     pub fn strict(mut self, on: bool) -> Self {
         self.strict = on;
         self
     }
 
     /// Validates the plan: every model named once, every name in stages and pins has a loader.
+    ///
+    /// Unless [`Self::map_large_host_blocks`] turned it off, this also fixes glibc's mmap
+    /// threshold for the process (see [`stageload_torch_sys::map_large_host_blocks`]), so that
+    /// the memory of released models and of finished stages goes back to the OS.
     pub fn build(self) -> Result<StagedModels> {
+        if self.map_large_host_blocks {
+            stageload_torch_sys::map_large_host_blocks();
+        }
         let mut slots: Vec<Slot> = Vec::new();
         for spec in self.specs {
             if slots.iter().any(|s| s.name == spec.name) {
@@ -540,6 +555,7 @@ impl StagedModels {
             rngs: Vec::new(),
             preserve_rng: true,
             strict: false,
+            map_large_host_blocks: true,
             progress: None,
             planned_checkpoints: HashMap::new(),
             planned_models: Vec::new(),

@@ -164,3 +164,72 @@ fn loads_into_storage_that_was_released_then_reallocated() {
     Checkpoint::open(&[&path]).unwrap().load_into(&[named("w", &target)], |_| {}).unwrap();
     assert!(target.equal(&w));
 }
+
+#[test]
+fn large_entries_load_in_pieces_with_and_without_conversion() {
+    // 20 MiB and 6 MiB entries: several 16 MiB pieces shared out over the CPUs.
+    let big = Tensor::randn([5 << 20], (Kind::Float, Device::Cpu));
+    let medium = Tensor::randn([1536, 1024], (Kind::Float, Device::Cpu));
+    let small = Tensor::randn([3, 7], (Kind::Float, Device::Cpu));
+    let (_folder, path) = tmp("large.safetensors");
+    save(&[named("big", &big), named("medium", &medium), named("small", &small), named("half", &big.to_kind(Kind::Half)), named("scalar", &Tensor::from(2.5f32))], &path).unwrap();
+    let checkpoint = Checkpoint::open(&[&path]).unwrap();
+
+    let targets = vec![named("big", &big.zeros_like()), named("medium", &medium.zeros_like()), named("small", &small.zeros_like())];
+    let mut seen = Vec::new();
+    let report = checkpoint.load_into(&targets, |p| seen.push(p)).unwrap();
+    assert!(targets[0].1.equal(&big) && targets[1].1.equal(&medium) && targets[2].1.equal(&small));
+    assert!(seen.windows(2).all(|w| w[0].done <= w[1].done), "progress only goes forward");
+    let total = ((5 << 20) + 1536 * 1024 + 21) * 4;
+    assert_eq!(seen.last().map(|p| (p.done, p.total)), Some((total, total)));
+    assert_eq!((report.bytes, report.tensors), (total, 3));
+
+    // A conversion over several 16 MiB windows of rows, into a contiguous target and into a
+    // strided one; a 0-d entry.
+    let converted = big.zeros_like();
+    checkpoint.load_into(&[named("half", &converted)], |_| {}).unwrap();
+    assert!(converted.equal(&big.to_kind(Kind::Half).to_kind(Kind::Float)));
+    let widened = Tensor::zeros([5 << 20], (Kind::Double, Device::Cpu));
+    checkpoint.load_into(&[named("big", &widened)], |_| {}).unwrap();
+    assert!(widened.equal(&big.to_kind(Kind::Double)), "20 MiB entry converted in two windows");
+    let storage = Tensor::zeros([1024, 1536], (Kind::Double, Device::Cpu));
+    let strided = storage.tr();
+    checkpoint.load_into(&[named("medium", &strided)], |_| {}).unwrap();
+    assert!(strided.equal(&medium.to_kind(Kind::Double)), "a transposed target gets the values in its own layout");
+    let scalar = Tensor::from(0.0f64);
+    checkpoint.load_into(&[named("scalar", &scalar)], |_| {}).unwrap();
+    assert_eq!(scalar.double_value(&[]), 2.5);
+}
+
+#[test]
+fn tied_targets_sharing_memory_load_one_after_the_other() {
+    // Two entries of different values for two names of one tensor (tied embeddings): copied one
+    // after the other, the tensor holds the one listed last, never a mix of chunks of both.
+    let embed = Tensor::randn([10 << 20], (Kind::Float, Device::Cpu));
+    let head = embed.neg();
+    let (_folder, path) = tmp("tied.safetensors");
+    save(&[named("embed", &embed), named("lm_head", &head), named("part", &embed.narrow(0, 0, 1 << 20))], &path).unwrap();
+    let checkpoint = Checkpoint::open(&[&path]).unwrap();
+    let tied = embed.zeros_like();
+    let report = checkpoint.load_into(&[named("embed", &tied), named("lm_head", &tied)], |_| {}).unwrap();
+    assert!(tied.equal(&head), "the last listed entry wins, whole");
+    assert_eq!(report.tensors, 2);
+    // A target overlapping part of another.
+    let whole = embed.zeros_like();
+    checkpoint.load_into(&[named("lm_head", &whole), named("part", &whole.narrow(0, 0, 1 << 20))], |_| {}).unwrap();
+    assert!(whole.narrow(0, 0, 1 << 20).equal(&embed.narrow(0, 0, 1 << 20)) && whole.narrow(0, 1 << 20, 9 << 20).equal(&head.narrow(0, 1 << 20, 9 << 20)));
+}
+
+#[test]
+fn a_file_truncated_after_it_was_opened_is_an_error_not_a_crash() {
+    let big = Tensor::randn([3 << 20], (Kind::Float, Device::Cpu));
+    let (_folder, path) = tmp("shrinks.safetensors");
+    save(&[named("big", &big)], &path).unwrap();
+    let checkpoint = Checkpoint::open(&[&path]).unwrap();
+    let length = std::fs::metadata(&path).unwrap().len();
+    std::fs::OpenOptions::new().write(true).open(&path).unwrap().set_len(length / 2).unwrap();
+    let err = checkpoint.load_into(&[named("big", &big.zeros_like())], |_| {}).unwrap_err();
+    assert!(matches!(err, CheckpointError::Read { ref tensor, .. } if tensor == "big"), "{err}");
+    let message = err.to_string();
+    assert!(message.contains("shrinks.safetensors") && message.contains("reading tensor 'big'"), "{message}");
+}
