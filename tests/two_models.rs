@@ -9,9 +9,10 @@ fn the_readme_example_runs_staged() {
     let exe = std::env::current_exe().unwrap();
     let example = exe.parent().unwrap().parent().unwrap().join("examples").join("two_models");
     assert!(example.exists(), "{} is missing: `cargo test` builds it; `cargo test --examples` does not", example.display());
-    let cache = std::env::temp_dir().join(format!("stageload-two-models-{}", std::process::id()));
+    let folder = tempfile::TempDir::new().unwrap();
+    let cache = folder.path();
     let run = || {
-        let out = Command::new(&example).args(["--width", "256", "--cache"]).arg(&cache).output().unwrap();
+        let out = Command::new(&example).args(["--width", "256", "--cache"]).arg(cache).output().unwrap();
         assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
         String::from_utf8(out.stdout).unwrap()
     };
@@ -22,5 +23,4 @@ fn the_readme_example_runs_staged() {
     let fingerprint = |s: &str| s.lines().find(|l| l.starts_with("output")).unwrap().to_string();
     // A second run reads the cached checkpoints and must give the same output bit for bit.
     assert_eq!(fingerprint(&first), fingerprint(&run()));
-    std::fs::remove_dir_all(&cache).unwrap();
 }

@@ -248,19 +248,16 @@ impl Checkpoint {
         let plan = self.check(targets)?;
         let total: u64 = targets.iter().map(|(_, t)| (t.numel() * t.kind().elt_size_in_bytes()) as u64).sum();
         let done = AtomicU64::new(0);
-        let (mut direct, mut converted): (Vec<_>, Vec<_>) = targets.iter().zip(plan).partition(|((_, target), entry)| {
+        let (direct, mut converted): (Vec<_>, Vec<_>) = targets.iter().zip(plan).partition(|((_, target), entry)| {
             target.device() == Device::Cpu && target.kind() == entry.kind && target.is_contiguous()
         });
         // Targets whose memory overlaps (tied weights) are copied one after the other.
         let overlapping = overlapping_targets(&direct);
-        if !overlapping.is_empty() {
-            let (tied, separate): (Vec<_>, Vec<_>) = direct.into_iter().enumerate().partition(|(i, _)| overlapping.contains(i));
-            converted.extend(tied.into_iter().map(|(_, pair)| pair));
-            direct = separate.into_iter().map(|(_, pair)| pair).collect();
-        }
+        let (tied, direct): (Vec<_>, Vec<_>) = direct.into_iter().enumerate().partition(|(i, _)| overlapping.contains(i));
+        converted.extend(tied.into_iter().map(|(_, pair)| pair));
         // Direct copies: every chunk of every entry is a job; the CPUs take jobs in turn.
         let mut jobs = Vec::new();
-        for ((name, target), entry) in &direct {
+        for (_, ((name, target), entry)) in &direct {
             let length = (entry.end - entry.start) as usize;
             if length == 0 {
                 continue;
@@ -290,8 +287,8 @@ impl Checkpoint {
         Ok(LoadReport { bytes: total, tensors: targets.len(), unused })
     }
 
-    /// Runs the direct copies on up to [`MAX_THREADS`] threads, the caller's among them (only it
-    /// calls `progress`, with the bytes done by all).
+    /// Reads each piece straight into its target, on up to [`MAX_THREADS`] threads, the caller's
+    /// among them (only it calls `progress`, with the bytes done by all).
     fn run_jobs(&self, jobs: Vec<Job<'_>>, done: &AtomicU64, mut progress: impl FnMut(u64)) -> Result<(), CheckpointError> {
         let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(MAX_THREADS).min(jobs.len()).max(1);
         let queue = Mutex::new(jobs.into_iter());
@@ -302,7 +299,9 @@ impl Checkpoint {
                 let next = queue.lock().unwrap_or_else(|e| e.into_inner()).next();
                 let Some(job) = next else { return };
                 let bytes = job.memory.len() as u64;
-                if let Err(err) = self.copy_direct(job) {
+                let file = &self.handles[job.entry.file];
+                if let Err(source) = file.read_exact_at(job.memory, job.offset) {
+                    let err = self.read_error(job.name, job.entry, source);
                     failed.lock().unwrap_or_else(|e| e.into_inner()).get_or_insert(err);
                     // The other threads find the queue empty.
                     queue.lock().unwrap_or_else(|e| e.into_inner()).by_ref().for_each(drop);
@@ -317,16 +316,12 @@ impl Checkpoint {
             }
             work(&mut progress);
         });
-        match failed.into_inner().unwrap_or_else(|e| e.into_inner()) {
-            Some(err) => Err(err),
-            None => Ok(()),
+        if let Some(err) = failed.into_inner().unwrap_or_else(|e| e.into_inner()) {
+            return Err(err);
         }
-    }
-
-    /// One piece of a direct copy, read straight into its target.
-    fn copy_direct(&self, job: Job<'_>) -> Result<(), CheckpointError> {
-        let file = &self.handles[job.entry.file];
-        file.read_exact_at(job.memory, job.offset).map_err(|source| self.read_error(job.name, job.entry, source))
+        // The other threads may have finished the last pieces.
+        progress(done.load(Ordering::Relaxed));
+        Ok(())
     }
 
     /// Copies an entry through libtorch's `copy_` (dtype conversion, other devices, strided or

@@ -335,8 +335,8 @@ fn a_replacement_that_shares_weights_keeps_them_and_removal_unpins() {
 
 #[test]
 fn the_pipeline_file_that_plan_checks_is_the_plan_that_runs() {
-    let dir = std::env::temp_dir().join(format!("stageload-staged-pipeline-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let folder = tempfile::TempDir::new().unwrap();
+    let dir = folder.path();
     // Checkpoints written from a reference model; the loaders below build fresh random ones.
     let vs = VarStore::new(Device::Cpu);
     let reference = mlp(&vs, 16);
@@ -366,5 +366,4 @@ fn the_pipeline_file_that_plan_checks_is_the_plan_that_runs() {
     // A model of the file without a loader is refused, by name.
     let err = StagedModels::builder().pipeline(&pipeline).model(spec("encoder", 16)).build().err().unwrap();
     assert!(matches!(&err, StageError::PlanWithoutLoader { names } if names == &["decoder"]), "{err}");
-    std::fs::remove_dir_all(&dir).unwrap();
 }
