@@ -3,9 +3,10 @@
 
 use std::path::Path;
 use std::process::{Child, Command, Output, Stdio};
+use std::sync::Once;
 use std::time::{Duration, Instant};
 
-use nix::sys::signal::{kill, Signal};
+use nix::sys::signal::{kill, SigHandler, Signal};
 use nix::unistd::Pid;
 
 const STAGELOAD: &str = env!("CARGO_BIN_EXE_stageload");
@@ -13,7 +14,20 @@ const STAGELOAD: &str = env!("CARGO_BIN_EXE_stageload");
 /// Flags that make admission and the watch ignore how busy this shared machine is.
 const ANY_MACHINE: [&str; 4] = ["--wait-free", "0", "--kill-free", "0"];
 
+/// The tests send SIGINT and type Ctrl-C. A test run started in the background of a
+/// non-interactive shell inherits SIGINT ignored, which the guard rightly keeps ignoring (see
+/// `a_signal_ignored_when_the_guard_started_stays_ignored`) and its command inherits; such a run
+/// gets the default disposition back first.
+fn default_interrupt() {
+    static ONCE: Once = Once::new();
+    ONCE.call_once(|| {
+        // SAFETY: sets SIGINT's disposition to the default; no handler of this process is involved.
+        unsafe { nix::sys::signal::signal(Signal::SIGINT, SigHandler::SigDfl) }.expect("reset SIGINT to its default");
+    });
+}
+
 fn guard(args: &[&str]) -> Command {
+    default_interrupt();
     let mut command = Command::new(STAGELOAD);
     command.arg("guard").args(args).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
     command
@@ -236,9 +250,33 @@ fn a_second_signal_skips_the_grace() {
     assert!(gone_soon(command));
 }
 
+#[test]
+fn a_signal_ignored_when_the_guard_started_stays_ignored() {
+    let folder = scratch("ignored-signal");
+    let pid_file = folder.path().join("pid");
+    // As under `nohup` or in a shell's background: SIGINT ignored before the guard starts.
+    let script = format!(
+        "trap '' INT; exec {STAGELOAD} guard {} -- sh -c 'echo $$ > {}; sleep 60'",
+        ANY_MACHINE.join(" "),
+        pid_file.display()
+    );
+    let mut child = Command::new("sh").args(["-c", &script]).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+    let guard_pid = Pid::from_raw(child.id() as i32);
+    let command = read_pid(&pid_file);
+    kill(guard_pid, Signal::SIGINT).unwrap();
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(child.try_wait().unwrap().is_none(), "the guard kept running");
+    assert_eq!(kill(Pid::from_raw(command), None), Ok(()), "and so did its command");
+    kill(guard_pid, Signal::SIGTERM).unwrap();
+    let output = finish(child, Duration::from_secs(20));
+    assert_eq!(output.status.code(), Some(143), "{}", stderr(&output));
+    assert!(gone_soon(command));
+}
+
 /// Runs the guard on a pseudo-terminal (Python's pty module), types `keys` into it once the
 /// command runs, and returns what the terminal showed and the guard's exit code.
 fn on_a_terminal(command: &str, keys: &str) -> (String, i32) {
+    default_interrupt();
     let driver = r#"
 import os, pty, sys, time, select
 pid, fd = pty.fork()

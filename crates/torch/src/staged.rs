@@ -467,6 +467,11 @@ impl StagedModelsBuilder {
     }
 
     /// Refuses loads outside the current stage's plan instead of noting them.
+    pub fn strict(mut self, on: bool) -> Self {
+        self.strict = on;
+        self
+    }
+
     /// Whether [`Self::build`] fixes glibc's mmap threshold so that freed weight- and
     /// activation-sized blocks go back to the OS at once (default on; a process-wide setting).
     pub fn map_large_host_blocks(mut self, on: bool) -> Self {
@@ -474,20 +479,13 @@ impl StagedModelsBuilder {
         self
     }
 
-    pub fn strict(mut self, on: bool) -> Self {
-        self.strict = on;
-        self
-    }
-
     /// Validates the plan: every model named once, every name in stages and pins has a loader.
     ///
-    /// Unless [`Self::map_large_host_blocks`] turned it off, this also fixes glibc's mmap
-    /// threshold for the process (see [`stageload_torch_sys::map_large_host_blocks`]), so that
-    /// the memory of released models and of finished stages goes back to the OS.
+    /// Once the plan is valid, and unless [`Self::map_large_host_blocks`] turned it off, this
+    /// also fixes glibc's mmap threshold for the process (see
+    /// [`stageload_torch_sys::map_large_host_blocks`]), so that the memory of released models
+    /// and of finished stages goes back to the OS.
     pub fn build(self) -> Result<StagedModels> {
-        if self.map_large_host_blocks {
-            stageload_torch_sys::map_large_host_blocks();
-        }
         let mut slots: Vec<Slot> = Vec::new();
         for spec in self.specs {
             if slots.iter().any(|s| s.name == spec.name) {
@@ -513,6 +511,9 @@ impl StagedModelsBuilder {
             return Err(StageError::PlanWithoutLoader { names: unknown.into_iter().collect() });
         }
         let stages = self.stages.into_iter().map(|(s, m)| (s, m.into_iter().collect())).collect();
+        if self.map_large_host_blocks {
+            stageload_torch_sys::map_large_host_blocks();
+        }
         Ok(StagedModels {
             state: Mutex::new(State { slots, stages, pinned: self.pinned.into_iter().collect(), current: None, closed: false }),
             built: Condvar::new(),

@@ -11,7 +11,7 @@ use tch::nn::{Module, VarStore};
 use tch::{Device, Tensor};
 
 mod common;
-use common::{build_mlp, input, mlp, Mlp};
+use common::{build_mlp, input, mlp, rss_bytes, Mlp};
 
 /// A checkpoint of an MLP in a folder of its own, removed when the folder is dropped.
 fn checkpoint_for(name: &str, width: i64) -> (tempfile::TempDir, PathBuf) {
@@ -22,12 +22,6 @@ fn checkpoint_for(name: &str, width: i64) -> (tempfile::TempDir, PathBuf) {
     let vars: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
     stageload::checkpoint::save(&vars, &path).unwrap();
     (folder, path)
-}
-
-fn rss() -> i64 {
-    let statm = std::fs::read_to_string("/proc/self/statm").unwrap();
-    let pages: i64 = statm.split_whitespace().nth(1).unwrap().parse().unwrap();
-    pages * 4096
 }
 
 #[test]
@@ -49,9 +43,9 @@ fn release_returns_memory_and_reload_in_place_brings_it_back_without_drawing() {
     let before = big.lock().unwrap().forward(&input(WIDTH));
     let model_bytes = 2 * (WIDTH * WIDTH + WIDTH) * 4;
 
-    let resident = rss();
+    let resident = rss_bytes();
     models.enter("other").unwrap();
-    let released = rss();
+    let released = rss_bytes();
     assert!(resident - released >= model_bytes * 9 / 10, "RSS fell by {} of {model_bytes}", resident - released);
 
     tch::manual_seed(99);
@@ -59,7 +53,7 @@ fn release_returns_memory_and_reload_in_place_brings_it_back_without_drawing() {
     let chacha_next = chacha.lock().clone().gen::<u64>();
     models.enter("use").unwrap();
     let again = models.get::<Mlp>("big").unwrap();
-    assert!(rss() - released >= model_bytes * 9 / 10, "RSS came back");
+    assert!(rss_bytes() - released >= model_bytes * 9 / 10, "RSS came back");
     assert!(!big.is_released(), "the old handle works again: same object");
     assert!(big.lock().unwrap().forward(&input(WIDTH)).equal(&before));
     assert!(again.lock().unwrap().forward(&input(WIDTH)).equal(&before));

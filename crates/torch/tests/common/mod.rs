@@ -1,4 +1,4 @@
-//! A small real tch model shared by the registry's test binaries.
+//! What the registry's test binaries share: a small real tch model and the process's RSS.
 #![allow(dead_code)]
 
 use stageload::Built;
@@ -30,4 +30,14 @@ pub fn build_mlp(width: i64) -> Built {
 
 pub fn input(width: i64) -> Tensor {
     Tensor::ones([2, width], (Kind::Float, Device::Cpu))
+}
+
+/// The process's resident set size (`VmRSS` of /proc/self/status), in bytes.
+pub fn rss_bytes() -> i64 {
+    let status = std::fs::read_to_string("/proc/self/status").expect("read /proc/self/status");
+    let kib: i64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:")?.trim().strip_suffix("kB")?.trim().parse().ok())
+        .expect("VmRSS in /proc/self/status");
+    kib * 1024
 }

@@ -1,17 +1,13 @@
-//! `map_large_host_blocks` against glibc's default, in one process of its own (the setting is
-//! process-wide): weight-sized tensors freed between tensors that stay alive are kept by the
-//! heap by default and go back to the OS with the setting.
+//! The fixed mmap threshold that `StagedModelsBuilder::build` sets, against glibc's default, in
+//! one process of its own (the setting is process-wide): weight-sized tensors freed between
+//! tensors that stay alive are kept by the heap by default and go back to the OS with it.
 #![cfg(all(target_os = "linux", target_env = "gnu"))]
 
+use stageload::StagedModels;
 use tch::{Device, Kind, Tensor};
 
-fn rss_bytes() -> i64 {
-    let statm = std::fs::read_to_string("/proc/self/statm").expect("read /proc/self/statm");
-    let pages: i64 = statm.split_whitespace().nth(1).unwrap().parse().unwrap();
-    // SAFETY: sysconf has no preconditions.
-    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) } as i64;
-    pages * page
-}
+mod common;
+use common::rss_bytes;
 
 const BLOCK: i64 = 4 << 20;
 const BLOCKS: usize = 32;
@@ -32,16 +28,17 @@ fn bytes_kept_after_freeing() -> (i64, Vec<Tensor>) {
 }
 
 #[test]
-fn freed_large_blocks_go_back_to_the_os_only_with_the_fixed_threshold() {
+fn freed_large_blocks_go_back_to_the_os_once_a_registry_is_built() {
     let total = BLOCK * BLOCKS as i64;
     // glibc's default: freeing one mapped block raises the threshold above it, so the blocks
     // that follow come from the heap and stay there when freed.
     drop(Tensor::full([BLOCK / 4], 1.0, (Kind::Float, Device::Cpu)));
+    StagedModels::builder().map_large_host_blocks(false).build().unwrap();
     let (kept_by_default, _keepers) = bytes_kept_after_freeing();
     eprintln!("glibc's default: {kept_by_default} of {total} bytes kept");
     assert!(kept_by_default > total / 2, "control: glibc's default keeps them ({kept_by_default} of {total} bytes kept)");
 
-    assert!(stageload_torch_sys::map_large_host_blocks());
+    StagedModels::builder().build().unwrap();
     let (kept, _keepers) = bytes_kept_after_freeing();
     eprintln!("fixed threshold: {kept} of {total} bytes kept");
     assert!(kept < total / 10, "{kept} of {total} bytes still held after freeing");
