@@ -56,12 +56,12 @@ fn run(example_name: &str, dir: &Path, label: &str, extra: &[&str]) -> Run {
 fn check_determinism(example_name: &str, first: &str, after_build: &str) {
     let folder = scratch(example_name);
     let dir = folder.path();
-    let eager = run(example_name, &dir, "eager", &["--mode", "eager"]);
-    let staged = run(example_name, &dir, "staged", &["--mode", "staged", "--check-residency"]);
+    let eager = run(example_name, dir, "eager", &["--mode", "eager"]);
+    let staged = run(example_name, dir, "staged", &["--mode", "staged", "--check-residency"]);
     assert!(eager.latents.len() >= 4, "{}", eager.stdout);
     assert_eq!(staged.latents, eager.latents, "staged latents equal eager ones bit for bit");
 
-    let control = run(example_name, &dir, "control", &["--mode", "staged", "--no-preserve-rng"]);
+    let control = run(example_name, dir, "control", &["--mode", "staged", "--no-preserve-rng"]);
     assert_eq!(control.latents[first], eager.latents[first], "the first latent is drawn before any lazy build");
     assert_ne!(control.latents[after_build], eager.latents[after_build], "without preservation the draws after a lazy build drift");
 }
@@ -80,7 +80,7 @@ fn text_to_image_staged_equals_eager_and_the_control_drifts() {
 fn cascade_holds_only_the_planned_models_and_reloads_the_shape_decoder_once() {
     let folder = scratch("cascade-plan");
     let dir = folder.path();
-    let staged = run("cascade", &dir, "staged", &["--mode", "staged", "--check-residency"]);
+    let staged = run("cascade", dir, "staged", &["--mode", "staged", "--check-residency"]);
     let extractors = ["ss_extractor", "shape512_extractor", "shape1024_extractor", "tex_extractor"];
     let plan: BTreeMap<&str, Vec<&str>> = [
         ("structure", vec!["ss_flow", "ss_decoder"]),

@@ -46,8 +46,8 @@ fn stageload(args: &[&str]) -> (Output, String) {
 fn summary_prints_tables_and_a_side_by_side_comparison() {
     let folder = scratch("summary");
     let dir = folder.path();
-    let eager = fixture(&dir, "eager", 3 * GIB, true);
-    let staged = fixture(&dir, "staged", GIB, false);
+    let eager = fixture(dir, "eager", 3 * GIB, true);
+    let staged = fixture(dir, "staged", GIB, false);
     let (output, text) = stageload(&["summary", eager.to_str().unwrap(), staged.to_str().unwrap()]);
     assert_eq!(output.status.code(), Some(0), "{text}");
     assert!(text.contains("trace") && text.contains("(eager), pid 7 on h"), "{text}");
@@ -86,8 +86,8 @@ fn summary_and_plot_refuse_missing_and_broken_traces() {
 fn plot_writes_svg_and_png() {
     let folder = scratch("plot");
     let dir = folder.path();
-    let eager = fixture(&dir, "eager", 3 * GIB, true);
-    let staged = fixture(&dir, "staged", GIB, true);
+    let eager = fixture(dir, "eager", 3 * GIB, true);
+    let staged = fixture(dir, "staged", GIB, true);
     for name in ["memory.svg", "memory.png"] {
         let out = dir.join(name);
         let (output, text) = stageload(&["plot", eager.to_str().unwrap(), staged.to_str().unwrap(), "-o", out.to_str().unwrap()]);

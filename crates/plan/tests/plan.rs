@@ -108,7 +108,9 @@ fn names(list: &[String]) -> Vec<&str> {
 fn the_staged_plan_counts_kept_models_once_and_reloads_again() {
     let pipeline = Pipeline::load(&fixture("staged", &stages(""))).unwrap();
     let plan = plan(&pipeline, Budget::given(64 * MIB), None);
-    let rows: Vec<(&str, Vec<&str>, Vec<&str>, Vec<&str>, u64)> = plan
+    // (stage, resident, loaded, released, need)
+    type Row<'a> = (&'a str, Vec<&'a str>, Vec<&'a str>, Vec<&'a str>, u64);
+    let rows: Vec<Row> = plan
         .stages
         .iter()
         .map(|s| (s.name.as_str(), names(&s.resident), names(&s.loaded), names(&s.released), s.need))

@@ -130,18 +130,18 @@ mod tests {
         fs::write(dir.join(name), text).unwrap();
     }
 
-    fn temp_root(name: &str) -> PathBuf {
-        let root = std::env::temp_dir().join(format!("stageload-cgroup-{name}-{}", std::process::id()));
-        let _ = fs::remove_dir_all(&root);
-        root
+    /// A scratch folder standing in for /sys/fs/cgroup, removed when dropped.
+    fn temp_root() -> tempfile::TempDir {
+        tempfile::Builder::new().prefix("stageload-cgroup-").tempdir().unwrap()
     }
 
     const GB: u64 = 1 << 30;
 
     #[test]
     fn v2_tightest_ancestor_wins_and_max_is_no_limit() {
-        let root = temp_root("v2");
-        write(&root, "cgroup.controllers", "memory\n");
+        let folder = temp_root();
+        let root = folder.path();
+        write(root, "cgroup.controllers", "memory\n");
         let parent = root.join("ci");
         let leaf = parent.join("job");
         write(&parent, "memory.max", &format!("{}\n", 4 * GB));
@@ -149,38 +149,37 @@ mod tests {
         write(&parent, "memory.stat", &format!("anon 1\ninactive_file {}\n", GB / 2));
         write(&leaf, "memory.max", "max\n");
         write(&leaf, "memory.current", "100\n");
-        let group = cgroup_memory("0::/ci/job\n", &root, 16 * GB).unwrap();
+        let group = cgroup_memory("0::/ci/job\n", root, 16 * GB).unwrap();
         assert_eq!(group.path, parent);
         assert_eq!((group.limit, group.usage, group.reclaimable), (4 * GB, 3 * GB, GB / 2));
         assert_eq!(group.headroom(), GB + GB / 2);
         // A limit at or above the machine's memory is not a limit.
-        assert_eq!(cgroup_memory("0::/ci/job\n", &root, 2 * GB), None);
-        fs::remove_dir_all(&root).unwrap();
+        assert_eq!(cgroup_memory("0::/ci/job\n", root, 2 * GB), None);
     }
 
     #[test]
     fn v1_sentinel_is_ignored_and_a_real_limit_is_read() {
-        let root = temp_root("v1");
+        let folder = temp_root();
+        let root = folder.path();
         let memory = root.join("memory");
         write(&memory, "memory.limit_in_bytes", "9223372036854771712\n");
         write(&memory, "memory.usage_in_bytes", "5042298880\n");
         let text = "4:memory:/process_api/abc\n0::/\n";
-        assert_eq!(cgroup_memory(text, &root, 16 * GB), None, "unlimited sentinel");
+        assert_eq!(cgroup_memory(text, root, 16 * GB), None, "unlimited sentinel");
         write(&memory, "memory.limit_in_bytes", &format!("{}\n", 8 * GB));
         write(&memory, "memory.stat", "total_inactive_file 1024\n");
-        let group = cgroup_memory(text, &root, 16 * GB).unwrap();
+        let group = cgroup_memory(text, root, 16 * GB).unwrap();
         assert_eq!((group.limit, group.usage, group.reclaimable), (8 * GB, 5042298880, 1024));
-        fs::remove_dir_all(&root).unwrap();
     }
 
     #[test]
     fn vanished_or_garbled_files_mean_no_limit() {
-        let root = temp_root("garbled");
-        write(&root, "cgroup.controllers", "");
+        let folder = temp_root();
+        let root = folder.path();
+        write(root, "cgroup.controllers", "");
         write(&root.join("a"), "memory.max", "lots\n");
-        assert_eq!(cgroup_memory("0::/a\n", &root, 16 * GB), None);
-        assert_eq!(cgroup_memory("garbage", &root, 16 * GB), None);
+        assert_eq!(cgroup_memory("0::/a\n", root, 16 * GB), None);
+        assert_eq!(cgroup_memory("garbage", root, 16 * GB), None);
         assert_eq!(cgroup_memory("0::/a\n", &root.join("missing"), 16 * GB), None);
-        fs::remove_dir_all(&root).unwrap();
     }
 }

@@ -127,7 +127,7 @@ fn cuda_queries_answer_not_available_without_cuda() {
         drop(t);
         cuda_empty_cache().unwrap();
         cuda_reset_peak(0).unwrap();
-        assert_eq!(generator_state(GeneratorDevice::Cuda(0)).unwrap().is_empty(), false);
+        assert!(!generator_state(GeneratorDevice::Cuda(0)).unwrap().is_empty());
         assert!(cuda_memory(count).unwrap_err().message.contains("out of range"));
     }
     assert_eq!(tch::Cuda::device_count() as usize, count, "shim and tch agree");

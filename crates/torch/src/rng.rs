@@ -64,10 +64,13 @@ pub fn torch_generators() -> Result<Vec<GeneratorDevice>, ShimError> {
     Ok(devices)
 }
 
+/// A registered generator with its saved state (taken out when restored).
+type SavedState = (Arc<dyn RngSnapshot>, Option<Box<dyn Any + Send>>);
+
 /// Saved states of every generator; restores them when dropped.
 pub struct PreservedRng {
     torch: Vec<(GeneratorDevice, Vec<u8>)>,
-    registered: Vec<(Arc<dyn RngSnapshot>, Option<Box<dyn Any + Send>>)>,
+    registered: Vec<SavedState>,
 }
 
 impl PreservedRng {

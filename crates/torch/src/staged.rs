@@ -62,7 +62,7 @@ pub enum StageError {
     #[error("'{model}' is already locked by this thread; use the ModelGuard you hold instead of locking it again")]
     LockedTwice { model: String },
     #[error("checkpoint of '{model}': {source}")]
-    Checkpoint { model: String, source: CheckpointError },
+    Checkpoint { model: String, source: Box<CheckpointError> },
     #[error("'{model}': {source}")]
     Torch { model: String, source: ShimError },
     #[error("saving or restoring random generators: {0}")]
@@ -754,7 +754,7 @@ impl StagedModels {
     }
 
     fn load_checkpoint(&self, model: &str, files: &[PathBuf], targets: &[(String, Tensor)]) -> Result<()> {
-        let wrap = |source| StageError::Checkpoint { model: model.to_string(), source };
+        let wrap = |source| StageError::Checkpoint { model: model.to_string(), source: Box::new(source) };
         let checkpoint = Checkpoint::open(files).map_err(wrap)?;
         let report = checkpoint
             .load_into(targets, |progress| {
