@@ -11,7 +11,8 @@
 //! 11.8–12.4, with the whole file in RSS during the load.) Entries that
 //! need a dtype conversion, go to a GPU, or land in strided or overlapping (tied) targets are read
 //! a window of rows at a time into one reused buffer of at most 16 MiB and handed to libtorch's
-//! `copy_`, one after the other.
+//! `copy_`, one after the other in the caller's order, so that of tied targets the one listed last
+//! wins.
 //!
 //! Every check happens before the first byte is read: each target has an entry, shapes match,
 //! dtypes convert, targets have storage, the files are as long as their headers say. A failed
@@ -248,13 +249,12 @@ impl Checkpoint {
         let plan = self.check(targets)?;
         let total: u64 = targets.iter().map(|(_, t)| (t.numel() * t.kind().elt_size_in_bytes()) as u64).sum();
         let done = AtomicU64::new(0);
-        let (direct, mut converted): (Vec<_>, Vec<_>) = targets.iter().zip(plan).partition(|((_, target), entry)| {
-            target.device() == Device::Cpu && target.kind() == entry.kind && target.is_contiguous()
+        // Targets whose memory overlaps another's (tied weights) are copied one after the other,
+        // in the caller's order, after the others.
+        let overlapping = overlapping_targets(targets);
+        let (direct, sequential): (Vec<_>, Vec<_>) = targets.iter().zip(plan).enumerate().partition(|(i, ((_, target), entry))| {
+            !overlapping.contains(i) && target.device() == Device::Cpu && target.kind() == entry.kind && target.is_contiguous()
         });
-        // Targets whose memory overlaps (tied weights) are copied one after the other.
-        let overlapping = overlapping_targets(&direct);
-        let (tied, direct): (Vec<_>, Vec<_>) = direct.into_iter().enumerate().partition(|(i, _)| overlapping.contains(i));
-        converted.extend(tied.into_iter().map(|(_, pair)| pair));
         // Direct copies: every chunk of every entry is a job; the CPUs take jobs in turn.
         let mut jobs = Vec::new();
         for (_, ((name, target), entry)) in &direct {
@@ -274,7 +274,7 @@ impl Checkpoint {
         self.run_jobs(jobs, &done, |done| progress(Progress { done, total }))?;
         let mut buffer = Vec::new();
         tch::no_grad(|| -> Result<(), CheckpointError> {
-            for ((name, target), entry) in converted {
+            for (_, ((name, target), entry)) in sequential {
                 self.copy_converted(name, target, entry, &mut buffer)?;
                 let bytes = (target.numel() * target.kind().elt_size_in_bytes()) as u64;
                 progress(Progress { done: done.fetch_add(bytes, Ordering::Relaxed) + bytes, total });
@@ -364,13 +364,18 @@ impl Checkpoint {
     }
 }
 
-/// Indexes of the targets whose memory overlaps another's.
-fn overlapping_targets(targets: &[(&(String, Tensor), &Entry)]) -> HashSet<usize> {
+/// Indexes of the CPU targets whose memory overlaps another's: each target spans from its first
+/// element to its last, whatever its strides.
+fn overlapping_targets(targets: &[(String, Tensor)]) -> HashSet<usize> {
     let ranges: Vec<(usize, usize)> = targets
         .iter()
-        .map(|((_, t), _)| {
+        .map(|(_, t)| {
+            if t.device() != Device::Cpu || t.numel() == 0 {
+                return (0, 0);
+            }
+            let last: i64 = t.size().iter().zip(t.stride()).map(|(size, stride)| (size - 1) * stride).sum();
             let start = t.data_ptr() as usize;
-            (start, start + t.numel() * t.kind().elt_size_in_bytes())
+            (start, start + (last as usize + 1) * t.kind().elt_size_in_bytes())
         })
         .collect();
     overlapping_ranges(&ranges)

@@ -218,6 +218,13 @@ fn tied_targets_sharing_memory_load_one_after_the_other() {
     let whole = embed.zeros_like();
     checkpoint.load_into(&[named("lm_head", &whole), named("part", &whole.narrow(0, 0, 1 << 20))], |_| {}).unwrap();
     assert!(whole.narrow(0, 0, 1 << 20).equal(&embed.narrow(0, 0, 1 << 20)) && whole.narrow(0, 1 << 20, 9 << 20).equal(&head.narrow(0, 1 << 20, 9 << 20)));
+    // A strided view (copied through libtorch) listed before the contiguous tensor it views.
+    let square = Tensor::randn([512, 512], (Kind::Float, Device::Cpu));
+    let (_folder2, path2) = tmp("tied-strided.safetensors");
+    save(&[named("transposed", &square.neg()), named("square", &square)], &path2).unwrap();
+    let base = square.zeros_like();
+    Checkpoint::open(&[&path2]).unwrap().load_into(&[named("transposed", &base.tr()), named("square", &base)], |_| {}).unwrap();
+    assert!(base.equal(&square), "the contiguous target listed last wins over the strided one");
 }
 
 #[test]
