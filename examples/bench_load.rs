@@ -15,6 +15,7 @@ use std::time::Instant;
 
 use clap::Parser;
 use stageload::checkpoint::{Checkpoint, Progress};
+use stageload_probe::ProcessMemory;
 use tch::nn::{self, VarStore};
 use tch::{Device, Tensor};
 
@@ -51,12 +52,14 @@ fn build(vs: &VarStore) {
     }
 }
 
-fn status(field: &str) -> i64 {
-    let text = std::fs::read_to_string("/proc/self/status").expect("/proc/self/status");
-    text.lines()
-        .find_map(|l| l.strip_prefix(field)?.strip_prefix(':')?.trim().strip_suffix("kB")?.trim().parse::<i64>().ok())
-        .unwrap_or_else(|| panic!("{field} not in /proc/self/status"))
-        * 1024
+/// This process's memory now.
+fn memory() -> ProcessMemory {
+    stageload_probe::process_memory(std::process::id() as i32).expect("read this process's memory")
+}
+
+/// Resident pages that are not anonymous: mapped files (and shared memory, constant here).
+fn file_pages(memory: &ProcessMemory) -> i64 {
+    memory.rss as i64 - memory.rss_anon.expect("RssAnon (Linux)") as i64
 }
 
 struct Measure {
@@ -70,13 +73,14 @@ struct Measure {
 /// Runs `load` with the high-water mark reset. The peak over the model counts anonymous memory
 /// only: pages of a file still mapped by what `load` returns are subtracted.
 fn measured<T>(load: impl FnOnce() -> T) -> Measure {
-    let (before, file_before) = (status("VmRSS"), status("RssFile"));
-    std::fs::write("/proc/self/clear_refs", "5").expect("reset VmHWM");
+    let before = memory();
+    stageload_probe::reset_peak().expect("reset the peak");
     let start = Instant::now();
     let still_mapped = load();
     let seconds = start.elapsed().as_secs_f64();
-    let file_pages = status("RssFile") - file_before;
-    let peak_with_file = status("VmHWM") - before;
+    let after = memory();
+    let file_pages = file_pages(&after) - file_pages(&before);
+    let peak_with_file = after.peak.expect("VmHWM (Linux)") as i64 - before.rss as i64;
     drop(still_mapped);
     Measure { seconds, peak_over: peak_with_file - file_pages, peak_with_file }
 }

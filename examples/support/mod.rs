@@ -11,6 +11,7 @@ use std::sync::Arc;
 use sha2::{Digest, Sha256};
 use stageload::meter::{self, Meter, MeterOptions};
 use stageload::{BoxError, BuildContext, Built, ModelSpec, StagedModels};
+use stageload_plan::{ModelEntry, PipelineFile, StageEntry};
 use tch::nn::{self, Module, VarStore};
 use tch::{Device, Kind, Tensor};
 
@@ -112,8 +113,7 @@ pub fn sorted_variables(vs: &VarStore) -> Vec<(String, Tensor)> {
 }
 
 /// The checkpoint of `shape` under `folder`, written once from weights drawn with `seed` (same
-/// seed, same weights, every time). Written to a temporary name and renamed, so an interrupted
-/// write never leaves a file that looks complete.
+/// seed, same weights, every time).
 pub fn cached_checkpoint(folder: &Path, shape: &ModelShape, prefix: &[&str], seed: i64) -> Result<PathBuf, BoxError> {
     let path = folder.join(format!("{}-{}x{}.safetensors", shape.name, shape.width, shape.depth));
     cached(&path, seed, |vs| {
@@ -122,8 +122,9 @@ pub fn cached_checkpoint(folder: &Path, shape: &ModelShape, prefix: &[&str], see
     Ok(path)
 }
 
-/// Writes `path` once from the variables `build` creates with torch seeded by `seed`. Written to
-/// a temporary name and renamed, so an interrupted write never leaves a file that looks complete.
+/// Writes `path` once from the variables `build` creates with torch seeded by `seed`
+/// (`checkpoint::save` writes a temporary name and renames it, so an interrupted write never
+/// leaves a file that looks complete).
 pub fn cached(path: &Path, seed: i64, build: impl FnOnce(&VarStore)) -> Result<(), BoxError> {
     if path.exists() {
         return Ok(());
@@ -134,9 +135,7 @@ pub fn cached(path: &Path, seed: i64, build: impl FnOnce(&VarStore)) -> Result<(
     tch::manual_seed(seed);
     let vs = VarStore::new(Device::Cpu);
     build(&vs);
-    let partial = path.with_extension("partial");
-    stageload::checkpoint::save(&sorted_variables(&vs), &partial)?;
-    std::fs::rename(&partial, path)?;
+    stageload::checkpoint::save(&sorted_variables(&vs), path)?;
     Ok(())
 }
 
@@ -273,30 +272,18 @@ impl PipelineSpec {
     /// Writes the pipeline description `stageload plan` reads (models with their checkpoint
     /// files, stages, pins) to `path`.
     pub fn write_description(&self, path: &Path) -> Result<(), BoxError> {
-        #[derive(serde::Serialize)]
-        struct Model<'a> {
-            name: &'a str,
-            files: Vec<String>,
-        }
-        #[derive(serde::Serialize)]
-        struct Stage<'a> {
-            name: &'a str,
-            models: &'a [String],
-        }
-        #[derive(serde::Serialize)]
-        struct Description<'a> {
-            pinned: &'a [String],
-            models: Vec<Model<'a>>,
-            stages: Vec<Stage<'a>>,
-        }
-        let description = Description {
-            pinned: &self.pinned,
+        let description = PipelineFile {
+            pinned: self.pinned.clone(),
             models: self
                 .models
                 .iter()
-                .map(|m| Model { name: m.name(), files: m.checkpoint_files().iter().map(|f| f.display().to_string()).collect() })
+                .map(|m| ModelEntry { name: m.name().to_string(), files: m.checkpoint_files().to_vec(), device: "cpu".into(), dtype: None })
                 .collect(),
-            stages: self.stages.iter().map(|(name, models)| Stage { name, models }).collect(),
+            stages: self
+                .stages
+                .iter()
+                .map(|(name, models)| StageEntry { name: name.clone(), models: models.clone(), working: None, device_working: None })
+                .collect(),
         };
         std::fs::write(path, toml::to_string(&description)?)?;
         Ok(())

@@ -1,13 +1,16 @@
 //! `stageload guard` as users run it: the real binary, real readings, real signals. Each run has
 //! a hard deadline and the commands it starts are bounded (`sleep 60` at most, stopped early).
 
-use std::path::Path;
 use std::process::{Child, Command, Output, Stdio};
 use std::sync::Once;
 use std::time::{Duration, Instant};
 
 use nix::sys::signal::{kill, SigHandler, Signal};
 use nix::unistd::Pid;
+
+#[path = "../../guard/tests/support/pids.rs"]
+mod pids;
+use pids::{read_pid, running};
 
 const STAGELOAD: &str = env!("CARGO_BIN_EXE_stageload");
 
@@ -59,25 +62,11 @@ fn scratch(name: &str) -> tempfile::TempDir {
     tempfile::Builder::new().prefix(&format!("stageload-cli-guard-{name}-")).tempdir().unwrap()
 }
 
-fn read_pid(path: &Path) -> i32 {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        if let Some(pid) = std::fs::read_to_string(path).ok().and_then(|t| t.trim().parse().ok()) {
-            return pid;
-        }
-        assert!(Instant::now() < deadline, "{} never written", path.display());
-        std::thread::sleep(Duration::from_millis(10));
-    }
-}
-
 /// Whether `pid` still runs (zombies and vanished pids count as gone), waiting up to 5 s for it to go.
 fn gone_soon(pid: i32) -> bool {
     let deadline = Instant::now() + Duration::from_secs(5);
     loop {
-        let running = std::fs::read_to_string(format!("/proc/{pid}/stat"))
-            .map(|stat| stat.rsplit_once(')').is_some_and(|(_, rest)| !rest.trim_start().starts_with('Z')))
-            .unwrap_or(false);
-        if !running {
+        if !running(pid) {
             return true;
         }
         if Instant::now() > deadline {

@@ -90,8 +90,13 @@ pub trait Readings {
     fn memory(&mut self) -> Result<SystemMemory, ProbeError> {
         stageload_probe::system_memory()
     }
+    /// The process table with command lines (for `--busy`).
     fn processes(&mut self) -> Result<Vec<ProcessEntry>, ProbeError> {
         stageload_probe::processes()
+    }
+    /// The process table without command lines (the command's members, read every poll).
+    fn process_tree(&mut self) -> Result<Vec<ProcessEntry>, ProbeError> {
+        stageload_probe::process_tree()
     }
     fn process_memory(&mut self, pid: i32) -> Result<ProcessMemory, ProbeError> {
         stageload_probe::process_memory(pid)

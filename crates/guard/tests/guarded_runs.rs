@@ -6,7 +6,6 @@
 //! guard stops it well before.
 
 use std::ffi::OsString;
-use std::path::Path;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -16,6 +15,10 @@ use stageload_guard::{
 };
 use stageload_probe::units::GIB;
 use stageload_probe::{ProbeError, ProcessEntry, SystemMemory};
+
+#[path = "support/pids.rs"]
+mod pids;
+use pids::{read_pid, running};
 
 static ONE_GUARD: Mutex<()> = Mutex::new(());
 
@@ -99,24 +102,6 @@ fn has(lines: &[String], text: &str) -> bool {
 /// A folder for one test, removed with its contents when dropped.
 fn scratch(name: &str) -> tempfile::TempDir {
     tempfile::Builder::new().prefix(&format!("stageload-guard-{name}-")).tempdir().unwrap()
-}
-
-/// Whether `pid` still runs (a zombie, or a pid now used by nobody, counts as gone).
-fn running(pid: i32) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/stat"))
-        .map(|stat| stat.rsplit_once(')').is_some_and(|(_, rest)| !rest.trim_start().starts_with('Z')))
-        .unwrap_or(false)
-}
-
-fn read_pid(path: &Path) -> i32 {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        if let Some(pid) = std::fs::read_to_string(path).ok().and_then(|t| t.trim().parse().ok()) {
-            return pid;
-        }
-        assert!(Instant::now() < deadline, "{} never written", path.display());
-        std::thread::sleep(Duration::from_millis(10));
-    }
 }
 
 #[test]

@@ -10,5 +10,5 @@ pub mod header;
 pub mod pipeline;
 pub mod plan;
 
-pub use pipeline::{Model, Pipeline, PipelineError, Placement, Stage};
+pub use pipeline::{Model, ModelEntry, Pipeline, PipelineError, PipelineFile, Placement, Stage, StageEntry};
 pub use plan::{plan, Budget, BudgetSource, EagerPlan, Plan, StagePlan, Verdict, SCHEMA_VERSION};

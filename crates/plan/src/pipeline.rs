@@ -77,15 +77,17 @@ pub struct StageEntry {
     pub device_working: Option<String>,
 }
 
-#[derive(Debug, Clone, Deserialize)]
+/// The file itself, before any check: what [`Pipeline::load`] parses, and what a program that
+/// describes its own pipeline serializes (`toml::to_string`).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
-struct PipelineFile {
+pub struct PipelineFile {
     #[serde(default)]
-    pinned: Vec<String>,
+    pub pinned: Vec<String>,
     #[serde(default)]
-    models: Vec<ModelEntry>,
+    pub models: Vec<ModelEntry>,
     #[serde(default)]
-    stages: Vec<StageEntry>,
+    pub stages: Vec<StageEntry>,
 }
 
 /// Where a model's weights live while it is resident.

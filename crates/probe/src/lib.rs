@@ -103,7 +103,8 @@ pub struct ProcessEntry {
     pub pgid: i32,
     /// Exited but not reaped yet: holds no memory and is not running.
     pub zombie: bool,
-    /// The command line, arguments joined by spaces; empty for kernel threads and zombies.
+    /// The command line, arguments joined by spaces; empty for kernel threads and zombies, and
+    /// where [`process_tree`] did not read it.
     pub cmdline: String,
 }
 
@@ -128,9 +129,17 @@ pub fn reset_peak() -> Result<(), ProbeError> {
     platform::reset_peak()
 }
 
-/// Every process this user can see. Processes that vanish during the scan are left out.
+/// Every process this user can see, with its command line. Processes that vanish during the
+/// scan are left out.
 pub fn processes() -> Result<Vec<ProcessEntry>, ProbeError> {
-    platform::processes()
+    platform::processes(true)
+}
+
+/// As [`processes`], without reading command lines (Linux: one file per process instead of
+/// two), for callers that only follow the tree: pids, parents, groups, zombies. `cmdline` may be
+/// empty.
+pub fn process_tree() -> Result<Vec<ProcessEntry>, ProbeError> {
+    platform::processes(false)
 }
 
 /// `pid` and its chain of parents, stopping before pid 1, at an unknown parent or at a cycle.
@@ -178,7 +187,7 @@ mod platform {
     pub fn reset_peak() -> Result<(), ProbeError> {
         Err(ProbeError::Unsupported("peak reset"))
     }
-    pub fn processes() -> Result<Vec<ProcessEntry>, ProbeError> {
+    pub fn processes(_with_commands: bool) -> Result<Vec<ProcessEntry>, ProbeError> {
         Err(ProbeError::Unsupported("process table"))
     }
 }

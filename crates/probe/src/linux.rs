@@ -92,13 +92,13 @@ pub fn reset_peak() -> Result<(), ProbeError> {
         .map_err(|e| read_error("/proc/self/clear_refs", e))
 }
 
-pub fn processes() -> Result<Vec<ProcessEntry>, ProbeError> {
+pub fn processes(with_commands: bool) -> Result<Vec<ProcessEntry>, ProbeError> {
     let all = procfs::process::all_processes().map_err(|e| read_error("/proc", e))?;
     let mut table = Vec::new();
     for process in all.flatten() {
         // A process that exits during the scan is simply left out.
         let Ok(stat) = process.stat() else { continue };
-        let cmdline = process.cmdline().map(|args| args.join(" ")).unwrap_or_default();
+        let cmdline = if with_commands { process.cmdline().map(|args| args.join(" ")).unwrap_or_default() } else { String::new() };
         table.push(ProcessEntry {
             pid: stat.pid,
             ppid: stat.ppid,

@@ -65,7 +65,8 @@ pub fn reset_peak() -> Result<(), ProbeError> {
     Err(ProbeError::Unsupported("resetting the peak footprint"))
 }
 
-pub fn processes() -> Result<Vec<ProcessEntry>, ProbeError> {
+/// One `ps` either way: command lines cost nothing extra here.
+pub fn processes(_with_commands: bool) -> Result<Vec<ProcessEntry>, ProbeError> {
     let output = std::process::Command::new("ps")
         .args(["-axo", "pid=,ppid=,pgid=,stat=,command="])
         .output()

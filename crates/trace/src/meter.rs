@@ -234,10 +234,7 @@ impl Meter {
             schema: SCHEMA_VERSION,
             utc: humantime::format_rfc3339_seconds(SystemTime::now()).to_string(),
             pid: std::process::id(),
-            host: fs::read_to_string("/proc/sys/kernel/hostname")
-                .or_else(|_| fs::read_to_string("/etc/hostname"))
-                .map(|h| h.trim().to_string())
-                .unwrap_or_default(),
+            host: nix::unistd::gethostname().map(|h| h.to_string_lossy().into_owned()).unwrap_or_default(),
             os: std::env::consts::OS.to_string(),
             total_memory,
             device: options.device,

@@ -32,12 +32,7 @@ pub fn input(width: i64) -> Tensor {
     Tensor::ones([2, width], (Kind::Float, Device::Cpu))
 }
 
-/// The process's resident set size (`VmRSS` of /proc/self/status), in bytes.
+/// The process's resident set size, in bytes.
 pub fn rss_bytes() -> i64 {
-    let status = std::fs::read_to_string("/proc/self/status").expect("read /proc/self/status");
-    let kib: i64 = status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:")?.trim().strip_suffix("kB")?.trim().parse().ok())
-        .expect("VmRSS in /proc/self/status");
-    kib * 1024
+    stageload_probe::process_memory(std::process::id() as i32).expect("read this process's memory").rss as i64
 }
