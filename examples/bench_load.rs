@@ -195,7 +195,8 @@ fn main() {
     );
     for &mode in modes {
         for loader in ["stageload", "tch", "python"] {
-            let runs: Vec<&Measure> = results.iter().filter(|(l, m, _)| *l == loader && *m == mode).map(|(_, _, m)| m).collect();
+            let runs: Vec<&Measure> =
+                results.iter().filter(|(l, m, _)| *l == loader && *m == mode).map(|(_, _, m)| m).collect();
             let rates: Vec<f64> = runs.iter().map(|m| gb / m.seconds).collect();
             let percent = |bytes: i64| 100.0 * bytes as f64 / model_bytes as f64;
             let over = median(runs.iter().map(|m| percent(m.peak_over)).collect());

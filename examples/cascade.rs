@@ -21,7 +21,10 @@ use clap::Parser;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use stageload::{BoxError, BuildContext, Built, ModelSpec, Shared, SharedRng};
-use support::{cached, cached_checkpoint, sample_flow, schedule, tokens_at, width_at, CommonArgs, Mode, ModelShape, Pipeline, PipelineSpec, Transformer, CHANNELS};
+use support::{
+    cached, cached_checkpoint, sample_flow, schedule, tokens_at, width_at, CommonArgs, Mode, ModelShape, Pipeline,
+    PipelineSpec, Transformer, CHANNELS,
+};
 use tch::nn::{self, Module, VarStore};
 use tch::{Device, Kind, Tensor};
 
@@ -63,7 +66,10 @@ impl Extractor {
     }
 }
 
-fn extractor_loader(backbone: ModelShape, device: Device) -> impl Fn(&BuildContext) -> Result<Built, BoxError> + Send + Sync {
+fn extractor_loader(
+    backbone: ModelShape,
+    device: Device,
+) -> impl Fn(&BuildContext) -> Result<Built, BoxError> + Send + Sync {
     move |ctx| {
         let shared = ctx.shared("backbone", || {
             let vs = VarStore::new(device);
@@ -92,7 +98,10 @@ fn spec(args: &CommonArgs) -> Result<PipelineSpec, BoxError> {
         cached(&head_file, 300 + seed as i64, |vs| {
             let _ = nn::linear(vs.root() / "head", backbone.output, CHANNELS, Default::default());
         })?;
-        models.push(ModelSpec::new(*name, extractor_loader(backbone.clone(), device)).checkpoint([backbone_file.clone(), head_file]));
+        models.push(
+            ModelSpec::new(*name, extractor_loader(backbone.clone(), device))
+                .checkpoint([backbone_file.clone(), head_file]),
+        );
     }
     let stage = |name: &str, models: &[&str]| (name.to_string(), models.iter().map(|m| m.to_string()).collect());
     Ok(PipelineSpec {
@@ -133,8 +142,12 @@ fn main() -> Result<(), BoxError> {
     let chacha = SharedRng::new(ChaCha8Rng::seed_from_u64(args.seed));
     let mut p = Pipeline::build(spec(&args)?, &args, Arc::new(chacha.clone()))?;
     let noise = |tokens: i64| Tensor::randn([tokens, CHANNELS], (Kind::Float, Device::Cpu));
-    let (image_tokens, t_structure, t_512, t_1024) =
-        (tokens_at(256, args.scale), tokens_at(256, args.scale), tokens_at(512, args.scale), tokens_at(1024, args.scale));
+    let (image_tokens, t_structure, t_512, t_1024) = (
+        tokens_at(256, args.scale),
+        tokens_at(256, args.scale),
+        tokens_at(512, args.scale),
+        tokens_at(1024, args.scale),
+    );
 
     p.enter("setup")?;
     if p.mode == Mode::Eager {

@@ -14,7 +14,10 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use sha2::{Digest, Sha256};
 use stageload::{BoxError, ModelSpec, SharedRng};
-use support::{cached_checkpoint, sample_flow, schedule, tokens_at, width_at, CommonArgs, Mode, ModelShape, Pipeline, PipelineSpec, Transformer, CHANNELS};
+use support::{
+    cached_checkpoint, sample_flow, schedule, tokens_at, width_at, CommonArgs, Mode, ModelShape, Pipeline,
+    PipelineSpec, Transformer, CHANNELS,
+};
 use tch::nn::Module;
 use tch::{Device, Kind, Tensor};
 
@@ -58,7 +61,9 @@ fn main() -> Result<(), BoxError> {
     let mut models = Vec::new();
     for (seed, shape) in shapes(common.scale).iter().enumerate() {
         let file = cached_checkpoint(&folder, shape, &["model"], 400 + seed as i64)?;
-        models.push(ModelSpec::new(shape.name, support::transformer_loader(shape.clone(), Device::Cpu)).checkpoint([file]));
+        models.push(
+            ModelSpec::new(shape.name, support::transformer_loader(shape.clone(), Device::Cpu)).checkpoint([file]),
+        );
     }
     let stage = |name: &str, model: &str| (name.to_string(), vec![model.to_string()]);
     let spec = PipelineSpec {

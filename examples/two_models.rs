@@ -55,7 +55,12 @@ fn loader(width: i64) -> impl Fn(&stageload::BuildContext) -> Result<Built, stag
 }
 
 /// Writes the checkpoint of a model once (same seed, same weights every time).
-fn checkpoint(cache: &std::path::Path, name: &str, width: i64, seed: i64) -> Result<PathBuf, Box<dyn std::error::Error>> {
+fn checkpoint(
+    cache: &std::path::Path,
+    name: &str,
+    width: i64,
+    seed: i64,
+) -> Result<PathBuf, Box<dyn std::error::Error>> {
     let path = cache.join(format!("{name}-{width}.safetensors"));
     if !path.exists() {
         std::fs::create_dir_all(cache)?;

@@ -41,7 +41,11 @@ fn run(example_name: &str, dir: &Path, label: &str, extra: &[&str]) -> Run {
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
-    assert!(output.status.success(), "{example_name} {extra:?} failed:\n{stdout}\n{}", String::from_utf8_lossy(&output.stderr));
+    assert!(
+        output.status.success(),
+        "{example_name} {extra:?} failed:\n{stdout}\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
     let latents = stdout
         .lines()
         .filter_map(|line| line.strip_prefix("latent "))
@@ -63,7 +67,10 @@ fn check_determinism(example_name: &str, first: &str, after_build: &str) {
 
     let control = run(example_name, dir, "control", &["--mode", "staged", "--no-preserve-rng"]);
     assert_eq!(control.latents[first], eager.latents[first], "the first latent is drawn before any lazy build");
-    assert_ne!(control.latents[after_build], eager.latents[after_build], "without preservation the draws after a lazy build drift");
+    assert_ne!(
+        control.latents[after_build], eager.latents[after_build],
+        "without preservation the draws after a lazy build drift"
+    );
 }
 
 #[test]

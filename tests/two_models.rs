@@ -8,7 +8,11 @@ fn the_readme_example_runs_staged() {
     // target/<profile>/examples.
     let exe = std::env::current_exe().unwrap();
     let example = exe.parent().unwrap().parent().unwrap().join("examples").join("two_models");
-    assert!(example.exists(), "{} is missing: `cargo test` builds it; `cargo test --examples` does not", example.display());
+    assert!(
+        example.exists(),
+        "{} is missing: `cargo test` builds it; `cargo test --examples` does not",
+        example.display()
+    );
     let folder = tempfile::TempDir::new().unwrap();
     let cache = folder.path();
     let run = || {

@@ -141,7 +141,10 @@ pub fn cached(path: &Path, seed: i64, build: impl FnOnce(&VarStore)) -> Result<(
 
 /// A loader that builds `shape` on `device` (random initialisation: it draws from torch's
 /// generator, as a real model's constructor does); the registry fills it from its checkpoint.
-pub fn transformer_loader(shape: ModelShape, device: Device) -> impl Fn(&BuildContext) -> Result<Built, BoxError> + Send + Sync {
+pub fn transformer_loader(
+    shape: ModelShape,
+    device: Device,
+) -> impl Fn(&BuildContext) -> Result<Built, BoxError> + Send + Sync {
     move |_| {
         let vs = VarStore::new(device);
         let model = Transformer::new(vs.root() / "model", &shape);
@@ -168,8 +171,10 @@ fn progress_bar() -> impl Fn(&str, stageload::checkpoint::Progress) + Send + Syn
         if current.as_ref().is_none_or(|(name, _)| name != model) {
             let new = indicatif::ProgressBar::new(progress.total).with_message(format!("loading {model}"));
             new.set_style(
-                indicatif::ProgressStyle::with_template("{msg:<28} {bar:30} {bytes}/{total_bytes} {binary_bytes_per_sec}")
-                    .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+                indicatif::ProgressStyle::with_template(
+                    "{msg:<28} {bar:30} {bytes}/{total_bytes} {binary_bytes_per_sec}",
+                )
+                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
             );
             *current = Some((model.to_string(), new));
         }
@@ -277,12 +282,22 @@ impl PipelineSpec {
             models: self
                 .models
                 .iter()
-                .map(|m| ModelEntry { name: m.name().to_string(), files: m.checkpoint_files().to_vec(), device: "cpu".into(), dtype: None })
+                .map(|m| ModelEntry {
+                    name: m.name().to_string(),
+                    files: m.checkpoint_files().to_vec(),
+                    device: "cpu".into(),
+                    dtype: None,
+                })
                 .collect(),
             stages: self
                 .stages
                 .iter()
-                .map(|(name, models)| StageEntry { name: name.clone(), models: models.clone(), working: None, device_working: None })
+                .map(|(name, models)| StageEntry {
+                    name: name.clone(),
+                    models: models.clone(),
+                    working: None,
+                    device_working: None,
+                })
                 .collect(),
         };
         std::fs::write(path, toml::to_string(&description)?)?;
@@ -293,8 +308,14 @@ impl PipelineSpec {
 impl Pipeline {
     /// Builds the registry for `mode`: staged runs the plan; eager pins every model (so no
     /// stage releases anything) and the caller loads them all before seeding.
-    pub fn build(spec: PipelineSpec, args: &CommonArgs, chacha: Arc<dyn stageload::rng::RngSnapshot>) -> Result<Pipeline, BoxError> {
-        let trace = args.trace.clone().unwrap_or_else(|| std::env::temp_dir().join(format!("stageload-{}-{}.jsonl", spec.name, std::process::id())));
+    pub fn build(
+        spec: PipelineSpec,
+        args: &CommonArgs,
+        chacha: Arc<dyn stageload::rng::RngSnapshot>,
+    ) -> Result<Pipeline, BoxError> {
+        let trace = args.trace.clone().unwrap_or_else(|| {
+            std::env::temp_dir().join(format!("stageload-{}-{}.jsonl", spec.name, std::process::id()))
+        });
         let mode_name = match args.mode {
             Mode::Eager => "eager",
             Mode::Staged => "staged",
@@ -314,9 +335,12 @@ impl Pipeline {
         // released and no load is outside its stage.
         let (plan, pinned) = match args.mode {
             Mode::Staged => (spec.stages.clone(), spec.pinned.clone()),
-            Mode::Eager => (spec.stages.iter().map(|(stage, _)| (stage.clone(), names.clone())).collect(), names.clone()),
+            Mode::Eager => {
+                (spec.stages.iter().map(|(stage, _)| (stage.clone(), names.clone())).collect(), names.clone())
+            }
         };
-        let mut builder = StagedModels::builder().events(meter.clone()).register_rng(chacha).preserve_rng(!args.no_preserve_rng);
+        let mut builder =
+            StagedModels::builder().events(meter.clone()).register_rng(chacha).preserve_rng(!args.no_preserve_rng);
         if std::io::IsTerminal::is_terminal(&std::io::stderr()) {
             builder = builder.progress(progress_bar());
         }
@@ -376,8 +400,13 @@ impl Pipeline {
     fn check_resident(&self, model: &str) -> Result<(), BoxError> {
         let stage = self.models.current_stage().unwrap_or_default();
         let resident = self.models.resident();
-        let planned: BTreeSet<&String> =
-            self.plan.iter().filter(|(s, _)| *s == stage).flat_map(|(_, m)| m.iter()).chain(self.pinned.iter()).collect();
+        let planned: BTreeSet<&String> = self
+            .plan
+            .iter()
+            .filter(|(s, _)| *s == stage)
+            .flat_map(|(_, m)| m.iter())
+            .chain(self.pinned.iter())
+            .collect();
         println!("call {stage} {model} resident {}", resident.join(","));
         let unplanned: Vec<&String> = resident.iter().filter(|name| !planned.contains(name)).collect();
         if !unplanned.is_empty() || !resident.iter().any(|r| r == model) {

@@ -46,7 +46,8 @@ fn version_field(header: &str, field: &str) -> Option<u32> {
 pub fn check_libtorch_version(include: &Path) -> Result<(), String> {
     let header_path = include.join("torch/headeronly/version.h");
     let fallback = include.join("torch/csrc/api/include/torch/version.h");
-    let text = std::fs::read_to_string(&header_path).or_else(|_| std::fs::read_to_string(&fallback)).unwrap_or_default();
+    let text =
+        std::fs::read_to_string(&header_path).or_else(|_| std::fs::read_to_string(&fallback)).unwrap_or_default();
     let found = (version_field(&text, "TORCH_VERSION_MAJOR"), version_field(&text, "TORCH_VERSION_MINOR"));
     if found == (Some(LIBTORCH_WANTED.0), Some(LIBTORCH_WANTED.1)) {
         return Ok(());

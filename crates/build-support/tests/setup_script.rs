@@ -35,7 +35,10 @@ fn a_libtorch_folder_without_lib_and_include_is_refused() {
     let output = setup(cache.path(), &[("LIBTORCH", libtorch.path().to_str().unwrap())]);
     assert_eq!(output.status.code(), Some(1));
     let message = stderr(&output);
-    assert!(message.contains("no lib/ and include/") && message.contains("2.13.0") && message.contains("unset it"), "{message}");
+    assert!(
+        message.contains("no lib/ and include/") && message.contains("2.13.0") && message.contains("unset it"),
+        "{message}"
+    );
     assert!(output.stdout.is_empty(), "prints no environment to evaluate");
 }
 

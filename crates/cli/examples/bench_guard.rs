@@ -94,7 +94,12 @@ fn reaction_run(limit: u64, limit_text: &str, ceiling: u64, log: &PathBuf) -> Re
         .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
         .find(|record| record["event"] == "stop");
     let measured = stop.and_then(|record| record["detail"]["command_memory"].as_u64()).unwrap_or(0);
-    Reaction { rate_gb_s: rate, reaction_s: gone - crossed, overshoot: measured as i64 - limit as i64, exit: status.code() }
+    Reaction {
+        rate_gb_s: rate,
+        reaction_s: gone - crossed,
+        overshoot: measured as i64 - limit as i64,
+        exit: status.code(),
+    }
 }
 
 fn cpu_per_hour(extra: &[&str], seconds: u64) -> f64 {
@@ -166,5 +171,6 @@ fn main() {
         "cpu_seconds_per_hour": {"plain": plain, "max_memory": scanning},
     });
     std::fs::write(options.out.with_extension("md"), table).expect("write the table");
-    std::fs::write(options.out.with_extension("json"), serde_json::to_string_pretty(&results).unwrap()).expect("write the json");
+    std::fs::write(options.out.with_extension("json"), serde_json::to_string_pretty(&results).unwrap())
+        .expect("write the json");
 }

@@ -76,7 +76,8 @@ pub fn summary(args: SummaryArgs) -> i32 {
 
 pub fn plot(args: PlotArgs) -> i32 {
     let Some(loaded) = load("plot", &args.traces) else { return 2 };
-    let traces: Vec<(String, &Trace, &Summary)> = loaded.iter().map(|(t, s)| (table::label(s, &t.path), t, s)).collect();
+    let traces: Vec<(String, &Trace, &Summary)> =
+        loaded.iter().map(|(t, s)| (table::label(s, &t.path), t, s)).collect();
     match plot::plot(&traces, &args.output, args.width) {
         Ok(()) => {
             println!("wrote {}", args.output.display());

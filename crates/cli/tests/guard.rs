@@ -205,7 +205,11 @@ fn max_memory_stops_an_allocating_command_and_the_log_has_the_readings() {
     let log = dir.join("guard.jsonl");
     // 32 MiB more every 50 ms, 512 MiB at most.
     let program = "import time\nblocks = []\nfor _ in range(16):\n    blocks.append(b'x' * (32 << 20))\n    time.sleep(0.05)\ntime.sleep(30)\n";
-    let args = [&ANY_MACHINE[..], &["--max-memory", "128M", "--grace", "1s", "--log", log.to_str().unwrap(), "--", "python3", "-c", program]].concat();
+    let args = [
+        &ANY_MACHINE[..],
+        &["--max-memory", "128M", "--grace", "1s", "--log", log.to_str().unwrap(), "--", "python3", "-c", program],
+    ]
+    .concat();
     let output = finish(guard(&args).spawn().unwrap(), Duration::from_secs(30));
     assert_eq!(output.status.code(), Some(3), "{}", stderr(&output));
     assert!(stderr(&output).contains("> --max-memory 128.0 MiB"), "{}", stderr(&output));
@@ -249,7 +253,8 @@ fn a_signal_ignored_when_the_guard_started_stays_ignored() {
         ANY_MACHINE.join(" "),
         pid_file.display()
     );
-    let mut child = Command::new("sh").args(["-c", &script]).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+    let mut child =
+        Command::new("sh").args(["-c", &script]).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
     let guard_pid = Pid::from_raw(child.id() as i32);
     let command = read_pid(&pid_file);
     kill(guard_pid, Signal::SIGINT).unwrap();
@@ -295,11 +300,8 @@ if done == 0:
 sys.stdout.write(out.decode(errors="replace"))
 sys.stdout.write("\nEXIT %d\n" % os.waitstatus_to_exitcode(status))
 "#;
-    let output = Command::new("python3")
-        .args(["-c", driver, STAGELOAD, command, keys])
-        .stdin(Stdio::null())
-        .output()
-        .unwrap();
+    let output =
+        Command::new("python3").args(["-c", driver, STAGELOAD, command, keys]).stdin(Stdio::null()).output().unwrap();
     let text = String::from_utf8_lossy(&output.stdout).into_owned();
     let code = text.rsplit_once("EXIT ").and_then(|(_, code)| code.trim().parse().ok()).unwrap_or(-1);
     (text, code)

@@ -56,7 +56,10 @@ fn fits_does_not_fit_and_what_staging_buys() {
     assert_eq!(output.status.code(), Some(0), "{text}");
     assert!(text.contains("stage decode: resident decoder (1.0 MiB)"), "{text}");
     assert!(text.contains("releases encoder; loads decoder"), "{text}");
-    assert!(text.contains("eager (every model at once): peak 2.0 MiB at encode -> does not fit by 512.0 KiB"), "{text}");
+    assert!(
+        text.contains("eager (every model at once): peak 2.0 MiB at encode -> does not fit by 512.0 KiB"),
+        "{text}"
+    );
     assert!(text.contains("staging saves 1.0 MiB at the peak\n=> fits"), "{text}");
     let (output, text) = plan(&[file, "--memory", "512K"]);
     assert_eq!(output.status.code(), Some(1), "{text}");

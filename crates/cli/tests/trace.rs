@@ -54,7 +54,13 @@ fn summary_prints_tables_and_a_side_by_side_comparison() {
     assert!(text.contains("ended without its end record"), "the killed staged run says so:\n{text}");
     assert!(text.contains("loads: 1 (0 reloads), 1.0 GiB in 0.50 s (2.15 GB/s)"), "{text}");
     let decode = text.lines().rev().find(|l| l.starts_with("decode")).unwrap();
-    assert!(decode.contains("3.0 GiB") && decode.contains("1.0 GiB") && decode.contains("-2.0 GiB") && decode.contains("3.00x"), "{decode}");
+    assert!(
+        decode.contains("3.0 GiB")
+            && decode.contains("1.0 GiB")
+            && decode.contains("-2.0 GiB")
+            && decode.contains("3.00x"),
+        "{decode}"
+    );
 
     let (output, text) = stageload(&["summary", "--json", eager.to_str().unwrap()]);
     assert_eq!(output.status.code(), Some(0), "{text}");
@@ -90,7 +96,8 @@ fn plot_writes_svg_and_png() {
     let staged = fixture(dir, "staged", GIB, true);
     for name in ["memory.svg", "memory.png"] {
         let out = dir.join(name);
-        let (output, text) = stageload(&["plot", eager.to_str().unwrap(), staged.to_str().unwrap(), "-o", out.to_str().unwrap()]);
+        let (output, text) =
+            stageload(&["plot", eager.to_str().unwrap(), staged.to_str().unwrap(), "-o", out.to_str().unwrap()]);
         assert_eq!(output.status.code(), Some(0), "{text}");
         assert!(std::fs::metadata(&out).unwrap().len() > 5_000, "{name} is a drawn chart");
     }

@@ -121,7 +121,8 @@ impl Default for Admission {
 /// Whether two sets of reasons are the same kind of wait, so the log is not repeated every poll
 /// (a quiet countdown, or a reading that moved by a percent, is not news).
 pub fn same_kind(a: &[Wait], b: &[Wait]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| std::mem::discriminant(x) == std::mem::discriminant(y))
+    a.len() == b.len()
+        && a.iter().zip(b).all(|(x, y)| std::mem::discriminant(x) == std::mem::discriminant(y))
         && a.iter().zip(b).all(|(x, y)| match (x, y) {
             (Wait::Busy(x), Wait::Busy(y)) => x == y,
             (Wait::Unknown(x), Wait::Unknown(y)) => x == y,
@@ -290,7 +291,11 @@ mod tests {
     }
 
     fn busy_config(quiet_for: f64) -> GuardConfig {
-        GuardConfig { busy: vec![Regex::new("ltx-2-mlx").unwrap()], quiet_for: secs(quiet_for), ..GuardConfig::default() }
+        GuardConfig {
+            busy: vec![Regex::new("ltx-2-mlx").unwrap()],
+            quiet_for: secs(quiet_for),
+            ..GuardConfig::default()
+        }
     }
 
     #[test]
@@ -321,7 +326,8 @@ mod tests {
 
     #[test]
     fn busy_processes_are_matched_on_full_command_lines_excluding_the_guard_and_its_ancestors() {
-        let entry = |pid, ppid, cmdline: &str| ProcessEntry { pid, ppid, pgid: pid, zombie: false, cmdline: cmdline.into() };
+        let entry =
+            |pid, ppid, cmdline: &str| ProcessEntry { pid, ppid, pgid: pid, zombie: false, cmdline: cmdline.into() };
         let table = [
             entry(10, 1, "bash -c stageload guard --busy ltx-2-mlx -- python x.py"),
             entry(11, 10, "stageload guard --busy ltx-2-mlx -- python x.py"),
@@ -402,7 +408,9 @@ mod tests {
         let error = ProbeError::Unsupported("meminfo");
         let mut verdicts = Vec::new();
         // A sawtooth never stops; unknown between two low samples keeps the count.
-        for (t, reading) in [(1, Some(5)), (2, Some(50)), (3, Some(5)), (4, Some(50)), (5, Some(5)), (6, None), (7, Some(9))] {
+        for (t, reading) in
+            [(1, Some(5)), (2, Some(50)), (3, Some(5)), (4, Some(50)), (5, Some(5)), (6, None), (7, Some(9))]
+        {
             let sample = reading.map(|pct| memory(pct, 0));
             let (stop, notices) = watch.observe(secs(t as f64 * 0.1), sample.as_ref().ok_or(&error), None);
             if reading.is_none() {

@@ -163,7 +163,11 @@ fn busy_now(config: &GuardConfig, readings: &mut dyn Readings) -> Result<Vec<Str
 
 /// One admission check now, for `--check`: the reasons not to start (empty: it would start).
 /// A `--quiet-for` countdown cannot be judged from one look and is left out.
-pub fn check_once(config: &GuardConfig, readings: &mut dyn Readings, log: &mut GuardLog) -> (Vec<Wait>, Option<SystemMemory>) {
+pub fn check_once(
+    config: &GuardConfig,
+    readings: &mut dyn Readings,
+    log: &mut GuardLog,
+) -> (Vec<Wait>, Option<SystemMemory>) {
     let memory = readings.memory();
     let busy = busy_now(config, readings).unwrap_or_else(|blind| {
         log.note("blind", &blind, None);

@@ -10,9 +10,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use regex::Regex;
-use stageload_guard::{
-    run_guarded, Clock, GuardConfig, GuardLog, Outcome, Readings, Signals, Stop,
-};
+use stageload_guard::{run_guarded, Clock, GuardConfig, GuardLog, Outcome, Readings, Signals, Stop};
 use stageload_probe::units::GIB;
 use stageload_probe::{ProbeError, ProcessEntry, SystemMemory};
 
@@ -46,7 +44,13 @@ impl Scripted {
 }
 
 fn memory(available_percent: u64, swap_gib: u64) -> SystemMemory {
-    SystemMemory { total: 100 * GIB, available: available_percent * GIB, swap_total: 64 * GIB, swap_used: swap_gib * GIB, cgroup: None }
+    SystemMemory {
+        total: 100 * GIB,
+        available: available_percent * GIB,
+        swap_total: 64 * GIB,
+        swap_used: swap_gib * GIB,
+        cgroup: None,
+    }
 }
 
 impl Readings for Scripted {
@@ -120,7 +124,8 @@ fn gives_up_when_there_is_no_room_in_time_and_never_starts() {
     let dir = folder.path();
     let marker = dir.join("started");
     let config = GuardConfig { start_timeout: Duration::from_secs(10), ..config() };
-    let (outcome, lines, elapsed) = guard(&sh(&format!("touch {}", marker.display())), &config, &mut Scripted::levels(&[10]));
+    let (outcome, lines, elapsed) =
+        guard(&sh(&format!("touch {}", marker.display())), &config, &mut Scripted::levels(&[10]));
     assert_eq!((outcome.exit_code(), outcome), (4, Outcome::NoRoom));
     assert!(has(&lines, "no room after 10 s (memory available 10% < 40%)"), "{lines:?}");
     assert!(!marker.exists());
@@ -141,7 +146,8 @@ fn waits_while_a_busy_process_runs_but_not_for_itself() {
     let _alone = one_guard();
     let config = GuardConfig { busy: vec![Regex::new("ltx-2-mlx").unwrap()], quiet_for: Duration::ZERO, ..config() };
     let me = std::process::id() as i32;
-    let entry = |pid, ppid, cmdline: &str| ProcessEntry { pid, ppid, pgid: pid, zombie: false, cmdline: cmdline.into() };
+    let entry =
+        |pid, ppid, cmdline: &str| ProcessEntry { pid, ppid, pgid: pid, zombie: false, cmdline: cmdline.into() };
     // The guard itself (this process) carries the pattern on its command line; a stranger does once.
     let mut readings = Scripted::levels(&[90]);
     readings.tables = vec![
@@ -228,7 +234,8 @@ fn a_grandchild_that_left_the_group_is_stopped_too() {
     let pid_file = dir.join("pid");
     // setsid puts the grandchild in a session and group of its own; the shell then exits.
     let script = format!("setsid sh -c 'echo $$ > {}; exec sleep 60' & sleep 60", pid_file.display());
-    let handle = std::thread::spawn(move || guard(&sh(&script), &config(), &mut Scripted::levels(&[90, 90, 90, 90, 90, 90, 5])));
+    let handle =
+        std::thread::spawn(move || guard(&sh(&script), &config(), &mut Scripted::levels(&[90, 90, 90, 90, 90, 90, 5])));
     let escaped = read_pid(&pid_file);
     let (outcome, lines, _) = handle.join().unwrap();
     assert_eq!(outcome.exit_code(), 3, "{lines:?}");

@@ -25,12 +25,15 @@ pub fn read_header(file: &mut File) -> Result<Header, String> {
     file.read_exact(&mut length).map_err(|_| format!("{file_len} bytes: too short for a safetensors header"))?;
     let header_len = u64::from_le_bytes(length);
     if header_len > file_len - 8 {
-        return Err(format!("header length {header_len} B is larger than the file ({file_len} B): truncated or not safetensors"));
+        return Err(format!(
+            "header length {header_len} B is larger than the file ({file_len} B): truncated or not safetensors"
+        ));
     }
     let mut header = vec![0u8; header_len as usize];
     file.read_exact(&mut header).map_err(|e| e.to_string())?;
     let text = std::str::from_utf8(&header).map_err(|e| format!("header is not UTF-8: {e}"))?;
-    let metadata: Metadata = serde_json::from_str(text).map_err(|e| format!("header is not a valid safetensors header: {e}"))?;
+    let metadata: Metadata =
+        serde_json::from_str(text).map_err(|e| format!("header is not a valid safetensors header: {e}"))?;
     let data_start = 8 + header_len;
     let data_end = metadata.tensors().values().map(|info| info.data_offsets.1 as u64).max().unwrap_or(0);
     if data_start + data_end > file_len {

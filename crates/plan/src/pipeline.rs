@@ -190,7 +190,10 @@ impl Pipeline {
                 return Err(invalid(format!("model '{}' is described twice", entry.name)));
             }
             if entry.files.is_empty() {
-                return Err(invalid(format!("model '{}' has no files: give its safetensors checkpoint(s)", entry.name)));
+                return Err(invalid(format!(
+                    "model '{}' has no files: give its safetensors checkpoint(s)",
+                    entry.name
+                )));
             }
             let placement = match entry.device.as_str() {
                 "cpu" => Placement::Host,
@@ -205,7 +208,10 @@ impl Pipeline {
             };
             let loaded_bits = match &entry.dtype {
                 Some(dtype) => Some(dtype_bits(dtype).ok_or_else(|| {
-                    invalid(format!("model '{}': unknown dtype '{dtype}' (f16, bf16, f32, f64, i8 ... i64, u8, bool)", entry.name))
+                    invalid(format!(
+                        "model '{}': unknown dtype '{dtype}' (f16, bf16, f32, f64, i8 ... i64, u8, bool)",
+                        entry.name
+                    ))
                 })?),
                 None => None,
             };
@@ -224,7 +230,17 @@ impl Pipeline {
             }
             let bytes = parts.iter().map(|p| p.bytes).sum();
             let file_bytes = parts.iter().map(|p| p.file_bytes).sum();
-            models.push(Model { name: entry.name, files, device: entry.device, placement, dtype: entry.dtype, tensors, bytes, file_bytes, parts });
+            models.push(Model {
+                name: entry.name,
+                files,
+                device: entry.device,
+                placement,
+                dtype: entry.dtype,
+                tensors,
+                bytes,
+                file_bytes,
+                parts,
+            });
         }
 
         let mut stage_names = HashSet::new();

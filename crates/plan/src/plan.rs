@@ -161,7 +161,8 @@ fn bytes_on(models: &[&Model], placement: Placement) -> u64 {
 
 /// Bytes read to load `loading` while `resident` are held: files already held are not read again.
 fn read_for(loading: &[&Model], resident: &[&Model]) -> u64 {
-    let mut held: std::collections::HashSet<&PathBuf> = resident.iter().flat_map(|m| m.parts.iter().map(|p| &p.file)).collect();
+    let mut held: std::collections::HashSet<&PathBuf> =
+        resident.iter().flat_map(|m| m.parts.iter().map(|p| &p.file)).collect();
     loading.iter().flat_map(|m| &m.parts).filter(|part| held.insert(&part.file)).map(|part| part.file_bytes).sum()
 }
 
@@ -169,7 +170,8 @@ fn read_for(loading: &[&Model], resident: &[&Model]) -> u64 {
 pub fn plan(pipeline: &Pipeline, budget: Budget, device_budget: Option<Budget>) -> Plan {
     // Ties for a peak go to the earliest stage (`max_by_key` keeps the last, hence `rev`).
     // A pipeline from `Pipeline::load` names only its own models; unknown names count nothing.
-    let models_of = |names: &[String]| -> Vec<&Model> { names.iter().filter_map(|name| pipeline.model(name)).collect() };
+    let models_of =
+        |names: &[String]| -> Vec<&Model> { names.iter().filter_map(|name| pipeline.model(name)).collect() };
     let mut resident: Vec<String> = Vec::new();
     let mut ever_loaded: Vec<String> = Vec::new();
     let mut stages = Vec::new();
@@ -201,11 +203,16 @@ pub fn plan(pipeline: &Pipeline, budget: Budget, device_budget: Option<Budget>) 
             device_verdict: Verdict::of(device_need, device_budget.as_ref()),
         });
     }
-    let (peak_stage, peak_need) = stages.iter().rev().max_by_key(|s| s.need).map_or((String::new(), 0), |s| (s.name.clone(), s.need));
+    let (peak_stage, peak_need) =
+        stages.iter().rev().max_by_key(|s| s.need).map_or((String::new(), 0), |s| (s.name.clone(), s.need));
     let all: Vec<&Model> = pipeline.models.iter().collect();
     let (all_host, all_device) = (bytes_on(&all, Placement::Host), bytes_on(&all, Placement::Device));
-    let (eager_stage, eager_working) =
-        pipeline.stages.iter().rev().max_by_key(|s| s.working).map_or((String::new(), 0), |s| (s.name.clone(), s.working));
+    let (eager_stage, eager_working) = pipeline
+        .stages
+        .iter()
+        .rev()
+        .max_by_key(|s| s.working)
+        .map_or((String::new(), 0), |s| (s.name.clone(), s.working));
     let eager_need = all_host + eager_working;
     let eager_device_need = all_device + pipeline.stages.iter().map(|s| s.device_working).max().unwrap_or(0);
     let eager = EagerPlan {
@@ -240,7 +247,12 @@ impl Plan {
         let mut out = String::new();
         let list = |names: &[String]| if names.is_empty() { "-".to_string() } else { names.join(", ") };
         let has_device = self.models.iter().any(|m| m.placement == Placement::Device);
-        out += &format!("pipeline {}: {} models, {} stages\n\n", self.pipeline.display(), self.models.len(), self.stages.len());
+        out += &format!(
+            "pipeline {}: {} models, {} stages\n\n",
+            self.pipeline.display(),
+            self.models.len(),
+            self.stages.len()
+        );
         for model in &self.models {
             out += &format!(
                 "  model {:<20} {:>11} on {:<6} {} tensor(s) in {} file(s){}\n",
@@ -275,7 +287,11 @@ impl Plan {
                 list(&stage.released),
                 list(&stage.loaded),
                 format_bytes(stage.read),
-                if stage.reloaded.is_empty() { String::new() } else { format!(", reloads {}", stage.reloaded.join(", ")) }
+                if stage.reloaded.is_empty() {
+                    String::new()
+                } else {
+                    format!(", reloads {}", stage.reloaded.join(", "))
+                }
             );
         }
         let source = match self.budget.source {

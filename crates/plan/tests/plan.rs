@@ -27,8 +27,10 @@ impl std::ops::Deref for Fixture {
 
 /// Writes a real safetensors file of zero-filled tensors.
 fn checkpoint(path: &Path, tensors: &[(&str, Dtype, &[usize])]) {
-    let buffers: Vec<Vec<u8>> =
-        tensors.iter().map(|(_, dtype, shape)| vec![0u8; shape.iter().product::<usize>() * dtype.bitsize() / 8]).collect();
+    let buffers: Vec<Vec<u8>> = tensors
+        .iter()
+        .map(|(_, dtype, shape)| vec![0u8; shape.iter().product::<usize>() * dtype.bitsize() / 8])
+        .collect();
     let views: Vec<(String, TensorView)> = tensors
         .iter()
         .zip(&buffers)
@@ -94,7 +96,8 @@ fn model_sizes_come_from_the_headers_of_every_file() {
 
 #[test]
 fn a_load_dtype_changes_resident_bytes_not_bytes_read() {
-    let text = stages("").replace("files = [\"encoder.safetensors\"]", "files = [\"encoder.safetensors\"]\ndtype = \"bf16\"");
+    let text =
+        stages("").replace("files = [\"encoder.safetensors\"]", "files = [\"encoder.safetensors\"]\ndtype = \"bf16\"");
     let pipeline = Pipeline::load(&fixture("dtype", &text)).unwrap();
     let encoder = pipeline.model("encoder").unwrap();
     assert_eq!((encoder.bytes, encoder.file_bytes), (ENCODER / 2, ENCODER));
@@ -167,7 +170,10 @@ fn staging_fits_where_eager_does_not() {
 
 #[test]
 fn device_models_are_checked_against_the_device_budget() {
-    let text = stages("").replace("files = [\"decoder-1.safetensors\", \"decoder-2.safetensors\"]", "files = [\"decoder-1.safetensors\", \"decoder-2.safetensors\"]\ndevice = \"cuda:0\"");
+    let text = stages("").replace(
+        "files = [\"decoder-1.safetensors\", \"decoder-2.safetensors\"]",
+        "files = [\"decoder-1.safetensors\", \"decoder-2.safetensors\"]\ndevice = \"cuda:0\"",
+    );
     let pipeline = Pipeline::load(&fixture("device", &text)).unwrap();
     let unchecked = plan(&pipeline, Budget::given(64 * MIB), None);
     assert_eq!(unchecked.stages[2].device_verdict, Verdict::NotChecked);
@@ -190,15 +196,39 @@ fn bad_pipeline_files_name_what_is_wrong() {
     let cases = [
         ("dup-model", format!("{MODELS}{MODELS}[[stages]]\nname = \"s\"\n"), "model 'encoder' is described twice"),
         ("dup-stage", stages("") + "\n[[stages]]\nname = \"setup\"\n", "stage 'setup' is described twice"),
-        ("unknown-model", stages("") + "\n[[stages]]\nname = \"x\"\nmodels = [\"vae\"]\n", "stage 'x' names unknown model 'vae'"),
+        (
+            "unknown-model",
+            stages("") + "\n[[stages]]\nname = \"x\"\nmodels = [\"vae\"]\n",
+            "stage 'x' names unknown model 'vae'",
+        ),
         ("no-files", stages("\n[[models]]\nname = \"empty\"\nfiles = []\n"), "model 'empty' has no files"),
-        ("bad-dtype", stages("").replace("name = \"encoder\"", "name = \"encoder\"\ndtype = \"f12\""), "unknown dtype 'f12'"),
-        ("bad-device", stages("").replace("name = \"encoder\"", "name = \"encoder\"\ndevice = \"tpu\""), "unknown device 'tpu'"),
-        ("bad-pin", stages("").replace("pinned = [\"backbone\"]", "pinned = [\"vae\"]"), "pinned names unknown model 'vae'"),
-        ("bad-working", stages("").replace("working = \"64K\"", "working = \"lots\""), "stage 'encode': working: not a size"),
+        (
+            "bad-dtype",
+            stages("").replace("name = \"encoder\"", "name = \"encoder\"\ndtype = \"f12\""),
+            "unknown dtype 'f12'",
+        ),
+        (
+            "bad-device",
+            stages("").replace("name = \"encoder\"", "name = \"encoder\"\ndevice = \"tpu\""),
+            "unknown device 'tpu'",
+        ),
+        (
+            "bad-pin",
+            stages("").replace("pinned = [\"backbone\"]", "pinned = [\"vae\"]"),
+            "pinned names unknown model 'vae'",
+        ),
+        (
+            "bad-working",
+            stages("").replace("working = \"64K\"", "working = \"lots\""),
+            "stage 'encode': working: not a size",
+        ),
         ("no-stages", MODELS.to_string(), "no stages"),
         ("syntax", "[[models]\nname=".to_string(), "is not valid"),
-        ("unknown-field", stages("").replace("name = \"encoder\"", "name = \"encoder\"\nfile = \"x\""), "unknown field `file`"),
+        (
+            "unknown-field",
+            stages("").replace("name = \"encoder\"", "name = \"encoder\"\nfile = \"x\""),
+            "unknown field `file`",
+        ),
     ];
     for (name, text, expected) in cases {
         let error = error_of(name, &text);
@@ -212,13 +242,21 @@ fn bad_pipeline_files_name_what_is_wrong() {
 fn bad_checkpoints_name_the_model_and_the_file() {
     let folder = scratch("bad-checkpoints");
     let dir = folder.path();
-    let pipeline_for = |file: &str| format!("[[models]]\nname = \"m\"\nfiles = [\"{file}\"]\n[[stages]]\nname = \"s\"\nmodels = [\"m\"]\n");
+    let pipeline_for = |file: &str| {
+        format!("[[models]]\nname = \"m\"\nfiles = [\"{file}\"]\n[[stages]]\nname = \"s\"\nmodels = [\"m\"]\n")
+    };
     let write = |name: &str, bytes: &[u8]| std::fs::write(dir.join(name), bytes).unwrap();
     let header = |json: &str| [&(json.len() as u64).to_le_bytes()[..], json.as_bytes()].concat();
     write("huge-header.safetensors", &[&(1u64 << 40).to_le_bytes()[..], b"{}"].concat());
     write("not-json.safetensors", &header("{not json"));
-    write("bad-dtype.safetensors", &[header(r#"{"w":{"dtype":"Q7","shape":[2],"data_offsets":[0,2]}}"#), vec![0, 0]].concat());
-    write("truncated.safetensors", &[header(r#"{"w":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}}"#), vec![0; 8]].concat());
+    write(
+        "bad-dtype.safetensors",
+        &[header(r#"{"w":{"dtype":"Q7","shape":[2],"data_offsets":[0,2]}}"#), vec![0, 0]].concat(),
+    );
+    write(
+        "truncated.safetensors",
+        &[header(r#"{"w":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}}"#), vec![0; 8]].concat(),
+    );
     write("tiny.safetensors", b"abc");
     let cases = [
         ("missing.safetensors", "No such file"),
@@ -248,14 +286,46 @@ fn the_json_schema_is_stable() {
     assert_eq!(json["schema"], 1);
     assert_eq!(
         keys(&json),
-        ["budget", "device_budget", "device_peak_need", "eager", "fits", "models", "peak_need", "peak_stage", "pipeline", "read", "schema", "stages"]
+        [
+            "budget",
+            "device_budget",
+            "device_peak_need",
+            "eager",
+            "fits",
+            "models",
+            "peak_need",
+            "peak_stage",
+            "pipeline",
+            "read",
+            "schema",
+            "stages"
+        ]
     );
     assert_eq!(
         keys(&json["stages"][0]),
-        ["device_need", "device_verdict", "device_weights", "loaded", "name", "need", "read", "released", "reloaded", "resident", "verdict", "weights"]
+        [
+            "device_need",
+            "device_verdict",
+            "device_weights",
+            "loaded",
+            "name",
+            "need",
+            "read",
+            "released",
+            "reloaded",
+            "resident",
+            "verdict",
+            "weights"
+        ]
     );
-    assert_eq!(keys(&json["eager"]), ["device_need", "device_verdict", "device_weights", "need", "peak_stage", "read", "verdict", "weights"]);
-    assert_eq!(keys(&json["models"][0]), ["bytes", "device", "dtype", "file_bytes", "files", "name", "parts", "placement", "tensors"]);
+    assert_eq!(
+        keys(&json["eager"]),
+        ["device_need", "device_verdict", "device_weights", "need", "peak_stage", "read", "verdict", "weights"]
+    );
+    assert_eq!(
+        keys(&json["models"][0]),
+        ["bytes", "device", "dtype", "file_bytes", "files", "name", "parts", "placement", "tensors"]
+    );
     assert_eq!(keys(&json["models"][0]["parts"][0]), ["bytes", "file", "file_bytes"]);
     assert_eq!(json["stages"][1]["verdict"], serde_json::json!({"kind": "fits"}));
     assert_eq!(json["budget"], serde_json::json!({"total": 64 * MIB, "available": 64 * MIB, "source": "flag"}));

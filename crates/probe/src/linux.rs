@@ -31,14 +31,14 @@ pub(crate) fn parse_meminfo(text: &str) -> Result<(u64, u64, u64, u64), ProbeErr
             Some((name.trim(), if words.next() == Some("kB") { value * 1024 } else { value }))
         })
         .collect();
-    let field = |name: &str| {
-        fields.get(name).copied().ok_or_else(|| read_error(SOURCE, format!("no {name} line")))
-    };
+    let field = |name: &str| fields.get(name).copied().ok_or_else(|| read_error(SOURCE, format!("no {name} line")));
     let (total, swap_total, swap_free) = (field("MemTotal")?, field("SwapTotal")?, field("SwapFree")?);
     let available = match field("MemAvailable") {
         Ok(available) => available,
         // Kernels before 3.14: what earlyoom falls back to.
-        Err(_) => (field("MemFree")? + field("Cached")? + field("Buffers")?).saturating_sub(field("Shmem").unwrap_or(0)),
+        Err(_) => {
+            (field("MemFree")? + field("Cached")? + field("Buffers")?).saturating_sub(field("Shmem").unwrap_or(0))
+        }
     };
     let inconsistent = |message: String| ProbeError::Inconsistent { source_name: SOURCE.into(), message };
     if total == 0 || available > total {
@@ -87,9 +87,7 @@ pub fn process_memory(pid: i32) -> Result<ProcessMemory, ProbeError> {
 }
 
 pub fn reset_peak() -> Result<(), ProbeError> {
-    Process::myself()
-        .and_then(|p| p.clear_refs(ClearRefs::PeakRSS))
-        .map_err(|e| read_error("/proc/self/clear_refs", e))
+    Process::myself().and_then(|p| p.clear_refs(ClearRefs::PeakRSS)).map_err(|e| read_error("/proc/self/clear_refs", e))
 }
 
 pub fn processes(with_commands: bool) -> Result<Vec<ProcessEntry>, ProbeError> {
@@ -98,7 +96,11 @@ pub fn processes(with_commands: bool) -> Result<Vec<ProcessEntry>, ProbeError> {
     for process in all.flatten() {
         // A process that exits during the scan is simply left out.
         let Ok(stat) = process.stat() else { continue };
-        let cmdline = if with_commands { process.cmdline().map(|args| args.join(" ")).unwrap_or_default() } else { String::new() };
+        let cmdline = if with_commands {
+            process.cmdline().map(|args| args.join(" ")).unwrap_or_default()
+        } else {
+            String::new()
+        };
         table.push(ProcessEntry {
             pid: stat.pid,
             ppid: stat.ppid,

@@ -16,9 +16,8 @@ fn sysctl<T: Copy>(name: &CStr) -> Result<T, ProbeError> {
     let mut size = std::mem::size_of::<T>();
     // SAFETY: `name` is NUL-terminated; `value` has room for `size` bytes and the kernel writes at
     // most `size` bytes; no new value is set (null pointer, length 0).
-    let rc = unsafe {
-        libc::sysctlbyname(name.as_ptr(), value.as_mut_ptr().cast(), &mut size, std::ptr::null_mut(), 0)
-    };
+    let rc =
+        unsafe { libc::sysctlbyname(name.as_ptr(), value.as_mut_ptr().cast(), &mut size, std::ptr::null_mut(), 0) };
     if rc != 0 || size != std::mem::size_of::<T>() {
         return Err(read_error(&name.to_string_lossy(), std::io::Error::last_os_error()));
     }

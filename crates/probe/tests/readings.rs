@@ -34,7 +34,10 @@ fn an_allocation_raises_rss_and_the_peak_resets() {
     drop(block);
     let after = process_memory(pid).unwrap();
     // The kernel keeps RSS in per-CPU counters: the mark can trail the last reading by a few pages.
-    assert!(after.peak.unwrap() + (1 << 20) >= during.rss, "the high-water mark keeps the 256 MiB: {during:?} -> {after:?}");
+    assert!(
+        after.peak.unwrap() + (1 << 20) >= during.rss,
+        "the high-water mark keeps the 256 MiB: {during:?} -> {after:?}"
+    );
     reset_peak().unwrap();
     let reset = process_memory(pid).unwrap();
     assert!(reset.peak.unwrap() + (200 << 20) <= during.rss, "{during:?} -> {reset:?}");

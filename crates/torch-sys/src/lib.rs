@@ -34,11 +34,22 @@ mod ffi {
         pub fn sl_generator_set_state(kind: c_int, index: c_int, data: *const u8, len: usize) -> *mut c_char;
         pub fn sl_cuda_device_count(out: *mut i64) -> *mut c_char;
         pub fn sl_mps_available(out: *mut bool) -> *mut c_char;
-        pub fn sl_storage_info(t: *const C_tensor, id: *mut u64, nbytes: *mut usize, allocated: *mut bool) -> *mut c_char;
+        pub fn sl_storage_info(
+            t: *const C_tensor,
+            id: *mut u64,
+            nbytes: *mut usize,
+            allocated: *mut bool,
+        ) -> *mut c_char;
         pub fn sl_storage_free(t: *const C_tensor, message: *const c_char, freed: *mut usize) -> *mut c_char;
         pub fn sl_storage_realloc(t: *const C_tensor, nbytes: usize) -> *mut c_char;
         pub fn sl_cuda_empty_cache() -> *mut c_char;
-        pub fn sl_cuda_memory(index: c_int, allocated: *mut i64, reserved: *mut i64, peak_allocated: *mut i64, peak_reserved: *mut i64) -> *mut c_char;
+        pub fn sl_cuda_memory(
+            index: c_int,
+            allocated: *mut i64,
+            reserved: *mut i64,
+            peak_allocated: *mut i64,
+            peak_reserved: *mut i64,
+        ) -> *mut c_char;
         pub fn sl_cuda_reset_peak(index: c_int) -> *mut c_char;
     }
 }
@@ -139,9 +150,7 @@ pub struct StorageInfo {
 pub fn storage_info(tensor: &Tensor) -> ShimResult<StorageInfo> {
     let mut info = StorageInfo { id: 0, nbytes: 0, allocated: false };
     // SAFETY: `tensor.as_ptr()` is a live `at::Tensor*` borrowed for the call; out-pointers valid.
-    let err = unsafe {
-        ffi::sl_storage_info(tensor.as_ptr(), &mut info.id, &mut info.nbytes, &mut info.allocated)
-    };
+    let err = unsafe { ffi::sl_storage_info(tensor.as_ptr(), &mut info.id, &mut info.nbytes, &mut info.allocated) };
     check("read storage info", err)?;
     Ok(info)
 }

@@ -45,10 +45,7 @@ fn freeing_a_storage_returns_its_memory_and_reallocating_restores_values() {
     let after = rss_bytes();
     assert_eq!(freed as i64, BYTES);
     let dropped = before.saturating_sub(after);
-    assert!(
-        dropped as f64 >= 0.9 * BYTES as f64,
-        "RSS dropped by {dropped} bytes, expected at least 90% of {BYTES}"
-    );
+    assert!(dropped as f64 >= 0.9 * BYTES as f64, "RSS dropped by {dropped} bytes, expected at least 90% of {BYTES}");
     let info = storage_info(&tensor).unwrap();
     assert!(!info.allocated);
     assert_eq!(info.nbytes, 0);

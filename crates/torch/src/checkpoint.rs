@@ -20,10 +20,10 @@
 
 use std::collections::{HashMap, HashSet};
 use std::fs::File;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Mutex;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
 
 use safetensors::Dtype;
 use tch::{Device, Kind, Tensor};
@@ -33,7 +33,9 @@ use tch::{Device, Kind, Tensor};
 pub enum CheckpointError {
     #[error("cannot open checkpoint {path}: {source}")]
     Open { path: PathBuf, source: std::io::Error },
-    #[error("checkpoint {path} is not a valid safetensors file ({reason}); it may be truncated or corrupt: write it again")]
+    #[error(
+        "checkpoint {path} is not a valid safetensors file ({reason}); it may be truncated or corrupt: write it again"
+    )]
     Invalid { path: PathBuf, reason: String },
     #[error("tensor '{tensor}' in {path} has dtype {dtype}, which stageload does not load")]
     UnsupportedDtype { path: PathBuf, tensor: String, dtype: String },
@@ -43,7 +45,9 @@ pub enum CheckpointError {
     Missing { tensors: Vec<String>, files: Vec<PathBuf> },
     #[error("tensor '{tensor}': the model expects shape {expected:?}, {path} has {found:?}")]
     Shape { tensor: String, path: PathBuf, expected: Vec<i64>, found: Vec<i64> },
-    #[error("tensor '{tensor}': the model expects {expected:?}, {path} has {found:?}, which does not convert without loss")]
+    #[error(
+        "tensor '{tensor}': the model expects {expected:?}, {path} has {found:?}, which does not convert without loss"
+    )]
     Dtype { tensor: String, path: PathBuf, expected: Kind, found: Kind },
     #[error("tensor '{tensor}' has no storage to load into (released and not reallocated)")]
     Unallocated { tensor: String },
@@ -102,9 +106,7 @@ fn is_float(kind: Kind) -> bool {
 /// Whether a checkpoint entry of kind `from` may be loaded into a tensor of kind `to`: any float
 /// to any float (precision is the model's choice), integers to integers or floats, bool to bool.
 pub fn converts(from: Kind, to: Kind) -> bool {
-    from == to
-        || (is_float(from) && is_float(to))
-        || (!is_float(from) && from != Kind::Bool && to != Kind::Bool)
+    from == to || (is_float(from) && is_float(to)) || (!is_float(from) && from != Kind::Bool && to != Kind::Bool)
 }
 
 /// One tensor of a checkpoint: where it lives and what it is.
@@ -158,8 +160,9 @@ impl Checkpoint {
         for path in files {
             let path = path.as_ref().to_path_buf();
             let mut file = File::open(&path).map_err(|source| CheckpointError::Open { path: path.clone(), source })?;
-            let stageload_plan::header::Header { data_start, metadata } = stageload_plan::header::read_header(&mut file)
-                .map_err(|reason| CheckpointError::Invalid { path: path.clone(), reason })?;
+            let stageload_plan::header::Header { data_start, metadata } =
+                stageload_plan::header::read_header(&mut file)
+                    .map_err(|reason| CheckpointError::Invalid { path: path.clone(), reason })?;
             let index = checkpoint.files.len();
             for (name, info) in metadata.tensors() {
                 let kind = kind_of(info.dtype).ok_or_else(|| CheckpointError::UnsupportedDtype {
@@ -252,9 +255,13 @@ impl Checkpoint {
         // Targets whose memory overlaps another's (tied weights) are copied one after the other,
         // in the caller's order, after the others.
         let overlapping = overlapping_targets(targets);
-        let (direct, sequential): (Vec<_>, Vec<_>) = targets.iter().zip(plan).enumerate().partition(|(i, ((_, target), entry))| {
-            !overlapping.contains(i) && target.device() == Device::Cpu && target.kind() == entry.kind && target.is_contiguous()
-        });
+        let (direct, sequential): (Vec<_>, Vec<_>) =
+            targets.iter().zip(plan).enumerate().partition(|(i, ((_, target), entry))| {
+                !overlapping.contains(i)
+                    && target.device() == Device::Cpu
+                    && target.kind() == entry.kind
+                    && target.is_contiguous()
+            });
         // Direct copies: every chunk of every entry is a job; the CPUs take jobs in turn.
         let mut jobs = Vec::new();
         for (_, ((name, target), entry)) in &direct {
@@ -289,8 +296,14 @@ impl Checkpoint {
 
     /// Reads each piece straight into its target, on up to [`MAX_THREADS`] threads, the caller's
     /// among them (only it calls `progress`, with the bytes done by all).
-    fn run_jobs(&self, jobs: Vec<Job<'_>>, done: &AtomicU64, mut progress: impl FnMut(u64)) -> Result<(), CheckpointError> {
-        let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(MAX_THREADS).min(jobs.len()).max(1);
+    fn run_jobs(
+        &self,
+        jobs: Vec<Job<'_>>,
+        done: &AtomicU64,
+        mut progress: impl FnMut(u64),
+    ) -> Result<(), CheckpointError> {
+        let threads =
+            std::thread::available_parallelism().map_or(1, |n| n.get()).min(MAX_THREADS).min(jobs.len()).max(1);
         let queue = Mutex::new(jobs.into_iter());
         let failed: Mutex<Option<CheckpointError>> = Mutex::new(None);
         let work = |report: &mut dyn FnMut(u64)| {
@@ -327,12 +340,19 @@ impl Checkpoint {
     /// Copies an entry through libtorch's `copy_` (dtype conversion, other devices, strided or
     /// tied targets): a window of whole rows (along the first dimension) at a time is read into
     /// `buffer` and copied into the same rows of the target.
-    fn copy_converted(&self, name: &str, target: &Tensor, entry: &Entry, buffer: &mut Vec<u8>) -> Result<(), CheckpointError> {
+    fn copy_converted(
+        &self,
+        name: &str,
+        target: &Tensor,
+        entry: &Entry,
+        buffer: &mut Vec<u8>,
+    ) -> Result<(), CheckpointError> {
         let length = (entry.end - entry.start) as usize;
         if length == 0 {
             return Ok(());
         }
-        let copy_error = |source| CheckpointError::Copy { tensor: name.to_string(), path: self.files[entry.file].clone(), source };
+        let copy_error =
+            |source| CheckpointError::Copy { tensor: name.to_string(), path: self.files[entry.file].clone(), source };
         let rows = entry.shape.first().copied().unwrap_or(1).max(1) as usize;
         let row_bytes = length / rows;
         let step = (WINDOW / row_bytes).max(1);
@@ -340,7 +360,8 @@ impl Checkpoint {
             let count = step.min(rows - first);
             buffer.resize(count * row_bytes, 0);
             let file = &self.handles[entry.file];
-            file.read_exact_at(buffer, entry.start + (first * row_bytes) as u64).map_err(|source| self.read_error(name, entry, source))?;
+            file.read_exact_at(buffer, entry.start + (first * row_bytes) as u64)
+                .map_err(|source| self.read_error(name, entry, source))?;
             let mut shape = entry.shape.clone();
             let mut destination = match shape.first_mut() {
                 Some(dim) => {
@@ -352,8 +373,10 @@ impl Checkpoint {
             // SAFETY: `buffer` holds exactly the `count` rows of `entry.kind` that `shape` and its
             // contiguous strides span, and outlives `source` (dropped at the end of this
             // iteration); libtorch only reads from the source of copy_.
-            let source = unsafe { Tensor::f_from_blob(buffer.as_ptr(), &shape, &contiguous_strides(&shape), entry.kind, Device::Cpu) }
-                .map_err(copy_error)?;
+            let source = unsafe {
+                Tensor::f_from_blob(buffer.as_ptr(), &shape, &contiguous_strides(&shape), entry.kind, Device::Cpu)
+            }
+            .map_err(copy_error)?;
             destination.f_copy_(&source).map_err(copy_error)?;
         }
         Ok(())
@@ -431,7 +454,8 @@ pub fn save<P: AsRef<Path>>(tensors: &[(String, Tensor)], path: P) -> Result<(),
     let mut owned = Vec::with_capacity(tensors.len());
     for (name, tensor) in tensors {
         let cpu = tensor.to_device(Device::Cpu).contiguous();
-        let dtype = dtype_of(cpu.kind()).ok_or_else(|| invalid(format!("tensor '{name}' has unsupported kind {:?}", cpu.kind())))?;
+        let dtype = dtype_of(cpu.kind())
+            .ok_or_else(|| invalid(format!("tensor '{name}' has unsupported kind {:?}", cpu.kind())))?;
         let mut bytes = vec![0u8; cpu.numel() * cpu.kind().elt_size_in_bytes()];
         cpu.f_copy_data_u8(&mut bytes, cpu.numel()).map_err(|e| invalid(format!("reading tensor '{name}': {e}")))?;
         let shape: Vec<usize> = cpu.size().iter().map(|&d| d as usize).collect();
@@ -458,7 +482,11 @@ mod tests {
         let set = |v: &[usize]| v.iter().copied().collect::<std::collections::HashSet<_>>();
         assert_eq!(overlapping_ranges(&[(0, 10), (10, 20), (30, 40)]), set(&[]), "touching is not overlapping");
         assert_eq!(overlapping_ranges(&[(0, 10), (0, 10)]), set(&[0, 1]), "one tensor under two names");
-        assert_eq!(overlapping_ranges(&[(50, 60), (0, 100), (10, 20), (200, 210)]), set(&[0, 1, 2]), "inside a larger one, any order");
+        assert_eq!(
+            overlapping_ranges(&[(50, 60), (0, 100), (10, 20), (200, 210)]),
+            set(&[0, 1, 2]),
+            "inside a larger one, any order"
+        );
         assert_eq!(overlapping_ranges(&[(0, 10), (5, 15), (12, 20)]), set(&[0, 1, 2]), "a chain");
         assert_eq!(overlapping_ranges(&[(5, 5), (0, 10)]), set(&[]), "an empty range overlaps nothing");
     }

@@ -21,6 +21,6 @@ pub mod storage;
 
 pub use events::{Event, EventKind, EventSink, ListSink};
 pub use rng::SharedRng;
+pub use staged::{BoxError, BuildContext, Built, Handle, ModelGuard, ModelSpec, Shared, StageError, StagedModels};
 /// The pipeline description `stageload plan` checks; feed it to [`StagedModels::builder`]'s `pipeline`.
 pub use stageload_plan::Pipeline;
-pub use staged::{BoxError, BuildContext, Built, Handle, ModelGuard, ModelSpec, Shared, StageError, StagedModels};

@@ -53,11 +53,13 @@ impl EventSink for Meter {
 /// on CUDA every sample carries the allocator's allocated and reserved bytes.
 pub fn start(path: impl AsRef<Path>, device: Device, options: MeterOptions) -> std::io::Result<Meter> {
     let options = match device {
-        Device::Cuda(index) => options.device(format!("cuda:{index}")).readings(SystemMeterReadings::with_device(move || {
-            stageload_torch_sys::cuda_memory(index)
-                .map(|m| DeviceMemory { allocated: m.allocated, reserved: m.reserved })
-                .map_err(|e| e.to_string())
-        })),
+        Device::Cuda(index) => {
+            options.device(format!("cuda:{index}")).readings(SystemMeterReadings::with_device(move || {
+                stageload_torch_sys::cuda_memory(index)
+                    .map(|m| DeviceMemory { allocated: m.allocated, reserved: m.reserved })
+                    .map_err(|e| e.to_string())
+            }))
+        }
         Device::Mps => options.device("mps"),
         Device::Vulkan => options.device("vulkan"),
         Device::Cpu => options.device("cpu"),

@@ -140,7 +140,11 @@ impl BuildContext<'_> {
     /// The component under `key`, built by `build` if it is not there or its storage was
     /// released. Its tensors join the building model's, named `key.name`, so a release keeps
     /// them while another resident model shares them and frees them after the last.
-    pub fn shared<T: Send + 'static>(&self, key: &str, build: impl FnOnce() -> Result<(T, Vec<(String, Tensor)>), BoxError>) -> Result<Shared<T>, BoxError> {
+    pub fn shared<T: Send + 'static>(
+        &self,
+        key: &str,
+        build: impl FnOnce() -> Result<(T, Vec<(String, Tensor)>), BoxError>,
+    ) -> Result<Shared<T>, BoxError> {
         let mut cache = self.registry.shared.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(entry) = cache.get(key) {
             let alive = entry
@@ -185,7 +189,10 @@ pub struct ModelSpec {
 impl ModelSpec {
     /// A model built by `loader`. The loader places it on its device; weights come from the
     /// checkpoint when one is declared, else from the loader itself.
-    pub fn new(name: impl Into<String>, loader: impl Fn(&BuildContext) -> Result<Built, BoxError> + Send + Sync + 'static) -> Self {
+    pub fn new(
+        name: impl Into<String>,
+        loader: impl Fn(&BuildContext) -> Result<Built, BoxError> + Send + Sync + 'static,
+    ) -> Self {
         ModelSpec { name: name.into(), loader: Arc::new(loader), checkpoint: Vec::new() }
     }
 
@@ -226,8 +233,14 @@ struct Body {
 }
 
 impl Instance {
-    fn new(name: &str, type_name: &'static str, model: Box<dyn Any + Send>, tensors: Vec<(String, Tensor)>) -> Result<Arc<Self>> {
-        let storages = storage::distinct_storages(&tensors).map_err(|source| StageError::Torch { model: name.to_string(), source })?;
+    fn new(
+        name: &str,
+        type_name: &'static str,
+        model: Box<dyn Any + Send>,
+        tensors: Vec<(String, Tensor)>,
+    ) -> Result<Arc<Self>> {
+        let storages = storage::distinct_storages(&tensors)
+            .map_err(|source| StageError::Torch { model: name.to_string(), source })?;
         Ok(Arc::new(Instance {
             name: name.to_string(),
             type_name,
@@ -347,7 +360,10 @@ enum SlotState {
     Building,
     Resident(Arc<Instance>),
     /// Released at `stage`; `instance` is kept to come back in place.
-    Released { stage: Option<String>, instance: Arc<Instance> },
+    Released {
+        stage: Option<String>,
+        instance: Arc<Instance>,
+    },
 }
 
 struct Slot {
@@ -495,7 +511,13 @@ impl StagedModelsBuilder {
                 (true, Some(planned)) => planned.clone(),
                 _ => spec.checkpoint,
             };
-            slots.push(Slot { name: spec.name, loader: Some(spec.loader), checkpoint, state: SlotState::Unloaded, loads: 0 });
+            slots.push(Slot {
+                name: spec.name,
+                loader: Some(spec.loader),
+                checkpoint,
+                state: SlotState::Unloaded,
+                loads: 0,
+            });
         }
         let known: HashSet<&str> = slots.iter().map(|s| s.name.as_str()).collect();
         let unknown: BTreeSet<String> = self
@@ -515,7 +537,13 @@ impl StagedModelsBuilder {
             stageload_torch_sys::map_large_host_blocks();
         }
         Ok(StagedModels {
-            state: Mutex::new(State { slots, stages, pinned: self.pinned.into_iter().collect(), current: None, closed: false }),
+            state: Mutex::new(State {
+                slots,
+                stages,
+                pinned: self.pinned.into_iter().collect(),
+                current: None,
+                closed: false,
+            }),
             built: Condvar::new(),
             build_lock: Mutex::new(()),
             shared: Mutex::new(BTreeMap::new()),
@@ -570,7 +598,16 @@ impl StagedModels {
     /// Sends an event to the sink. `resident` is what the registry holds after it (the weights
     /// curve of a trace); the caller computes it because it may hold the state lock.
     #[allow(clippy::too_many_arguments)]
-    fn emit(&self, kind: EventKind, stage: Option<String>, model: Option<&str>, bytes: Option<u64>, seconds: Option<f64>, note: Option<String>, resident: Option<u64>) {
+    fn emit(
+        &self,
+        kind: EventKind,
+        stage: Option<String>,
+        model: Option<&str>,
+        bytes: Option<u64>,
+        seconds: Option<f64>,
+        note: Option<String>,
+        resident: Option<u64>,
+    ) {
         if let Some(sink) = &self.sink {
             let mut event = Event::now(kind);
             event.stage = stage;
@@ -643,7 +680,11 @@ impl StagedModels {
     pub fn get<M: 'static>(&self, name: &str) -> Result<Handle<M>> {
         let instance = self.instance(name)?;
         if !instance.body.try_lock().map(|b| b.model.is::<M>()).unwrap_or(true) {
-            return Err(StageError::WrongType { model: name.to_string(), expected: std::any::type_name::<M>(), actual: instance.type_name });
+            return Err(StageError::WrongType {
+                model: name.to_string(),
+                expected: std::any::type_name::<M>(),
+                actual: instance.type_name,
+            });
         }
         Ok(Handle { instance, _model: PhantomData })
     }
@@ -671,14 +712,23 @@ impl StagedModels {
                 return Err(StageError::Closed { model: name.to_string() });
             }
             if self.strict && !state.planned_here(name) {
-                return Err(StageError::OutsideStage { model: name.to_string(), stage: state.current.clone().unwrap_or_default() });
+                return Err(StageError::OutsideStage {
+                    model: name.to_string(),
+                    stage: state.current.clone().unwrap_or_default(),
+                });
             }
             let plan = match (&slot.state, &slot.loader) {
                 (SlotState::Released { instance, .. }, _) if !slot.checkpoint.is_empty() => {
                     Plan::InPlace { instance: Arc::clone(instance), checkpoint: slot.checkpoint.clone() }
                 }
-                (SlotState::Released { stage, .. }, None) => return Err(StageError::NoLoader { model: name.to_string(), stage: stage.clone() }),
-                (_, Some(loader)) => Plan::Build { reload: slot.loads > 0, loader: Arc::clone(loader), checkpoint: slot.checkpoint.clone() },
+                (SlotState::Released { stage, .. }, None) => {
+                    return Err(StageError::NoLoader { model: name.to_string(), stage: stage.clone() })
+                }
+                (_, Some(loader)) => Plan::Build {
+                    reload: slot.loads > 0,
+                    loader: Arc::clone(loader),
+                    checkpoint: slot.checkpoint.clone(),
+                },
                 (_, None) => unreachable!("a slot without loader is created resident"),
             };
             let previous = std::mem::replace(&mut state.slots[index].state, SlotState::Building);
@@ -693,7 +743,9 @@ impl StagedModels {
             let _one_build_at_a_time = self.build_lock.lock().unwrap_or_else(|e| e.into_inner());
             match &plan {
                 Plan::Build { loader, checkpoint, .. } => self.build(name, loader, checkpoint),
-                Plan::InPlace { instance, checkpoint } => self.refill(instance, checkpoint).map(|bytes| (Arc::clone(instance), bytes)),
+                Plan::InPlace { instance, checkpoint } => {
+                    self.refill(instance, checkpoint).map(|bytes| (Arc::clone(instance), bytes))
+                }
             }
         };
         let seconds = started.elapsed().as_secs_f64();
@@ -713,9 +765,18 @@ impl StagedModels {
                     Plan::Build { reload: true, .. } => (EventKind::Reload, Some("rebuilt")),
                     Plan::InPlace { .. } => (EventKind::Reload, Some("in_place")),
                 };
-                let note = [how, outside.then_some("outside_stage")].into_iter().flatten().collect::<Vec<_>>().join(",");
+                let note =
+                    [how, outside.then_some("outside_stage")].into_iter().flatten().collect::<Vec<_>>().join(",");
                 let resident = Some(self.resident_bytes());
-                self.emit(kind, stage, Some(name), Some(bytes), Some(seconds), (!note.is_empty()).then_some(note), resident);
+                self.emit(
+                    kind,
+                    stage,
+                    Some(name),
+                    Some(bytes),
+                    Some(seconds),
+                    (!note.is_empty()).then_some(note),
+                    resident,
+                );
                 Ok(instance)
             }
             Err(err) => {
@@ -730,26 +791,38 @@ impl StagedModels {
     /// Runs a loader under preserved RNG, catching panics, and fills the model from its
     /// checkpoint. Returns the instance and its bytes.
     fn build(&self, name: &str, loader: &Arc<Loader>, checkpoint: &[PathBuf]) -> Result<(Arc<Instance>, u64)> {
-        let _rng = if self.preserve_rng { Some(PreservedRng::save(&self.rngs).map_err(StageError::Rng)?) } else { None };
+        let _rng =
+            if self.preserve_rng { Some(PreservedRng::save(&self.rngs).map_err(StageError::Rng)?) } else { None };
         let context = BuildContext { registry: self, model: name, shared_tensors: Mutex::new(Vec::new()) };
         let built = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| loader(&context))) {
             Ok(Ok(built)) => built,
             Ok(Err(source)) => return Err(StageError::LoaderFailed { model: name.to_string(), source }),
-            Err(panic) => return Err(StageError::LoaderPanicked { model: name.to_string(), message: panic_message(&*panic) }),
+            Err(panic) => {
+                return Err(StageError::LoaderPanicked { model: name.to_string(), message: panic_message(&*panic) })
+            }
         };
         let Built { model, type_name, mut tensors } = built;
         let shared = context.shared_tensors.into_inner().unwrap_or_else(|e| e.into_inner());
         if !checkpoint.is_empty() {
-            let mut targets: Vec<(String, Tensor)> = tensors.iter().map(|(n, t)| (n.clone(), t.shallow_clone())).collect();
-            targets.extend(shared.iter().filter(|(_, _, fresh)| *fresh).map(|(n, t, _)| (n.clone(), t.shallow_clone())));
+            let mut targets: Vec<(String, Tensor)> =
+                tensors.iter().map(|(n, t)| (n.clone(), t.shallow_clone())).collect();
+            targets
+                .extend(shared.iter().filter(|(_, _, fresh)| *fresh).map(|(n, t, _)| (n.clone(), t.shallow_clone())));
             self.load_checkpoint(name, checkpoint, &targets)?;
         }
         // Shared components another model already built are not loaded again: not counted.
-        let reused: Vec<(String, Tensor)> = shared.iter().filter(|(_, _, fresh)| !fresh).map(|(n, t, _)| (n.clone(), t.shallow_clone())).collect();
-        let reused = storage::distinct_storages(&reused).map_err(|source| StageError::Torch { model: name.to_string(), source })?;
+        let reused: Vec<(String, Tensor)> =
+            shared.iter().filter(|(_, _, fresh)| !fresh).map(|(n, t, _)| (n.clone(), t.shallow_clone())).collect();
+        let reused = storage::distinct_storages(&reused)
+            .map_err(|source| StageError::Torch { model: name.to_string(), source })?;
         tensors.extend(shared.into_iter().map(|(n, t, _)| (n, t)));
         let instance = Instance::new(name, type_name, model, tensors)?;
-        let bytes = instance.storage_sizes.iter().filter(|(id, _)| !reused.iter().any(|r| r.id == *id)).map(|(_, bytes)| bytes).sum();
+        let bytes = instance
+            .storage_sizes
+            .iter()
+            .filter(|(id, _)| !reused.iter().any(|r| r.id == *id))
+            .map(|(_, bytes)| bytes)
+            .sum();
         Ok((instance, bytes))
     }
 
@@ -796,10 +869,21 @@ impl StagedModels {
     pub fn enter(&self, stage: &str) -> Result<ReleaseStats> {
         let mut state = self.state();
         let Some(planned) = state.stages.get(stage).cloned() else {
-            return Err(StageError::UnknownStage { stage: stage.to_string(), known: state.stages.keys().cloned().collect() });
+            return Err(StageError::UnknownStage {
+                stage: stage.to_string(),
+                known: state.stages.keys().cloned().collect(),
+            });
         };
         state.current = Some(stage.to_string());
-        self.emit(EventKind::Stage, Some(stage.to_string()), None, None, None, None, Some(Self::resident_bytes_of(&state)));
+        self.emit(
+            EventKind::Stage,
+            Some(stage.to_string()),
+            None,
+            None,
+            None,
+            None,
+            Some(Self::resident_bytes_of(&state)),
+        );
         let leaving: Vec<String> = state
             .resident()
             .map(|(n, _)| n.to_string())
@@ -829,7 +913,8 @@ impl StagedModels {
         let index = state.index(name)?;
         let SlotState::Resident(instance) = &state.slots[index].state else { return Ok(ReleaseStats::default()) };
         let instance = Arc::clone(instance);
-        let keep: HashSet<u64> = state.resident().filter(|(n, _)| *n != name).flat_map(|(_, i)| i.storage_ids()).collect();
+        let keep: HashSet<u64> =
+            state.resident().filter(|(n, _)| *n != name).flat_map(|(_, i)| i.storage_ids()).collect();
         let stage = state.current.clone();
         let started = Instant::now();
         let stats = instance.release(&keep, &stage)?;
@@ -840,7 +925,15 @@ impl StagedModels {
         }
         let note = (stats.kept > 0).then(|| format!("kept={}", stats.kept));
         let resident = Some(Self::resident_bytes_of(state));
-        self.emit(EventKind::Release, stage, Some(name), Some(stats.freed), Some(started.elapsed().as_secs_f64()), note, resident);
+        self.emit(
+            EventKind::Release,
+            stage,
+            Some(name),
+            Some(stats.freed),
+            Some(started.elapsed().as_secs_f64()),
+            note,
+            resident,
+        );
         Ok(stats)
     }
 
@@ -889,7 +982,15 @@ impl StagedModels {
                 let old = Arc::clone(old);
                 let stage = state.current.clone();
                 let stats = old.release(&new_ids, &stage)?;
-                self.emit(EventKind::Release, stage, Some(name), Some(stats.freed), None, Some("replaced".into()), None);
+                self.emit(
+                    EventKind::Release,
+                    stage,
+                    Some(name),
+                    Some(stats.freed),
+                    None,
+                    Some("replaced".into()),
+                    None,
+                );
             }
             let slot = &mut state.slots[index];
             slot.state = SlotState::Resident(instance);
@@ -897,7 +998,13 @@ impl StagedModels {
             slot.checkpoint.clear();
             slot.loads = 1;
         } else {
-            state.slots.push(Slot { name: name.to_string(), loader: None, checkpoint: Vec::new(), state: SlotState::Resident(instance), loads: 1 });
+            state.slots.push(Slot {
+                name: name.to_string(),
+                loader: None,
+                checkpoint: Vec::new(),
+                state: SlotState::Resident(instance),
+                loads: 1,
+            });
         }
         Ok(())
     }
@@ -936,9 +1043,11 @@ impl StagedModels {
 }
 
 fn released_message(model: &str, stage: &Option<String>) -> String {
-    format!("stageload: model '{model}' was released{} and its weights are gone; get it from the registry again", at_stage(stage))
+    format!(
+        "stageload: model '{model}' was released{} and its weights are gone; get it from the registry again",
+        at_stage(stage)
+    )
 }
-
 
 fn panic_message(panic: &(dyn Any + Send)) -> String {
     panic

@@ -27,8 +27,16 @@ fn named(name: &str, t: &Tensor) -> (String, Tensor) {
 #[test]
 fn every_dtype_round_trips() {
     let kinds = [
-        Kind::Bool, Kind::Uint8, Kind::Int8, Kind::Int16, Kind::Int, Kind::Int64,
-        Kind::Half, Kind::BFloat16, Kind::Float, Kind::Double,
+        Kind::Bool,
+        Kind::Uint8,
+        Kind::Int8,
+        Kind::Int16,
+        Kind::Int,
+        Kind::Int64,
+        Kind::Half,
+        Kind::BFloat16,
+        Kind::Float,
+        Kind::Double,
     ];
     let originals: Vec<(String, Tensor)> =
         kinds.iter().enumerate().map(|(i, &k)| (format!("t{i}"), sample(k, &[3, 5, 7]))).collect();
@@ -51,11 +59,22 @@ fn dtypes_convert_into_the_models_kind() {
     let (_path_folder, path) = tmp("convert.safetensors");
     save(&[named("w", &source), named("half", &source.to_kind(Kind::Half)), named("i", &ints)], &path).unwrap();
     let checkpoint = Checkpoint::open(&[&path]).unwrap();
-    for (name, kind) in [("w", Kind::Half), ("w", Kind::BFloat16), ("w", Kind::Double), ("half", Kind::Float), ("i", Kind::Int64), ("i", Kind::Float)] {
+    for (name, kind) in [
+        ("w", Kind::Half),
+        ("w", Kind::BFloat16),
+        ("w", Kind::Double),
+        ("half", Kind::Float),
+        ("i", Kind::Int64),
+        ("i", Kind::Float),
+    ] {
         let entry = &checkpoint.entries()[name];
         let target = Tensor::zeros(entry.shape.as_slice(), (kind, Device::Cpu));
         checkpoint.load_into(&[named(name, &target)], |_| {}).unwrap();
-        let reference = match name { "w" => source.to_kind(kind), "half" => source.to_kind(Kind::Half).to_kind(kind), _ => ints.to_kind(kind) };
+        let reference = match name {
+            "w" => source.to_kind(kind),
+            "half" => source.to_kind(Kind::Half).to_kind(kind),
+            _ => ints.to_kind(kind),
+        };
         assert!(target.equal(&reference), "{name} into {kind:?}");
     }
 }
@@ -96,7 +115,8 @@ fn bad_input_is_a_clear_error_and_changes_nothing() {
     let sentinel = |shape: &[i64], kind| Tensor::full(shape, 7.0, (kind, Device::Cpu));
 
     // A tensor the files lack: named, with the files; the other target (listed first) untouched.
-    let targets = vec![("v".into(), sentinel(&[8, 4], Kind::Float)), ("missing.weight".into(), sentinel(&[2], Kind::Float))];
+    let targets =
+        vec![("v".into(), sentinel(&[8, 4], Kind::Float)), ("missing.weight".into(), sentinel(&[2], Kind::Float))];
     let err = checkpoint.load_into(&targets, |_| {}).unwrap_err();
     let text = err.to_string();
     assert!(text.contains("'missing.weight'") && text.contains("bad.safetensors"), "{text}");
@@ -134,7 +154,10 @@ fn missing_truncated_and_corrupt_files_are_errors_naming_the_file() {
     let (_truncated_folder, truncated) = tmp("truncated.safetensors");
     std::fs::write(&truncated, &bytes[..bytes.len() - 100]).unwrap();
     let err = Checkpoint::open(&[&truncated]).unwrap_err();
-    assert!(matches!(err, CheckpointError::Invalid { .. }) && err.to_string().contains("truncated.safetensors"), "{err}");
+    assert!(
+        matches!(err, CheckpointError::Invalid { .. }) && err.to_string().contains("truncated.safetensors"),
+        "{err}"
+    );
 
     let (_huge_header_folder, huge_header) = tmp("huge-header.safetensors");
     let mut b = bytes.clone();
@@ -172,10 +195,24 @@ fn large_entries_load_in_pieces_with_and_without_conversion() {
     let medium = Tensor::randn([1536, 1024], (Kind::Float, Device::Cpu));
     let small = Tensor::randn([3, 7], (Kind::Float, Device::Cpu));
     let (_folder, path) = tmp("large.safetensors");
-    save(&[named("big", &big), named("medium", &medium), named("small", &small), named("half", &big.to_kind(Kind::Half)), named("scalar", &Tensor::from(2.5f32))], &path).unwrap();
+    save(
+        &[
+            named("big", &big),
+            named("medium", &medium),
+            named("small", &small),
+            named("half", &big.to_kind(Kind::Half)),
+            named("scalar", &Tensor::from(2.5f32)),
+        ],
+        &path,
+    )
+    .unwrap();
     let checkpoint = Checkpoint::open(&[&path]).unwrap();
 
-    let targets = vec![named("big", &big.zeros_like()), named("medium", &medium.zeros_like()), named("small", &small.zeros_like())];
+    let targets = vec![
+        named("big", &big.zeros_like()),
+        named("medium", &medium.zeros_like()),
+        named("small", &small.zeros_like()),
+    ];
     let mut seen = Vec::new();
     let report = checkpoint.load_into(&targets, |p| seen.push(p)).unwrap();
     assert!(targets[0].1.equal(&big) && targets[1].1.equal(&medium) && targets[2].1.equal(&small));
@@ -208,7 +245,8 @@ fn tied_targets_sharing_memory_load_one_after_the_other() {
     let embed = Tensor::randn([10 << 20], (Kind::Float, Device::Cpu));
     let head = embed.neg();
     let (_folder, path) = tmp("tied.safetensors");
-    save(&[named("embed", &embed), named("lm_head", &head), named("part", &embed.narrow(0, 0, 1 << 20))], &path).unwrap();
+    save(&[named("embed", &embed), named("lm_head", &head), named("part", &embed.narrow(0, 0, 1 << 20))], &path)
+        .unwrap();
     let checkpoint = Checkpoint::open(&[&path]).unwrap();
     let tied = embed.zeros_like();
     let report = checkpoint.load_into(&[named("embed", &tied), named("lm_head", &tied)], |_| {}).unwrap();
@@ -217,13 +255,19 @@ fn tied_targets_sharing_memory_load_one_after_the_other() {
     // A target overlapping part of another.
     let whole = embed.zeros_like();
     checkpoint.load_into(&[named("lm_head", &whole), named("part", &whole.narrow(0, 0, 1 << 20))], |_| {}).unwrap();
-    assert!(whole.narrow(0, 0, 1 << 20).equal(&embed.narrow(0, 0, 1 << 20)) && whole.narrow(0, 1 << 20, 9 << 20).equal(&head.narrow(0, 1 << 20, 9 << 20)));
+    assert!(
+        whole.narrow(0, 0, 1 << 20).equal(&embed.narrow(0, 0, 1 << 20))
+            && whole.narrow(0, 1 << 20, 9 << 20).equal(&head.narrow(0, 1 << 20, 9 << 20))
+    );
     // A strided view (copied through libtorch) listed before the contiguous tensor it views.
     let square = Tensor::randn([512, 512], (Kind::Float, Device::Cpu));
     let (_folder2, path2) = tmp("tied-strided.safetensors");
     save(&[named("transposed", &square.neg()), named("square", &square)], &path2).unwrap();
     let base = square.zeros_like();
-    Checkpoint::open(&[&path2]).unwrap().load_into(&[named("transposed", &base.tr()), named("square", &base)], |_| {}).unwrap();
+    Checkpoint::open(&[&path2])
+        .unwrap()
+        .load_into(&[named("transposed", &base.tr()), named("square", &base)], |_| {})
+        .unwrap();
     assert!(base.equal(&square), "the contiguous target listed last wins over the strided one");
 }
 

@@ -36,7 +36,10 @@ fn freed_large_blocks_go_back_to_the_os_once_a_registry_is_built() {
     StagedModels::builder().map_large_host_blocks(false).build().unwrap();
     let (kept_by_default, _keepers) = bytes_kept_after_freeing();
     eprintln!("glibc's default: {kept_by_default} of {total} bytes kept");
-    assert!(kept_by_default > total / 2, "control: glibc's default keeps them ({kept_by_default} of {total} bytes kept)");
+    assert!(
+        kept_by_default > total / 2,
+        "control: glibc's default keeps them ({kept_by_default} of {total} bytes kept)"
+    );
 
     StagedModels::builder().build().unwrap();
     let (kept, _keepers) = bytes_kept_after_freeing();

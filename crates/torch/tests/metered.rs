@@ -15,7 +15,8 @@ use common::{build_mlp, Mlp};
 fn a_metered_run_traces_loads_releases_and_stage_peaks() {
     let folder = tempfile::TempDir::new().unwrap();
     let path = folder.path().join("metered.jsonl");
-    let meter = Arc::new(meter::start(&path, tch::Device::Cpu, MeterOptions::default().meta("mode", "staged")).unwrap());
+    let meter =
+        Arc::new(meter::start(&path, tch::Device::Cpu, MeterOptions::default().meta("mode", "staged")).unwrap());
     // Two 2048-wide MLPs: 32 MiB of weights each.
     let models = StagedModels::builder()
         .model(ModelSpec::new("encoder", |_| Ok(build_mlp(2048))))
@@ -54,5 +55,8 @@ fn a_metered_run_traces_loads_releases_and_stage_peaks() {
     let setup = summary.stages[0].peak.unwrap();
     let encode = summary.stages[1].peak.unwrap();
     assert!(encode >= setup + model_bytes * 9 / 10, "encode holds the encoder: {setup} -> {encode}");
-    assert!(summary.complete && trace.records.iter().any(|r| matches!(r, stageload_trace::Record::Event(e) if e.kind == "mark")));
+    assert!(
+        summary.complete
+            && trace.records.iter().any(|r| matches!(r, stageload_trace::Record::Event(e) if e.kind == "mark"))
+    );
 }

@@ -63,4 +63,3 @@ fn release_returns_memory_and_reload_in_place_brings_it_back_without_drawing() {
     assert_eq!(reload.note.as_deref(), Some("in_place"));
     assert_eq!(reload.bytes, Some(model_bytes as u64));
 }
-

@@ -102,4 +102,3 @@ fn failing_and_panicking_loaders_leave_the_slot_unloaded_and_the_rng_restored() 
     assert!(models.get::<Mlp>("panics").is_ok());
     assert_eq!(sink.of_kind(EventKind::Load).len(), 2);
 }
-

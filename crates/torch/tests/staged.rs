@@ -31,7 +31,8 @@ fn two_stage(sink: Arc<ListSink>) -> StagedModels {
 
 #[test]
 fn the_plan_is_validated_at_construction() {
-    let err = StagedModels::builder().model(spec("a", 4)).stage("s", ["a", "ghost"]).pin("phantom").build().err().unwrap();
+    let err =
+        StagedModels::builder().model(spec("a", 4)).stage("s", ["a", "ghost"]).pin("phantom").build().err().unwrap();
     match &err {
         StageError::PlanWithoutLoader { names } => assert_eq!(names, &["ghost".to_string(), "phantom".to_string()]),
         other => panic!("unexpected {other}"),
@@ -63,7 +64,10 @@ fn get_loads_once_and_notes_loads_outside_the_stage() {
     let again = models.get::<Mlp>("encoder").unwrap();
     let guard = encoder.lock().unwrap();
     let err = again.lock().err().unwrap();
-    assert!(matches!(err, StageError::LockedTwice { .. }), "locking twice on one thread is an error, not a deadlock: {err}");
+    assert!(
+        matches!(err, StageError::LockedTwice { .. }),
+        "locking twice on one thread is an error, not a deadlock: {err}"
+    );
     drop(guard);
     let first = encoder.lock().unwrap().forward(&input(16));
     let second = again.lock().unwrap().forward(&input(16));
@@ -79,7 +83,8 @@ fn get_loads_once_and_notes_loads_outside_the_stage() {
     let loads = sink.of_kind(EventKind::Load);
     assert_eq!(loads[1].note.as_deref(), Some("outside_stage"));
 
-    let strict = StagedModels::builder().model(spec("a", 4)).model(spec("b", 4)).stage("s", ["a"]).strict(true).build().unwrap();
+    let strict =
+        StagedModels::builder().model(spec("a", 4)).model(spec("b", 4)).stage("s", ["a"]).strict(true).build().unwrap();
     strict.enter("s").unwrap();
     let err = strict.get::<Mlp>("b").err().unwrap();
     assert!(matches!(err, StageError::OutsideStage { .. }) && err.to_string().contains("'b'"), "{err}");
@@ -94,7 +99,12 @@ fn entering_a_stage_releases_in_place_and_handles_name_the_stage() {
     let sink = Arc::new(ListSink::new());
     let models = two_stage(sink.clone());
     let err = models.enter("nowhere").unwrap_err();
-    assert!(err.to_string().contains("'nowhere'") && err.to_string().contains("decode") && err.to_string().contains("encode"), "{err}");
+    assert!(
+        err.to_string().contains("'nowhere'")
+            && err.to_string().contains("decode")
+            && err.to_string().contains("encode"),
+        "{err}"
+    );
 
     models.enter("encode").unwrap();
     let encoder = models.get::<Mlp>("encoder").unwrap();
@@ -213,7 +223,11 @@ fn a_shared_backbone_is_built_once_and_freed_after_its_last_user() {
     let head_bytes = (256 * 4 + 4) * 4;
     assert_eq!(models.resident_bytes(), backbone_bytes + 2 * head_bytes, "shared storage counted once");
     let loaded: Vec<Option<u64>> = sink.of_kind(EventKind::Load).iter().map(|e| e.bytes).collect();
-    assert_eq!(loaded, [Some(backbone_bytes + head_bytes), Some(head_bytes)], "the reused backbone is not loaded twice");
+    assert_eq!(
+        loaded,
+        [Some(backbone_bytes + head_bytes), Some(head_bytes)],
+        "the reused backbone is not loaded twice"
+    );
     let resident: Vec<Option<u64>> = sink.of_kind(EventKind::Load).iter().map(|e| e.resident).collect();
     assert_eq!(resident, [Some(backbone_bytes + head_bytes), Some(backbone_bytes + 2 * head_bytes)]);
 
@@ -285,7 +299,8 @@ fn a_wrapped_module_enters_its_stage_when_called() {
     let models = Arc::new(two_stage(sink.clone()));
     models.enter("encode").unwrap();
     let encoder = models.get::<Mlp>("encoder").unwrap();
-    let decode_step = EnterOnCall::new(models.clone(), "decode", Tensor::ones([16, 16], (Kind::Float, Device::Cpu))).mark_end("decode done");
+    let decode_step = EnterOnCall::new(models.clone(), "decode", Tensor::ones([16, 16], (Kind::Float, Device::Cpu)))
+        .mark_end("decode done");
     // The pipeline's own code only calls the wrapped value.
     let out = decode_step.call(|w| input(16).matmul(w)).unwrap();
     assert_eq!(out.size(), [2, 16]);
@@ -296,7 +311,11 @@ fn a_wrapped_module_enters_its_stage_when_called() {
     assert_eq!(sink.of_kind(EventKind::Mark).len(), 2);
 
     // As a tch Module.
-    let layer = EnterOnCall::new(models.clone(), "encode", nn::linear(VarStore::new(Device::Cpu).root(), 16, 16, Default::default()));
+    let layer = EnterOnCall::new(
+        models.clone(),
+        "encode",
+        nn::linear(VarStore::new(Device::Cpu).root(), 16, 16, Default::default()),
+    );
     let _ = layer.forward(&input(16));
     assert_eq!(models.current_stage().as_deref(), Some("encode"));
 }
@@ -321,7 +340,8 @@ fn a_replacement_that_shares_weights_keeps_them_and_removal_unpins() {
     let shared_weight = first.l1.ws.shallow_clone();
     models.insert("swap", Built::new(first, &vs)).unwrap();
     // The replacement shares l1's weight with the model it replaces.
-    let replacement = Built::from_tensors(shared_weight.shallow_clone(), vec![("w".into(), shared_weight.shallow_clone())]);
+    let replacement =
+        Built::from_tensors(shared_weight.shallow_clone(), vec![("w".into(), shared_weight.shallow_clone())]);
     models.insert("swap", replacement).unwrap();
     assert!(shared_weight.f_sum(Kind::Float).is_ok(), "shared weight kept");
     assert!(models.get::<Tensor>("swap").unwrap().lock().is_ok());
@@ -354,11 +374,19 @@ fn the_pipeline_file_that_plan_checks_is_the_plan_that_runs() {
     std::fs::write(&path, toml).unwrap();
     let pipeline = stageload::Pipeline::load(&path).unwrap();
 
-    let models = StagedModels::builder().pipeline(&pipeline).model(spec("encoder", 16)).model(spec("decoder", 16)).build().unwrap();
+    let models = StagedModels::builder()
+        .pipeline(&pipeline)
+        .model(spec("encoder", 16))
+        .model(spec("decoder", 16))
+        .build()
+        .unwrap();
     assert_eq!(models.stage_models("decode").unwrap(), ["decoder"]);
     models.enter("encode").unwrap();
     let encoder = models.get::<Mlp>("encoder").unwrap();
-    assert!(encoder.lock().unwrap().forward(&input(16)).equal(&reference_out), "weights came from the file's checkpoint");
+    assert!(
+        encoder.lock().unwrap().forward(&input(16)).equal(&reference_out),
+        "weights came from the file's checkpoint"
+    );
     models.enter("decode").unwrap();
     models.get::<Mlp>("decoder").unwrap();
     assert_eq!(models.resident(), ["encoder", "decoder"], "the file's pin holds");

@@ -14,7 +14,8 @@ fn cpu_seconds() -> f64 {
 }
 
 fn main() {
-    let seconds: u64 = std::env::args().skip_while(|a| a != "--seconds").nth(1).map_or(30, |s| s.parse().expect("--seconds N"));
+    let seconds: u64 =
+        std::env::args().skip_while(|a| a != "--seconds").nth(1).map_or(30, |s| s.parse().expect("--seconds N"));
     let dir = std::env::temp_dir().join(format!("stageload-bench-meter-{}", std::process::id()));
     let meter = Meter::start(dir.join("idle.jsonl"), MeterOptions::default()).expect("meter");
     let before = cpu_seconds();

@@ -25,11 +25,19 @@ fn main() {
     let mut held: Option<Vec<u8>> = None;
     for index in 0..stages {
         let name = format!("stage_{index}");
-        meter.event(Instant::now(), EventRecord { kind: "stage".into(), stage: Some(name.clone()), ..EventRecord::default() });
+        meter.event(
+            Instant::now(),
+            EventRecord { kind: "stage".into(), stage: Some(name.clone()), ..EventRecord::default() },
+        );
         if let Some(block) = held.take() {
             let bytes = block.len() as u64;
             drop(block);
-            let record = EventRecord { kind: "release".into(), model: Some(format!("block_{}", index - 1)), bytes: Some(bytes), ..EventRecord::default() };
+            let record = EventRecord {
+                kind: "release".into(),
+                model: Some(format!("block_{}", index - 1)),
+                bytes: Some(bytes),
+                ..EventRecord::default()
+            };
             meter.event(Instant::now(), record);
         }
         let started = Instant::now();

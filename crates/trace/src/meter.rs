@@ -244,15 +244,18 @@ impl Meter {
         }));
         let origin = Instant::now();
         writer.sample(0.0);
-        let shared = Arc::new(Shared { origin, writer: Mutex::new(writer), stop: Mutex::new(false), wake: Condvar::new() });
+        let shared =
+            Arc::new(Shared { origin, writer: Mutex::new(writer), stop: Mutex::new(false), wake: Condvar::new() });
         let background = shared.clone();
         let interval = options.interval;
         let thread = std::thread::Builder::new().name("stageload-meter".into()).spawn(move || {
             let mut stop = background.stop.lock().unwrap_or_else(|e| e.into_inner());
             loop {
                 // Returns at once when finish() has already asked to stop.
-                let (guard, _) =
-                    background.wake.wait_timeout_while(stop, interval, |stopped| !*stopped).unwrap_or_else(|e| e.into_inner());
+                let (guard, _) = background
+                    .wake
+                    .wait_timeout_while(stop, interval, |stopped| !*stopped)
+                    .unwrap_or_else(|e| e.into_inner());
                 stop = guard;
                 if *stop {
                     return;
@@ -298,7 +301,10 @@ impl Meter {
 
     /// A `mark` event with a label (for example "pipeline loaded").
     pub fn mark(&self, label: &str) {
-        self.event(Instant::now(), EventRecord { kind: "mark".into(), note: Some(label.into()), ..EventRecord::default() });
+        self.event(
+            Instant::now(),
+            EventRecord { kind: "mark".into(), note: Some(label.into()), ..EventRecord::default() },
+        );
     }
 
     /// Takes one sample now.

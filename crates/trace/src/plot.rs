@@ -24,7 +24,8 @@ pub enum PlotError {
 }
 
 const GB: f64 = (1u64 << 30) as f64;
-const LINE_COLORS: [RGBColor; 4] = [RGBColor(196, 98, 16), RGBColor(31, 119, 180), RGBColor(44, 160, 44), RGBColor(148, 103, 189)];
+const LINE_COLORS: [RGBColor; 4] =
+    [RGBColor(196, 98, 16), RGBColor(31, 119, 180), RGBColor(44, 160, 44), RGBColor(148, 103, 189)];
 const BAND: RGBColor = RGBColor(235, 235, 235);
 
 fn register_font() {
@@ -57,13 +58,18 @@ pub fn plot(traces: &[(String, &Trace, &Summary)], path: &Path, width: u32) -> R
     }
 }
 
-fn draw<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, traces: &[(String, &Trace, &Summary)]) -> Result<(), String> {
+fn draw<DB: DrawingBackend>(
+    root: &DrawingArea<DB, Shift>,
+    traces: &[(String, &Trace, &Summary)],
+) -> Result<(), String> {
     let error = |e: DrawingAreaErrorKind<DB::ErrorType>| e.to_string();
     root.fill(&WHITE).map_err(error)?;
     let root = root.titled("memory over time (RSS)", ("sans-serif", 20)).map_err(error)?;
     let max_t = traces.iter().map(|(_, _, s)| s.stages.last().map_or(0.0, |w| w.start + w.seconds)).fold(1.0, f64::max);
     let max_gb = traces.iter().map(|(_, _, s)| s.peak as f64 / GB).fold(0.1, f64::max) * 1.15;
-    for (index, ((label, trace, summary), panel)) in traces.iter().zip(root.split_evenly((traces.len().max(1), 1))).enumerate() {
+    for (index, ((label, trace, summary), panel)) in
+        traces.iter().zip(root.split_evenly((traces.len().max(1), 1))).enumerate()
+    {
         let color = LINE_COLORS[index % LINE_COLORS.len()];
         let caption = format!(
             "{label}: peak {:.2} GB{}",
@@ -89,10 +95,16 @@ fn draw<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, traces: &[(String, &T
         for (i, window) in summary.stages.iter().enumerate() {
             let (start, end) = (window.start, window.start + window.seconds);
             if i % 2 == 1 {
-                chart.draw_series(std::iter::once(Rectangle::new([(start, 0.0), (end, max_gb)], BAND.filled()))).map_err(error)?;
+                chart
+                    .draw_series(std::iter::once(Rectangle::new([(start, 0.0), (end, max_gb)], BAND.filled())))
+                    .map_err(error)?;
             }
             chart
-                .draw_series(std::iter::once(Text::new(window.stage.clone(), (start, max_gb * 0.97), ("sans-serif", 11))))
+                .draw_series(std::iter::once(Text::new(
+                    window.stage.clone(),
+                    (start, max_gb * 0.97),
+                    ("sans-serif", 11),
+                )))
                 .map_err(error)?;
         }
         let points: Vec<(f64, f64)> = trace
@@ -115,7 +127,9 @@ fn draw<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, traces: &[(String, &T
                 let at = (event.t, level_at(event.t));
                 match event.kind.as_str() {
                     "load" | "reload" => {
-                        chart.draw_series(std::iter::once(TriangleMarker::new(at, 6, color.filled()))).map_err(error)?;
+                        chart
+                            .draw_series(std::iter::once(TriangleMarker::new(at, 6, color.filled())))
+                            .map_err(error)?;
                     }
                     "release" => {
                         chart.draw_series(std::iter::once(Cross::new(at, 5, BLACK.stroke_width(2)))).map_err(error)?;

@@ -109,9 +109,12 @@ fn window_starts(events: &[&EventRecord]) -> Vec<(String, f64)> {
 /// Summarizes a trace's records.
 pub fn summarize(trace: &Trace) -> Summary {
     let records = &trace.records;
-    let samples: Vec<&Sample> = records.iter().filter_map(|r| if let Record::Sample(s) = r { Some(s) } else { None }).collect();
-    let events: Vec<&EventRecord> = records.iter().filter_map(|r| if let Record::Event(e) = r { Some(e) } else { None }).collect();
-    let peaks: Vec<(f64, u64)> = records.iter().filter_map(|r| if let Record::Peak(p) = r { Some((p.t, p.rss)) } else { None }).collect();
+    let samples: Vec<&Sample> =
+        records.iter().filter_map(|r| if let Record::Sample(s) = r { Some(s) } else { None }).collect();
+    let events: Vec<&EventRecord> =
+        records.iter().filter_map(|r| if let Record::Event(e) = r { Some(e) } else { None }).collect();
+    let peaks: Vec<(f64, u64)> =
+        records.iter().filter_map(|r| if let Record::Peak(p) = r { Some((p.t, p.rss)) } else { None }).collect();
     let last_t = samples.last().map(|s| s.t).or_else(|| records.iter().rev().find_map(Record::t)).unwrap_or(0.0);
 
     // Windows: synthetic setup, release-aware starts, consecutive repeats merged.
@@ -157,7 +160,8 @@ pub fn summarize(trace: &Trace) -> Summary {
         .max_by_key(|(_, rss)| *rss)
         .unwrap_or((0.0, 0));
     let loaded: Vec<&&EventRecord> = events.iter().filter(|e| e.kind == "load" || e.kind == "reload").collect();
-    let (bytes, seconds) = (loaded.iter().filter_map(|e| e.bytes).sum::<u64>(), loaded.iter().filter_map(|e| e.seconds).sum::<f64>());
+    let (bytes, seconds) =
+        (loaded.iter().filter_map(|e| e.bytes).sum::<u64>(), loaded.iter().filter_map(|e| e.seconds).sum::<f64>());
     let loads = Loads {
         count: loaded.len(),
         reloads: loaded.iter().filter(|e| e.kind == "reload").count(),

@@ -26,12 +26,8 @@ pub fn render(summary: &Summary, path: &std::path::Path) -> String {
         out += &format!(", pid {} on {}, device {}", header.pid, header.host, header.device);
     }
     out += if summary.complete { "\n" } else { ", ended without its end record (killed?)\n" };
-    out += &format!(
-        "peak {} at {:.1} s; {:.1} s in all\n",
-        format_bytes(summary.peak),
-        summary.peak_t,
-        summary.duration
-    );
+    out +=
+        &format!("peak {} at {:.1} s; {:.1} s in all\n", format_bytes(summary.peak), summary.peak_t, summary.duration);
     let loads = &summary.loads;
     out += &format!(
         "loads: {} ({} reloads), {} in {:.2} s ({:.2} GB/s); releases: {}, {}\n",
@@ -66,7 +62,10 @@ pub fn render(summary: &Summary, path: &std::path::Path) -> String {
     for error in &summary.errors {
         out += &format!("reading failed at {:.1} s ({}): {}\n", error.t, error.source, error.error);
     }
-    out += &format!("\n{:<16} {:>9} {:>9} {:>12} {:>12} {:>12}\n", "stage", "start s", "time s", "peak", "sampled", "weights");
+    out += &format!(
+        "\n{:<16} {:>9} {:>9} {:>12} {:>12} {:>12}\n",
+        "stage", "start s", "time s", "peak", "sampled", "weights"
+    );
     for stage in &summary.stages {
         out += &format!(
             "{:<16} {:>9.2} {:>9.2} {:>12} {:>12} {:>12}\n",
@@ -167,7 +166,8 @@ pub fn compare(summaries: &[(String, &Summary)]) -> String {
         out += &format!(" {:>8}", format!("{base_label}/{label}"));
     }
     out += "\n";
-    let peak_of = |summary: &Summary, stage: &str| summary.stages.iter().find(|w| w.stage == stage).and_then(|w| w.peak);
+    let peak_of =
+        |summary: &Summary, stage: &str| summary.stages.iter().find(|w| w.stage == stage).and_then(|w| w.peak);
     let mut row = |name: &str, values: Vec<Option<u64>>| {
         out += &format!("{name:<16}");
         for value in &values {
@@ -179,7 +179,10 @@ pub fn compare(summaries: &[(String, &Summary)]) -> String {
                     let difference = other as i128 - base as i128;
                     let sign = if difference < 0 { "-" } else { "+" };
                     out += &format!(" {:>22}", format!("{sign}{}", format_bytes(difference.unsigned_abs() as u64)));
-                    out += &format!(" {:>8}", if other > 0 { format!("{:.2}x", base as f64 / other as f64) } else { "-".into() });
+                    out += &format!(
+                        " {:>8}",
+                        if other > 0 { format!("{:.2}x", base as f64 / other as f64) } else { "-".into() }
+                    );
                 }
                 _ => out += &format!(" {:>22} {:>8}", "-", "-"),
             }

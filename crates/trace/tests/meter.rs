@@ -21,7 +21,10 @@ fn scratch(name: &str) -> tempfile::TempDir {
 /// Enters a stage 20 ms after the previous one, so that no window is empty.
 fn stage(meter: &Meter, name: &str) {
     std::thread::sleep(Duration::from_millis(20));
-    meter.event(Instant::now(), EventRecord { kind: "stage".into(), stage: Some(name.into()), ..EventRecord::default() });
+    meter.event(
+        Instant::now(),
+        EventRecord { kind: "stage".into(), stage: Some(name.into()), ..EventRecord::default() },
+    );
 }
 
 #[test]
@@ -32,7 +35,13 @@ fn a_run_writes_header_samples_events_and_end() {
     let options = MeterOptions::default().interval(Duration::from_millis(50)).meta("mode", "staged").meta("pid", 1);
     let meter = Meter::start(&path, options).unwrap();
     stage(&meter, "encode");
-    let load = EventRecord { kind: "load".into(), model: Some("encoder".into()), bytes: Some(10), seconds: Some(0.02), ..EventRecord::default() };
+    let load = EventRecord {
+        kind: "load".into(),
+        model: Some("encoder".into()),
+        bytes: Some(10),
+        seconds: Some(0.02),
+        ..EventRecord::default()
+    };
     meter.event(Instant::now(), load);
     std::thread::sleep(Duration::from_millis(300));
     meter.finish();
@@ -42,7 +51,8 @@ fn a_run_writes_header_samples_events_and_end() {
     assert_eq!(header.meta["pid"], 1, "user meta stays under meta and cannot overwrite the pid");
     assert!(header.total_memory > 0 && header.command[0].contains("meter"));
     assert!(matches!(trace.records.last(), Some(Record::End { .. })));
-    let samples: Vec<&Sample> = trace.records.iter().filter_map(|r| if let Record::Sample(s) = r { Some(s) } else { None }).collect();
+    let samples: Vec<&Sample> =
+        trace.records.iter().filter_map(|r| if let Record::Sample(s) = r { Some(s) } else { None }).collect();
     assert!(samples.len() >= 6, "background samples every 50 ms plus one per event: {}", samples.len());
     assert!(samples.iter().all(|s| s.rss.unwrap() > 0 && s.available.unwrap() > 0));
     assert!(samples.windows(2).all(|w| w[0].t <= w[1].t), "times never go back");
@@ -115,7 +125,9 @@ impl MeterReadings for Flaky {
 fn a_failing_reading_is_recorded_once_per_error_and_again_after_recovery() {
     let folder = scratch("flaky");
     let path = folder.path().join("flaky.jsonl");
-    let meter = Meter::start(&path, MeterOptions::default().interval(Duration::from_secs(60)).readings(Flaky { calls: 0 })).unwrap();
+    let meter =
+        Meter::start(&path, MeterOptions::default().interval(Duration::from_secs(60)).readings(Flaky { calls: 0 }))
+            .unwrap();
     for name in ["a", "b", "c", "d", "e", "f"] {
         stage(&meter, name);
     }
@@ -125,7 +137,10 @@ fn a_failing_reading_is_recorded_once_per_error_and_again_after_recovery() {
     assert_eq!(errors.len(), 2, "once for calls 2-4, again after the recovery at 5: {errors:?}");
     let samples = trace.records.iter().filter(|r| matches!(r, Record::Sample(_))).count();
     assert_eq!(samples, 8, "sampling went on: start, six events, finish");
-    assert!(!trace.records.iter().any(|r| matches!(r, Record::Peak(_))), "no exact peaks where the mark cannot be reset");
+    assert!(
+        !trace.records.iter().any(|r| matches!(r, Record::Peak(_))),
+        "no exact peaks where the mark cannot be reset"
+    );
     let summary = summarize(&trace);
     assert_eq!(summary.errors[0].source, "system");
     assert!(summary.errors[0].error.contains("injected"));
@@ -169,7 +184,16 @@ fn plot_writes_real_svg_and_png() {
     let folder = scratch("plot");
     let dir = folder.path();
     let status = Command::new(example("metered_stages"))
-        .args(["--trace", dir.join("run.jsonl").to_str().unwrap(), "--stages", "3", "--block-mib", "32", "--hold-ms", "150"])
+        .args([
+            "--trace",
+            dir.join("run.jsonl").to_str().unwrap(),
+            "--stages",
+            "3",
+            "--block-mib",
+            "32",
+            "--hold-ms",
+            "150",
+        ])
         .stdout(Stdio::null())
         .status()
         .unwrap();
@@ -188,7 +212,8 @@ fn plot_writes_real_svg_and_png() {
     plot(&traces, &png, 1000).unwrap();
     let bytes = std::fs::read(&png).unwrap();
     assert_eq!(&bytes[..8], b"\x89PNG\r\n\x1a\n");
-    let (width, height) = (u32::from_be_bytes(bytes[16..20].try_into().unwrap()), u32::from_be_bytes(bytes[20..24].try_into().unwrap()));
+    let (width, height) =
+        (u32::from_be_bytes(bytes[16..20].try_into().unwrap()), u32::from_be_bytes(bytes[20..24].try_into().unwrap()));
     assert_eq!((width, height), (1000, 640));
     assert!(bytes.len() > 10_000, "a drawn chart, not an empty image: {} bytes", bytes.len());
     let error = plot(&traces, &dir.join("memory.jpg"), 1000).unwrap_err();

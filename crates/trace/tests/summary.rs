@@ -42,7 +42,10 @@ fn a_stage_starts_after_the_releases_its_entry_set_off() {
         sample(3.0, 250),
         sample(4.0, 120),
     ]);
-    assert_eq!(windows(&summary), [("setup", 0.1, Some(100)), ("structure", 2.0, Some(300)), ("texture", 1.9, Some(250))]);
+    assert_eq!(
+        windows(&summary),
+        [("setup", 0.1, Some(100)), ("structure", 2.0, Some(300)), ("texture", 1.9, Some(250))]
+    );
 }
 
 #[test]
@@ -75,7 +78,8 @@ fn an_explicit_setup_merges_with_the_synthetic_one_and_repeats_merge() {
     let summary = summary_of(vec![stage(0.0, "load"), sample(0.0, 5), sample(1.0, 7)]);
     assert_eq!(windows(&summary), [("load", 1.0, Some(7))]);
     // A load between the stage event and a release ends the tail.
-    let summary = summary_of(vec![sample(0.0, 1), stage(1.0, "a"), event(1.2, "load", Some("a")), release(1.5), sample(2.0, 2)]);
+    let summary =
+        summary_of(vec![sample(0.0, 1), stage(1.0, "a"), event(1.2, "load", Some("a")), release(1.5), sample(2.0, 2)]);
     assert_eq!(summary.stages[1].start, 1.0);
 }
 
@@ -96,7 +100,10 @@ fn exact_peak_records_raise_a_window_that_sampling_missed() {
     ]);
     let peaks: Vec<(&str, Option<u64>, Option<u64>)> =
         summary.stages.iter().map(|w| (w.stage.as_str(), w.peak, w.sampled_peak)).collect();
-    assert_eq!(peaks, [("setup", Some(150), Some(100)), ("spike", Some(950), Some(100)), ("after", Some(120), Some(110))]);
+    assert_eq!(
+        peaks,
+        [("setup", Some(150), Some(100)), ("spike", Some(950), Some(100)), ("after", Some(120), Some(110))]
+    );
     assert_eq!((summary.peak, summary.peak_t), (950, 2.2));
 }
 
@@ -114,13 +121,34 @@ fn loads_releases_outside_stage_swap_and_errors() {
         })
     };
     let summary = summary_of(vec![
-        Record::Sample(Sample { t: 0.0, rss: Some(1), swap_used: Some(100), available: Some(900), ..Sample::default() }),
+        Record::Sample(Sample {
+            t: 0.0,
+            rss: Some(1),
+            swap_used: Some(100),
+            available: Some(900),
+            ..Sample::default()
+        }),
         load(1.0, "load", "encoder", 2_000_000_000, 1.0, None),
         load(2.0, "reload", "encoder", 2_000_000_000, 0.5, Some("in_place")),
         load(2.5, "load", "helper", 1_000_000_000, 0.5, Some("outside_stage")),
-        Record::Event(EventRecord { t: 3.0, kind: "release".into(), bytes: Some(2_000_000_000), ..EventRecord::default() }),
-        Record::Error(stageload_trace::record::ErrorRecord { t: 3.1, source: "system".into(), error: "cannot read /proc/meminfo".into() }),
-        Record::Sample(Sample { t: 4.0, rss: Some(2), swap_used: Some(400), available: Some(500), ..Sample::default() }),
+        Record::Event(EventRecord {
+            t: 3.0,
+            kind: "release".into(),
+            bytes: Some(2_000_000_000),
+            ..EventRecord::default()
+        }),
+        Record::Error(stageload_trace::record::ErrorRecord {
+            t: 3.1,
+            source: "system".into(),
+            error: "cannot read /proc/meminfo".into(),
+        }),
+        Record::Sample(Sample {
+            t: 4.0,
+            rss: Some(2),
+            swap_used: Some(400),
+            available: Some(500),
+            ..Sample::default()
+        }),
         Record::Sample(Sample { t: 5.0, rss: Some(1), swap_used: Some(300), ..Sample::default() }),
         Record::End { t: 5.0 },
     ]);
@@ -134,7 +162,9 @@ fn loads_releases_outside_stage_swap_and_errors() {
     assert_eq!(summary.errors.len(), 1);
     assert!(summary.complete && summary.duration == 5.0);
     let text = table::render(&summary, std::path::Path::new("run.jsonl"));
-    for expected in ["loads: 3 (1 reloads)", "2.50 GB/s", "loaded outside their stage: helper", "reading failed at 3.1 s (system)"] {
+    for expected in
+        ["loads: 3 (1 reloads)", "2.50 GB/s", "loaded outside their stage: helper", "reading failed at 3.1 s (system)"]
+    {
         assert!(text.contains(expected), "{expected} missing:\n{text}");
     }
 }
@@ -146,7 +176,13 @@ fn side_by_side_table_gives_differences_and_ratios() {
     let text = table::compare(&[("eager".into(), &eager), ("staged".into(), &staged)]);
     assert!(text.contains("staged - eager") && text.contains("eager/staged"), "{text}");
     let decode = text.lines().find(|l| l.starts_with("decode")).unwrap();
-    assert!(decode.contains("6.0 GiB") && decode.contains("2.0 GiB") && decode.contains("-4.0 GiB") && decode.contains("3.00x"), "{decode}");
+    assert!(
+        decode.contains("6.0 GiB")
+            && decode.contains("2.0 GiB")
+            && decode.contains("-4.0 GiB")
+            && decode.contains("3.00x"),
+        "{decode}"
+    );
 }
 
 fn write(folder: &tempfile::TempDir, name: &str, text: &str) -> PathBuf {
@@ -163,10 +199,12 @@ fn the_reader_skips_only_a_half_written_last_line() {
     let trace = read_trace(write("half", &format!("{good}{{\"type\":\"sam"))).unwrap();
     assert!(trace.skipped_last_line && trace.records.len() == 2);
     assert_eq!(summarize(&trace).peak, 7);
-    let error = read_trace(write("broken", &format!("{{\"type\":\"sample\",\"t\":0.0}}\nnot json\n{good}"))).unwrap_err();
+    let error =
+        read_trace(write("broken", &format!("{{\"type\":\"sample\",\"t\":0.0}}\nnot json\n{good}"))).unwrap_err();
     assert!(matches!(error, TraceError::Broken { line: 2, .. }), "{error}");
     assert!(error.to_string().contains("line 2"));
-    let error = read_trace(write("unknown-type", &format!("{good}{{\"type\":\"weird\",\"t\":1}}\n{good}"))).unwrap_err();
+    let error =
+        read_trace(write("unknown-type", &format!("{good}{{\"type\":\"weird\",\"t\":1}}\n{good}"))).unwrap_err();
     assert!(matches!(error, TraceError::Broken { line: 3, .. }), "{error}");
     let newer = "{\"type\":\"header\",\"schema\":9,\"utc\":\"x\",\"pid\":1,\"host\":\"h\",\"os\":\"linux\",\"total_memory\":1,\"device\":\"cpu\",\"command\":[],\"interval\":0.25}\n";
     assert!(matches!(read_trace(write("newer", newer)).unwrap_err(), TraceError::Schema { found: 9, .. }));

@@ -19,7 +19,10 @@ impl Module for Mlp {
 
 pub fn mlp(vs: &VarStore, width: i64) -> Mlp {
     let root = vs.root();
-    Mlp { l1: nn::linear(&root / "l1", width, width, Default::default()), l2: nn::linear(&root / "l2", width, width, Default::default()) }
+    Mlp {
+        l1: nn::linear(&root / "l1", width, width, Default::default()),
+        l2: nn::linear(&root / "l2", width, width, Default::default()),
+    }
 }
 
 pub fn build_mlp(width: i64) -> Built {
