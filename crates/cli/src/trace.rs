@@ -48,7 +48,9 @@ fn load(command: &str, paths: &[PathBuf]) -> Option<Vec<(Trace, Summary)>> {
 }
 
 pub fn summary(args: SummaryArgs) -> i32 {
-    let Some(loaded) = load("summary", &args.traces) else { return 2 };
+    let Some(loaded) = load("summary", &args.traces) else {
+        return 2;
+    };
     if args.json {
         let summaries: Vec<&Summary> = loaded.iter().map(|(_, s)| s).collect();
         println!("{}", serde_json::to_string_pretty(&summaries).expect("summaries are plain data"));
@@ -75,7 +77,9 @@ pub fn summary(args: SummaryArgs) -> i32 {
 }
 
 pub fn plot(args: PlotArgs) -> i32 {
-    let Some(loaded) = load("plot", &args.traces) else { return 2 };
+    let Some(loaded) = load("plot", &args.traces) else {
+        return 2;
+    };
     let traces: Vec<(String, &Trace, &Summary)> =
         loaded.iter().map(|(t, s)| (table::label(s, &t.path), t, s)).collect();
     match plot::plot(&traces, &args.output, args.width) {

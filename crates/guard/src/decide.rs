@@ -30,7 +30,9 @@ pub enum Wait {
 impl fmt::Display for Wait {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Wait::LowMemory { percent, wanted } => write!(f, "memory available {percent:.0}% < {wanted:.0}%"),
+            Wait::LowMemory { percent, wanted } => {
+                write!(f, "memory available {percent:.0}% < {wanted:.0}%")
+            }
             Wait::SwapLimit { used, budget, limit } => {
                 write!(f, "swap {} + budget {} > limit {}", format_gb(*used), format_gb(*budget), format_gb(*limit))
             }
@@ -144,7 +146,9 @@ pub enum Stop {
 impl fmt::Display for Stop {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Stop::Swap { used, stop_above } => write!(f, "swap {} > {}", format_gb(*used), format_gb(*stop_above)),
+            Stop::Swap { used, stop_above } => {
+                write!(f, "swap {} > {}", format_gb(*used), format_gb(*stop_above))
+            }
             Stop::LowMemory { percent, kill_free } => {
                 write!(f, "memory available {percent:.0}% < {kill_free:.0}% twice")
             }

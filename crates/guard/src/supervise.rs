@@ -261,7 +261,9 @@ impl Job {
     /// Live members: the leader's group and every process below the guard, zombies left out.
     /// Orphans re-parented to the guard that have exited are reaped on the way.
     fn members(&self, readings: &mut dyn Readings) -> Vec<ProcessEntry> {
-        let Ok(table) = readings.process_tree() else { return Vec::new() };
+        let Ok(table) = readings.process_tree() else {
+            return Vec::new();
+        };
         let below = stageload_probe::descendants(&table, self.guard);
         for orphan in table.iter().filter(|e| e.zombie && e.ppid == self.guard && e.pid != self.leader.as_raw()) {
             let _ = waitpid(Pid::from_raw(orphan.pid), Some(WaitPidFlag::WNOHANG));

@@ -82,7 +82,9 @@ impl Verdict {
     pub fn describe(&self) -> String {
         match self {
             Verdict::Fits => "fits".to_string(),
-            Verdict::FitsIfFreed { free } => format!("fits if other processes free {}", format_bytes(*free)),
+            Verdict::FitsIfFreed { free } => {
+                format!("fits if other processes free {}", format_bytes(*free))
+            }
             Verdict::DoesNotFit { by } => format!("does not fit by {}", format_bytes(*by)),
             Verdict::NotChecked => "not checked (give --device-memory)".to_string(),
         }
@@ -245,7 +247,13 @@ impl Plan {
     /// The plan as `stageload plan` prints it.
     pub fn render(&self) -> String {
         let mut out = String::new();
-        let list = |names: &[String]| if names.is_empty() { "-".to_string() } else { names.join(", ") };
+        let list = |names: &[String]| {
+            if names.is_empty() {
+                "-".to_string()
+            } else {
+                names.join(", ")
+            }
+        };
         let has_device = self.models.iter().any(|m| m.placement == Placement::Device);
         out += &format!(
             "pipeline {}: {} models, {} stages\n\n",
