@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use stageload::meter::read_trace;
-use stageload_trace::Record;
+use stageload_trace::{EventKind, Record};
 
 fn example(name: &str) -> PathBuf {
     // Integration tests run from target/<profile>/deps; `cargo test` builds examples beside it.
@@ -108,16 +108,16 @@ fn cascade_holds_only_the_planned_models_and_reloads_the_shape_decoder_once() {
             assert!(plan[stage].contains(&name) || pinned, "{name} is resident at {stage}: {call}");
         }
     }
-    let events: Vec<(String, String)> = read_trace(&staged.trace)
+    let events: Vec<(EventKind, String)> = read_trace(&staged.trace)
         .unwrap()
         .records
         .into_iter()
         .filter_map(|r| match r {
-            Record::Event(e) if e.kind == "load" || e.kind == "reload" => Some((e.kind, e.model.unwrap_or_default())),
+            Record::Event(e) if e.kind.is_load() => Some((e.kind, e.model.unwrap_or_default())),
             _ => None,
         })
         .collect();
-    let reloads: Vec<&(String, String)> = events.iter().filter(|(kind, _)| kind == "reload").collect();
-    assert_eq!(reloads, [&("reload".to_string(), "shape_decoder".to_string())], "{events:?}");
+    let reloads: Vec<&(EventKind, String)> = events.iter().filter(|(kind, _)| *kind == EventKind::Reload).collect();
+    assert_eq!(reloads, [&(EventKind::Reload, "shape_decoder".to_string())], "{events:?}");
     assert_eq!(events.iter().filter(|(_, model)| model == "shape_decoder").count(), 2);
 }

@@ -8,12 +8,16 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <c10/core/Allocator.h>
 #include <c10/core/CachingDeviceAllocator.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
 #include <torch/torch.h>
 
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <string>
+#include <unordered_set>
 
 extern "C" {
 
@@ -68,9 +72,76 @@ c10::StorageImpl* storage_of(const at::Tensor* t) {
   return t->storage().unsafeGetStorageImpl();
 }
 
+// Building without random initialisation. While a thread has this dispatch key in its included
+// set, every operator call it makes passes through skip_init_fallback first: random fills
+// (uniform_, normal_, ...) return their tensor untouched and random factories (randn, rand)
+// return uninitialised memory, so nothing is drawn and no time is spent drawing; every other
+// operator runs as usual with the key excluded. The key is one libtorch reserves for testing
+// dispatch modes and registers nothing for.
+constexpr c10::DispatchKey kSkipInitKey = c10::DispatchKey::TESTING_ONLY_GenericMode;
+
+bool is_random_fill(const std::string& name) {
+  static const std::unordered_set<std::string> fills = {
+      "aten::uniform_", "aten::normal_", "aten::bernoulli_", "aten::exponential_",
+      "aten::random_", "aten::cauchy_", "aten::log_normal_", "aten::geometric_"};
+  return fills.count(name) > 0;
+}
+
+bool is_random_factory(const std::string& name) {
+  static const std::unordered_set<std::string> factories = {"aten::randn", "aten::rand"};
+  return factories.count(name) > 0;
+}
+
+void skip_init_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  const auto& schema = op.schema();
+  const std::string& name = schema.name();
+  const size_t n = schema.arguments().size();
+  const size_t base = stack->size() - n;
+  if (n >= 1 && is_random_fill(name) && (*stack)[base].isTensor()) {
+    at::Tensor self = (*stack)[base].toTensor();
+    torch::jit::drop(*stack, n);
+    torch::jit::push(*stack, std::move(self));
+    return;
+  }
+  auto size = schema.argumentIndexWithName("size");
+  if (is_random_factory(name) && size && (*stack)[base + *size].isIntList()) {
+    auto arg = [&](const char* key) -> const c10::IValue* {
+      auto i = schema.argumentIndexWithName(key);
+      return i && !(*stack)[base + *i].isNone() ? &(*stack)[base + *i] : nullptr;
+    };
+    c10::TensorOptions options;
+    if (auto v = arg("dtype")) options = options.dtype(v->toScalarType());
+    if (auto v = arg("layout")) options = options.layout(v->toLayout());
+    if (auto v = arg("device")) options = options.device(v->toDevice());
+    if (auto v = arg("pin_memory")) options = options.pinned_memory(v->toBool());
+    std::vector<int64_t> sizes = (*stack)[base + *size].toIntVector();
+    at::Tensor out;
+    {
+      c10::impl::ExcludeDispatchKeyGuard outside(kSkipInitKey);
+      out = at::empty(sizes, options);
+    }
+    torch::jit::drop(*stack, n);
+    torch::jit::push(*stack, std::move(out));
+    return;
+  }
+  c10::impl::ExcludeDispatchKeyGuard outside(kSkipInitKey);
+  op.callBoxed(stack);
+}
+
 }  // namespace
 
+TORCH_LIBRARY_IMPL(_, TESTING_ONLY_GenericMode, m) {
+  m.fallback(torch::CppFunction::makeFromBoxedFunction<&skip_init_fallback>());
+}
+
 extern "C" {
+
+char* sl_skip_init(bool on, bool* previous) {
+  return guarded([&] {
+    *previous = c10::impl::tls_is_dispatch_key_included(kSkipInitKey);
+    c10::impl::tls_set_dispatch_key_included(kSkipInitKey, on);
+  });
+}
 
 char* sl_generator_get_state(int kind, int index, uint8_t** out, size_t* len) {
   return guarded([&] {

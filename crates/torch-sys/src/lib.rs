@@ -51,6 +51,7 @@ mod ffi {
             peak_reserved: *mut i64,
         ) -> *mut c_char;
         pub fn sl_cuda_reset_peak(index: c_int) -> *mut c_char;
+        pub fn sl_skip_init(on: bool, previous: *mut bool) -> *mut c_char;
     }
 }
 
@@ -212,6 +213,44 @@ pub fn cuda_reset_peak(device: usize) -> ShimResult<()> {
     // SAFETY: plain integer argument; the shim validates it.
     let err = unsafe { ffi::sl_cuda_reset_peak(device as c_int) };
     check("reset CUDA peak", err)
+}
+
+/// Turns skipping of random initialisation on or off for this thread; returns the previous
+/// setting.
+fn set_skip_init(on: bool) -> ShimResult<bool> {
+    let mut previous = false;
+    // SAFETY: the out-pointer is valid for a write; the shim only flips a thread-local flag.
+    let err = unsafe { ffi::sl_skip_init(on, &mut previous) };
+    check("switch random initialisation", err)?;
+    Ok(previous)
+}
+
+/// Puts the thread's skip-init setting back, also when the closure unwinds.
+struct RestoreSkipInit(bool);
+
+impl Drop for RestoreSkipInit {
+    fn drop(&mut self) {
+        if let Err(err) = set_skip_init(self.0) {
+            tracing::warn!(%err, "restoring random initialisation");
+        }
+    }
+}
+
+/// Runs `f` with random initialisation skipped on this thread: random fills (`uniform_`,
+/// `normal_`, `bernoulli_`, ...) leave their tensor as it is and random factories (`randn`,
+/// `rand`) return uninitialised memory. Nothing is drawn from any generator. Deterministic
+/// fills (`zeros`, `ones`, `fill_`) still run, so buffers a loader computes stay right. For
+/// building a model whose every weight then comes from a checkpoint. If the shim cannot switch
+/// (it always can on a libtorch it compiled against), `f` runs with initialisation on.
+pub fn without_init<R>(f: impl FnOnce() -> R) -> R {
+    let _restore = match set_skip_init(true) {
+        Ok(previous) => Some(RestoreSkipInit(previous)),
+        Err(err) => {
+            tracing::warn!(%err, "could not skip random initialisation; building with it");
+            None
+        }
+    };
+    f()
 }
 
 /// The allocation size from which [`map_large_host_blocks`] makes glibc serve each block with its

@@ -26,7 +26,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
 use safetensors::Dtype;
+use stageload_trace::event::LoadReport as NamedLoad;
 use tch::{Device, Kind, Tensor};
+
+use crate::names::{match_names, Collision, NameMismatch, NameRules};
 
 /// Why a checkpoint could not be read or loaded. Each variant names the file and the tensor.
 #[derive(Debug, thiserror::Error)]
@@ -53,6 +56,10 @@ pub enum CheckpointError {
     Unallocated { tensor: String },
     #[error("copying tensor '{tensor}' from {path} failed: {source}")]
     Copy { tensor: String, path: PathBuf, source: tch::TchError },
+    #[error("checkpoint {}: {source}", paths(files))]
+    Collision { files: Vec<PathBuf>, source: Collision },
+    #[error("checkpoint {}: {mismatch}", paths(files))]
+    Names { files: Vec<PathBuf>, mismatch: NameMismatch },
     #[error("reading tensor '{tensor}' from {path} failed: {source}")]
     Read { tensor: String, path: PathBuf, source: std::io::Error },
 }
@@ -292,6 +299,44 @@ impl Checkpoint {
         let mut unused: Vec<String> = self.entries.keys().filter(|n| !wanted.contains(n.as_str())).cloned().collect();
         unused.sort();
         Ok(LoadReport { bytes: total, tensors: targets.len(), unused })
+    }
+
+    /// Like [`load_into`](Self::load_into), with the targets' names met under `rules`: file
+    /// entries renamed, ignored entries skipped, and (when strict) any tensor without an entry or
+    /// entry without a tensor refused before a byte is copied, with both sides' names and a
+    /// suggested rule ([`NameMismatch`]). Lenient: what matches is loaded, the rest reported.
+    pub fn load_named(
+        &self,
+        targets: &[(String, Tensor)],
+        rules: &NameRules,
+        progress: impl FnMut(Progress),
+    ) -> Result<NamedLoad, CheckpointError> {
+        let tensors: Vec<&str> = targets.iter().map(|(n, _)| n.as_str()).collect();
+        let found = match_names(self.entries.keys().map(String::as_str), &tensors, rules)
+            .map_err(|source| CheckpointError::Collision { files: self.files.clone(), source })?;
+        if rules.strict && (!found.missing.is_empty() || !found.unused.is_empty()) {
+            return Err(CheckpointError::Names { files: self.files.clone(), mismatch: NameMismatch::new(&found) });
+        }
+        // Each target under the name of the entry that fills it.
+        let renamed: Vec<(String, Tensor)> = targets
+            .iter()
+            .filter_map(|(n, t)| found.pairs.get(n).map(|entry| (entry.clone(), t.shallow_clone())))
+            .collect();
+        let converted = renamed
+            .iter()
+            .filter_map(|(entry, t)| {
+                let from = self.entries.get(entry)?.kind;
+                (from != t.kind()).then(|| format!("{entry}: {from:?} -> {:?}", t.kind()))
+            })
+            .collect();
+        self.load_into(&renamed, progress)?;
+        Ok(NamedLoad {
+            used: renamed.len(),
+            converted,
+            unused: found.unused,
+            ignored: found.ignored,
+            missing: found.missing,
+        })
     }
 
     /// Reads each piece straight into its target, on up to [`MAX_THREADS`] threads, the caller's

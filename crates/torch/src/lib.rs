@@ -6,21 +6,27 @@
 //! - [`rng`]: every generator's state preserved around each build, so lazy loading never shifts
 //!   the noise a seeded run draws.
 //! - [`checkpoint`]: safetensors files mapped and copied once into the model's storage.
+//! - [`names`]: how a checkpoint's entry names meet a model's (rename, ignore, strictness).
 //! - [`storage`]: release and reallocation of a model's storages through the shim.
+//! - [`sync`]: the one shared-handle type and lock helper.
 //! - [`hook`]: enter a stage when a module or closure you do not own is called.
-//! - [`events`]: what happened, for traces and tests.
+//! - events ([`Event`], [`EventSink`]): what happened, typed, for traces and tests.
 //! - [`meter`]: a run's memory and events as a JSONL trace (the meter of `stageload-trace`).
 
 pub mod checkpoint;
-pub mod events;
 pub mod hook;
 pub mod meter;
+pub mod names;
 pub mod rng;
 pub mod staged;
 pub mod storage;
+pub mod sync;
 
-pub use events::{Event, EventKind, EventSink, ListSink};
+pub use names::NameRules;
 pub use rng::SharedRng;
-pub use staged::{BoxError, BuildContext, Built, Handle, ModelGuard, ModelSpec, Shared, StageError, StagedModels};
+pub use staged::{BoxError, BuildContext, Built, Handle, ModelGuard, ModelSpec, ModelState, StageError, StagedModels};
 /// The pipeline description `stageload plan` checks; feed it to [`StagedModels::builder`]'s `pipeline`.
 pub use stageload_plan::Pipeline;
+/// Typed events (they live in the torch-free trace crate, so traces read the same fields).
+pub use stageload_trace::event::{Event, EventKind, EventSink, ListSink, LoadReport, ReloadFrom};
+pub use sync::Shared;

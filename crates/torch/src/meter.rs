@@ -1,4 +1,4 @@
-//! Traces of a StagedModels run: the meter of `stageload-trace` receives the registry's events
+//! Traces of a StagedModels run: the meter of `stageload-trace` is an [`crate::EventSink`]
 //! (every load, reload, release and stage entry becomes a trace line followed by a sample), and
 //! its samples include CUDA allocator memory when the models run on a GPU.
 //!
@@ -16,38 +16,7 @@ use std::path::Path;
 
 use tch::Device;
 
-use crate::events::{Event, EventKind, EventSink};
 pub use stageload_trace::{read_trace, summarize, DeviceMemory, Meter, MeterOptions, Summary, SystemMeterReadings};
-
-/// The name of an event kind in a trace.
-fn kind_name(kind: EventKind) -> &'static str {
-    match kind {
-        EventKind::Load => "load",
-        EventKind::Reload => "reload",
-        EventKind::Release => "release",
-        EventKind::Stage => "stage",
-        EventKind::Mark => "mark",
-        EventKind::Error => "error",
-    }
-}
-
-impl EventSink for Meter {
-    fn emit(&self, event: &Event) {
-        self.event(
-            event.at,
-            stageload_trace::EventRecord {
-                kind: kind_name(event.kind).to_string(),
-                model: event.model.clone(),
-                stage: event.stage.clone(),
-                bytes: event.bytes,
-                seconds: event.seconds,
-                note: event.note.clone(),
-                resident: event.resident,
-                ..Default::default()
-            },
-        );
-    }
-}
 
 /// Starts a meter for a pipeline whose models run on `device`: the header names the device, and
 /// on CUDA every sample carries the allocator's allocated and reserved bytes.

@@ -9,11 +9,13 @@
 //! also when the build fails or panics.
 
 use std::any::Any;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
+
+use crate::sync::Shared;
 
 use stageload_torch_sys::{self as shim, GeneratorDevice, ShimError};
 
-/// A generator whose state can be saved and put back: implemented for [`SharedRng`].
+/// A generator whose state can be saved and put back: implemented for [`SharedRng`] (a [`Shared`] generator).
 pub trait RngSnapshot: Send + Sync {
     /// A copy of the current state.
     fn save(&self) -> Box<dyn Any + Send>;
@@ -23,27 +25,9 @@ pub trait RngSnapshot: Send + Sync {
 
 /// A `rand` generator shared between the pipeline (which draws from it) and StagedModels (which
 /// preserves it around builds), e.g. `SharedRng::new(ChaCha8Rng::seed_from_u64(7))`.
-#[derive(Debug, Default)]
-pub struct SharedRng<R>(Arc<Mutex<R>>);
+pub type SharedRng<R> = Shared<R>;
 
-impl<R> Clone for SharedRng<R> {
-    fn clone(&self) -> Self {
-        SharedRng(Arc::clone(&self.0))
-    }
-}
-
-impl<R> SharedRng<R> {
-    pub fn new(rng: R) -> Self {
-        SharedRng(Arc::new(Mutex::new(rng)))
-    }
-
-    /// Locks the generator to draw from it.
-    pub fn lock(&self) -> MutexGuard<'_, R> {
-        self.0.lock().unwrap_or_else(|e| e.into_inner())
-    }
-}
-
-impl<R: Clone + Send + 'static> RngSnapshot for SharedRng<R> {
+impl<R: Clone + Send + 'static> RngSnapshot for Shared<R> {
     fn save(&self) -> Box<dyn Any + Send> {
         Box::new(self.lock().clone())
     }

@@ -47,7 +47,7 @@ fn a_metered_run_traces_loads_releases_and_stage_peaks() {
         .records
         .iter()
         .find_map(|r| match r {
-            stageload_trace::Record::Event(e) if e.kind == "release" => Some(e.t),
+            stageload_trace::Record::Event(e) if e.kind == stageload::EventKind::Release => Some(e.t),
             _ => None,
         })
         .unwrap();
@@ -57,6 +57,9 @@ fn a_metered_run_traces_loads_releases_and_stage_peaks() {
     assert!(encode >= setup + model_bytes * 9 / 10, "encode holds the encoder: {setup} -> {encode}");
     assert!(
         summary.complete
-            && trace.records.iter().any(|r| matches!(r, stageload_trace::Record::Event(e) if e.kind == "mark"))
+            && trace
+                .records
+                .iter()
+                .any(|r| matches!(r, stageload_trace::Record::Event(e) if e.kind == stageload::EventKind::Mark))
     );
 }

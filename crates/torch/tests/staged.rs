@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use stageload::hook::EnterOnCall;
-use stageload::{Built, EventKind, ListSink, ModelSpec, StageError, StagedModels};
+use stageload::{Built, EventKind, ListSink, ModelSpec, ModelState, StageError, StagedModels};
 use tch::nn::{self, Module, VarStore};
 use tch::{Device, Kind, Tensor};
 
@@ -34,7 +34,9 @@ fn the_plan_is_validated_at_construction() {
     let err =
         StagedModels::builder().model(spec("a", 4)).stage("s", ["a", "ghost"]).pin("phantom").build().err().unwrap();
     match &err {
-        StageError::PlanWithoutLoader { names } => assert_eq!(names, &["ghost".to_string(), "phantom".to_string()]),
+        StageError::PlanWithoutLoader { names } => {
+            assert_eq!(names, &["ghost".to_string(), "phantom".to_string()])
+        }
         other => panic!("unexpected {other}"),
     }
     assert!(err.to_string().contains("ghost") && err.to_string().contains("phantom"));
@@ -77,11 +79,11 @@ fn get_loads_once_and_notes_loads_outside_the_stage() {
     assert_eq!(loads[0].model.as_deref(), Some("encoder"));
     assert_eq!(loads[0].stage.as_deref(), Some("encode"));
     assert_eq!(loads[0].bytes, Some(2 * (16 * 16 + 16) * 4));
-    assert_eq!(loads[0].note, None);
+    assert!(!loads[0].outside_stage);
 
     models.get::<Mlp>("helper").unwrap();
     let loads = sink.of_kind(EventKind::Load);
-    assert_eq!(loads[1].note.as_deref(), Some("outside_stage"));
+    assert!(loads[1].outside_stage);
 
     let strict =
         StagedModels::builder().model(spec("a", 4)).model(spec("b", 4)).stage("s", ["a"]).strict(true).build().unwrap();
@@ -141,7 +143,7 @@ fn reload_without_checkpoint_rebuilds_and_old_handles_stay_released() {
     let new = models.get::<Mlp>("encoder").unwrap();
     assert!(old.lock().is_err() && new.lock().is_ok());
     let reload = &sink.of_kind(EventKind::Reload)[0];
-    assert_eq!(reload.note.as_deref(), Some("rebuilt"));
+    assert_eq!(reload.from, Some(stageload::ReloadFrom::Rebuilt));
 }
 
 #[test]
@@ -239,7 +241,7 @@ fn a_shared_backbone_is_built_once_and_freed_after_its_last_user() {
     let stats = models.enter("decode").unwrap();
     assert_eq!((stats.freed, stats.kept), (head_bytes + backbone_bytes, 0), "freed after the last user");
     let release = sink.of_kind(EventKind::Release);
-    assert_eq!(release[0].note.as_deref(), Some(format!("kept={backbone_bytes}").as_str()));
+    assert_eq!(release[0].kept_bytes, Some(backbone_bytes));
 
     // Needed again: the released backbone is rebuilt, not handed out empty.
     models.enter("shape_only").unwrap();
@@ -281,16 +283,23 @@ fn registered_models_removal_and_hand_over() {
 }
 
 #[test]
-fn a_model_locked_by_this_thread_is_not_released_into_a_deadlock() {
-    let models = two_stage(Arc::new(ListSink::new()));
+fn a_model_locked_by_this_thread_is_released_when_its_guard_drops() {
+    let sink = Arc::new(ListSink::new());
+    let models = two_stage(sink.clone());
     models.enter("encode").unwrap();
     let encoder = models.get::<Mlp>("encoder").unwrap();
     let guard = encoder.lock().unwrap();
-    let err = models.enter("decode").unwrap_err();
-    assert!(matches!(err, StageError::InUse { .. }) && err.to_string().contains("'encoder'"), "{err}");
+    let stats = models.enter("decode").unwrap();
+    assert_eq!(stats.freed, 0, "nothing is freed under a live guard");
+    assert!(guard.forward(&input(16)).f_sum(Kind::Float).is_ok(), "the guard's holder keeps computing");
+    assert_eq!(models.states()[0], ("encoder".to_string(), ModelState::ReleasePending));
+    assert!(sink.of_kind(EventKind::Release).is_empty());
     drop(guard);
-    models.enter("decode").unwrap();
     assert!(encoder.is_released());
+    let release = sink.of_kind(EventKind::Release);
+    assert_eq!(release.len(), 1, "the drop carried the release out");
+    assert!(release[0].bytes.unwrap() > 0 && release[0].stage.as_deref() == Some("decode"));
+    assert_eq!(models.states()[0], ("encoder".to_string(), ModelState::Released));
 }
 
 #[test]

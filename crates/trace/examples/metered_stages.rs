@@ -6,7 +6,7 @@
 
 use std::time::{Duration, Instant};
 
-use stageload_trace::{EventRecord, Meter, MeterOptions};
+use stageload_trace::{EventKind, EventRecord, Meter, MeterOptions};
 
 fn main() {
     let mut args = std::env::args().skip(1);
@@ -27,13 +27,13 @@ fn main() {
         let name = format!("stage_{index}");
         meter.event(
             Instant::now(),
-            EventRecord { kind: "stage".into(), stage: Some(name.clone()), ..EventRecord::default() },
+            EventRecord { kind: EventKind::Stage, stage: Some(name.clone()), ..EventRecord::default() },
         );
         if let Some(block) = held.take() {
             let bytes = block.len() as u64;
             drop(block);
             let record = EventRecord {
-                kind: "release".into(),
+                kind: EventKind::Release,
                 model: Some(format!("block_{}", index - 1)),
                 bytes: Some(bytes),
                 ..EventRecord::default()
@@ -46,7 +46,7 @@ fn main() {
             page[0] = 1;
         }
         let record = EventRecord {
-            kind: "load".into(),
+            kind: EventKind::Load,
             model: Some(format!("block_{index}")),
             stage: Some(name),
             bytes: Some(block.len() as u64),

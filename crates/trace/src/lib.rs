@@ -1,5 +1,6 @@
 //! stageload-trace: where a run's memory went. Torch-free.
 //!
+//! - [`event`]: typed events of a staged pipeline, their sinks, and how they print.
 //! - [`record`]: the JSONL trace format (header, samples, events, exact peaks, errors, end).
 //! - [`meter`]: the background sampler writing a trace while the pipeline runs.
 //! - [`reader`]: reading a trace back, tolerating a half-written last line.
@@ -7,6 +8,7 @@
 //! - [`table`]: summaries as text, and several traces side by side.
 //! - [`plot`]: memory over time as SVG or PNG.
 
+pub mod event;
 pub mod meter;
 pub mod plot;
 pub mod reader;
@@ -14,6 +16,7 @@ pub mod record;
 pub mod summary;
 pub mod table;
 
+pub use event::{Event, EventKind, EventSink, ListSink, LoadReport, ReloadFrom};
 pub use meter::{DeviceMemory, Meter, MeterOptions, MeterReadings, SystemMeterReadings};
 pub use reader::{read_trace, Trace, TraceError};
 pub use record::{EventRecord, Record};

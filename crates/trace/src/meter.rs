@@ -22,6 +22,7 @@ use std::time::{Duration, Instant, SystemTime};
 use serde_json::{Map, Value};
 use stageload_probe::{Pressure, ProbeError, ProcessMemory, SystemMemory};
 
+use crate::event::{Event, EventKind, EventSink};
 use crate::record::{millis, ErrorRecord, EventRecord, Header, PeakRecord, Record, Sample, SCHEMA_VERSION};
 
 /// Device memory from the torch side (CUDA's caching allocator).
@@ -282,13 +283,13 @@ impl Meter {
         if writer.finished {
             return;
         }
-        match record.kind.as_str() {
-            "stage" => {
+        match record.kind {
+            EventKind::Stage => {
                 let previous = std::mem::replace(&mut writer.window, record.stage.clone().unwrap_or_default());
                 writer.close_window(t, previous.clone());
                 writer.release_tail = Some(previous);
             }
-            "release" => {
+            EventKind::Release => {
                 if let Some(previous) = writer.release_tail.clone() {
                     writer.close_window(t, previous);
                 }
@@ -303,7 +304,7 @@ impl Meter {
     pub fn mark(&self, label: &str) {
         self.event(
             Instant::now(),
-            EventRecord { kind: "mark".into(), note: Some(label.into()), ..EventRecord::default() },
+            EventRecord { kind: EventKind::Mark, note: Some(label.into()), ..EventRecord::default() },
         );
     }
 
@@ -342,5 +343,12 @@ impl Shared {
 impl Drop for Meter {
     fn drop(&mut self) {
         self.finish();
+    }
+}
+
+/// A registry's events go into the trace (each followed by a sample).
+impl EventSink for Meter {
+    fn emit(&self, event: &Event) {
+        self.event(event.at.unwrap_or_else(Instant::now), event.clone());
     }
 }

@@ -11,6 +11,7 @@ use plotters::prelude::*;
 use plotters::style::FontStyle;
 use thiserror::Error;
 
+use crate::event::EventKind;
 use crate::reader::Trace;
 use crate::record::Record;
 use crate::summary::Summary;
@@ -125,13 +126,13 @@ fn draw<DB: DrawingBackend>(
         for record in &trace.records {
             if let Record::Event(event) = record {
                 let at = (event.t, level_at(event.t));
-                match event.kind.as_str() {
-                    "load" | "reload" => {
+                match event.kind {
+                    EventKind::Load | EventKind::Reload => {
                         chart
                             .draw_series(std::iter::once(TriangleMarker::new(at, 6, color.filled())))
                             .map_err(error)?;
                     }
-                    "release" => {
+                    EventKind::Release => {
                         chart.draw_series(std::iter::once(Cross::new(at, 5, BLACK.stroke_width(2)))).map_err(error)?;
                     }
                     _ => {}

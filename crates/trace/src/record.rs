@@ -5,15 +5,19 @@
 //! |---|---|
 //! | `header` | first line: schema version, pid, host, OS, total memory, device, command, interval, user `meta` (its own object, so it cannot overwrite the fields above) |
 //! | `sample` | the process's RSS, swap and high-water mark, the system's available memory and swap, cgroup usage and limit, memory pressure, device memory: each present only where the platform has it |
-//! | `event` | what the pipeline did: `stage`, `load`, `reload`, `release`, `mark`, `error`, with model, stage, bytes, seconds (loads also give their `start`) |
+//! | `event` | what the pipeline did ([`crate::event::Event`]): `stage`, `load`, `reload`, `release`, `mark`, `error`, with model, stage, bytes, seconds, `start`, and typed details (`from`, `outside_stage`, `kept_bytes`, the load `report`) |
 //! | `peak` | the exact RSS high-water mark of the window that ends at `t` (Linux: `VmHWM`, reset at every window start), so a peak between two samples is not lost |
 //! | `error` | a reading that failed, once per distinct error and source |
 //! | `end` | last line; absent when the run was killed |
 
 use serde::{Deserialize, Serialize};
 
+pub use crate::event::Event as EventRecord;
+
 /// The version of this format; a reader refuses traces of a newer one.
-pub const SCHEMA_VERSION: u32 = 1;
+/// Schema 2 types the events (`from`, `outside_stage`, `kept_bytes`, `report`); schema-1 notes
+/// are read into those fields.
+pub const SCHEMA_VERSION: u32 = 2;
 
 /// One line of a trace.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -100,33 +104,6 @@ pub struct Sample {
     pub device_allocated: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub device_reserved: Option<u64>,
-}
-
-/// Something the pipeline did.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-pub struct EventRecord {
-    /// When the work ended.
-    pub t: f64,
-    /// `stage`, `load`, `reload`, `release`, `mark`, `error`.
-    pub kind: String,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub model: Option<String>,
-    /// The stage current at the time (for `stage`: the stage entered).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub stage: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub bytes: Option<u64>,
-    /// How long the work took; it began at `start` = `t` − `seconds`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub seconds: Option<f64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub start: Option<f64>,
-    /// `outside_stage`, `kept=N bytes`, a mark's label, an error message.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub note: Option<String>,
-    /// Bytes of model weights resident right after the event.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub resident: Option<u64>,
 }
 
 /// The exact RSS peak of the window of `stage` up to `t`.

@@ -16,6 +16,7 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::event::EventKind;
 use crate::reader::Trace;
 use crate::record::{millis, EventRecord, Header, Record, Sample};
 
@@ -97,10 +98,10 @@ pub struct Summary {
 fn window_starts(events: &[&EventRecord]) -> Vec<(String, f64)> {
     let mut starts = Vec::new();
     for (i, event) in events.iter().enumerate() {
-        if event.kind != "stage" {
+        if event.kind != EventKind::Stage {
             continue;
         }
-        let tail = events[i + 1..].iter().take_while(|e| e.kind == "release").last();
+        let tail = events[i + 1..].iter().take_while(|e| e.kind == EventKind::Release).last();
         starts.push((event.stage.clone().unwrap_or_default(), tail.map_or(event.t, |release| release.t)));
     }
     starts
@@ -159,22 +160,19 @@ pub fn summarize(trace: &Trace) -> Summary {
         .chain(peaks.iter().copied())
         .max_by_key(|(_, rss)| *rss)
         .unwrap_or((0.0, 0));
-    let loaded: Vec<&&EventRecord> = events.iter().filter(|e| e.kind == "load" || e.kind == "reload").collect();
+    let loaded: Vec<&&EventRecord> = events.iter().filter(|e| e.kind.is_load()).collect();
     let (bytes, seconds) =
         (loaded.iter().filter_map(|e| e.bytes).sum::<u64>(), loaded.iter().filter_map(|e| e.seconds).sum::<f64>());
     let loads = Loads {
         count: loaded.len(),
-        reloads: loaded.iter().filter(|e| e.kind == "reload").count(),
+        reloads: loaded.iter().filter(|e| e.kind == EventKind::Reload).count(),
         bytes,
         seconds: millis(seconds),
         gb_per_s: if seconds > 0.0 { bytes as f64 / seconds / 1e9 } else { 0.0 },
     };
-    let released: Vec<&&EventRecord> = events.iter().filter(|e| e.kind == "release").collect();
-    let mut outside_stage: Vec<String> = loaded
-        .iter()
-        .filter(|e| e.note.as_deref().is_some_and(|n| n.contains("outside_stage")))
-        .filter_map(|e| e.model.clone())
-        .collect();
+    let released: Vec<&&EventRecord> = events.iter().filter(|e| e.kind == EventKind::Release).collect();
+    let mut outside_stage: Vec<String> =
+        loaded.iter().filter(|e| e.outside_stage).filter_map(|e| e.model.clone()).collect();
     outside_stage.sort();
     outside_stage.dedup();
     let swaps: Vec<u64> = samples.iter().filter_map(|s| s.swap_used).collect();

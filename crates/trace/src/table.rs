@@ -148,7 +148,9 @@ pub fn render_checks(checks: &[StageCheck]) -> String {
 
 /// Several traces side by side: per-stage peaks, each against the first trace, and the totals.
 pub fn compare(summaries: &[(String, &Summary)]) -> String {
-    let Some((base_label, _)) = summaries.first() else { return String::new() };
+    let Some((base_label, _)) = summaries.first() else {
+        return String::new();
+    };
     let mut stages: Vec<String> = Vec::new();
     for (_, summary) in summaries {
         for window in &summary.stages {

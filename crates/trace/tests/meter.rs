@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use stageload_probe::{ProbeError, ProcessMemory, SystemMemory};
 use stageload_trace::record::{Record, Sample};
-use stageload_trace::{plot::plot, read_trace, summarize, EventRecord, Meter, MeterOptions, MeterReadings};
+use stageload_trace::{plot::plot, read_trace, summarize, EventKind, EventRecord, Meter, MeterOptions, MeterReadings};
 
 static ONE_METER: Mutex<()> = Mutex::new(());
 
@@ -23,7 +23,7 @@ fn stage(meter: &Meter, name: &str) {
     std::thread::sleep(Duration::from_millis(20));
     meter.event(
         Instant::now(),
-        EventRecord { kind: "stage".into(), stage: Some(name.into()), ..EventRecord::default() },
+        EventRecord { kind: EventKind::Stage, stage: Some(name.into()), ..EventRecord::default() },
     );
 }
 
@@ -36,7 +36,7 @@ fn a_run_writes_header_samples_events_and_end() {
     let meter = Meter::start(&path, options).unwrap();
     stage(&meter, "encode");
     let load = EventRecord {
-        kind: "load".into(),
+        kind: EventKind::Load,
         model: Some("encoder".into()),
         bytes: Some(10),
         seconds: Some(0.02),
@@ -47,7 +47,10 @@ fn a_run_writes_header_samples_events_and_end() {
     meter.finish();
     let trace = read_trace(&path).unwrap();
     let Record::Header(header) = &trace.records[0] else { panic!("first record {:?}", trace.records[0]) };
-    assert_eq!((header.schema, header.pid, header.interval), (1, std::process::id(), 0.05));
+    assert_eq!(
+        (header.schema, header.pid, header.interval),
+        (stageload_trace::record::SCHEMA_VERSION, std::process::id(), 0.05)
+    );
     assert_eq!(header.meta["pid"], 1, "user meta stays under meta and cannot overwrite the pid");
     assert!(header.total_memory > 0 && header.command[0].contains("meter"));
     assert!(matches!(trace.records.last(), Some(Record::End { .. })));
@@ -60,7 +63,7 @@ fn a_run_writes_header_samples_events_and_end() {
     for (i, record) in trace.records.iter().enumerate() {
         if let Record::Event(event) = record {
             assert!(matches!(&trace.records[i + 1], Record::Sample(s) if s.t == event.t), "{record:?}");
-            if event.kind == "load" {
+            if event.kind == EventKind::Load {
                 assert_eq!(event.start, Some(((event.t - 0.02) * 1000.0).round() / 1000.0));
             }
         }

@@ -4,22 +4,22 @@
 use std::path::PathBuf;
 
 use stageload_trace::record::{EventRecord, PeakRecord, Record, Sample};
-use stageload_trace::{read_trace, summarize, table, Summary, Trace, TraceError};
+use stageload_trace::{read_trace, summarize, table, EventKind, Summary, Trace, TraceError};
 
 fn sample(t: f64, rss: u64) -> Record {
     Record::Sample(Sample { t, rss: Some(rss), ..Sample::default() })
 }
 
-fn event(t: f64, kind: &str, stage: Option<&str>) -> Record {
-    Record::Event(EventRecord { t, kind: kind.into(), stage: stage.map(Into::into), ..EventRecord::default() })
+fn event(t: f64, kind: EventKind, stage: Option<&str>) -> Record {
+    Record::Event(EventRecord { t, kind, stage: stage.map(Into::into), ..EventRecord::default() })
 }
 
 fn stage(t: f64, name: &str) -> Record {
-    event(t, "stage", Some(name))
+    event(t, EventKind::Stage, Some(name))
 }
 
 fn release(t: f64) -> Record {
-    event(t, "release", None)
+    event(t, EventKind::Release, None)
 }
 
 fn summary_of(records: Vec<Record>) -> Summary {
@@ -78,8 +78,13 @@ fn an_explicit_setup_merges_with_the_synthetic_one_and_repeats_merge() {
     let summary = summary_of(vec![stage(0.0, "load"), sample(0.0, 5), sample(1.0, 7)]);
     assert_eq!(windows(&summary), [("load", 1.0, Some(7))]);
     // A load between the stage event and a release ends the tail.
-    let summary =
-        summary_of(vec![sample(0.0, 1), stage(1.0, "a"), event(1.2, "load", Some("a")), release(1.5), sample(2.0, 2)]);
+    let summary = summary_of(vec![
+        sample(0.0, 1),
+        stage(1.0, "a"),
+        event(1.2, EventKind::Load, Some("a")),
+        release(1.5),
+        sample(2.0, 2),
+    ]);
     assert_eq!(summary.stages[1].start, 1.0);
 }
 
@@ -109,14 +114,14 @@ fn exact_peak_records_raise_a_window_that_sampling_missed() {
 
 #[test]
 fn loads_releases_outside_stage_swap_and_errors() {
-    let load = |t: f64, kind: &str, model: &str, bytes: u64, seconds: f64, note: Option<&str>| {
+    let load = |t: f64, kind: EventKind, model: &str, bytes: u64, seconds: f64, outside_stage: bool| {
         Record::Event(EventRecord {
             t,
-            kind: kind.into(),
+            kind,
             model: Some(model.into()),
             bytes: Some(bytes),
             seconds: Some(seconds),
-            note: note.map(Into::into),
+            outside_stage,
             ..EventRecord::default()
         })
     };
@@ -128,12 +133,12 @@ fn loads_releases_outside_stage_swap_and_errors() {
             available: Some(900),
             ..Sample::default()
         }),
-        load(1.0, "load", "encoder", 2_000_000_000, 1.0, None),
-        load(2.0, "reload", "encoder", 2_000_000_000, 0.5, Some("in_place")),
-        load(2.5, "load", "helper", 1_000_000_000, 0.5, Some("outside_stage")),
+        load(1.0, EventKind::Load, "encoder", 2_000_000_000, 1.0, false),
+        load(2.0, EventKind::Reload, "encoder", 2_000_000_000, 0.5, false),
+        load(2.5, EventKind::Load, "helper", 1_000_000_000, 0.5, true),
         Record::Event(EventRecord {
             t: 3.0,
-            kind: "release".into(),
+            kind: EventKind::Release,
             bytes: Some(2_000_000_000),
             ..EventRecord::default()
         }),

@@ -1,0 +1,198 @@
+//! Building a [`StagedModels`]: models, stages, pins, event sink, options, or all of it from a
+//! pipeline file.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::path::PathBuf;
+use std::sync::{Arc, Condvar, Mutex};
+
+use super::decide::{self, SlotState};
+use super::error::{Result, StageError};
+use super::registry::{Entry, Inner, ProgressHook, State};
+use super::spec::ModelSpec;
+use super::StagedModels;
+use crate::checkpoint::Progress;
+use crate::rng::RngSnapshot;
+use stageload_trace::event::EventSink;
+
+/// Builds a [`StagedModels`]: models, stages, pins, sink, options.
+pub struct StagedModelsBuilder {
+    specs: Vec<ModelSpec>,
+    stages: Vec<(String, Vec<String>)>,
+    pinned: Vec<String>,
+    sink: Option<Arc<dyn EventSink>>,
+    rngs: Vec<Arc<dyn RngSnapshot>>,
+    preserve_rng: bool,
+    strict: bool,
+    map_large_host_blocks: bool,
+    progress: Option<Arc<ProgressHook>>,
+    planned_checkpoints: HashMap<String, Vec<PathBuf>>,
+    planned_models: Vec<String>,
+}
+
+impl StagedModelsBuilder {
+    /// Takes the stages (in order), the pins and each model's checkpoint files from a pipeline
+    /// description, the file `stageload plan` checked, so the plan that was checked is the plan
+    /// that runs. Loaders still come from [`model`](Self::model): a model of the file without
+    /// one is a [`StageError::PlanWithoutLoader`] at [`build`](Self::build). A `ModelSpec` that
+    /// declares no checkpoint gets the file's.
+    pub fn pipeline(mut self, pipeline: &stageload_plan::Pipeline) -> Self {
+        for stage in &pipeline.stages {
+            self = self.stage(stage.name.clone(), stage.models.iter().cloned());
+        }
+        for name in &pipeline.pinned {
+            self = self.pin(name.clone());
+        }
+        for model in &pipeline.models {
+            self.planned_checkpoints.insert(model.name.clone(), model.files.clone());
+            self.planned_models.push(model.name.clone());
+        }
+        self
+    }
+
+    pub fn model(mut self, spec: ModelSpec) -> Self {
+        self.specs.push(spec);
+        self
+    }
+
+    /// A stage and the models it uses.
+    pub fn stage<S: Into<String>>(mut self, name: impl Into<String>, models: impl IntoIterator<Item = S>) -> Self {
+        self.stages.push((name.into(), models.into_iter().map(Into::into).collect()));
+        self
+    }
+
+    /// Keeps a model resident across stages (until unpinned or `close`).
+    pub fn pin(mut self, name: impl Into<String>) -> Self {
+        self.pinned.push(name.into());
+        self
+    }
+
+    /// Where events go.
+    pub fn events(mut self, sink: Arc<dyn EventSink>) -> Self {
+        self.sink = Some(sink);
+        self
+    }
+
+    /// A generator of the pipeline's own to preserve around every build.
+    pub fn register_rng(mut self, rng: Arc<dyn RngSnapshot>) -> Self {
+        self.rngs.push(rng);
+        self
+    }
+
+    /// Turns RNG preservation off (default on): only for a control experiment.
+    pub fn preserve_rng(mut self, on: bool) -> Self {
+        self.preserve_rng = on;
+        self
+    }
+
+    /// Called as checkpoint loads progress (model name, bytes done of the total), for a progress
+    /// bar on long loads. Runs on the loading thread; keep it quick.
+    pub fn progress(mut self, hook: impl Fn(&str, Progress) + Send + Sync + 'static) -> Self {
+        self.progress = Some(Arc::new(hook));
+        self
+    }
+
+    /// Refuses loads outside the current stage's plan instead of noting them.
+    pub fn strict(mut self, on: bool) -> Self {
+        self.strict = on;
+        self
+    }
+
+    /// Whether [`Self::build`] fixes glibc's mmap threshold so that freed weight- and
+    /// activation-sized blocks go back to the OS at once (default on; a process-wide setting).
+    pub fn map_large_host_blocks(mut self, on: bool) -> Self {
+        self.map_large_host_blocks = on;
+        self
+    }
+
+    /// Validates the plan: every model named once, every name in stages and pins has a loader.
+    ///
+    /// Once the plan is valid, and unless [`Self::map_large_host_blocks`] turned it off, this
+    /// also fixes glibc's mmap threshold for the process (see
+    /// [`stageload_torch_sys::map_large_host_blocks`]), so that the memory of released models
+    /// and of finished stages goes back to the OS.
+    pub fn build(self) -> Result<StagedModels> {
+        let mut entries: Vec<Entry> = Vec::new();
+        for spec in self.specs {
+            if entries.iter().any(|e| e.name == spec.name) {
+                return Err(StageError::DuplicateModel { name: spec.name });
+            }
+            let checkpoint = match (spec.checkpoint.is_empty(), self.planned_checkpoints.get(&spec.name)) {
+                (true, Some(planned)) => planned.clone(),
+                _ => spec.checkpoint,
+            };
+            let slot = decide::Slot {
+                state: SlotState::Unloaded,
+                has_loader: true,
+                has_checkpoint: !checkpoint.is_empty(),
+                loads: 0,
+            };
+            entries.push(Entry {
+                name: spec.name,
+                loader: Some(spec.loader),
+                checkpoint,
+                names: spec.names,
+                skip_init: spec.skip_init,
+                slot,
+                report: None,
+            });
+        }
+        let known: HashSet<&str> = entries.iter().map(|e| e.name.as_str()).collect();
+        let unknown: BTreeSet<String> = self
+            .stages
+            .iter()
+            .flat_map(|(_, m)| m.iter())
+            .chain(self.pinned.iter())
+            .chain(self.planned_models.iter())
+            .filter(|n| !known.contains(n.as_str()))
+            .cloned()
+            .collect();
+        if !unknown.is_empty() {
+            return Err(StageError::PlanWithoutLoader { names: unknown.into_iter().collect() });
+        }
+        let stages = self.stages.into_iter().map(|(s, m)| (s, m.into_iter().collect())).collect();
+        if self.map_large_host_blocks {
+            stageload_torch_sys::map_large_host_blocks();
+        }
+        let index = entries.iter().enumerate().map(|(i, e)| (e.name.clone(), i)).collect();
+        let state = State {
+            entries,
+            index,
+            stages,
+            pinned: self.pinned.into_iter().collect(),
+            current: None,
+            closed: false,
+            next_ticket: 0,
+        };
+        Ok(StagedModels {
+            inner: Arc::new(Inner {
+                state: Mutex::new(state),
+                changed: Condvar::new(),
+                build_lock: Mutex::new(()),
+                components: Mutex::new(BTreeMap::new()),
+                sink: self.sink,
+                rngs: self.rngs,
+                preserve_rng: self.preserve_rng,
+                strict: self.strict,
+                progress: self.progress,
+            }),
+        })
+    }
+}
+
+impl StagedModels {
+    pub fn builder() -> StagedModelsBuilder {
+        StagedModelsBuilder {
+            specs: Vec::new(),
+            stages: Vec::new(),
+            pinned: Vec::new(),
+            sink: None,
+            rngs: Vec::new(),
+            preserve_rng: true,
+            strict: false,
+            map_large_host_blocks: true,
+            progress: None,
+            planned_checkpoints: HashMap::new(),
+            planned_models: Vec::new(),
+        }
+    }
+}

@@ -1,0 +1,339 @@
+//! The registry's decisions, as pure functions over a slot's state: what `get` must do, which
+//! models `enter` releases, what a finished load may install, whether a release happens now or
+//! when the model's user lets go. No libtorch, no locks, no clock: the registry
+//! ([`super::registry`]) calls these under its state lock and carries the decisions out with the
+//! lock dropped; the tests below script slot states the way `guard/src/decide.rs` scripts
+//! readings.
+//!
+//! A slot's life (`I` is the model instance; an `Arc` in the registry, a number in the tests):
+//!
+//! ```text
+//! unloaded ──get──▶ loading ──ok──▶ resident ──enter (not listed, not pinned)──▶ released
+//!    ▲                 │ failed                    ▲   │ in use on another thread       │
+//!    └── failed ◀──────┘                           │   ▼                                │
+//!                                                  │ released, release pending ─get─▶ revived (resident)
+//!                                                  └──── loading (refill in place or rebuild) ◀──get──┘
+//! remove / take: the slot is gone;  close: everything released, no more loads.
+//! ```
+
+use std::collections::BTreeSet;
+
+/// What a slot holds.
+#[derive(Debug, Clone, PartialEq)]
+pub enum SlotState<I> {
+    /// Never built.
+    Unloaded,
+    /// A thread is building or refilling it; `ticket` identifies that load, so that a load
+    /// overtaken by an `insert` or a `remove` installs nothing.
+    Loading {
+        ticket: u64,
+        reload: Reload<I>,
+    },
+    Resident(I),
+    /// Released when `stage` was entered. With `pending`, the model was in use on another
+    /// thread: its storages are freed when that thread lets go, and until then a `get` takes it
+    /// back as it is.
+    Released {
+        stage: Option<String>,
+        instance: I,
+        pending: bool,
+    },
+    /// The last load failed with `error`; `instance` is the released object it tried to refill.
+    Failed {
+        error: String,
+        instance: Option<I>,
+    },
+}
+
+/// How a load began: what the slot goes back to if it fails.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Reload<I> {
+    /// A first build.
+    First,
+    /// A rebuild or a refill of a released instance.
+    Of { stage: Option<String>, instance: Option<I> },
+}
+
+/// A slot as the decisions see it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Slot<I> {
+    pub state: SlotState<I>,
+    /// A loader can build it (false for models registered with `insert`).
+    pub has_loader: bool,
+    /// Checkpoint files can refill it in place.
+    pub has_checkpoint: bool,
+    /// Completed loads.
+    pub loads: u32,
+}
+
+/// What the registry looks like to one `get`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GetContext {
+    pub closed: bool,
+    pub strict: bool,
+    /// The current stage lists the model, pins it, or no stage was entered yet.
+    pub planned_here: bool,
+}
+
+/// Why a `get` is refused.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Refusal {
+    Closed,
+    OutsideStage,
+    /// Released and without loader or checkpoint: it cannot come back.
+    NoLoader {
+        stage: Option<String>,
+    },
+}
+
+/// What `get` must do.
+#[derive(Debug, Clone, PartialEq)]
+pub enum GetAction<I> {
+    /// Hand out this resident instance.
+    Use(I),
+    /// Another thread is loading it: wait for the slot to change, then decide again.
+    Wait,
+    /// Take back a model whose release is still pending: its storages were never freed.
+    Revive(I),
+    /// Reallocate and refill this released instance from the checkpoint.
+    Refill(I),
+    /// Run the loader (`reload`: it was built before).
+    Build {
+        reload: bool,
+    },
+    Refuse(Refusal),
+}
+
+/// Decides a `get` of `slot`.
+pub fn on_get<I: Clone>(slot: &Slot<I>, ctx: GetContext) -> GetAction<I> {
+    let released = match &slot.state {
+        SlotState::Resident(instance) => return GetAction::Use(instance.clone()),
+        SlotState::Loading { .. } => return GetAction::Wait,
+        _ if ctx.closed => return GetAction::Refuse(Refusal::Closed),
+        _ if ctx.strict && !ctx.planned_here => return GetAction::Refuse(Refusal::OutsideStage),
+        SlotState::Released { instance, pending: true, .. } => return GetAction::Revive(instance.clone()),
+        SlotState::Released { stage, instance, .. } => Some((stage.clone(), instance)),
+        SlotState::Failed { instance: Some(instance), .. } => Some((None, instance)),
+        SlotState::Failed { instance: None, .. } | SlotState::Unloaded => None,
+    };
+    match released {
+        Some((_, instance)) if slot.has_checkpoint => GetAction::Refill(instance.clone()),
+        _ if slot.has_loader => GetAction::Build { reload: slot.loads > 0 },
+        Some((stage, _)) => GetAction::Refuse(Refusal::NoLoader { stage }),
+        None => GetAction::Refuse(Refusal::NoLoader { stage: None }),
+    }
+}
+
+/// The state a slot takes while the load `get` decided runs.
+pub fn start_load<I: Clone>(slot: &Slot<I>, ticket: u64) -> SlotState<I> {
+    let reload = match &slot.state {
+        SlotState::Released { stage, instance, .. } => {
+            Reload::Of { stage: stage.clone(), instance: Some(instance.clone()) }
+        }
+        SlotState::Failed { instance, .. } if slot.loads > 0 => Reload::Of { stage: None, instance: instance.clone() },
+        _ => Reload::First,
+    };
+    SlotState::Loading { ticket, reload }
+}
+
+/// What becomes of a finished load.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Finish<I> {
+    /// The slot takes this state (resident on success, failed otherwise).
+    Install(SlotState<I>),
+    /// The slot moved on meanwhile (an `insert` replaced it, a `remove` took it): keep nothing.
+    Discard,
+}
+
+/// Decides what a load with `ticket` installs: `Ok(instance)` or the error's message.
+pub fn on_load_finished<I: Clone>(slot: Option<&Slot<I>>, ticket: u64, result: Result<I, String>) -> Finish<I> {
+    let Some(Slot { state: SlotState::Loading { ticket: current, reload }, .. }) = slot else {
+        return Finish::Discard;
+    };
+    if *current != ticket {
+        return Finish::Discard;
+    }
+    Finish::Install(match result {
+        Ok(instance) => SlotState::Resident(instance),
+        Err(error) => {
+            let instance = match reload {
+                Reload::Of { instance, .. } => instance.clone(),
+                Reload::First => None,
+            };
+            SlotState::Failed { error, instance }
+        }
+    })
+}
+
+/// The resident models that entering a stage listing `planned` releases: every resident model
+/// it does not list and that is not pinned, in the order given.
+pub fn leaving<'a>(
+    resident: impl IntoIterator<Item = &'a str>,
+    planned: &BTreeSet<String>,
+    pinned: &BTreeSet<String>,
+) -> Vec<String> {
+    resident.into_iter().filter(|n| !planned.contains(*n) && !pinned.contains(*n)).map(str::to_string).collect()
+}
+
+/// Whether a release frees the storages now or leaves that to the thread using the model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReleaseWhen {
+    Now,
+    /// The model is locked (by any thread, the caller's too): its guard frees it on drop.
+    WhenUnlocked,
+}
+
+/// Decides a release given whether the model's lock could be taken without waiting.
+pub fn on_release(lock_taken: bool) -> ReleaseWhen {
+    if lock_taken {
+        ReleaseWhen::Now
+    } else {
+        ReleaseWhen::WhenUnlocked
+    }
+}
+
+/// Whether a slot's storages count as live for others' releases (shared storage they hold is
+/// kept) and in the resident total: resident, or released with the release still pending.
+pub fn holds_storage<I>(state: &SlotState<I>) -> Option<&I> {
+    match state {
+        SlotState::Resident(instance) | SlotState::Released { instance, pending: true, .. } => Some(instance),
+        _ => None,
+    }
+}
+
+/// A model's state as users see it ([`super::StagedModels::states`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ModelState {
+    Unloaded,
+    Loading,
+    Resident,
+    /// Released; its weights go when the thread using it lets go.
+    ReleasePending,
+    Released,
+    Failed,
+}
+
+/// The user-facing state of a slot.
+pub fn model_state<I>(state: &SlotState<I>) -> ModelState {
+    match state {
+        SlotState::Unloaded => ModelState::Unloaded,
+        SlotState::Loading { .. } => ModelState::Loading,
+        SlotState::Resident(_) => ModelState::Resident,
+        SlotState::Released { pending: true, .. } => ModelState::ReleasePending,
+        SlotState::Released { .. } => ModelState::Released,
+        SlotState::Failed { .. } => ModelState::Failed,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn slot(state: SlotState<u32>) -> Slot<u32> {
+        Slot { state, has_loader: true, has_checkpoint: true, loads: 1 }
+    }
+
+    const FREE: GetContext = GetContext { closed: false, strict: false, planned_here: true };
+
+    fn released(pending: bool) -> SlotState<u32> {
+        SlotState::Released { stage: Some("decode".into()), instance: 7, pending }
+    }
+
+    #[test]
+    fn a_resident_model_is_handed_out_even_outside_its_stage_and_after_close() {
+        let ctx = GetContext { closed: true, strict: true, planned_here: false };
+        assert_eq!(on_get(&slot(SlotState::Resident(7)), ctx), GetAction::Use(7));
+    }
+
+    #[test]
+    fn a_model_being_loaded_is_waited_for_not_loaded_twice() {
+        let loading = slot(SlotState::Loading { ticket: 3, reload: Reload::First });
+        assert_eq!(on_get(&loading, FREE), GetAction::Wait);
+    }
+
+    #[test]
+    fn an_unloaded_model_is_built_and_a_released_one_refilled_in_place() {
+        let mut first = slot(SlotState::Unloaded);
+        first.loads = 0;
+        assert_eq!(on_get(&first, FREE), GetAction::Build { reload: false });
+        assert_eq!(on_get(&slot(released(false)), FREE), GetAction::Refill(7));
+    }
+
+    #[test]
+    fn a_released_model_without_checkpoint_is_rebuilt_and_without_loader_refused() {
+        let mut no_checkpoint = slot(released(false));
+        no_checkpoint.has_checkpoint = false;
+        assert_eq!(on_get(&no_checkpoint, FREE), GetAction::Build { reload: true });
+        no_checkpoint.has_loader = false;
+        assert_eq!(on_get(&no_checkpoint, FREE), GetAction::Refuse(Refusal::NoLoader { stage: Some("decode".into()) }));
+    }
+
+    #[test]
+    fn a_model_whose_release_is_pending_is_revived_without_a_load() {
+        assert_eq!(on_get(&slot(released(true)), FREE), GetAction::Revive(7));
+    }
+
+    #[test]
+    fn a_closed_or_strict_registry_refuses_loads_but_not_waits() {
+        let closed = GetContext { closed: true, ..FREE };
+        assert_eq!(on_get(&slot(SlotState::Unloaded), closed), GetAction::Refuse(Refusal::Closed));
+        let strict = GetContext { strict: true, planned_here: false, ..FREE };
+        assert_eq!(on_get(&slot(released(false)), strict), GetAction::Refuse(Refusal::OutsideStage));
+        assert_eq!(on_get(&slot(released(true)), strict), GetAction::Refuse(Refusal::OutsideStage));
+        assert_eq!(on_get(&slot(SlotState::Loading { ticket: 1, reload: Reload::First }), strict), GetAction::Wait);
+    }
+
+    #[test]
+    fn a_failed_load_is_tried_again_from_where_it_was() {
+        let failed_refill = slot(SlotState::Failed { error: "disk".into(), instance: Some(7) });
+        assert_eq!(on_get(&failed_refill, FREE), GetAction::Refill(7));
+        let mut failed_build = slot(SlotState::Failed { error: "panic".into(), instance: None });
+        failed_build.loads = 0;
+        assert_eq!(on_get(&failed_build, FREE), GetAction::Build { reload: false });
+    }
+
+    #[test]
+    fn a_finished_load_installs_only_while_its_ticket_is_current() {
+        let loading = slot(SlotState::Loading { ticket: 4, reload: Reload::First });
+        assert_eq!(on_load_finished(Some(&loading), 4, Ok(9)), Finish::Install(SlotState::Resident(9)));
+        assert_eq!(on_load_finished(Some(&loading), 3, Ok(9)), Finish::Discard, "an insert took the slot over");
+        assert_eq!(on_load_finished(Some(&slot(SlotState::Resident(1))), 4, Ok(9)), Finish::Discard);
+        assert_eq!(on_load_finished::<u32>(None, 4, Ok(9)), Finish::Discard, "the slot was removed");
+    }
+
+    #[test]
+    fn a_failed_refill_keeps_the_released_instance_to_try_again() {
+        let refilling = slot(start_load(&slot(released(false)), 5));
+        assert_eq!(
+            on_load_finished(Some(&refilling), 5, Err("read error".into())),
+            Finish::Install(SlotState::Failed { error: "read error".into(), instance: Some(7) })
+        );
+        let building = slot(start_load(&slot(SlotState::Unloaded), 6));
+        assert_eq!(
+            on_load_finished(Some(&building), 6, Err("loader failed".into())),
+            Finish::Install(SlotState::Failed { error: "loader failed".into(), instance: None })
+        );
+    }
+
+    #[test]
+    fn entering_a_stage_releases_what_it_does_not_list_unless_pinned() {
+        let set = |names: &[&str]| names.iter().map(|n| n.to_string()).collect::<BTreeSet<_>>();
+        assert_eq!(leaving(["enc", "dec", "aux"], &set(&["dec"]), &set(&["aux"])), ["enc"]);
+        assert!(leaving(["enc"], &set(&["enc"]), &set(&[])).is_empty());
+    }
+
+    #[test]
+    fn a_release_of_a_model_in_use_waits_for_its_user_instead_of_blocking() {
+        assert_eq!(on_release(true), ReleaseWhen::Now);
+        assert_eq!(on_release(false), ReleaseWhen::WhenUnlocked);
+    }
+
+    #[test]
+    fn storage_counts_as_held_while_resident_or_pending_release() {
+        assert_eq!(holds_storage(&SlotState::Resident(1)), Some(&1));
+        assert_eq!(holds_storage(&released(true)), Some(&7));
+        assert_eq!(holds_storage(&released(false)), None);
+        assert_eq!(holds_storage::<u32>(&SlotState::Unloaded), None);
+        assert_eq!(model_state(&released(true)), ModelState::ReleasePending);
+    }
+}

@@ -1,0 +1,59 @@
+//! The registry's errors. Each names the model or stage involved and says what to do.
+
+use stageload_torch_sys::ShimError;
+
+use crate::checkpoint::CheckpointError;
+
+/// A loader's own error.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// Errors of StagedModels. Each names the model or stage involved and says what to do.
+#[derive(Debug, thiserror::Error)]
+pub enum StageError {
+    #[error("unknown model '{name}'; known models: {known:?}")]
+    UnknownModel { name: String, known: Vec<String> },
+    #[error("unknown stage '{stage}'; known stages: {known:?}")]
+    UnknownStage { stage: String, known: Vec<String> },
+    #[error("the plan names models that have no loader: {}", .names.join(", "))]
+    PlanWithoutLoader { names: Vec<String> },
+    #[error("model '{name}' is defined twice")]
+    DuplicateModel { name: String },
+    #[error("'{model}' was released{} and its weights are gone. Get the model from the StagedModels registry again instead of keeping a handle to it.", at_stage(.stage))]
+    Released { model: String, stage: Option<String> },
+    #[error("'{model}' was registered without a loader and released{}; it cannot come back. Give it a loader (or a checkpoint) to reload it.", at_stage(.stage))]
+    NoLoader { model: String, stage: Option<String> },
+    #[error("the registry is closed; '{model}' cannot be loaded any more")]
+    Closed { model: String },
+    #[error("'{model}' was asked for in stage '{stage}', which does not list it, and the registry is strict; add it to the stage or pin it")]
+    OutsideStage { model: String, stage: String },
+    #[error("loader of '{model}' failed: {source}")]
+    LoaderFailed { model: String, source: BoxError },
+    #[error("loader of '{model}' panicked: {message}")]
+    LoaderPanicked { model: String, message: String },
+    #[error("the call on '{model}' panicked: {message} (the model is unlocked and the registry usable)")]
+    CallPanicked { model: String, message: String },
+    #[error("'{model}' holds a {actual}, not the {expected} asked for")]
+    WrongType { model: String, expected: &'static str, actual: &'static str },
+    #[error("'{model}' is already locked by this thread; use the ModelGuard you hold instead of locking it again")]
+    LockedTwice { model: String },
+    #[error("checkpoint of '{model}': {source}")]
+    Checkpoint { model: String, source: Box<CheckpointError> },
+    #[error("'{model}': {source}")]
+    Torch { model: String, source: ShimError },
+    #[error("saving or restoring random generators: {0}")]
+    Rng(ShimError),
+}
+
+fn at_stage(stage: &Option<String>) -> String {
+    stage.as_ref().map(|s| format!(" when entering stage '{s}'")).unwrap_or_default()
+}
+
+pub(crate) type Result<T, E = StageError> = std::result::Result<T, E>;
+
+pub(crate) fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    panic
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic with a non-string payload".to_string())
+}

@@ -1,0 +1,186 @@
+//! StagedModels: a map of named models where only the current stage's models are resident.
+//!
+//! A model is built by its loader the first time it is asked for, under preserved RNG state
+//! ([`crate::rng`]), and filled from its safetensors checkpoint when it declared one (names
+//! matched by its [`crate::NameRules`]). [`StagedModels::enter`] releases, in place, every
+//! resident model the new stage does not list and that is not pinned: its storages are freed
+//! through the shim, so memory comes back even while other code still holds the model, and
+//! every handle to it then gives [`StageError::Released`]. Asked for again, a model with a
+//! checkpoint comes back in place (the same object, storages reallocated and refilled, no random
+//! number drawn); one without is rebuilt by its loader.
+//!
+//! The API takes `&self` and is safe to share between threads. No call holds the registry's
+//! lock while it waits for another thread: a release of a model that some thread is using is
+//! carried out by that thread's guard when it lets go (see [`registry`] for the lock order).
+//!
+//! Files: [`decide`] (the slot state machine, pure), [`registry`] (carrying its decisions out),
+//! [`instance`] (a model object, its handle and guard), [`spec`] (what loaders get and return),
+//! [`builder`], [`error`].
+
+pub mod builder;
+pub mod decide;
+pub mod error;
+pub mod instance;
+mod registry;
+pub mod spec;
+
+use std::sync::Arc;
+
+pub use builder::StagedModelsBuilder;
+pub use decide::ModelState;
+pub use error::{BoxError, StageError};
+pub use instance::{Handle, ModelGuard};
+pub use spec::{BuildContext, Built, ModelSpec};
+
+use crate::storage::ReleaseStats;
+use error::{panic_message, Result};
+use registry::Inner;
+use stageload_trace::event::{Event, EventKind, LoadReport};
+
+/// Named models loaded on first use and released in place between stages. See the module docs.
+pub struct StagedModels {
+    inner: Arc<Inner>,
+}
+
+impl StagedModels {
+    /// Calls `f` on the model `name`, loaded (or brought back) if needed and locked for the
+    /// call: the one-call form of [`get`](Self::get) + [`Handle::lock`]. A panic inside `f` is
+    /// caught and returned as [`StageError::CallPanicked`]; the model is unlocked and the
+    /// registry stays usable.
+    ///
+    /// ```no_run
+    /// # fn f(models: &stageload::StagedModels, x: &tch::Tensor) -> Result<(), stageload::StageError> {
+    /// let y = models.call("encoder", |m: &mut tch::nn::Sequential| tch::nn::Module::forward(m, x))?;
+    /// # Ok(()) }
+    /// ```
+    pub fn call<M: 'static, R>(&self, name: &str, f: impl FnOnce(&mut M) -> R) -> Result<R> {
+        let handle = self.get::<M>(name)?;
+        let mut guard = handle.lock()?;
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(&mut guard)))
+            .map_err(|panic| StageError::CallPanicked { model: name.to_string(), message: panic_message(&*panic) })
+    }
+
+    /// The model `name`, built (or brought back) on first use, as a typed handle. Emits `load`
+    /// or `reload`. [`StageError::WrongType`] when the model is not an `M`.
+    pub fn get<M: 'static>(&self, name: &str) -> Result<Handle<M>> {
+        self.inner.handle::<M>(name)
+    }
+
+    /// Builds (or brings back) `name` now without handing out a handle: for loading models up
+    /// front (eager runs) or ahead of the stage that uses them.
+    pub fn load(&self, name: &str) -> Result<()> {
+        self.inner.instance(name).map(drop)
+    }
+
+    /// Enters `stage`: records it, then releases every resident model it does not list and that
+    /// is not pinned. Emits `stage`, then one `release` per model. A model some thread holds
+    /// locked is released when that thread drops its guard (its `release` event comes then);
+    /// the stats returned count what was freed now.
+    pub fn enter(&self, stage: &str) -> Result<ReleaseStats> {
+        self.inner.enter(stage)
+    }
+
+    /// Every model with its state, in definition order (never loads).
+    pub fn states(&self) -> Vec<(String, ModelState)> {
+        self.inner.states()
+    }
+
+    /// How the last load of `name` met its checkpoint (used, converted, unused, ignored,
+    /// missing); `None` before the first load or without a checkpoint.
+    pub fn load_report(&self, name: &str) -> Result<Option<LoadReport>> {
+        self.inner.load_report(name)
+    }
+
+    /// Whether a model of that name exists (never loads).
+    pub fn contains(&self, name: &str) -> bool {
+        self.inner.state().index.contains_key(name)
+    }
+
+    /// Number of models (never loads).
+    pub fn len(&self) -> usize {
+        self.inner.state().entries.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Model names in definition order (never loads).
+    pub fn names(&self) -> Vec<String> {
+        self.states().into_iter().map(|(name, _)| name).collect()
+    }
+
+    /// Names of the resident models, in definition order.
+    pub fn resident(&self) -> Vec<String> {
+        self.states().into_iter().filter(|(_, s)| *s == ModelState::Resident).map(|(name, _)| name).collect()
+    }
+
+    /// The stage entered last, if any.
+    pub fn current_stage(&self) -> Option<String> {
+        self.inner.state().current.clone()
+    }
+
+    /// The models a stage lists.
+    pub fn stage_models(&self, stage: &str) -> Result<Vec<String>> {
+        let state = self.inner.state();
+        state.stages.get(stage).map(|m| m.iter().cloned().collect()).ok_or_else(|| StageError::UnknownStage {
+            stage: stage.to_string(),
+            known: state.stages.keys().cloned().collect(),
+        })
+    }
+
+    /// Bytes of the distinct storages of every model holding weights (shared storage once).
+    pub fn resident_bytes(&self) -> u64 {
+        self.inner.resident_bytes()
+    }
+
+    /// Keeps `name` resident across stages. Does not load it.
+    pub fn pin(&self, name: &str) -> Result<()> {
+        let mut state = self.inner.state();
+        if !state.index.contains_key(name) {
+            return Err(StageError::UnknownModel {
+                name: name.to_string(),
+                known: state.entries.iter().map(|e| e.name.clone()).collect(),
+            });
+        }
+        state.pinned.insert(name.to_string());
+        Ok(())
+    }
+
+    /// Ends a pin; the next `enter` releases the model if its stage does not list it.
+    pub fn unpin(&self, name: &str) {
+        self.inner.state().pinned.remove(name);
+    }
+
+    /// Emits a `mark` event with `label`.
+    pub fn mark(&self, label: &str) {
+        let stage = self.current_stage();
+        self.inner.emit(Event { stage, note: Some(label.to_string()), ..Event::now(EventKind::Mark) });
+    }
+
+    /// Releases every resident model, pinned ones too, and refuses further loads. Emits a `close`
+    /// mark, then one `release` per model.
+    pub fn close(&self) -> Result<ReleaseStats> {
+        Ok(self.inner.close())
+    }
+
+    /// Registers an already-built model with no loader: once released it cannot come back. A
+    /// model already under that name is released (storage it shares with `built` is kept); a
+    /// load of that name in flight installs nothing.
+    pub fn insert(&self, name: &str, built: Built) -> Result<()> {
+        self.inner.insert(name, built)
+    }
+
+    /// Removes a model: releases it if resident, forgets its slot and its pin.
+    pub fn remove(&self, name: &str) -> Result<()> {
+        self.inner.remove(name, true)
+    }
+
+    /// Hands a live model over and forgets it: loads it if needed, then removes its slot and
+    /// pin without releasing. The handle returned is never released by the registry.
+    pub fn take<M: 'static>(&self, name: &str) -> Result<Handle<M>> {
+        let handle = self.get::<M>(name)?;
+        self.inner.remove(name, false)?;
+        Ok(handle)
+    }
+}

@@ -1,0 +1,587 @@
+//! The registry: slots by name, stage entry, loads and releases, carried out as
+//! [`super::decide`] says.
+//!
+//! Locking. The state lock (`Inner::state`) guards the slots, stages and pins; it is held for
+//! bookkeeping only, never while a model is built, read from disk, freed, or in use, and never
+//! while waiting for another thread: a `get` of a model another thread is loading waits on the
+//! `changed` condition variable, which gives the lock up while it waits. A release takes the
+//! model's own lock with `try_lock`; when a user holds the model (this thread or another), the
+//! release is left to that user's guard, which frees the weights when it drops, so `enter` never
+//! blocks and the rest of the registry stays usable. Lock order: an instance's `body` → the
+//! state lock → an instance's `ctl` / `weights`; `build_lock` (builds are serialised because the
+//! RNG state they preserve is process-wide) is taken with no other lock held.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::path::PathBuf;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::Instant;
+
+use tch::Tensor;
+
+use super::decide::{self, Finish, GetAction, GetContext, ModelState, Refusal, SlotState};
+use super::error::{panic_message, Result, StageError};
+use super::instance::{Handle, Instance, ReleaseMark};
+use super::spec::{BuildContext, Built, Loader, SharedComponents};
+use crate::checkpoint::{Checkpoint, Progress};
+use crate::names::NameRules;
+use crate::rng::{PreservedRng, RngSnapshot};
+use crate::storage::{self, ReleaseStats};
+use crate::sync::lock;
+use stageload_trace::event::{Event, EventKind, EventSink, LoadReport, ReloadFrom};
+
+/// Told how far a checkpoint load has come: the model and bytes done of the total.
+pub(crate) type ProgressHook = dyn Fn(&str, Progress) + Send + Sync;
+
+/// One model's slot and what it needs to (re)load.
+pub(crate) struct Entry {
+    pub(crate) name: String,
+    pub(crate) loader: Option<Arc<Loader>>,
+    pub(crate) checkpoint: Vec<PathBuf>,
+    pub(crate) names: NameRules,
+    pub(crate) skip_init: bool,
+    pub(crate) slot: decide::Slot<Arc<Instance>>,
+    pub(crate) report: Option<LoadReport>,
+}
+
+pub(crate) struct State {
+    pub(crate) entries: Vec<Entry>,
+    pub(crate) index: HashMap<String, usize>,
+    pub(crate) stages: BTreeMap<String, BTreeSet<String>>,
+    pub(crate) pinned: BTreeSet<String>,
+    pub(crate) current: Option<String>,
+    pub(crate) closed: bool,
+    pub(crate) next_ticket: u64,
+}
+
+impl State {
+    fn position(&self, name: &str) -> Result<usize> {
+        self.index.get(name).copied().ok_or_else(|| StageError::UnknownModel {
+            name: name.to_string(),
+            known: self.entries.iter().map(|e| e.name.clone()).collect(),
+        })
+    }
+
+    fn entry_mut(&mut self, name: &str) -> Option<&mut Entry> {
+        self.index.get(name).copied().map(|i| &mut self.entries[i])
+    }
+
+    fn planned_here(&self, name: &str) -> bool {
+        match &self.current {
+            None => true,
+            Some(stage) => self.pinned.contains(name) || self.stages.get(stage).is_some_and(|m| m.contains(name)),
+        }
+    }
+
+    /// Instances whose storages are live (resident, or released with the release pending).
+    fn holding(&self) -> impl Iterator<Item = &Arc<Instance>> {
+        self.entries.iter().filter_map(|e| decide::holds_storage(&e.slot.state))
+    }
+
+    fn resident_bytes(&self) -> u64 {
+        let mut seen = HashSet::new();
+        self.holding()
+            .flat_map(|i| i.storage_sizes.iter())
+            .filter(|(id, _)| seen.insert(*id))
+            .map(|(_, bytes)| bytes)
+            .sum()
+    }
+
+    fn remove_entry(&mut self, position: usize) -> Entry {
+        let entry = self.entries.remove(position);
+        self.pinned.remove(&entry.name);
+        self.index = self.entries.iter().enumerate().map(|(i, e)| (e.name.clone(), i)).collect();
+        entry
+    }
+
+    /// Marks `instance` for release at the current stage; the caller carries the release out
+    /// with the state lock dropped.
+    fn request_release(&mut self, position: usize) -> Option<Arc<Instance>> {
+        let stage = self.current.clone();
+        let entry = &mut self.entries[position];
+        let SlotState::Resident(instance) = &entry.slot.state else {
+            return None;
+        };
+        let instance = Arc::clone(instance);
+        lock(&instance.ctl).mark = ReleaseMark::Requested(stage.clone());
+        entry.slot.state = SlotState::Released { stage, instance: Arc::clone(&instance), pending: true };
+        Some(instance)
+    }
+}
+
+/// The registry's shared inside; [`super::StagedModels`] is its face.
+pub(crate) struct Inner {
+    pub(crate) state: Mutex<State>,
+    pub(crate) changed: Condvar,
+    pub(crate) build_lock: Mutex<()>,
+    pub(crate) components: SharedComponents,
+    pub(crate) sink: Option<Arc<dyn EventSink>>,
+    pub(crate) rngs: Vec<Arc<dyn RngSnapshot>>,
+    pub(crate) preserve_rng: bool,
+    pub(crate) strict: bool,
+    pub(crate) progress: Option<Arc<ProgressHook>>,
+}
+
+/// What a load started under the state lock needs once the lock is dropped.
+enum LoadPlan {
+    Build { reload: bool, loader: Arc<Loader> },
+    Refill(Arc<Instance>),
+}
+
+impl Inner {
+    pub(crate) fn state(&self) -> MutexGuard<'_, State> {
+        lock(&self.state)
+    }
+
+    pub(crate) fn emit(&self, event: Event) {
+        if let Some(sink) = &self.sink {
+            sink.emit(&event);
+        }
+    }
+
+    /// The instance of `name`, loaded or brought back if needed (see [`decide::on_get`]).
+    pub(crate) fn instance(self: &Arc<Self>, name: &str) -> Result<Arc<Instance>> {
+        let mut state = self.state();
+        let (ticket, plan, checkpoint, names, skip_init) = loop {
+            let position = state.position(name)?;
+            let ctx = GetContext { closed: state.closed, strict: self.strict, planned_here: state.planned_here(name) };
+            let entry = &state.entries[position];
+            let plan = match decide::on_get(&entry.slot, ctx) {
+                GetAction::Use(instance) => return Ok(instance),
+                GetAction::Wait => {
+                    state = self.changed.wait(state).unwrap_or_else(|e| e.into_inner());
+                    continue;
+                }
+                GetAction::Revive(instance) => {
+                    let mut ctl = lock(&instance.ctl);
+                    if matches!(ctl.mark, ReleaseMark::Requested(_)) {
+                        ctl.mark = ReleaseMark::Live;
+                        drop(ctl);
+                        state.entries[position].slot.state = SlotState::Resident(Arc::clone(&instance));
+                        self.changed.notify_all();
+                        return Ok(instance);
+                    }
+                    // Its storages are being freed right now: wait for that to finish.
+                    drop(ctl);
+                    state = self.changed.wait(state).unwrap_or_else(|e| e.into_inner());
+                    continue;
+                }
+                GetAction::Refuse(Refusal::Closed) => return Err(StageError::Closed { model: name.to_string() }),
+                GetAction::Refuse(Refusal::OutsideStage) => {
+                    return Err(StageError::OutsideStage {
+                        model: name.to_string(),
+                        stage: state.current.clone().unwrap_or_default(),
+                    })
+                }
+                GetAction::Refuse(Refusal::NoLoader { stage }) => {
+                    return Err(StageError::NoLoader { model: name.to_string(), stage })
+                }
+                GetAction::Refill(instance) => LoadPlan::Refill(instance),
+                GetAction::Build { reload } => match &entry.loader {
+                    Some(loader) => LoadPlan::Build { reload, loader: Arc::clone(loader) },
+                    None => return Err(StageError::NoLoader { model: name.to_string(), stage: None }),
+                },
+            };
+            state.next_ticket += 1;
+            let ticket = state.next_ticket;
+            let entry = &mut state.entries[position];
+            entry.slot.state = decide::start_load(&entry.slot, ticket);
+            break (ticket, plan, entry.checkpoint.clone(), entry.names.clone(), entry.skip_init);
+        };
+        let stage = state.current.clone();
+        let outside_stage = !state.planned_here(name);
+        drop(state);
+
+        let started = Instant::now();
+        let result = match &plan {
+            LoadPlan::Build { loader, .. } => {
+                let _one_build_at_a_time = lock(&self.build_lock);
+                self.build(name, loader, &checkpoint, &names, skip_init)
+            }
+            LoadPlan::Refill(instance) => {
+                self.refill(instance, &checkpoint, &names).map(|(bytes, report)| (Arc::clone(instance), bytes, report))
+            }
+        };
+        let seconds = started.elapsed().as_secs_f64();
+
+        let mut state = self.state();
+        let position = state.index.get(name).copied();
+        let outcome = result.as_ref().map(|(instance, ..)| Arc::clone(instance)).map_err(|e| e.to_string());
+        let finish = decide::on_load_finished(position.map(|p| &state.entries[p].slot), ticket, outcome);
+        self.changed.notify_all();
+        let Finish::Install(installed) = finish else {
+            drop(state);
+            // An insert or a remove overtook this load: what it built is dropped.
+            return match result {
+                Ok(_) => self.instance(name),
+                Err(err) => Err(err),
+            };
+        };
+        let entry = &mut state.entries[position.expect("a load installs only into a slot that exists")];
+        entry.slot.state = installed;
+        match result {
+            Ok((instance, bytes, report)) => {
+                entry.slot.loads += 1;
+                entry.report = report.clone();
+                let resident = state.resident_bytes();
+                drop(state);
+                let (kind, from) = match plan {
+                    LoadPlan::Build { reload: false, .. } => (EventKind::Load, None),
+                    LoadPlan::Build { reload: true, .. } => (EventKind::Reload, Some(ReloadFrom::Rebuilt)),
+                    LoadPlan::Refill(_) => (EventKind::Reload, Some(ReloadFrom::InPlace)),
+                };
+                self.emit(Event {
+                    stage,
+                    model: Some(name.to_string()),
+                    bytes: Some(bytes),
+                    seconds: Some(seconds),
+                    from,
+                    outside_stage,
+                    report,
+                    resident: Some(resident),
+                    ..Event::now(kind)
+                });
+                Ok(instance)
+            }
+            Err(err) => {
+                drop(state);
+                self.emit(Event {
+                    stage,
+                    model: Some(name.to_string()),
+                    seconds: Some(seconds),
+                    note: Some(err.to_string()),
+                    ..Event::now(EventKind::Error)
+                });
+                Err(err)
+            }
+        }
+    }
+
+    /// Runs a loader under preserved RNG, catching panics, and fills the model from its
+    /// checkpoint. Returns the instance, the bytes it brought in, and the load report.
+    fn build(
+        self: &Arc<Self>,
+        name: &str,
+        loader: &Arc<Loader>,
+        checkpoint: &[PathBuf],
+        names: &NameRules,
+        skip_init: bool,
+    ) -> Result<(Arc<Instance>, u64, Option<LoadReport>)> {
+        let _rng =
+            if self.preserve_rng { Some(PreservedRng::save(&self.rngs).map_err(StageError::Rng)?) } else { None };
+        let context =
+            BuildContext { components: &self.components, model: name, shared_tensors: Mutex::new(Vec::new()) };
+        let run = || {
+            if skip_init {
+                stageload_torch_sys::without_init(|| loader(&context))
+            } else {
+                loader(&context)
+            }
+        };
+        let mut built = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(run)) {
+            Ok(Ok(built)) => built,
+            Ok(Err(source)) => return Err(StageError::LoaderFailed { model: name.to_string(), source }),
+            Err(panic) => {
+                return Err(StageError::LoaderPanicked { model: name.to_string(), message: panic_message(&*panic) })
+            }
+        };
+        let shared = context.shared_tensors.into_inner().unwrap_or_else(|e| e.into_inner());
+        let mut report = None;
+        if !checkpoint.is_empty() {
+            let mut targets = shallow(&built.tensors);
+            targets
+                .extend(shared.iter().filter(|(_, _, fresh)| *fresh).map(|(n, t, _)| (n.clone(), t.shallow_clone())));
+            // Shared components another model loaded are not filled again, and a model built
+            // without initial values must get every tensor from the file.
+            let names = names
+                .clone()
+                .filled_elsewhere(shared.iter().filter(|(_, _, fresh)| !fresh).map(|(n, _, _)| n.clone()))
+                .strict(names.strict || skip_init);
+            report = Some(self.load_checkpoint(name, checkpoint, &targets, &names)?);
+        }
+        // Shared components another model already built are not loaded again: not counted.
+        let reused: Vec<(String, Tensor)> =
+            shared.iter().filter(|(_, _, fresh)| !fresh).map(|(n, t, _)| (n.clone(), t.shallow_clone())).collect();
+        let reused: HashSet<u64> = storage::distinct_storages(&reused)
+            .map_err(|source| StageError::Torch { model: name.to_string(), source })?
+            .iter()
+            .map(|r| r.id)
+            .collect();
+        built.tensors.extend(shared.into_iter().map(|(n, t, _)| (n, t)));
+        let instance = Instance::new(name, built, Arc::downgrade(self))?;
+        let bytes = instance.storage_sizes.iter().filter(|(id, _)| !reused.contains(id)).map(|(_, bytes)| bytes).sum();
+        Ok((instance, bytes, report))
+    }
+
+    fn load_checkpoint(
+        &self,
+        model: &str,
+        files: &[PathBuf],
+        targets: &[(String, Tensor)],
+        names: &NameRules,
+    ) -> Result<LoadReport> {
+        let wrap = |source| StageError::Checkpoint { model: model.to_string(), source: Box::new(source) };
+        let checkpoint = Checkpoint::open(files).map_err(wrap)?;
+        let report = checkpoint
+            .load_named(targets, names, |progress| {
+                if let Some(hook) = &self.progress {
+                    hook(model, progress)
+                }
+            })
+            .map_err(wrap)?;
+        if !report.unused.is_empty() || !report.missing.is_empty() {
+            tracing::warn!(model, unused = ?report.unused, missing = ?report.missing, "checkpoint and model names differ (lenient load)");
+        }
+        Ok(report)
+    }
+
+    /// Brings a released instance back in place: reallocates its freed storages and refills
+    /// them from the checkpoint. On failure the instance stays released as it was.
+    fn refill(
+        &self,
+        instance: &Arc<Instance>,
+        checkpoint: &[PathBuf],
+        names: &NameRules,
+    ) -> Result<(u64, Option<LoadReport>)> {
+        let name = &instance.name;
+        let torch = |source| StageError::Torch { model: name.clone(), source };
+        // Waits only for a release of this very instance still freeing its storages.
+        let body = lock(&instance.body);
+        let weights = lock(&instance.weights);
+        let reallocated = storage::reallocate(&weights.storages).map_err(torch)?;
+        let targets: Vec<(String, Tensor)> = weights
+            .tensors
+            .iter()
+            .filter(|(_, t)| stageload_torch_sys::storage_info(t).is_ok_and(|i| reallocated.contains(&i.id)))
+            .map(|(n, t)| (n.clone(), t.shallow_clone()))
+            .collect();
+        let report = match self.load_checkpoint(name, checkpoint, &targets, names) {
+            Ok(report) => report,
+            Err(err) => {
+                let stage = instance.mark().stage().flatten();
+                storage::free_ids(&weights.storages, &reallocated, &released_message(name, &stage)).map_err(torch)?;
+                return Err(err);
+            }
+        };
+        let bytes = weights.storages.iter().filter(|s| reallocated.contains(&s.id)).map(|s| s.nbytes as u64).sum();
+        drop(weights);
+        lock(&instance.ctl).mark = ReleaseMark::Live;
+        drop(body);
+        Ok((bytes, Some(report)))
+    }
+
+    /// Frees a released instance's storages now, or leaves that to the guard holding it (see the
+    /// module docs). Returns what was freed, or `None` when the release was left to a guard or
+    /// the model was taken back meanwhile.
+    pub(crate) fn release_instance(&self, instance: &Arc<Instance>) -> Option<ReleaseStats> {
+        let mut ctl = lock(&instance.ctl);
+        let ReleaseMark::Requested(stage) = ctl.mark.clone() else {
+            return None;
+        };
+        let body = instance.try_body();
+        if decide::on_release(body.is_some()) == decide::ReleaseWhen::WhenUnlocked {
+            return None;
+        }
+        let body = body?;
+        ctl.mark = ReleaseMark::Freed(stage.clone());
+        drop(ctl);
+
+        let started = Instant::now();
+        let keep: HashSet<u64> =
+            self.state().holding().filter(|i| !Arc::ptr_eq(i, instance)).flat_map(|i| i.storage_ids()).collect();
+        let result =
+            storage::release(&lock(&instance.weights).storages, &keep, &released_message(&instance.name, &stage));
+        let stats = match result {
+            Ok(stats) => stats,
+            Err(source) => {
+                drop(body);
+                let err = StageError::Torch { model: instance.name.clone(), source };
+                self.emit(Event {
+                    stage,
+                    model: Some(instance.name.clone()),
+                    note: Some(err.to_string()),
+                    ..Event::now(EventKind::Error)
+                });
+                return None;
+            }
+        };
+        if stats.freed > 0 {
+            // Before the event, so that a meter reading at the event sees the memory gone.
+            stageload_torch_sys::trim_host_heap();
+            if stageload_torch_sys::cuda_device_count().unwrap_or(0) > 0 {
+                if let Err(err) = stageload_torch_sys::cuda_empty_cache() {
+                    tracing::warn!(%err, "emptying the CUDA cache after a release failed");
+                }
+            }
+        }
+        let mut state = self.state();
+        if let Some(entry) = state.entry_mut(&instance.name) {
+            if let SlotState::Released { instance: held, pending, .. } = &mut entry.slot.state {
+                if Arc::ptr_eq(held, instance) {
+                    *pending = false;
+                }
+            }
+        }
+        let resident = state.resident_bytes();
+        self.changed.notify_all();
+        drop(state);
+        drop(body);
+        self.emit(Event {
+            stage,
+            model: Some(instance.name.clone()),
+            bytes: Some(stats.freed),
+            seconds: Some(started.elapsed().as_secs_f64()),
+            kept_bytes: (stats.kept > 0).then_some(stats.kept),
+            resident: Some(resident),
+            ..Event::now(EventKind::Release)
+        });
+        Some(stats)
+    }
+
+    /// Releases `instances` (already marked), adding up what was freed now.
+    pub(crate) fn release_all(&self, instances: Vec<Arc<Instance>>) -> ReleaseStats {
+        let mut total = ReleaseStats::default();
+        for instance in instances {
+            if let Some(stats) = self.release_instance(&instance) {
+                total.freed += stats.freed;
+                total.kept += stats.kept;
+            }
+        }
+        total
+    }
+
+    /// Enters `stage` (see [`super::StagedModels::enter`]).
+    pub(crate) fn enter(&self, stage: &str) -> Result<ReleaseStats> {
+        let mut state = self.state();
+        let Some(planned) = state.stages.get(stage).cloned() else {
+            return Err(StageError::UnknownStage {
+                stage: stage.to_string(),
+                known: state.stages.keys().cloned().collect(),
+            });
+        };
+        state.current = Some(stage.to_string());
+        let resident_names: Vec<&str> = state
+            .entries
+            .iter()
+            .filter(|e| matches!(e.slot.state, SlotState::Resident(_)))
+            .map(|e| e.name.as_str())
+            .collect();
+        let leaving = decide::leaving(resident_names, &planned, &state.pinned);
+        let resident = state.resident_bytes();
+        let positions: Vec<usize> = leaving.iter().filter_map(|n| state.index.get(n).copied()).collect();
+        let instances: Vec<Arc<Instance>> = positions.into_iter().filter_map(|p| state.request_release(p)).collect();
+        drop(state);
+        self.emit(Event { stage: Some(stage.to_string()), resident: Some(resident), ..Event::now(EventKind::Stage) });
+        Ok(self.release_all(instances))
+    }
+
+    /// Releases everything and refuses later loads (see [`super::StagedModels::close`]).
+    pub(crate) fn close(&self) -> ReleaseStats {
+        let mut state = self.state();
+        let stage = state.current.clone();
+        let resident = state.resident_bytes();
+        let positions: Vec<usize> = (0..state.entries.len()).collect();
+        let instances: Vec<Arc<Instance>> = positions.into_iter().filter_map(|p| state.request_release(p)).collect();
+        state.current = None;
+        state.closed = true;
+        drop(state);
+        // A `close` mark first, so a trace does not read these releases as the tail of the last
+        // stage's entry.
+        self.emit(Event { stage, note: Some("close".into()), resident: Some(resident), ..Event::now(EventKind::Mark) });
+        self.release_all(instances)
+    }
+
+    /// Registers a built model under `name`, replacing (and releasing) what was there.
+    pub(crate) fn insert(self: &Arc<Self>, name: &str, built: Built) -> Result<()> {
+        let instance = Instance::new(name, built, Arc::downgrade(self))?;
+        let mut state = self.state();
+        let old = match state.index.get(name).copied() {
+            Some(position) => {
+                let old = state.request_release(position);
+                let entry = &mut state.entries[position];
+                entry.slot = decide::Slot {
+                    state: SlotState::Resident(instance),
+                    has_loader: false,
+                    has_checkpoint: false,
+                    loads: 1,
+                };
+                entry.loader = None;
+                entry.checkpoint.clear();
+                entry.report = None;
+                old
+            }
+            None => {
+                let position = state.entries.len();
+                state.index.insert(name.to_string(), position);
+                state.entries.push(Entry {
+                    name: name.to_string(),
+                    loader: None,
+                    checkpoint: Vec::new(),
+                    names: NameRules::default(),
+                    skip_init: false,
+                    slot: decide::Slot {
+                        state: SlotState::Resident(instance),
+                        has_loader: false,
+                        has_checkpoint: false,
+                        loads: 1,
+                    },
+                    report: None,
+                });
+                None
+            }
+        };
+        self.changed.notify_all();
+        drop(state);
+        self.release_all(old.into_iter().collect());
+        Ok(())
+    }
+
+    /// Waits until `name` is not loading; the state lock comes back held.
+    fn settled(&self, name: &str) -> Result<(MutexGuard<'_, State>, usize)> {
+        let mut state = self.state();
+        loop {
+            let position = state.position(name)?;
+            if !matches!(state.entries[position].slot.state, SlotState::Loading { .. }) {
+                return Ok((state, position));
+            }
+            state = self.changed.wait(state).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+
+    /// Forgets `name`; releases it first when `release`.
+    pub(crate) fn remove(&self, name: &str, release: bool) -> Result<()> {
+        let (mut state, position) = self.settled(name)?;
+        let old = if release { state.request_release(position) } else { None };
+        state.remove_entry(position);
+        self.changed.notify_all();
+        drop(state);
+        self.release_all(old.into_iter().collect());
+        Ok(())
+    }
+
+    pub(crate) fn states(&self) -> Vec<(String, ModelState)> {
+        self.state().entries.iter().map(|e| (e.name.clone(), decide::model_state(&e.slot.state))).collect()
+    }
+
+    pub(crate) fn load_report(&self, name: &str) -> Result<Option<LoadReport>> {
+        let state = self.state();
+        let position = state.position(name)?;
+        Ok(state.entries[position].report.clone())
+    }
+
+    pub(crate) fn resident_bytes(&self) -> u64 {
+        self.state().resident_bytes()
+    }
+
+    pub(crate) fn handle<M: 'static>(self: &Arc<Self>, name: &str) -> Result<Handle<M>> {
+        self.instance(name)?.handle::<M>()
+    }
+}
+
+fn shallow(tensors: &[(String, Tensor)]) -> Vec<(String, Tensor)> {
+    tensors.iter().map(|(n, t)| (n.clone(), t.shallow_clone())).collect()
+}
+
+fn released_message(model: &str, stage: &Option<String>) -> String {
+    let at = stage.as_ref().map(|s| format!(" when entering stage '{s}'")).unwrap_or_default();
+    format!("stageload: model '{model}' was released{at} and its weights are gone; get it from the registry again")
+}

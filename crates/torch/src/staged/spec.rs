@@ -1,0 +1,157 @@
+//! What users hand the registry: a model's spec (loader, checkpoint files, name rules), what a
+//! loader returns ([`Built`]), and what a loader gets ([`BuildContext`], shared components).
+
+use std::any::{Any, TypeId};
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+
+use tch::nn::VarStore;
+use tch::Tensor;
+
+use super::error::BoxError;
+use crate::names::NameRules;
+use crate::sync::{lock, Shared};
+
+/// What a loader returns: the model object and the tensors whose storage it owns.
+pub struct Built {
+    pub(crate) model: Box<dyn Any + Send>,
+    pub(crate) type_id: TypeId,
+    pub(crate) type_name: &'static str,
+    pub(crate) tensors: Vec<(String, Tensor)>,
+}
+
+impl Built {
+    /// A model and every variable of its VarStore (parameters and buffers).
+    pub fn new<M: Send + 'static>(model: M, vs: &VarStore) -> Self {
+        let mut tensors: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
+        tensors.sort_by(|a, b| a.0.cmp(&b.0));
+        Self::from_tensors(model, tensors)
+    }
+
+    /// A model and its named tensors, given explicitly.
+    pub fn from_tensors<M: Send + 'static>(model: M, tensors: Vec<(String, Tensor)>) -> Self {
+        Built { model: Box::new(model), type_id: TypeId::of::<M>(), type_name: std::any::type_name::<M>(), tensors }
+    }
+}
+
+pub(crate) struct SharedEntry {
+    component: Box<dyn Any + Send>,
+    tensors: Vec<(String, Tensor)>,
+}
+
+pub(crate) type SharedComponents = Mutex<BTreeMap<String, SharedEntry>>;
+
+/// Handed to a loader: the model being built, and shared components.
+pub struct BuildContext<'a> {
+    pub(crate) components: &'a SharedComponents,
+    pub(crate) model: &'a str,
+    /// Tensors of shared components this build used, and whether each was freshly built.
+    pub(crate) shared_tensors: Mutex<Vec<(String, Tensor, bool)>>,
+}
+
+impl BuildContext<'_> {
+    /// Name of the model being built.
+    pub fn model(&self) -> &str {
+        self.model
+    }
+
+    /// The component under `key`, built by `build` if it is not there or its storage was
+    /// released. Its tensors join the building model's, named `key.name`, so a release keeps
+    /// them while another resident model shares them and frees them after the last.
+    pub fn shared<T: Send + 'static>(
+        &self,
+        key: &str,
+        build: impl FnOnce() -> Result<(T, Vec<(String, Tensor)>), BoxError>,
+    ) -> Result<Shared<T>, BoxError> {
+        let mut cache = lock(self.components);
+        if let Some(entry) = cache.get(key) {
+            let alive = entry
+                .tensors
+                .iter()
+                .all(|(_, t)| t.numel() == 0 || stageload_torch_sys::storage_info(t).is_ok_and(|i| i.allocated));
+            if alive {
+                let component = entry
+                    .component
+                    .downcast_ref::<Shared<T>>()
+                    .ok_or_else(|| format!("shared component '{key}' holds another type"))?
+                    .clone();
+                self.record(key, &entry.tensors, false);
+                return Ok(component);
+            }
+        }
+        let (component, tensors) = build()?;
+        let component = Shared::new(component);
+        self.record(key, &tensors, true);
+        cache.insert(key.to_string(), SharedEntry { component: Box::new(component.clone()), tensors });
+        Ok(component)
+    }
+
+    fn record(&self, key: &str, tensors: &[(String, Tensor)], fresh: bool) {
+        lock(&self.shared_tensors)
+            .extend(tensors.iter().map(|(n, t)| (format!("{key}.{n}"), t.shallow_clone(), fresh)));
+    }
+}
+
+pub(crate) type Loader = dyn Fn(&BuildContext) -> Result<Built, BoxError> + Send + Sync;
+
+/// How to build one model: its loader and, optionally, its safetensors checkpoint files and how
+/// their entries' names meet the model's.
+pub struct ModelSpec {
+    pub(crate) name: String,
+    pub(crate) loader: Arc<Loader>,
+    pub(crate) checkpoint: Vec<PathBuf>,
+    pub(crate) names: NameRules,
+    pub(crate) skip_init: bool,
+}
+
+impl ModelSpec {
+    /// A model built by `loader`. The loader places it on its device; weights come from the
+    /// checkpoint when one is declared, else from the loader itself.
+    pub fn new(
+        name: impl Into<String>,
+        loader: impl Fn(&BuildContext) -> Result<Built, BoxError> + Send + Sync + 'static,
+    ) -> Self {
+        ModelSpec {
+            name: name.into(),
+            loader: Arc::new(loader),
+            checkpoint: Vec::new(),
+            names: NameRules::default(),
+            skip_init: false,
+        }
+    }
+
+    /// The model's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The checkpoint files declared with [`checkpoint`](Self::checkpoint).
+    pub fn checkpoint_files(&self) -> &[PathBuf] {
+        &self.checkpoint
+    }
+
+    /// Declares the safetensors files holding the model's tensors: they fill it after each
+    /// build, and a released model comes back from them in place.
+    pub fn checkpoint<P: Into<PathBuf>>(mut self, files: impl IntoIterator<Item = P>) -> Self {
+        self.checkpoint = files.into_iter().map(Into::into).collect();
+        self
+    }
+
+    /// How the files' entry names map to the model's tensor names, which entries to ignore, and
+    /// whether a mismatch is an error (default: same names, nothing ignored, strict).
+    pub fn names(mut self, rules: NameRules) -> Self {
+        self.names = rules;
+        self
+    }
+
+    /// Builds the model without filling its tensors with random (or constant) initial values:
+    /// the loader's `randn`, `uniform_`, `normal_` and friends leave memory as allocated, and
+    /// the checkpoint writes every weight. Only for models whose every tensor the checkpoint
+    /// fills: the registry then refuses a lenient load that leaves a tensor missing. Nothing is
+    /// drawn from any generator.
+    pub fn skip_init(mut self, on: bool) -> Self {
+        self.skip_init = on;
+        self
+    }
+}

@@ -1,0 +1,302 @@
+//! Events: what a staged pipeline did and when, typed, for any sink (a trace, a log, a test).
+//!
+//! The registry (`stageload::StagedModels`) makes an [`Event`] for every load, reload, release,
+//! stage entry, mark and error and hands it to an [`EventSink`] on the thread that did the work;
+//! the [`crate::Meter`] is a sink and writes the same struct as a trace line. Readers (summary,
+//! plot) use its typed fields, never the free text of `note`.
+
+use std::fmt;
+use std::sync::Mutex;
+use std::time::Instant;
+
+use serde::{Deserialize, Serialize};
+use stageload_probe::units::format_bytes;
+
+/// What happened. A trace naming any other kind is refused by the reader, with the kind's name.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EventKind {
+    /// A model was built (and filled from its checkpoint) for the first time.
+    #[default]
+    Load,
+    /// A released model came back; `from` says how.
+    Reload,
+    /// A model's storages were freed in place.
+    Release,
+    /// A stage was entered.
+    Stage,
+    /// A user mark (for example the end of a stage's work); `note` is its label.
+    Mark,
+    /// Something failed; `note` is the message.
+    Error,
+}
+
+impl EventKind {
+    /// The kind's name as a trace writes it.
+    pub fn name(self) -> &'static str {
+        match self {
+            EventKind::Load => "load",
+            EventKind::Reload => "reload",
+            EventKind::Release => "release",
+            EventKind::Stage => "stage",
+            EventKind::Mark => "mark",
+            EventKind::Error => "error",
+        }
+    }
+
+    /// A load or a reload: bytes came in.
+    pub fn is_load(self) -> bool {
+        matches!(self, EventKind::Load | EventKind::Reload)
+    }
+}
+
+/// Where a reloaded model's weights came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ReloadFrom {
+    /// The same object, storages reallocated and refilled from the checkpoint.
+    InPlace,
+    /// Built again by its loader (under preserved RNG).
+    Rebuilt,
+}
+
+/// How a checkpoint's entries met a model's tensors in one load.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LoadReport {
+    /// Model tensors filled from the files.
+    pub used: usize,
+    /// Of those, the ones converted from another dtype: `name: from -> to`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub converted: Vec<String>,
+    /// File entries no model tensor asked for and no `ignore` pattern covers (an error when the
+    /// model loads strictly).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub unused: Vec<String>,
+    /// File entries skipped by the model's `ignore` patterns.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub ignored: usize,
+    /// Model tensors no file entry filled (an error when the model loads strictly; otherwise
+    /// they keep what the loader gave them).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub missing: Vec<String>,
+}
+
+fn is_zero(n: &usize) -> bool {
+    *n == 0
+}
+
+fn is_false(b: &bool) -> bool {
+    !*b
+}
+
+/// One thing a staged pipeline did: in the process, and as a trace line (`"type": "event"`).
+/// `t` is the end of the work in seconds since the meter started; loads and releases began
+/// `seconds` earlier, at `start`. The meter sets `t` and `start` from `at`.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Event {
+    /// When the work ended, in the process (not written).
+    #[serde(skip)]
+    pub at: Option<Instant>,
+    /// When the work ended, seconds since the meter started.
+    #[serde(default)]
+    pub t: f64,
+    pub kind: EventKind,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
+    /// The stage current at the time (for `stage`: the stage entered).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stage: Option<String>,
+    /// Bytes loaded, reloaded or freed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bytes: Option<u64>,
+    /// How long the work took.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub seconds: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub start: Option<f64>,
+    /// Reloads: in place from the checkpoint, or rebuilt.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub from: Option<ReloadFrom>,
+    /// Loads: the current stage does not list the model (nor pins it).
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub outside_stage: bool,
+    /// Releases: bytes left alone because another resident model shares them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kept_bytes: Option<u64>,
+    /// Loads from a checkpoint: how its entries met the model's tensors.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub report: Option<LoadReport>,
+    /// A mark's label or an error's message.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub note: Option<String>,
+    /// Bytes of model weights resident right after the event (shared storage counted once).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resident: Option<u64>,
+}
+
+impl Event {
+    /// An event of `kind` ending now, with no other fields.
+    pub fn now(kind: EventKind) -> Self {
+        Event { at: Some(Instant::now()), kind, ..Event::default() }
+    }
+
+    /// Reads the free-text notes of schema-1 traces (`in_place`, `rebuilt`, `outside_stage`,
+    /// `kept=N`) into the typed fields.
+    pub(crate) fn upgrade_v1_note(&mut self) {
+        if !matches!(self.kind, EventKind::Load | EventKind::Reload | EventKind::Release) {
+            return;
+        }
+        let Some(note) = self.note.take() else { return };
+        for part in note.split(',') {
+            match part.trim() {
+                "in_place" => self.from = Some(ReloadFrom::InPlace),
+                "rebuilt" => self.from = Some(ReloadFrom::Rebuilt),
+                "outside_stage" => self.outside_stage = true,
+                other => match other.strip_prefix("kept=").and_then(|n| n.parse().ok()) {
+                    Some(kept) => self.kept_bytes = Some(kept),
+                    None => self.note = Some(note.clone()),
+                },
+            }
+        }
+    }
+}
+
+/// One line: `reload encoder 12.0 MiB in 0.031 s (in place; stage decode, outside the stage)`.
+impl fmt::Display for Event {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.kind.name())?;
+        if self.kind == EventKind::Stage {
+            return write!(f, " {}", self.stage.as_deref().unwrap_or("?"));
+        }
+        if let Some(model) = &self.model {
+            write!(f, " {model}")?;
+        }
+        if let Some(bytes) = self.bytes {
+            write!(f, " {}", format_bytes(bytes))?;
+        }
+        if let Some(seconds) = self.seconds {
+            write!(f, " in {seconds:.3} s")?;
+        }
+        let mut details = Vec::new();
+        match self.from {
+            Some(ReloadFrom::InPlace) => details.push("in place".to_string()),
+            Some(ReloadFrom::Rebuilt) => details.push("rebuilt".to_string()),
+            None => {}
+        }
+        if let Some(kept) = self.kept_bytes.filter(|k| *k > 0) {
+            details.push(format!("kept {} shared", format_bytes(kept)));
+        }
+        if let Some(report) = &self.report {
+            details.push(format!("{} tensors from the checkpoint", report.used));
+            if !report.converted.is_empty() {
+                details.push(format!("{} converted", report.converted.len()));
+            }
+            if report.ignored > 0 {
+                details.push(format!("{} entries ignored", report.ignored));
+            }
+            if !report.unused.is_empty() {
+                details.push(format!("unused entries: {}", report.unused.join(", ")));
+            }
+            if !report.missing.is_empty() {
+                details.push(format!("not in the checkpoint: {}", report.missing.join(", ")));
+            }
+        }
+        if let Some(stage) = &self.stage {
+            details.push(format!("stage {stage}"));
+        }
+        if self.outside_stage {
+            details.push("outside the stage".to_string());
+        }
+        if let Some(note) = &self.note {
+            details.push(note.clone());
+        }
+        if !details.is_empty() {
+            write!(f, " ({})", details.join("; "))?;
+        }
+        Ok(())
+    }
+}
+
+/// Receives events. Implemented by the meter (traces), [`ListSink`], and any closure. Called on
+/// the thread that did the work; it must not call back into the registry.
+pub trait EventSink: Send + Sync {
+    fn emit(&self, event: &Event);
+}
+
+impl<F: Fn(&Event) + Send + Sync> EventSink for F {
+    fn emit(&self, event: &Event) {
+        self(event)
+    }
+}
+
+/// Keeps every event in order; for tests and small tools.
+#[derive(Debug, Default)]
+pub struct ListSink {
+    events: Mutex<Vec<Event>>,
+}
+
+impl ListSink {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// A copy of the events received so far.
+    pub fn events(&self) -> Vec<Event> {
+        self.events.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// The events of one kind, in order.
+    pub fn of_kind(&self, kind: EventKind) -> Vec<Event> {
+        self.events().into_iter().filter(|e| e.kind == kind).collect()
+    }
+}
+
+impl EventSink for ListSink {
+    fn emit(&self, event: &Event) {
+        self.events.lock().unwrap_or_else(|e| e.into_inner()).push(event.clone());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn schema_1_notes_become_typed_fields() {
+        let mut reload =
+            Event { kind: EventKind::Reload, note: Some("in_place,outside_stage".into()), ..Event::default() };
+        reload.upgrade_v1_note();
+        assert_eq!((reload.from, reload.outside_stage, reload.note), (Some(ReloadFrom::InPlace), true, None));
+        let mut release = Event { kind: EventKind::Release, note: Some("kept=4096".into()), ..Event::default() };
+        release.upgrade_v1_note();
+        assert_eq!((release.kept_bytes, release.note), (Some(4096), None));
+        let mut mark = Event { kind: EventKind::Mark, note: Some("in_place".into()), ..Event::default() };
+        mark.upgrade_v1_note();
+        assert_eq!(mark.note.as_deref(), Some("in_place"), "a mark's label is left alone");
+    }
+
+    #[test]
+    fn an_unknown_kind_is_refused_by_name() {
+        let err = serde_json::from_str::<Event>(r#"{"t":1.0,"kind":"teleport"}"#).unwrap_err().to_string();
+        assert!(err.contains("teleport") && err.contains("reload"), "{err}");
+    }
+
+    #[test]
+    fn an_event_prints_as_one_line_with_its_details() {
+        let event = Event {
+            kind: EventKind::Reload,
+            model: Some("encoder".into()),
+            bytes: Some(12 << 20),
+            seconds: Some(0.031),
+            from: Some(ReloadFrom::InPlace),
+            stage: Some("decode".into()),
+            outside_stage: true,
+            ..Event::default()
+        };
+        assert_eq!(event.to_string(), "reload encoder 12.0 MiB in 0.031 s (in place; stage decode; outside the stage)");
+        assert_eq!(
+            Event { kind: EventKind::Stage, stage: Some("decode".into()), ..Event::default() }.to_string(),
+            "stage decode"
+        );
+    }
+}
