@@ -122,17 +122,15 @@ fn spec(args: &CommonArgs) -> Result<PipelineSpec, BoxError> {
 
 /// Calls model `name` (checking residency first) on `input`.
 fn run(p: &Pipeline, name: &str, input: &Tensor) -> Result<Tensor, BoxError> {
-    Ok(p.call::<Transformer>(name)?.lock()?.forward(input))
+    p.call(name, |m: &mut Transformer| m.forward(input))
 }
 
 fn flow(p: &Pipeline, name: &str, x: Tensor, cond: &Tensor, times: &[f64]) -> Result<Tensor, BoxError> {
-    let model = p.call::<Transformer>(name)?;
-    let model = model.lock()?;
-    Ok(sample_flow(&model, x, cond, times))
+    p.call(name, |m: &mut Transformer| sample_flow(m, x, cond, times))
 }
 
 fn condition(p: &Pipeline, name: &str, image: &Tensor) -> Result<Tensor, BoxError> {
-    Ok(p.call::<Extractor>(name)?.lock()?.condition(image))
+    p.call(name, |m: &mut Extractor| m.condition(image))
 }
 
 fn main() -> Result<(), BoxError> {

@@ -85,18 +85,17 @@ fn main() -> Result<(), BoxError> {
     p.latent("noise", &x);
 
     p.enter("encode")?;
-    let text = p.call::<Transformer>("text_encoder")?.lock()?.forward(&embed(&args.prompt));
+    let text = p.call("text_encoder", |m: &mut Transformer| m.forward(&embed(&args.prompt)))?;
     let cond = text.mean_dim(0, true, Kind::Float);
     p.latent("text", &cond);
 
     p.enter("denoise")?;
     let times = schedule(common.steps, &chacha);
-    let denoiser = p.call::<Transformer>("denoiser")?;
-    let x = sample_flow(&*denoiser.lock()?, x, &cond, &times);
+    let x = p.call("denoiser", |m: &mut Transformer| sample_flow(m, x, &cond, &times))?;
     p.latent("denoised", &x);
 
     p.enter("decode")?;
-    let image = p.call::<Transformer>("image_decoder")?.lock()?.forward(&x);
+    let image = p.call("image_decoder", |m: &mut Transformer| m.forward(&x))?;
     p.latent("image", &image);
     p.finish()
 }

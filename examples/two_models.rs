@@ -74,14 +74,6 @@ fn checkpoint(
     Ok(path)
 }
 
-fn print_event(e: &Event) {
-    let mib = e.bytes.map(|b| format!(" {:.1} MiB", b as f64 / (1 << 20) as f64)).unwrap_or_default();
-    let secs = e.seconds.map(|s| format!(" in {s:.3} s")).unwrap_or_default();
-    let what = e.model.as_deref().or(e.stage.as_deref()).unwrap_or("");
-    let note = e.note.as_deref().map(|n| format!(" ({n})")).unwrap_or_default();
-    println!("  event: {:?} {what}{mib}{secs}{note}", e.kind);
-}
-
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args = Args::parse();
     let encoder_file = checkpoint(&args.cache, "encoder", args.width, 1)?;
@@ -92,17 +84,17 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .model(ModelSpec::new("decoder", loader(args.width)).checkpoint([decoder_file]))
         .stage("encode", ["encoder"])
         .stage("decode", ["decoder"])
-        .events(Arc::new(print_event))
+        .events(Arc::new(|e: &Event| println!("  event: {e}")))
         .build()?;
 
     tch::manual_seed(args.seed);
     models.enter("encode")?;
     let noise = Tensor::randn([8, args.width], (Kind::Float, Device::Cpu));
-    let latent = models.get::<Stack>("encoder")?.lock()?.0.forward(&noise);
+    let latent = models.call("encoder", |m: &mut Stack| m.0.forward(&noise))?; // built lazily
     println!("resident after encode: {:?}, {} MiB", models.resident(), models.resident_bytes() >> 20);
 
     models.enter("decode")?;
-    let image = models.get::<Stack>("decoder")?.lock()?.0.forward(&latent);
+    let image = models.call("decoder", |m: &mut Stack| m.0.forward(&latent))?;
     println!("resident after decode: {:?}, {} MiB", models.resident(), models.resident_bytes() >> 20);
 
     let mut bytes = vec![0u8; image.numel() * 4];

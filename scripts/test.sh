@@ -4,4 +4,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 eval "$(scripts/setup-libtorch.sh)"
+# The published checkpoint the MiniLM test runs, and its reference implementation.
+eval "$(scripts/setup-reference.sh)"
 cargo test --workspace "$@"

@@ -23,7 +23,7 @@ fn the_readme_example_runs_staged() {
     let first = run();
     assert!(first.contains("resident after encode: [\"encoder\"]"), "{first}");
     assert!(first.contains("resident after decode: [\"decoder\"]"), "{first}");
-    assert!(first.contains("event: Release encoder 1.0 MiB"), "{first}");
+    assert!(first.contains("event: release encoder 1.0 MiB"), "{first}");
     let fingerprint = |s: &str| s.lines().find(|l| l.starts_with("output")).unwrap().to_string();
     // A second run reads the cached checkpoints and must give the same output bit for bit.
     assert_eq!(fingerprint(&first), fingerprint(&run()));

@@ -386,15 +386,15 @@ impl Pipeline {
         Ok(())
     }
 
-    /// The model `name` for a call (built on first use). With `--check-residency`, checks first
+    /// Calls `f` on model `name` (built on first use). With `--check-residency`, checks first
     /// that what is resident is what the stage plans: the called model, the stage's other models
     /// and pinned ones, nothing left over from earlier stages.
-    pub fn call<M: 'static>(&self, model: &str) -> Result<stageload::Handle<M>, BoxError> {
-        let handle = self.models.get::<M>(model)?;
+    pub fn call<M: 'static, R>(&self, model: &str, f: impl FnOnce(&mut M) -> R) -> Result<R, BoxError> {
         if self.check_residency {
+            self.models.load(model)?;
             self.check_resident(model)?;
         }
-        Ok(handle)
+        Ok(self.models.call(model, f)?)
     }
 
     fn check_resident(&self, model: &str) -> Result<(), BoxError> {

@@ -216,3 +216,37 @@ fn the_reader_skips_only_a_half_written_last_line() {
     assert!(matches!(read_trace(write("empty", "\n\n")).unwrap_err(), TraceError::Empty { .. }));
     assert!(read_trace("/no/such/trace.jsonl").unwrap_err().to_string().contains("/no/such/trace.jsonl"));
 }
+
+#[test]
+fn the_committed_traces_are_read_summarized_and_plotted_with_typed_events() {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../traces");
+    let mut traces = Vec::new();
+    let mut folders = vec![root];
+    while let Some(folder) = folders.pop() {
+        for entry in std::fs::read_dir(&folder).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                folders.push(path);
+            } else if path.extension().is_some_and(|e| e == "jsonl") {
+                traces.push(path);
+            }
+        }
+    }
+    assert!(traces.len() >= 2, "the cascade's eager and staged traces are committed: {traces:?}");
+    let mut reloads_in_place = 0;
+    let out = tempfile::TempDir::new().unwrap();
+    for path in &traces {
+        let trace = read_trace(path).unwrap_or_else(|e| panic!("{e}"));
+        let summary = summarize(&trace);
+        assert!(summary.loads.count > 0 && summary.stages.len() > 1, "{}", path.display());
+        reloads_in_place += trace
+            .records
+            .iter()
+            .filter(|r| matches!(r, Record::Event(e) if e.from == Some(stageload_trace::ReloadFrom::InPlace)))
+            .count();
+        let chart = out.path().join(format!("{}.svg", path.file_stem().unwrap().to_string_lossy()));
+        stageload_trace::plot::plot(&[("run".to_string(), &trace, &summary)], &chart, 800).unwrap();
+        assert!(std::fs::metadata(&chart).unwrap().len() > 1000);
+    }
+    assert!(reloads_in_place >= 1, "schema-1 notes ('in_place') are read into typed fields");
+}
