@@ -84,7 +84,7 @@ fn extractor_loader(
 
 fn spec(args: &CommonArgs) -> Result<PipelineSpec, BoxError> {
     let folder = args.cache_folder("cascade");
-    let device = Device::Cpu;
+    let device = args.device;
     let mut models = Vec::new();
     let all = shapes(args.scale);
     let (backbone, flows) = all.split_last().expect("the backbone is last");
@@ -139,7 +139,7 @@ fn main() -> Result<(), BoxError> {
     tch::set_num_threads(std::thread::available_parallelism().map_or(1, |n| n.get()) as i32);
     let chacha = SharedRng::new(ChaCha8Rng::seed_from_u64(args.seed));
     let mut p = Pipeline::build(spec(&args)?, &args, Arc::new(chacha.clone()))?;
-    let noise = |tokens: i64| Tensor::randn([tokens, CHANNELS], (Kind::Float, Device::Cpu));
+    let noise = |tokens: i64| Tensor::randn([tokens, CHANNELS], (Kind::Float, args.device));
     let (image_tokens, t_structure, t_512, t_1024) = (
         tokens_at(256, args.scale),
         tokens_at(256, args.scale),

@@ -62,7 +62,7 @@ fn main() -> Result<(), BoxError> {
     for (seed, shape) in shapes(common.scale).iter().enumerate() {
         let file = cached_checkpoint(&folder, shape, &["model"], 400 + seed as i64)?;
         models.push(
-            ModelSpec::new(shape.name, support::transformer_loader(shape.clone(), Device::Cpu)).checkpoint([file]),
+            ModelSpec::new(shape.name, support::transformer_loader(shape.clone(), common.device)).checkpoint([file]),
         );
     }
     let stage = |name: &str, model: &str| (name.to_string(), vec![model.to_string()]);
@@ -81,11 +81,12 @@ fn main() -> Result<(), BoxError> {
     *chacha.lock() = ChaCha8Rng::seed_from_u64(common.seed);
     let latent_tokens = tokens_at(1024, common.scale);
     // The starting noise, drawn before any lazy build.
-    let x = Tensor::randn([latent_tokens, CHANNELS], (Kind::Float, Device::Cpu));
+    let x = Tensor::randn([latent_tokens, CHANNELS], (Kind::Float, common.device));
     p.latent("noise", &x);
 
     p.enter("encode")?;
-    let text = p.call("text_encoder", |m: &mut Transformer| m.forward(&embed(&args.prompt)))?;
+    let text =
+        p.call("text_encoder", |m: &mut Transformer| m.forward(&embed(&args.prompt).to_device(common.device)))?;
     let cond = text.mean_dim(0, true, Kind::Float);
     p.latent("text", &cond);
 

@@ -15,7 +15,7 @@ fn main() {
     }
 
     println!("cargo:rerun-if-changed=cpp/shim.cpp");
-    println!("cargo:rerun-if-changed=cpp/shim.h");
+    println!("cargo:rerun-if-env-changed=LIBTORCH_BYPASS_VERSION_CHECK");
     println!("cargo:rerun-if-env-changed=LIBTORCH_CXX11_ABI");
     let abi = std::env::var("LIBTORCH_CXX11_ABI").unwrap_or_else(|_| "1".into());
     let mut build = cc::Build::new();

@@ -249,6 +249,47 @@ pub struct CommonArgs {
     /// Control experiment: do not preserve the generators around lazy builds
     #[arg(long)]
     pub no_preserve_rng: bool,
+    /// Staged: load the next stage's models in the background while a stage computes (models
+    /// built without random initialisation)
+    #[arg(long)]
+    pub prefetch: bool,
+    /// Where the models and the noise live: auto (CUDA when present, else the CPU), cpu, cuda,
+    /// cuda:N, mps
+    #[arg(long, default_value = "auto", value_parser = parse_device)]
+    pub device: Device,
+}
+
+/// `auto`, `cpu`, `cuda`, `cuda:N` or `mps`; a device this machine lacks is refused.
+pub fn parse_device(text: &str) -> Result<Device, String> {
+    let cuda = |index: usize| {
+        let count = stageload_torch_sys::cuda_device_count().unwrap_or(0);
+        if index < count {
+            Ok(Device::Cuda(index))
+        } else {
+            Err(format!("cuda:{index} does not exist: this machine has {count} CUDA device(s); use --device cpu"))
+        }
+    };
+    match text {
+        "auto" => Ok(Device::cuda_if_available()),
+        "cpu" => Ok(Device::Cpu),
+        "cuda" => cuda(0),
+        "mps" if stageload_torch_sys::mps_available().unwrap_or(false) => Ok(Device::Mps),
+        "mps" => Err("MPS is not available on this machine; use --device cpu".into()),
+        other => match other.strip_prefix("cuda:").and_then(|n| n.parse().ok()) {
+            Some(index) => cuda(index),
+            None => Err(format!("unknown device '{other}' (auto, cpu, cuda, cuda:N or mps)")),
+        },
+    }
+}
+
+/// A device as the pipeline file and traces spell it.
+pub fn device_name(device: Device) -> String {
+    match device {
+        Device::Cpu => "cpu".into(),
+        Device::Cuda(index) => format!("cuda:{index}"),
+        Device::Mps => "mps".into(),
+        Device::Vulkan => "vulkan".into(),
+    }
 }
 
 impl CommonArgs {
@@ -276,7 +317,7 @@ pub struct PipelineSpec {
 impl PipelineSpec {
     /// Writes the pipeline description `stageload plan` reads (models with their checkpoint
     /// files, stages, pins) to `path`.
-    pub fn write_description(&self, path: &Path) -> Result<(), BoxError> {
+    pub fn write_description(&self, path: &Path, device: Device) -> Result<(), BoxError> {
         let description = PipelineFile {
             pinned: self.pinned.clone(),
             models: self
@@ -285,7 +326,7 @@ impl PipelineSpec {
                 .map(|m| ModelEntry {
                     name: m.name().to_string(),
                     files: m.checkpoint_files().to_vec(),
-                    device: "cpu".into(),
+                    device: device_name(device),
                     dtype: None,
                 })
                 .collect(),
@@ -325,11 +366,13 @@ impl Pipeline {
             .meta("pipeline", spec.name)
             .meta("scale", args.scale)
             .meta("seed", args.seed)
-            .meta("preserve_rng", !args.no_preserve_rng);
-        let meter = Arc::new(meter::start(&trace, Device::Cpu, options)?);
+            .meta("preserve_rng", !args.no_preserve_rng)
+            .meta("prefetch", args.prefetch)
+            .meta("device", device_name(args.device));
+        let meter = Arc::new(meter::start(&trace, args.device, options)?);
         let names: Vec<String> = spec.models.iter().map(|m| m.name().to_string()).collect();
         let description = args.cache_folder(spec.name).join(format!("{}.toml", spec.name));
-        spec.write_description(&description)?;
+        spec.write_description(&description, args.device)?;
         println!("pipeline description {} (stageload plan reads it)", description.display());
         // Eager: every stage lists every model and every model is pinned, so nothing is ever
         // released and no load is outside its stage.
@@ -345,8 +388,10 @@ impl Pipeline {
             builder = builder.progress(progress_bar());
         }
         for model in spec.models {
-            builder = builder.model(model);
+            // Prefetched builds must draw nothing: every weight comes from the checkpoint.
+            builder = builder.model(if args.prefetch { model.skip_init(true) } else { model });
         }
+        builder = builder.prefetch_next(args.prefetch);
         match args.mode {
             // Staged: stages and pins come from the description `stageload plan` checks.
             Mode::Staged => builder = builder.pipeline(&stageload::Pipeline::load(&description)?),

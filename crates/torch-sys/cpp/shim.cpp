@@ -9,6 +9,7 @@
 #include <c10/core/Allocator.h>
 #include <c10/core/CachingDeviceAllocator.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 #include <torch/torch.h>
@@ -140,6 +141,34 @@ char* sl_skip_init(bool on, bool* previous) {
   return guarded([&] {
     *previous = c10::impl::tls_is_dispatch_key_included(kSkipInitKey);
     c10::impl::tls_set_dispatch_key_included(kSkipInitKey, on);
+  });
+}
+
+// Streams through the device-generic guard interface (no CUDA headers needed): a stream from
+// the device's pool made current for this thread, and a wait on this thread's current stream.
+char* sl_cuda_use_side_stream(int index, int64_t* previous_id) {
+  return guarded([&] {
+    generator_device(1, index);
+    c10::impl::VirtualGuardImpl impl(c10::DeviceType::CUDA);
+    c10::Device device(c10::kCUDA, static_cast<c10::DeviceIndex>(index));
+    c10::Stream side = impl.getStreamFromGlobalPool(device, false);
+    *previous_id = impl.exchangeStream(side).id();
+  });
+}
+
+char* sl_cuda_set_stream(int index, int64_t id) {
+  return guarded([&] {
+    generator_device(1, index);
+    c10::impl::VirtualGuardImpl impl(c10::DeviceType::CUDA);
+    impl.exchangeStream(c10::Stream::unpack3(id, static_cast<c10::DeviceIndex>(index), c10::DeviceType::CUDA));
+  });
+}
+
+char* sl_cuda_sync_current_stream(int index) {
+  return guarded([&] {
+    generator_device(1, index);
+    c10::impl::VirtualGuardImpl impl(c10::DeviceType::CUDA);
+    impl.getStream(c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(index))).synchronize();
   });
 }
 

@@ -52,6 +52,9 @@ mod ffi {
         ) -> *mut c_char;
         pub fn sl_cuda_reset_peak(index: c_int) -> *mut c_char;
         pub fn sl_skip_init(on: bool, previous: *mut bool) -> *mut c_char;
+        pub fn sl_cuda_use_side_stream(index: c_int, previous_id: *mut i64) -> *mut c_char;
+        pub fn sl_cuda_set_stream(index: c_int, id: i64) -> *mut c_char;
+        pub fn sl_cuda_sync_current_stream(index: c_int) -> *mut c_char;
     }
 }
 
@@ -213,6 +216,42 @@ pub fn cuda_reset_peak(device: usize) -> ShimResult<()> {
     // SAFETY: plain integer argument; the shim validates it.
     let err = unsafe { ffi::sl_cuda_reset_peak(device as c_int) };
     check("reset CUDA peak", err)
+}
+
+/// Makes a stream from CUDA device `index`'s pool current for this thread until the returned
+/// guard drops (then the thread's previous stream is current again): copies and kernels this
+/// thread enqueues then overlap other threads' work on the default stream.
+pub fn cuda_side_stream(index: usize) -> ShimResult<SideStream> {
+    let mut previous = 0i64;
+    // SAFETY: the out-pointer is valid for a write; the shim validates the index.
+    let err = unsafe { ffi::sl_cuda_use_side_stream(index as c_int, &mut previous) };
+    check("switch to a side CUDA stream", err)?;
+    Ok(SideStream { index, previous })
+}
+
+/// A side stream current for this thread; see [`cuda_side_stream`].
+#[derive(Debug)]
+pub struct SideStream {
+    index: usize,
+    previous: i64,
+}
+
+impl Drop for SideStream {
+    fn drop(&mut self) {
+        // SAFETY: plain integers; the shim validates them.
+        let err = unsafe { ffi::sl_cuda_set_stream(self.index as c_int, self.previous) };
+        if let Err(err) = check("restore the CUDA stream", err) {
+            tracing::warn!(%err, "restoring the thread's CUDA stream");
+        }
+    }
+}
+
+/// Waits until everything this thread enqueued on its current stream of CUDA device `index` is
+/// done (not the whole device: other threads' streams keep running).
+pub fn cuda_sync_current_stream(index: usize) -> ShimResult<()> {
+    // SAFETY: plain integer argument; the shim validates it.
+    let err = unsafe { ffi::sl_cuda_sync_current_stream(index as c_int) };
+    check("wait for the current CUDA stream", err)
 }
 
 /// Turns skipping of random initialisation on or off for this thread; returns the previous

@@ -29,7 +29,9 @@ use safetensors::Dtype;
 use stageload_trace::event::LoadReport as NamedLoad;
 use tch::{Device, Kind, Tensor};
 
+use crate::device_copy;
 use crate::names::{match_names, Collision, NameMismatch, NameRules};
+use crate::sync::lock;
 
 /// Why a checkpoint could not be read or loaded. Each variant names the file and the tensor.
 #[derive(Debug, thiserror::Error)]
@@ -60,6 +62,8 @@ pub enum CheckpointError {
     Collision { files: Vec<PathBuf>, source: Collision },
     #[error("checkpoint {}: {mismatch}", paths(files))]
     Names { files: Vec<PathBuf>, mismatch: NameMismatch },
+    #[error("copying tensor '{tensor}' from {path} to the GPU failed: {source}")]
+    Stream { tensor: String, path: PathBuf, source: stageload_torch_sys::ShimError },
     #[error("reading tensor '{tensor}' from {path} failed: {source}")]
     Read { tensor: String, path: PathBuf, source: std::io::Error },
 }
@@ -262,13 +266,16 @@ impl Checkpoint {
         // Targets whose memory overlaps another's (tied weights) are copied one after the other,
         // in the caller's order, after the others.
         let overlapping = overlapping_targets(targets);
-        let (direct, sequential): (Vec<_>, Vec<_>) =
+        let (direct, rest): (Vec<_>, Vec<_>) =
             targets.iter().zip(plan).enumerate().partition(|(i, ((_, target), entry))| {
                 !overlapping.contains(i)
                     && target.device() == Device::Cpu
                     && target.kind() == entry.kind
                     && target.is_contiguous()
             });
+        // Contiguous CUDA targets go through the pinned ring; the rest one by one through `copy_`.
+        let (cuda, mut sequential): (Vec<_>, Vec<_>) =
+            rest.into_iter().partition(|(_, ((_, target), _))| target.device().is_cuda() && target.is_contiguous());
         // Direct copies: every chunk of every entry is a job; the CPUs take jobs in turn.
         let mut jobs = Vec::new();
         for (_, ((name, target), entry)) in &direct {
@@ -286,6 +293,11 @@ impl Checkpoint {
             }
         }
         self.run_jobs(jobs, &done, |done| progress(Progress { done, total }))?;
+        let on_device: Vec<(&str, &Tensor, &Entry)> = cuda.iter().map(|(_, ((n, t), e))| (n.as_str(), t, *e)).collect();
+        if let Err(reason) = self.copy_to_cuda(&on_device, &done, &mut |done| progress(Progress { done, total }))? {
+            warn_pageable_once(&reason);
+            sequential.extend(cuda);
+        }
         let mut buffer = Vec::new();
         tch::no_grad(|| -> Result<(), CheckpointError> {
             for (_, ((name, target), entry)) in sequential {
@@ -382,6 +394,132 @@ impl Checkpoint {
         Ok(())
     }
 
+    /// Copies entries into contiguous CUDA targets through the pinned ring (see
+    /// [`crate::device_copy`]). `Ok(Err(reason))` when no host memory could be pinned: nothing
+    /// was copied, the caller takes the pageable path.
+    fn copy_to_cuda(
+        &self,
+        items: &[(&str, &Tensor, &Entry)],
+        done: &AtomicU64,
+        progress: &mut dyn FnMut(u64),
+    ) -> Result<Result<(), String>, CheckpointError> {
+        let mut devices: Vec<usize> = items
+            .iter()
+            .filter_map(|(_, t, _)| match t.device() {
+                Device::Cuda(i) => Some(i),
+                _ => None,
+            })
+            .collect();
+        devices.sort_unstable();
+        devices.dedup();
+        for index in devices {
+            let on_this: Vec<&(&str, &Tensor, &Entry)> =
+                items.iter().filter(|(_, t, _)| t.device() == Device::Cuda(index)).collect();
+            let copied = device_copy::with_ring(Device::Cuda(index), |ring| {
+                tch::no_grad(|| self.copy_through_ring(ring, index, &on_this, done, progress))
+            });
+            match copied {
+                Ok(result) => result?,
+                Err(reason) => return Ok(Err(reason)),
+            }
+        }
+        Ok(Ok(()))
+    }
+
+    fn copy_through_ring(
+        &self,
+        ring: &mut device_copy::Ring,
+        index: usize,
+        items: &[&(&str, &Tensor, &Entry)],
+        done: &AtomicU64,
+        progress: &mut dyn FnMut(u64),
+    ) -> Result<(), CheckpointError> {
+        let work: Vec<(usize, device_copy::Piece)> = items
+            .iter()
+            .enumerate()
+            .flat_map(|(i, (_, target, entry))| {
+                device_copy::pieces(target.numel(), entry.kind.elt_size_in_bytes(), device_copy::WINDOW)
+                    .into_iter()
+                    .map(move |p| (i, p))
+            })
+            .collect();
+        let half = device_copy::SLOTS / 2;
+        for (group_index, group) in work.chunks(half).enumerate() {
+            let first_slot = (group_index % 2) * half;
+            // Read the group into this half while the GPU copies the previous group out of the other.
+            let reads: Vec<(&str, &Entry, usize, u64, usize)> = group
+                .iter()
+                .enumerate()
+                .map(|(j, (i, piece))| {
+                    let (name, _, entry) = *items[*i];
+                    let size = entry.kind.elt_size_in_bytes();
+                    let offset = entry.start + (piece.first * size) as u64;
+                    (name, entry, ring.slots[first_slot + j].data_ptr() as usize, offset, piece.count * size)
+                })
+                .collect();
+            let failed: Mutex<Option<CheckpointError>> = Mutex::new(None);
+            std::thread::scope(|scope| {
+                for &(name, entry, address, offset, length) in &reads {
+                    let failed = &failed;
+                    scope.spawn(move || {
+                        // SAFETY: `address` is the start of a pinned buffer of WINDOW bytes that the
+                        // ring owns and this group alone uses (the copies that last read it were
+                        // waited for before this group began); length ≤ WINDOW; each thread writes
+                        // its own buffer.
+                        let memory = unsafe { std::slice::from_raw_parts_mut(address as *mut u8, length) };
+                        if let Err(source) = self.handles[entry.file].read_exact_at(memory, offset) {
+                            lock(failed).get_or_insert(self.read_error(name, entry, source));
+                        }
+                    });
+                }
+            });
+            // The previous group's copies out of the other half are done after this (this
+            // thread's stream only: a prefetch on a side stream does not wait for the compute).
+            let synced = stageload_torch_sys::cuda_sync_current_stream(index);
+            if let Some(err) = failed.into_inner().unwrap_or_else(|e| e.into_inner()) {
+                return Err(err);
+            }
+            synced.map_err(|e| self.stream_error(items[group[0].0].0, items[group[0].0].2, e))?;
+            let mut bytes = 0;
+            for (j, (i, piece)) in group.iter().enumerate() {
+                let (name, target, entry) = *items[*i];
+                let copy_error = |source| CheckpointError::Copy {
+                    tensor: name.to_string(),
+                    path: self.files[entry.file].clone(),
+                    source,
+                };
+                let length = (piece.count * entry.kind.elt_size_in_bytes()) as i64;
+                let source = ring.slots[first_slot + j].f_narrow(0, 0, length).map_err(copy_error)?;
+                let destination = target
+                    .f_view([-1])
+                    .and_then(|t| t.f_narrow(0, piece.first as i64, piece.count as i64))
+                    .map_err(copy_error)?;
+                if target.kind() == entry.kind {
+                    let bytes_view = destination.f_view_dtype(Kind::Uint8).map_err(copy_error)?;
+                    let _ = source.f_internal_copy_from(&bytes_view, true).map_err(copy_error)?;
+                } else {
+                    let staging = ring.staging(index).and_then(|s| s.f_narrow(0, 0, length)).map_err(copy_error)?;
+                    let _ = source.f_internal_copy_from(&staging, true).map_err(copy_error)?;
+                    // Ordered after the copy on the same stream; converts on the device.
+                    destination
+                        .shallow_clone()
+                        .f_copy_(&staging.f_view_dtype(entry.kind).map_err(copy_error)?)
+                        .map_err(copy_error)?;
+                }
+                bytes += (piece.count * target.kind().elt_size_in_bytes()) as u64;
+            }
+            progress(done.fetch_add(bytes, Ordering::Relaxed) + bytes);
+        }
+        match (work.last(), stageload_torch_sys::cuda_sync_current_stream(index)) {
+            (Some((i, _)), Err(e)) => Err(self.stream_error(items[*i].0, items[*i].2, e)),
+            _ => Ok(()),
+        }
+    }
+
+    fn stream_error(&self, name: &str, entry: &Entry, source: stageload_torch_sys::ShimError) -> CheckpointError {
+        CheckpointError::Stream { tensor: name.to_string(), path: self.files[entry.file].clone(), source }
+    }
+
     /// Copies an entry through libtorch's `copy_` (dtype conversion, other devices, strided or
     /// tied targets): a window of whole rows (along the first dimension) at a time is read into
     /// `buffer` and copied into the same rows of the target.
@@ -471,7 +609,14 @@ fn overlapping_ranges(ranges: &[(usize, usize)]) -> HashSet<usize> {
 }
 
 /// Largest piece read at once: the size of a direct-copy job, and of the conversion buffer.
-const WINDOW: usize = 16 << 20;
+const WINDOW: usize = device_copy::WINDOW;
+
+/// Says once per process that CUDA loads take the pageable path.
+fn warn_pageable_once(reason: &str) {
+    static WARNED: std::sync::Once = std::sync::Once::new();
+    WARNED
+        .call_once(|| tracing::warn!(reason, "no pinned host memory: CUDA loads go through pageable copies (slower)"));
+}
 /// Threads that read at once.
 const MAX_THREADS: usize = 8;
 

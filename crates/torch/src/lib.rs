@@ -7,6 +7,7 @@
 //!   the noise a seeded run draws.
 //! - [`checkpoint`]: safetensors files mapped and copied once into the model's storage.
 //! - [`names`]: how a checkpoint's entry names meet a model's (rename, ignore, strictness).
+//! - [`device_copy`]: checkpoint entries into CUDA tensors through a ring of pinned buffers.
 //! - [`storage`]: release and reallocation of a model's storages through the shim.
 //! - [`sync`]: the one shared-handle type and lock helper.
 //! - [`hook`]: enter a stage when a module or closure you do not own is called.
@@ -14,6 +15,7 @@
 //! - [`meter`]: a run's memory and events as a JSONL trace (the meter of `stageload-trace`).
 
 pub mod checkpoint;
+pub mod device_copy;
 pub mod hook;
 pub mod meter;
 pub mod names;

@@ -14,7 +14,7 @@
 
 use std::path::Path;
 
-use tch::Device;
+use tch::{Device, Kind, Tensor};
 
 pub use stageload_trace::{read_trace, summarize, DeviceMemory, Meter, MeterOptions, Summary, SystemMeterReadings};
 
@@ -23,6 +23,9 @@ pub use stageload_trace::{read_trace, summarize, DeviceMemory, Meter, MeterOptio
 pub fn start(path: impl AsRef<Path>, device: Device, options: MeterOptions) -> std::io::Result<Meter> {
     let options = match device {
         Device::Cuda(index) => {
+            // The allocator's statistics exist once CUDA is initialised on that device; the
+            // meter's first sample would otherwise fail ("Invalid device argument").
+            let _ = Tensor::f_zeros([1], (Kind::Float, device));
             options.device(format!("cuda:{index}")).readings(SystemMeterReadings::with_device(move || {
                 stageload_torch_sys::cuda_memory(index)
                     .map(|m| DeviceMemory { allocated: m.allocated, reserved: m.reserved })

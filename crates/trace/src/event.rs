@@ -29,6 +29,9 @@ pub enum EventKind {
     Mark,
     /// Something failed; `note` is the message.
     Error,
+    /// A background load of `model` for `stage` began (its `load`/`reload` event, marked
+    /// `prefetched`, ends it).
+    Prefetch,
 }
 
 impl EventKind {
@@ -41,6 +44,7 @@ impl EventKind {
             EventKind::Stage => "stage",
             EventKind::Mark => "mark",
             EventKind::Error => "error",
+            EventKind::Prefetch => "prefetch",
         }
     }
 
@@ -120,6 +124,9 @@ pub struct Event {
     /// Loads: the current stage does not list the model (nor pins it).
     #[serde(default, skip_serializing_if = "is_false")]
     pub outside_stage: bool,
+    /// Loads: done in the background by a prefetch.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub prefetched: bool,
     /// Releases: bytes left alone because another resident model shares them.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kept_bytes: Option<u64>,
@@ -206,6 +213,9 @@ impl fmt::Display for Event {
         }
         if self.outside_stage {
             details.push("outside the stage".to_string());
+        }
+        if self.prefetched {
+            details.push("prefetched".to_string());
         }
         if let Some(note) = &self.note {
             details.push(note.clone());

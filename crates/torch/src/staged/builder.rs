@@ -27,6 +27,8 @@ pub struct StagedModelsBuilder {
     progress: Option<Arc<ProgressHook>>,
     planned_checkpoints: HashMap<String, Vec<PathBuf>>,
     planned_models: Vec<String>,
+    prefetch_next: bool,
+    prefetch_budget: Option<u64>,
 }
 
 impl StagedModelsBuilder {
@@ -97,6 +99,22 @@ impl StagedModelsBuilder {
         self
     }
 
+    /// After each `enter`, prefetch the next stage of the plan (in the order the stages were
+    /// given): its models load in the background while this stage computes (default off). Only
+    /// loads that draw no random number are prefetched (see
+    /// [`StagedModels::prefetch`](super::StagedModels::prefetch)).
+    pub fn prefetch_next(mut self, on: bool) -> Self {
+        self.prefetch_next = on;
+        self
+    }
+
+    /// Prefetches only while the resident weights plus the prefetched models stay within
+    /// `bytes` (the stage's own weights and working memory must fit beside them).
+    pub fn prefetch_budget(mut self, bytes: u64) -> Self {
+        self.prefetch_budget = Some(bytes);
+        self
+    }
+
     /// Whether [`Self::build`] fixes glibc's mmap threshold so that freed weight- and
     /// activation-sized blocks go back to the OS at once (default on; a process-wide setting).
     pub fn map_large_host_blocks(mut self, on: bool) -> Self {
@@ -149,6 +167,7 @@ impl StagedModelsBuilder {
         if !unknown.is_empty() {
             return Err(StageError::PlanWithoutLoader { names: unknown.into_iter().collect() });
         }
+        let order = self.stages.iter().map(|(s, _)| s.clone()).collect();
         let stages = self.stages.into_iter().map(|(s, m)| (s, m.into_iter().collect())).collect();
         if self.map_large_host_blocks {
             stageload_torch_sys::map_large_host_blocks();
@@ -162,6 +181,7 @@ impl StagedModelsBuilder {
             current: None,
             closed: false,
             next_ticket: 0,
+            order,
         };
         Ok(StagedModels {
             inner: Arc::new(Inner {
@@ -174,6 +194,8 @@ impl StagedModelsBuilder {
                 preserve_rng: self.preserve_rng,
                 strict: self.strict,
                 progress: self.progress,
+                prefetch_next: self.prefetch_next,
+                prefetch_budget: self.prefetch_budget,
             }),
         })
     }
@@ -193,6 +215,8 @@ impl StagedModels {
             progress: None,
             planned_checkpoints: HashMap::new(),
             planned_models: Vec::new(),
+            prefetch_next: false,
+            prefetch_budget: None,
         }
     }
 }

@@ -201,6 +201,37 @@ pub fn holds_storage<I>(state: &SlotState<I>) -> Option<&I> {
     }
 }
 
+/// Why a prefetch leaves a model alone.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PrefetchSkip {
+    /// Resident already (or its release is still pending: a `get` takes it back as it is).
+    Resident,
+    /// A load of it is in flight.
+    InFlight,
+    Closed,
+    /// Loading it means running its loader, which draws random numbers from the process-wide
+    /// generators: done in the background it would shift the foreground's draws. It loads at its
+    /// `get` (declare a checkpoint and `skip_init` to make it prefetchable).
+    DrawsRandomNumbers,
+    /// Released with no loader and no checkpoint: it cannot come back.
+    NoLoader,
+}
+
+/// Decides whether a prefetch starts loading `slot` in the background. Only loads that draw no
+/// random number qualify: a refill in place from the checkpoint, or a build without
+/// initialisation (`skip_init`).
+pub fn on_prefetch<I>(slot: &Slot<I>, closed: bool, skip_init: bool) -> Result<(), PrefetchSkip> {
+    match &slot.state {
+        SlotState::Resident(_) | SlotState::Released { pending: true, .. } => Err(PrefetchSkip::Resident),
+        SlotState::Loading { .. } => Err(PrefetchSkip::InFlight),
+        _ if closed => Err(PrefetchSkip::Closed),
+        SlotState::Released { .. } | SlotState::Failed { instance: Some(_), .. } if slot.has_checkpoint => Ok(()),
+        _ if slot.has_loader && skip_init => Ok(()),
+        _ if slot.has_loader => Err(PrefetchSkip::DrawsRandomNumbers),
+        _ => Err(PrefetchSkip::NoLoader),
+    }
+}
+
 /// A model's state as users see it ([`super::StagedModels::states`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum ModelState {
@@ -326,6 +357,23 @@ mod tests {
     fn a_release_of_a_model_in_use_waits_for_its_user_instead_of_blocking() {
         assert_eq!(on_release(true), ReleaseWhen::Now);
         assert_eq!(on_release(false), ReleaseWhen::WhenUnlocked);
+    }
+
+    #[test]
+    fn only_loads_that_draw_no_random_number_are_prefetched() {
+        assert_eq!(on_prefetch(&slot(released(false)), false, false), Ok(()), "a refill in place draws nothing");
+        let mut unloaded = slot(SlotState::Unloaded);
+        unloaded.loads = 0;
+        assert_eq!(on_prefetch(&unloaded, false, false), Err(PrefetchSkip::DrawsRandomNumbers));
+        assert_eq!(on_prefetch(&unloaded, false, true), Ok(()), "a build without initialisation draws nothing");
+        assert_eq!(on_prefetch(&slot(SlotState::Resident(1)), false, true), Err(PrefetchSkip::Resident));
+        assert_eq!(on_prefetch(&slot(released(true)), false, true), Err(PrefetchSkip::Resident));
+        let loading = slot(SlotState::Loading { ticket: 1, reload: Reload::First });
+        assert_eq!(on_prefetch(&loading, false, true), Err(PrefetchSkip::InFlight));
+        assert_eq!(on_prefetch(&slot(released(false)), true, true), Err(PrefetchSkip::Closed));
+        let mut lost = slot(released(false));
+        (lost.has_loader, lost.has_checkpoint) = (false, false);
+        assert_eq!(on_prefetch(&lost, false, true), Err(PrefetchSkip::NoLoader));
     }
 
     #[test]

@@ -77,7 +77,25 @@ impl StagedModels {
     /// locked is released when that thread drops its guard (its `release` event comes then);
     /// the stats returned count what was freed now.
     pub fn enter(&self, stage: &str) -> Result<ReleaseStats> {
-        self.inner.enter(stage)
+        let stats = self.inner.enter(stage)?;
+        if self.inner.prefetch_next {
+            if let Some(next) = self.inner.next_stage(stage) {
+                self.inner.prefetch(&next)?;
+            }
+        }
+        Ok(stats)
+    }
+
+    /// Starts loading `stage`'s models in the background (a thread each; on CUDA a side
+    /// stream), while the current stage computes: a `prefetch` event each, then their
+    /// `load`/`reload` event marked `prefetched`. A `get` of a model still in flight waits for
+    /// it; a prefetch that fails leaves the error to the `get` that needs the model. Only loads
+    /// that draw no random number are started (a refill in place from the checkpoint, or a
+    /// build with `skip_init`), so seeded runs stay bit-identical; within
+    /// [`prefetch_budget`](StagedModelsBuilder::prefetch_budget) if one is set. Returns the
+    /// models started.
+    pub fn prefetch(&self, stage: &str) -> Result<Vec<String>> {
+        self.inner.prefetch(stage)
     }
 
     /// Every model with its state, in definition order (never loads).

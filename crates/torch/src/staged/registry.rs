@@ -47,6 +47,8 @@ pub(crate) struct State {
     pub(crate) entries: Vec<Entry>,
     pub(crate) index: HashMap<String, usize>,
     pub(crate) stages: BTreeMap<String, BTreeSet<String>>,
+    /// Stage names in the order the plan gives them (for the look-ahead).
+    pub(crate) order: Vec<String>,
     pub(crate) pinned: BTreeSet<String>,
     pub(crate) current: Option<String>,
     pub(crate) closed: bool,
@@ -119,6 +121,19 @@ pub(crate) struct Inner {
     pub(crate) preserve_rng: bool,
     pub(crate) strict: bool,
     pub(crate) progress: Option<Arc<ProgressHook>>,
+    /// After each `enter`, prefetch the next stage of the plan.
+    pub(crate) prefetch_next: bool,
+    /// Prefetch only while the resident weights plus the prefetched ones stay within this.
+    pub(crate) prefetch_budget: Option<u64>,
+}
+
+/// Why a load runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Purpose {
+    /// A `get` (or `load`) of the current stage.
+    Use,
+    /// A background load for a stage about to begin.
+    Prefetch,
 }
 
 /// What a load started under the state lock needs once the lock is dropped.
@@ -140,10 +155,16 @@ impl Inner {
 
     /// The instance of `name`, loaded or brought back if needed (see [`decide::on_get`]).
     pub(crate) fn instance(self: &Arc<Self>, name: &str) -> Result<Arc<Instance>> {
+        self.instance_for(name, Purpose::Use)
+    }
+
+    pub(crate) fn instance_for(self: &Arc<Self>, name: &str, purpose: Purpose) -> Result<Arc<Instance>> {
+        let prefetch = purpose == Purpose::Prefetch;
         let mut state = self.state();
         let (ticket, plan, checkpoint, names, skip_init) = loop {
             let position = state.position(name)?;
-            let ctx = GetContext { closed: state.closed, strict: self.strict, planned_here: state.planned_here(name) };
+            let planned_here = prefetch || state.planned_here(name);
+            let ctx = GetContext { closed: state.closed, strict: self.strict, planned_here };
             let entry = &state.entries[position];
             let plan = match decide::on_get(&entry.slot, ctx) {
                 GetAction::Use(instance) => return Ok(instance),
@@ -188,14 +209,16 @@ impl Inner {
             break (ticket, plan, entry.checkpoint.clone(), entry.names.clone(), entry.skip_init);
         };
         let stage = state.current.clone();
-        let outside_stage = !state.planned_here(name);
+        let outside_stage = !prefetch && !state.planned_here(name);
         drop(state);
 
         let started = Instant::now();
         let result = match &plan {
             LoadPlan::Build { loader, .. } => {
                 let _one_build_at_a_time = lock(&self.build_lock);
-                self.build(name, loader, &checkpoint, &names, skip_init)
+                // A prefetched build draws nothing (skip_init, see decide::on_prefetch): it must
+                // not save and restore the generators the foreground is drawing from.
+                self.build(name, loader, &checkpoint, &names, skip_init, self.preserve_rng && !prefetch)
             }
             LoadPlan::Refill(instance) => {
                 self.refill(instance, &checkpoint, &names).map(|(bytes, report)| (Arc::clone(instance), bytes, report))
@@ -236,6 +259,7 @@ impl Inner {
                     seconds: Some(seconds),
                     from,
                     outside_stage,
+                    prefetched: prefetch,
                     report,
                     resident: Some(resident),
                     ..Event::now(kind)
@@ -265,9 +289,9 @@ impl Inner {
         checkpoint: &[PathBuf],
         names: &NameRules,
         skip_init: bool,
+        preserve_rng: bool,
     ) -> Result<(Arc<Instance>, u64, Option<LoadReport>)> {
-        let _rng =
-            if self.preserve_rng { Some(PreservedRng::save(&self.rngs).map_err(StageError::Rng)?) } else { None };
+        let _rng = if preserve_rng { Some(PreservedRng::save(&self.rngs).map_err(StageError::Rng)?) } else { None };
         let context =
             BuildContext { components: &self.components, model: name, shared_tensors: Mutex::new(Vec::new()) };
         let run = || {
@@ -449,6 +473,69 @@ impl Inner {
         total
     }
 
+    /// Starts background loads of `stage`'s models (see [`super::StagedModels::prefetch`]).
+    /// Returns the models started.
+    pub(crate) fn prefetch(self: &Arc<Self>, stage: &str) -> Result<Vec<String>> {
+        let state = self.state();
+        let Some(planned) = state.stages.get(stage) else {
+            return Err(StageError::UnknownStage {
+                stage: stage.to_string(),
+                known: state.stages.keys().cloned().collect(),
+            });
+        };
+        let mut budget_left = self.prefetch_budget.map(|b| b.saturating_sub(state.resident_bytes()));
+        let mut started = Vec::new();
+        for name in planned {
+            let Some(&position) = state.index.get(name) else { continue };
+            let entry = &state.entries[position];
+            if let Err(skip) = decide::on_prefetch(&entry.slot, state.closed, entry.skip_init) {
+                tracing::debug!(model = name.as_str(), stage, ?skip, "not prefetched");
+                continue;
+            }
+            let bytes = expected_bytes(entry);
+            if let Some(left) = budget_left.as_mut() {
+                if bytes > *left {
+                    tracing::debug!(
+                        model = name.as_str(),
+                        stage,
+                        bytes,
+                        left = *left,
+                        "not prefetched: over the prefetch budget"
+                    );
+                    continue;
+                }
+                *left -= bytes;
+            }
+            started.push((name.clone(), bytes));
+        }
+        drop(state);
+        for (name, bytes) in &started {
+            self.emit(Event {
+                stage: Some(stage.to_string()),
+                model: Some(name.clone()),
+                bytes: Some(*bytes),
+                ..Event::now(EventKind::Prefetch)
+            });
+            let (inner, name) = (Arc::clone(self), name.clone());
+            std::thread::spawn(move || {
+                // On CUDA the copies go on a side stream, beside the foreground's kernels.
+                let _side = (stageload_torch_sys::cuda_device_count().unwrap_or(0) > 0)
+                    .then(|| stageload_torch_sys::cuda_side_stream(0).ok())
+                    .flatten();
+                // A failure stays in the slot and surfaces at the `get` that needs the model.
+                let _ = inner.instance_for(&name, Purpose::Prefetch);
+            });
+        }
+        Ok(started.into_iter().map(|(name, _)| name).collect())
+    }
+
+    /// The stage after `stage` in the plan's order.
+    pub(crate) fn next_stage(&self, stage: &str) -> Option<String> {
+        let state = self.state();
+        let position = state.order.iter().position(|s| s == stage)?;
+        state.order.get(position + 1).cloned()
+    }
+
     /// Enters `stage` (see [`super::StagedModels::enter`]).
     pub(crate) fn enter(&self, stage: &str) -> Result<ReleaseStats> {
         let mut state = self.state();
@@ -574,6 +661,19 @@ impl Inner {
 
     pub(crate) fn handle<M: 'static>(self: &Arc<Self>, name: &str) -> Result<Handle<M>> {
         self.instance(name)?.handle::<M>()
+    }
+}
+
+/// The bytes a load of `entry` brings: its instance's storages, else its checkpoint files' size.
+fn expected_bytes(entry: &Entry) -> u64 {
+    let instance = match &entry.slot.state {
+        SlotState::Released { instance, .. } => Some(instance),
+        SlotState::Failed { instance, .. } => instance.as_ref(),
+        _ => None,
+    };
+    match instance {
+        Some(instance) => instance.storage_sizes.iter().map(|(_, bytes)| bytes).sum(),
+        None => entry.checkpoint.iter().filter_map(|f| std::fs::metadata(f).ok()).map(|m| m.len()).sum(),
     }
 }
 

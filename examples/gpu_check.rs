@@ -1,0 +1,243 @@
+//! On a CUDA machine, one run: the library's CUDA paths checked, and checkpoint → CUDA loading
+//! measured beside its peers (Python's safetensors, pinned and pageable host→device copies) on
+//! the same file in the same run. `scripts/gpu-check.sh` runs it through the device kit.
+//!
+//! Checks (each a named pass/fail in the result): a checkpoint loaded into CUDA tensors through
+//! the pinned ring equals the same file loaded on the CPU, bit for bit; f16 entries converted to
+//! f32 on the device equal the CPU's conversion; a registry model on CUDA built without
+//! initialisation draws nothing from the CUDA generator, gives the same output after a release
+//! (device memory back to the allocator and the driver) and a reload in place.
+//!
+//!     gpu_check --out DIR [--gib 4] [--rounds 5] [--python python3]
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Instant;
+
+use clap::Parser;
+use stageload::checkpoint::Checkpoint;
+use stageload::{BoxError, Built, ModelSpec, StagedModels};
+use stageload_torch_sys::{cuda_memory, generator_state, GeneratorDevice};
+use tch::nn::{self, Module, VarStore};
+use tch::{Device, Kind, Tensor};
+
+#[derive(Parser)]
+struct Args {
+    /// Folder for the results (gpu-check.json, gpu-check.md).
+    #[arg(long)]
+    out: PathBuf,
+    /// Folder for the checkpoints written once (default: the system's temporary folder).
+    #[arg(long)]
+    scratch: Option<PathBuf>,
+    /// Size of the benchmark checkpoint, GiB.
+    #[arg(long, default_value_t = 4)]
+    gib: usize,
+    /// Rounds of each measurement (alternating); medians are reported.
+    #[arg(long, default_value_t = 5)]
+    rounds: usize,
+    /// Python with torch and safetensors, for the peers.
+    #[arg(long, default_value = "python3")]
+    python: String,
+    /// The peers' script (examples/bench_device.py).
+    #[arg(long, default_value = "examples/bench_device.py")]
+    peer: PathBuf,
+}
+
+const SIDE: i64 = 8192;
+
+/// Writes `layers` square matrices of `kind` under `layers.N.weight`.
+fn write_checkpoint(path: &Path, layers: usize, kind: Kind) -> Result<(), BoxError> {
+    if path.exists() {
+        return Ok(());
+    }
+    let tensors: Vec<(String, Tensor)> = (0..layers)
+        .map(|i| (format!("layers.{i}.weight"), Tensor::randn([SIDE, SIDE], (Kind::Float, Device::Cpu)).to_kind(kind)))
+        .collect();
+    stageload::checkpoint::save(&tensors, path)?;
+    Ok(())
+}
+
+fn targets(file: &Checkpoint, kind: Option<Kind>, device: Device) -> Vec<(String, Tensor)> {
+    let mut names: Vec<&String> = file.entries().keys().collect();
+    names.sort();
+    names
+        .into_iter()
+        .map(|n| (n.clone(), Tensor::empty(&file.entries()[n].shape, (kind.unwrap_or(file.entries()[n].kind), device))))
+        .collect()
+}
+
+fn all_equal(a: &[(String, Tensor)], b: &[(String, Tensor)]) -> bool {
+    a.iter().zip(b).all(|((_, x), (_, y))| x.to_device(Device::Cpu).equal(&y.to_device(Device::Cpu)))
+}
+
+fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values.get(values.len() / 2).copied().unwrap_or(f64::NAN)
+}
+
+/// GB/s of host→device copies of 1 GiB from pinned and from pageable memory.
+fn copy_limits(rounds: usize, device: Device) -> (f64, f64) {
+    let bytes = 1i64 << 30;
+    let pinned = Tensor::empty([bytes], (Kind::Uint8, Device::Cpu)).pin_memory(device);
+    let pageable = Tensor::ones([bytes], (Kind::Uint8, Device::Cpu));
+    let mut target = Tensor::empty([bytes], (Kind::Uint8, device));
+    let mut rate = |source: &Tensor| {
+        let mut rates = Vec::new();
+        for _ in 0..rounds {
+            tch::Cuda::synchronize(0);
+            let started = Instant::now();
+            target.copy_(source);
+            tch::Cuda::synchronize(0);
+            rates.push(bytes as f64 / started.elapsed().as_secs_f64() / 1e9);
+        }
+        median(rates)
+    };
+    (rate(&pinned), rate(&pageable))
+}
+
+struct Net(nn::Sequential);
+
+fn net(vs: &VarStore) -> Net {
+    let mut seq = nn::seq();
+    for i in 0..4 {
+        seq =
+            seq.add(nn::linear(vs.root() / format!("l{i}"), 4096, 4096, Default::default())).add_fn(|x| x.gelu("none"));
+    }
+    Net(seq)
+}
+
+/// The registry on CUDA: skip-init draws nothing, release frees device memory, reload in place
+/// repeats the output.
+fn registry_checks(scratch: &Path, device: Device) -> Result<BTreeMap<String, serde_json::Value>, BoxError> {
+    let file = scratch.join("net.safetensors");
+    {
+        let vs = VarStore::new(Device::Cpu);
+        let _ = net(&vs);
+        stageload::checkpoint::save(&vs.variables().into_iter().collect::<Vec<_>>(), &file)?;
+    }
+    let models = StagedModels::builder()
+        .model(
+            ModelSpec::new("net", move |_| {
+                let vs = VarStore::new(device);
+                let model = net(&vs);
+                Ok(Built::new(model, &vs))
+            })
+            .checkpoint([&file])
+            .skip_init(true),
+        )
+        .stage("run", ["net"])
+        .stage("other", Vec::<String>::new())
+        .preserve_rng(false)
+        .build()?;
+    let x = Tensor::ones([8, 4096], (Kind::Float, device));
+    let generator = generator_state(GeneratorDevice::Cuda(0))?;
+    models.enter("run")?;
+    let started = Instant::now();
+    models.load("net")?;
+    let load_seconds = started.elapsed().as_secs_f64();
+    let draws_nothing = generator_state(GeneratorDevice::Cuda(0))? == generator;
+    let y = tch::no_grad(|| models.call("net", |m: &mut Net| m.0.forward(&x)))?;
+    let resident = cuda_memory(0)?;
+    models.enter("other")?;
+    let released = cuda_memory(0)?;
+    models.enter("run")?;
+    let started = Instant::now();
+    let again = tch::no_grad(|| models.call("net", |m: &mut Net| m.0.forward(&x)))?;
+    let reload_seconds = started.elapsed().as_secs_f64();
+    let bytes = models.resident_bytes();
+    let mut r = BTreeMap::new();
+    r.insert("skip_init_draws_nothing_on_cuda".into(), draws_nothing.into());
+    r.insert("model_bytes".into(), bytes.into());
+    r.insert("allocated_resident".into(), resident.allocated.into());
+    r.insert("allocated_released".into(), released.allocated.into());
+    r.insert("reserved_released".into(), released.reserved.into());
+    r.insert(
+        "release_frees_device_memory".into(),
+        (resident.allocated.saturating_sub(released.allocated) >= bytes * 9 / 10).into(),
+    );
+    r.insert("identical_after_reload".into(), again.equal(&y).into());
+    r.insert("first_load_gb_per_s".into(), (bytes as f64 / load_seconds / 1e9).into());
+    r.insert("reload_in_place_gb_per_s".into(), (bytes as f64 / reload_seconds / 1e9).into());
+    Ok(r)
+}
+
+fn main() -> Result<(), BoxError> {
+    let args = Args::parse();
+    if stageload_torch_sys::cuda_device_count().unwrap_or(0) == 0 {
+        eprintln!("gpu_check needs a CUDA device; this machine has none");
+        std::process::exit(2);
+    }
+    let device = Device::Cuda(0);
+    std::fs::create_dir_all(&args.out)?;
+    let scratch = args.scratch.clone().unwrap_or_else(std::env::temp_dir).join("stageload-gpu-check");
+    std::fs::create_dir_all(&scratch)?;
+    let big = scratch.join(format!("f32-{}gib.safetensors", args.gib));
+    let half = scratch.join("f16-512mib.safetensors");
+    let started = Instant::now();
+    write_checkpoint(&big, args.gib * 4, Kind::Float)?;
+    write_checkpoint(&half, 4, Kind::Half)?;
+    println!("checkpoints written in {:.1} s", started.elapsed().as_secs_f64());
+
+    let mut result: BTreeMap<String, serde_json::Value> = BTreeMap::new();
+    // Correctness: pinned ring vs the CPU path, same kind and converted.
+    let file = Checkpoint::open(&[&big])?;
+    let on_cuda = targets(&file, None, device);
+    let on_cpu = targets(&file, None, Device::Cpu);
+    file.load_into(&on_cuda, |_| {})?;
+    file.load_into(&on_cpu, |_| {})?;
+    result.insert("cuda_load_equals_cpu_load".into(), all_equal(&on_cuda, &on_cpu).into());
+    drop(on_cpu);
+    let halves = Checkpoint::open(&[&half])?;
+    let converted_cuda = targets(&halves, Some(Kind::Float), device);
+    let converted_cpu = targets(&halves, Some(Kind::Float), Device::Cpu);
+    halves.load_into(&converted_cuda, |_| {})?;
+    halves.load_into(&converted_cpu, |_| {})?;
+    result.insert("f16_to_f32_on_device_equals_cpu".into(), all_equal(&converted_cuda, &converted_cpu).into());
+    drop((converted_cuda, converted_cpu));
+    result.extend(registry_checks(&scratch, device)?);
+
+    // Speed: checkpoint → CUDA (targets allocated once), then the peers, alternating.
+    let bytes = std::fs::metadata(&big)?.len() as f64;
+    let mut stageload_rates = Vec::new();
+    for _ in 0..args.rounds {
+        tch::Cuda::synchronize(0);
+        let started = Instant::now();
+        Checkpoint::open(&[&big])?.load_into(&on_cuda, |_| {})?;
+        tch::Cuda::synchronize(0);
+        stageload_rates.push(bytes / started.elapsed().as_secs_f64() / 1e9);
+    }
+    drop(on_cuda);
+    let _ = stageload_torch_sys::cuda_empty_cache();
+    let (pinned, pageable) = copy_limits(args.rounds, device);
+    let python = Command::new(&args.python).arg(&args.peer).arg(&big).arg(args.rounds.to_string()).output();
+    let peers: serde_json::Value = match python {
+        Ok(out) if out.status.success() => {
+            serde_json::from_slice(&out.stdout).unwrap_or_else(|e| format!("unreadable: {e}").into())
+        }
+        Ok(out) => format!("failed: {}", String::from_utf8_lossy(&out.stderr)).into(),
+        Err(e) => format!("not run: {e}").into(),
+    };
+    let stageload_rate = median(stageload_rates.clone());
+    result.insert("checkpoint_gib".into(), args.gib.into());
+    result.insert("stageload_to_cuda_gb_per_s".into(), stageload_rate.into());
+    result.insert("stageload_rounds_gb_per_s".into(), stageload_rates.into());
+    result.insert("pinned_h2d_gb_per_s".into(), pinned.into());
+    result.insert("pageable_h2d_gb_per_s".into(), pageable.into());
+    result.insert("stageload_over_pinned_limit".into(), (stageload_rate / pinned).into());
+    result.insert("python".into(), peers.clone());
+    if let Some(best) =
+        ["load_file_cuda", "load_file_then_to_cuda"].iter().filter_map(|k| peers.get(k)?.as_f64()).reduce(f64::max)
+    {
+        result.insert("stageload_over_best_python".into(), (stageload_rate / best).into());
+    }
+    let text = serde_json::to_string_pretty(&result)?;
+    std::fs::write(args.out.join("gpu-check.json"), &text)?;
+    println!("{text}");
+    let failed: Vec<&String> = result.iter().filter(|(_, v)| v.as_bool() == Some(false)).map(|(k, _)| k).collect();
+    if !failed.is_empty() {
+        eprintln!("failed: {failed:?}");
+        std::process::exit(1);
+    }
+    Ok(())
+}

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# The project's GPU checks, in one call of a few minutes on the GPU machine. That machine has no
+# cargo: build here first, against its libtorch, with the device kit (../shared/device-kit):
+#
+#   ../shared/device-kit/build.sh build --example gpu_check --example cascade
+#   ../shared/device-kit/build.sh build -p stageload-cli --bin stageload
+#
+# then, on the GPU machine, from the repository root with target/device-kit carried along:
+#
+#   scripts/gpu-check.sh            # results in $OUT (or target/gpu-check)
+#
+# It runs: examples/gpu_check (the CUDA paths checked, checkpoint -> CUDA against Python's
+# safetensors and the pinned/pageable copy limits on one 4 GiB file), then the cascade demo on
+# cuda:0 eager, staged, staged with prefetch, and staged without RNG preservation (the control),
+# compares their latents, and writes the summary of the eager and staged traces. Six files:
+# gpu-check.json, log.txt, latents.txt, summary.txt, cascade-eager.jsonl, cascade-staged.jsonl.
+set -uo pipefail
+root=$(pwd)
+kit=$root/target/device-kit
+out=${OUT:-$root/target/gpu-check}
+scratch=${TMPDIR:-/tmp}/stageload-gpu-check
+mkdir -p "$out" "$scratch"
+log=$out/log.txt
+: > "$log"
+step() { echo "+ $*" | tee -a "$log"; }
+run() { DEVICE_KIT_QUIET=1 "$kit/run.sh" "$@" 2>&1 | tee -a "$log"; return "${PIPESTATUS[0]}"; }
+status=0
+
+"$kit/run.sh" true 2>&1 | tee -a "$log"   # the GPU and the torch version
+step gpu_check
+run bin/gpu_check --out "$out" --scratch "$scratch" --gib 4 --rounds 5 --peer "$root/examples/bench_device.py" || status=1
+
+for mode in eager staged prefetch control; do
+    case $mode in
+        eager) flags=(--mode eager) ;;
+        staged) flags=(--mode staged) ;;
+        prefetch) flags=(--mode staged --prefetch) ;;
+        control) flags=(--mode staged --no-preserve-rng) ;;
+    esac
+    step "cascade $mode"
+    start=$(date +%s.%N)
+    run bin/cascade "${flags[@]}" --device cuda --cache "$scratch/weights" --trace "$scratch/cascade-$mode.jsonl" \
+        --fingerprints "$scratch/latents-$mode.txt" > /dev/null || status=1
+    echo "cascade $mode wall $(echo "$(date +%s.%N) - $start" | bc) s" | tee -a "$log"
+done
+cp "$scratch/cascade-eager.jsonl" "$scratch/cascade-staged.jsonl" "$out/"
+{
+    for mode in eager staged prefetch control; do echo "== $mode"; cat "$scratch/latents-$mode.txt"; done
+    for mode in staged prefetch control; do
+        if cmp -s "$scratch/latents-eager.txt" "$scratch/latents-$mode.txt"; then echo "$mode: latents identical to eager"
+        else echo "$mode: $(diff <(cat "$scratch/latents-eager.txt") "$scratch/latents-$mode.txt" | grep -c '^>') latents differ from eager"; fi
+    done
+} > "$out/latents.txt"
+cat "$out/latents.txt" | tail -3 | tee -a "$log"
+run bin/stageload summary "$scratch/cascade-eager.jsonl" "$scratch/cascade-staged.jsonl" "$scratch/cascade-prefetch.jsonl" > "$out/summary.txt" || status=1
+exit $status
