@@ -38,10 +38,10 @@ for mode in eager staged prefetch control; do
         control) flags=(--mode staged --no-preserve-rng) ;;
     esac
     step "cascade $mode"
-    start=$(date +%s.%N)
+    start=$(date +%s%N)
     run bin/cascade "${flags[@]}" --device cuda --cache "$scratch/weights" --trace "$scratch/cascade-$mode.jsonl" \
         --fingerprints "$scratch/latents-$mode.txt" > /dev/null || status=1
-    echo "cascade $mode wall $(echo "$(date +%s.%N) - $start" | bc) s" | tee -a "$log"
+    echo "cascade $mode wall $(( ($(date +%s%N) - start) / 1000000 )) ms" | tee -a "$log"
 done
 cp "$scratch/cascade-eager.jsonl" "$scratch/cascade-staged.jsonl" "$out/"
 {

@@ -1,9 +1,27 @@
 #!/usr/bin/env bash
-# Runs every test of the workspace against real libtorch (installed on first use, see
-# scripts/setup-libtorch.sh). This is the README's test command; .ci/run calls it.
+# Every check of the workspace: formatting, then the torch-free crates' tests (no libtorch
+# needed; they finish in a minute or two), then clippy and the tests of everything that links
+# libtorch (installed on first use, see scripts/setup-libtorch.sh). This is the README's test
+# command; .ci/run calls it. Extra arguments go to both `cargo test` runs.
+#
+#   scripts/test.sh --torch-free     only formatting and the torch-free lane
 set -euo pipefail
 cd "$(dirname "$0")/.."
+torch_free=(-p stageload-probe -p stageload-guard -p stageload-plan -p stageload-trace -p stageload-cli)
+only_torch_free=false
+if [[ "${1:-}" == "--torch-free" ]]; then
+    only_torch_free=true
+    shift
+fi
+
+cargo fmt --all --check
+cargo test "${torch_free[@]}" "$@"
+$only_torch_free && exit 0
+
 eval "$(scripts/setup-libtorch.sh)"
 # The published checkpoint the MiniLM test runs, and its reference implementation.
 eval "$(scripts/setup-reference.sh)"
-cargo test --workspace "$@"
+cargo clippy --workspace --all-targets -- -D warnings
+excluded=()
+for flag in "${torch_free[@]}"; do [[ $flag == -p ]] || excluded+=(--exclude "$flag"); done
+cargo test --workspace "${excluded[@]}" "$@"

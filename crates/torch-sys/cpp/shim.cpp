@@ -164,6 +164,13 @@ char* sl_cuda_set_stream(int index, int64_t id) {
   });
 }
 
+char* sl_copy_async(const at::Tensor* dst, const at::Tensor* src) {
+  return guarded([&] {
+    TORCH_CHECK(dst != nullptr && src != nullptr && dst->defined() && src->defined(), "undefined tensor");
+    dst->copy_(*src, /*non_blocking=*/true);
+  });
+}
+
 char* sl_cuda_sync_current_stream(int index) {
   return guarded([&] {
     generator_device(1, index);

@@ -55,6 +55,7 @@ mod ffi {
         pub fn sl_cuda_use_side_stream(index: c_int, previous_id: *mut i64) -> *mut c_char;
         pub fn sl_cuda_set_stream(index: c_int, id: i64) -> *mut c_char;
         pub fn sl_cuda_sync_current_stream(index: c_int) -> *mut c_char;
+        pub fn sl_copy_async(dst: *const C_tensor, src: *const C_tensor) -> *mut c_char;
     }
 }
 
@@ -244,6 +245,15 @@ impl Drop for SideStream {
             tracing::warn!(%err, "restoring the thread's CUDA stream");
         }
     }
+}
+
+/// `dst.copy_(src, non_blocking=true)`: from pinned host memory to a GPU (or back) the copy is
+/// only enqueued on the current stream and the call returns at once; the source must stay
+/// untouched until the stream has done it ([`cuda_sync_current_stream`]).
+pub fn copy_async(dst: &Tensor, src: &Tensor) -> ShimResult<()> {
+    // SAFETY: both pointers are live `at::Tensor*` borrowed for the call.
+    let err = unsafe { ffi::sl_copy_async(dst.as_ptr(), src.as_ptr()) };
+    check("copy asynchronously", err)
 }
 
 /// Waits until everything this thread enqueued on its current stream of CUDA device `index` is

@@ -443,7 +443,7 @@ impl Checkpoint {
                     .map(move |p| (i, p))
             })
             .collect();
-        let half = device_copy::SLOTS / 2;
+        let half = ring.slots.len() / 2;
         for (group_index, group) in work.chunks(half).enumerate() {
             let first_slot = (group_index % 2) * half;
             // Read the group into this half while the GPU copies the previous group out of the other.
@@ -496,10 +496,12 @@ impl Checkpoint {
                     .map_err(copy_error)?;
                 if target.kind() == entry.kind {
                     let bytes_view = destination.f_view_dtype(Kind::Uint8).map_err(copy_error)?;
-                    let _ = source.f_internal_copy_from(&bytes_view, true).map_err(copy_error)?;
+                    stageload_torch_sys::copy_async(&bytes_view, &source)
+                        .map_err(|e| self.stream_error(name, entry, e))?;
                 } else {
                     let staging = ring.staging(index).and_then(|s| s.f_narrow(0, 0, length)).map_err(copy_error)?;
-                    let _ = source.f_internal_copy_from(&staging, true).map_err(copy_error)?;
+                    stageload_torch_sys::copy_async(&staging, &source)
+                        .map_err(|e| self.stream_error(name, entry, e))?;
                     // Ordered after the copy on the same stream; converts on the device.
                     destination
                         .shallow_clone()

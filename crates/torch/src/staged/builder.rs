@@ -196,6 +196,7 @@ impl StagedModelsBuilder {
                 progress: self.progress,
                 prefetch_next: self.prefetch_next,
                 prefetch_budget: self.prefetch_budget,
+                prefetching: Mutex::new(Vec::new()),
             }),
         })
     }

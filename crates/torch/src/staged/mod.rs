@@ -42,6 +42,17 @@ pub struct StagedModels {
     inner: Arc<Inner>,
 }
 
+/// Waits for prefetches still running, so that none outlives the registry (or the process's
+/// libtorch, when the registry is dropped at the end of `main`).
+impl Drop for StagedModels {
+    fn drop(&mut self) {
+        let running = std::mem::take(&mut *crate::sync::lock(&self.inner.prefetching));
+        for handle in running {
+            let _ = handle.join();
+        }
+    }
+}
+
 impl StagedModels {
     /// Calls `f` on the model `name`, loaded (or brought back) if needed and locked for the
     /// call: the one-call form of [`get`](Self::get) + [`Handle::lock`]. A panic inside `f` is

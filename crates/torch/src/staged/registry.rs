@@ -125,6 +125,8 @@ pub(crate) struct Inner {
     pub(crate) prefetch_next: bool,
     /// Prefetch only while the resident weights plus the prefetched ones stay within this.
     pub(crate) prefetch_budget: Option<u64>,
+    /// Background loads still running (joined when the registry is dropped).
+    pub(crate) prefetching: Mutex<Vec<std::thread::JoinHandle<()>>>,
 }
 
 /// Why a load runs.
@@ -517,7 +519,7 @@ impl Inner {
                 ..Event::now(EventKind::Prefetch)
             });
             let (inner, name) = (Arc::clone(self), name.clone());
-            std::thread::spawn(move || {
+            let handle = std::thread::spawn(move || {
                 // On CUDA the copies go on a side stream, beside the foreground's kernels.
                 let _side = (stageload_torch_sys::cuda_device_count().unwrap_or(0) > 0)
                     .then(|| stageload_torch_sys::cuda_side_stream(0).ok())
@@ -525,6 +527,9 @@ impl Inner {
                 // A failure stays in the slot and surfaces at the `get` that needs the model.
                 let _ = inner.instance_for(&name, Purpose::Prefetch);
             });
+            let mut running = lock(&self.prefetching);
+            running.retain(|h| !h.is_finished());
+            running.push(handle);
         }
         Ok(started.into_iter().map(|(name, _)| name).collect())
     }
