@@ -12,8 +12,9 @@
 # It runs: examples/gpu_check (the CUDA paths checked, checkpoint -> CUDA against Python's
 # safetensors and the pinned/pageable copy limits on one 4 GiB file), then the cascade demo on
 # cuda:0 eager, staged, staged with prefetch, and staged without RNG preservation (the control),
-# compares their latents, and writes the summary of the eager and staged traces. Six files:
-# gpu-check.json, log.txt, latents.txt, summary.txt, cascade-eager.jsonl, cascade-staged.jsonl.
+# compares their latents, and writes the summary and chart of the eager, staged and prefetch
+# traces. Eight files: gpu-check.json, log.txt, latents.txt, summary.txt, memory.svg,
+# cascade-eager.jsonl, cascade-staged.jsonl, cascade-prefetch.jsonl.
 set -uo pipefail
 root=$(pwd)
 kit=$root/target/device-kit
@@ -43,7 +44,7 @@ for mode in eager staged prefetch control; do
         --fingerprints "$scratch/latents-$mode.txt" > /dev/null || status=1
     echo "cascade $mode wall $(( ($(date +%s%N) - start) / 1000000 )) ms" | tee -a "$log"
 done
-cp "$scratch/cascade-eager.jsonl" "$scratch/cascade-staged.jsonl" "$out/"
+cp "$scratch/cascade-eager.jsonl" "$scratch/cascade-staged.jsonl" "$scratch/cascade-prefetch.jsonl" "$out/"
 {
     for mode in eager staged prefetch control; do echo "== $mode"; cat "$scratch/latents-$mode.txt"; done
     for mode in staged prefetch control; do
@@ -53,4 +54,5 @@ cp "$scratch/cascade-eager.jsonl" "$scratch/cascade-staged.jsonl" "$out/"
 } > "$out/latents.txt"
 cat "$out/latents.txt" | tail -3 | tee -a "$log"
 run bin/stageload summary "$scratch/cascade-eager.jsonl" "$scratch/cascade-staged.jsonl" "$scratch/cascade-prefetch.jsonl" > "$out/summary.txt" || status=1
+run bin/stageload plot "$scratch/cascade-eager.jsonl" "$scratch/cascade-staged.jsonl" "$scratch/cascade-prefetch.jsonl" -o "$out/memory.svg" || status=1
 exit $status

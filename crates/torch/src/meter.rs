@@ -26,11 +26,18 @@ pub fn start(path: impl AsRef<Path>, device: Device, options: MeterOptions) -> s
             // The allocator's statistics exist once CUDA is initialised on that device; the
             // meter's first sample would otherwise fail ("Invalid device argument").
             let _ = Tensor::f_zeros([1], (Kind::Float, device));
-            options.device(format!("cuda:{index}")).readings(SystemMeterReadings::with_device(move || {
-                stageload_torch_sys::cuda_memory(index)
-                    .map(|m| DeviceMemory { allocated: m.allocated, reserved: m.reserved })
-                    .map_err(|e| e.to_string())
-            }))
+            options.device(format!("cuda:{index}")).readings(
+                SystemMeterReadings::with_device(move || {
+                    stageload_torch_sys::cuda_memory(index)
+                        .map(|m| DeviceMemory {
+                            allocated: m.allocated,
+                            reserved: m.reserved,
+                            peak: Some(m.peak_allocated),
+                        })
+                        .map_err(|e| e.to_string())
+                })
+                .device_peak_reset(move || stageload_torch_sys::cuda_reset_peak(index).map_err(|e| e.to_string())),
+            )
         }
         Device::Mps => options.device("mps"),
         Device::Vulkan => options.device("vulkan"),

@@ -30,6 +30,9 @@ use crate::record::{millis, ErrorRecord, EventRecord, Header, PeakRecord, Record
 pub struct DeviceMemory {
     pub allocated: u64,
     pub reserved: u64,
+    /// The most allocated since the last [`MeterReadings::reset_device_peak`], when the device
+    /// keeps that statistic (CUDA does).
+    pub peak: Option<u64>,
 }
 
 /// Where the meter's readings come from. The defaults read this process and this machine;
@@ -52,26 +55,43 @@ pub trait MeterReadings: Send {
     fn device(&mut self) -> Option<Result<DeviceMemory, String>> {
         None
     }
+    /// Resets the device's peak statistic (a new window begins), when it has one.
+    fn reset_device_peak(&mut self) -> Option<Result<(), String>> {
+        None
+    }
 }
 
 type DeviceReader = Box<dyn FnMut() -> Result<DeviceMemory, String> + Send>;
+type DeviceReset = Box<dyn FnMut() -> Result<(), String> + Send>;
 
 /// This process and this machine, plus an optional device reader.
 #[derive(Default)]
 pub struct SystemMeterReadings {
     device: Option<DeviceReader>,
+    reset: Option<DeviceReset>,
 }
 
 impl SystemMeterReadings {
     /// Adds a device reader (the torch side gives one for CUDA).
     pub fn with_device(reader: impl FnMut() -> Result<DeviceMemory, String> + Send + 'static) -> Self {
-        SystemMeterReadings { device: Some(Box::new(reader)) }
+        SystemMeterReadings { device: Some(Box::new(reader)), reset: None }
+    }
+
+    /// Adds what resets the device's peak statistic at each window start, so that each
+    /// window's device peak is exact.
+    pub fn device_peak_reset(mut self, reset: impl FnMut() -> Result<(), String> + Send + 'static) -> Self {
+        self.reset = Some(Box::new(reset));
+        self
     }
 }
 
 impl MeterReadings for SystemMeterReadings {
     fn device(&mut self) -> Option<Result<DeviceMemory, String>> {
         self.device.as_mut().map(|read| read())
+    }
+
+    fn reset_device_peak(&mut self) -> Option<Result<(), String>> {
+        self.reset.as_mut().map(|reset| reset())
     }
 }
 
@@ -202,11 +222,15 @@ impl Writer {
             return;
         }
         let peak = self.readings.process().map_err(|e| e.to_string());
+        let device = self.readings.device().and_then(|result| self.outcome(t, "device", result)).and_then(|d| d.peak);
         if let Some(rss) = self.outcome(t, "peak", peak).and_then(|p| p.peak) {
-            self.write(&Record::Peak(PeakRecord { t, stage, rss }));
+            self.write(&Record::Peak(PeakRecord { t, stage, rss, device }));
         }
         let reset = self.readings.reset_peak().map_err(|e| e.to_string());
         self.outcome(t, "peak", reset);
+        if let Some(reset) = self.readings.reset_device_peak() {
+            self.outcome(t, "device", reset);
+        }
     }
 }
 

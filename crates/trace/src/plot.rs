@@ -65,9 +65,12 @@ fn draw<DB: DrawingBackend>(
 ) -> Result<(), String> {
     let error = |e: DrawingAreaErrorKind<DB::ErrorType>| e.to_string();
     root.fill(&WHITE).map_err(error)?;
-    let root = root.titled("memory over time (RSS)", ("sans-serif", 20)).map_err(error)?;
+    let root =
+        root.titled("memory over time (host RSS; device allocated, dashed)", ("sans-serif", 20)).map_err(error)?;
     let max_t = traces.iter().map(|(_, _, s)| s.stages.last().map_or(0.0, |w| w.start + w.seconds)).fold(1.0, f64::max);
-    let max_gb = traces.iter().map(|(_, _, s)| s.peak as f64 / GB).fold(0.1, f64::max) * 1.15;
+    let max_gb =
+        traces.iter().map(|(_, _, s)| s.peak.max(s.device_allocated_peak.unwrap_or(0)) as f64 / GB).fold(0.1, f64::max)
+            * 1.15;
     for (index, ((label, trace, summary), panel)) in
         traces.iter().zip(root.split_evenly((traces.len().max(1), 1))).enumerate()
     {
@@ -121,6 +124,22 @@ fn draw<DB: DrawingBackend>(
             .map_err(error)?
             .label(label.clone())
             .legend(move |(x, y)| PathElement::new([(x, y), (x + 16, y)], color.stroke_width(2)));
+        // Device memory (CUDA allocated), where the run sampled it: dashes along the samples.
+        let device: Vec<(f64, f64)> = trace
+            .records
+            .iter()
+            .filter_map(|r| match r {
+                Record::Sample(s) => s.device_allocated.map(|bytes| (s.t, bytes as f64 / GB)),
+                _ => None,
+            })
+            .collect();
+        if !device.is_empty() {
+            chart
+                .draw_series(DashedLineSeries::new(device.iter().copied(), 6, 4, color.mix(0.7).stroke_width(2)))
+                .map_err(error)?
+                .label(format!("{label} (device)"))
+                .legend(move |(x, y)| PathElement::new([(x, y), (x + 16, y)], color.mix(0.7).stroke_width(2)));
+        }
         // The RSS just after an event, for placing its marker on the line.
         let level_at = |t: f64| points.iter().find(|(pt, _)| *pt >= t).or(points.last()).map_or(0.0, |(_, gb)| *gb);
         for record in &trace.records {

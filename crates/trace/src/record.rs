@@ -6,7 +6,7 @@
 //! | `header` | first line: schema version, pid, host, OS, total memory, device, command, interval, user `meta` (its own object, so it cannot overwrite the fields above) |
 //! | `sample` | the process's RSS, swap and high-water mark, the system's available memory and swap, cgroup usage and limit, memory pressure, device memory: each present only where the platform has it |
 //! | `event` | what the pipeline did ([`crate::event::Event`]): `stage`, `load`, `reload`, `release`, `mark`, `error`, with model, stage, bytes, seconds, `start`, and typed details (`from`, `outside_stage`, `kept_bytes`, the load `report`) |
-//! | `peak` | the exact RSS high-water mark of the window that ends at `t` (Linux: `VmHWM`, reset at every window start), so a peak between two samples is not lost |
+//! | `peak` | the exact RSS high-water mark of the window that ends at `t` (Linux: `VmHWM`, reset at every window start), so a peak between two samples is not lost; on CUDA also the allocator's peak (`device`, reset likewise) |
 //! | `error` | a reading that failed, once per distinct error and source |
 //! | `end` | last line; absent when the run was killed |
 
@@ -112,6 +112,9 @@ pub struct PeakRecord {
     pub t: f64,
     pub stage: String,
     pub rss: u64,
+    /// The device's exact allocated peak in the window (CUDA), when the run uses one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device: Option<u64>,
 }
 
 /// A reading that failed.

@@ -35,6 +35,10 @@ pub struct StageWindow {
     /// the trace has it: the peak minus this is the stage's working memory and the process's base.
     #[serde(default)]
     pub weights: Option<u64>,
+    /// The window's peak of device memory allocated by tensors (CUDA): exact where the meter
+    /// reset the allocator's peak at the window start, else the largest sample.
+    #[serde(default)]
+    pub device_peak: Option<u64>,
 }
 
 /// Loads and reloads.
@@ -116,6 +120,8 @@ pub fn summarize(trace: &Trace) -> Summary {
         records.iter().filter_map(|r| if let Record::Event(e) = r { Some(e) } else { None }).collect();
     let peaks: Vec<(f64, u64)> =
         records.iter().filter_map(|r| if let Record::Peak(p) = r { Some((p.t, p.rss)) } else { None }).collect();
+    let device_peaks: Vec<(f64, u64)> =
+        records.iter().filter_map(|r| if let Record::Peak(p) = r { Some((p.t, p.device?)) } else { None }).collect();
     let last_t = samples.last().map(|s| s.t).or_else(|| records.iter().rev().find_map(Record::t)).unwrap_or(0.0);
 
     // Windows: synthetic setup, release-aware starts, consecutive repeats merged.
@@ -135,12 +141,12 @@ pub fn summarize(trace: &Trace) -> Summary {
         .map(|(i, (stage, start))| {
             let last = i + 1 == windows.len();
             let end = windows.get(i + 1).map_or(last_t, |(_, next)| *next);
-            let sampled_peak = samples
-                .iter()
-                .filter(|s| s.t >= *start && (s.t < end || (last && s.t <= end)))
-                .filter_map(|s| s.rss)
-                .max();
-            let exact = peaks.iter().filter(|(t, _)| (*t > *start || i == 0) && *t <= end).map(|(_, rss)| *rss).max();
+            let inside_window = |s: &&&Sample| s.t >= *start && (s.t < end || (last && s.t <= end));
+            let sampled_peak = samples.iter().filter(inside_window).filter_map(|s| s.rss).max();
+            let closing = |(t, _): &&(f64, u64)| (*t > *start || i == 0) && *t <= end;
+            let exact = peaks.iter().filter(closing).map(|(_, rss)| *rss).max();
+            let sampled_device = samples.iter().filter(inside_window).filter_map(|s| s.device_allocated).max();
+            let exact_device = device_peaks.iter().filter(closing).map(|(_, bytes)| *bytes).max();
             let inherited = events.iter().rev().filter(|e| e.t <= *start).find_map(|e| e.resident);
             let inside = events.iter().filter(|e| e.t > *start && e.t < end).filter_map(|e| e.resident).max();
             StageWindow {
@@ -150,6 +156,7 @@ pub fn summarize(trace: &Trace) -> Summary {
                 peak: sampled_peak.max(exact),
                 sampled_peak,
                 weights: inherited.max(inside),
+                device_peak: sampled_device.max(exact_device),
             }
         })
         .collect();

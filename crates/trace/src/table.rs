@@ -62,19 +62,28 @@ pub fn render(summary: &Summary, path: &std::path::Path) -> String {
     for error in &summary.errors {
         out += &format!("reading failed at {:.1} s ({}): {}\n", error.t, error.source, error.error);
     }
+    // On a device the weights live there: its peak is the column to read them against.
+    let device = summary.stages.iter().any(|s| s.device_peak.is_some());
     out += &format!(
-        "\n{:<16} {:>9} {:>9} {:>12} {:>12} {:>12}\n",
-        "stage", "start s", "time s", "peak", "sampled", "weights"
+        "\n{:<16} {:>9} {:>9} {:>12} {:>12} {:>12}{}\n",
+        "stage",
+        "start s",
+        "time s",
+        "host peak",
+        "sampled",
+        "weights",
+        if device { format!(" {:>12}", "device peak") } else { String::new() }
     );
     for stage in &summary.stages {
         out += &format!(
-            "{:<16} {:>9.2} {:>9.2} {:>12} {:>12} {:>12}\n",
+            "{:<16} {:>9.2} {:>9.2} {:>12} {:>12} {:>12}{}\n",
             stage.stage,
             stage.start,
             stage.seconds,
             opt_bytes(stage.peak),
             opt_bytes(stage.sampled_peak),
-            opt_bytes(stage.weights)
+            opt_bytes(stage.weights),
+            if device { format!(" {:>12}", opt_bytes(stage.device_peak)) } else { String::new() }
         );
     }
     out
@@ -91,6 +100,8 @@ pub struct StageCheck {
     pub expected: u64,
     pub staged_peak: u64,
     pub eager_peak: u64,
+    /// `host` (RSS) or `device` (the device's allocated peak): where the weights live.
+    pub memory: &'static str,
 }
 
 impl StageCheck {
@@ -104,13 +115,17 @@ impl StageCheck {
 /// peak against the stage's own weights plus the working memory the eager run shows. Stages
 /// missing a peak or weights in either trace are left out.
 pub fn against_eager(eager: &Summary, staged: &Summary) -> Vec<StageCheck> {
+    // Weights on a device are checked against that device's peaks, never against host RSS.
+    let on_device = |s: &Summary| s.header.as_ref().is_some_and(|h| h.device != "cpu");
+    let device = on_device(eager) && on_device(staged);
+    let peak = |w: &crate::summary::StageWindow| if device { w.device_peak } else { w.peak };
     staged
         .stages
         .iter()
         .filter_map(|window| {
             let eager_window = eager.stages.iter().find(|w| w.stage == window.stage)?;
-            let (eager_peak, eager_weights) = (eager_window.peak?, eager_window.weights?);
-            let (staged_peak, staged_weights) = (window.peak?, window.weights?);
+            let (eager_peak, eager_weights) = (peak(eager_window)?, eager_window.weights?);
+            let (staged_peak, staged_weights) = (peak(window)?, window.weights?);
             let working = eager_peak.saturating_sub(eager_weights);
             Some(StageCheck {
                 stage: window.stage.clone(),
@@ -119,6 +134,7 @@ pub fn against_eager(eager: &Summary, staged: &Summary) -> Vec<StageCheck> {
                 expected: staged_weights + working,
                 staged_peak,
                 eager_peak,
+                memory: if device { "device" } else { "host" },
             })
         })
         .collect()
@@ -126,7 +142,9 @@ pub fn against_eager(eager: &Summary, staged: &Summary) -> Vec<StageCheck> {
 
 /// [`against_eager`] as a table.
 pub fn render_checks(checks: &[StageCheck]) -> String {
-    let mut out = format!(
+    let memory = checks.first().map_or("host", |c| c.memory);
+    let mut out = format!("peaks of {memory} memory (where the weights live)\n");
+    out += &format!(
         "{:<16} {:>14} {:>12} {:>12} {:>12} {:>12} {:>8} {:>12}\n",
         "stage", "staged weights", "working", "expected", "staged peak", "eager peak", "ratio", "eager/staged"
     );

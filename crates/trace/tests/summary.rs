@@ -92,15 +92,15 @@ fn an_explicit_setup_merges_with_the_synthetic_one_and_repeats_merge() {
 fn exact_peak_records_raise_a_window_that_sampling_missed() {
     let summary = summary_of(vec![
         sample(0.0, 100),
-        Record::Peak(PeakRecord { t: 1.0, stage: "setup".into(), rss: 150 }),
+        Record::Peak(PeakRecord { t: 1.0, stage: "setup".into(), rss: 150, device: None }),
         stage(1.0, "spike"),
         sample(1.0, 100),
-        Record::Peak(PeakRecord { t: 2.0, stage: "spike".into(), rss: 900 }),
+        Record::Peak(PeakRecord { t: 2.0, stage: "spike".into(), rss: 900, device: None }),
         stage(2.0, "after"),
         release(2.2),
-        Record::Peak(PeakRecord { t: 2.2, stage: "spike".into(), rss: 950 }),
+        Record::Peak(PeakRecord { t: 2.2, stage: "spike".into(), rss: 950, device: None }),
         sample(2.2, 110),
-        Record::Peak(PeakRecord { t: 3.0, stage: "after".into(), rss: 120 }),
+        Record::Peak(PeakRecord { t: 3.0, stage: "after".into(), rss: 120, device: None }),
         sample(3.0, 110),
     ]);
     let peaks: Vec<(&str, Option<u64>, Option<u64>)> =
@@ -249,4 +249,69 @@ fn the_committed_traces_are_read_summarized_and_plotted_with_typed_events() {
         assert!(std::fs::metadata(&chart).unwrap().len() > 1000);
     }
     assert!(reloads_in_place >= 1, "schema-1 notes ('in_place') are read into typed fields");
+}
+
+/// A run on `cuda:0` in two stages: host RSS flat, device weights `weights` and a device spike.
+fn device_run(weights: [u64; 2], spikes: [u64; 2]) -> Summary {
+    let header = stageload_trace::record::Header {
+        schema: stageload_trace::record::SCHEMA_VERSION,
+        utc: String::new(),
+        pid: 1,
+        host: "h".into(),
+        os: "linux".into(),
+        total_memory: 1 << 40,
+        device: "cuda:0".into(),
+        command: vec![],
+        interval: 0.25,
+        meta: Default::default(),
+    };
+    let device = |t: f64, bytes: u64| {
+        Record::Sample(Sample { t, rss: Some(500), device_allocated: Some(bytes), ..Sample::default() })
+    };
+    let weights_event = |t: f64, resident: u64| {
+        Record::Event(EventRecord { t, kind: EventKind::Load, resident: Some(resident), ..EventRecord::default() })
+    };
+    summary_of(vec![
+        Record::Header(header),
+        stage(0.0, "a"),
+        weights_event(0.1, weights[0]),
+        device(0.2, weights[0]),
+        // The exact device peak of the window, reset at its start: the spike between samples.
+        Record::Peak(PeakRecord { t: 1.0, stage: "a".into(), rss: 500, device: Some(weights[0] + spikes[0]) }),
+        stage(1.0, "b"),
+        weights_event(1.1, weights[1]),
+        device(1.2, weights[1]),
+        Record::Peak(PeakRecord { t: 2.0, stage: "b".into(), rss: 500, device: Some(weights[1] + spikes[1]) }),
+        device(2.0, weights[1]),
+    ])
+}
+
+#[test]
+fn on_a_device_each_stage_has_its_exact_device_peak_and_is_checked_against_it() {
+    let eager = device_run([3000, 3000], [100, 200]);
+    let staged = device_run([1000, 2000], [100, 200]);
+    let device_peaks: Vec<Option<u64>> = staged.stages.iter().map(|w| w.device_peak).collect();
+    assert_eq!(device_peaks, [Some(1100), Some(2200)], "the exact peaks, above every sample");
+    let checks = table::against_eager(&eager, &staged);
+    assert!(checks.iter().all(|c| c.memory == "device"), "{checks:?}");
+    // Working memory from the eager run's device peak less its device weights: 100 and 200.
+    assert_eq!(checks.iter().map(|c| (c.expected, c.staged_peak)).collect::<Vec<_>>(), [(1100, 1100), (2200, 2200)]);
+    assert!(checks.iter().all(|c| (c.ratio() - 1.0).abs() < 1e-9));
+    let text = table::render(&staged, std::path::Path::new("staged.jsonl"));
+    assert!(text.contains("device peak") && text.contains("host peak"), "{text}");
+}
+
+#[test]
+fn the_chart_draws_device_memory_beside_host_memory() {
+    let staged = device_run([1000, 2000], [100, 200]);
+    let trace = Trace { path: PathBuf::from("hand.jsonl"), records: vec![], skipped_last_line: false };
+    let records = vec![
+        Record::Sample(Sample { t: 0.0, rss: Some(500), device_allocated: Some(1000), ..Sample::default() }),
+        Record::Sample(Sample { t: 1.0, rss: Some(500), device_allocated: Some(2000), ..Sample::default() }),
+    ];
+    let trace = Trace { records, ..trace };
+    let dir = tempfile::TempDir::new().unwrap();
+    let chart = dir.path().join("memory.svg");
+    stageload_trace::plot::plot(&[("staged".to_string(), &trace, &staged)], &chart, 800).unwrap();
+    assert!(std::fs::read_to_string(&chart).unwrap().contains("staged (device)"));
 }
