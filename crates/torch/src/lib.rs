@@ -26,7 +26,9 @@ pub mod sync;
 
 pub use names::NameRules;
 pub use rng::SharedRng;
-pub use staged::{BoxError, BuildContext, Built, Handle, ModelGuard, ModelSpec, ModelState, StageError, StagedModels};
+pub use staged::{
+    BoxError, BuildContext, Built, Handle, ModelGuard, ModelSpec, ModelState, OutOfMemory, StageError, StagedModels,
+};
 /// The pipeline description `stageload plan` checks; feed it to [`StagedModels::builder`]'s `pipeline`.
 pub use stageload_plan::Pipeline;
 /// Typed events (they live in the torch-free trace crate, so traces read the same fields).

@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use stageload::hook::EnterOnCall;
-use stageload::{Built, EventKind, ListSink, ModelSpec, ModelState, StageError, StagedModels};
+use stageload::{Built, EventKind, ListSink, ModelSpec, ModelState, OutOfMemory, StageError, StagedModels};
 use tch::nn::{self, Module, VarStore};
 use tch::{Device, Kind, Tensor};
 
@@ -403,4 +403,56 @@ fn the_pipeline_file_that_plan_checks_is_the_plan_that_runs() {
     // A model of the file without a loader is refused, by name.
     let err = StagedModels::builder().pipeline(&pipeline).model(spec("encoder", 16)).build().err().unwrap();
     assert!(matches!(&err, StageError::PlanWithoutLoader { names } if names == &["decoder"]), "{err}");
+}
+
+/// A loader that runs out of memory the first `failures` times, as a CUDA build would.
+fn tight(failures: usize) -> ModelSpec {
+    let calls = Arc::new(AtomicUsize::new(0));
+    ModelSpec::new("big", move |_| {
+        if calls.fetch_add(1, Ordering::SeqCst) < failures {
+            return Err("CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; 2.0 GiB free)".into());
+        }
+        Ok(build_mlp(8))
+    })
+}
+
+#[test]
+fn out_of_memory_is_a_typed_error_and_the_policy_releases_others_and_retries_once() {
+    let registry = |failures, policy| {
+        let sink = Arc::new(ListSink::new());
+        let models = StagedModels::builder()
+            .model(tight(failures))
+            .model(spec("stray", 8))
+            .stage("s", ["big"])
+            .on_out_of_memory(policy)
+            .events(sink.clone())
+            .build()
+            .unwrap();
+        models.enter("s").unwrap();
+        models.load("stray").unwrap(); // outside the stage: the policy's candidate
+        (models, sink)
+    };
+    let (models, _) = registry(1, OutOfMemory::Fail);
+    let err = models.load("big").unwrap_err();
+    assert!(
+        matches!(&err, StageError::OutOfMemory { model, stage, .. } if model == "big" && stage.as_deref() == Some("s")),
+        "{err}"
+    );
+    assert!(
+        err.to_string().contains("Tried to allocate 2.00 GiB") && err.to_string().contains("ReleaseOthersAndRetry")
+    );
+    assert_eq!(models.resident(), ["stray"], "nothing released without the policy");
+
+    let (models, sink) = registry(1, OutOfMemory::ReleaseOthersAndRetry);
+    models.load("big").unwrap();
+    assert_eq!(models.resident(), ["big"], "the stray model went, the retry fitted");
+    assert_eq!(sink.of_kind(EventKind::Release)[0].model.as_deref(), Some("stray"));
+
+    let (models, _) = registry(2, OutOfMemory::ReleaseOthersAndRetry);
+    assert!(matches!(models.load("big"), Err(StageError::OutOfMemory { .. })), "retried once only");
+
+    let (models, _) = registry(0, OutOfMemory::Fail);
+    let err =
+        models.call("big", |_: &mut Mlp| -> () { panic!("CUDA out of memory. Tried to allocate 1 GiB") }).unwrap_err();
+    assert!(matches!(err, StageError::OutOfMemory { .. }), "{err}");
 }

@@ -29,6 +29,7 @@ pub struct StagedModelsBuilder {
     planned_models: Vec<String>,
     prefetch_next: bool,
     prefetch_budget: Option<u64>,
+    out_of_memory: decide::OutOfMemory,
 }
 
 impl StagedModelsBuilder {
@@ -115,6 +116,14 @@ impl StagedModelsBuilder {
         self
     }
 
+    /// What a load that runs out of memory does (a build, a load or a reload; the error is
+    /// [`StageError::OutOfMemory`] either way): fail (default), or release the unpinned models
+    /// the current stage does not list and try once more.
+    pub fn on_out_of_memory(mut self, policy: decide::OutOfMemory) -> Self {
+        self.out_of_memory = policy;
+        self
+    }
+
     /// Whether [`Self::build`] fixes glibc's mmap threshold so that freed weight- and
     /// activation-sized blocks go back to the OS at once (default on; a process-wide setting).
     pub fn map_large_host_blocks(mut self, on: bool) -> Self {
@@ -197,6 +206,7 @@ impl StagedModelsBuilder {
                 prefetch_next: self.prefetch_next,
                 prefetch_budget: self.prefetch_budget,
                 prefetching: Mutex::new(Vec::new()),
+                out_of_memory: self.out_of_memory,
             }),
         })
     }
@@ -218,6 +228,7 @@ impl StagedModels {
             planned_models: Vec::new(),
             prefetch_next: false,
             prefetch_budget: None,
+            out_of_memory: decide::OutOfMemory::Fail,
         }
     }
 }

@@ -232,6 +232,29 @@ pub fn on_prefetch<I>(slot: &Slot<I>, closed: bool, skip_init: bool) -> Result<(
     }
 }
 
+/// What the registry does when a load runs out of device memory.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum OutOfMemory {
+    /// Return the typed error (default).
+    #[default]
+    Fail,
+    /// Release the unpinned resident models the current stage does not list, then try the load
+    /// once more (iris #54: the decoder did not fit next to the transformer).
+    ReleaseOthersAndRetry,
+}
+
+/// Whether a load that ran out of memory is tried again (only once, only under the policy).
+pub fn retry_out_of_memory(policy: OutOfMemory, already_retried: bool) -> bool {
+    policy == OutOfMemory::ReleaseOthersAndRetry && !already_retried
+}
+
+/// Whether a libtorch error message is an out-of-memory (CUDA's "CUDA out of memory", the
+/// caching allocator's `OutOfMemoryError`, the CPU allocator's "not enough memory").
+pub fn is_out_of_memory(message: &str) -> bool {
+    let message = message.to_ascii_lowercase();
+    message.contains("out of memory") || message.contains("outofmemoryerror") || message.contains("not enough memory")
+}
+
 /// A model's state as users see it ([`super::StagedModels::states`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum ModelState {
@@ -374,6 +397,16 @@ mod tests {
         let mut lost = slot(released(false));
         (lost.has_loader, lost.has_checkpoint) = (false, false);
         assert_eq!(on_prefetch(&lost, false, true), Err(PrefetchSkip::NoLoader));
+    }
+
+    #[test]
+    fn an_out_of_memory_load_is_retried_once_and_only_under_the_policy() {
+        assert!(retry_out_of_memory(OutOfMemory::ReleaseOthersAndRetry, false));
+        assert!(!retry_out_of_memory(OutOfMemory::ReleaseOthersAndRetry, true), "once");
+        assert!(!retry_out_of_memory(OutOfMemory::Fail, false), "off by default");
+        assert!(is_out_of_memory("CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; 79.1 GiB total capacity)"));
+        assert!(is_out_of_memory("DefaultCPUAllocator: not enough memory: you tried to allocate 1099511627776 bytes."));
+        assert!(!is_out_of_memory("shape mismatch"));
     }
 
     #[test]

@@ -36,6 +36,8 @@ pub enum StageError {
     WrongType { model: String, expected: &'static str, actual: &'static str },
     #[error("'{model}' is already locked by this thread; use the ModelGuard you hold instead of locking it again")]
     LockedTwice { model: String },
+    #[error("'{model}' does not fit in the device's memory{}: {message}. Release or unpin models first, stream blocks, or turn on StagedModelsBuilder::on_out_of_memory(OutOfMemory::ReleaseOthersAndRetry)", at_stage(.stage))]
+    OutOfMemory { model: String, stage: Option<String>, message: String },
     #[error("checkpoint of '{model}': {source}")]
     Checkpoint { model: String, source: Box<CheckpointError> },
     #[error("'{model}': {source}")]

@@ -27,7 +27,7 @@ pub mod spec;
 use std::sync::Arc;
 
 pub use builder::StagedModelsBuilder;
-pub use decide::ModelState;
+pub use decide::{ModelState, OutOfMemory};
 pub use error::{BoxError, StageError};
 pub use instance::{Handle, ModelGuard};
 pub use spec::{BuildContext, Built, ModelSpec};
@@ -56,8 +56,8 @@ impl Drop for StagedModels {
 impl StagedModels {
     /// Calls `f` on the model `name`, loaded (or brought back) if needed and locked for the
     /// call: the one-call form of [`get`](Self::get) + [`Handle::lock`]. A panic inside `f` is
-    /// caught and returned as [`StageError::CallPanicked`]; the model is unlocked and the
-    /// registry stays usable.
+    /// caught and returned as [`StageError::CallPanicked`] ([`StageError::OutOfMemory`] when it
+    /// says the device ran out of memory); the model is unlocked and the registry stays usable.
     ///
     /// ```no_run
     /// # fn f(models: &stageload::StagedModels, x: &tch::Tensor) -> Result<(), stageload::StageError> {
@@ -67,8 +67,14 @@ impl StagedModels {
     pub fn call<M: 'static, R>(&self, name: &str, f: impl FnOnce(&mut M) -> R) -> Result<R> {
         let handle = self.get::<M>(name)?;
         let mut guard = handle.lock()?;
-        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(&mut guard)))
-            .map_err(|panic| StageError::CallPanicked { model: name.to_string(), message: panic_message(&*panic) })
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(&mut guard))).map_err(|panic| {
+            let message = panic_message(&*panic);
+            if decide::is_out_of_memory(&message) {
+                StageError::OutOfMemory { model: name.to_string(), stage: self.current_stage(), message }
+            } else {
+                StageError::CallPanicked { model: name.to_string(), message }
+            }
+        })
     }
 
     /// The model `name`, built (or brought back) on first use, as a typed handle. Emits `load`

@@ -125,6 +125,8 @@ pub(crate) struct Inner {
     pub(crate) prefetch_next: bool,
     /// Prefetch only while the resident weights plus the prefetched ones stay within this.
     pub(crate) prefetch_budget: Option<u64>,
+    /// What a load that runs out of memory does.
+    pub(crate) out_of_memory: decide::OutOfMemory,
     /// Background loads still running (joined when the registry is dropped).
     pub(crate) prefetching: Mutex<Vec<std::thread::JoinHandle<()>>>,
 }
@@ -157,7 +159,24 @@ impl Inner {
 
     /// The instance of `name`, loaded or brought back if needed (see [`decide::on_get`]).
     pub(crate) fn instance(self: &Arc<Self>, name: &str) -> Result<Arc<Instance>> {
-        self.instance_for(name, Purpose::Use)
+        match self.instance_for(name, Purpose::Use) {
+            Err(StageError::OutOfMemory { .. }) if decide::retry_out_of_memory(self.out_of_memory, false) => {
+                self.release_unlisted();
+                self.instance_for(name, Purpose::Use)
+            }
+            other => other,
+        }
+    }
+
+    /// Releases the unpinned resident models the current stage does not list (the
+    /// out-of-memory policy's remedy).
+    fn release_unlisted(&self) {
+        let mut state = self.state();
+        let positions: Vec<usize> =
+            (0..state.entries.len()).filter(|&p| !state.planned_here(&state.entries[p].name)).collect();
+        let instances: Vec<Arc<Instance>> = positions.into_iter().filter_map(|p| state.request_release(p)).collect();
+        drop(state);
+        self.release_all(instances);
     }
 
     pub(crate) fn instance_for(self: &Arc<Self>, name: &str, purpose: Purpose) -> Result<Arc<Instance>> {
@@ -270,6 +289,15 @@ impl Inner {
             }
             Err(err) => {
                 drop(state);
+                let err = match err {
+                    StageError::OutOfMemory { .. } => err,
+                    other if decide::is_out_of_memory(&other.to_string()) => StageError::OutOfMemory {
+                        model: name.to_string(),
+                        stage: stage.clone(),
+                        message: other.to_string(),
+                    },
+                    other => other,
+                };
                 self.emit(Event {
                     stage,
                     model: Some(name.to_string()),
