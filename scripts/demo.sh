@@ -28,7 +28,9 @@ for mode in eager staged prefetch; do
         "$stageload" plan "$description" | tee "$out/plan.txt" || echo "(the plan says it does not fit; running anyway under the guard)"
     fi
 done
-"$stageload" summary "$out/eager.jsonl" "$out/staged.jsonl" "$out/prefetch.jsonl" | tee "$out/summary.txt"
+# Each staged run against the eager one (two traces: with the per-stage check).
+"$stageload" summary "$out/eager.jsonl" "$out/staged.jsonl" | tee "$out/summary.txt"
+"$stageload" summary "$out/eager.jsonl" "$out/prefetch.jsonl" | tee "$out/summary-prefetch.txt"
 "$stageload" plot "$out/eager.jsonl" "$out/staged.jsonl" -o "$out/memory.svg"
 "$stageload" plot "$out/eager.jsonl" "$out/staged.jsonl" -o "$out/memory.png"
 for mode in staged prefetch; do

@@ -13,7 +13,7 @@ use thiserror::Error;
 
 use crate::event::EventKind;
 use crate::reader::Trace;
-use crate::record::Record;
+use crate::record::{Record, Sample};
 use crate::summary::Summary;
 
 #[derive(Debug, Error)]
@@ -57,6 +57,18 @@ pub fn plot(traces: &[(String, &Trace, &Summary)], path: &Path, width: u32) -> R
         }
         _ => Err(PlotError::Format { path: name }),
     }
+}
+
+/// (seconds, GB) of one reading over the trace's samples, where the sample has it.
+fn series(trace: &Trace, reading: impl Fn(&Sample) -> Option<u64>) -> Vec<(f64, f64)> {
+    trace
+        .records
+        .iter()
+        .filter_map(|r| match r {
+            Record::Sample(s) => reading(s).map(|bytes| (s.t, bytes as f64 / GB)),
+            _ => None,
+        })
+        .collect()
 }
 
 fn draw<DB: DrawingBackend>(
@@ -111,28 +123,14 @@ fn draw<DB: DrawingBackend>(
                 )))
                 .map_err(error)?;
         }
-        let points: Vec<(f64, f64)> = trace
-            .records
-            .iter()
-            .filter_map(|r| match r {
-                Record::Sample(s) => s.rss.map(|rss| (s.t, rss as f64 / GB)),
-                _ => None,
-            })
-            .collect();
+        let points = series(trace, |s| s.rss);
         chart
             .draw_series(LineSeries::new(points.iter().copied(), color.stroke_width(2)))
             .map_err(error)?
             .label(label.clone())
             .legend(move |(x, y)| PathElement::new([(x, y), (x + 16, y)], color.stroke_width(2)));
         // Device memory (CUDA allocated), where the run sampled it: dashes along the samples.
-        let device: Vec<(f64, f64)> = trace
-            .records
-            .iter()
-            .filter_map(|r| match r {
-                Record::Sample(s) => s.device_allocated.map(|bytes| (s.t, bytes as f64 / GB)),
-                _ => None,
-            })
-            .collect();
+        let device = series(trace, |s| s.device_allocated);
         if !device.is_empty() {
             chart
                 .draw_series(DashedLineSeries::new(device.iter().copied(), 6, 4, color.mix(0.7).stroke_width(2)))
