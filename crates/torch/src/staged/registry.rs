@@ -444,21 +444,7 @@ impl Inner {
             self.state().holding().filter(|i| !Arc::ptr_eq(i, instance)).flat_map(|i| i.storage_ids()).collect();
         let result =
             storage::release(&lock(&instance.weights).storages, &keep, &released_message(&instance.name, &stage));
-        let stats = match result {
-            Ok(stats) => stats,
-            Err(source) => {
-                drop(body);
-                let err = StageError::Torch { model: instance.name.clone(), source };
-                self.emit(Event {
-                    stage,
-                    model: Some(instance.name.clone()),
-                    note: Some(err.to_string()),
-                    ..Event::now(EventKind::Error)
-                });
-                return None;
-            }
-        };
-        if stats.freed > 0 {
+        if result.as_ref().is_ok_and(|stats| stats.freed > 0) {
             // Before the event, so that a meter reading at the event sees the memory gone.
             stageload_torch_sys::trim_host_heap();
             if stageload_torch_sys::cuda_device_count().unwrap_or(0) > 0 {
@@ -467,6 +453,8 @@ impl Inner {
                 }
             }
         }
+        // Settled either way: a failed free leaves what it could not free allocated, and the
+        // next `get` refills the rest; nobody waits for this release any longer.
         let mut state = self.state();
         if let Some(entry) = state.entry_mut(&instance.name) {
             if let SlotState::Released { instance: held, pending, .. } = &mut entry.slot.state {
@@ -479,6 +467,19 @@ impl Inner {
         self.changed.notify_all();
         drop(state);
         drop(body);
+        let stats = match result {
+            Ok(stats) => stats,
+            Err(source) => {
+                let err = StageError::Torch { model: instance.name.clone(), source };
+                self.emit(Event {
+                    stage,
+                    model: Some(instance.name.clone()),
+                    note: Some(err.to_string()),
+                    ..Event::now(EventKind::Error)
+                });
+                return None;
+            }
+        };
         self.emit(Event {
             stage,
             model: Some(instance.name.clone()),
