@@ -24,10 +24,11 @@ pub enum SlotState<I> {
     /// Never built.
     Unloaded,
     /// A thread is building or refilling it; `ticket` identifies that load, so that a load
-    /// overtaken by an `insert` or a `remove` installs nothing.
+    /// overtaken by an `insert` or a `remove` installs nothing. `previous`: the released
+    /// instance it refills or replaces, kept for a retry if the load fails.
     Loading {
         ticket: u64,
-        reload: Reload<I>,
+        previous: Option<I>,
     },
     Resident(I),
     /// Released when `stage` was entered. With `pending`, the model was in use on another
@@ -43,15 +44,6 @@ pub enum SlotState<I> {
         error: String,
         instance: Option<I>,
     },
-}
-
-/// How a load began: what the slot goes back to if it fails.
-#[derive(Debug, Clone, PartialEq)]
-pub enum Reload<I> {
-    /// A first build.
-    First,
-    /// A rebuild or a refill of a released instance.
-    Of { stage: Option<String>, instance: Option<I> },
 }
 
 /// A slot as the decisions see it.
@@ -126,14 +118,12 @@ pub fn on_get<I: Clone>(slot: &Slot<I>, ctx: GetContext) -> GetAction<I> {
 
 /// The state a slot takes while the load `get` decided runs.
 pub fn start_load<I: Clone>(slot: &Slot<I>, ticket: u64) -> SlotState<I> {
-    let reload = match &slot.state {
-        SlotState::Released { stage, instance, .. } => {
-            Reload::Of { stage: stage.clone(), instance: Some(instance.clone()) }
-        }
-        SlotState::Failed { instance, .. } if slot.loads > 0 => Reload::Of { stage: None, instance: instance.clone() },
-        _ => Reload::First,
+    let previous = match &slot.state {
+        SlotState::Released { instance, .. } => Some(instance.clone()),
+        SlotState::Failed { instance, .. } => instance.clone(),
+        _ => None,
     };
-    SlotState::Loading { ticket, reload }
+    SlotState::Loading { ticket, previous }
 }
 
 /// What becomes of a finished load.
@@ -147,7 +137,7 @@ pub enum Finish<I> {
 
 /// Decides what a load with `ticket` installs: `Ok(instance)` or the error's message.
 pub fn on_load_finished<I: Clone>(slot: Option<&Slot<I>>, ticket: u64, result: Result<I, String>) -> Finish<I> {
-    let Some(Slot { state: SlotState::Loading { ticket: current, reload }, .. }) = slot else {
+    let Some(Slot { state: SlotState::Loading { ticket: current, previous }, .. }) = slot else {
         return Finish::Discard;
     };
     if *current != ticket {
@@ -155,13 +145,7 @@ pub fn on_load_finished<I: Clone>(slot: Option<&Slot<I>>, ticket: u64, result: R
     }
     Finish::Install(match result {
         Ok(instance) => SlotState::Resident(instance),
-        Err(error) => {
-            let instance = match reload {
-                Reload::Of { instance, .. } => instance.clone(),
-                Reload::First => None,
-            };
-            SlotState::Failed { error, instance }
-        }
+        Err(error) => SlotState::Failed { error, instance: previous.clone() },
     })
 }
 
@@ -301,7 +285,7 @@ mod tests {
 
     #[test]
     fn a_model_being_loaded_is_waited_for_not_loaded_twice() {
-        let loading = slot(SlotState::Loading { ticket: 3, reload: Reload::First });
+        let loading = slot(SlotState::Loading { ticket: 3, previous: None });
         assert_eq!(on_get(&loading, FREE), GetAction::Wait);
     }
 
@@ -334,7 +318,7 @@ mod tests {
         let strict = GetContext { strict: true, planned_here: false, ..FREE };
         assert_eq!(on_get(&slot(released(false)), strict), GetAction::Refuse(Refusal::OutsideStage));
         assert_eq!(on_get(&slot(released(true)), strict), GetAction::Refuse(Refusal::OutsideStage));
-        assert_eq!(on_get(&slot(SlotState::Loading { ticket: 1, reload: Reload::First }), strict), GetAction::Wait);
+        assert_eq!(on_get(&slot(SlotState::Loading { ticket: 1, previous: None }), strict), GetAction::Wait);
     }
 
     #[test]
@@ -348,7 +332,7 @@ mod tests {
 
     #[test]
     fn a_finished_load_installs_only_while_its_ticket_is_current() {
-        let loading = slot(SlotState::Loading { ticket: 4, reload: Reload::First });
+        let loading = slot(SlotState::Loading { ticket: 4, previous: None });
         assert_eq!(on_load_finished(Some(&loading), 4, Ok(9)), Finish::Install(SlotState::Resident(9)));
         assert_eq!(on_load_finished(Some(&loading), 3, Ok(9)), Finish::Discard, "an insert took the slot over");
         assert_eq!(on_load_finished(Some(&slot(SlotState::Resident(1))), 4, Ok(9)), Finish::Discard);
@@ -391,7 +375,7 @@ mod tests {
         assert_eq!(on_prefetch(&unloaded, false, true), Ok(()), "a build without initialisation draws nothing");
         assert_eq!(on_prefetch(&slot(SlotState::Resident(1)), false, true), Err(PrefetchSkip::Resident));
         assert_eq!(on_prefetch(&slot(released(true)), false, true), Err(PrefetchSkip::Resident));
-        let loading = slot(SlotState::Loading { ticket: 1, reload: Reload::First });
+        let loading = slot(SlotState::Loading { ticket: 1, previous: None });
         assert_eq!(on_prefetch(&loading, false, true), Err(PrefetchSkip::InFlight));
         assert_eq!(on_prefetch(&slot(released(false)), true, true), Err(PrefetchSkip::Closed));
         let mut lost = slot(released(false));
