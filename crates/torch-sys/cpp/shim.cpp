@@ -10,6 +10,7 @@
 #include <c10/core/CachingDeviceAllocator.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
+#include <c10/core/Event.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 #include <torch/torch.h>
@@ -163,6 +164,27 @@ char* sl_cuda_set_stream(int index, int64_t id) {
     impl.exchangeStream(c10::Stream::unpack3(id, static_cast<c10::DeviceIndex>(index), c10::DeviceType::CUDA));
   });
 }
+
+// A CUDA event recorded on this thread's current stream of device `index`; the caller owns it
+// and frees it with sl_event_free.
+char* sl_cuda_event_record(int index, void** out) {
+  return guarded([&] {
+    generator_device(1, index);
+    c10::impl::VirtualGuardImpl impl(c10::DeviceType::CUDA);
+    auto event = std::make_unique<c10::Event>(c10::DeviceType::CUDA);
+    event->record(impl.getStream(c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(index))));
+    *out = event.release();
+  });
+}
+
+char* sl_event_synchronize(void* event) {
+  return guarded([&] {
+    TORCH_CHECK(event != nullptr, "no event");
+    static_cast<c10::Event*>(event)->synchronize();
+  });
+}
+
+void sl_event_free(void* event) { delete static_cast<c10::Event*>(event); }
 
 char* sl_copy_async(const at::Tensor* dst, const at::Tensor* src) {
   return guarded([&] {

@@ -56,6 +56,9 @@ mod ffi {
         pub fn sl_cuda_set_stream(index: c_int, id: i64) -> *mut c_char;
         pub fn sl_cuda_sync_current_stream(index: c_int) -> *mut c_char;
         pub fn sl_copy_async(dst: *const C_tensor, src: *const C_tensor) -> *mut c_char;
+        pub fn sl_cuda_event_record(index: c_int, out: *mut *mut std::ffi::c_void) -> *mut c_char;
+        pub fn sl_event_synchronize(event: *mut std::ffi::c_void) -> *mut c_char;
+        pub fn sl_event_free(event: *mut std::ffi::c_void);
     }
 }
 
@@ -254,6 +257,41 @@ pub fn copy_async(dst: &Tensor, src: &Tensor) -> ShimResult<()> {
     // SAFETY: both pointers are live `at::Tensor*` borrowed for the call.
     let err = unsafe { ffi::sl_copy_async(dst.as_ptr(), src.as_ptr()) };
     check("copy asynchronously", err)
+}
+
+/// A point in a CUDA stream's work: everything enqueued on it before the event was recorded.
+#[derive(Debug)]
+pub struct CudaEvent(*mut std::ffi::c_void);
+
+// SAFETY: the pointer is an owned `c10::Event`; recording happened at creation, and the only
+// other calls, synchronize (cudaEventSynchronize) and the final delete, are safe from any thread.
+unsafe impl Send for CudaEvent {}
+// SAFETY: `synchronize` takes `&self` and cudaEventSynchronize may be called concurrently.
+unsafe impl Sync for CudaEvent {}
+
+impl CudaEvent {
+    /// Records an event on this thread's current stream of CUDA device `index`.
+    pub fn record(index: usize) -> ShimResult<Self> {
+        let mut event = std::ptr::null_mut();
+        // SAFETY: the out-pointer is valid for a write; on success it holds an owned event.
+        let err = unsafe { ffi::sl_cuda_event_record(index as c_int, &mut event) };
+        check("record a CUDA event", err)?;
+        Ok(CudaEvent(event))
+    }
+
+    /// Waits until the work before the event is done.
+    pub fn synchronize(&self) -> ShimResult<()> {
+        // SAFETY: `self.0` is a live event owned by this value.
+        let err = unsafe { ffi::sl_event_synchronize(self.0) };
+        check("wait for a CUDA event", err)
+    }
+}
+
+impl Drop for CudaEvent {
+    fn drop(&mut self) {
+        // SAFETY: `self.0` came from sl_cuda_event_record and is freed exactly once, here.
+        unsafe { ffi::sl_event_free(self.0) }
+    }
 }
 
 /// Waits until everything this thread enqueued on its current stream of CUDA device `index` is

@@ -22,8 +22,8 @@ use std::collections::{HashMap, HashSet};
 use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
 
 use safetensors::Dtype;
 use stageload_trace::event::LoadReport as NamedLoad;
@@ -426,6 +426,11 @@ impl Checkpoint {
         Ok(Ok(()))
     }
 
+    /// The pipeline: reader threads take pieces in order and `pread` each into slot
+    /// `piece % slots` once the copy that last read that slot is done (its event); this thread
+    /// issues each piece's asynchronous copy as soon as it is read, in order, and records an
+    /// event after it. Reads and copies overlap continuously; at most one ring of pieces is in
+    /// flight.
     fn copy_through_ring(
         &self,
         ring: &mut device_copy::Ring,
@@ -443,79 +448,134 @@ impl Checkpoint {
                     .map(move |p| (i, p))
             })
             .collect();
-        let half = ring.slots.len() / 2;
-        for (group_index, group) in work.chunks(half).enumerate() {
-            let first_slot = (group_index % 2) * half;
-            // Read the group into this half while the GPU copies the previous group out of the other.
-            let reads: Vec<(&str, &Entry, usize, u64, usize)> = group
-                .iter()
-                .enumerate()
-                .map(|(j, (i, piece))| {
-                    let (name, _, entry) = *items[*i];
-                    let size = entry.kind.elt_size_in_bytes();
-                    let offset = entry.start + (piece.first * size) as u64;
-                    (name, entry, ring.slots[first_slot + j].data_ptr() as usize, offset, piece.count * size)
-                })
-                .collect();
-            let failed: Mutex<Option<CheckpointError>> = Mutex::new(None);
-            std::thread::scope(|scope| {
-                for &(name, entry, address, offset, length) in &reads {
-                    let failed = &failed;
-                    scope.spawn(move || {
-                        // SAFETY: `address` is the start of a pinned buffer of WINDOW bytes that the
-                        // ring owns and this group alone uses (the copies that last read it were
-                        // waited for before this group began); length ≤ WINDOW; each thread writes
-                        // its own buffer.
-                        let memory = unsafe { std::slice::from_raw_parts_mut(address as *mut u8, length) };
-                        if let Err(source) = self.handles[entry.file].read_exact_at(memory, offset) {
-                            lock(failed).get_or_insert(self.read_error(name, entry, source));
+        let slots: Vec<usize> = ring.slots.iter().map(|t| t.data_ptr() as usize).collect();
+        let n = slots.len();
+        let reads: Vec<(&str, &Entry, u64, usize)> = work
+            .iter()
+            .map(|(i, piece)| {
+                let (name, _, entry) = *items[*i];
+                let size = entry.kind.elt_size_in_bytes();
+                (name, entry, entry.start + (piece.first * size) as u64, piece.count * size)
+            })
+            .collect();
+        let flow = Mutex::new(Flow { read: vec![None; reads.len()], issued: 0, fences: vec![None; n], stopped: false });
+        let changed = Condvar::new();
+        let next = AtomicUsize::new(0);
+        let workers = std::thread::available_parallelism().map_or(1, |c| c.get()).min(n).min(reads.len()).max(1);
+        let result = std::thread::scope(|scope| {
+            for _ in 0..workers {
+                scope.spawn(|| loop {
+                    let j = next.fetch_add(1, Ordering::Relaxed);
+                    let Some(&(name, entry, offset, length)) = reads.get(j) else { return };
+                    let fence = {
+                        let mut flow = lock(&flow);
+                        while !flow.stopped && j >= n && flow.issued <= j - n {
+                            flow = changed.wait(flow).unwrap_or_else(|e| e.into_inner());
                         }
-                    });
-                }
-            });
-            // The previous group's copies out of the other half are done after this (this
-            // thread's stream only: a prefetch on a side stream does not wait for the compute).
-            let synced = stageload_torch_sys::cuda_sync_current_stream(index);
-            if let Some(err) = failed.into_inner().unwrap_or_else(|e| e.into_inner()) {
-                return Err(err);
+                        if flow.stopped {
+                            return;
+                        }
+                        flow.fences[j % n].clone()
+                    };
+                    let outcome = match fence.map(|f| f.synchronize()) {
+                        Some(Err(e)) => Err(self.stream_error(name, entry, e)),
+                        _ => {
+                            // SAFETY: the slot is a pinned buffer of WINDOW bytes that the ring owns;
+                            // length ≤ WINDOW; the copy that last read it is done (its event above),
+                            // and no other piece uses this slot until this one's copy is issued.
+                            let memory = unsafe { std::slice::from_raw_parts_mut(slots[j % n] as *mut u8, length) };
+                            self.handles[entry.file]
+                                .read_exact_at(memory, offset)
+                                .map_err(|e| self.read_error(name, entry, e))
+                        }
+                    };
+                    lock(&flow).read[j] = Some(outcome.map_err(Arc::new));
+                    changed.notify_all();
+                });
             }
-            synced.map_err(|e| self.stream_error(items[group[0].0].0, items[group[0].0].2, e))?;
-            let mut bytes = 0;
-            for (j, (i, piece)) in group.iter().enumerate() {
-                let (name, target, entry) = *items[*i];
-                let copy_error = |source| CheckpointError::Copy {
-                    tensor: name.to_string(),
-                    path: self.files[entry.file].clone(),
-                    source,
+            let stop = |err: CheckpointError| {
+                lock(&flow).stopped = true;
+                changed.notify_all();
+                Err(err)
+            };
+            for (j, (i, piece)) in work.iter().enumerate() {
+                let outcome = {
+                    let mut flow = lock(&flow);
+                    loop {
+                        if let Some(outcome) = flow.read[j].take() {
+                            break outcome;
+                        }
+                        flow = changed.wait(flow).unwrap_or_else(|e| e.into_inner());
+                    }
                 };
-                let length = (piece.count * entry.kind.elt_size_in_bytes()) as i64;
-                let source = ring.slots[first_slot + j].f_narrow(0, 0, length).map_err(copy_error)?;
-                let destination = target
-                    .f_view([-1])
-                    .and_then(|t| t.f_narrow(0, piece.first as i64, piece.count as i64))
-                    .map_err(copy_error)?;
-                if target.kind() == entry.kind {
-                    let bytes_view = destination.f_view_dtype(Kind::Uint8).map_err(copy_error)?;
-                    stageload_torch_sys::copy_async(&bytes_view, &source)
-                        .map_err(|e| self.stream_error(name, entry, e))?;
-                } else {
-                    let staging = ring.staging(index).and_then(|s| s.f_narrow(0, 0, length)).map_err(copy_error)?;
-                    stageload_torch_sys::copy_async(&staging, &source)
-                        .map_err(|e| self.stream_error(name, entry, e))?;
-                    // Ordered after the copy on the same stream; converts on the device.
-                    destination
-                        .shallow_clone()
-                        .f_copy_(&staging.f_view_dtype(entry.kind).map_err(copy_error)?)
-                        .map_err(copy_error)?;
+                if let Err(err) = outcome {
+                    let err = Arc::try_unwrap(err).unwrap_or_else(|shared| {
+                        self.read_error(reads[j].0, reads[j].1, std::io::Error::other(shared.to_string()))
+                    });
+                    return stop(err);
                 }
-                bytes += (piece.count * target.kind().elt_size_in_bytes()) as u64;
+                let (name, target, entry) = *items[*i];
+                if let Err(err) = self.issue_copy(ring, index, name, target, entry, *piece, j % n) {
+                    return stop(err);
+                }
+                let fence = match stageload_torch_sys::CudaEvent::record(index) {
+                    Ok(fence) => Arc::new(fence),
+                    Err(e) => return stop(self.stream_error(name, entry, e)),
+                };
+                {
+                    let mut flow = lock(&flow);
+                    flow.fences[j % n] = Some(fence);
+                    flow.issued = j + 1;
+                }
+                changed.notify_all();
+                let bytes = (piece.count * target.kind().elt_size_in_bytes()) as u64;
+                progress(done.fetch_add(bytes, Ordering::Relaxed) + bytes);
             }
-            progress(done.fetch_add(bytes, Ordering::Relaxed) + bytes);
-        }
-        match (work.last(), stageload_torch_sys::cuda_sync_current_stream(index)) {
-            (Some((i, _)), Err(e)) => Err(self.stream_error(items[*i].0, items[*i].2, e)),
+            Ok(())
+        });
+        // Nothing may still read the ring when it is handed to the next load.
+        let synced = stageload_torch_sys::cuda_sync_current_stream(index);
+        result?;
+        match (reads.last(), synced) {
+            (Some(&(name, entry, ..)), Err(e)) => Err(self.stream_error(name, entry, e)),
             _ => Ok(()),
         }
+    }
+
+    /// Enqueues the copy of one piece, read into ring slot `slot`, into its target (through the
+    /// staging buffer and a conversion on the device when the dtypes differ).
+    #[allow(clippy::too_many_arguments)]
+    fn issue_copy(
+        &self,
+        ring: &mut device_copy::Ring,
+        index: usize,
+        name: &str,
+        target: &Tensor,
+        entry: &Entry,
+        piece: device_copy::Piece,
+        slot: usize,
+    ) -> Result<(), CheckpointError> {
+        let copy_error =
+            |source| CheckpointError::Copy { tensor: name.to_string(), path: self.files[entry.file].clone(), source };
+        let length = (piece.count * entry.kind.elt_size_in_bytes()) as i64;
+        let source = ring.slots[slot].f_narrow(0, 0, length).map_err(copy_error)?;
+        let destination = target
+            .f_view([-1])
+            .and_then(|t| t.f_narrow(0, piece.first as i64, piece.count as i64))
+            .map_err(copy_error)?;
+        if target.kind() == entry.kind {
+            let bytes_view = destination.f_view_dtype(Kind::Uint8).map_err(copy_error)?;
+            return stageload_torch_sys::copy_async(&bytes_view, &source)
+                .map_err(|e| self.stream_error(name, entry, e));
+        }
+        let staging = ring.staging(index).and_then(|s| s.f_narrow(0, 0, length)).map_err(copy_error)?;
+        stageload_torch_sys::copy_async(&staging, &source).map_err(|e| self.stream_error(name, entry, e))?;
+        // Ordered after the copy on the same stream; converts on the device.
+        destination
+            .shallow_clone()
+            .f_copy_(&staging.f_view_dtype(entry.kind).map_err(copy_error)?)
+            .map_err(copy_error)?;
+        Ok(())
     }
 
     fn stream_error(&self, name: &str, entry: &Entry, source: stageload_torch_sys::ShimError) -> CheckpointError {
@@ -612,6 +672,15 @@ fn overlapping_ranges(ranges: &[(usize, usize)]) -> HashSet<usize> {
 
 /// Largest piece read at once: the size of a direct-copy job, and of the conversion buffer.
 const WINDOW: usize = device_copy::WINDOW;
+
+/// Where the ring's pipeline stands: which pieces are read (and how), how many copies are
+/// issued, the event after the last copy out of each slot.
+struct Flow {
+    read: Vec<Option<Result<(), Arc<CheckpointError>>>>,
+    issued: usize,
+    fences: Vec<Option<Arc<stageload_torch_sys::CudaEvent>>>,
+    stopped: bool,
+}
 
 /// Says once per process that CUDA loads take the pageable path.
 fn warn_pageable_once(reason: &str) {
