@@ -1,14 +1,15 @@
 //! Checkpoint entries into CUDA tensors at copy-engine speed: a ring of pinned host buffers.
 //!
-//! A host→device copy from pageable memory runs at 5.5–6.5 GB/s on the H200 machine; from pinned
-//! memory at 54–55 GB/s, and pinning costs ~0.8 s per GiB. So the process pins one ring of
+//! A host→device copy from pageable memory runs at 5.5–8 GB/s on the H200 machine; from pinned
+//! memory at 55 GB/s, and pinning costs ~0.8 s per GiB. So the process pins one ring of
 //! [`slots`] buffers of [`WINDOW`] bytes once (on the first CUDA load) and reuses it. Each entry
-//! is cut into pieces of at most one buffer; pieces are taken half a ring at a time: the CPUs
-//! `pread` a group into one half while the GPU still copies the previous group out of the other
-//! half (asynchronous copies, ordered on the current stream), then the host waits for that
-//! previous group and starts this one's copies. Entries whose dtype differs from the target's go
-//! through one device staging buffer of [`WINDOW`] bytes and are converted on the device. No host
-//! copy of the model, no device memory beyond the staging buffer.
+//! is cut into pieces of at most one buffer ([`pieces`]), and the loader
+//! ([`crate::checkpoint`]) runs them as a pipeline: reader threads `pread` piece `j` into buffer
+//! `j % slots` once the CUDA event recorded after the copy that last read that buffer has
+//! passed; the loading thread issues each piece's asynchronous copy, in order, as soon as it is
+//! read. Entries whose dtype differs from the target's go through one device staging buffer of
+//! [`WINDOW`] bytes and are converted on the device. No host copy of the model, no device memory
+//! beyond the staging buffer.
 
 use std::sync::{Mutex, OnceLock};
 
