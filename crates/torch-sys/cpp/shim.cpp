@@ -5,6 +5,7 @@
 // nothing unwinds into Rust and nothing aborts the process.
 #include <ATen/ATen.h>
 #include <ATen/Context.h>
+#include <ATen/detail/MPSHooksInterface.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <c10/core/Allocator.h>
 #include <c10/core/CachingDeviceAllocator.h>
@@ -281,6 +282,13 @@ char* sl_cuda_empty_cache() {
   return guarded([&] {
     TORCH_CHECK(at::hasCUDA(), "CUDA is not available");
     c10::getDeviceAllocator(c10::kCUDA)->emptyCache();
+  });
+}
+
+char* sl_mps_empty_cache() {
+  return guarded([&] {
+    TORCH_CHECK(at::hasMPS(), "MPS is not available");
+    at::detail::getMPSHooks().emptyCache();
   });
 }
 

@@ -43,6 +43,7 @@ mod ffi {
         pub fn sl_storage_free(t: *const C_tensor, message: *const c_char, freed: *mut usize) -> *mut c_char;
         pub fn sl_storage_realloc(t: *const C_tensor, nbytes: usize) -> *mut c_char;
         pub fn sl_cuda_empty_cache() -> *mut c_char;
+        pub fn sl_mps_empty_cache() -> *mut c_char;
         pub fn sl_cuda_memory(
             index: c_int,
             allocated: *mut i64,
@@ -190,6 +191,13 @@ pub fn cuda_empty_cache() -> ShimResult<()> {
     // SAFETY: no arguments; the shim checks availability.
     let err = unsafe { ffi::sl_cuda_empty_cache() };
     check("empty the CUDA cache", err)
+}
+
+/// Empties the MPS allocator's cache (macOS); "MPS is not available" elsewhere.
+pub fn mps_empty_cache() -> ShimResult<()> {
+    // SAFETY: no arguments; the shim checks availability.
+    let err = unsafe { ffi::sl_mps_empty_cache() };
+    check("empty the MPS cache", err)
 }
 
 /// Bytes of the CUDA caching allocator on one device.

@@ -105,6 +105,19 @@ fn a_libtorch_exception_becomes_an_error_naming_the_operation() {
 }
 
 #[test]
+fn mps_and_async_copies_answer_on_any_machine() {
+    if !mps_available().unwrap() {
+        assert!(mps_empty_cache().unwrap_err().message.contains("MPS is not available"));
+    }
+    let src = Tensor::arange(16, (Kind::Float, Device::Cpu));
+    let dst = Tensor::zeros([16], (Kind::Float, Device::Cpu));
+    copy_async(&dst, &src).unwrap();
+    assert!(dst.equal(&src), "a CPU copy is done when the call returns");
+    let err = copy_async(&Tensor::zeros([3], (Kind::Float, Device::Cpu)), &src).unwrap_err();
+    assert_eq!(err.operation, "copy asynchronously");
+}
+
+#[test]
 fn cuda_queries_answer_not_available_without_cuda() {
     let count = cuda_device_count().unwrap();
     if count == 0 {
@@ -113,6 +126,9 @@ fn cuda_queries_answer_not_available_without_cuda() {
             cuda_memory(0).unwrap_err(),
             cuda_reset_peak(0).unwrap_err(),
             generator_state(GeneratorDevice::Cuda(0)).unwrap_err(),
+            cuda_side_stream(0).unwrap_err(),
+            cuda_sync_current_stream(0).unwrap_err(),
+            CudaEvent::record(0).unwrap_err(),
         ] {
             assert!(err.message.contains("CUDA is not available"), "{err}");
         }

@@ -447,9 +447,15 @@ impl Inner {
         if result.as_ref().is_ok_and(|stats| stats.freed > 0) {
             // Before the event, so that a meter reading at the event sees the memory gone.
             stageload_torch_sys::trim_host_heap();
+            // Device allocators keep freed blocks cached: hand them back to the device.
             if stageload_torch_sys::cuda_device_count().unwrap_or(0) > 0 {
                 if let Err(err) = stageload_torch_sys::cuda_empty_cache() {
                     tracing::warn!(%err, "emptying the CUDA cache after a release failed");
+                }
+            }
+            if stageload_torch_sys::mps_available().unwrap_or(false) {
+                if let Err(err) = stageload_torch_sys::mps_empty_cache() {
+                    tracing::warn!(%err, "emptying the MPS cache after a release failed");
                 }
             }
         }
