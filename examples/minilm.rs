@@ -143,14 +143,9 @@ struct Args {
 }
 
 /// A registry holding MiniLM (under `prefix` in its VarStore, if any) for stage `embed`.
-fn registry(
-    file: &Path,
-    prefix: Option<&'static str>,
-    names: NameRules,
-    skip_init: bool,
-    sink: Option<Arc<ListSink>>,
-) -> StagedModels {
-    let spec = ModelSpec::new("minilm", move |_| {
+/// MiniLM from `file`, under `prefix` in its VarStore if any.
+fn spec(file: &Path, prefix: Option<&'static str>, names: NameRules, skip_init: bool) -> ModelSpec {
+    ModelSpec::new("minilm", move |_| {
         let vs = VarStore::new(Device::Cpu);
         let root = match prefix {
             Some(prefix) => vs.root() / prefix,
@@ -161,9 +156,20 @@ fn registry(
     })
     .checkpoint([file])
     .names(names)
-    .skip_init(skip_init);
-    let mut builder =
-        StagedModels::builder().model(spec).stage("embed", ["minilm"]).stage("other", Vec::<String>::new());
+    .skip_init(skip_init)
+}
+
+fn registry(
+    file: &Path,
+    prefix: Option<&'static str>,
+    names: NameRules,
+    skip_init: bool,
+    sink: Option<Arc<ListSink>>,
+) -> StagedModels {
+    let mut builder = StagedModels::builder()
+        .model(spec(file, prefix, names, skip_init))
+        .stage("embed", ["minilm"])
+        .stage("other", Vec::<String>::new());
     if let Some(sink) = sink {
         builder = builder.events(sink);
     }
@@ -227,19 +233,7 @@ fn main() -> Result<(), BoxError> {
         }
     }
     let torch_state = stageload_torch_sys::generator_state(stageload_torch_sys::GeneratorDevice::Cpu)?;
-    let unpreserved = StagedModels::builder()
-        .model(
-            ModelSpec::new("minilm", |_| {
-                let vs = VarStore::new(Device::Cpu);
-                let model = MiniLm::new(vs.root());
-                Ok(Built::new(model, &vs))
-            })
-            .checkpoint([&file])
-            .names(ignored())
-            .skip_init(true),
-        )
-        .preserve_rng(false)
-        .build()?;
+    let unpreserved = StagedModels::builder().model(spec(&file, None, ignored(), true)).preserve_rng(false).build()?;
     unpreserved.load("minilm")?;
     let draws_nothing = stageload_torch_sys::generator_state(stageload_torch_sys::GeneratorDevice::Cpu)? == torch_state;
 

@@ -282,16 +282,6 @@ pub fn parse_device(text: &str) -> Result<Device, String> {
     }
 }
 
-/// A device as the pipeline file and traces spell it.
-pub fn device_name(device: Device) -> String {
-    match device {
-        Device::Cpu => "cpu".into(),
-        Device::Cuda(index) => format!("cuda:{index}"),
-        Device::Mps => "mps".into(),
-        Device::Vulkan => "vulkan".into(),
-    }
-}
-
 impl CommonArgs {
     /// The checkpoint folder for `pipeline` at this scale.
     pub fn cache_folder(&self, pipeline: &str) -> PathBuf {
@@ -326,7 +316,7 @@ impl PipelineSpec {
                 .map(|m| ModelEntry {
                     name: m.name().to_string(),
                     files: m.checkpoint_files().to_vec(),
-                    device: device_name(device),
+                    device: meter::device_name(device),
                     dtype: None,
                 })
                 .collect(),
@@ -368,7 +358,7 @@ impl Pipeline {
             .meta("seed", args.seed)
             .meta("preserve_rng", !args.no_preserve_rng)
             .meta("prefetch", args.prefetch)
-            .meta("device", device_name(args.device));
+            .meta("device", meter::device_name(args.device));
         let meter = Arc::new(meter::start(&trace, args.device, options)?);
         let names: Vec<String> = spec.models.iter().map(|m| m.name().to_string()).collect();
         let description = args.cache_folder(spec.name).join(format!("{}.toml", spec.name));

@@ -260,8 +260,21 @@ impl Checkpoint {
     pub fn load_into(
         &self,
         targets: &[(String, Tensor)],
-        mut progress: impl FnMut(Progress),
+        progress: impl FnMut(Progress),
     ) -> Result<LoadReport, CheckpointError> {
+        let bytes = self.copy_all(targets, progress)?;
+        let wanted: HashSet<&str> = targets.iter().map(|(n, _)| n.as_str()).collect();
+        let mut unused: Vec<String> = self.entries.keys().filter(|n| !wanted.contains(n.as_str())).cloned().collect();
+        unused.sort();
+        Ok(LoadReport { bytes, tensors: targets.len(), unused })
+    }
+
+    /// Checks the targets, then copies every entry into its target; returns the bytes copied.
+    fn copy_all(
+        &self,
+        targets: &[(String, Tensor)],
+        mut progress: impl FnMut(Progress),
+    ) -> Result<u64, CheckpointError> {
         let plan = self.check(targets)?;
         let total: u64 = targets.iter().map(|(_, t)| (t.numel() * t.kind().elt_size_in_bytes()) as u64).sum();
         let done = AtomicU64::new(0);
@@ -309,10 +322,7 @@ impl Checkpoint {
             }
             Ok(())
         })?;
-        let wanted: HashSet<&str> = targets.iter().map(|(n, _)| n.as_str()).collect();
-        let mut unused: Vec<String> = self.entries.keys().filter(|n| !wanted.contains(n.as_str())).cloned().collect();
-        unused.sort();
-        Ok(LoadReport { bytes: total, tensors: targets.len(), unused })
+        Ok(total)
     }
 
     /// Like [`load_into`](Self::load_into), with the targets' names met under `rules`: file
@@ -343,7 +353,7 @@ impl Checkpoint {
                 (from != t.kind()).then(|| format!("{entry}: {from:?} -> {:?}", t.kind()))
             })
             .collect();
-        self.load_into(&renamed, progress)?;
+        self.copy_all(&renamed, progress)?;
         Ok(NamedLoad {
             used: renamed.len(),
             converted,
@@ -460,7 +470,12 @@ impl Checkpoint {
                 (name, entry, entry.start + (piece.first * size) as u64, piece.count * size)
             })
             .collect();
-        let flow = Mutex::new(Flow { read: vec![None; reads.len()], issued: 0, fences: vec![None; n], stopped: false });
+        let flow = Mutex::new(Flow {
+            read: (0..reads.len()).map(|_| None).collect(),
+            issued: 0,
+            fences: vec![None; n],
+            stopped: false,
+        });
         let changed = Condvar::new();
         let next = AtomicUsize::new(0);
         let workers = std::thread::available_parallelism().map_or(1, |c| c.get()).min(n).min(reads.len()).max(1);
@@ -491,7 +506,7 @@ impl Checkpoint {
                                 .map_err(|e| self.read_error(name, entry, e))
                         }
                     };
-                    lock(&flow).read[j] = Some(outcome.map_err(Arc::new));
+                    lock(&flow).read[j] = Some(outcome);
                     changed.notify_all();
                 });
             }
@@ -511,9 +526,6 @@ impl Checkpoint {
                     }
                 };
                 if let Err(err) = outcome {
-                    let err = Arc::try_unwrap(err).unwrap_or_else(|shared| {
-                        self.read_error(reads[j].0, reads[j].1, std::io::Error::other(shared.to_string()))
-                    });
                     return stop(err);
                 }
                 let (name, target, entry) = *items[*i];
@@ -678,7 +690,7 @@ const WINDOW: usize = device_copy::WINDOW;
 /// Where the ring's pipeline stands: which pieces are read (and how), how many copies are
 /// issued, the event after the last copy out of each slot.
 struct Flow {
-    read: Vec<Option<Result<(), Arc<CheckpointError>>>>,
+    read: Vec<Option<Result<(), CheckpointError>>>,
     issued: usize,
     fences: Vec<Option<Arc<stageload_torch_sys::CudaEvent>>>,
     stopped: bool,

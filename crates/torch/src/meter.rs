@@ -21,12 +21,13 @@ pub use stageload_trace::{read_trace, summarize, DeviceMemory, Meter, MeterOptio
 /// Starts a meter for a pipeline whose models run on `device`: the header names the device, and
 /// on CUDA every sample carries the allocator's allocated and reserved bytes.
 pub fn start(path: impl AsRef<Path>, device: Device, options: MeterOptions) -> std::io::Result<Meter> {
+    let options = options.device(device_name(device));
     let options = match device {
         Device::Cuda(index) => {
             // The allocator's statistics exist once CUDA is initialised on that device; the
             // meter's first sample would otherwise fail ("Invalid device argument").
             let _ = Tensor::f_zeros([1], (Kind::Float, device));
-            options.device(format!("cuda:{index}")).readings(
+            options.readings(
                 SystemMeterReadings::with_device(move || {
                     stageload_torch_sys::cuda_memory(index)
                         .map(|m| DeviceMemory {
@@ -39,9 +40,17 @@ pub fn start(path: impl AsRef<Path>, device: Device, options: MeterOptions) -> s
                 .device_peak_reset(move || stageload_torch_sys::cuda_reset_peak(index).map_err(|e| e.to_string())),
             )
         }
-        Device::Mps => options.device("mps"),
-        Device::Vulkan => options.device("vulkan"),
-        Device::Cpu => options.device("cpu"),
+        Device::Mps | Device::Vulkan | Device::Cpu => options,
     };
     Meter::start(path, options)
+}
+
+/// A device as traces and pipeline files spell it: `cpu`, `cuda:N`, `mps`, `vulkan`.
+pub fn device_name(device: Device) -> String {
+    match device {
+        Device::Cpu => "cpu".into(),
+        Device::Cuda(index) => format!("cuda:{index}"),
+        Device::Mps => "mps".into(),
+        Device::Vulkan => "vulkan".into(),
+    }
 }

@@ -521,15 +521,22 @@ impl Inner {
             });
         };
         let mut budget_left = self.prefetch_budget.map(|b| b.saturating_sub(state.resident_bytes()));
-        let mut started = Vec::new();
+        // (name, bytes of its released instance, or its checkpoint files to measure) — the files
+        // are measured once the state lock is dropped.
+        let mut candidates = Vec::new();
         for name in planned {
             let Some(&position) = state.index.get(name) else { continue };
             let entry = &state.entries[position];
-            if let Err(skip) = decide::on_prefetch(&entry.slot, state.closed, entry.skip_init) {
-                tracing::debug!(model = name.as_str(), stage, ?skip, "not prefetched");
-                continue;
+            match decide::on_prefetch(&entry.slot, state.closed, entry.skip_init) {
+                Ok(()) => candidates.push((name.clone(), instance_bytes(entry), entry.checkpoint.clone())),
+                Err(skip) => tracing::debug!(model = name.as_str(), stage, ?skip, "not prefetched"),
             }
-            let bytes = expected_bytes(entry);
+        }
+        drop(state);
+        let mut started = Vec::new();
+        for (name, known, files) in candidates {
+            let bytes =
+                known.unwrap_or_else(|| files.iter().filter_map(|f| std::fs::metadata(f).ok()).map(|m| m.len()).sum());
             if let Some(left) = budget_left.as_mut() {
                 if bytes > *left {
                     tracing::debug!(
@@ -543,9 +550,8 @@ impl Inner {
                 }
                 *left -= bytes;
             }
-            started.push((name.clone(), bytes));
+            started.push((name, bytes));
         }
-        drop(state);
         for (name, bytes) in &started {
             self.emit(Event {
                 stage: Some(stage.to_string()),
@@ -704,17 +710,14 @@ impl Inner {
     }
 }
 
-/// The bytes a load of `entry` brings: its instance's storages, else its checkpoint files' size.
-fn expected_bytes(entry: &Entry) -> u64 {
+/// The bytes of the released instance a load of `entry` would bring back, if it has one.
+fn instance_bytes(entry: &Entry) -> Option<u64> {
     let instance = match &entry.slot.state {
         SlotState::Released { instance, .. } => Some(instance),
         SlotState::Failed { instance, .. } => instance.as_ref(),
         _ => None,
-    };
-    match instance {
-        Some(instance) => instance.storage_sizes.iter().map(|(_, bytes)| bytes).sum(),
-        None => entry.checkpoint.iter().filter_map(|f| std::fs::metadata(f).ok()).map(|m| m.len()).sum(),
-    }
+    }?;
+    Some(instance.storage_sizes.iter().map(|(_, bytes)| bytes).sum())
 }
 
 fn shallow(tensors: &[(String, Tensor)]) -> Vec<(String, Tensor)> {
