@@ -7,7 +7,7 @@
 #   scripts/test.sh --torch-free     only formatting and the torch-free lane
 set -euo pipefail
 cd "$(dirname "$0")/.."
-torch_free=(-p stageload-probe -p stageload-guard -p stageload-plan -p stageload-trace -p stageload-cli)
+torch_free=(-p stageload-probe -p stageload-input -p stageload-guard -p stageload-plan -p stageload-trace -p stageload-cli)
 only_torch_free=false
 if [[ "${1:-}" == "--torch-free" ]]; then
     only_torch_free=true
@@ -15,6 +15,7 @@ if [[ "${1:-}" == "--torch-free" ]]; then
 fi
 
 cargo fmt --all --check
+cargo clippy "${torch_free[@]}" --all-targets -- -D warnings
 cargo test "${torch_free[@]}" "$@"
 $only_torch_free && exit 0
 

@@ -7,10 +7,12 @@ use std::time::Duration;
 
 use clap::Args;
 use regex::Regex;
+use stageload_guard::config::{defaults, ranges, within};
 use stageload_guard::{exit, run_guarded, GuardConfig, GuardLog, Signals, SystemClock, SystemReadings};
 use stageload_probe::units::format_gb;
 
 use crate::args::{duration, size};
+use crate::out;
 
 const EXIT_CODES: &str = "\
 Exit codes:
@@ -19,9 +21,11 @@ Exit codes:
            command first; a second signal skips the grace and kills at once)
   3        the guard stopped the command (swap over budget, memory low twice, --max-memory)
   4        no room within --start-timeout (with --check: it would not start now)
+  125      the command ended in a way the guard could not read
   126      the command was found but cannot be executed
   127      the command was not found
-  2        bad usage: an invalid flag, or no command after --
+  2        bad usage: an invalid flag, a duration out of its range, flags that contradict
+           each other, or no command after --
 
 Sizes: 8G, 512M, 1.5GiB (binary), 2GB (decimal), 100 (bytes). Durations: 250ms, 90s, 30m, 2h.";
 
@@ -32,32 +36,32 @@ Sizes: 8G, 512M, 1.5GiB (binary), 2GB (decimal), 100 (bytes). Durations: 250ms, 
 #[command(after_help = EXIT_CODES)]
 pub struct GuardArgs {
     /// Start only when at least PCT percent of memory is available (of the cgroup limit in a container)
-    #[arg(long, value_name = "PCT", default_value = "40", value_parser = percent)]
+    #[arg(long, value_name = "PCT", default_value = defaults::WAIT_FREE, value_parser = percent)]
     wait_free: u8,
     /// Swap the system may gain over its level at the start before the command is stopped
-    #[arg(long, value_name = "SIZE", default_value = "8G", value_parser = size)]
+    #[arg(long, value_name = "SIZE", default_value = defaults::SWAP_BUDGET, value_parser = size)]
     swap_budget: u64,
     /// Absolute swap ceiling: caps the budget, and waits until swap + budget fits under it
     #[arg(long, value_name = "SIZE", value_parser = size)]
     swap_limit: Option<u64>,
     /// Stop the command after two readings in a row under PCT percent available
-    #[arg(long, value_name = "PCT", default_value = "10", value_parser = percent)]
+    #[arg(long, value_name = "PCT", default_value = defaults::KILL_FREE, value_parser = percent)]
     kill_free: u8,
     /// Do not start while a process whose command line matches REGEX runs (repeatable; the
     /// guard and its ancestors are ignored)
     #[arg(long, value_name = "REGEX", value_parser = regex)]
     busy: Vec<Regex>,
     /// With --busy: start only after no busy process was seen for this long
-    #[arg(long, value_name = "DUR", default_value = "1m", value_parser = duration)]
+    #[arg(long, value_name = "DUR", default_value = defaults::QUIET_FOR, value_parser = |t: &str| ranged(t, ranges::QUIET_FOR))]
     quiet_for: Duration,
-    /// Give up waiting for room after this long (exit 4)
-    #[arg(long, value_name = "DUR", default_value = "30m", value_parser = duration)]
+    /// Give up waiting for room after this long (exit 4; at most 7 days)
+    #[arg(long, value_name = "DUR", default_value = defaults::START_TIMEOUT, value_parser = |t: &str| ranged(t, ranges::START_TIMEOUT))]
     start_timeout: Duration,
-    /// Interval of the readings while waiting and while watching
-    #[arg(long, value_name = "DUR", default_value = "100ms", value_parser = positive_duration)]
+    /// Interval of the readings while waiting and while watching (10ms to 1m)
+    #[arg(long, value_name = "DUR", default_value = defaults::POLL, value_parser = |t: &str| ranged(t, ranges::POLL))]
     poll: Duration,
-    /// Time between SIGTERM and SIGKILL when stopping the command
-    #[arg(long, value_name = "DUR", default_value = "5s", value_parser = duration)]
+    /// Time between SIGTERM and SIGKILL when stopping the command (at most 1h)
+    #[arg(long, value_name = "DUR", default_value = defaults::GRACE, value_parser = |t: &str| ranged(t, ranges::GRACE))]
     grace: Duration,
     /// Stop the command when its own memory (RSS + swap over its processes) passes SIZE
     #[arg(long, value_name = "SIZE", value_parser = size)]
@@ -78,12 +82,8 @@ fn percent(text: &str) -> Result<u8, String> {
     u8::try_from(value).ok().filter(|v| *v <= 100).ok_or_else(|| format!("{value} is out of range (0 to 100)"))
 }
 
-fn positive_duration(text: &str) -> Result<Duration, String> {
-    let value = duration(text)?;
-    if value.is_zero() {
-        return Err(format!("'{text}': the poll interval must be more than zero"));
-    }
-    Ok(value)
+fn ranged(text: &str, range: std::ops::RangeInclusive<Duration>) -> Result<Duration, String> {
+    within(duration(text)?, &range)
 }
 
 fn regex(text: &str) -> Result<Regex, String> {
@@ -107,6 +107,10 @@ pub fn run(args: GuardArgs) -> i32 {
         grace: args.grace,
         max_memory: args.max_memory,
     };
+    if let Err(error) = config.check() {
+        eprintln!("stageload guard: {error}");
+        return exit::USAGE;
+    }
     let mut log = match GuardLog::new(args.log.as_deref(), !args.check) {
         Ok(log) => log,
         Err(error) => {
@@ -134,14 +138,14 @@ pub fn run(args: GuardArgs) -> i32 {
 fn check(config: &GuardConfig, log: &mut GuardLog) -> i32 {
     let (reasons, memory) = stageload_guard::check_once(config, &mut SystemReadings, log);
     if let Some(memory) = &memory {
-        println!(
+        out::line(&format!(
             "memory: {:.0}% available ({} of {}), swap used {} of {}",
             memory.available_percent(),
             format_gb(memory.budget_available()),
             format_gb(memory.budget_total()),
             format_gb(memory.swap_used),
             format_gb(memory.swap_total)
-        );
+        ));
     }
     if reasons.is_empty() {
         let quiet = if config.busy.is_empty() {
@@ -149,11 +153,11 @@ fn check(config: &GuardConfig, log: &mut GuardLog) -> i32 {
         } else {
             format!(" (after {:.0} s with no busy process)", config.quiet_for.as_secs_f64())
         };
-        println!("would start now{quiet}");
+        out::line(&format!("would start now{quiet}"));
         0
     } else {
         log.note("check", &format!("would wait ({})", stageload_guard::decide::describe(&reasons)), memory.as_ref());
-        println!("would wait: {}", stageload_guard::decide::describe(&reasons));
+        out::line(&format!("would wait: {}", stageload_guard::decide::describe(&reasons)));
         exit::NO_ROOM
     }
 }

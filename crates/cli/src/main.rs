@@ -5,6 +5,7 @@
 
 mod args;
 mod guard;
+mod out;
 mod plan;
 mod trace;
 

@@ -7,6 +7,7 @@ use clap::Args;
 use stageload_plan::{plan, Budget, Pipeline};
 
 use crate::args::size;
+use crate::out;
 
 /// Exit codes of `stageload plan`.
 const EXIT_CODES: &str = "\
@@ -51,9 +52,9 @@ pub fn run(args: PlanArgs) -> i32 {
     };
     let plan = plan(&pipeline, budget, args.device_memory.map(Budget::given));
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&plan).expect("a plan is plain data"));
+        out::line(&serde_json::to_string_pretty(&plan).expect("a plan is plain data"));
     } else {
-        print!("{}", plan.render());
+        out::print(&plan.render());
     }
     if plan.fits {
         0

@@ -3,6 +3,7 @@
 
 use std::path::PathBuf;
 
+use crate::out;
 use clap::Args;
 use stageload_trace::{plot, read_trace, summarize, table, Summary, Trace};
 
@@ -23,14 +24,14 @@ pub struct SummaryArgs {
 #[derive(Args)]
 #[command(after_help = "Exit codes: 0 done; 2 a trace cannot be read or the chart cannot be written.")]
 pub struct PlotArgs {
-    /// JSONL traces written by the meter
-    #[arg(required = true)]
+    /// JSONL traces written by the meter (one panel each)
+    #[arg(required = true, num_args = 1..=plot::MAX_TRACES)]
     traces: Vec<PathBuf>,
     /// The chart: FILE.svg or FILE.png
     #[arg(short, long, value_name = "FILE")]
     output: PathBuf,
-    /// Width in pixels
-    #[arg(long, default_value_t = 1200)]
+    /// Width in pixels (200 to 8000)
+    #[arg(long, default_value_t = 1200, value_parser = clap::value_parser!(u32).range(*plot::WIDTHS.start() as i64..=*plot::WIDTHS.end() as i64))]
     width: u32,
 }
 
@@ -53,24 +54,24 @@ pub fn summary(args: SummaryArgs) -> i32 {
     };
     if args.json {
         let summaries: Vec<&Summary> = loaded.iter().map(|(_, s)| s).collect();
-        println!("{}", serde_json::to_string_pretty(&summaries).expect("summaries are plain data"));
+        out::line(&serde_json::to_string_pretty(&summaries).expect("summaries are plain data"));
         return 0;
     }
     for (trace, summary) in &loaded {
-        println!("{}", table::render(summary, &trace.path));
+        out::line(&table::render(summary, &trace.path));
     }
     if loaded.len() > 1 {
         let labelled: Vec<(String, &Summary)> = loaded.iter().map(|(t, s)| (table::label(s, &t.path), s)).collect();
-        println!("side by side (peak per stage):\n{}", table::compare(&labelled));
+        out::line(&format!("side by side (peak per stage):\n{}", table::compare(&labelled)));
     }
     if let [(_, eager), (_, staged)] = loaded.as_slice() {
         let checks = table::against_eager(eager, staged);
         if !checks.is_empty() {
-            println!(
+            out::line(&format!(
                 "second against first, per stage (expected = its own weights + the working memory the first run shows;\n\
                  ratio = peak / expected, at most 1.05 when nothing is left over from earlier stages):\n{}",
                 table::render_checks(&checks)
-            );
+            ));
         }
     }
     0
@@ -84,7 +85,7 @@ pub fn plot(args: PlotArgs) -> i32 {
         loaded.iter().map(|(t, s)| (table::label(s, &t.path), t, s)).collect();
     match plot::plot(&traces, &args.output, args.width) {
         Ok(()) => {
-            println!("wrote {}", args.output.display());
+            out::line(&format!("wrote {}", args.output.display()));
             0
         }
         Err(error) => {

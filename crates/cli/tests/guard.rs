@@ -91,7 +91,12 @@ fn bad_flags_are_refused_before_any_waiting_naming_the_flag() {
     let cases = [
         (["--wait-free", "140"], "--wait-free", "out of range"),
         (["--kill-free", "ten"], "--kill-free", "whole percent"),
-        (["--poll", "0s"], "--poll", "more than zero"),
+        (["--poll", "0s"], "--poll", "0s is outside 10ms ..= 1m"),
+        (["--poll", "1ms"], "--poll", "1ms is outside 10ms ..= 1m"),
+        (["--poll", "99999999999h"], "--poll", "is outside 10ms ..= 1m"),
+        (["--grace", "1000000000s"], "--grace", "is outside 0s ..= 1h"),
+        (["--quiet-for", "400000h"], "--quiet-for", "is outside 0s ..= 1day"),
+        (["--start-timeout", "8000h"], "--start-timeout", "is outside 0s ..= 7days"),
         (["--busy", "ltx("], "--busy", "bad regex"),
         (["--swap-budget", "lots"], "--swap-budget", "not a size"),
         (["--max-memory", "1.5X"], "--max-memory", "not a size"),
@@ -107,6 +112,38 @@ fn bad_flags_are_refused_before_any_waiting_naming_the_flag() {
     }
     let output = run(&["--no-such-flag", "--", "true"]);
     assert_eq!(output.status.code(), Some(2));
+}
+
+#[test]
+fn flags_that_contradict_each_other_are_refused_at_start_not_waited_out() {
+    let cases: [(&[&str], &str); 3] = [
+        (&["--swap-limit", "2G"], "--swap-budget 8.0 GB is over --swap-limit 2.0 GB"),
+        (&["--kill-free", "50", "--wait-free", "40"], "--kill-free 50 must be under --wait-free 40"),
+        (&["--kill-free", "40", "--wait-free", "40"], "--kill-free 40 must be under --wait-free 40"),
+    ];
+    for (flags, message) in cases {
+        let started = Instant::now();
+        let mut args = flags.to_vec();
+        args.extend(["--start-timeout", "1m", "--", "true"]);
+        let output = run(&args);
+        assert_eq!(output.status.code(), Some(2), "{flags:?}: {}", stderr(&output));
+        assert!(stderr(&output).contains(message), "{flags:?}: {}", stderr(&output));
+        assert!(started.elapsed() < Duration::from_secs(5), "refused at once");
+    }
+    let mut args = ANY_MACHINE.to_vec();
+    args.extend(["--swap-limit", "2G", "--swap-budget", "1G", "--", "true"]);
+    assert_eq!(run(&args).status.code(), Some(0), "a budget under the limit is fine");
+}
+
+#[test]
+fn a_log_that_cannot_be_written_is_said_once_and_the_command_still_runs() {
+    let mut args = ANY_MACHINE.to_vec();
+    args.extend(["--log", "/dev/full", "--", "sh", "-c", "exit 6"]);
+    let output = run(&args);
+    let text = stderr(&output);
+    assert_eq!(output.status.code(), Some(6), "{text}");
+    let said = text.matches("cannot write --log /dev/full: No space left on device").count();
+    assert_eq!(said, 1, "{text}");
 }
 
 #[test]
@@ -149,7 +186,7 @@ fn no_room_exits_4_after_the_start_timeout_and_check_says_why() {
     assert_eq!(output.status.code(), Some(4));
     let text = String::from_utf8_lossy(&output.stdout);
     assert!(text.contains("would wait: memory available") && text.contains("memory:"), "{text}");
-    let output = run(&["--wait-free", "0", "--check", "--", "true"]);
+    let output = run(&["--wait-free", "0", "--kill-free", "0", "--check", "--", "true"]);
     assert_eq!(output.status.code(), Some(0));
     assert!(String::from_utf8_lossy(&output.stdout).contains("would start now"));
 }

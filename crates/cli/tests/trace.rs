@@ -109,3 +109,87 @@ fn plot_writes_svg_and_png() {
     assert_eq!(output.status.code(), Some(2));
     assert!(text.contains(".svg or .png"), "{text}");
 }
+
+#[test]
+fn plot_widths_are_bounded_and_a_trace_that_is_not_a_file_is_refused_by_kind() {
+    let folder = scratch("widths");
+    let dir = folder.path();
+    let eager = fixture(dir, "eager", 3 * GIB, true);
+    let out = dir.join("w.png");
+    for width in ["0", "199", "8001", "4000000000"] {
+        let (output, text) =
+            stageload(&["plot", eager.to_str().unwrap(), "-o", out.to_str().unwrap(), "--width", width]);
+        assert_eq!(output.status.code(), Some(2), "{width}: {text}");
+        assert!(text.contains("--width") && text.contains("200..=8000"), "{width}: {text}");
+        assert!(!out.exists(), "no stub file for --width {width}");
+    }
+    // A sample at the latest time a trace may hold: drawn at once, not tick by tick.
+    let far = dir.join("far.jsonl");
+    std::fs::write(&far, "{\"type\":\"sample\",\"t\":0,\"rss\":5}\n{\"type\":\"sample\",\"t\":1e8,\"rss\":7}\n")
+        .unwrap();
+    let started = std::time::Instant::now();
+    let (output, text) = stageload(&["plot", far.to_str().unwrap(), "-o", out.to_str().unwrap()]);
+    assert_eq!(output.status.code(), Some(0), "{text}");
+    assert!(started.elapsed() < std::time::Duration::from_secs(20), "{:?}", started.elapsed());
+    let fifo = dir.join("trace.jsonl");
+    nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::S_IRWXU).unwrap();
+    for args in [vec!["summary", fifo.to_str().unwrap()], vec!["summary", "/dev/zero"]] {
+        let (output, text) = stageload(&args);
+        assert_eq!(output.status.code(), Some(2), "{text}");
+        assert!(text.contains("not a regular file"), "{text}");
+    }
+}
+
+/// A trace of `stages` stage windows with a load, a release and two samples each.
+fn long_trace(dir: &std::path::Path, stages: u32) -> PathBuf {
+    let mut text = String::new();
+    for i in 0..stages {
+        let t = f64::from(i);
+        text += &format!("{{\"type\":\"event\",\"t\":{t},\"kind\":\"stage\",\"stage\":\"s{}\"}}\n", i % 7);
+        text += &format!("{{\"type\":\"event\",\"t\":{},\"kind\":\"load\",\"model\":\"m\",\"bytes\":1}}\n", t + 0.1);
+        text += &format!("{{\"type\":\"sample\",\"t\":{},\"rss\":{}}}\n", t + 0.2, 1000 + i);
+        text += &format!("{{\"type\":\"event\",\"t\":{},\"kind\":\"release\",\"model\":\"m\"}}\n", t + 0.5);
+        text += &format!("{{\"type\":\"sample\",\"t\":{},\"rss\":{}}}\n", t + 0.7, 900 + i);
+    }
+    let path = dir.join("long.jsonl");
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+#[test]
+fn a_long_trace_is_summarized_and_plotted_in_bounded_time() {
+    let folder = scratch("long");
+    let dir = folder.path();
+    let trace = long_trace(dir, 20_000);
+    let started = std::time::Instant::now();
+    let (output, text) = stageload(&["summary", "--json", trace.to_str().unwrap()]);
+    assert_eq!(output.status.code(), Some(0), "{text}");
+    let (output, text) = stageload(&["plot", trace.to_str().unwrap(), "-o", dir.join("long.svg").to_str().unwrap()]);
+    assert_eq!(output.status.code(), Some(0), "{text}");
+    // Quadratic marker placement and windows took minutes at this size.
+    assert!(started.elapsed() < std::time::Duration::from_secs(60), "{:?}", started.elapsed());
+}
+
+#[test]
+fn a_closed_stdout_ends_every_command_quietly() {
+    use std::process::Stdio;
+    let folder = scratch("closed");
+    let dir = folder.path();
+    let trace = long_trace(dir, 3_000);
+    // (command, whether it writes more than a pipe holds, so the closed end is always met)
+    let commands: [(&[&str], bool); 3] = [
+        (&["summary", trace.to_str().unwrap()], true),
+        (&["summary", "--json", trace.to_str().unwrap()], true),
+        (&["guard", "--check", "--wait-free", "0", "--kill-free", "0"], false),
+    ];
+    for (args, large) in commands {
+        let mut child =
+            Command::new(STAGELOAD).args(args).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+        drop(child.stdout.take());
+        let output = child.wait_with_output().unwrap();
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(!stderr.contains("panicked") && !stderr.contains("failed printing"), "{args:?}: {stderr}");
+        let expected: &[i32] = if large { &[141] } else { &[0, 141] };
+        assert!(expected.contains(&output.status.code().unwrap_or(-1)), "{args:?}: {:?} {stderr}", output.status);
+    }
+}

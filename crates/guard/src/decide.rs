@@ -9,7 +9,7 @@ use regex::Regex;
 use stageload_probe::units::{format_bytes, format_gb};
 use stageload_probe::{ProbeError, ProcessEntry, SystemMemory};
 
-use crate::GuardConfig;
+use crate::config::GuardConfig;
 
 /// Why the command may not start yet.
 #[derive(Debug, Clone, PartialEq)]
@@ -90,7 +90,7 @@ impl Admission {
                     reasons.push(Wait::LowMemory { percent, wanted: config.wait_free });
                 }
                 if let Some(limit) = config.swap_limit {
-                    if memory.swap_used + config.swap_budget > limit {
+                    if memory.swap_used.saturating_add(config.swap_budget) > limit {
                         reasons.push(Wait::SwapLimit { used: memory.swap_used, budget: config.swap_budget, limit });
                     }
                 }
@@ -211,7 +211,7 @@ impl Watch {
             swap_limit: config.swap_limit,
             kill_free: config.kill_free,
             max_memory: config.max_memory,
-            stall_after: (config.poll * 5).max(Duration::from_secs(1)),
+            stall_after: config.poll.saturating_mul(5).max(Duration::from_secs(1)),
             baseline: at_start.swap_used,
             carried: 0,
             last_swap: (at_start.swap_used, at_start.swap_total),
@@ -256,13 +256,13 @@ impl Watch {
         let (last_used, last_total) = self.last_swap;
         if memory.swap_total != last_total {
             // Keep the growth made so far, counted on top of the new level.
-            self.carried += last_used.saturating_sub(self.baseline);
+            self.carried = self.carried.saturating_add(last_used.saturating_sub(self.baseline));
             self.baseline = memory.swap_used;
             notices.push(Notice::SwapRebased { old_total: last_total, new_total: memory.swap_total });
         }
         self.last_swap = (memory.swap_used, memory.swap_total);
         let percent = memory.available_percent();
-        self.low_samples = if percent < self.kill_free { self.low_samples + 1 } else { 0 };
+        self.low_samples = if percent < self.kill_free { self.low_samples.saturating_add(1) } else { 0 };
         let stop_above = self.stop_above();
         if memory.swap_used > stop_above {
             return (Some(Stop::Swap { used: memory.swap_used, stop_above }), notices);

@@ -1,6 +1,7 @@
 //! The guard's log: one human line per decision on stderr (`HH:MM:SSZ guard: ...`, as the
 //! original printed them) and, with `--log FILE`, one JSON line per decision with the readings
-//! behind it, flushed at once so a killed guard leaves a complete log.
+//! behind it, flushed at once so a killed guard leaves a complete log. A `--log` that cannot be
+//! written (a full disk) is said on stderr, once per distinct error; the guard keeps guarding.
 
 use std::fs::File;
 use std::io::{self, Write};
@@ -13,7 +14,9 @@ use stageload_probe::SystemMemory;
 /// Writes decisions to stderr, to an optional JSON-lines file, and keeps them for callers
 /// (tests, `--check`) to read back.
 pub struct GuardLog {
-    json: Option<File>,
+    json: Option<(File, String)>,
+    /// The last error writing the JSON file, said once.
+    json_error: Option<String>,
     start: Instant,
     echo: bool,
     lines: Vec<String>,
@@ -28,13 +31,14 @@ fn utc_stamp() -> String {
 impl GuardLog {
     /// A log to stderr (when `echo`) and to `json_path` if given (created or truncated).
     pub fn new(json_path: Option<&Path>, echo: bool) -> io::Result<Self> {
-        let json = json_path.map(File::create).transpose()?;
-        Ok(GuardLog { json, start: Instant::now(), echo, lines: Vec::new() })
+        let json =
+            json_path.map(|path| File::create(path).map(|file| (file, path.display().to_string()))).transpose()?;
+        Ok(GuardLog { json, json_error: None, start: Instant::now(), echo, lines: Vec::new() })
     }
 
     /// A log that only keeps its lines (for tests and library callers).
     pub fn silent() -> Self {
-        GuardLog { json: None, start: Instant::now(), echo: false, lines: Vec::new() }
+        GuardLog { json: None, json_error: None, start: Instant::now(), echo: false, lines: Vec::new() }
     }
 
     /// The human lines written so far, without their time stamps.
@@ -56,7 +60,7 @@ impl GuardLog {
             // A closed stderr must not stop the guard from guarding.
             let _ = writeln!(io::stderr().lock(), "{} {line}", utc_stamp());
         }
-        if let Some(file) = &mut self.json {
+        if let Some((file, path)) = &mut self.json {
             let record = json!({
                 "t": self.start.elapsed().as_secs_f64(),
                 "unix": SystemTime::now().duration_since(UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64()),
@@ -72,7 +76,13 @@ impl GuardLog {
                 })),
                 "detail": extra,
             });
-            let _ = writeln!(file, "{record}").and_then(|()| file.flush());
+            if let Err(error) = writeln!(file, "{record}").and_then(|()| file.flush()) {
+                let error = format!("cannot write --log {path}: {error}; its lines from here on are lost");
+                if self.json_error.as_ref() != Some(&error) {
+                    let _ = writeln!(io::stderr().lock(), "{} guard: {error}", utc_stamp());
+                    self.json_error = Some(error);
+                }
+            }
         }
         self.lines.push(line);
     }

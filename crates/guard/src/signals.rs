@@ -66,6 +66,13 @@ impl Signals {
         }
     }
 
+    /// Records `signal` as if its handler had run (tests of what the guard does with one).
+    #[cfg(test)]
+    pub(crate) fn simulate(&self, signal: i32) {
+        self.received.last.store(signal, Ordering::SeqCst);
+        self.received.count.fetch_add(1, Ordering::SeqCst);
+    }
+
     /// How many signals have been received in all.
     pub fn count(&self) -> usize {
         self.received.count.load(Ordering::SeqCst)

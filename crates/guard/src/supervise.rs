@@ -1,6 +1,6 @@
-//! Running the command: spawn it in its own process group, watch it every poll, and stop it —
-//! SIGTERM and SIGCONT to the group and to every descendant that left it, the grace period,
-//! SIGKILL — then reap it.
+//! Running the command: spawn it in its own process group, watch it every poll, stop it when a
+//! rule says so ([`crate::stop`]: SIGTERM and SIGCONT to the group and to every descendant that
+//! left it, the grace period, SIGKILL), then reap it.
 //!
 //! Correctness rules this module keeps:
 //! - The leader is reaped only after the final kill: until then its zombie pins the group id,
@@ -12,13 +12,16 @@
 //!   leave its command running unwatched.
 //! - At a terminal, the command's group becomes the foreground group, so Ctrl-C and terminal
 //!   reads reach the command as they would without the guard.
+//! - Whatever way the guard leaves a started command (a panic, an early return), the [`Job`]'s
+//!   drop sends SIGKILL to its group and members unless it was reaped: nothing the guard started
+//!   outlives it unwatched.
 
 use std::ffi::OsString;
 use std::io;
 use std::os::fd::{AsFd, BorrowedFd};
 use std::os::unix::process::CommandExt;
 use std::process::Command;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use nix::sys::signal::{kill, killpg, SigSet, SigmaskHow, Signal};
 use nix::sys::wait::{waitpid, WaitPidFlag, WaitStatus};
@@ -27,37 +30,10 @@ use serde_json::json;
 use stageload_probe::units::{format_bytes, format_gb};
 use stageload_probe::ProcessEntry;
 
+use crate::admit::sleep_until;
 use crate::signals::name as signal_name;
-use crate::{exit, wait_for_room, Admitted, Clock, GuardConfig, GuardLog, Readings, Signals, Stop, Watch};
-
-/// How a guarded run ended.
-#[derive(Debug, Clone, PartialEq)]
-pub enum Outcome {
-    /// The command exited with this code.
-    Exited(i32),
-    /// A signal ended the command.
-    Signaled(i32),
-    /// The guard stopped the command.
-    Stopped(Stop),
-    /// The guard got this signal (and stopped the command first, if it had started).
-    GuardSignal(i32),
-    /// No room within the start timeout.
-    NoRoom,
-    /// The command could not be started; the exit code says why (126 or 127).
-    CannotStart(i32),
-}
-
-impl Outcome {
-    /// The guard's exit code for this outcome.
-    pub fn exit_code(&self) -> i32 {
-        match self {
-            Outcome::Exited(code) | Outcome::CannotStart(code) => *code,
-            Outcome::Signaled(signal) | Outcome::GuardSignal(signal) => 128 + signal,
-            Outcome::Stopped(_) => exit::STOPPED,
-            Outcome::NoRoom => exit::NO_ROOM,
-        }
-    }
-}
+use crate::stop::{stop, Ending, Group};
+use crate::{exit, wait_for_room, Admitted, Clock, GuardConfig, GuardLog, Outcome, Readings, Signals, Watch};
 
 /// Runs `command` under the guard: admission, start, watch, stop. See the module docs.
 pub fn run_guarded(
@@ -96,70 +72,102 @@ pub fn run_guarded(
         }
     };
     log.record("started", &format!("started pid {}", job.leader), None, json!({ "pid": job.leader.as_raw() }));
-    watch_job(job, watch, config, readings, log, signals)
+    let mut run = Run { job, config, readings, clock, log, signals };
+    let outcome = run.watch(watch);
+    run.job.reap(run.log);
+    outcome
 }
 
-fn watch_job(
-    mut job: Job,
-    mut watch: Watch,
-    config: &GuardConfig,
-    readings: &mut dyn Readings,
-    log: &mut GuardLog,
-    signals: &Signals,
-) -> Outcome {
-    let started = Instant::now();
-    let mut last_unknown: Option<String> = None;
-    loop {
-        let next_poll = Instant::now() + config.poll;
-        while Instant::now() < next_poll && signals.received().is_none() && job.leader_exit().is_none() {
-            std::thread::sleep((next_poll - Instant::now()).min(Duration::from_millis(20)));
-        }
-        if let Some(signal) = signals.received() {
-            let message = format!("got {}, stopping pid {} and its group", signal_name(signal), job.leader);
-            log.note("signal", &message, None);
-            job.stop(config.grace, signals, readings, log);
-            job.reap(log);
-            return Outcome::GuardSignal(signal);
-        }
-        if let Some(status) = job.leader_exit() {
-            let outcome = match status {
-                WaitStatus::Signaled(_, signal, _) => Outcome::Signaled(signal as i32),
-                WaitStatus::Exited(_, code) => Outcome::Exited(code),
-                // Waiting for exits only, nothing else is reported.
-                _ => Outcome::Exited(exit::STOPPED),
-            };
-            log.record("exit", &format!("exit {}", outcome.exit_code()), None, json!({ "exit": outcome.exit_code() }));
-            let leftovers = job.members(readings).len();
-            if leftovers > 0 {
-                log.note("leftovers", &format!("the command left {leftovers} processes running; stopping them"), None);
-                job.stop(config.grace, signals, readings, log);
+/// What watching and stopping a started command work with.
+struct Run<'a> {
+    job: Job,
+    config: &'a GuardConfig,
+    readings: &'a mut dyn Readings,
+    clock: &'a mut dyn Clock,
+    log: &'a mut GuardLog,
+    signals: &'a Signals,
+}
+
+/// The outcome for the leader's wait status.
+fn outcome_of(status: WaitStatus) -> Outcome {
+    match status {
+        WaitStatus::Signaled(_, signal, _) => Outcome::Signaled(signal as i32),
+        WaitStatus::Exited(_, code) => Outcome::Exited(code),
+        // Waiting for exits only, nothing else should be reported.
+        other => Outcome::Unexplained(format!("{other:?}")),
+    }
+}
+
+impl Run<'_> {
+    /// Stops the command's group and logs what it took.
+    fn stop(&mut self) {
+        match stop(&mut self.job, self.config.grace, self.clock, self.signals, self.readings) {
+            Ending::Terminated => {}
+            Ending::Killed => self.log.note("killed", "SIGKILL after the grace", None),
+            Ending::Unkillable(pids) => {
+                let message =
+                    format!("processes {pids:?} still there {} s after SIGKILL", crate::stop::AFTER_KILL.as_secs());
+                self.log.note("unkillable", &message, None);
             }
-            job.reap(log);
-            return outcome;
         }
-        let memory = readings.memory();
-        let command_memory = config.max_memory.map(|_| job.memory(readings));
-        let (stop, notices) = watch.observe(started.elapsed(), memory.as_ref(), command_memory);
-        for notice in notices {
-            let text = notice.to_string();
-            // A failing reading is logged once per distinct error, not every poll.
-            if matches!(notice, crate::Notice::Unknown(_)) {
-                if last_unknown.as_deref() == Some(&text) {
-                    continue;
+    }
+
+    /// Watches the command until it ends or a rule or a signal stops it.
+    fn watch(&mut self, mut watch: Watch) -> Outcome {
+        let started = self.clock.now();
+        let mut last_unknown: Option<String> = None;
+        loop {
+            let next_poll = self.clock.now().saturating_add(self.config.poll);
+            let (job, signals) = (&mut self.job, self.signals);
+            sleep_until(self.clock, next_poll, || signals.received().is_some() || job.leader_exit().is_some());
+            if let Some(signal) = self.signals.received() {
+                let message = format!("got {}, stopping pid {} and its group", signal_name(signal), self.job.leader);
+                self.log.note("signal", &message, None);
+                self.stop();
+                return Outcome::GuardSignal(signal);
+            }
+            if let Some(status) = self.job.leader_exit() {
+                let outcome = outcome_of(status);
+                let code = outcome.exit_code();
+                let message = match &outcome {
+                    Outcome::Unexplained(status) => {
+                        format!("exit {code}: the command's end could not be read ({status})")
+                    }
+                    _ => format!("exit {code}"),
+                };
+                self.log.record("exit", &message, None, json!({ "exit": code }));
+                let leftovers = self.job.alive(self.readings).len();
+                if leftovers > 0 {
+                    let message = format!("the command left {leftovers} processes running; stopping them");
+                    self.log.note("leftovers", &message, None);
+                    self.stop();
                 }
-                last_unknown = Some(text.clone());
+                return outcome;
             }
-            log.note("notice", &text, memory.as_ref().ok());
-        }
-        if memory.is_ok() {
-            last_unknown = None;
-        }
-        if let Some(stop) = stop {
-            let message = format!("killing pid {} and its group ({stop})", job.leader);
-            log.record("stop", &message, memory.as_ref().ok(), json!({ "command_memory": command_memory }));
-            job.stop(config.grace, signals, readings, log);
-            job.reap(log);
-            return Outcome::Stopped(stop);
+            let memory = self.readings.memory();
+            let command_memory = self.config.max_memory.map(|_| self.job.memory(self.readings));
+            let now = self.clock.now().saturating_sub(started);
+            let (stop, notices) = watch.observe(now, memory.as_ref(), command_memory);
+            for notice in notices {
+                let text = notice.to_string();
+                // A failing reading is logged once per distinct error, not every poll.
+                if matches!(notice, crate::Notice::Unknown(_)) {
+                    if last_unknown.as_deref() == Some(&text) {
+                        continue;
+                    }
+                    last_unknown = Some(text.clone());
+                }
+                self.log.note("notice", &text, memory.as_ref().ok());
+            }
+            if memory.is_ok() {
+                last_unknown = None;
+            }
+            if let Some(stop) = stop {
+                let message = format!("killing pid {} and its group ({stop})", self.job.leader);
+                self.log.record("stop", &message, memory.as_ref().ok(), json!({ "command_memory": command_memory }));
+                self.stop();
+                return Outcome::Stopped(stop);
+            }
         }
     }
 }
@@ -183,6 +191,7 @@ fn hand_terminal(fd: BorrowedFd<'_>, group: Pid) {
 }
 
 /// The running command: its leader (whose pid is the group id) and what it needs to be reaped.
+/// Dropped before [`Job::reap`] (a panic, an early return), it kills its group and members.
 struct Job {
     leader: Pid,
     guard: i32,
@@ -190,6 +199,10 @@ struct Job {
     terminal: bool,
     /// The leader's exit, once seen (Linux: seen without reaping; elsewhere: reaped).
     exit: Option<WaitStatus>,
+    /// The members the last look found (the ones outside the group get signals one by one).
+    members: Vec<ProcessEntry>,
+    /// The leader was reaped: the group id may belong to someone else now.
+    reaped: bool,
 }
 
 impl Job {
@@ -237,7 +250,7 @@ impl Job {
             hand_terminal(io::stdin().as_fd(), leader);
         }
         // `child` is dropped without waiting: the guard reaps the leader itself, last.
-        Ok(Job { leader, guard: guard as i32, terminal: foreground, exit: None })
+        Ok(Job { leader, guard: guard as i32, terminal: foreground, exit: None, members: Vec::new(), reaped: false })
     }
 
     /// The leader's exit status if it has exited, without reaping it where the platform allows.
@@ -259,84 +272,43 @@ impl Job {
     }
 
     /// Live members: the leader's group and every process below the guard, zombies left out.
-    /// Orphans re-parented to the guard that have exited are reaped on the way.
-    fn members(&self, readings: &mut dyn Readings) -> Vec<ProcessEntry> {
+    /// Orphans re-parented to the guard that have exited are reaped on the way. A process table
+    /// that cannot be read gives the last members seen.
+    fn members(&mut self, readings: &mut dyn Readings) -> Vec<ProcessEntry> {
         let Ok(table) = readings.process_tree() else {
-            return Vec::new();
+            return self.members.clone();
         };
         let below = stageload_probe::descendants(&table, self.guard);
         for orphan in table.iter().filter(|e| e.zombie && e.ppid == self.guard && e.pid != self.leader.as_raw()) {
             let _ = waitpid(Pid::from_raw(orphan.pid), Some(WaitPidFlag::WNOHANG));
         }
-        table
+        self.members = table
             .into_iter()
             .filter(|e| !e.zombie && e.pid != self.guard && (e.pgid == self.leader.as_raw() || below.contains(&e.pid)))
-            .collect()
+            .collect();
+        self.members.clone()
     }
 
     /// The command's memory: RSS + swap summed over its live members.
-    fn memory(&self, readings: &mut dyn Readings) -> u64 {
+    fn memory(&mut self, readings: &mut dyn Readings) -> u64 {
         self.members(readings)
             .iter()
             .filter_map(|member| readings.process_memory(member.pid).ok())
-            .map(|m| m.rss + m.swap.unwrap_or(0))
-            .sum()
-    }
-
-    /// Sends `signal` to the group and to each member outside it.
-    fn send(&self, signal: Signal, members: &[ProcessEntry]) {
-        let _ = killpg(self.leader, signal);
-        for member in members.iter().filter(|m| m.pgid != self.leader.as_raw()) {
-            let _ = kill(Pid::from_raw(member.pid), signal);
-        }
-    }
-
-    /// SIGTERM + SIGCONT, up to `grace` for everyone to exit (cut short by another signal to the
-    /// guard), then SIGKILL to what is left and a bounded wait for it to go.
-    fn stop(&mut self, grace: Duration, signals: &Signals, readings: &mut dyn Readings, log: &mut GuardLog) {
-        let signals_before = signals.count();
-        let members = self.members(readings);
-        self.send(Signal::SIGTERM, &members);
-        self.send(Signal::SIGCONT, &members);
-        let deadline = Instant::now() + grace;
-        loop {
-            let _ = self.leader_exit();
-            let alive = self.members(readings);
-            if alive.is_empty() {
-                return;
-            }
-            if Instant::now() >= deadline || signals.count() > signals_before {
-                self.send(Signal::SIGKILL, &alive);
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        // A process in uninterruptible sleep can outlive SIGKILL for a while: wait, but not forever.
-        let cap = Instant::now() + Duration::from_secs(10);
-        loop {
-            let _ = self.leader_exit();
-            let alive = self.members(readings);
-            if alive.is_empty() {
-                return;
-            }
-            if Instant::now() >= cap {
-                let pids: Vec<i32> = alive.iter().map(|m| m.pid).collect();
-                log.note("unkillable", &format!("processes {pids:?} still there 10 s after SIGKILL"), None);
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
+            .map(|m| m.rss.saturating_add(m.swap.unwrap_or(0)))
+            .fold(0, u64::saturating_add)
     }
 
     /// Reaps the leader (last of all) and gives the terminal back to the guard's group.
-    fn reap(self, log: &mut GuardLog) {
+    fn reap(&mut self, log: &mut GuardLog) {
         // Elsewhere than Linux the exit was seen by reaping it.
         let already_reaped = cfg!(not(target_os = "linux")) && self.exit.is_some();
-        let cap = Instant::now() + Duration::from_secs(10);
+        let cap = std::time::Instant::now() + Duration::from_secs(10);
         if !already_reaped {
             loop {
                 match waitpid(self.leader, Some(WaitPidFlag::WNOHANG)) {
-                    Ok(WaitStatus::StillAlive) if Instant::now() < cap => std::thread::sleep(Duration::from_millis(20)),
+                    Ok(WaitStatus::StillAlive) if std::time::Instant::now() < cap => {
+                        std::thread::sleep(Duration::from_millis(20))
+                    }
                     Ok(WaitStatus::StillAlive) => {
                         log.note("unreaped", &format!("pid {} has not exited; not waiting for it", self.leader), None);
                         break;
@@ -345,8 +317,88 @@ impl Job {
                 }
             }
         }
+        self.reaped = true;
         if self.terminal {
             hand_terminal(io::stdin().as_fd(), getpgrp());
         }
+    }
+}
+
+impl Group for Job {
+    fn alive(&mut self, readings: &mut dyn Readings) -> Vec<i32> {
+        let _ = self.leader_exit();
+        self.members(readings).iter().map(|m| m.pid).collect()
+    }
+
+    fn send(&mut self, signal: Signal) {
+        let _ = killpg(self.leader, signal);
+        for member in self.members.iter().filter(|m| m.pgid != self.leader.as_raw()) {
+            let _ = kill(Pid::from_raw(member.pid), signal);
+        }
+    }
+}
+
+impl Drop for Job {
+    fn drop(&mut self) {
+        if self.reaped {
+            return;
+        }
+        // Left without a stop and a reap: nothing the guard started may outlive it unwatched.
+        let _ = self.alive(&mut crate::SystemReadings);
+        self.send(Signal::SIGKILL);
+        let mut log = GuardLog::silent();
+        self.reap(&mut log);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The process's state letter (`Z` for a zombie), or `None` once it is gone.
+    fn state(pid: Pid) -> Option<char> {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+        stat.rsplit_once(") ").and_then(|(_, rest)| rest.chars().next())
+    }
+
+    /// A job counts every process below the guard as its own: one job at a time in this binary.
+    static ONE_JOB: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+    fn stubborn() -> Job {
+        let command: Vec<OsString> =
+            ["sh", "-c", "trap '' TERM; exec sleep 30"].into_iter().map(OsString::from).collect();
+        Job::spawn(&command).unwrap()
+    }
+
+    #[test]
+    fn an_unexpected_wait_status_is_its_own_outcome_not_a_stop_by_the_guard() {
+        let outcome = outcome_of(WaitStatus::Stopped(Pid::from_raw(1), Signal::SIGSTOP));
+        assert!(matches!(&outcome, Outcome::Unexplained(status) if status.contains("SIGSTOP")), "{outcome:?}");
+        assert_eq!(outcome.exit_code(), exit::UNEXPLAINED);
+        assert_eq!(outcome_of(WaitStatus::Exited(Pid::from_raw(1), 3)), Outcome::Exited(3));
+    }
+
+    #[test]
+    fn a_job_dropped_without_a_stop_is_killed_and_reaped() {
+        let _alone = ONE_JOB.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let job = stubborn();
+        let leader = job.leader;
+        assert!(state(leader).is_some_and(|s| s != 'Z'), "running");
+        drop(job);
+        assert_eq!(state(leader), None, "killed and reaped");
+    }
+
+    #[test]
+    fn a_panic_while_a_job_runs_still_kills_its_group() {
+        let _alone = ONE_JOB.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let leader = std::panic::catch_unwind(|| {
+            let job = stubborn();
+            let leader = job.leader;
+            std::thread::sleep(Duration::from_millis(50));
+            panic!("something failed in the middle of a stop of {leader}");
+        });
+        let message = leader.unwrap_err().downcast::<String>().unwrap();
+        let pid: i32 = message.rsplit(' ').next().unwrap().parse().unwrap();
+        assert_eq!(state(Pid::from_raw(pid)), None, "the panic's unwinding killed and reaped it");
     }
 }

@@ -10,7 +10,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use regex::Regex;
-use stageload_guard::{run_guarded, Clock, GuardConfig, GuardLog, Outcome, Readings, Signals, Stop};
+use stageload_guard::{run_guarded, Clock, GuardConfig, GuardLog, Outcome, Readings, Signals, Stop, SystemClock};
 use stageload_probe::units::GIB;
 use stageload_probe::{ProbeError, ProcessEntry, SystemMemory};
 
@@ -72,7 +72,8 @@ impl Readings for Scripted {
     }
 }
 
-/// Admission time that moves only when the guard sleeps.
+/// Time that moves only when the guard sleeps: for admission alone (a watched command runs in
+/// real time, so its tests use the real clock).
 struct FakeClock(Duration);
 
 impl Clock for FakeClock {
@@ -93,9 +94,18 @@ fn sh(script: &str) -> Vec<OsString> {
 }
 
 fn guard(command: &[OsString], config: &GuardConfig, readings: &mut dyn Readings) -> (Outcome, Vec<String>, Duration) {
+    guard_on(command, config, readings, &mut SystemClock::new())
+}
+
+fn guard_on(
+    command: &[OsString],
+    config: &GuardConfig,
+    readings: &mut dyn Readings,
+    clock: &mut dyn Clock,
+) -> (Outcome, Vec<String>, Duration) {
     let mut log = GuardLog::silent();
     let started = Instant::now();
-    let outcome = run_guarded(command, config, readings, &mut FakeClock(Duration::ZERO), &mut log, &Signals::none());
+    let outcome = run_guarded(command, config, readings, clock, &mut log, &Signals::none());
     (outcome, log.lines().to_vec(), started.elapsed())
 }
 
@@ -124,8 +134,9 @@ fn gives_up_when_there_is_no_room_in_time_and_never_starts() {
     let dir = folder.path();
     let marker = dir.join("started");
     let config = GuardConfig { start_timeout: Duration::from_secs(10), ..config() };
+    let command = sh(&format!("touch {}", marker.display()));
     let (outcome, lines, elapsed) =
-        guard(&sh(&format!("touch {}", marker.display())), &config, &mut Scripted::levels(&[10]));
+        guard_on(&command, &config, &mut Scripted::levels(&[10]), &mut FakeClock(Duration::ZERO));
     assert_eq!((outcome.exit_code(), outcome), (4, Outcome::NoRoom));
     assert!(has(&lines, "no room after 10 s (memory available 10% < 40%)"), "{lines:?}");
     assert!(!marker.exists());

@@ -1,12 +1,10 @@
 //! stageload-plan: know before a run whether a staged pipeline fits this machine. Torch-free.
 //!
-//! - [`header`]: a safetensors header read and checked without its data (shared with the loader).
 //! - [`pipeline`]: the TOML pipeline description (models, checkpoints, stages, pins, working
 //!   memory), checked, with each model's size read from its checkpoints' headers only.
 //! - [`plan`](mod@plan): stage by stage residency, loads, releases, reloads, bytes read, and a verdict
 //!   per stage against this machine's budget, staged and eager.
 
-pub mod header;
 pub mod pipeline;
 pub mod plan;
 

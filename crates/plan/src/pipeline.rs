@@ -23,7 +23,6 @@
 //! ```
 
 use std::collections::HashSet;
-use std::fs;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
@@ -163,20 +162,30 @@ pub fn dtype_bits(name: &str) -> Option<usize> {
     Some(bits)
 }
 
+/// The largest pipeline file read: far more than any real description, far less than a device
+/// read forever.
+pub const MAX_PIPELINE_FILE: u64 = 16 << 20;
+
+/// Sums sizes without wrapping: an absurd size saturates at `u64::MAX`, which fits nowhere.
+pub fn total(sizes: impl IntoIterator<Item = u64>) -> u64 {
+    sizes.into_iter().fold(0, u64::saturating_add)
+}
+
 /// One checkpoint's header: (tensors, bytes of data as stored, element counts).
 fn read_header(path: &Path) -> Result<(usize, u64, u64), String> {
-    let mut file = fs::File::open(path).map_err(|e| e.to_string())?;
-    let header = crate::header::read_header(&mut file)?;
+    let mut file = stageload_input::open_regular(path).map_err(|e| e.to_string())?;
+    let header = stageload_input::read_header(&mut file)?;
     let tensors = header.metadata.tensors();
     let data_bytes = tensors.values().map(|info| info.data_offsets.1 as u64).max().unwrap_or(0);
-    let elements = tensors.values().map(|info| info.shape.iter().product::<usize>() as u64).sum();
+    // safetensors checked each shape's product against its offsets, so each fits the file.
+    let elements = total(tensors.values().map(|info| info.shape.iter().product::<usize>() as u64));
     Ok((tensors.len(), data_bytes, elements))
 }
 
 impl Pipeline {
     /// Reads and checks a pipeline file and the headers of every checkpoint it names.
     pub fn load(path: &Path) -> Result<Pipeline, PipelineError> {
-        let text = fs::read_to_string(path)
+        let text = stageload_input::read_text(path, MAX_PIPELINE_FILE)
             .map_err(|e| PipelineError::Read { path: path.to_path_buf(), message: e.to_string() })?;
         let file: PipelineFile = toml::from_str(&text)
             .map_err(|e| PipelineError::Syntax { path: path.to_path_buf(), message: e.to_string() })?;
@@ -225,11 +234,11 @@ impl Pipeline {
                     message,
                 })?;
                 tensors += count;
-                let bytes = loaded_bits.map_or(file_bytes, |bits| elements * bits as u64 / 8);
+                let bytes = loaded_bits.map_or(file_bytes, |bits| elements.saturating_mul(bits as u64) / 8);
                 parts.push(Part { file: file.clone(), bytes, file_bytes });
             }
-            let bytes = parts.iter().map(|p| p.bytes).sum();
-            let file_bytes = parts.iter().map(|p| p.file_bytes).sum();
+            let bytes = total(parts.iter().map(|p| p.bytes));
+            let file_bytes = total(parts.iter().map(|p| p.file_bytes));
             models.push(Model {
                 name: entry.name,
                 files,
@@ -249,9 +258,13 @@ impl Pipeline {
             if !stage_names.insert(entry.name.clone()) {
                 return Err(invalid(format!("stage '{}' is described twice", entry.name)));
             }
+            let mut listed = HashSet::new();
             for model in &entry.models {
                 if !names.contains(model) {
                     return Err(invalid(format!("stage '{}' names unknown model '{model}'", entry.name)));
+                }
+                if !listed.insert(model) {
+                    return Err(invalid(format!("stage '{}' lists model '{model}' twice", entry.name)));
                 }
             }
             let size = |field: &str, value: &Option<String>| -> Result<u64, PipelineError> {

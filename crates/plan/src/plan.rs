@@ -10,7 +10,7 @@ use std::path::PathBuf;
 use serde::{Deserialize, Serialize};
 use stageload_probe::units::format_bytes;
 
-use crate::pipeline::{Model, Pipeline, Placement};
+use crate::pipeline::{total, Model, Pipeline, Placement};
 
 /// The version of the JSON schema of [`Plan`]; raised on any incompatible change.
 pub const SCHEMA_VERSION: u32 = 1;
@@ -152,20 +152,21 @@ pub struct Plan {
 /// Bytes the models on `placement` hold together, a file several of them list counted once.
 fn bytes_on(models: &[&Model], placement: Placement) -> u64 {
     let mut seen = std::collections::HashSet::new();
-    models
-        .iter()
-        .filter(|m| m.placement == placement)
-        .flat_map(|m| &m.parts)
-        .filter(|part| seen.insert(&part.file))
-        .map(|part| part.bytes)
-        .sum()
+    total(
+        models
+            .iter()
+            .filter(|m| m.placement == placement)
+            .flat_map(|m| &m.parts)
+            .filter(|part| seen.insert(&part.file))
+            .map(|part| part.bytes),
+    )
 }
 
 /// Bytes read to load `loading` while `resident` are held: files already held are not read again.
 fn read_for(loading: &[&Model], resident: &[&Model]) -> u64 {
     let mut held: std::collections::HashSet<&PathBuf> =
         resident.iter().flat_map(|m| m.parts.iter().map(|p| &p.file)).collect();
-    loading.iter().flat_map(|m| &m.parts).filter(|part| held.insert(&part.file)).map(|part| part.file_bytes).sum()
+    total(loading.iter().flat_map(|m| &m.parts).filter(|part| held.insert(&part.file)).map(|part| part.file_bytes))
 }
 
 /// Plans `pipeline` against `budget` (and `device_budget` for models on a GPU).
@@ -189,7 +190,8 @@ pub fn plan(pipeline: &Pipeline, budget: Budget, device_budget: Option<Budget>) 
         let resident_models = models_of(&resident);
         let weights = bytes_on(&resident_models, Placement::Host);
         let device_weights = bytes_on(&resident_models, Placement::Device);
-        let (need, device_need) = (weights + stage.working, device_weights + stage.device_working);
+        let (need, device_need) =
+            (weights.saturating_add(stage.working), device_weights.saturating_add(stage.device_working));
         stages.push(StagePlan {
             name: stage.name.clone(),
             resident: resident.clone(),
@@ -215,8 +217,9 @@ pub fn plan(pipeline: &Pipeline, budget: Budget, device_budget: Option<Budget>) 
         .rev()
         .max_by_key(|s| s.working)
         .map_or((String::new(), 0), |s| (s.name.clone(), s.working));
-    let eager_need = all_host + eager_working;
-    let eager_device_need = all_device + pipeline.stages.iter().map(|s| s.device_working).max().unwrap_or(0);
+    let eager_need = all_host.saturating_add(eager_working);
+    let eager_device_need =
+        all_device.saturating_add(pipeline.stages.iter().map(|s| s.device_working).max().unwrap_or(0));
     let eager = EagerPlan {
         weights: all_host,
         device_weights: all_device,
@@ -236,7 +239,7 @@ pub fn plan(pipeline: &Pipeline, budget: Budget, device_budget: Option<Budget>) 
         peak_stage,
         peak_need,
         device_peak_need: stages.iter().map(|s| s.device_need).max().unwrap_or(0),
-        read: stages.iter().map(|s| s.read).sum(),
+        read: total(stages.iter().map(|s| s.read)),
         fits: stages.iter().all(|s| s.verdict.fits() && s.device_verdict.fits()),
         stages,
         eager,

@@ -223,6 +223,11 @@ fn bad_pipeline_files_name_what_is_wrong() {
             "stage 'encode': working: not a size",
         ),
         ("no-stages", MODELS.to_string(), "no stages"),
+        (
+            "model-twice",
+            stages("") + "\n[[stages]]\nname = \"x\"\nmodels = [\"encoder\", \"encoder\"]\n",
+            "stage 'x' lists model 'encoder' twice",
+        ),
         ("syntax", "[[models]\nname=".to_string(), "is not valid"),
         (
             "unknown-field",
@@ -236,6 +241,37 @@ fn bad_pipeline_files_name_what_is_wrong() {
     }
     let missing = Pipeline::load(Path::new("/no/such/pipeline.toml")).unwrap_err();
     assert!(matches!(missing, PipelineError::Read { .. }) && missing.to_string().contains("/no/such/pipeline.toml"));
+}
+
+#[test]
+fn a_pipeline_path_that_is_not_a_regular_file_is_refused_by_kind_without_blocking() {
+    let folder = scratch("kinds");
+    let fifo = folder.path().join("pipeline.toml");
+    nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::S_IRWXU).unwrap();
+    let cases = [
+        (fifo.as_path(), "is a named pipe (FIFO), not a regular file"),
+        (Path::new("/dev/zero"), "is a character device, not a regular file"),
+        (folder.path(), "is a directory, not a regular file"),
+    ];
+    for (path, expected) in cases {
+        let error = Pipeline::load(path).unwrap_err().to_string();
+        assert!(error.contains(expected) && error.contains(&path.display().to_string()), "{error}");
+    }
+    let big = folder.path().join("big.toml");
+    std::fs::File::create(&big).unwrap().set_len(1 << 30).unwrap();
+    let error = Pipeline::load(&big).unwrap_err().to_string();
+    assert!(error.contains("more than the 16777216 B this file may have"), "{error}");
+}
+
+#[test]
+fn an_absurd_working_size_saturates_and_does_not_fit_instead_of_wrapping() {
+    // Each alone below u64::MAX; with the weights they would wrap round to a few KiB.
+    let text = stages("").replace("working = \"64K\"", "working = \"18446744073709000000\"");
+    let pipeline = Pipeline::load(&fixture("absurd", &text)).unwrap();
+    let plan = plan(&pipeline, Budget::given(64 * MIB), Some(Budget::given(64 * MIB)));
+    let encode = plan.stages.iter().find(|s| s.name == "encode").unwrap();
+    assert_eq!(encode.need, u64::MAX);
+    assert!(!plan.fits && !encode.verdict.fits(), "{:?}", encode.verdict);
 }
 
 #[test]
@@ -258,9 +294,21 @@ fn bad_checkpoints_name_the_model_and_the_file() {
         &[header(r#"{"w":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}}"#), vec![0; 8]].concat(),
     );
     write("tiny.safetensors", b"abc");
+    write("long-header.safetensors", &[&(5000u64).to_le_bytes()[..], b"{}"].concat());
+    // A sparse file that holds its 4 GiB header length: refused by the cap, never allocated.
+    let sparse = std::fs::File::create(dir.join("sparse.safetensors")).unwrap();
+    std::io::Write::write_all(&mut &sparse, &(4u64 << 30).to_le_bytes()).unwrap();
+    sparse.set_len(5 << 30).unwrap();
+    std::fs::create_dir(dir.join("folder.safetensors")).unwrap();
+    nix::unistd::mkfifo(&dir.join("fifo.safetensors"), nix::sys::stat::Mode::S_IRWXU).unwrap();
     let cases = [
         ("missing.safetensors", "No such file"),
-        ("huge-header.safetensors", "larger than the file"),
+        ("huge-header.safetensors", "over safetensors' limit of 100000000 B"),
+        ("sparse.safetensors", "over safetensors' limit of 100000000 B"),
+        ("long-header.safetensors", "header length 5000 B is larger than the file (10 B)"),
+        ("folder.safetensors", "is a directory, not a regular file"),
+        ("fifo.safetensors", "is a named pipe (FIFO), not a regular file"),
+        ("/dev/urandom", "is a character device, not a regular file"),
         ("not-json.safetensors", "not a valid safetensors header"),
         ("bad-dtype.safetensors", "Q7"),
         ("truncated.safetensors", "truncated"),
@@ -351,4 +399,45 @@ fn a_file_shared_by_resident_models_is_held_and_read_once() {
     );
     assert_eq!(plan.eager.weights, BACKBONE + ENCODER + head_b);
     assert_eq!(plan.eager.read, BACKBONE + ENCODER + head_b);
+}
+
+mod fuzz {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+
+        /// A valid pipeline file with bytes replaced: an answer, never a panic; a plan of what
+        /// loads needs at least its weights.
+        #[test]
+        fn damaged_pipeline_files_get_an_answer(edits in proptest::collection::vec((any::<usize>(), any::<u8>()), 0..6)) {
+            let mut text = stages("").into_bytes();
+            for (at, byte) in edits {
+                let at = at % text.len();
+                text[at] = byte;
+            }
+            let fixture = fixture("fuzz", &String::from_utf8_lossy(&text));
+            if let Ok(pipeline) = Pipeline::load(&fixture) {
+                let plan = plan(&pipeline, Budget::given(64 * MIB), None);
+                prop_assert!(plan.stages.iter().all(|s| s.need >= s.weights));
+            }
+        }
+
+        /// Any sizes in `working`: saturating sums, never a wrap to "fits".
+        #[test]
+        fn any_working_sizes_plan_without_wrapping(working in proptest::collection::vec(any::<u64>(), 5)) {
+            let mut text = stages("");
+            text = text.replace("working = \"64K\"", &format!("working = \"{}\"", working[0]));
+            text = text.replace("working = \"512K\"", &format!("working = \"{}\"", working[1]));
+            if let Ok(pipeline) = Pipeline::load(&fixture("fuzz-working", &text)) {
+                let plan = plan(&pipeline, Budget::given(64 * MIB), None);
+                for stage in &plan.stages {
+                    prop_assert!(stage.need >= stage.weights);
+                    prop_assert_eq!(stage.verdict.fits(), stage.need <= 64 * MIB);
+                }
+            }
+        }
+    }
 }

@@ -172,10 +172,10 @@ impl Checkpoint {
         let mut checkpoint = Checkpoint { files: Vec::new(), handles: Vec::new(), entries: HashMap::new() };
         for path in files {
             let path = path.as_ref().to_path_buf();
-            let mut file = File::open(&path).map_err(|source| CheckpointError::Open { path: path.clone(), source })?;
-            let stageload_plan::header::Header { data_start, metadata } =
-                stageload_plan::header::read_header(&mut file)
-                    .map_err(|reason| CheckpointError::Invalid { path: path.clone(), reason })?;
+            let mut file = stageload_input::open_regular(&path)
+                .map_err(|source| CheckpointError::Open { path: path.clone(), source })?;
+            let stageload_input::Header { data_start, metadata } = stageload_input::read_header(&mut file)
+                .map_err(|reason| CheckpointError::Invalid { path: path.clone(), reason })?;
             let index = checkpoint.files.len();
             for (name, info) in metadata.tensors() {
                 let kind = kind_of(info.dtype).ok_or_else(|| CheckpointError::UnsupportedDtype {

@@ -177,6 +177,26 @@ fn missing_truncated_and_corrupt_files_are_errors_naming_the_file() {
 }
 
 #[test]
+fn paths_that_are_not_regular_files_and_hostile_header_lengths_are_refused_before_any_allocation() {
+    let (folder, fifo) = tmp("fifo.safetensors");
+    nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::S_IRWXU).unwrap();
+    let sparse = folder.path().join("sparse.safetensors");
+    let file = std::fs::File::create(&sparse).unwrap();
+    std::io::Write::write_all(&mut &file, &(8u64 << 30).to_le_bytes()).unwrap();
+    file.set_len(9 << 30).unwrap();
+    let cases = [
+        (fifo.as_path(), "is a named pipe (FIFO), not a regular file"),
+        (folder.path(), "is a directory, not a regular file"),
+        (std::path::Path::new("/dev/urandom"), "is a character device, not a regular file"),
+        (sparse.as_path(), "over safetensors' limit"),
+    ];
+    for (path, expected) in cases {
+        let err = Checkpoint::open(&[path]).unwrap_err().to_string();
+        assert!(err.contains(expected) && err.contains(&path.display().to_string()), "{err}");
+    }
+}
+
+#[test]
 fn loads_into_storage_that_was_released_then_reallocated() {
     let w = Tensor::randn([512, 512], (Kind::Float, Device::Cpu));
     let (_path_folder, path) = tmp("realloc.safetensors");

@@ -37,12 +37,26 @@ fn register_font() {
     });
 }
 
+/// The widths a chart may have, in pixels.
+pub const WIDTHS: std::ops::RangeInclusive<u32> = 200..=8000;
+/// The most traces one chart shows (a panel of 300 pixels each).
+pub const MAX_TRACES: usize = 16;
+
 /// Draws `traces` (with their summaries and labels) into `path` (.svg or .png), `width` pixels
-/// wide and 300 pixels per panel.
+/// wide (within [`WIDTHS`]) and 300 pixels per panel (at most [`MAX_TRACES`] panels).
 pub fn plot(traces: &[(String, &Trace, &Summary)], path: &Path, width: u32) -> Result<(), PlotError> {
     register_font();
-    let size = (width, 300 * traces.len().max(1) as u32 + 40);
     let name = path.display().to_string();
+    if !WIDTHS.contains(&width) || traces.len() > MAX_TRACES {
+        let message = format!(
+            "a chart is {} to {} pixels wide (asked {width}) and shows at most {MAX_TRACES} traces (given {})",
+            WIDTHS.start(),
+            WIDTHS.end(),
+            traces.len()
+        );
+        return Err(PlotError::Draw { path: name, message });
+    }
+    let size = (width, 300 * traces.len().max(1) as u32 + 40);
     let draw_error = |e: String| PlotError::Draw { path: name.clone(), message: e };
     match path.extension().and_then(|e| e.to_str()).map(str::to_ascii_lowercase).as_deref() {
         Some("svg") => {
@@ -138,8 +152,11 @@ fn draw<DB: DrawingBackend>(
                 .label(format!("{label} (device)"))
                 .legend(move |(x, y)| PathElement::new([(x, y), (x + 16, y)], color.mix(0.7).stroke_width(2)));
         }
-        // The RSS just after an event, for placing its marker on the line.
-        let level_at = |t: f64| points.iter().find(|(pt, _)| *pt >= t).or(points.last()).map_or(0.0, |(_, gb)| *gb);
+        // The RSS just after an event, for placing its marker on the line (points are in time order).
+        let level_at = |t: f64| {
+            let next = points.partition_point(|(pt, _)| *pt < t);
+            points.get(next).or(points.last()).map_or(0.0, |(_, gb)| *gb)
+        };
         for record in &trace.records {
             if let Record::Event(event) = record {
                 let at = (event.t, level_at(event.t));

@@ -18,7 +18,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::event::EventKind;
 use crate::reader::Trace;
-use crate::record::{millis, EventRecord, Header, Record, Sample};
+use crate::record::{millis, EventRecord, Header, PeakRecord, Record, Sample};
 
 /// One stage window.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -111,18 +111,37 @@ fn window_starts(events: &[&EventRecord]) -> Vec<(String, f64)> {
     starts
 }
 
-/// Summarizes a trace's records.
+/// Indices `lo..hi` of the items of a time-sorted slice inside a window: `after(t)` says an item
+/// is past the window's start, `before(t)` that it is not past its end.
+fn range<T>(items: &[T], time: impl Fn(&T) -> f64, after: impl Fn(f64) -> bool, before: impl Fn(f64) -> bool) -> &[T] {
+    let lo = items.partition_point(|item| !after(time(item)));
+    let hi = items.partition_point(|item| before(time(item))).max(lo);
+    &items[lo..hi]
+}
+
+/// Summarizes a trace's records in O(n log n): every window's readings are found by binary search
+/// in the time-sorted records.
 pub fn summarize(trace: &Trace) -> Summary {
     let records = &trace.records;
-    let samples: Vec<&Sample> =
+    let by_time = |a: &f64, b: &f64| a.total_cmp(b);
+    let mut samples: Vec<&Sample> =
         records.iter().filter_map(|r| if let Record::Sample(s) = r { Some(s) } else { None }).collect();
-    let events: Vec<&EventRecord> =
+    samples.sort_by(|a, b| by_time(&a.t, &b.t));
+    let mut events: Vec<&EventRecord> =
         records.iter().filter_map(|r| if let Record::Event(e) = r { Some(e) } else { None }).collect();
-    let peaks: Vec<(f64, u64)> =
-        records.iter().filter_map(|r| if let Record::Peak(p) = r { Some((p.t, p.rss)) } else { None }).collect();
-    let device_peaks: Vec<(f64, u64)> =
-        records.iter().filter_map(|r| if let Record::Peak(p) = r { Some((p.t, p.device?)) } else { None }).collect();
-    let last_t = samples.last().map(|s| s.t).or_else(|| records.iter().rev().find_map(Record::t)).unwrap_or(0.0);
+    events.sort_by(|a, b| by_time(&a.t, &b.t));
+    let mut peaks: Vec<&PeakRecord> =
+        records.iter().filter_map(|r| if let Record::Peak(p) = r { Some(p) } else { None }).collect();
+    peaks.sort_by(|a, b| by_time(&a.t, &b.t));
+    let last_t =
+        samples.last().map(|s| s.t).or_else(|| records.iter().filter_map(Record::t).reduce(f64::max)).unwrap_or(0.0);
+    // The resident weights as of each event: `held[k]` is what the events before `k` last said.
+    let held: Vec<Option<u64>> = std::iter::once(None)
+        .chain(events.iter().scan(None, |last, e| {
+            *last = e.resident.or(*last);
+            Some(*last)
+        }))
+        .collect();
 
     // Windows: synthetic setup, release-aware starts, consecutive repeats merged.
     let mut windows: Vec<(String, f64)> = vec![("setup".to_string(), 0.0)];
@@ -139,23 +158,23 @@ pub fn summarize(trace: &Trace) -> Summary {
         .iter()
         .enumerate()
         .map(|(i, (stage, start))| {
-            let last = i + 1 == windows.len();
+            let (start, last) = (*start, i + 1 == windows.len());
             let end = windows.get(i + 1).map_or(last_t, |(_, next)| *next);
-            let inside_window = |s: &&&Sample| s.t >= *start && (s.t < end || (last && s.t <= end));
-            let sampled_peak = samples.iter().filter(inside_window).filter_map(|s| s.rss).max();
-            let closing = |(t, _): &&(f64, u64)| (*t > *start || i == 0) && *t <= end;
-            let exact = peaks.iter().filter(closing).map(|(_, rss)| *rss).max();
-            let sampled_device = samples.iter().filter(inside_window).filter_map(|s| s.device_allocated).max();
-            let exact_device = device_peaks.iter().filter(closing).map(|(_, bytes)| *bytes).max();
-            let inherited = events.iter().rev().filter(|e| e.t <= *start).find_map(|e| e.resident);
-            let inside = events.iter().filter(|e| e.t > *start && e.t < end).filter_map(|e| e.resident).max();
+            let inside = range(&samples, |s| s.t, |t| t >= start, |t| t < end || (last && t <= end));
+            let closing = range(&peaks, |p| p.t, |t| t > start || i == 0, |t| t <= end);
+            let sampled_peak = inside.iter().filter_map(|s| s.rss).max();
+            let exact = closing.iter().map(|p| p.rss).max();
+            let sampled_device = inside.iter().filter_map(|s| s.device_allocated).max();
+            let exact_device = closing.iter().filter_map(|p| p.device).max();
+            let inherited = held[events.partition_point(|e| e.t <= start)];
+            let during = range(&events, |e| e.t, |t| t > start, |t| t < end).iter().filter_map(|e| e.resident).max();
             StageWindow {
                 stage: stage.clone(),
-                start: *start,
+                start,
                 seconds: millis((end - start).max(0.0)),
                 peak: sampled_peak.max(exact),
                 sampled_peak,
-                weights: inherited.max(inside),
+                weights: inherited.max(during),
                 device_peak: sampled_device.max(exact_device),
             }
         })
@@ -164,7 +183,7 @@ pub fn summarize(trace: &Trace) -> Summary {
     let (peak_t, peak) = samples
         .iter()
         .filter_map(|s| s.rss.map(|rss| (s.t, rss)))
-        .chain(peaks.iter().copied())
+        .chain(peaks.iter().map(|p| (p.t, p.rss)))
         .max_by_key(|(_, rss)| *rss)
         .unwrap_or((0.0, 0));
     let loaded: Vec<&&EventRecord> = events.iter().filter(|e| e.kind.is_load()).collect();

@@ -23,7 +23,7 @@ fn release(t: f64) -> Record {
 }
 
 fn summary_of(records: Vec<Record>) -> Summary {
-    summarize(&Trace { path: PathBuf::from("hand.jsonl"), records, skipped_last_line: false })
+    summarize(&Trace::new("hand.jsonl", records))
 }
 
 fn windows(summary: &Summary) -> Vec<(&str, f64, Option<u64>)> {
@@ -304,7 +304,7 @@ fn on_a_device_each_stage_has_its_exact_device_peak_and_is_checked_against_it() 
 #[test]
 fn the_chart_draws_device_memory_beside_host_memory() {
     let staged = device_run([1000, 2000], [100, 200]);
-    let trace = Trace { path: PathBuf::from("hand.jsonl"), records: vec![], skipped_last_line: false };
+    let trace = Trace::new("hand.jsonl", vec![]);
     let records = vec![
         Record::Sample(Sample { t: 0.0, rss: Some(500), device_allocated: Some(1000), ..Sample::default() }),
         Record::Sample(Sample { t: 1.0, rss: Some(500), device_allocated: Some(2000), ..Sample::default() }),
@@ -314,4 +314,105 @@ fn the_chart_draws_device_memory_beside_host_memory() {
     let chart = dir.path().join("memory.svg");
     stageload_trace::plot::plot(&[("staged".to_string(), &trace, &staged)], &chart, 800).unwrap();
     assert!(std::fs::read_to_string(&chart).unwrap().contains("staged (device)"));
+}
+
+#[test]
+fn records_out_of_time_order_are_sorted_and_the_trace_says_so() {
+    let folder = tempfile::Builder::new().prefix("stageload-order-").tempdir().unwrap();
+    let text = "{\"type\":\"sample\",\"t\":0.0,\"rss\":5}\n\
+                {\"type\":\"event\",\"t\":2.0,\"kind\":\"stage\",\"stage\":\"b\"}\n\
+                {\"type\":\"sample\",\"t\":3.0,\"rss\":9}\n\
+                {\"type\":\"event\",\"t\":1.0,\"kind\":\"stage\",\"stage\":\"a\"}\n\
+                {\"type\":\"sample\",\"t\":1.5,\"rss\":7}\n";
+    let trace = read_trace(write(&folder, "backwards", text)).unwrap();
+    assert!(trace.reordered);
+    let times: Vec<f64> = trace.records.iter().filter_map(Record::t).collect();
+    assert_eq!(times, [0.0, 1.0, 1.5, 2.0, 3.0]);
+    let summary = summarize(&trace);
+    assert_eq!(windows(&summary), [("setup", 1.0, Some(5)), ("a", 1.0, Some(7)), ("b", 1.0, Some(9))]);
+    assert!(summary.stages.iter().all(|w| w.seconds >= 0.0));
+    let in_order = read_trace(write(&folder, "forwards", "{\"type\":\"sample\",\"t\":0.0,\"rss\":5}\n")).unwrap();
+    assert!(!in_order.reordered);
+}
+
+#[test]
+fn a_second_header_and_an_absurd_time_are_refused_with_their_line() {
+    let folder = tempfile::Builder::new().prefix("stageload-hostile-").tempdir().unwrap();
+    let header = "{\"type\":\"header\",\"schema\":2,\"utc\":\"x\",\"pid\":1,\"host\":\"h\",\"os\":\"linux\",\"total_memory\":1,\"device\":\"cpu\",\"command\":[],\"interval\":0.25}\n";
+    let sample = "{\"type\":\"sample\",\"t\":0.5,\"rss\":7}\n";
+    let twice = read_trace(write(&folder, "twice", &format!("{header}{sample}{header}{sample}"))).unwrap_err();
+    assert!(matches!(twice, TraceError::Broken { line: 3, .. }), "{twice}");
+    assert!(twice.to_string().contains("a second header"), "{twice}");
+    let absurd = format!("{header}{sample}{{\"type\":\"sample\",\"t\":1e300,\"rss\":7}}\n{sample}");
+    let error = read_trace(write(&folder, "absurd", &absurd)).unwrap_err();
+    assert!(error.to_string().contains("line 3") && error.to_string().contains("is outside 0 ..="), "{error}");
+    let negative = format!("{header}{{\"type\":\"event\",\"t\":-4,\"kind\":\"stage\",\"stage\":\"x\"}}\n{sample}");
+    assert!(read_trace(write(&folder, "negative", &negative)).unwrap_err().to_string().contains("line 2"));
+    let error = read_trace(folder.path()).unwrap_err().to_string();
+    assert!(error.contains("is a directory, not a regular file"), "{error}");
+}
+
+#[test]
+fn sixty_thousand_stage_windows_are_summarized_in_linear_ish_time() {
+    // Quadratic before: 60,000 windows took 41 s.
+    let mut records = Vec::new();
+    for i in 0..60_000u32 {
+        let t = f64::from(i);
+        records.push(stage(t, if i % 2 == 0 { "even" } else { "odd" }));
+        records.push(sample(t + 0.5, u64::from(i)));
+        records.push(Record::Peak(PeakRecord {
+            t: t + 0.9,
+            stage: String::new(),
+            rss: u64::from(i) + 1,
+            device: None,
+        }));
+    }
+    let started = std::time::Instant::now();
+    let summary = summary_of(records);
+    let elapsed = started.elapsed();
+    assert_eq!(summary.stages.len(), 60_000);
+    assert_eq!(summary.stages[59_998].peak, Some(59_999), "the exact peak that closes the window");
+    assert!(elapsed < std::time::Duration::from_secs(3), "{elapsed:?}");
+}
+
+mod fuzz {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    /// One line of a trace: a valid record at some time (negative and absurd included), or junk.
+    fn line() -> impl Strategy<Value = String> {
+        let time = prop_oneof![0.0..100.0f64, Just(-1.0), Just(1e300), Just(0.0)];
+        prop_oneof![
+            (time.clone(), any::<u32>()).prop_map(|(t, rss)| format!("{{\"type\":\"sample\",\"t\":{t},\"rss\":{rss}}}")),
+            (time.clone(), 0..4u8).prop_map(|(t, s)| format!(
+                "{{\"type\":\"event\",\"t\":{t},\"kind\":\"stage\",\"stage\":\"s{s}\"}}"
+            )),
+            time.clone().prop_map(|t| format!("{{\"type\":\"event\",\"t\":{t},\"kind\":\"release\",\"model\":\"m\"}}")),
+            (time.clone(), any::<u32>()).prop_map(|(t, rss)| format!(
+                "{{\"type\":\"peak\",\"t\":{t},\"stage\":\"s\",\"rss\":{rss}}}"
+            )),
+            time.prop_map(|t| format!("{{\"type\":\"end\",\"t\":{t}}}")),
+            Just("{\"type\":\"header\",\"schema\":2,\"utc\":\"x\",\"pid\":1,\"host\":\"h\",\"os\":\"linux\",\"total_memory\":1,\"device\":\"cpu\",\"command\":[],\"interval\":0.25}".to_string()),
+            "[ -~]{0,20}",
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+
+        /// Any mix of lines: an error or a time-ordered trace whose summary and table are sane.
+        #[test]
+        fn any_trace_gets_an_answer(lines in proptest::collection::vec(line(), 0..40)) {
+            let folder = tempfile::Builder::new().prefix("stageload-fuzz-").tempdir().unwrap();
+            let path = write(&folder, "fuzz", &lines.join("\n"));
+            if let Ok(trace) = read_trace(&path) {
+                let times: Vec<f64> = trace.records.iter().filter_map(Record::t).collect();
+                prop_assert!(times.windows(2).all(|pair| pair[0] <= pair[1]));
+                let summary = summarize(&trace);
+                prop_assert!(summary.stages.iter().all(|w| w.seconds >= 0.0));
+                let _ = table::render(&summary, &path);
+            }
+        }
+    }
 }

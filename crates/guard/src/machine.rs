@@ -1,0 +1,61 @@
+//! Where the guard's readings and time come from: the real machine and the monotonic clock, or,
+//! in tests, scripted readings and a clock that only moves when the guard sleeps.
+
+use std::time::{Duration, Instant};
+
+use stageload_probe::{ProbeError, ProcessEntry, ProcessMemory, SystemMemory};
+
+/// Where the guard gets its readings. The default methods read the real machine; tests replace
+/// some of them with scripted values while the command itself stays real.
+pub trait Readings {
+    fn memory(&mut self) -> Result<SystemMemory, ProbeError> {
+        stageload_probe::system_memory()
+    }
+    /// The process table with command lines (for `--busy`).
+    fn processes(&mut self) -> Result<Vec<ProcessEntry>, ProbeError> {
+        stageload_probe::processes()
+    }
+    /// The process table without command lines (the command's members, read every poll).
+    fn process_tree(&mut self) -> Result<Vec<ProcessEntry>, ProbeError> {
+        stageload_probe::process_tree()
+    }
+    fn process_memory(&mut self, pid: i32) -> Result<ProcessMemory, ProbeError> {
+        stageload_probe::process_memory(pid)
+    }
+}
+
+/// The real machine.
+pub struct SystemReadings;
+
+impl Readings for SystemReadings {}
+
+/// Time as the guard sees it; tests use a clock whose `sleep` only moves it forward.
+pub trait Clock {
+    /// Time since the guard began.
+    fn now(&self) -> Duration;
+    fn sleep(&mut self, duration: Duration);
+}
+
+/// The monotonic clock and real sleeps.
+pub struct SystemClock(Instant);
+
+impl SystemClock {
+    pub fn new() -> Self {
+        SystemClock(Instant::now())
+    }
+}
+
+impl Default for SystemClock {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Clock for SystemClock {
+    fn now(&self) -> Duration {
+        self.0.elapsed()
+    }
+    fn sleep(&mut self, duration: Duration) {
+        std::thread::sleep(duration)
+    }
+}
