@@ -2,14 +2,14 @@
 # The project's GPU checks, in one call of a few minutes on the GPU machine. That machine has no
 # cargo: build here first, against its libtorch, with the device kit (../shared/device-kit):
 #
-#   ../shared/device-kit/build.sh build --example gpu_check --example cascade
+#   ../shared/device-kit/build.sh build -p stageload-demos --bin gpu_check --bin cascade
 #   ../shared/device-kit/build.sh build -p stageload-cli --bin stageload
 #
 # then, on the GPU machine, from the repository root with target/device-kit carried along:
 #
 #   scripts/gpu-check.sh            # results in $OUT (or target/gpu-check)
 #
-# It runs: examples/gpu_check (the CUDA paths checked, checkpoint -> CUDA against Python's
+# It runs: gpu_check (crates/demos) (the CUDA paths checked, checkpoint -> CUDA against Python's
 # safetensors and the pinned/pageable copy limits on one 4 GiB file), then the cascade demo on
 # cuda:0 eager, staged, staged with prefetch, and staged without RNG preservation (the control),
 # compares their latents, and writes the summary and chart of the eager, staged and prefetch
@@ -29,7 +29,7 @@ status=0
 
 "$kit/run.sh" true 2>&1 | tee -a "$log"   # the GPU and the torch version
 step gpu_check
-run bin/gpu_check --out "$out" --scratch "$scratch" --gib 4 --rounds 5 --peer "$root/examples/bench_device.py" || status=1
+run bin/gpu_check --out "$out" --scratch "$scratch" --gib 4 --rounds 5 --peer "$root/crates/demos/python/bench_device.py" || status=1
 
 for mode in eager staged prefetch control; do
     case $mode in
@@ -41,7 +41,8 @@ for mode in eager staged prefetch control; do
     step "cascade $mode"
     start=$(date +%s%N)
     run bin/cascade "${flags[@]}" --device cuda --cache "$scratch/weights" --trace "$scratch/cascade-$mode.jsonl" \
-        --fingerprints "$scratch/latents-$mode.txt" > /dev/null || status=1
+        --latents "$scratch/latents-$mode.safetensors" > /dev/null || status=1
+    cp "$scratch/latents-$mode.safetensors.sha256" "$scratch/latents-$mode.txt" 2>/dev/null || true
     echo "cascade $mode wall $(( ($(date +%s%N) - start) / 1000000 )) ms" | tee -a "$log"
 done
 cp "$scratch/cascade-eager.jsonl" "$scratch/cascade-staged.jsonl" "$scratch/cascade-prefetch.jsonl" "$out/"

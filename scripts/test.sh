@@ -7,7 +7,7 @@
 #   scripts/test.sh --torch-free     only formatting and the torch-free lane
 set -euo pipefail
 cd "$(dirname "$0")/.."
-torch_free=(-p stageload-probe -p stageload-input -p stageload-guard -p stageload-plan -p stageload-trace -p stageload-cli)
+torch_free=(-p stageload-units -p stageload-probe -p stageload-input -p stageload-guard -p stageload-plan -p stageload-trace -p stageload-ab -p stageload-cli)
 only_torch_free=false
 if [[ "${1:-}" == "--torch-free" ]]; then
     only_torch_free=true
@@ -16,6 +16,13 @@ fi
 
 cargo fmt --all --check
 cargo clippy "${torch_free[@]}" --all-targets -- -D warnings
+# The macOS readings (crates/probe/src/macos.rs) compile-checked for Apple silicon, where the
+# target's standard library can be installed.
+if rustup target add aarch64-apple-darwin >/dev/null 2>&1; then
+    cargo check --target aarch64-apple-darwin -p stageload-probe -p stageload-guard -p stageload-cli
+else
+    echo "test.sh: rustup could not install aarch64-apple-darwin here: the macOS compile check did not run" >&2
+fi
 cargo test "${torch_free[@]}" "$@"
 $only_torch_free && exit 0
 

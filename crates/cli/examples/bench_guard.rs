@@ -6,7 +6,7 @@
 //!    crossing LIMIT to the guard's exit (group gone and reaped), and the overshoot (what the
 //!    guard measured at the stop minus LIMIT). Bounded: the child stops at `--ceiling`.
 //! 2. CPU: the guard watching `sleep` for `--watch-seconds`, without and with `--max-memory`
-//!    (which scans the process table every poll), as CPU seconds per hour of watching.
+//!    (which walks the command's process tree every poll), as CPU seconds per hour of watching.
 //!
 //! Run: `scripts/bench-guard.sh` (writes traces/guard-bench.md and .json).
 
@@ -122,8 +122,8 @@ fn median(mut values: Vec<f64>) -> f64 {
 
 fn main() {
     let options = Options::parse();
-    let limit = stageload_probe::units::parse_size(&options.limit).expect("--limit");
-    let ceiling = stageload_probe::units::parse_size(&options.ceiling).expect("--ceiling");
+    let limit = stageload_units::parse_size(&options.limit).expect("--limit");
+    let ceiling = stageload_units::parse_size(&options.ceiling).expect("--ceiling");
     let log = std::env::temp_dir().join(format!("stageload-bench-guard-{}.jsonl", std::process::id()));
     let runs: Vec<Reaction> = (0..options.runs).map(|_| reaction_run(limit, &options.limit, ceiling, &log)).collect();
     let _ = std::fs::remove_file(&log);
@@ -154,7 +154,7 @@ fn main() {
          | reaction, worst run | {worst:.3} s |\n\
          | overshoot at the stop: measured − limit (median) | {:.0} MiB |\n\
          | CPU watching, system readings only | {plain:.1} s per hour ({:.3} %) |\n\
-         | CPU watching with `--max-memory` (process-table scan each poll) | {scanning:.1} s per hour ({:.3} %) |\n",
+         | CPU watching with `--max-memory` (process-tree walk each poll) | {scanning:.1} s per hour ({:.3} %) |\n",
         std::thread::available_parallelism().map_or(0, |n| n.get()),
         machine as f64 / (1u64 << 30) as f64,
         runs.len(),

@@ -2,14 +2,14 @@
 //! waiting), and the exit code.
 
 use std::ffi::OsString;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use clap::Args;
 use regex::Regex;
 use stageload_guard::config::{defaults, ranges, within};
 use stageload_guard::{exit, run_guarded, GuardConfig, GuardLog, Signals, SystemClock, SystemReadings};
-use stageload_probe::units::format_gb;
+use stageload_units::format_gb;
 
 use crate::args::{duration, size};
 use crate::out;
@@ -35,6 +35,22 @@ Sizes: 8G, 512M, 1.5GiB (binary), 2GB (decimal), 100 (bytes). Durations: 250ms, 
 #[derive(Args)]
 #[command(after_help = EXIT_CODES)]
 pub struct GuardArgs {
+    #[command(flatten)]
+    pub flags: GuardFlags,
+    /// Also write every decision, with the readings behind it, as JSON lines to FILE
+    #[arg(long, value_name = "FILE")]
+    pub log: Option<PathBuf>,
+    /// Only say whether the command would start now, and if not, why (exit 0 or 4)
+    #[arg(long)]
+    check: bool,
+    /// The command and its arguments, after --
+    #[arg(last = true, value_name = "COMMAND")]
+    command: Vec<OsString>,
+}
+
+/// What the guard waits for and watches, as flags (`stageload guard` and `stageload ab`).
+#[derive(Args)]
+pub struct GuardFlags {
     /// Start only when at least PCT percent of memory is available (of the cgroup limit in a container)
     #[arg(long, value_name = "PCT", default_value = defaults::WAIT_FREE, value_parser = percent)]
     wait_free: u8,
@@ -66,15 +82,39 @@ pub struct GuardArgs {
     /// Stop the command when its own memory (RSS + swap over its processes) passes SIZE
     #[arg(long, value_name = "SIZE", value_parser = size)]
     max_memory: Option<u64>,
-    /// Also write every decision, with the readings behind it, as JSON lines to FILE
-    #[arg(long, value_name = "FILE")]
-    log: Option<PathBuf>,
-    /// Only say whether the command would start now, and if not, why (exit 0 or 4)
-    #[arg(long)]
-    check: bool,
-    /// The command and its arguments, after --
-    #[arg(last = true, value_name = "COMMAND")]
-    command: Vec<OsString>,
+}
+
+impl GuardFlags {
+    /// The guard's configuration, with the rules between flags checked (the message names them).
+    pub fn config(self) -> Result<GuardConfig, String> {
+        let config = GuardConfig {
+            wait_free: f64::from(self.wait_free),
+            swap_budget: self.swap_budget,
+            swap_limit: self.swap_limit,
+            kill_free: f64::from(self.kill_free),
+            busy: self.busy,
+            quiet_for: self.quiet_for,
+            start_timeout: self.start_timeout,
+            poll: self.poll,
+            grace: self.grace,
+            max_memory: self.max_memory,
+        };
+        config.check().map(|()| config)
+    }
+}
+
+/// The log and the signal handlers a guarded run needs; Err: the exit code after saying why.
+pub fn log_and_signals(command: &str, log: Option<&Path>, echo: bool) -> Result<(GuardLog, Signals), i32> {
+    let log = GuardLog::new(log, echo).map_err(|error| {
+        // Only creating the --log file can fail.
+        eprintln!("stageload {command}: cannot write --log {}: {error}", log.unwrap_or(Path::new("")).display());
+        exit::USAGE
+    })?;
+    let signals = Signals::install().map_err(|error| {
+        eprintln!("stageload {command}: cannot install signal handlers: {error}");
+        exit::USAGE
+    })?;
+    Ok((log, signals))
 }
 
 fn percent(text: &str) -> Result<u8, String> {
@@ -95,41 +135,20 @@ pub fn run(args: GuardArgs) -> i32 {
         eprintln!("stageload guard: guard needs a command after -- (for example: stageload guard -- python run.py)");
         return exit::USAGE;
     }
-    let config = GuardConfig {
-        wait_free: f64::from(args.wait_free),
-        swap_budget: args.swap_budget,
-        swap_limit: args.swap_limit,
-        kill_free: f64::from(args.kill_free),
-        busy: args.busy,
-        quiet_for: args.quiet_for,
-        start_timeout: args.start_timeout,
-        poll: args.poll,
-        grace: args.grace,
-        max_memory: args.max_memory,
-    };
-    if let Err(error) = config.check() {
-        eprintln!("stageload guard: {error}");
-        return exit::USAGE;
-    }
-    let mut log = match GuardLog::new(args.log.as_deref(), !args.check) {
-        Ok(log) => log,
+    let config = match args.flags.config() {
+        Ok(config) => config,
         Err(error) => {
-            // Only creating the --log file can fail.
-            let path = args.log.unwrap_or_default();
-            eprintln!("stageload guard: cannot write --log {}: {error}", path.display());
+            eprintln!("stageload guard: {error}");
             return exit::USAGE;
         }
+    };
+    let (mut log, signals) = match log_and_signals("guard", args.log.as_deref(), !args.check) {
+        Ok(both) => both,
+        Err(code) => return code,
     };
     if args.check {
         return check(&config, &mut log);
     }
-    let signals = match Signals::install() {
-        Ok(signals) => signals,
-        Err(error) => {
-            eprintln!("stageload guard: cannot install signal handlers: {error}");
-            return exit::USAGE;
-        }
-    };
     let outcome = run_guarded(&args.command, &config, &mut SystemReadings, &mut SystemClock::new(), &mut log, &signals);
     outcome.exit_code()
 }

@@ -20,7 +20,9 @@ pub struct SummaryArgs {
     json: bool,
 }
 
-/// Draw memory over time: one panel per trace, stage bands, load and release markers.
+/// Draw memory over time (one panel per trace, stage bands, load and release markers), or with
+/// --bars the peak per stage (one bar per mode at its median over the traces of that mode,
+/// whiskers min to max; a trace's mode is its `mode` meta field, else its file name).
 #[derive(Args)]
 #[command(after_help = "Exit codes: 0 done; 2 a trace cannot be read or the chart cannot be written.")]
 pub struct PlotArgs {
@@ -30,6 +32,9 @@ pub struct PlotArgs {
     /// The chart: FILE.svg or FILE.png
     #[arg(short, long, value_name = "FILE")]
     output: PathBuf,
+    /// The peak per stage as bars, the traces grouped by mode
+    #[arg(long)]
+    bars: bool,
     /// Width in pixels (200 to 8000)
     #[arg(long, default_value_t = 1200, value_parser = clap::value_parser!(u32).range(*plot::WIDTHS.start() as i64..=*plot::WIDTHS.end() as i64))]
     width: u32,
@@ -83,7 +88,19 @@ pub fn plot(args: PlotArgs) -> i32 {
     };
     let traces: Vec<(String, &Trace, &Summary)> =
         loaded.iter().map(|(t, s)| (table::label(s, &t.path), t, s)).collect();
-    match plot::plot(&traces, &args.output, args.width) {
+    let drawn = if args.bars {
+        let mut groups: Vec<(String, Vec<&Summary>)> = Vec::new();
+        for (label, _, summary) in &traces {
+            match groups.iter_mut().find(|(l, _)| l == label) {
+                Some((_, runs)) => runs.push(summary),
+                None => groups.push((label.clone(), vec![summary])),
+            }
+        }
+        plot::bars(&groups, &args.output, args.width)
+    } else {
+        plot::plot(&traces, &args.output, args.width)
+    };
+    match drawn {
         Ok(()) => {
             out::line(&format!("wrote {}", args.output.display()));
             0

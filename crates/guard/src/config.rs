@@ -6,7 +6,7 @@ use std::ops::RangeInclusive;
 use std::time::Duration;
 
 use regex::Regex;
-use stageload_probe::units::{format_gb, parse_duration, parse_size};
+use stageload_units::{format_gb, parse_duration, parse_size};
 
 /// The defaults, as the CLI shows them in `--help`.
 pub mod defaults {

@@ -6,8 +6,8 @@ use std::fmt;
 use std::time::Duration;
 
 use regex::Regex;
-use stageload_probe::units::{format_bytes, format_gb};
 use stageload_probe::{ProbeError, ProcessEntry, SystemMemory};
+use stageload_units::{format_bytes, format_gb};
 
 use crate::config::GuardConfig;
 
@@ -277,8 +277,8 @@ impl Watch {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use stageload_probe::units::GIB;
     use stageload_probe::CgroupMemory;
+    use stageload_units::GIB;
 
     fn memory(available_percent: u64, swap_used_gib: u64) -> SystemMemory {
         SystemMemory {

@@ -33,4 +33,4 @@ pub use log::GuardLog;
 pub use machine::{Clock, Readings, SystemClock, SystemReadings};
 pub use outcome::{exit, Outcome};
 pub use signals::Signals;
-pub use supervise::run_guarded;
+pub use supervise::{run_guarded, run_guarded_with_env};

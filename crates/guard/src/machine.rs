@@ -15,9 +15,10 @@ pub trait Readings {
     fn processes(&mut self) -> Result<Vec<ProcessEntry>, ProbeError> {
         stageload_probe::processes()
     }
-    /// The process table without command lines (the command's members, read every poll).
-    fn process_tree(&mut self) -> Result<Vec<ProcessEntry>, ProbeError> {
-        stageload_probe::process_tree()
+    /// The processes below `root`, without command lines (the command's members, read every
+    /// poll with `--max-memory` and during a stop).
+    fn subtree(&mut self, root: i32) -> Result<Vec<ProcessEntry>, ProbeError> {
+        stageload_probe::process_subtree(root)
     }
     fn process_memory(&mut self, pid: i32) -> Result<ProcessMemory, ProbeError> {
         stageload_probe::process_memory(pid)

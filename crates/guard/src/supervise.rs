@@ -27,8 +27,8 @@ use nix::sys::signal::{kill, killpg, SigSet, SigmaskHow, Signal};
 use nix::sys::wait::{waitpid, WaitPidFlag, WaitStatus};
 use nix::unistd::{getpgrp, tcgetpgrp, tcsetpgrp, Pid};
 use serde_json::json;
-use stageload_probe::units::{format_bytes, format_gb};
 use stageload_probe::ProcessEntry;
+use stageload_units::{format_bytes, format_gb};
 
 use crate::admit::sleep_until;
 use crate::signals::name as signal_name;
@@ -38,6 +38,19 @@ use crate::{exit, wait_for_room, Admitted, Clock, GuardConfig, GuardLog, Outcome
 /// Runs `command` under the guard: admission, start, watch, stop. See the module docs.
 pub fn run_guarded(
     command: &[OsString],
+    config: &GuardConfig,
+    readings: &mut dyn Readings,
+    clock: &mut dyn Clock,
+    log: &mut GuardLog,
+    signals: &Signals,
+) -> Outcome {
+    run_guarded_with_env(command, &[], config, readings, clock, log, signals)
+}
+
+/// [`run_guarded`], with `env` set for the command (on top of the guard's own environment).
+pub fn run_guarded_with_env(
+    command: &[OsString],
+    env: &[(OsString, OsString)],
     config: &GuardConfig,
     readings: &mut dyn Readings,
     clock: &mut dyn Clock,
@@ -63,7 +76,7 @@ pub fn run_guarded(
         message += &format!(", or when the command passes {}", format_bytes(max));
     }
     log.note("start", &message, Some(&at_start));
-    let job = match Job::spawn(command) {
+    let job = match Job::spawn(command, env) {
         Ok(job) => job,
         Err((code, reason)) => {
             let program = command.first().map(|p| p.to_string_lossy()).unwrap_or_default();
@@ -207,7 +220,7 @@ struct Job {
 
 impl Job {
     /// Starts the command in a new process group. Err: (exit code 126/127, reason).
-    fn spawn(command: &[OsString]) -> Result<Job, (i32, String)> {
+    fn spawn(command: &[OsString], env: &[(OsString, OsString)]) -> Result<Job, (i32, String)> {
         let (program, args) = command.split_first().ok_or((exit::NOT_FOUND, "no command".to_string()))?;
         let guard = std::process::id();
         #[cfg(target_os = "linux")]
@@ -217,7 +230,7 @@ impl Job {
         }
         let foreground = in_foreground();
         let mut builder = Command::new(program);
-        builder.args(args).process_group(0);
+        builder.args(args).envs(env.iter().map(|(k, v)| (k, v))).process_group(0);
         // SAFETY: the closure runs in the child between fork and exec and only makes
         // async-signal-safe system calls (prctl, getppid, kill, sigprocmask, tcsetpgrp, getpid);
         // it allocates nothing and takes no lock.
@@ -271,21 +284,18 @@ impl Job {
         self.exit
     }
 
-    /// Live members: the leader's group and every process below the guard, zombies left out.
-    /// Orphans re-parented to the guard that have exited are reaped on the way. A process table
-    /// that cannot be read gives the last members seen.
+    /// Live members: every process below the guard (as a subreaper, the guard inherits every
+    /// orphan of the command, so its group and whoever left it are all there), zombies left out.
+    /// Orphans re-parented to the guard that have exited are reaped on the way. A tree that
+    /// cannot be read gives the last members seen.
     fn members(&mut self, readings: &mut dyn Readings) -> Vec<ProcessEntry> {
-        let Ok(table) = readings.process_tree() else {
+        let Ok(tree) = readings.subtree(self.guard) else {
             return self.members.clone();
         };
-        let below = stageload_probe::descendants(&table, self.guard);
-        for orphan in table.iter().filter(|e| e.zombie && e.ppid == self.guard && e.pid != self.leader.as_raw()) {
+        for orphan in tree.iter().filter(|e| e.zombie && e.ppid == self.guard && e.pid != self.leader.as_raw()) {
             let _ = waitpid(Pid::from_raw(orphan.pid), Some(WaitPidFlag::WNOHANG));
         }
-        self.members = table
-            .into_iter()
-            .filter(|e| !e.zombie && e.pid != self.guard && (e.pgid == self.leader.as_raw() || below.contains(&e.pid)))
-            .collect();
+        self.members = tree.into_iter().filter(|e| !e.zombie && e.pid != self.guard).collect();
         self.members.clone()
     }
 
@@ -367,7 +377,7 @@ mod tests {
     fn stubborn() -> Job {
         let command: Vec<OsString> =
             ["sh", "-c", "trap '' TERM; exec sleep 30"].into_iter().map(OsString::from).collect();
-        Job::spawn(&command).unwrap()
+        Job::spawn(&command, &[]).unwrap()
     }
 
     #[test]

@@ -11,8 +11,8 @@ use std::time::{Duration, Instant};
 
 use regex::Regex;
 use stageload_guard::{run_guarded, Clock, GuardConfig, GuardLog, Outcome, Readings, Signals, Stop, SystemClock};
-use stageload_probe::units::GIB;
 use stageload_probe::{ProbeError, ProcessEntry, SystemMemory};
+use stageload_units::GIB;
 
 #[path = "support/pids.rs"]
 mod pids;

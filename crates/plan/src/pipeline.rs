@@ -26,7 +26,7 @@ use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
-use stageload_probe::units::parse_size;
+use stageload_units::parse_size;
 use thiserror::Error;
 
 /// Why a pipeline file or one of its checkpoints cannot be planned.

@@ -8,7 +8,7 @@
 use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
-use stageload_probe::units::format_bytes;
+use stageload_units::format_bytes;
 
 use crate::pipeline::{total, Model, Pipeline, Placement};
 

@@ -2,12 +2,11 @@
 //! room, is the command growing too much) and the meter (where a run's memory went). Torch-free.
 //!
 //! Linux reads `/proc` (through the `procfs` crate) and cgroupfs ([`cgroup`]); macOS uses
-//! `sysctl` and `proc_pid_rusage`. A reading the platform lacks is `None`, never a panic; a
+//! `sysinfo`, plus `sysctl`, `proc_pid_rusage` and `getpgid` for what it lacks. A reading the platform lacks is `None`, never a panic; a
 //! reading that fails is an error naming the file or call, and callers decide what to do (the
 //! guard treats it as "unknown", the meter records it once).
 
 pub mod cgroup;
-pub mod units;
 
 #[cfg(target_os = "linux")]
 mod linux;
@@ -142,6 +141,20 @@ pub fn process_tree() -> Result<Vec<ProcessEntry>, ProbeError> {
     platform::processes(false)
 }
 
+/// Every process below `root` (not `root` itself). Linux walks the tree down from `root` through the
+/// kernel's `children` lists, reading only those processes (a scan of the whole table costs
+/// about four times as much CPU on a busy machine); elsewhere, or on a kernel without them,
+/// the whole table is read and walked.
+pub fn process_subtree(root: i32) -> Result<Vec<ProcessEntry>, ProbeError> {
+    #[cfg(target_os = "linux")]
+    if let Some(found) = linux::subtree(root)? {
+        return Ok(found);
+    }
+    let table = process_tree()?;
+    let below = descendants(&table, root);
+    Ok(table.into_iter().filter(|e| below.contains(&e.pid)).collect())
+}
+
 /// `pid` and its chain of parents, stopping before pid 1, at an unknown parent or at a cycle.
 pub fn ancestors(table: &[ProcessEntry], pid: i32) -> Vec<i32> {
     let mut chain = vec![pid];
@@ -206,6 +219,29 @@ mod tests {
         assert_eq!(ancestors(&table, 30), vec![30, 20, 10]);
         assert_eq!(ancestors(&table, 99), vec![99]);
         assert_eq!(ancestors(&table, 40), vec![40, 41]);
+    }
+
+    #[test]
+    #[cfg(target_os = "linux")]
+    fn the_subtree_walk_finds_a_real_grandchild_and_matches_the_table_scan() {
+        let mut child = std::process::Command::new("sh").args(["-c", "sleep 30 & wait"]).spawn().unwrap();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        let walked = loop {
+            let walked = process_subtree(child.id() as i32).unwrap();
+            if walked.len() == 1 || std::time::Instant::now() > deadline {
+                break walked;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        };
+        let table = process_tree().unwrap();
+        let mut scanned = descendants(&table, child.id() as i32);
+        let mut pids: Vec<i32> = walked.iter().map(|e| e.pid).collect();
+        pids.sort();
+        scanned.sort();
+        child.kill().unwrap();
+        child.wait().unwrap();
+        assert_eq!(pids, scanned);
+        assert_eq!(pids.len(), 1, "the shell's sleep");
     }
 
     #[test]

@@ -90,6 +90,48 @@ pub fn reset_peak() -> Result<(), ProbeError> {
     Process::myself().and_then(|p| p.clear_refs(ClearRefs::PeakRSS)).map_err(|e| read_error("/proc/self/clear_refs", e))
 }
 
+/// The entry of one process, without its command line; `None` once it has gone.
+fn tree_entry(process: &Process) -> Option<ProcessEntry> {
+    let stat = process.stat().ok()?;
+    Some(ProcessEntry {
+        pid: stat.pid,
+        ppid: stat.ppid,
+        pgid: stat.pgrp,
+        zombie: stat.state == 'Z',
+        cmdline: String::new(),
+    })
+}
+
+/// Every process below `root`, found through `/proc/PID/task/TID/children` (one read per thread
+/// of each member) instead of a scan of the whole process table; zombies included. `Ok(None)`
+/// when the kernel has no `children` files (built without `CONFIG_PROC_CHILDREN`).
+pub fn subtree(root: i32) -> Result<Option<Vec<ProcessEntry>>, ProbeError> {
+    let tasks = Process::new(root).and_then(|p| p.tasks()).map_err(|e| read_error(format!("/proc/{root}/task"), e))?;
+    let mut found: Vec<ProcessEntry> = Vec::new();
+    let mut seen = std::collections::HashSet::from([root]);
+    let mut parents = vec![(root, Some(tasks))];
+    while let Some((parent, tasks)) = parents.pop() {
+        let Some(tasks) = tasks.or_else(|| Process::new(parent).and_then(|p| p.tasks()).ok()) else { continue };
+        for task in tasks.flatten() {
+            let children = match task.children() {
+                Ok(children) => children,
+                Err(procfs::ProcError::NotFound(_)) if parent == root => return Ok(None),
+                Err(_) => continue,
+            };
+            for pid in children.into_iter().filter_map(|child| i32::try_from(child).ok()) {
+                if !seen.insert(pid) {
+                    continue;
+                }
+                if let Some(entry) = Process::new(pid).ok().as_ref().and_then(tree_entry) {
+                    found.push(entry);
+                    parents.push((pid, None));
+                }
+            }
+        }
+    }
+    Ok(Some(found))
+}
+
 pub fn processes(with_commands: bool) -> Result<Vec<ProcessEntry>, ProbeError> {
     let all = procfs::process::all_processes().map_err(|e| read_error("/proc", e))?;
     let mut table = Vec::new();

@@ -1,8 +1,13 @@
-//! macOS readings: `sysctl` (`hw.memsize`, `vm.swapusage`, `kern.memorystatus_level`),
-//! `proc_pid_rusage` for a process's footprint, and `ps` for the process table.
+//! macOS readings. `sysinfo` gives what it covers: physical memory, swap, each process's resident
+//! size, parent and state, and the process table with command lines. By hand, only what it
+//! lacks: `kern.memorystatus_level` (the percentage of memory the kernel counts as available,
+//! the figure the original tool used), a process's footprint and lifetime peak
+//! (`proc_pid_rusage`), and process groups (`getpgid`).
 
 use std::ffi::CStr;
 use std::mem::MaybeUninit;
+
+use sysinfo::{MemoryRefreshKind, Pid, ProcessRefreshKind, ProcessStatus, ProcessesToUpdate, System, UpdateKind};
 
 use crate::{Pressure, ProbeError, ProcessEntry, ProcessMemory, SystemMemory};
 
@@ -26,14 +31,18 @@ fn sysctl<T: Copy>(name: &CStr) -> Result<T, ProbeError> {
 }
 
 pub fn system_memory() -> Result<SystemMemory, ProbeError> {
-    let total: u64 = sysctl(c"hw.memsize")?;
+    let mut system = System::new();
+    system.refresh_memory_specifics(MemoryRefreshKind::nothing().with_ram().with_swap());
+    let total = system.total_memory();
+    if total == 0 {
+        return Err(read_error("sysinfo", "physical memory reads as 0"));
+    }
     let level: u32 = sysctl(c"kern.memorystatus_level")?;
-    let swap: libc::xsw_usage = sysctl(c"vm.swapusage")?;
     Ok(SystemMemory {
         total,
         available: total / 100 * u64::from(level.min(100)),
-        swap_total: swap.xsu_total,
-        swap_used: swap.xsu_used,
+        swap_total: system.total_swap(),
+        swap_used: system.used_swap(),
         cgroup: None,
     })
 }
@@ -51,8 +60,16 @@ pub fn process_memory(pid: i32) -> Result<ProcessMemory, ProbeError> {
     }
     // SAFETY: the call succeeded and filled the structure.
     let info = unsafe { info.assume_init() };
+    let mut system = System::new();
+    let target = Pid::from_u32(u32::try_from(pid).map_err(|_| read_error("sysinfo", format!("pid {pid}")))?);
+    system.refresh_processes_specifics(
+        ProcessesToUpdate::Some(&[target]),
+        true,
+        ProcessRefreshKind::nothing().with_memory(),
+    );
+    let rss = system.process(target).map_or(info.ri_resident_size, |p| p.memory());
     Ok(ProcessMemory {
-        rss: info.ri_resident_size,
+        rss,
         rss_anon: None,
         swap: None,
         peak: Some(info.ri_lifetime_max_phys_footprint),
@@ -64,23 +81,26 @@ pub fn reset_peak() -> Result<(), ProbeError> {
     Err(ProbeError::Unsupported("resetting the peak footprint"))
 }
 
-/// One `ps` either way: command lines cost nothing extra here.
-pub fn processes(_with_commands: bool) -> Result<Vec<ProcessEntry>, ProbeError> {
-    let output = std::process::Command::new("ps")
-        .args(["-axo", "pid=,ppid=,pgid=,stat=,command="])
-        .output()
-        .map_err(|e| read_error("ps", e))?;
-    let text = String::from_utf8_lossy(&output.stdout);
-    Ok(text
-        .lines()
-        .filter_map(|line| {
-            let mut fields = line.split_whitespace();
-            let pid = fields.next()?.parse().ok()?;
-            let ppid = fields.next()?.parse().ok()?;
-            let pgid = fields.next()?.parse().ok()?;
-            let zombie = fields.next()?.starts_with('Z');
-            let cmdline = fields.collect::<Vec<_>>().join(" ");
-            Some(ProcessEntry { pid, ppid, pgid, zombie, cmdline })
+pub fn processes(with_commands: bool) -> Result<Vec<ProcessEntry>, ProbeError> {
+    let mut system = System::new();
+    let commands = if with_commands { UpdateKind::OnlyIfNotSet } else { UpdateKind::Never };
+    system.refresh_processes_specifics(ProcessesToUpdate::All, true, ProcessRefreshKind::nothing().with_cmd(commands));
+    let as_i32 = |pid: Pid| i32::try_from(pid.as_u32()).ok();
+    Ok(system
+        .processes()
+        .iter()
+        .filter_map(|(pid, process)| {
+            let pid = as_i32(*pid)?;
+            // SAFETY: getpgid only reads the kernel's process table; an exited pid gives -1.
+            let pgid = unsafe { libc::getpgid(pid) };
+            let cmdline = process.cmd().iter().map(|arg| arg.to_string_lossy()).collect::<Vec<_>>().join(" ");
+            Some(ProcessEntry {
+                pid,
+                ppid: process.parent().and_then(as_i32).unwrap_or(0),
+                pgid,
+                zombie: process.status() == ProcessStatus::Zombie,
+                cmdline,
+            })
         })
         .collect())
 }

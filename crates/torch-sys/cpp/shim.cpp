@@ -51,21 +51,23 @@ char* guarded(F&& body) {
   }
 }
 
-// 0 = CPU, 1 = CUDA, 2 = MPS (matches GeneratorDevice on the Rust side).
-c10::Device generator_device(int kind, int index) {
+// Device kinds as the Rust side's `DeviceKind` (repr(C)) numbers them.
+enum SlDeviceKind : int { SL_CPU = 0, SL_CUDA = 1, SL_MPS = 2 };
+
+c10::Device generator_device(SlDeviceKind kind, int index) {
   switch (kind) {
-    case 0: return c10::Device(c10::kCPU);
-    case 1:
+    case SL_CPU: return c10::Device(c10::kCPU);
+    case SL_CUDA:
       TORCH_CHECK(at::hasCUDA(), "CUDA is not available");
       TORCH_CHECK(index >= 0 && index < static_cast<int>(at::detail::getCUDAHooks().deviceCount()),
                   "CUDA device index ", index, " out of range");
       return c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(index));
-    case 2:
+    case SL_MPS:
       TORCH_CHECK(at::hasMPS(), "MPS is not available");
       return c10::Device(c10::kMPS);
     default: break;
   }
-  TORCH_CHECK(false, "unknown generator device kind ", kind);
+  TORCH_CHECK(false, "unknown generator device kind ", static_cast<int>(kind));
   return c10::Device(c10::kCPU);
 }
 
@@ -150,7 +152,7 @@ char* sl_skip_init(bool on, bool* previous) {
 // the device's pool made current for this thread, and a wait on this thread's current stream.
 char* sl_cuda_use_side_stream(int index, int64_t* previous_id) {
   return guarded([&] {
-    generator_device(1, index);
+    generator_device(SL_CUDA, index);
     c10::impl::VirtualGuardImpl impl(c10::DeviceType::CUDA);
     c10::Device device(c10::kCUDA, static_cast<c10::DeviceIndex>(index));
     c10::Stream side = impl.getStreamFromGlobalPool(device, false);
@@ -160,7 +162,7 @@ char* sl_cuda_use_side_stream(int index, int64_t* previous_id) {
 
 char* sl_cuda_set_stream(int index, int64_t id) {
   return guarded([&] {
-    generator_device(1, index);
+    generator_device(SL_CUDA, index);
     c10::impl::VirtualGuardImpl impl(c10::DeviceType::CUDA);
     impl.exchangeStream(c10::Stream::unpack3(id, static_cast<c10::DeviceIndex>(index), c10::DeviceType::CUDA));
   });
@@ -170,7 +172,7 @@ char* sl_cuda_set_stream(int index, int64_t id) {
 // and frees it with sl_event_free.
 char* sl_cuda_event_record(int index, void** out) {
   return guarded([&] {
-    generator_device(1, index);
+    generator_device(SL_CUDA, index);
     c10::impl::VirtualGuardImpl impl(c10::DeviceType::CUDA);
     auto event = std::make_unique<c10::Event>(c10::DeviceType::CUDA);
     event->record(impl.getStream(c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(index))));
@@ -196,13 +198,13 @@ char* sl_copy_async(const at::Tensor* dst, const at::Tensor* src) {
 
 char* sl_cuda_sync_current_stream(int index) {
   return guarded([&] {
-    generator_device(1, index);
+    generator_device(SL_CUDA, index);
     c10::impl::VirtualGuardImpl impl(c10::DeviceType::CUDA);
     impl.getStream(c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(index))).synchronize();
   });
 }
 
-char* sl_generator_get_state(int kind, int index, uint8_t** out, size_t* len) {
+char* sl_generator_get_state(SlDeviceKind kind, int index, uint8_t** out, size_t* len) {
   return guarded([&] {
     auto gen = at::globalContext().defaultGenerator(generator_device(kind, index));
     std::lock_guard<std::mutex> lock(gen.mutex());
@@ -218,7 +220,7 @@ char* sl_generator_get_state(int kind, int index, uint8_t** out, size_t* len) {
   });
 }
 
-char* sl_generator_set_state(int kind, int index, const uint8_t* data, size_t len) {
+char* sl_generator_set_state(SlDeviceKind kind, int index, const uint8_t* data, size_t len) {
   return guarded([&] {
     auto gen = at::globalContext().defaultGenerator(generator_device(kind, index));
     at::Tensor state = at::empty({static_cast<int64_t>(len)}, at::TensorOptions().dtype(at::kByte));
@@ -295,7 +297,7 @@ char* sl_mps_empty_cache() {
 char* sl_cuda_memory(int index, int64_t* allocated, int64_t* reserved, int64_t* peak_allocated,
                      int64_t* peak_reserved) {
   return guarded([&] {
-    generator_device(1, index);  // validates availability and the index
+    generator_device(SL_CUDA, index);  // validates availability and the index
     auto stats = c10::getDeviceAllocator(c10::kCUDA)->getDeviceStats(static_cast<c10::DeviceIndex>(index));
     constexpr size_t all = static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);
     *allocated = stats.allocated_bytes[all].current;
@@ -307,7 +309,7 @@ char* sl_cuda_memory(int index, int64_t* allocated, int64_t* reserved, int64_t* 
 
 char* sl_cuda_reset_peak(int index) {
   return guarded([&] {
-    generator_device(1, index);
+    generator_device(SL_CUDA, index);
     c10::getDeviceAllocator(c10::kCUDA)->resetPeakStats(static_cast<c10::DeviceIndex>(index));
   });
 }

@@ -30,8 +30,13 @@ mod ffi {
     use super::*;
     extern "C" {
         pub fn sl_free(p: *mut std::ffi::c_void);
-        pub fn sl_generator_get_state(kind: c_int, index: c_int, out: *mut *mut u8, len: *mut usize) -> *mut c_char;
-        pub fn sl_generator_set_state(kind: c_int, index: c_int, data: *const u8, len: usize) -> *mut c_char;
+        pub fn sl_generator_get_state(
+            kind: DeviceKind,
+            index: c_int,
+            out: *mut *mut u8,
+            len: *mut usize,
+        ) -> *mut c_char;
+        pub fn sl_generator_set_state(kind: DeviceKind, index: c_int, data: *const u8, len: usize) -> *mut c_char;
         pub fn sl_cuda_device_count(out: *mut i64) -> *mut c_char;
         pub fn sl_mps_available(out: *mut bool) -> *mut c_char;
         pub fn sl_storage_info(
@@ -89,20 +94,39 @@ pub enum GeneratorDevice {
     Mps,
 }
 
+/// A CUDA device index as the shim takes it; one no C `int` holds is an error, not a wrap.
+fn cuda_index(index: usize) -> ShimResult<c_int> {
+    c_int::try_from(index).map_err(|_| ShimError {
+        operation: "name a CUDA device",
+        message: format!("CUDA device index {index} out of range"),
+    })
+}
+
+/// Device kinds as the shim's `SlDeviceKind` numbers them (one enum on each side of the FFI).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[allow(dead_code)] // Constructed only through `GeneratorDevice::code`.
+enum DeviceKind {
+    Cpu = 0,
+    Cuda = 1,
+    Mps = 2,
+}
+
 impl GeneratorDevice {
-    fn code(self) -> (c_int, c_int) {
-        match self {
-            GeneratorDevice::Cpu => (0, 0),
-            GeneratorDevice::Cuda(i) => (1, i as c_int),
-            GeneratorDevice::Mps => (2, 0),
-        }
+    /// The kind and index the shim takes; an index no C `int` holds is an error.
+    fn code(self) -> ShimResult<(DeviceKind, c_int)> {
+        Ok(match self {
+            GeneratorDevice::Cpu => (DeviceKind::Cpu, 0),
+            GeneratorDevice::Cuda(i) => (DeviceKind::Cuda, cuda_index(i)?),
+            GeneratorDevice::Mps => (DeviceKind::Mps, 0),
+        })
     }
 }
 
 /// The state of a default generator, as the bytes libtorch serialises it to
 /// (5056 bytes for the CPU's mt19937).
 pub fn generator_state(device: GeneratorDevice) -> ShimResult<Vec<u8>> {
-    let (kind, index) = device.code();
+    let (kind, index) = device.code()?;
     let mut data: *mut u8 = std::ptr::null_mut();
     let mut len = 0usize;
     // SAFETY: the out-pointers are valid for writes; on success the shim stores a malloc'd
@@ -120,7 +144,7 @@ pub fn generator_state(device: GeneratorDevice) -> ShimResult<Vec<u8>> {
 
 /// Restores a default generator to a state read by [`generator_state`].
 pub fn set_generator_state(device: GeneratorDevice, state: &[u8]) -> ShimResult<()> {
-    let (kind, index) = device.code();
+    let (kind, index) = device.code()?;
     // SAFETY: `state` is a valid slice for the duration of the call; the shim copies it.
     let err = unsafe { ffi::sl_generator_set_state(kind, index, state.as_ptr(), state.len()) };
     check("set generator state", err)
@@ -165,9 +189,16 @@ pub fn storage_info(tensor: &Tensor) -> ShimResult<StorageInfo> {
 }
 
 /// Frees a tensor's storage in place, keeping its sizes and dtype. Every tensor sharing that
-/// storage sees it gone: any op on them fails with a libtorch error carrying `message` (say,
-/// which model was released and when), never with numbers. Returns the bytes freed.
-pub fn free_storage(tensor: &Tensor, message: &str) -> ShimResult<usize> {
+/// storage sees it gone: any op on them that starts afterwards fails with a libtorch error
+/// carrying `message` (say, which model was released and when), never with numbers. Returns the
+/// bytes freed.
+///
+/// # Safety
+///
+/// No operation on this storage may be running, or start before this returns, in any thread
+/// (through this tensor or any other sharing the storage): one that is would read or write
+/// freed memory. The registry upholds this by holding the model's body lock.
+pub unsafe fn free_storage(tensor: &Tensor, message: &str) -> ShimResult<usize> {
     let message = std::ffi::CString::new(message.replace('\0', " ")).expect("NULs replaced");
     let mut freed = 0usize;
     // SAFETY: `tensor.as_ptr()` is a live `at::Tensor*` and `message` a NUL-terminated string,
@@ -179,9 +210,15 @@ pub fn free_storage(tensor: &Tensor, message: &str) -> ShimResult<usize> {
 }
 
 /// Gives a freed storage `nbytes` of fresh, uninitialised memory from its own allocator.
-/// The caller fills it before use.
-pub fn realloc_storage(tensor: &Tensor, nbytes: usize) -> ShimResult<()> {
-    // SAFETY: `tensor.as_ptr()` is a live `at::Tensor*`; the shim refuses an allocated storage.
+///
+/// # Safety
+///
+/// The memory is uninitialised: nothing may read it before the caller has filled it, and no
+/// other thread may use the storage meanwhile (the registry holds the model's body lock from
+/// here to the end of the refill, and frees the storage again when the refill fails).
+pub unsafe fn realloc_storage(tensor: &Tensor, nbytes: usize) -> ShimResult<()> {
+    // SAFETY: `tensor.as_ptr()` is a live `at::Tensor*`; the shim refuses an allocated storage;
+    // the caller keeps every reader away until it has filled the memory.
     let err = unsafe { ffi::sl_storage_realloc(tensor.as_ptr(), nbytes) };
     check("reallocate storage", err)
 }
@@ -217,7 +254,7 @@ pub struct CudaMemory {
 pub fn cuda_memory(device: usize) -> ShimResult<CudaMemory> {
     let (mut a, mut r, mut pa, mut pr) = (0i64, 0i64, 0i64, 0i64);
     // SAFETY: out-pointers are valid for writes; the shim validates the device index.
-    let err = unsafe { ffi::sl_cuda_memory(device as c_int, &mut a, &mut r, &mut pa, &mut pr) };
+    let err = unsafe { ffi::sl_cuda_memory(cuda_index(device)?, &mut a, &mut r, &mut pa, &mut pr) };
     check("read CUDA memory", err)?;
     let bytes = |v: i64| v.max(0) as u64;
     Ok(CudaMemory { allocated: bytes(a), reserved: bytes(r), peak_allocated: bytes(pa), peak_reserved: bytes(pr) })
@@ -226,7 +263,7 @@ pub fn cuda_memory(device: usize) -> ShimResult<CudaMemory> {
 /// Resets the CUDA peak statistics of `device`.
 pub fn cuda_reset_peak(device: usize) -> ShimResult<()> {
     // SAFETY: plain integer argument; the shim validates it.
-    let err = unsafe { ffi::sl_cuda_reset_peak(device as c_int) };
+    let err = unsafe { ffi::sl_cuda_reset_peak(cuda_index(device)?) };
     check("reset CUDA peak", err)
 }
 
@@ -234,9 +271,9 @@ pub fn cuda_reset_peak(device: usize) -> ShimResult<()> {
 /// guard drops (then the thread's previous stream is current again): copies and kernels this
 /// thread enqueues then overlap other threads' work on the default stream.
 pub fn cuda_side_stream(index: usize) -> ShimResult<SideStream> {
-    let mut previous = 0i64;
+    let (index, mut previous) = (cuda_index(index)?, 0i64);
     // SAFETY: the out-pointer is valid for a write; the shim validates the index.
-    let err = unsafe { ffi::sl_cuda_use_side_stream(index as c_int, &mut previous) };
+    let err = unsafe { ffi::sl_cuda_use_side_stream(index, &mut previous) };
     check("switch to a side CUDA stream", err)?;
     Ok(SideStream { index, previous })
 }
@@ -244,14 +281,14 @@ pub fn cuda_side_stream(index: usize) -> ShimResult<SideStream> {
 /// A side stream current for this thread; see [`cuda_side_stream`].
 #[derive(Debug)]
 pub struct SideStream {
-    index: usize,
+    index: c_int,
     previous: i64,
 }
 
 impl Drop for SideStream {
     fn drop(&mut self) {
         // SAFETY: plain integers; the shim validates them.
-        let err = unsafe { ffi::sl_cuda_set_stream(self.index as c_int, self.previous) };
+        let err = unsafe { ffi::sl_cuda_set_stream(self.index, self.previous) };
         if let Err(err) = check("restore the CUDA stream", err) {
             tracing::warn!(%err, "restoring the thread's CUDA stream");
         }
@@ -282,7 +319,7 @@ impl CudaEvent {
     pub fn record(index: usize) -> ShimResult<Self> {
         let mut event = std::ptr::null_mut();
         // SAFETY: the out-pointer is valid for a write; on success it holds an owned event.
-        let err = unsafe { ffi::sl_cuda_event_record(index as c_int, &mut event) };
+        let err = unsafe { ffi::sl_cuda_event_record(cuda_index(index)?, &mut event) };
         check("record a CUDA event", err)?;
         Ok(CudaEvent(event))
     }
@@ -306,7 +343,7 @@ impl Drop for CudaEvent {
 /// done (not the whole device: other threads' streams keep running).
 pub fn cuda_sync_current_stream(index: usize) -> ShimResult<()> {
     // SAFETY: plain integer argument; the shim validates it.
-    let err = unsafe { ffi::sl_cuda_sync_current_stream(index as c_int) };
+    let err = unsafe { ffi::sl_cuda_sync_current_stream(cuda_index(index)?) };
     check("wait for the current CUDA stream", err)
 }
 

@@ -41,7 +41,8 @@ fn freeing_a_storage_returns_its_memory_and_reallocating_restores_values() {
     let tensor = Tensor::arange(BYTES / 4, (Kind::Float, Device::Cpu));
     let copy = tensor.copy();
     let before = rss_bytes();
-    let freed = free_storage(&tensor, "released by the test").unwrap();
+    // SAFETY: this test's tensors are used by this thread only, one op at a time.
+    let freed = unsafe { free_storage(&tensor, "released by the test") }.unwrap();
     let after = rss_bytes();
     assert_eq!(freed as i64, BYTES);
     let dropped = before.saturating_sub(after);
@@ -57,12 +58,14 @@ fn freeing_a_storage_returns_its_memory_and_reallocating_restores_values() {
     let view = tensor.shallow_clone();
     assert!(view.f_mul(&view).is_err());
 
-    realloc_storage(&tensor, BYTES as usize).unwrap();
+    // SAFETY: filled below before it is read; one thread.
+    unsafe { realloc_storage(&tensor, BYTES as usize) }.unwrap();
     assert!(storage_info(&tensor).unwrap().allocated);
     tch::no_grad(|| tensor.shallow_clone().f_copy_(&copy)).unwrap();
     assert!(tensor.equal(&copy));
     // A second reallocation of a live storage is refused.
-    let err = realloc_storage(&tensor, 16).unwrap_err();
+    // SAFETY: refused (the storage is allocated), so nothing changes.
+    let err = unsafe { realloc_storage(&tensor, 16) }.unwrap_err();
     assert_eq!(err.operation, "reallocate storage");
     assert!(err.message.contains("still allocated"), "{err}");
 }
@@ -81,7 +84,8 @@ fn tensors_sharing_a_storage_have_one_identity() {
     assert_eq!(distinct.len(), 1);
     assert_eq!(storage_info(&row).unwrap().nbytes, 8 * 8 * 4);
     // Freeing through one handle frees it for all.
-    free_storage(&row, "row freed").unwrap();
+    // SAFETY: one thread, no op running.
+    unsafe { free_storage(&row, "row freed") }.unwrap();
     assert!(!storage_info(&base).unwrap().allocated);
     let err = base.f_sum(Kind::Float).unwrap_err();
     assert!(err.to_string().contains("row freed"), "{err}");

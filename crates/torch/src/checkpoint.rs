@@ -68,6 +68,8 @@ pub enum CheckpointError {
     Stream { tensor: String, path: PathBuf, source: stageload_torch_sys::ShimError },
     #[error("reading tensor '{tensor}' from {path} failed: {source}")]
     Read { tensor: String, path: PathBuf, source: std::io::Error },
+    #[error("cannot write {path}: {source}")]
+    Write { path: PathBuf, source: std::io::Error },
 }
 
 fn quoted(names: &[String]) -> String {
@@ -378,15 +380,15 @@ impl Checkpoint {
         let work = |report: &mut dyn FnMut(u64)| {
             loop {
                 // Taken in a statement of its own, so that the queue is unlocked while copying.
-                let next = queue.lock().unwrap_or_else(|e| e.into_inner()).next();
+                let next = lock(&queue).next();
                 let Some(job) = next else { return };
                 let bytes = job.memory.len() as u64;
                 let file = &self.handles[job.entry.file];
                 if let Err(source) = file.read_exact_at(job.memory, job.offset) {
                     let err = self.read_error(job.name, job.entry, source);
-                    failed.lock().unwrap_or_else(|e| e.into_inner()).get_or_insert(err);
+                    lock(&failed).get_or_insert(err);
                     // The other threads find the queue empty.
-                    queue.lock().unwrap_or_else(|e| e.into_inner()).by_ref().for_each(drop);
+                    lock(&queue).by_ref().for_each(drop);
                     return;
                 }
                 report(done.fetch_add(bytes, Ordering::Relaxed) + bytes);
@@ -487,7 +489,7 @@ impl Checkpoint {
                     let fence = {
                         let mut flow = lock(&flow);
                         while !flow.stopped && j >= n && flow.issued <= j - n {
-                            flow = changed.wait(flow).unwrap_or_else(|e| e.into_inner());
+                            flow = crate::sync::wait(&changed, flow);
                         }
                         if flow.stopped {
                             return;
@@ -522,7 +524,7 @@ impl Checkpoint {
                         if let Some(outcome) = flow.read[j].take() {
                             break outcome;
                         }
-                        flow = changed.wait(flow).unwrap_or_else(|e| e.into_inner());
+                        flow = crate::sync::wait(&changed, flow);
                     }
                 };
                 if let Err(err) = outcome {
@@ -745,7 +747,7 @@ pub fn save<P: AsRef<Path>>(tensors: &[(String, Tensor)], path: P) -> Result<(),
         .map_err(|e| invalid(e.to_string()))?;
     let tmp = path.with_extension("safetensors.partial");
     safetensors::serialize_to_file(views, None, &tmp).map_err(|e| invalid(e.to_string()))?;
-    std::fs::rename(&tmp, path).map_err(|source| CheckpointError::Open { path: path.to_path_buf(), source })
+    std::fs::rename(&tmp, path).map_err(|source| CheckpointError::Write { path: path.to_path_buf(), source })
 }
 
 #[cfg(test)]

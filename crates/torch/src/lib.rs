@@ -11,12 +11,15 @@
 //! - [`storage`]: release and reallocation of a model's storages through the shim.
 //! - [`sync`]: the one shared-handle type and lock helper.
 //! - [`hook`]: enter a stage when a module or closure you do not own is called.
+//! - [`latents`]: a run's latents recorded at stage ends: fingerprints, and the tensors in a file
+//!   for comparing runs by size.
 //! - events ([`Event`], [`EventSink`]): what happened, typed, for traces and tests.
 //! - [`meter`]: a run's memory and events as a JSONL trace (the meter of `stageload-trace`).
 
 pub mod checkpoint;
 pub mod device_copy;
 pub mod hook;
+pub mod latents;
 pub mod meter;
 pub mod names;
 pub mod rng;
@@ -27,7 +30,8 @@ pub mod sync;
 pub use names::NameRules;
 pub use rng::SharedRng;
 pub use staged::{
-    BoxError, BuildContext, Built, Handle, ModelGuard, ModelSpec, ModelState, OutOfMemory, StageError, StagedModels,
+    named_tensors, BoxError, BuildContext, Built, Handle, ModelGuard, ModelSpec, ModelState, OutOfMemory, StageError,
+    StagedModels,
 };
 /// The pipeline description `stageload plan` checks; feed it to [`StagedModels::builder`]'s `pipeline`.
 pub use stageload_plan::Pipeline;

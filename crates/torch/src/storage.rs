@@ -47,13 +47,22 @@ pub fn storage_bytes(tensors: &[(String, Tensor)]) -> Result<u64, ShimError> {
 
 /// Frees every storage in `storages` whose id is not in `keep`. Storages already freed count
 /// for nothing. Any later use of their tensors fails with `message`.
-pub fn release(storages: &[StorageRecord], keep: &HashSet<u64>, message: &str) -> Result<ReleaseStats, ShimError> {
+///
+/// # Safety
+///
+/// As [`shim::free_storage`]: nothing may be running on these storages, in any thread.
+pub unsafe fn release(
+    storages: &[StorageRecord],
+    keep: &HashSet<u64>,
+    message: &str,
+) -> Result<ReleaseStats, ShimError> {
     let mut stats = ReleaseStats::default();
     for storage in storages {
         if keep.contains(&storage.id) {
             stats.kept += storage.nbytes as u64;
         } else if shim::storage_info(&storage.tensor)?.allocated {
-            stats.freed += shim::free_storage(&storage.tensor, message)? as u64;
+            // SAFETY: this function's own precondition.
+            stats.freed += unsafe { shim::free_storage(&storage.tensor, message) }? as u64;
         }
     }
     Ok(stats)
@@ -61,11 +70,17 @@ pub fn release(storages: &[StorageRecord], keep: &HashSet<u64>, message: &str) -
 
 /// Gives every freed storage of `storages` its memory back (uninitialised); returns the ids
 /// reallocated, so the caller refills exactly those.
-pub fn reallocate(storages: &[StorageRecord]) -> Result<HashSet<u64>, ShimError> {
+///
+/// # Safety
+///
+/// As [`shim::realloc_storage`]: the caller fills those storages before anything reads them
+/// and keeps every other thread away meanwhile.
+pub unsafe fn reallocate(storages: &[StorageRecord]) -> Result<HashSet<u64>, ShimError> {
     let mut reallocated = HashSet::new();
     for storage in storages {
         if storage.nbytes > 0 && !shim::storage_info(&storage.tensor)?.allocated {
-            shim::realloc_storage(&storage.tensor, storage.nbytes)?;
+            // SAFETY: this function's own precondition.
+            unsafe { shim::realloc_storage(&storage.tensor, storage.nbytes) }?;
             reallocated.insert(storage.id);
         }
     }
@@ -73,9 +88,14 @@ pub fn reallocate(storages: &[StorageRecord]) -> Result<HashSet<u64>, ShimError>
 }
 
 /// Frees again the storages of `ids` (undoing a [`reallocate`] whose refill failed).
-pub fn free_ids(storages: &[StorageRecord], ids: &HashSet<u64>, message: &str) -> Result<(), ShimError> {
+///
+/// # Safety
+///
+/// As [`release`].
+pub unsafe fn free_ids(storages: &[StorageRecord], ids: &HashSet<u64>, message: &str) -> Result<(), ShimError> {
     for storage in storages.iter().filter(|s| ids.contains(&s.id)) {
-        shim::free_storage(&storage.tensor, message)?;
+        // SAFETY: this function's own precondition.
+        unsafe { shim::free_storage(&storage.tensor, message) }?;
     }
     Ok(())
 }

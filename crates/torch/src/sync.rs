@@ -4,10 +4,7 @@
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
-/// Locks `mutex`, ignoring poisoning.
-pub fn lock<T: ?Sized>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
-    mutex.lock().unwrap_or_else(|e| e.into_inner())
-}
+pub use stageload_trace::sync::{lock, wait};
 
 /// A value several owners share and lock to use: a component several models share
 /// ([`crate::BuildContext::shared`]), or a generator the registry preserves

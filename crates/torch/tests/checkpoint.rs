@@ -136,7 +136,8 @@ fn bad_input_is_a_clear_error_and_changes_nothing() {
 
     // A released target (no storage) is refused before anything is copied.
     let released = sentinel(&[8, 4], Kind::Float);
-    stageload_torch_sys::free_storage(&released, "test").unwrap();
+    // SAFETY: one thread, no op running on the tensor.
+    unsafe { stageload_torch_sys::free_storage(&released, "test") }.unwrap();
     let targets = vec![("w".into(), released)];
     assert!(matches!(checkpoint.load_into(&targets, |_| {}), Err(CheckpointError::Unallocated { .. })));
 }
@@ -202,8 +203,10 @@ fn loads_into_storage_that_was_released_then_reallocated() {
     let (_path_folder, path) = tmp("realloc.safetensors");
     save(&[named("w", &w)], &path).unwrap();
     let target = w.copy();
-    let bytes = stageload_torch_sys::free_storage(&target, "released").unwrap();
-    stageload_torch_sys::realloc_storage(&target, bytes).unwrap();
+    // SAFETY: one thread; the reallocated memory is filled by the load below before it is read.
+    let bytes = unsafe { stageload_torch_sys::free_storage(&target, "released") }.unwrap();
+    // SAFETY: as above.
+    unsafe { stageload_torch_sys::realloc_storage(&target, bytes) }.unwrap();
     Checkpoint::open(&[&path]).unwrap().load_into(&[named("w", &target)], |_| {}).unwrap();
     assert!(target.equal(&w));
 }

@@ -10,7 +10,7 @@ use std::sync::Mutex;
 use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
-use stageload_probe::units::format_bytes;
+use stageload_units::format_bytes;
 
 /// What happened. A trace naming any other kind is refused by the reader, with the kind's name.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -252,7 +252,7 @@ impl ListSink {
 
     /// A copy of the events received so far.
     pub fn events(&self) -> Vec<Event> {
-        self.events.lock().unwrap_or_else(|e| e.into_inner()).clone()
+        crate::sync::lock(&self.events).clone()
     }
 
     /// The events of one kind, in order.
@@ -263,7 +263,7 @@ impl ListSink {
 
 impl EventSink for ListSink {
     fn emit(&self, event: &Event) {
-        self.events.lock().unwrap_or_else(|e| e.into_inner()).push(event.clone());
+        crate::sync::lock(&self.events).push(event.clone());
     }
 }
 

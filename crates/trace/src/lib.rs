@@ -6,14 +6,18 @@
 //! - [`reader`]: reading a trace back, tolerating a half-written last line.
 //! - [`summary`]: per-stage windows and peaks, loads, releases, swap, errors.
 //! - [`table`]: summaries as text, and several traces side by side.
+//! - [`aggregate`]: per-stage peaks over several runs: min, median, max, ratio of medians.
 //! - [`plot`]: memory over time as SVG or PNG.
+//! - [`sync`]: the one lock helper (poisoning ignored).
 
+pub mod aggregate;
 pub mod event;
 pub mod meter;
 pub mod plot;
 pub mod reader;
 pub mod record;
 pub mod summary;
+pub mod sync;
 pub mod table;
 
 pub use event::{Event, EventKind, EventSink, ListSink, LoadReport, ReloadFrom};

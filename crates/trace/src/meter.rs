@@ -274,7 +274,7 @@ impl Meter {
         let background = shared.clone();
         let interval = options.interval;
         let thread = std::thread::Builder::new().name("stageload-meter".into()).spawn(move || {
-            let mut stop = background.stop.lock().unwrap_or_else(|e| e.into_inner());
+            let mut stop = crate::sync::lock(&background.stop);
             loop {
                 // Returns at once when finish() has already asked to stop.
                 let (guard, _) = background
@@ -340,9 +340,9 @@ impl Meter {
 
     /// Stops sampling, writes the last window's peak, a last sample and the `end` record.
     pub fn finish(&self) {
-        *self.shared.stop.lock().unwrap_or_else(|e| e.into_inner()) = true;
+        *crate::sync::lock(&self.shared.stop) = true;
         self.shared.wake.notify_all();
-        if let Some(thread) = self.thread.lock().unwrap_or_else(|e| e.into_inner()).take() {
+        if let Some(thread) = crate::sync::lock(&self.thread).take() {
             let _ = thread.join();
         }
         let t = self.t(Instant::now());
@@ -360,7 +360,7 @@ impl Meter {
 
 impl Shared {
     fn lock(&self) -> MutexGuard<'_, Writer> {
-        self.writer.lock().unwrap_or_else(|e| e.into_inner())
+        crate::sync::lock(&self.writer)
     }
 }
 
@@ -376,3 +376,9 @@ impl EventSink for Meter {
         self.event(event.at.unwrap_or_else(Instant::now), event.clone());
     }
 }
+
+/// The environment variable through which a runner (`stageload ab`) gives each run its own trace
+/// file; the demos' `--trace` defaults to it.
+pub const TRACE_ENV: &str = "STAGELOAD_TRACE";
+/// The same for the run's latents file (`stageload::latents::Latents::with_env` reads it).
+pub const LATENTS_ENV: &str = "STAGELOAD_LATENTS";

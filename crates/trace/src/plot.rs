@@ -1,6 +1,7 @@
-//! Charts of memory over time with `plotters`: one panel per trace on shared axes, the RSS line,
-//! each stage as a band with its name, load (▲) and release (×) markers; SVG or PNG by the
-//! file's extension. Text uses DejaVu Sans compiled in (the `dejavu` crate), so charts render
+//! Charts with `plotters`, SVG or PNG by the file's extension: memory over time ([`plot`]: one
+//! panel per trace on shared axes, the RSS line, each stage as a band with its name, load (▲)
+//! and release (×) markers) and the peak per stage ([`bars`]: one bar per mode at its median
+//! over the runs, whiskers from min to max). Text uses DejaVu Sans compiled in (the `dejavu` crate), so charts render
 //! the same on a machine without fonts.
 
 use std::path::Path;
@@ -8,6 +9,7 @@ use std::sync::Once;
 
 use plotters::coord::Shift;
 use plotters::prelude::*;
+use plotters::style::text_anchor::{HPos, Pos, VPos};
 use plotters::style::FontStyle;
 use thiserror::Error;
 
@@ -46,7 +48,6 @@ pub const MAX_TRACES: usize = 16;
 /// wide (within [`WIDTHS`]) and 300 pixels per panel (at most [`MAX_TRACES`] panels).
 pub fn plot(traces: &[(String, &Trace, &Summary)], path: &Path, width: u32) -> Result<(), PlotError> {
     register_font();
-    let name = path.display().to_string();
     if !WIDTHS.contains(&width) || traces.len() > MAX_TRACES {
         let message = format!(
             "a chart is {} to {} pixels wide (asked {width}) and shows at most {MAX_TRACES} traces (given {})",
@@ -54,23 +55,126 @@ pub fn plot(traces: &[(String, &Trace, &Summary)], path: &Path, width: u32) -> R
             WIDTHS.end(),
             traces.len()
         );
-        return Err(PlotError::Draw { path: name, message });
+        return Err(PlotError::Draw { path: path.display().to_string(), message });
     }
     let size = (width, 300 * traces.len().max(1) as u32 + 40);
+    render(path, size, |root| draw(root, traces), |root| draw(root, traces))
+}
+
+/// Draws with `svg` or `png` by `path`'s extension (the two closures are the same drawing, once
+/// per backend type).
+fn render(
+    path: &Path,
+    size: (u32, u32),
+    svg: impl FnOnce(&DrawingArea<SVGBackend, Shift>) -> Result<(), String>,
+    png: impl FnOnce(&DrawingArea<BitMapBackend, Shift>) -> Result<(), String>,
+) -> Result<(), PlotError> {
+    let name = path.display().to_string();
     let draw_error = |e: String| PlotError::Draw { path: name.clone(), message: e };
     match path.extension().and_then(|e| e.to_str()).map(str::to_ascii_lowercase).as_deref() {
         Some("svg") => {
             let root = SVGBackend::new(path, size).into_drawing_area();
-            draw(&root, traces).map_err(draw_error)?;
+            svg(&root).map_err(draw_error)?;
             root.present().map_err(|e| draw_error(e.to_string()))
         }
         Some("png") => {
             let root = BitMapBackend::new(path, size).into_drawing_area();
-            draw(&root, traces).map_err(draw_error)?;
+            png(&root).map_err(draw_error)?;
             root.present().map_err(|e| draw_error(e.to_string()))
         }
         _ => Err(PlotError::Format { path: name }),
     }
+}
+
+/// The peak per stage, one bar per mode (`groups`: a mode's label and its runs' summaries) at the
+/// median over its runs, with a whisker from the smallest to the largest run; `width` pixels
+/// wide (within [`WIDTHS`]).
+pub fn bars(groups: &[(String, Vec<&Summary>)], path: &Path, width: u32) -> Result<(), PlotError> {
+    register_font();
+    if !WIDTHS.contains(&width) || groups.len() > MAX_TRACES {
+        let message = format!(
+            "a chart is {} to {} pixels wide (asked {width}) and shows at most {MAX_TRACES} modes (given {})",
+            WIDTHS.start(),
+            WIDTHS.end(),
+            groups.len()
+        );
+        return Err(PlotError::Draw { path: path.display().to_string(), message });
+    }
+    let runs: Vec<Vec<&Summary>> = groups.iter().map(|(_, runs)| runs.clone()).collect();
+    let stages = crate::aggregate::aggregate(&runs);
+    let labels: Vec<&str> = groups.iter().map(|(label, _)| label.as_str()).collect();
+    render(path, (width, 460), |root| draw_bars(root, &stages, &labels), |root| draw_bars(root, &stages, &labels))
+}
+
+fn draw_bars<DB: DrawingBackend>(
+    root: &DrawingArea<DB, Shift>,
+    stages: &[crate::aggregate::StageSpread],
+    labels: &[&str],
+) -> Result<(), String> {
+    let error = |e: DrawingAreaErrorKind<DB::ErrorType>| e.to_string();
+    root.fill(&WHITE).map_err(error)?;
+    // Room above the tallest whisker for the stage names and the legend.
+    let top = stages.iter().flat_map(|s| s.host.iter().flatten()).map(|s| s.max as f64 / GB).fold(0.1, f64::max) * 1.3;
+    let count = stages.len().max(1) as f64;
+    let mut chart = ChartBuilder::on(root)
+        .caption("peak per stage: median over the runs, whiskers min to max", ("sans-serif", 18))
+        .margin(10)
+        .x_label_area_size(40)
+        .y_label_area_size(56)
+        .build_cartesian_2d(0.0..count, 0.0..top)
+        .map_err(error)?;
+    chart
+        .configure_mesh()
+        .disable_x_mesh()
+        .x_label_formatter(&|_| String::new())
+        .y_desc("GB")
+        .label_style(("sans-serif", 12))
+        .draw()
+        .map_err(error)?;
+    // Each stage's name centred over its group of bars.
+    let style = TextStyle::from(("sans-serif", 13)).pos(Pos::new(HPos::Center, VPos::Top));
+    chart
+        .draw_series(
+            stages
+                .iter()
+                .enumerate()
+                .map(|(i, s)| Text::new(s.stage.clone(), (i as f64 + 0.5, top * 0.99), style.clone())),
+        )
+        .map_err(error)?;
+    let slot = 0.8 / labels.len().max(1) as f64;
+    for (mode, label) in labels.iter().enumerate() {
+        let color = LINE_COLORS[mode % LINE_COLORS.len()];
+        let spreads: Vec<(f64, crate::aggregate::Spread)> = stages
+            .iter()
+            .enumerate()
+            .filter_map(|(i, s)| Some((i as f64 + 0.1 + slot * mode as f64, s.host.get(mode).copied().flatten()?)))
+            .collect();
+        let gb = |bytes: u64| bytes as f64 / GB;
+        chart
+            .draw_series(
+                spreads
+                    .iter()
+                    .map(|(x, s)| Rectangle::new([(*x, 0.0), (*x + slot * 0.9, gb(s.median))], color.filled())),
+            )
+            .map_err(error)?
+            .label(label.to_string())
+            .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 12, y + 5)], color.filled()));
+        chart
+            .draw_series(spreads.iter().map(|(x, s)| {
+                let middle = *x + slot * 0.45;
+                PathElement::new(vec![(middle, gb(s.min)), (middle, gb(s.max))], BLACK.stroke_width(2))
+            }))
+            .map_err(error)?;
+    }
+    chart
+        .configure_series_labels()
+        .label_font(("sans-serif", 12))
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .position(SeriesLabelPosition::Coordinate(8, 26))
+        .draw()
+        .map_err(error)?;
+    Ok(())
 }
 
 /// (seconds, GB) of one reading over the trace's samples, where the sample has it.

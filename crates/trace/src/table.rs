@@ -1,7 +1,7 @@
 //! Summaries as text: one table per trace, and a side-by-side table of per-stage peaks for
 //! several traces (eager against staged) with the differences.
 
-use stageload_probe::units::format_bytes;
+use stageload_units::format_bytes;
 
 use crate::summary::Summary;
 

@@ -30,7 +30,7 @@ pub use builder::StagedModelsBuilder;
 pub use decide::{ModelState, OutOfMemory};
 pub use error::{BoxError, StageError};
 pub use instance::{Handle, ModelGuard};
-pub use spec::{BuildContext, Built, ModelSpec};
+pub use spec::{named_tensors, BuildContext, Built, ModelSpec};
 
 use crate::storage::ReleaseStats;
 use error::{panic_message, Result};

@@ -190,7 +190,7 @@ impl Inner {
             let plan = match decide::on_get(&entry.slot, ctx) {
                 GetAction::Use(instance) => return Ok(instance),
                 GetAction::Wait => {
-                    state = self.changed.wait(state).unwrap_or_else(|e| e.into_inner());
+                    state = crate::sync::wait(&self.changed, state);
                     continue;
                 }
                 GetAction::Revive(instance) => {
@@ -204,7 +204,7 @@ impl Inner {
                     }
                     // Its storages are being freed right now: wait for that to finish.
                     drop(ctl);
-                    state = self.changed.wait(state).unwrap_or_else(|e| e.into_inner());
+                    state = crate::sync::wait(&self.changed, state);
                     continue;
                 }
                 GetAction::Refuse(Refusal::Closed) => return Err(StageError::Closed { model: name.to_string() }),
@@ -401,7 +401,9 @@ impl Inner {
         // Waits only for a release of this very instance still freeing its storages.
         let body = lock(&instance.body);
         let weights = lock(&instance.weights);
-        let reallocated = storage::reallocate(&weights.storages).map_err(torch)?;
+        // SAFETY: the body lock keeps every caller of the model away until the refill below has
+        // filled these storages (or freed them again).
+        let reallocated = unsafe { storage::reallocate(&weights.storages) }.map_err(torch)?;
         let targets: Vec<(String, Tensor)> = weights
             .tensors
             .iter()
@@ -412,7 +414,9 @@ impl Inner {
             Ok(report) => report,
             Err(err) => {
                 let stage = instance.mark().stage().flatten();
-                storage::free_ids(&weights.storages, &reallocated, &released_message(name, &stage)).map_err(torch)?;
+                let message = released_message(name, &stage);
+                // SAFETY: still under the body lock; nothing has used the half-filled storages.
+                unsafe { storage::free_ids(&weights.storages, &reallocated, &message) }.map_err(torch)?;
                 return Err(err);
             }
         };
@@ -442,8 +446,10 @@ impl Inner {
         let started = Instant::now();
         let keep: HashSet<u64> =
             self.state().holding().filter(|i| !Arc::ptr_eq(i, instance)).flat_map(|i| i.storage_ids()).collect();
-        let result =
-            storage::release(&lock(&instance.weights).storages, &keep, &released_message(&instance.name, &stage));
+        let message = released_message(&instance.name, &stage);
+        // SAFETY: the body lock is held, so no caller of this model runs; storages another
+        // resident model holds are in `keep` and stay.
+        let result = unsafe { storage::release(&lock(&instance.weights).storages, &keep, &message) };
         if result.as_ref().is_ok_and(|stats| stats.freed > 0) {
             // Before the event, so that a meter reading at the event sees the memory gone.
             stageload_torch_sys::trim_host_heap();
@@ -676,7 +682,7 @@ impl Inner {
             if !matches!(state.entries[position].slot.state, SlotState::Loading { .. }) {
                 return Ok((state, position));
             }
-            state = self.changed.wait(state).unwrap_or_else(|e| e.into_inner());
+            state = crate::sync::wait(&self.changed, state);
         }
     }
 

@@ -21,12 +21,18 @@ pub struct Built {
     pub(crate) tensors: Vec<(String, Tensor)>,
 }
 
+/// Every variable of a VarStore (parameters and buffers) with its name, sorted by name: the
+/// order in which the registry lists a built model's tensors and `checkpoint::save` writes them.
+pub fn named_tensors(vs: &VarStore) -> Vec<(String, Tensor)> {
+    let mut tensors: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
+    tensors.sort_by(|a, b| a.0.cmp(&b.0));
+    tensors
+}
+
 impl Built {
     /// A model and every variable of its VarStore (parameters and buffers).
     pub fn new<M: Send + 'static>(model: M, vs: &VarStore) -> Self {
-        let mut tensors: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
-        tensors.sort_by(|a, b| a.0.cmp(&b.0));
-        Self::from_tensors(model, tensors)
+        Self::from_tensors(model, named_tensors(vs))
     }
 
     /// A model and its named tensors, given explicitly.

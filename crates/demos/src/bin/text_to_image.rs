@@ -2,10 +2,7 @@
 //! denoising begins, the denoiser when `models.enter("decode")` runs. Same options as `cascade`
 //! (`--mode eager|staged`, `--trace`, `--scale`, `--steps`, ...), plus `--prompt`.
 //!
-//!     cargo run --example text_to_image -- --prompt "a red fox in the snow" --steps 8
-
-#[path = "support/mod.rs"]
-mod support;
+//!     cargo run --release -p stageload-demos --bin text_to_image -- --prompt "a red fox in the snow" --steps 8
 
 use std::sync::Arc;
 
@@ -14,9 +11,10 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use sha2::{Digest, Sha256};
 use stageload::{BoxError, ModelSpec, SharedRng};
-use support::{
-    cached_checkpoint, sample_flow, schedule, tokens_at, width_at, CommonArgs, Mode, ModelShape, Pipeline,
-    PipelineSpec, Transformer, CHANNELS,
+use stageload_demos::models::transformer_loader;
+use stageload_demos::{
+    cached_checkpoint, sample_flow, schedule, tokens_at, width_at, CommonArgs, DemoRun, DemoSpec, Mode, ModelShape,
+    Transformer, CHANNELS,
 };
 use tch::nn::Module;
 use tch::{Device, Kind, Tensor};
@@ -61,19 +59,17 @@ fn main() -> Result<(), BoxError> {
     let mut models = Vec::new();
     for (seed, shape) in shapes(common.scale).iter().enumerate() {
         let file = cached_checkpoint(&folder, shape, &["model"], 400 + seed as i64)?;
-        models.push(
-            ModelSpec::new(shape.name, support::transformer_loader(shape.clone(), common.device)).checkpoint([file]),
-        );
+        models.push(ModelSpec::new(shape.name, transformer_loader(shape.clone(), common.device)).checkpoint([file]));
     }
     let stage = |name: &str, model: &str| (name.to_string(), vec![model.to_string()]);
-    let spec = PipelineSpec {
+    let spec = DemoSpec {
         name: "text_to_image",
         models,
         stages: vec![stage("encode", "text_encoder"), stage("denoise", "denoiser"), stage("decode", "image_decoder")],
         pinned: Vec::new(),
     };
     let chacha = SharedRng::new(ChaCha8Rng::seed_from_u64(common.seed));
-    let mut p = Pipeline::build(spec, &common, Arc::new(chacha.clone()))?;
+    let mut p = DemoRun::build(spec, &common, Arc::new(chacha.clone()))?;
     if p.mode == Mode::Eager {
         p.load_everything()?;
     }

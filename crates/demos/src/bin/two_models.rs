@@ -5,14 +5,13 @@
 //! noise batch, enter "decode" (the encoder is released in place, its memory goes back to the
 //! OS), decode, and print what happened and a fingerprint of the output.
 //!
-//!     cargo run --release --example two_models -- --width 2048
+//!     cargo run --release -p stageload-demos --bin two_models -- --width 2048
 
 use std::path::PathBuf;
 use std::sync::Arc;
 
 use clap::Parser;
-use sha2::{Digest, Sha256};
-use stageload::{Built, Event, ModelSpec, StagedModels};
+use stageload::{Built, Event, EventSink, ListSink, ModelSpec, StagedModels};
 use tch::nn::{self, Module, VarStore};
 use tch::{Device, Kind, Tensor};
 
@@ -27,6 +26,9 @@ struct Args {
     /// Seed of the run.
     #[arg(long, default_value_t = 7)]
     seed: i64,
+    /// Also write what happened as JSON (for tests)
+    #[arg(long)]
+    result: Option<PathBuf>,
 }
 
 /// Four linear layers with GELU between them.
@@ -75,16 +77,22 @@ fn checkpoint(
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
+    stageload_demos::logging::init();
     let args = Args::parse();
     let encoder_file = checkpoint(&args.cache, "encoder", args.width, 1)?;
     let decoder_file = checkpoint(&args.cache, "decoder", args.width, 2)?;
 
+    let events = Arc::new(ListSink::default());
+    let printed = events.clone();
     let models = StagedModels::builder()
         .model(ModelSpec::new("encoder", loader(args.width)).checkpoint([encoder_file]))
         .model(ModelSpec::new("decoder", loader(args.width)).checkpoint([decoder_file]))
         .stage("encode", ["encoder"])
         .stage("decode", ["decoder"])
-        .events(Arc::new(|e: &Event| println!("  event: {e}")))
+        .events(Arc::new(move |e: &Event| {
+            println!("  event: {e}");
+            printed.emit(e);
+        }))
         .build()?;
 
     tch::manual_seed(args.seed);
@@ -92,14 +100,24 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let noise = Tensor::randn([8, args.width], (Kind::Float, Device::Cpu));
     let latent = models.call("encoder", |m: &mut Stack| m.0.forward(&noise))?; // built lazily
     println!("resident after encode: {:?}, {} MiB", models.resident(), models.resident_bytes() >> 20);
+    let after_encode = models.resident();
 
     models.enter("decode")?;
     let image = models.call("decoder", |m: &mut Stack| m.0.forward(&latent))?;
     println!("resident after decode: {:?}, {} MiB", models.resident(), models.resident_bytes() >> 20);
 
-    let mut bytes = vec![0u8; image.numel() * 4];
-    image.contiguous().copy_data_u8(&mut bytes, image.numel());
-    println!("output {:?} sha256 {:x}", image.size(), Sha256::digest(&bytes));
+    let output = stageload::latents::fingerprint(&image);
+    println!("output {:?} sha256 {output}", image.size());
+    if let Some(path) = &args.result {
+        let events: Vec<String> = events.events().iter().map(ToString::to_string).collect();
+        let result = serde_json::json!({
+            "resident_after_encode": after_encode,
+            "resident_after_decode": models.resident(),
+            "events": events,
+            "output": output,
+        });
+        std::fs::write(path, result.to_string())?;
+    }
     models.close()?;
     Ok(())
 }

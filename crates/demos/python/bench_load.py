@@ -1,4 +1,4 @@
-"""Python peer of examples/bench_load.rs: safetensors.torch.load_file + load_state_dict.
+"""Python peer of crates/demos/src/bin/bench_load.rs: safetensors.torch.load_file + load_state_dict.
 
 Builds the same model (layers.N as nn.Linear), then loads the checkpoint once per run with the
 warm page cache and prints one JSON line per run: seconds, bytes, and the transient peak of

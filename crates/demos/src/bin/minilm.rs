@@ -8,7 +8,7 @@
 //! ```sh
 //! eval "$(scripts/setup-libtorch.sh)"; eval "$(scripts/setup-reference.sh)"
 //! $STAGELOAD_PYTHON scripts/reference/minilm.py $STAGELOAD_MINILM ref.safetensors
-//! cargo run --example minilm -- --model-dir $STAGELOAD_MINILM --reference ref.safetensors --result minilm.json
+//! cargo run --release -p stageload-demos --bin minilm -- --model-dir $STAGELOAD_MINILM --reference ref.safetensors --result minilm.json
 //! ```
 //!
 //! The reference file holds the tokenised sentences and what sentence-transformers computed for
@@ -191,10 +191,7 @@ fn median(mut values: Vec<f64>) -> f64 {
 
 fn main() -> Result<(), BoxError> {
     // The library's warnings (e.g. a lenient load's unused entries) on stderr; RUST_LOG to tune.
-    tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env().add_directive(tracing::Level::WARN.into()))
-        .with_writer(std::io::stderr)
-        .init();
+    stageload_demos::logging::init();
     let args = Args::parse();
     let file = args.model_dir.join("model.safetensors");
     let reference: std::collections::HashMap<String, Tensor> =

@@ -10,12 +10,13 @@ use std::process::Command;
 use stageload::meter::read_trace;
 use stageload_trace::{EventKind, Record};
 
-fn example(name: &str) -> PathBuf {
-    // Integration tests run from target/<profile>/deps; `cargo test` builds examples beside it.
-    let exe = std::env::current_exe().unwrap();
-    let path = exe.parent().unwrap().parent().unwrap().join("examples").join(name);
-    assert!(path.exists(), "{} is missing: plain `cargo test` builds it", path.display());
-    path
+/// The demo binaries, as cargo builds them for this test.
+fn binary(name: &str) -> &'static str {
+    match name {
+        "cascade" => env!("CARGO_BIN_EXE_cascade"),
+        "text_to_image" => env!("CARGO_BIN_EXE_text_to_image"),
+        other => panic!("no demo binary {other}"),
+    }
 }
 
 /// A folder for one test, removed with its contents when dropped.
@@ -23,38 +24,47 @@ fn scratch(name: &str) -> tempfile::TempDir {
     tempfile::Builder::new().prefix(&format!("stageload-demo-{name}-")).tempdir().unwrap()
 }
 
+/// A run's `--result` file, and where its trace and latents went.
 struct Run {
-    stdout: String,
+    result: serde_json::Value,
     latents: BTreeMap<String, String>,
     trace: PathBuf,
+    latents_file: PathBuf,
 }
 
-/// Runs an example at scale 0.01 with checkpoints cached in `dir`.
-fn run(example_name: &str, dir: &Path, label: &str, extra: &[&str]) -> Run {
-    let trace = dir.join(format!("{label}.jsonl"));
-    let output = Command::new(example(example_name))
+/// Runs a demo at scale 0.01 with checkpoints cached in `dir`.
+fn run(demo: &str, dir: &Path, label: &str, extra: &[&str]) -> Run {
+    let (trace, result, latents_file) = (
+        dir.join(format!("{label}.jsonl")),
+        dir.join(format!("{label}.json")),
+        dir.join(format!("{label}.safetensors")),
+    );
+    let output = Command::new(binary(demo))
         .args(["--scale", "0.01", "--cache"])
         .arg(dir.join("weights"))
         .arg("--trace")
         .arg(&trace)
+        .arg("--result")
+        .arg(&result)
+        .arg("--latents")
+        .arg(&latents_file)
         .args(extra)
         .output()
         .unwrap();
-    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
     assert!(
         output.status.success(),
-        "{example_name} {extra:?} failed:\n{stdout}\n{}",
+        "{demo} {extra:?} failed:\n{}\n{}",
+        String::from_utf8_lossy(&output.stdout),
         String::from_utf8_lossy(&output.stderr)
     );
-    let latents = stdout
-        .lines()
-        .filter_map(|line| line.strip_prefix("latent "))
-        .map(|rest| {
-            let (name, tail) = rest.split_once(' ').unwrap();
-            (name.to_string(), tail.rsplit_once("sha256 ").unwrap().1.to_string())
-        })
+    let result: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&result).unwrap()).unwrap();
+    let latents = result["latents"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|pair| (pair[0].as_str().unwrap().to_string(), pair[1].as_str().unwrap().to_string()))
         .collect();
-    Run { stdout, latents, trace }
+    Run { result, latents, trace, latents_file }
 }
 
 fn check_determinism(example_name: &str, first: &str, after_build: &str) {
@@ -62,8 +72,18 @@ fn check_determinism(example_name: &str, first: &str, after_build: &str) {
     let dir = folder.path();
     let eager = run(example_name, dir, "eager", &["--mode", "eager"]);
     let staged = run(example_name, dir, "staged", &["--mode", "staged", "--check-residency"]);
-    assert!(eager.latents.len() >= 4, "{}", eager.stdout);
+    assert!(eager.latents.len() >= 4, "{}", eager.result);
     assert_eq!(staged.latents, eager.latents, "staged latents equal eager ones bit for bit");
+    // The latents file holds the tensors, and its sidecar the same fingerprints.
+    let tensors =
+        safetensors::SafeTensors::deserialize(&std::fs::read(&staged.latents_file).unwrap()).unwrap().names().len();
+    assert_eq!(tensors, staged.latents.len());
+    let sidecar = std::fs::read_to_string(stageload::latents::sidecar(&staged.latents_file)).unwrap();
+    let listed: BTreeMap<String, String> = sidecar
+        .lines()
+        .map(|line| line.split_once(' ').map(|(n, p)| (n.to_string(), p.to_string())).unwrap())
+        .collect();
+    assert_eq!(listed, staged.latents);
 
     let control = run(example_name, dir, "control", &["--mode", "staged", "--no-preserve-rng"]);
     assert_eq!(control.latents[first], eager.latents[first], "the first latent is drawn before any lazy build");
@@ -97,11 +117,11 @@ fn cascade_holds_only_the_planned_models_and_reloads_the_shape_decoder_once() {
         ("decode", vec!["shape_decoder", "texture_decoder"]),
     ]
     .into();
-    let calls: Vec<&str> = staged.stdout.lines().filter(|l| l.starts_with("call ")).collect();
-    assert_eq!(calls.len(), 12, "every model call was checked:\n{}", staged.stdout);
+    let calls = staged.result["calls"].as_array().unwrap();
+    assert_eq!(calls.len(), 12, "every model call was checked: {:#}", staged.result);
     for call in calls {
-        let fields: Vec<&str> = call.split_whitespace().collect();
-        let (stage, model, resident) = (fields[1], fields[2], fields[4].split(',').collect::<Vec<_>>());
+        let (stage, model) = (call["stage"].as_str().unwrap(), call["model"].as_str().unwrap());
+        let resident: Vec<&str> = call["resident"].as_array().unwrap().iter().map(|r| r.as_str().unwrap()).collect();
         assert!(resident.contains(&model), "{call}");
         for name in resident {
             let pinned = extractors.contains(&name) && stage != "decode";
@@ -120,4 +140,22 @@ fn cascade_holds_only_the_planned_models_and_reloads_the_shape_decoder_once() {
     let reloads: Vec<&(EventKind, String)> = events.iter().filter(|(kind, _)| *kind == EventKind::Reload).collect();
     assert_eq!(reloads, [&(EventKind::Reload, "shape_decoder".to_string())], "{events:?}");
     assert_eq!(events.iter().filter(|(_, model)| model == "shape_decoder").count(), 2);
+}
+
+#[test]
+fn a_runner_gives_the_trace_and_latents_files_through_the_environment() {
+    let folder = scratch("env");
+    let dir = folder.path();
+    let (trace, latents) = (dir.join("from-env.jsonl"), dir.join("from-env.safetensors"));
+    let output = Command::new(binary("text_to_image"))
+        .args(["--scale", "0.01", "--cache"])
+        .arg(dir.join("weights"))
+        .env("STAGELOAD_TRACE", &trace)
+        .env("STAGELOAD_LATENTS", &latents)
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    assert!(read_trace(&trace).unwrap().records.len() > 3, "the meter wrote the trace the runner named");
+    let names = safetensors::SafeTensors::deserialize(&std::fs::read(&latents).unwrap()).unwrap().names().len();
+    assert!(names >= 3, "the latents went to the file the runner named");
 }

@@ -9,11 +9,8 @@
 //! The run seeds once and draws each stage's noise from torch's CPU generator and from a
 //! registered ChaCha generator. It prints each stage's latent fingerprint and peak memory.
 //!
-//!     cargo run --example cascade -- --mode staged --trace staged.jsonl
-//!     cargo run --example cascade -- --mode eager --trace eager.jsonl
-
-#[path = "support/mod.rs"]
-mod support;
+//!     cargo run --release -p stageload-demos --bin cascade -- --mode staged --trace staged.jsonl
+//!     cargo run --release -p stageload-demos --bin cascade -- --mode eager --trace eager.jsonl
 
 use std::sync::Arc;
 
@@ -21,9 +18,10 @@ use clap::Parser;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use stageload::{BoxError, BuildContext, Built, ModelSpec, Shared, SharedRng};
-use support::{
-    cached, cached_checkpoint, sample_flow, schedule, tokens_at, width_at, CommonArgs, Mode, ModelShape, Pipeline,
-    PipelineSpec, Transformer, CHANNELS,
+use stageload_demos::models::transformer_loader;
+use stageload_demos::{
+    cached, cached_checkpoint, sample_flow, schedule, tokens_at, width_at, CommonArgs, DemoRun, DemoSpec, Mode,
+    ModelShape, Transformer, CHANNELS,
 };
 use tch::nn::{self, Module, VarStore};
 use tch::{Device, Kind, Tensor};
@@ -74,7 +72,7 @@ fn extractor_loader(
         let shared = ctx.shared("backbone", || {
             let vs = VarStore::new(device);
             let model = Transformer::new(vs.root() / "model", &backbone);
-            Ok((model, support::sorted_variables(&vs)))
+            Ok((model, stageload::named_tensors(&vs)))
         })?;
         let vs = VarStore::new(device);
         let head = nn::linear(vs.root() / "head", backbone.output, CHANNELS, Default::default());
@@ -82,7 +80,7 @@ fn extractor_loader(
     }
 }
 
-fn spec(args: &CommonArgs) -> Result<PipelineSpec, BoxError> {
+fn spec(args: &CommonArgs) -> Result<DemoSpec, BoxError> {
     let folder = args.cache_folder("cascade");
     let device = args.device;
     let mut models = Vec::new();
@@ -90,7 +88,7 @@ fn spec(args: &CommonArgs) -> Result<PipelineSpec, BoxError> {
     let (backbone, flows) = all.split_last().expect("the backbone is last");
     for (seed, shape) in flows.iter().enumerate() {
         let file = cached_checkpoint(&folder, shape, &["model"], 100 + seed as i64)?;
-        models.push(ModelSpec::new(shape.name, support::transformer_loader(shape.clone(), device)).checkpoint([file]));
+        models.push(ModelSpec::new(shape.name, transformer_loader(shape.clone(), device)).checkpoint([file]));
     }
     let backbone_file = cached_checkpoint(&folder, backbone, &["backbone", "model"], 200)?;
     for (seed, name) in EXTRACTORS.iter().enumerate() {
@@ -104,7 +102,7 @@ fn spec(args: &CommonArgs) -> Result<PipelineSpec, BoxError> {
         );
     }
     let stage = |name: &str, models: &[&str]| (name.to_string(), models.iter().map(|m| m.to_string()).collect());
-    Ok(PipelineSpec {
+    Ok(DemoSpec {
         name: "cascade",
         models,
         stages: vec![
@@ -121,15 +119,15 @@ fn spec(args: &CommonArgs) -> Result<PipelineSpec, BoxError> {
 }
 
 /// Calls model `name` (checking residency first) on `input`.
-fn run(p: &Pipeline, name: &str, input: &Tensor) -> Result<Tensor, BoxError> {
+fn run(p: &DemoRun, name: &str, input: &Tensor) -> Result<Tensor, BoxError> {
     p.call(name, |m: &mut Transformer| m.forward(input))
 }
 
-fn flow(p: &Pipeline, name: &str, x: Tensor, cond: &Tensor, times: &[f64]) -> Result<Tensor, BoxError> {
+fn flow(p: &DemoRun, name: &str, x: Tensor, cond: &Tensor, times: &[f64]) -> Result<Tensor, BoxError> {
     p.call(name, |m: &mut Transformer| sample_flow(m, x, cond, times))
 }
 
-fn condition(p: &Pipeline, name: &str, image: &Tensor) -> Result<Tensor, BoxError> {
+fn condition(p: &DemoRun, name: &str, image: &Tensor) -> Result<Tensor, BoxError> {
     p.call(name, |m: &mut Extractor| m.condition(image))
 }
 
@@ -138,7 +136,7 @@ fn main() -> Result<(), BoxError> {
     let _no_grad = tch::no_grad_guard();
     tch::set_num_threads(std::thread::available_parallelism().map_or(1, |n| n.get()) as i32);
     let chacha = SharedRng::new(ChaCha8Rng::seed_from_u64(args.seed));
-    let mut p = Pipeline::build(spec(&args)?, &args, Arc::new(chacha.clone()))?;
+    let mut p = DemoRun::build(spec(&args)?, &args, Arc::new(chacha.clone()))?;
     let noise = |tokens: i64| Tensor::randn([tokens, CHANNELS], (Kind::Float, args.device));
     let (image_tokens, t_structure, t_512, t_1024) = (
         tokens_at(256, args.scale),

@@ -1,7 +1,7 @@
 //! Checkpoint loading benchmark: stageload's loader against `tch::nn::VarStore::load` and
 //! Python's `safetensors.torch.load_file` + `load_state_dict`, side by side in one run.
 //!
-//!     scripts/bench-load.sh            (= cargo run --release --example bench_load)
+//!     scripts/bench-load.sh            (= cargo run --release -p stageload-demos --bin bench_load)
 //!
 //! One checkpoint of about 1.04 GB (f32 linear layers of three sizes) is written once. Each
 //! round loads it with each loader in turn (alternating), with the warm page cache; with
@@ -98,7 +98,7 @@ fn warm_page_cache(path: &Path) {
 }
 
 fn python_runs(args: &Args, runs: usize) -> Vec<Measure> {
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/bench_load.py");
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("python/bench_load.py");
     let out = Command::new(&args.python).arg(script).arg(&args.checkpoint).arg(runs.to_string()).output();
     let out = match out {
         Ok(out) if out.status.success() => out,
@@ -124,6 +124,7 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 fn main() {
+    stageload_demos::logging::init();
     let args = Args::parse();
     tch::set_num_threads(std::thread::available_parallelism().map(|n| n.get() as i32).unwrap_or(2));
     if !args.checkpoint.exists() {

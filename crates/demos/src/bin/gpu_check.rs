@@ -39,8 +39,8 @@ struct Args {
     /// Python with torch and safetensors, for the peers.
     #[arg(long, default_value = "python3")]
     python: String,
-    /// The peers' script (examples/bench_device.py).
-    #[arg(long, default_value = "examples/bench_device.py")]
+    /// The peers' script (crates/demos/python/bench_device.py).
+    #[arg(long, default_value = "crates/demos/python/bench_device.py")]
     peer: PathBuf,
 }
 
@@ -163,6 +163,7 @@ fn registry_checks(scratch: &Path, device: Device) -> Result<BTreeMap<String, se
 }
 
 fn main() -> Result<(), BoxError> {
+    stageload_demos::logging::init();
     let args = Args::parse();
     if stageload_torch_sys::cuda_device_count().unwrap_or(0) == 0 {
         eprintln!("gpu_check needs a CUDA device; this machine has none");

@@ -1,0 +1,152 @@
+//! What an A/B run found: each run's ending (and the stage it reached), per-stage peaks
+//! aggregated per arm, and each arm's latents against the first arm's, as text and JSON.
+
+use serde::Serialize;
+use stageload_trace::{read_trace, summarize, Summary, Trace};
+use stageload_units::format_bytes;
+
+use crate::latents::{compare, render as render_latents, LatentError, LatentFile, LatentReport};
+use crate::runner::{describe, Arm, RunRecord};
+use stageload_trace::aggregate::{aggregate, Spread, StageSpread};
+
+/// One run as the report lists it.
+#[derive(Debug, Clone, Serialize)]
+pub struct RunLine {
+    pub arm: String,
+    pub round: usize,
+    pub ending: String,
+    pub exit: i32,
+    /// The last stage its trace shows (where a stopped run stopped).
+    pub reached: Option<String>,
+    /// Why its trace could not be read, if it could not.
+    pub trace_error: Option<String>,
+}
+
+/// The whole comparison.
+#[derive(Debug, Clone, Serialize)]
+pub struct AbReport {
+    pub arms: Vec<String>,
+    pub runs: Vec<RunLine>,
+    pub stages: Vec<StageSpread>,
+    /// Per arm after the first: its latents against the first arm's.
+    pub latents: Vec<(String, Vec<LatentReport>)>,
+    /// Why latents could not be compared, if they could not.
+    pub latents_error: Option<String>,
+    /// Every run exited 0 and every latent is identical or within the reference's variation.
+    pub passed: bool,
+}
+
+/// The traces of the runs that have one, with their summaries, by arm.
+pub type Traces = Vec<Vec<(Trace, Summary)>>;
+
+/// Builds the report from the runs' files.
+pub fn report(arms: &[Arm], records: &[RunRecord]) -> (AbReport, Traces) {
+    let mut traces: Traces = vec![Vec::new(); arms.len()];
+    let mut runs = Vec::new();
+    for record in records {
+        let (reached, trace_error) = match read_trace(&record.trace) {
+            Ok(trace) => {
+                let summary = summarize(&trace);
+                let reached = summary.stages.last().map(|w| w.stage.clone());
+                traces[record.arm].push((trace, summary));
+                (reached, None)
+            }
+            Err(error) => (None, Some(error.to_string())),
+        };
+        runs.push(RunLine {
+            arm: arms[record.arm].name.clone(),
+            round: record.round,
+            ending: describe(&record.outcome),
+            exit: record.exit,
+            reached,
+            trace_error,
+        });
+    }
+    let summaries: Vec<Vec<&Summary>> = traces.iter().map(|t| t.iter().map(|(_, s)| s).collect()).collect();
+    let stages = aggregate(&summaries);
+    let (latents, latents_error) = match compare_latents(arms, records) {
+        Ok(latents) => (latents, None),
+        Err(error) => (Vec::new(), Some(error.to_string())),
+    };
+    let passed = records.iter().all(|r| r.exit == 0)
+        && latents_error.is_none()
+        && latents.iter().flat_map(|(_, reports)| reports).all(|r| r.verdict.passes());
+    let arms = arms.iter().map(|a| a.name.clone()).collect();
+    (AbReport { arms, runs, stages, latents, latents_error, passed }, traces)
+}
+
+/// Each later arm's latents files against the first arm's (runs without a file are left out).
+fn compare_latents(arms: &[Arm], records: &[RunRecord]) -> Result<Vec<(String, Vec<LatentReport>)>, LatentError> {
+    let files = |arm: usize| -> Result<Vec<LatentFile>, LatentError> {
+        records.iter().filter(|r| r.arm == arm && r.latents.exists()).map(|r| LatentFile::read(&r.latents)).collect()
+    };
+    let reference = files(0)?;
+    if reference.is_empty() {
+        return Ok(Vec::new());
+    }
+    (1..arms.len()).map(|arm| Ok((arms[arm].name.clone(), compare(&reference, &files(arm)?)?))).collect()
+}
+
+fn spread_text(spread: &Option<Spread>) -> String {
+    match spread {
+        None => "-".to_string(),
+        Some(s) if s.n == 1 => format_bytes(s.median),
+        Some(s) => format!("{} ({} – {})", format_bytes(s.median), format_bytes(s.min), format_bytes(s.max)),
+    }
+}
+
+/// The report as text.
+pub fn render(report: &AbReport) -> String {
+    let mut out = String::from("runs (alternating):\n");
+    for run in &report.runs {
+        let reached = run.reached.as_deref().map_or(String::new(), |s| format!(", last stage {s}"));
+        let trace = run.trace_error.as_deref().map_or(String::new(), |e| format!(" [{e}]"));
+        out += &format!("  {} {}: {}{reached}{trace}\n", run.arm, run.round, run.ending);
+    }
+    out += "\npeak per stage, median (min – max) over the runs; ratio = median / the first arm's median:\n";
+    let mut header = format!("  {:<14}", "stage");
+    for arm in &report.arms {
+        header += &format!(" {arm:>34}");
+    }
+    for arm in report.arms.iter().skip(1) {
+        header += &format!(" {:>10}", format!("{arm}/{}", report.arms[0]));
+    }
+    out += &header;
+    out += "\n";
+    for stage in &report.stages {
+        let mut line = format!("  {:<14}", stage.stage);
+        for spread in &stage.host {
+            line += &format!(" {:>34}", spread_text(spread));
+        }
+        for ratio in stage.ratio.iter().skip(1) {
+            line += &format!(" {:>10}", ratio.map_or("-".to_string(), |r| format!("{r:.3}")));
+        }
+        out += &line;
+        out += "\n";
+        if stage.device.iter().any(Option::is_some) {
+            let mut line = format!("  {:<14}", "  (device)");
+            for spread in &stage.device {
+                line += &format!(" {:>34}", spread_text(spread));
+            }
+            out += &line;
+            out += "\n";
+        }
+    }
+    out += "\n";
+    match (&report.latents_error, report.latents.is_empty()) {
+        (Some(error), _) => out += &format!("latents: not compared: {error}\n"),
+        (None, true) => out += "latents: none written (the commands did not write $STAGELOAD_LATENTS)\n",
+        (None, false) => {
+            for (arm, reports) in &report.latents {
+                out += &format!("latents, {arm} against {}:\n", report.arms[0]);
+                out += &render_latents(reports, &report.arms[0]);
+            }
+        }
+    }
+    out += if report.passed {
+        "\nverdict: every run finished and every latent matches\n"
+    } else {
+        "\nverdict: FAILED (see above)\n"
+    };
+    out
+}

@@ -1,0 +1,107 @@
+//! The command line the demo pipelines share, and its checks.
+
+use std::path::PathBuf;
+
+use tch::Device;
+
+use crate::weights::cache_root;
+
+/// How the pipeline loads its models.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Mode {
+    /// Every model loaded up front and kept (the baseline).
+    Eager,
+    /// Each stage's models loaded on first use and released when a stage does not list them.
+    Staged,
+}
+
+impl Mode {
+    /// `eager` or `staged`, as traces and results name the mode.
+    pub fn name(self) -> &'static str {
+        match self {
+            Mode::Eager => "eager",
+            Mode::Staged => "staged",
+        }
+    }
+}
+
+fn positive_scale(text: &str) -> Result<f64, String> {
+    match text.parse::<f64>() {
+        Ok(scale) if scale.is_finite() && scale > 0.0 => Ok(scale),
+        _ => Err(format!("'{text}' is not a positive number (1 is the default size, 0.01 a tiny one)")),
+    }
+}
+
+/// What the examples' command lines share.
+#[derive(Debug, Clone, clap::Args)]
+pub struct CommonArgs {
+    /// eager: load everything up front; staged: per stage
+    #[arg(long, value_enum, default_value = "staged")]
+    pub mode: Mode,
+    /// Model and token sizes relative to the default (1.0: about 3 GB of weights; 4 for bigger machines)
+    #[arg(long, default_value_t = 1.0, value_parser = positive_scale)]
+    pub scale: f64,
+    /// Seed of the run
+    #[arg(long, default_value_t = 7)]
+    pub seed: u64,
+    /// Sampler steps per flow stage
+    #[arg(long, default_value_t = 3)]
+    pub steps: i64,
+    /// The JSONL trace of the run (default: $STAGELOAD_TRACE when set, else a temporary file)
+    #[arg(long, env = "STAGELOAD_TRACE", value_name = "FILE")]
+    pub trace: Option<PathBuf>,
+    /// Write the latents (safetensors) to this file, and their fingerprints to FILE.sha256
+    /// (default: $STAGELOAD_LATENTS when set)
+    #[arg(long, value_name = "FILE")]
+    pub latents: Option<PathBuf>,
+    /// Write what the run did (latent fingerprints, the residency at every checked call) as JSON
+    #[arg(long, value_name = "FILE")]
+    pub result: Option<PathBuf>,
+    /// Folder of the cached checkpoints (default: $STAGELOAD_CACHE or ~/.cache/stageload, then demo-weights/)
+    #[arg(long)]
+    pub cache: Option<PathBuf>,
+    /// Print and check, at every model call, that the resident models are the stage's plan
+    #[arg(long)]
+    pub check_residency: bool,
+    /// Control experiment: do not preserve the generators around lazy builds
+    #[arg(long)]
+    pub no_preserve_rng: bool,
+    /// Staged: load the next stage's models in the background while a stage computes (models
+    /// built without random initialisation)
+    #[arg(long)]
+    pub prefetch: bool,
+    /// Where the models and the noise live: auto (CUDA when present, else the CPU), cpu, cuda,
+    /// cuda:N, mps
+    #[arg(long, default_value = "auto", value_parser = parse_device)]
+    pub device: Device,
+}
+
+/// `auto`, `cpu`, `cuda`, `cuda:N` or `mps`; a device this machine lacks is refused.
+pub fn parse_device(text: &str) -> Result<Device, String> {
+    let cuda = |index: usize| {
+        let count = stageload_torch_sys::cuda_device_count().unwrap_or(0);
+        if index < count {
+            Ok(Device::Cuda(index))
+        } else {
+            Err(format!("cuda:{index} does not exist: this machine has {count} CUDA device(s); use --device cpu"))
+        }
+    };
+    match text {
+        "auto" => Ok(Device::cuda_if_available()),
+        "cpu" => Ok(Device::Cpu),
+        "cuda" => cuda(0),
+        "mps" if stageload_torch_sys::mps_available().unwrap_or(false) => Ok(Device::Mps),
+        "mps" => Err("MPS is not available on this machine; use --device cpu".into()),
+        other => match other.strip_prefix("cuda:").and_then(|n| n.parse().ok()) {
+            Some(index) => cuda(index),
+            None => Err(format!("unknown device '{other}' (auto, cpu, cuda, cuda:N or mps)")),
+        },
+    }
+}
+
+impl CommonArgs {
+    /// The checkpoint folder for `pipeline` at this scale.
+    pub fn cache_folder(&self, pipeline: &str) -> PathBuf {
+        self.cache.clone().unwrap_or_else(cache_root).join(format!("{pipeline}-scale-{}", self.scale))
+    }
+}

@@ -1,0 +1,110 @@
+//! The model the demo pipelines are made of: a pre-norm transformer (attention + MLP blocks) as
+//! real tch modules, its shapes at a scale, and the loader the registry builds it with.
+
+use stageload::{BoxError, BuildContext, Built};
+use tch::nn::{self, Module, VarStore};
+use tch::{Device, Kind, Tensor};
+
+/// Channels of every latent, whatever the scale.
+pub const CHANNELS: i64 = 64;
+
+/// Pre-norm transformer block: multi-head self-attention and a GELU MLP, each with a residual.
+#[derive(Debug)]
+pub struct Block {
+    norm1: nn::LayerNorm,
+    qkv: nn::Linear,
+    proj: nn::Linear,
+    norm2: nn::LayerNorm,
+    fc1: nn::Linear,
+    fc2: nn::Linear,
+    heads: i64,
+}
+
+impl Block {
+    pub fn new(p: nn::Path, width: i64) -> Self {
+        Block {
+            norm1: nn::layer_norm(&p / "norm1", vec![width], Default::default()),
+            qkv: nn::linear(&p / "qkv", width, 3 * width, Default::default()),
+            proj: nn::linear(&p / "proj", width, width, Default::default()),
+            norm2: nn::layer_norm(&p / "norm2", vec![width], Default::default()),
+            fc1: nn::linear(&p / "fc1", width, 4 * width, Default::default()),
+            fc2: nn::linear(&p / "fc2", 4 * width, width, Default::default()),
+            heads: (width / 64).max(1),
+        }
+    }
+}
+
+impl Module for Block {
+    /// `x`: [tokens, width].
+    fn forward(&self, x: &Tensor) -> Tensor {
+        let (tokens, width) = x.size2().expect("[tokens, width]");
+        let head = width / self.heads;
+        let qkv = x.apply(&self.norm1).apply(&self.qkv).view([tokens, 3, self.heads, head]).permute([1, 2, 0, 3]);
+        let (q, k, v) = (qkv.get(0), qkv.get(1), qkv.get(2));
+        let attention = (q.matmul(&k.transpose(-2, -1)) / (head as f64).sqrt()).softmax(-1, Kind::Float);
+        let mixed = attention.matmul(&v).permute([1, 0, 2]).reshape([tokens, width]).apply(&self.proj);
+        let x = x + mixed;
+        let hidden = x.apply(&self.norm2).apply(&self.fc1).gelu("tanh").apply(&self.fc2);
+        x + hidden
+    }
+}
+
+/// Input projection, transformer blocks, output norm and projection.
+#[derive(Debug)]
+pub struct Transformer {
+    input: nn::Linear,
+    blocks: Vec<Block>,
+    norm: nn::LayerNorm,
+    output: nn::Linear,
+}
+
+impl Transformer {
+    pub fn new(p: nn::Path, shape: &ModelShape) -> Self {
+        Transformer {
+            input: nn::linear(&p / "input", shape.input, shape.width, Default::default()),
+            blocks: (0..shape.depth).map(|i| Block::new(&p / "blocks" / i, shape.width)).collect(),
+            norm: nn::layer_norm(&p / "norm", vec![shape.width], Default::default()),
+            output: nn::linear(&p / "output", shape.width, shape.output, Default::default()),
+        }
+    }
+}
+
+impl Module for Transformer {
+    fn forward(&self, x: &Tensor) -> Tensor {
+        let x = self.blocks.iter().fold(x.apply(&self.input), |x, block| block.forward(&x));
+        x.apply(&self.norm).apply(&self.output)
+    }
+}
+
+/// A model's architecture.
+#[derive(Debug, Clone)]
+pub struct ModelShape {
+    pub name: &'static str,
+    pub input: i64,
+    pub width: i64,
+    pub depth: i64,
+    pub output: i64,
+}
+
+/// Width at a scale: bytes grow with the scale (width² per block), rounded to 64.
+pub fn width_at(base: i64, scale: f64) -> i64 {
+    (((base as f64) * scale.sqrt() / 64.0).ceil() as i64 * 64).max(64)
+}
+
+/// Tokens at a scale, rounded to 16.
+pub fn tokens_at(base: i64, scale: f64) -> i64 {
+    (((base as f64) * scale.sqrt() / 16.0).ceil() as i64 * 16).max(16)
+}
+
+/// A loader that builds `shape` on `device` (random initialisation: it draws from torch's
+/// generator, as a real model's constructor does); the registry fills it from its checkpoint.
+pub fn transformer_loader(
+    shape: ModelShape,
+    device: Device,
+) -> impl Fn(&BuildContext) -> Result<Built, BoxError> + Send + Sync {
+    move |_| {
+        let vs = VarStore::new(device);
+        let model = Transformer::new(vs.root() / "model", &shape);
+        Ok(Built::new(model, &vs))
+    }
+}

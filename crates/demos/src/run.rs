@@ -1,0 +1,254 @@
+//! A demo run: the registry for its mode (eager pins everything; staged runs the pipeline file
+//! `stageload plan` checks), the meter, residency checks at every model call, the latents'
+//! fingerprints, and at the end a JSON result (`--result FILE`) that tests read instead of
+//! stdout.
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use serde::Serialize;
+use stageload::latents::Latents;
+use stageload::meter::{self, Meter, MeterOptions};
+use stageload::{BoxError, ModelSpec, StagedModels};
+use stageload_plan::{ModelEntry, PipelineFile, StageEntry};
+use stageload_units::format_bytes;
+use tch::{Device, Tensor};
+
+use crate::args::{CommonArgs, Mode};
+use crate::progress::progress_bar;
+
+/// A demo pipeline: its models, stages in order and pinned models.
+pub struct DemoSpec {
+    pub name: &'static str,
+    pub models: Vec<ModelSpec>,
+    pub stages: Vec<(String, Vec<String>)>,
+    pub pinned: Vec<String>,
+}
+
+impl DemoSpec {
+    /// Writes the pipeline description `stageload plan` reads (models with their checkpoint
+    /// files, stages, pins) to `path`.
+    pub fn write_description(&self, path: &Path, device: Device) -> Result<(), BoxError> {
+        let description = PipelineFile {
+            pinned: self.pinned.clone(),
+            models: self
+                .models
+                .iter()
+                .map(|m| ModelEntry {
+                    name: m.name().to_string(),
+                    files: m.checkpoint_files().to_vec(),
+                    device: meter::device_name(device),
+                    dtype: None,
+                })
+                .collect(),
+            stages: self
+                .stages
+                .iter()
+                .map(|(name, models)| StageEntry {
+                    name: name.clone(),
+                    models: models.clone(),
+                    working: None,
+                    device_working: None,
+                })
+                .collect(),
+        };
+        std::fs::write(path, toml::to_string(&description)?)?;
+        Ok(())
+    }
+}
+
+/// One model call as `--check-residency` saw it.
+#[derive(Debug, Clone, Serialize)]
+pub struct Call {
+    pub stage: String,
+    pub model: String,
+    pub resident: Vec<String>,
+}
+
+/// What a run writes to `--result`.
+#[derive(Debug, Default, Serialize)]
+struct RunResult {
+    mode: String,
+    /// (latent name, SHA-256 of its shape and values), in the order recorded.
+    latents: Vec<(String, String)>,
+    /// Every model call, with what was resident (only with `--check-residency`).
+    calls: Vec<Call>,
+    trace: Option<PathBuf>,
+    latents_file: Option<PathBuf>,
+}
+
+/// The registry, the plan it runs, the meter, and the checks and records around every call.
+pub struct DemoRun {
+    pub models: StagedModels,
+    pub mode: Mode,
+    plan: Vec<(String, Vec<String>)>,
+    pinned: Vec<String>,
+    meter: Arc<Meter>,
+    trace: PathBuf,
+    /// The trace was not asked for: it goes away after the stage peaks are printed.
+    temporary_trace: bool,
+    check_residency: bool,
+    latents: Latents,
+    result_file: Option<PathBuf>,
+    /// Calls checked so far (`call` takes `&self`).
+    calls: std::sync::Mutex<Vec<Call>>,
+}
+
+impl DemoRun {
+    /// Builds the registry for `mode`: staged runs the pipeline file written from `spec`; eager
+    /// pins every model (so no stage releases anything) and the caller loads them all before
+    /// seeding.
+    pub fn build(
+        spec: DemoSpec,
+        args: &CommonArgs,
+        chacha: Arc<dyn stageload::rng::RngSnapshot>,
+    ) -> Result<DemoRun, BoxError> {
+        crate::logging::init();
+        let trace = args.trace.clone().unwrap_or_else(|| {
+            std::env::temp_dir().join(format!("stageload-{}-{}.jsonl", spec.name, std::process::id()))
+        });
+        let options = MeterOptions::default()
+            .meta("mode", args.mode.name())
+            .meta("pipeline", spec.name)
+            .meta("scale", args.scale)
+            .meta("seed", args.seed)
+            .meta("preserve_rng", !args.no_preserve_rng)
+            .meta("prefetch", args.prefetch)
+            .meta("device", meter::device_name(args.device));
+        let meter = Arc::new(meter::start(&trace, args.device, options)?);
+        let names: Vec<String> = spec.models.iter().map(|m| m.name().to_string()).collect();
+        let description = args.cache_folder(spec.name).join(format!("{}.toml", spec.name));
+        spec.write_description(&description, args.device)?;
+        println!("pipeline description {} (stageload plan reads it)", description.display());
+        // Eager: every stage lists every model and every model is pinned, so nothing is ever
+        // released and no load is outside its stage.
+        let (plan, pinned) = match args.mode {
+            Mode::Staged => (spec.stages.clone(), spec.pinned.clone()),
+            Mode::Eager => {
+                (spec.stages.iter().map(|(stage, _)| (stage.clone(), names.clone())).collect(), names.clone())
+            }
+        };
+        let mut builder =
+            StagedModels::builder().events(meter.clone()).register_rng(chacha).preserve_rng(!args.no_preserve_rng);
+        if std::io::IsTerminal::is_terminal(&std::io::stderr()) {
+            builder = builder.progress(progress_bar());
+        }
+        for model in spec.models {
+            // Prefetched builds must draw nothing: every weight comes from the checkpoint.
+            builder = builder.model(if args.prefetch { model.skip_init(true) } else { model });
+        }
+        builder = builder.prefetch_next(args.prefetch);
+        match args.mode {
+            // Staged: stages and pins come from the description `stageload plan` checks.
+            Mode::Staged => builder = builder.pipeline(&stageload::Pipeline::load(&description)?),
+            Mode::Eager => {
+                for (stage, models) in &plan {
+                    builder = builder.stage(stage.clone(), models.iter().cloned());
+                }
+                for name in &pinned {
+                    builder = builder.pin(name.clone());
+                }
+            }
+        }
+        Ok(DemoRun {
+            models: builder.build()?,
+            mode: args.mode,
+            plan,
+            pinned,
+            meter,
+            temporary_trace: args.trace.is_none(),
+            trace,
+            latents: Latents::with_env(args.latents.clone()),
+            calls: std::sync::Mutex::default(),
+            check_residency: args.check_residency,
+            result_file: args.result.clone(),
+        })
+    }
+
+    /// Eager mode: loads every model now.
+    pub fn load_everything(&self) -> Result<(), BoxError> {
+        for name in self.models.names() {
+            self.models.load(&name)?;
+        }
+        Ok(())
+    }
+
+    pub fn enter(&self, stage: &str) -> Result<(), BoxError> {
+        self.models.enter(stage)?;
+        Ok(())
+    }
+
+    /// Calls `f` on model `name` (built on first use). With `--check-residency`, checks first
+    /// that what is resident is what the stage plans: the called model, the stage's other models
+    /// and pinned ones, nothing left over from earlier stages.
+    pub fn call<M: 'static, R>(&self, model: &str, f: impl FnOnce(&mut M) -> R) -> Result<R, BoxError> {
+        if self.check_residency {
+            self.models.load(model)?;
+            self.check_resident(model)?;
+        }
+        Ok(self.models.call(model, f)?)
+    }
+
+    fn check_resident(&self, model: &str) -> Result<(), BoxError> {
+        let stage = self.models.current_stage().unwrap_or_default();
+        let resident = self.models.resident();
+        let planned: BTreeSet<&String> = self
+            .plan
+            .iter()
+            .filter(|(s, _)| *s == stage)
+            .flat_map(|(_, m)| m.iter())
+            .chain(self.pinned.iter())
+            .collect();
+        println!("call {stage} {model} resident {}", resident.join(","));
+        let unplanned: Vec<&String> = resident.iter().filter(|name| !planned.contains(name)).collect();
+        if !unplanned.is_empty() || !resident.iter().any(|r| r == model) {
+            return Err(format!("at {stage}, calling {model}: resident {resident:?}, not planned {unplanned:?}").into());
+        }
+        stageload::sync::lock(&self.calls).push(Call { stage, model: model.to_string(), resident });
+        Ok(())
+    }
+
+    /// Records a stage's latent and prints its fingerprint.
+    pub fn latent(&mut self, name: &str, tensor: &Tensor) {
+        let print = self.latents.record(name, tensor);
+        println!("latent {name} {:?} sha256 {print}", tensor.size());
+    }
+
+    /// Closes the registry and the meter, prints each stage's peak, writes the result file.
+    pub fn finish(self) -> Result<(), BoxError> {
+        self.models.close()?;
+        self.meter.finish();
+        let summary = stageload::meter::summarize(&stageload::meter::read_trace(&self.trace)?);
+        if !self.temporary_trace {
+            println!("trace {}", self.trace.display());
+        }
+        for window in &summary.stages {
+            let peak = window.peak.map_or("-".to_string(), format_bytes);
+            println!("stage {:<12} {:>8.2} s  peak {peak}", window.stage, window.seconds);
+        }
+        println!(
+            "loaded {} models ({} reloads), {} in {:.2} s; overall peak {}",
+            summary.loads.count,
+            summary.loads.reloads,
+            format_bytes(summary.loads.bytes),
+            summary.loads.seconds,
+            format_bytes(summary.peak)
+        );
+        if self.temporary_trace {
+            std::fs::remove_file(&self.trace)?;
+        }
+        self.latents.save()?;
+        if let Some(path) = &self.result_file {
+            let result = RunResult {
+                mode: self.mode.name().to_string(),
+                latents: self.latents.fingerprints().map(|(n, p)| (n.to_string(), p.to_string())).collect(),
+                calls: std::mem::take(&mut *stageload::sync::lock(&self.calls)),
+                trace: (!self.temporary_trace).then(|| self.trace.clone()),
+                latents_file: self.latents.file().map(Path::to_path_buf),
+            };
+            std::fs::write(path, serde_json::to_string_pretty(&result)?)?;
+        }
+        Ok(())
+    }
+}

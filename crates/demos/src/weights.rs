@@ -1,0 +1,50 @@
+//! Demo checkpoints: written once from weights drawn with a fixed seed (same seed, same weights,
+//! every time), under a cache folder, and read from there by every later run.
+
+use std::path::{Path, PathBuf};
+
+use stageload::BoxError;
+use tch::nn::VarStore;
+use tch::Device;
+
+use crate::models::{ModelShape, Transformer};
+
+/// Where the demos cache their checkpoints: `$STAGELOAD_CACHE`, else `$XDG_CACHE_HOME/stageload`,
+/// else `~/.cache/stageload`, else `target/`; then `demo-weights/`.
+pub fn cache_root() -> PathBuf {
+    let home_cache = || std::env::var_os("HOME").map(|home| PathBuf::from(home).join(".cache"));
+    std::env::var_os("STAGELOAD_CACHE")
+        .map(PathBuf::from)
+        .or_else(|| {
+            std::env::var_os("XDG_CACHE_HOME").map(PathBuf::from).or_else(home_cache).map(|c| c.join("stageload"))
+        })
+        .unwrap_or_else(|| PathBuf::from("target"))
+        .join("demo-weights")
+}
+
+/// The checkpoint of `shape` under `folder`, written once from weights drawn with `seed` (same
+/// seed, same weights, every time).
+pub fn cached_checkpoint(folder: &Path, shape: &ModelShape, prefix: &[&str], seed: i64) -> Result<PathBuf, BoxError> {
+    let path = folder.join(format!("{}-{}x{}.safetensors", shape.name, shape.width, shape.depth));
+    cached(&path, seed, |vs| {
+        let _ = Transformer::new(prefix.iter().fold(vs.root(), |p, part| p / *part), shape);
+    })?;
+    Ok(path)
+}
+
+/// Writes `path` once from the variables `build` creates with torch seeded by `seed`
+/// (`checkpoint::save` writes a temporary name and renames it, so an interrupted write never
+/// leaves a file that looks complete).
+pub fn cached(path: &Path, seed: i64, build: impl FnOnce(&VarStore)) -> Result<(), BoxError> {
+    if path.exists() {
+        return Ok(());
+    }
+    if let Some(folder) = path.parent() {
+        std::fs::create_dir_all(folder)?;
+    }
+    tch::manual_seed(seed);
+    let vs = VarStore::new(Device::Cpu);
+    build(&vs);
+    stageload::checkpoint::save(&stageload::named_tensors(&vs), path)?;
+    Ok(())
+}

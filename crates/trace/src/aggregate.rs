@@ -1,0 +1,95 @@
+//! Per-stage peaks over several runs of each arm: min, median and max of each stage's exact peak
+//! (host, and device where the runs measured it), and the ratio of the medians of each arm to
+//! the first arm's. Stages are listed in the order the first run of the first arm met them; a
+//! stage some run never reached has fewer values (a stopped run is reported where it stopped).
+
+use crate::summary::Summary;
+use serde::Serialize;
+
+/// Min, median and max of some values (`n` of them).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Spread {
+    pub min: u64,
+    pub median: u64,
+    pub max: u64,
+    pub n: usize,
+}
+
+impl Spread {
+    /// `None` for no values. The median of an even count is the mean of the middle two.
+    pub fn of(mut values: Vec<u64>) -> Option<Spread> {
+        values.sort_unstable();
+        let n = values.len();
+        let median = match n {
+            0 => return None,
+            n if n % 2 == 1 => values[n / 2],
+            n => values[n / 2 - 1] / 2 + values[n / 2] / 2 + (values[n / 2 - 1] % 2 + values[n / 2] % 2) / 2,
+        };
+        Some(Spread { min: values[0], median, max: values[n - 1], n })
+    }
+}
+
+/// One stage over every run of every arm.
+#[derive(Debug, Clone, Serialize)]
+pub struct StageSpread {
+    pub stage: String,
+    /// Per arm, in the arms' order: the host peak's spread (`None`: no run of it reached the stage).
+    pub host: Vec<Option<Spread>>,
+    /// The same for device memory, where measured.
+    pub device: Vec<Option<Spread>>,
+    /// Per arm: its host median over the first arm's.
+    pub ratio: Vec<Option<f64>>,
+}
+
+/// The peak of `stage` in one run (the largest of its windows of that name).
+fn peak_of(summary: &Summary, stage: &str, device: bool) -> Option<u64> {
+    summary.stages.iter().filter(|w| w.stage == stage).filter_map(|w| if device { w.device_peak } else { w.peak }).max()
+}
+
+/// Aggregates `arms` (each: its runs' summaries) stage by stage.
+pub fn aggregate(arms: &[Vec<&Summary>]) -> Vec<StageSpread> {
+    let mut stages: Vec<String> = Vec::new();
+    for summary in arms.iter().flatten() {
+        for window in &summary.stages {
+            if !stages.contains(&window.stage) {
+                stages.push(window.stage.clone());
+            }
+        }
+    }
+    stages
+        .into_iter()
+        .map(|stage| {
+            let spread = |device: bool| -> Vec<Option<Spread>> {
+                arms.iter()
+                    .map(|runs| Spread::of(runs.iter().filter_map(|s| peak_of(s, &stage, device)).collect()))
+                    .collect()
+            };
+            let host = spread(false);
+            let base = host.first().copied().flatten().map(|s| s.median);
+            let ratio = host
+                .iter()
+                .map(|s| match (s, base) {
+                    (Some(s), Some(base)) if base > 0 => Some(s.median as f64 / base as f64),
+                    _ => None,
+                })
+                .collect();
+            StageSpread { device: spread(true), stage, host, ratio }
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_median_of_an_even_count_is_the_mean_of_the_middle_two_without_overflow() {
+        assert_eq!(Spread::of(vec![]), None);
+        assert_eq!(Spread::of(vec![5]), Some(Spread { min: 5, median: 5, max: 5, n: 1 }));
+        assert_eq!(Spread::of(vec![9, 1, 5]).map(|s| s.median), Some(5));
+        assert_eq!(Spread::of(vec![4, 1]).map(|s| s.median), Some(2));
+        assert_eq!(Spread::of(vec![3, 1]).map(|s| s.median), Some(2));
+        let huge = Spread::of(vec![u64::MAX, u64::MAX - 2]).unwrap();
+        assert_eq!(huge.median, u64::MAX - 1);
+    }
+}
