@@ -27,6 +27,9 @@ pub enum LatentError {
     Dtype { latent: String, path: PathBuf, dtype: Dtype },
 }
 
+/// The metadata key listing the latents in the order recorded (`stageload::latents::ORDER_KEY`).
+pub const ORDER_KEY: &str = "stageload.latents.order";
+
 /// One latent: its dtype, shape, raw bytes.
 #[derive(Debug, Clone)]
 struct Latent {
@@ -50,10 +53,18 @@ impl LatentFile {
         stageload_input::open_regular(path)
             .and_then(|mut file| file.read_to_end(&mut bytes))
             .map_err(|e| error(e.to_string()))?;
+        let (_, metadata) = SafeTensors::read_metadata(&bytes).map_err(|e| error(e.to_string()))?;
         let file = SafeTensors::deserialize(&bytes).map_err(|e| error(e.to_string()))?;
-        // In the order of the data (the order recorded), not the header's JSON order.
+        // In the order recorded (listed in the metadata by `stageload::latents`), else by name.
+        let order: Vec<String> = metadata
+            .metadata()
+            .as_ref()
+            .and_then(|m| m.get(ORDER_KEY))
+            .map(|o| o.lines().map(str::to_string).collect())
+            .unwrap_or_default();
+        let rank = |name: &str| order.iter().position(|n| n == name).unwrap_or(usize::MAX);
         let mut views: Vec<_> = file.tensors();
-        views.sort_by_key(|(_, view)| view.data().as_ptr() as usize);
+        views.sort_by(|(a, _), (b, _)| rank(a).cmp(&rank(b)).then_with(|| a.cmp(b)));
         let latents = views
             .into_iter()
             .map(|(name, view)| {
@@ -213,26 +224,26 @@ fn describe(difference: &Difference) -> String {
     }
 }
 
-/// The reports as a table, one line per latent and run, and the verdict.
+/// The reports as text: one line per latent, and the differences under a latent that has any.
 pub fn render(reports: &[LatentReport], reference_name: &str) -> String {
     let mut out = String::new();
     for report in reports {
-        out += &format!("{}:\n", report.name);
+        let verdict = match report.verdict {
+            Verdict::Identical => "identical bit for bit".to_string(),
+            Verdict::WithinVariation => format!("within {reference_name}'s own variation"),
+            Verdict::Exceeds { factor } => format!("exceeds {reference_name}'s own variation {factor:.2}x"),
+            Verdict::Differs => format!("differs (one {reference_name} run: no variation to judge by)"),
+        };
+        out += &format!("  {}: {verdict} ({} runs)\n", report.name, report.runs.len());
+        if report.verdict == Verdict::Identical {
+            continue;
+        }
         if let Some(variation) = &report.reference_variation {
-            out += &format!("  {reference_name}'s own variation: {}\n", describe(variation));
+            out += &format!("    {reference_name}'s own variation: {}\n", describe(variation));
         }
         for (path, difference) in &report.runs {
-            out += &format!("  {}: {}\n", path.display(), describe(difference));
+            out += &format!("    {}: {}\n", path.display(), describe(difference));
         }
-        out += &format!(
-            "  verdict: {}\n",
-            match report.verdict {
-                Verdict::Identical => "identical bit for bit".to_string(),
-                Verdict::WithinVariation => format!("within {reference_name}'s own variation"),
-                Verdict::Exceeds { factor } => format!("exceeds {reference_name}'s own variation {factor:.2}x"),
-                Verdict::Differs => format!("differs (one {reference_name} run: no variation to judge by)"),
-            }
-        );
     }
     out
 }

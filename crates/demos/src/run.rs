@@ -11,19 +11,21 @@ use serde::Serialize;
 use stageload::latents::Latents;
 use stageload::meter::{self, Meter, MeterOptions};
 use stageload::{BoxError, ModelSpec, StagedModels};
-use stageload_plan::{ModelEntry, PipelineFile, StageEntry};
+use stageload_plan::{ModelEntry, PinEntry, PipelineFile, StageEntry};
 use stageload_units::format_bytes;
 use tch::{Device, Tensor};
 
 use crate::args::{CommonArgs, Mode};
 use crate::progress::progress_bar;
 
-/// A demo pipeline: its models, stages in order and pinned models.
+/// A demo pipeline: its models, stages in order, models pinned for the whole run and pins over a
+/// span of stages.
 pub struct DemoSpec {
     pub name: &'static str,
     pub models: Vec<ModelSpec>,
     pub stages: Vec<(String, Vec<String>)>,
     pub pinned: Vec<String>,
+    pub pins: Vec<PinEntry>,
 }
 
 impl DemoSpec {
@@ -32,6 +34,8 @@ impl DemoSpec {
     pub fn write_description(&self, path: &Path, device: Device) -> Result<(), BoxError> {
         let description = PipelineFile {
             pinned: self.pinned.clone(),
+            pins: self.pins.clone(),
+            reserve: None,
             models: self
                 .models
                 .iter()
@@ -40,6 +44,7 @@ impl DemoSpec {
                     files: m.checkpoint_files().to_vec(),
                     device: meter::device_name(device),
                     dtype: None,
+                    ignore: Vec::new(),
                 })
                 .collect(),
             stages: self
@@ -82,8 +87,8 @@ struct RunResult {
 pub struct DemoRun {
     pub models: StagedModels,
     pub mode: Mode,
-    plan: Vec<(String, Vec<String>)>,
-    pinned: Vec<String>,
+    /// What the run follows: the description (staged), or every model everywhere (eager).
+    plan: stageload_plan::Pipeline,
     meter: Arc<Meter>,
     trace: PathBuf,
     /// The trace was not asked for: it goes away after the stage peaks are printed.
@@ -121,14 +126,16 @@ impl DemoRun {
         let description = args.cache_folder(spec.name).join(format!("{}.toml", spec.name));
         spec.write_description(&description, args.device)?;
         println!("pipeline description {} (stageload plan reads it)", description.display());
-        // Eager: every stage lists every model and every model is pinned, so nothing is ever
-        // released and no load is outside its stage.
-        let (plan, pinned) = match args.mode {
-            Mode::Staged => (spec.stages.clone(), spec.pinned.clone()),
-            Mode::Eager => {
-                (spec.stages.iter().map(|(stage, _)| (stage.clone(), names.clone())).collect(), names.clone())
+        let mut plan = stageload::Pipeline::load(&description)?;
+        if args.mode == Mode::Eager {
+            // Every stage lists every model and every model is pinned, so nothing is ever released
+            // and no load is outside its stage.
+            for stage in &mut plan.stages {
+                stage.models = names.clone();
             }
-        };
+            plan.pinned = names.clone();
+            plan.pins.clear();
+        }
         let mut builder =
             StagedModels::builder().events(meter.clone()).register_rng(chacha).preserve_rng(!args.no_preserve_rng);
         if std::io::IsTerminal::is_terminal(&std::io::stderr()) {
@@ -138,24 +145,12 @@ impl DemoRun {
             // Prefetched builds must draw nothing: every weight comes from the checkpoint.
             builder = builder.model(if args.prefetch { model.skip_init(true) } else { model });
         }
-        builder = builder.prefetch_next(args.prefetch);
-        match args.mode {
-            // Staged: stages and pins come from the description `stageload plan` checks.
-            Mode::Staged => builder = builder.pipeline(&stageload::Pipeline::load(&description)?),
-            Mode::Eager => {
-                for (stage, models) in &plan {
-                    builder = builder.stage(stage.clone(), models.iter().cloned());
-                }
-                for name in &pinned {
-                    builder = builder.pin(name.clone());
-                }
-            }
-        }
+        // Stages, pins, devices: the description `stageload plan` checks (eager: everything pinned).
+        builder = builder.prefetch_next(args.prefetch).pipeline(&plan);
         Ok(DemoRun {
             models: builder.build()?,
             mode: args.mode,
             plan,
-            pinned,
             meter,
             temporary_trace: args.trace.is_none(),
             trace,
@@ -193,13 +188,11 @@ impl DemoRun {
     fn check_resident(&self, model: &str) -> Result<(), BoxError> {
         let stage = self.models.current_stage().unwrap_or_default();
         let resident = self.models.resident();
-        let planned: BTreeSet<&String> = self
-            .plan
-            .iter()
-            .filter(|(s, _)| *s == stage)
-            .flat_map(|(_, m)| m.iter())
-            .chain(self.pinned.iter())
-            .collect();
+        // The demos do not repeat stages: a stage's occurrence is its place in the sequence.
+        let index = self.plan.stages.iter().position(|s| s.name == stage);
+        let planned: BTreeSet<&String> = index
+            .map(|i| self.plan.stages[i].models.iter().chain(self.plan.pinned_at(i)).collect())
+            .unwrap_or_default();
         println!("call {stage} {model} resident {}", resident.join(","));
         let unplanned: Vec<&String> = resident.iter().filter(|name| !planned.contains(name)).collect();
         if !unplanned.is_empty() || !resident.iter().any(|r| r == model) {

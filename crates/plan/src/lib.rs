@@ -8,5 +8,7 @@
 pub mod pipeline;
 pub mod plan;
 
-pub use pipeline::{Model, ModelEntry, Pipeline, PipelineError, PipelineFile, Placement, Stage, StageEntry};
+pub use pipeline::{
+    Model, ModelEntry, Pin, PinEntry, Pipeline, PipelineError, PipelineFile, Placement, Reserve, Stage, StageEntry,
+};
 pub use plan::{plan, Budget, BudgetSource, EagerPlan, Plan, StagePlan, Verdict, SCHEMA_VERSION};

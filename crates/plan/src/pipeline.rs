@@ -1,9 +1,16 @@
-//! The pipeline description file: models with their checkpoints, the stages in order, pinned
-//! models, working memory. The same file feeds `stageload plan` and `StagedModels`, so the plan
-//! that was checked is the plan that runs.
+//! The pipeline description file: models with their checkpoints, the stages in the order the run
+//! enters them (a name may come back), pins for the whole run or for a span of stages, working
+//! memory. The same file feeds `stageload plan` and `StagedModels`, so the plan that was checked
+//! is the plan that runs.
 //!
 //! ```toml
-//! pinned = ["backbone"]
+//! pinned = ["backbone"]                      # resident for the whole run
+//! reserve = "10%"                            # headroom on every stage's need (or a size: "512M")
+//!
+//! [[pins]]                                   # resident from a stage until another begins
+//! models = ["extractor"]
+//! from = "setup"                             # default: the first stage
+//! until = "decode"                           # released when decode begins; default: the end
 //!
 //! [[models]]
 //! name = "backbone"
@@ -13,7 +20,8 @@
 //! [[models]]
 //! name = "denoiser"
 //! files = ["weights/denoiser-1.safetensors", "weights/denoiser-2.safetensors"]
-//! dtype = "bf16"                             # loaded as (default: as stored)
+//! dtype = "bf16"                             # float entries loaded as (default: as stored)
+//! ignore = ["pooler.*"]                      # entries the model does not load (globs)
 //!
 //! [[stages]]
 //! name = "denoise"
@@ -52,9 +60,13 @@ pub struct ModelEntry {
     /// `cpu` (default), `cuda`, `cuda:N` or `mps`.
     #[serde(default = "cpu")]
     pub device: String,
-    /// The dtype the model is loaded as (`f16`, `bf16`, `f32`, ...); default: as stored.
+    /// The dtype the model's float entries are loaded as (`f16`, `bf16`, `f32`, ...); default:
+    /// as stored. Integer and bool entries keep theirs.
     #[serde(default)]
     pub dtype: Option<String>,
+    /// Checkpoint entries the model does not load (glob patterns, as `NameRules::ignore`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub ignore: Vec<String>,
 }
 
 fn cpu() -> String {
@@ -76,13 +88,33 @@ pub struct StageEntry {
     pub device_working: Option<String>,
 }
 
+/// Models kept resident over a span of stages, as the file describes it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PinEntry {
+    pub models: Vec<String>,
+    /// The stage from which they are kept (default: the first).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub from: Option<String>,
+    /// The stage at whose entry they are released (default: kept to the end).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub until: Option<String>,
+}
+
 /// The file itself, before any check: what [`Pipeline::load`] parses, and what a program that
 /// describes its own pipeline serializes (`toml::to_string`).
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct PipelineFile {
+    /// Models resident for the whole run.
     #[serde(default)]
     pub pinned: Vec<String>,
+    /// Headroom added to every stage's need: a size (`512M`) or a percent of the need (`10%`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reserve: Option<String>,
+    /// Models resident over a span of stages.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub pins: Vec<PinEntry>,
     #[serde(default)]
     pub models: Vec<ModelEntry>,
     #[serde(default)]
@@ -116,7 +148,10 @@ pub struct Model {
     pub device: String,
     pub placement: Placement,
     pub dtype: Option<String>,
-    /// Tensors over all files.
+    /// Checkpoint entries the model does not load (globs).
+    #[serde(default)]
+    pub ignore: Vec<String>,
+    /// Tensors over all files that the model loads.
     pub tensors: usize,
     /// Bytes resident once loaded (in `dtype` when given, else as stored).
     pub bytes: u64,
@@ -135,18 +170,69 @@ pub struct Stage {
     pub device_working: u64,
 }
 
+/// Models kept resident over the stages `from..until` (indices into the stage sequence; `until`
+/// `None`: to the end).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Pin {
+    pub models: Vec<String>,
+    pub from: usize,
+    pub until: Option<usize>,
+}
+
+impl Pin {
+    /// Whether the pin holds at stage `index` of the sequence.
+    pub fn holds_at(&self, index: usize) -> bool {
+        index >= self.from && self.until.is_none_or(|until| index < until)
+    }
+}
+
+/// Headroom on every stage's need.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", content = "value", rename_all = "snake_case")]
+pub enum Reserve {
+    Bytes(u64),
+    Percent(f64),
+}
+
+impl Reserve {
+    /// `need` with the headroom added (saturating).
+    pub fn on(&self, need: u64) -> u64 {
+        match *self {
+            Reserve::Bytes(bytes) => need.saturating_add(bytes),
+            Reserve::Percent(percent) => need.saturating_add((need as f64 * percent / 100.0) as u64),
+        }
+    }
+}
+
 /// A checked pipeline: every name resolved, every checkpoint header read.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Pipeline {
     pub path: PathBuf,
     pub models: Vec<Model>,
+    /// The stages in the order the run enters them; a name may come back.
     pub stages: Vec<Stage>,
+    /// Models resident for the whole run.
     pub pinned: Vec<String>,
+    /// Models resident over a span of stages.
+    #[serde(default)]
+    pub pins: Vec<Pin>,
+    #[serde(default)]
+    pub reserve: Option<Reserve>,
 }
 
 impl Pipeline {
     pub fn model(&self, name: &str) -> Option<&Model> {
         self.models.iter().find(|m| m.name == name)
+    }
+
+    /// The models pinned at stage `index` of the sequence: the whole run's and the spans'.
+    pub fn pinned_at(&self, index: usize) -> Vec<&String> {
+        let mut pinned: Vec<&String> = self.pinned.iter().collect();
+        for pin in self.pins.iter().filter(|p| p.holds_at(index)) {
+            pinned.extend(pin.models.iter().filter(|m| !self.pinned.contains(m)));
+        }
+        pinned.dedup();
+        pinned
     }
 }
 
@@ -171,15 +257,71 @@ pub fn total(sizes: impl IntoIterator<Item = u64>) -> u64 {
     sizes.into_iter().fold(0, u64::saturating_add)
 }
 
-/// One checkpoint's header: (tensors, bytes of data as stored, element counts).
-fn read_header(path: &Path) -> Result<(usize, u64, u64), String> {
+/// Whether entries of `dtype` convert to a model's load dtype (floats do; integers and bools
+/// keep theirs).
+fn converts(dtype: safetensors::Dtype) -> bool {
+    use safetensors::Dtype::*;
+    matches!(dtype, F16 | BF16 | F32 | F64 | F8_E4M3 | F8_E5M2)
+}
+
+/// What one checkpoint holds for a model: the entries it loads, their bytes as stored, and their
+/// bytes once loaded with `load_bits` per float element (as stored without it).
+fn read_header(path: &Path, ignore: &[glob::Pattern], load_bits: Option<usize>) -> Result<(usize, u64, u64), String> {
     let mut file = stageload_input::open_regular(path).map_err(|e| e.to_string())?;
     let header = stageload_input::read_header(&mut file)?;
-    let tensors = header.metadata.tensors();
-    let data_bytes = tensors.values().map(|info| info.data_offsets.1 as u64).max().unwrap_or(0);
-    // safetensors checked each shape's product against its offsets, so each fits the file.
-    let elements = total(tensors.values().map(|info| info.shape.iter().product::<usize>() as u64));
-    Ok((tensors.len(), data_bytes, elements))
+    let loaded: Vec<_> =
+        header.metadata.tensors().into_iter().filter(|(name, _)| !ignore.iter().any(|p| p.matches(name))).collect();
+    // safetensors checked each entry's offsets against its shape and dtype, and the reader
+    // checked them against the file, so each size below fits the file.
+    let stored = total(loaded.iter().map(|(_, info)| (info.data_offsets.1 - info.data_offsets.0) as u64));
+    let resident = total(loaded.iter().map(|(_, info)| match load_bits {
+        Some(bits) if converts(info.dtype) => {
+            (info.shape.iter().product::<usize>() as u64).saturating_mul(bits as u64) / 8
+        }
+        _ => (info.data_offsets.1 - info.data_offsets.0) as u64,
+    }));
+    Ok((loaded.len(), stored, resident))
+}
+
+/// A pin's span as indices into the stage sequence: `from` at its first occurrence, `until` at
+/// its first occurrence after `from`.
+pub fn resolve_pin(pin: &PinEntry, stages: &[&str]) -> Result<Pin, String> {
+    let what = format!("pin of {}", pin.models.join(", "));
+    let unknown = |field: &str, name: &str| {
+        format!("{what}: {field} names unknown stage '{name}' (stages: {})", stages.join(", "))
+    };
+    let from = match &pin.from {
+        None => 0,
+        Some(name) => stages.iter().position(|s| s == name).ok_or_else(|| unknown("from", name))?,
+    };
+    let until = match &pin.until {
+        None => None,
+        Some(name) => {
+            let after = stages[from..].iter().skip(1).position(|s| s == name).map(|i| from + 1 + i);
+            match after {
+                Some(index) => Some(index),
+                None if stages.contains(&name.as_str()) => {
+                    return Err(format!(
+                        "{what}: until '{name}' does not come after from '{}'",
+                        stages[from]
+                    ))
+                }
+                None => return Err(unknown("until", name)),
+            }
+        }
+    };
+    Ok(Pin { models: pin.models.clone(), from, until })
+}
+
+/// `10%` or a size.
+fn parse_reserve(text: &str) -> Result<Reserve, String> {
+    if let Some(percent) = text.trim().strip_suffix('%') {
+        return match percent.trim().parse::<f64>() {
+            Ok(p) if (0.0..=1000.0).contains(&p) => Ok(Reserve::Percent(p)),
+            _ => Err(format!("reserve: '{text}' is not a percent from 0% to 1000%")),
+        };
+    }
+    parse_size(text).map(Reserve::Bytes).map_err(|e| format!("reserve: {e} (or a percent: 10%)"))
 }
 
 impl Pipeline {
@@ -224,17 +366,23 @@ impl Pipeline {
                 })?),
                 None => None,
             };
+            let ignore = entry
+                .ignore
+                .iter()
+                .map(|p| glob::Pattern::new(p))
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|e| invalid(format!("model '{}': ignore: {e}", entry.name)))?;
             let files: Vec<PathBuf> = entry.files.iter().map(|f| folder.join(f)).collect();
             let mut tensors = 0;
             let mut parts = Vec::new();
             for file in &files {
-                let (count, file_bytes, elements) = read_header(file).map_err(|message| PipelineError::Checkpoint {
-                    model: entry.name.clone(),
-                    file: file.clone(),
-                    message,
-                })?;
+                let (count, file_bytes, bytes) =
+                    read_header(file, &ignore, loaded_bits).map_err(|message| PipelineError::Checkpoint {
+                        model: entry.name.clone(),
+                        file: file.clone(),
+                        message,
+                    })?;
                 tensors += count;
-                let bytes = loaded_bits.map_or(file_bytes, |bits| elements.saturating_mul(bits as u64) / 8);
                 parts.push(Part { file: file.clone(), bytes, file_bytes });
             }
             let bytes = total(parts.iter().map(|p| p.bytes));
@@ -245,6 +393,7 @@ impl Pipeline {
                 device: entry.device,
                 placement,
                 dtype: entry.dtype,
+                ignore: entry.ignore,
                 tensors,
                 bytes,
                 file_bytes,
@@ -252,12 +401,8 @@ impl Pipeline {
             });
         }
 
-        let mut stage_names = HashSet::new();
         let mut stages = Vec::new();
         for entry in file.stages {
-            if !stage_names.insert(entry.name.clone()) {
-                return Err(invalid(format!("stage '{}' is described twice", entry.name)));
-            }
             let mut listed = HashSet::new();
             for model in &entry.models {
                 if !names.contains(model) {
@@ -279,11 +424,14 @@ impl Pipeline {
         if stages.is_empty() {
             return Err(invalid("no stages: add [[stages]] entries with a name and the models they use".into()));
         }
-        for pinned in &file.pinned {
+        for pinned in file.pinned.iter().chain(file.pins.iter().flat_map(|p| &p.models)) {
             if !names.contains(pinned) {
                 return Err(invalid(format!("pinned names unknown model '{pinned}'")));
             }
         }
-        Ok(Pipeline { path: path.to_path_buf(), models, stages, pinned: file.pinned })
+        let stage_names: Vec<&str> = stages.iter().map(|s: &Stage| s.name.as_str()).collect();
+        let pins = file.pins.iter().map(|pin| resolve_pin(pin, &stage_names)).collect::<Result<Vec<_>, _>>().map_err(invalid)?;
+        let reserve = file.reserve.as_deref().map(parse_reserve).transpose().map_err(invalid)?;
+        Ok(Pipeline { path: path.to_path_buf(), models, stages, pinned: file.pinned, pins, reserve })
     }
 }

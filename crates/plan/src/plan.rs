@@ -1,9 +1,10 @@
 //! The fit plan: stage by stage, what is resident, loaded and released, what it needs, and
 //! whether that fits this machine; the same for eager loading (every model at once).
 //!
-//! A model kept from one stage to the next (listed by both, or pinned) stays resident and is
-//! counted once; a model a stage does not list and that is not pinned is released at the stage's
-//! entry, and loaded again (read from disk again) if a later stage lists it.
+//! A model kept from one stage to the next (listed by both, or pinned there) stays resident and
+//! is counted once; a model a stage does not list and that is not pinned there is released at the
+//! stage's entry, and loaded again (read from disk again) if a later stage lists it. Stages are
+//! planned in the file's order, repeats included, each occurrence with its own models and pins.
 
 use std::path::PathBuf;
 
@@ -178,8 +179,10 @@ pub fn plan(pipeline: &Pipeline, budget: Budget, device_budget: Option<Budget>) 
     let mut resident: Vec<String> = Vec::new();
     let mut ever_loaded: Vec<String> = Vec::new();
     let mut stages = Vec::new();
-    for stage in &pipeline.stages {
-        let keep = |name: &String| stage.models.contains(name) || pipeline.pinned.contains(name);
+    let reserve = |need: u64| pipeline.reserve.map_or(need, |r| r.on(need));
+    for (index, stage) in pipeline.stages.iter().enumerate() {
+        let pinned = pipeline.pinned_at(index);
+        let keep = |name: &String| stage.models.contains(name) || pinned.contains(&name);
         let released: Vec<String> = resident.iter().filter(|name| !keep(name)).cloned().collect();
         resident.retain(|name| keep(name));
         let loaded: Vec<String> = stage.models.iter().filter(|name| !resident.contains(name)).cloned().collect();
@@ -190,8 +193,10 @@ pub fn plan(pipeline: &Pipeline, budget: Budget, device_budget: Option<Budget>) 
         let resident_models = models_of(&resident);
         let weights = bytes_on(&resident_models, Placement::Host);
         let device_weights = bytes_on(&resident_models, Placement::Device);
-        let (need, device_need) =
-            (weights.saturating_add(stage.working), device_weights.saturating_add(stage.device_working));
+        let (need, device_need) = (
+            reserve(weights.saturating_add(stage.working)),
+            reserve(device_weights.saturating_add(stage.device_working)),
+        );
         stages.push(StagePlan {
             name: stage.name.clone(),
             resident: resident.clone(),
@@ -217,9 +222,9 @@ pub fn plan(pipeline: &Pipeline, budget: Budget, device_budget: Option<Budget>) 
         .rev()
         .max_by_key(|s| s.working)
         .map_or((String::new(), 0), |s| (s.name.clone(), s.working));
-    let eager_need = all_host.saturating_add(eager_working);
+    let eager_need = reserve(all_host.saturating_add(eager_working));
     let eager_device_need =
-        all_device.saturating_add(pipeline.stages.iter().map(|s| s.device_working).max().unwrap_or(0));
+        reserve(all_device.saturating_add(pipeline.stages.iter().map(|s| s.device_working).max().unwrap_or(0)));
     let eager = EagerPlan {
         weights: all_host,
         device_weights: all_device,

@@ -103,6 +103,61 @@ fn a_load_dtype_changes_resident_bytes_not_bytes_read() {
     assert_eq!((encoder.bytes, encoder.file_bytes), (ENCODER / 2, ENCODER));
 }
 
+#[test]
+fn only_float_entries_convert_and_ignored_entries_count_nothing() {
+    let text = stages("").replace(
+        "files = [\"decoder-1.safetensors\", \"decoder-2.safetensors\"]",
+        "files = [\"decoder-1.safetensors\", \"decoder-2.safetensors\"]\ndtype = \"bf16\"",
+    );
+    let decoder = Pipeline::load(&fixture("float-only", &text)).unwrap().model("decoder").unwrap().clone();
+    // f16 a and f32 b become 2 bytes an element; the i64 c keeps its 8.
+    assert_eq!(decoder.bytes, 256 * 256 * 2 + 1000 * 2 + 100 * 8);
+    assert_eq!(decoder.file_bytes, DECODER);
+    let text = stages("").replace(
+        "files = [\"decoder-1.safetensors\", \"decoder-2.safetensors\"]",
+        "files = [\"decoder-1.safetensors\", \"decoder-2.safetensors\"]\nignore = [\"b\", \"c*\"]",
+    );
+    let decoder = Pipeline::load(&fixture("ignore", &text)).unwrap().model("decoder").unwrap().clone();
+    assert_eq!((decoder.tensors, decoder.bytes, decoder.file_bytes), (1, 256 * 256 * 2, 256 * 256 * 2));
+}
+
+#[test]
+fn a_scoped_pin_holds_from_its_stage_until_its_end_stage_begins() {
+    let text = stages("").replace("pinned = [\"backbone\"]", "")
+        + "\n[[pins]]\nmodels = [\"backbone\"]\nfrom = \"encode\"\nuntil = \"decode\"\n";
+    let pipeline = Pipeline::load(&fixture("scoped", &text)).unwrap();
+    let plan = plan(&pipeline, Budget::given(64 * MIB), None);
+    let resident = |stage: &str| names(&plan.stages.iter().find(|s| s.name == stage).unwrap().resident).join(",");
+    assert_eq!(resident("setup"), "");
+    assert_eq!(resident("encode"), "backbone,encoder");
+    assert_eq!(resident("both"), "backbone,encoder,decoder", "kept while pinned though not listed");
+    assert_eq!(resident("decode"), "decoder", "released when decode begins");
+    let decode = plan.stages.iter().find(|s| s.name == "decode").unwrap();
+    assert_eq!(names(&decode.released), ["backbone", "encoder"]);
+}
+
+#[test]
+fn a_stage_that_comes_back_is_planned_at_each_occurrence() {
+    let text = stages("") + "\n[[stages]]\nname = \"decode\"\nmodels = [\"decoder\"]\nworking = \"1M\"\n";
+    let pipeline = Pipeline::load(&fixture("repeat", &text)).unwrap();
+    let plan = plan(&pipeline, Budget::given(64 * MIB), None);
+    let occurrences: Vec<&stageload_plan::StagePlan> = plan.stages.iter().filter(|s| s.name == "decode").collect();
+    assert_eq!(occurrences.len(), 2);
+    assert_eq!(names(&occurrences[0].loaded), Vec::<&str>::new(), "kept from `both`");
+    assert_eq!(names(&occurrences[1].reloaded), ["decoder"], "released at `again`, read again");
+    assert_eq!(occurrences[1].need, BACKBONE + DECODER + MIB);
+}
+
+#[test]
+fn a_reserve_is_added_to_every_need() {
+    let percent = Pipeline::load(&fixture("reserve-pct", &("reserve = \"10%\"\n".to_string() + &stages("")))).unwrap();
+    let plain = Pipeline::load(&fixture("reserve-none", &stages(""))).unwrap();
+    let size = Pipeline::load(&fixture("reserve-size", &("reserve = \"1M\"\n".to_string() + &stages("")))).unwrap();
+    let need = |p: &Pipeline| plan(p, Budget::given(64 * MIB), None).stages[1].need;
+    assert_eq!(need(&size), need(&plain) + MIB);
+    assert_eq!(need(&percent), need(&plain) + need(&plain) / 10);
+}
+
 fn names(list: &[String]) -> Vec<&str> {
     list.iter().map(String::as_str).collect()
 }
@@ -195,7 +250,24 @@ fn error_of(name: &str, pipeline: &str) -> String {
 fn bad_pipeline_files_name_what_is_wrong() {
     let cases = [
         ("dup-model", format!("{MODELS}{MODELS}[[stages]]\nname = \"s\"\n"), "model 'encoder' is described twice"),
-        ("dup-stage", stages("") + "\n[[stages]]\nname = \"setup\"\n", "stage 'setup' is described twice"),
+        (
+            "unknown-pin-stage",
+            stages("") + "\n[[pins]]\nmodels = [\"encoder\"]\nfrom = \"nowhere\"\n",
+            "pin of encoder: from names unknown stage 'nowhere' (stages: setup, encode, both, decode, again)",
+        ),
+        (
+            "until-before-from",
+            stages("") + "\n[[pins]]\nmodels = [\"encoder\"]\nfrom = \"decode\"\nuntil = \"encode\"\n",
+            "pin of encoder: until 'encode' does not come after from 'decode'",
+        ),
+        (
+            "until-is-from",
+            stages("") + "\n[[pins]]\nmodels = [\"encoder\"]\nfrom = \"both\"\nuntil = \"both\"\n",
+            "until 'both' does not come after from 'both'",
+        ),
+        ("bad-reserve", "reserve = \"lots\"\n".to_string() + &stages(""), "reserve: not a size"),
+        ("bad-reserve-percent", "reserve = \"-5%\"\n".to_string() + &stages(""), "not a percent from 0% to 1000%"),
+        ("bad-ignore", stages("").replace("name = \"encoder\"", "name = \"encoder\"\nignore = [\"[\"]"), "model 'encoder': ignore"),
         (
             "unknown-model",
             stages("") + "\n[[stages]]\nname = \"x\"\nmodels = [\"vae\"]\n",
@@ -372,7 +444,7 @@ fn the_json_schema_is_stable() {
     );
     assert_eq!(
         keys(&json["models"][0]),
-        ["bytes", "device", "dtype", "file_bytes", "files", "name", "parts", "placement", "tensors"]
+        ["bytes", "device", "dtype", "file_bytes", "files", "ignore", "name", "parts", "placement", "tensors"]
     );
     assert_eq!(keys(&json["models"][0]["parts"][0]), ["bytes", "file", "file_bytes"]);
     assert_eq!(json["stages"][1]["verdict"], serde_json::json!({"kind": "fits"}));

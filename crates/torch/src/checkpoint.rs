@@ -726,6 +726,15 @@ fn contiguous_strides(shape: &[i64]) -> Vec<i64> {
 /// Writes named tensors to a safetensors file (CPU copies, contiguous), e.g. a model's
 /// variables. Used by the examples and tests to make real checkpoints.
 pub fn save<P: AsRef<Path>>(tensors: &[(String, Tensor)], path: P) -> Result<(), CheckpointError> {
+    save_with_metadata(tensors, None, path)
+}
+
+/// [`save`], with the file's string metadata (`__metadata__`).
+pub fn save_with_metadata<P: AsRef<Path>>(
+    tensors: &[(String, Tensor)],
+    metadata: Option<HashMap<String, String>>,
+    path: P,
+) -> Result<(), CheckpointError> {
     let path = path.as_ref();
     let invalid = |reason: String| CheckpointError::Invalid { path: path.to_path_buf(), reason };
     let mut owned = Vec::with_capacity(tensors.len());
@@ -746,7 +755,7 @@ pub fn save<P: AsRef<Path>>(tensors: &[(String, Tensor)], path: P) -> Result<(),
         .collect::<Result<Vec<_>, _>>()
         .map_err(|e| invalid(e.to_string()))?;
     let tmp = path.with_extension("safetensors.partial");
-    safetensors::serialize_to_file(views, None, &tmp).map_err(|e| invalid(e.to_string()))?;
+    safetensors::serialize_to_file(views, metadata, &tmp).map_err(|e| invalid(e.to_string()))?;
     std::fs::rename(&tmp, path).map_err(|source| CheckpointError::Write { path: path.to_path_buf(), source })
 }
 

@@ -28,6 +28,10 @@ pub fn fingerprint(tensor: &Tensor) -> String {
     format!("{:x}", hasher.finalize())
 }
 
+/// The metadata key under which a latents file lists its latents in the order recorded (one
+/// name per line); `stageload latents` shows them in that order.
+pub const ORDER_KEY: &str = "stageload.latents.order";
+
 /// A run's latents, in the order recorded.
 #[derive(Debug, Default)]
 pub struct Latents {
@@ -73,7 +77,9 @@ impl Latents {
         let Some(file) = &self.file else { return Ok(()) };
         let tensors: Vec<(String, Tensor)> =
             self.entries.iter().filter_map(|(n, _, t)| Some((n.clone(), t.as_ref()?.shallow_clone()))).collect();
-        checkpoint::save(&tensors, file)?;
+        // safetensors orders the data by dtype and name: the order recorded goes in the metadata.
+        let order = tensors.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>().join("\n");
+        checkpoint::save_with_metadata(&tensors, Some([(ORDER_KEY.to_string(), order)].into()), file)?;
         let sidecar = sidecar(file);
         let write = || -> std::io::Result<()> {
             let mut out = std::fs::File::create(&sidecar)?;

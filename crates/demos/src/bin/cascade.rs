@@ -1,7 +1,7 @@
 //! A stand-in for an image-to-3D cascade, shaped like the pipeline the original tool measured:
 //! seven models (sparse-structure flow and decoder, shape flows at 512 and 1024, a shape decoder
 //! used in two stages, texture flow and decoder) and four feature extractors sharing one
-//! backbone, pinned until decode. Stages: setup → structure → shape_512 → shape_1024 → texture
+//! backbone, pinned until decode (a pin with a span, in the pipeline file). Stages: setup → structure → shape_512 → shape_1024 → texture
 //! → decode → export.
 //!
 //! The models are transformers (attention + MLP blocks) whose checkpoints the example writes once
@@ -18,6 +18,7 @@ use clap::Parser;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use stageload::{BoxError, BuildContext, Built, ModelSpec, Shared, SharedRng};
+use stageload_plan::PinEntry;
 use stageload_demos::models::transformer_loader;
 use stageload_demos::{
     cached, cached_checkpoint, sample_flow, schedule, tokens_at, width_at, CommonArgs, DemoRun, DemoSpec, Mode,
@@ -114,7 +115,13 @@ fn spec(args: &CommonArgs) -> Result<DemoSpec, BoxError> {
             stage("decode", &["shape_decoder", "texture_decoder"]),
             stage("export", &[]),
         ],
-        pinned: EXTRACTORS.iter().map(|e| e.to_string()).collect(),
+        pinned: Vec::new(),
+        // The extractors (and with the last of them the backbone) stay until decoding begins.
+        pins: vec![PinEntry {
+            models: EXTRACTORS.iter().map(|e| e.to_string()).collect(),
+            from: None,
+            until: Some("decode".to_string()),
+        }],
     })
 }
 
@@ -184,12 +191,6 @@ fn main() -> Result<(), BoxError> {
     let texture = flow(&p, "texture_flow", x, &cond, &schedule(args.steps, &chacha))?;
     p.latent("texture", &texture);
 
-    // The extractors (and with the last of them the backbone) go when decoding begins.
-    if p.mode == Mode::Staged {
-        for name in EXTRACTORS {
-            p.models.unpin(name);
-        }
-    }
     p.enter("decode")?;
     let mesh = run(&p, "shape_decoder", &shape_1024)?;
     let colors = run(&p, "texture_decoder", &texture)?;

@@ -67,6 +67,7 @@ fn main() -> Result<(), BoxError> {
         models,
         stages: vec![stage("encode", "text_encoder"), stage("denoise", "denoiser"), stage("decode", "image_decoder")],
         pinned: Vec::new(),
+        pins: Vec::new(),
     };
     let chacha = SharedRng::new(ChaCha8Rng::seed_from_u64(common.seed));
     let mut p = DemoRun::build(spec, &common, Arc::new(chacha.clone()))?;

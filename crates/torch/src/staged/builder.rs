@@ -7,7 +7,7 @@ use std::sync::{Arc, Condvar, Mutex};
 
 use super::decide::{self, SlotState};
 use super::error::{Result, StageError};
-use super::registry::{Entry, Inner, ProgressHook, State};
+use super::registry::{Entry, Inner, Placement, ProgressHook, State};
 use super::spec::ModelSpec;
 use super::StagedModels;
 use crate::checkpoint::Progress;
@@ -19,6 +19,10 @@ pub struct StagedModelsBuilder {
     specs: Vec<ModelSpec>,
     stages: Vec<(String, Vec<String>)>,
     pinned: Vec<String>,
+    /// Pins over a span: (model, from, until), resolved against the stages at `build`.
+    spans: Vec<(String, Option<String>, Option<String>)>,
+    /// What the pipeline file says of each model beyond its files: device, dtype, ignored entries.
+    planned_placement: HashMap<String, (String, Option<String>, Vec<String>)>,
     sink: Option<Arc<dyn EventSink>>,
     rngs: Vec<Arc<dyn RngSnapshot>>,
     preserve_rng: bool,
@@ -33,11 +37,16 @@ pub struct StagedModelsBuilder {
 }
 
 impl StagedModelsBuilder {
-    /// Takes the stages (in order), the pins and each model's checkpoint files from a pipeline
+    /// Takes the stages (in order, repeats included), the pins (for the run and for spans) and
+    /// each model's checkpoint files, device, dtype and ignored entries from a pipeline
     /// description, the file `stageload plan` checked, so the plan that was checked is the plan
     /// that runs. Loaders still come from [`model`](Self::model): a model of the file without
     /// one is a [`StageError::PlanWithoutLoader`] at [`build`](Self::build). A `ModelSpec` that
-    /// declares no checkpoint gets the file's.
+    /// declares no checkpoint gets the file's. A loader builds on [`BuildContext::device`]; the
+    /// registry converts its float tensors to the file's dtype before loading, and refuses a
+    /// model built on another device than the file's ([`StageError::PlanMismatch`]).
+    ///
+    /// [`BuildContext::device`]: super::BuildContext::device
     pub fn pipeline(mut self, pipeline: &stageload_plan::Pipeline) -> Self {
         for stage in &pipeline.stages {
             self = self.stage(stage.name.clone(), stage.models.iter().cloned());
@@ -45,10 +54,26 @@ impl StagedModelsBuilder {
         for name in &pipeline.pinned {
             self = self.pin(name.clone());
         }
+        let stage_name = |index: usize| pipeline.stages.get(index).map(|s| s.name.clone());
+        for pin in &pipeline.pins {
+            for model in &pin.models {
+                self = self.pin_between(model.clone(), stage_name(pin.from), pin.until.and_then(stage_name));
+            }
+        }
         for model in &pipeline.models {
             self.planned_checkpoints.insert(model.name.clone(), model.files.clone());
             self.planned_models.push(model.name.clone());
+            let placement = (model.device.clone(), model.dtype.clone(), model.ignore.clone());
+            self.planned_placement.insert(model.name.clone(), placement);
         }
+        self
+    }
+
+    /// Keeps a model resident from stage `from` (default: the first) until stage `until`
+    /// begins (default: to the end). With repeated stages, `from` is the first occurrence and
+    /// `until` the first after it.
+    pub fn pin_between(mut self, name: impl Into<String>, from: Option<String>, until: Option<String>) -> Self {
+        self.spans.push((name.into(), from, until));
         self
     }
 
@@ -57,7 +82,8 @@ impl StagedModelsBuilder {
         self
     }
 
-    /// A stage and the models it uses.
+    /// A stage and the models it uses, appended to the sequence the run enters; a name may come
+    /// back (each occurrence with its own models).
     pub fn stage<S: Into<String>>(mut self, name: impl Into<String>, models: impl IntoIterator<Item = S>) -> Self {
         self.stages.push((name.into(), models.into_iter().map(Into::into).collect()));
         self
@@ -143,6 +169,15 @@ impl StagedModelsBuilder {
             if entries.iter().any(|e| e.name == spec.name) {
                 return Err(StageError::DuplicateModel { name: spec.name });
             }
+            let (placement, names) = match self.planned_placement.get(&spec.name) {
+                Some((device, dtype, ignore)) => {
+                    let mismatch = |message: String| StageError::PlanMismatch { model: spec.name.clone(), message };
+                    let placement = Placement::from_file(device, dtype.as_deref()).map_err(mismatch)?;
+                    let names = spec.names.clone().ignore(ignore).map_err(|e| mismatch(format!("ignore: {e}")))?;
+                    (placement, names)
+                }
+                None => (Placement::default(), spec.names.clone()),
+            };
             let checkpoint = match (spec.checkpoint.is_empty(), self.planned_checkpoints.get(&spec.name)) {
                 (true, Some(planned)) => planned.clone(),
                 _ => spec.checkpoint,
@@ -157,7 +192,8 @@ impl StagedModelsBuilder {
                 name: spec.name,
                 loader: Some(spec.loader),
                 checkpoint,
-                names: spec.names,
+                names,
+                placement,
                 skip_init: spec.skip_init,
                 slot,
                 report: None,
@@ -169,6 +205,7 @@ impl StagedModelsBuilder {
             .iter()
             .flat_map(|(_, m)| m.iter())
             .chain(self.pinned.iter())
+            .chain(self.spans.iter().map(|(m, _, _)| m))
             .chain(self.planned_models.iter())
             .filter(|n| !known.contains(n.as_str()))
             .cloned()
@@ -176,8 +213,20 @@ impl StagedModelsBuilder {
         if !unknown.is_empty() {
             return Err(StageError::PlanWithoutLoader { names: unknown.into_iter().collect() });
         }
-        let order = self.stages.iter().map(|(s, _)| s.clone()).collect();
-        let stages = self.stages.into_iter().map(|(s, m)| (s, m.into_iter().collect())).collect();
+        let names: Vec<&str> = self.stages.iter().map(|(s, _)| s.as_str()).collect();
+        let mut spans = Vec::new();
+        for (model, from, until) in &self.spans {
+            let entry = stageload_plan::PinEntry { models: vec![model.clone()], from: from.clone(), until: until.clone() };
+            let pin = stageload_plan::pipeline::resolve_pin(&entry, &names)
+                .map_err(|message| StageError::PinSpan { model: model.clone(), message })?;
+            spans.push((model.clone(), pin.from, pin.until));
+        }
+        let sequence: Vec<(String, BTreeSet<String>)> =
+            self.stages.into_iter().map(|(s, m)| (s, m.into_iter().collect())).collect();
+        let mut stages = BTreeMap::new();
+        for (name, models) in &sequence {
+            stages.entry(name.clone()).or_insert_with(|| models.clone());
+        }
         if self.map_large_host_blocks {
             stageload_torch_sys::map_large_host_blocks();
         }
@@ -186,11 +235,13 @@ impl StagedModelsBuilder {
             entries,
             index,
             stages,
+            sequence,
             pinned: self.pinned.into_iter().collect(),
+            spans,
             current: None,
+            position: None,
             closed: false,
             next_ticket: 0,
-            order,
         };
         Ok(StagedModels {
             inner: Arc::new(Inner {
@@ -218,6 +269,8 @@ impl StagedModels {
             specs: Vec::new(),
             stages: Vec::new(),
             pinned: Vec::new(),
+            spans: Vec::new(),
+            planned_placement: HashMap::new(),
             sink: None,
             rngs: Vec::new(),
             preserve_rng: true,

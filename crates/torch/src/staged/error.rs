@@ -14,6 +14,10 @@ pub enum StageError {
     UnknownModel { name: String, known: Vec<String> },
     #[error("unknown stage '{stage}'; known stages: {known:?}")]
     UnknownStage { stage: String, known: Vec<String> },
+    #[error("pipeline file, model '{model}': {message}")]
+    PlanMismatch { model: String, message: String },
+    #[error("pin of '{model}': {message}")]
+    PinSpan { model: String, message: String },
     #[error("the plan names models that have no loader: {}", .names.join(", "))]
     PlanWithoutLoader { names: Vec<String> },
     #[error("model '{name}' is defined twice")]

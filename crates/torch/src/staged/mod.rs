@@ -96,7 +96,7 @@ impl StagedModels {
     pub fn enter(&self, stage: &str) -> Result<ReleaseStats> {
         let stats = self.inner.enter(stage)?;
         if self.inner.prefetch_next {
-            if let Some(next) = self.inner.next_stage(stage) {
+            if let Some(next) = self.inner.next_stage() {
                 self.inner.prefetch(&next)?;
             }
         }

@@ -16,7 +16,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Instant;
 
-use tch::Tensor;
+use tch::{Device, Kind, Tensor};
 
 use super::decide::{self, Finish, GetAction, GetContext, ModelState, Refusal, SlotState};
 use super::error::{panic_message, Result, StageError};
@@ -38,19 +38,94 @@ pub(crate) struct Entry {
     pub(crate) loader: Option<Arc<Loader>>,
     pub(crate) checkpoint: Vec<PathBuf>,
     pub(crate) names: NameRules,
+    pub(crate) placement: Placement,
     pub(crate) skip_init: bool,
     pub(crate) slot: decide::Slot<Arc<Instance>>,
     pub(crate) report: Option<LoadReport>,
 }
 
+/// Where the pipeline file puts a model and in which dtype (both optional).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub(crate) struct Placement {
+    pub(crate) device: Option<Device>,
+    pub(crate) kind: Option<Kind>,
+}
+
+impl Placement {
+    /// From the file's `device` (`cpu`, `cuda`, `cuda:N`, `mps`) and `dtype` (a float dtype).
+    pub(crate) fn from_file(device: &str, dtype: Option<&str>) -> std::result::Result<Placement, String> {
+        let device = match device {
+            "cpu" => Device::Cpu,
+            "cuda" => Device::Cuda(0),
+            "mps" => Device::Mps,
+            other => match other.strip_prefix("cuda:").and_then(|n| n.parse().ok()) {
+                Some(index) => Device::Cuda(index),
+                None => return Err(format!("unknown device '{other}' (cpu, cuda, cuda:N or mps)")),
+            },
+        };
+        let kind = match dtype.map(str::to_ascii_lowercase).as_deref() {
+            None => None,
+            Some("f16" | "float16" | "half") => Some(Kind::Half),
+            Some("bf16" | "bfloat16") => Some(Kind::BFloat16),
+            Some("f32" | "float32" | "float") => Some(Kind::Float),
+            Some("f64" | "float64" | "double") => Some(Kind::Double),
+            Some(other) => {
+                return Err(format!("dtype '{other}': the registry converts float entries only (f16, bf16, f32, f64)"))
+            }
+        };
+        Ok(Placement { device: Some(device), kind })
+    }
+
+    /// Checks that `tensors` are on the file's device and converts the float ones to its dtype
+    /// (in place: every handle on them sees the new data, as `VarStore::set_kind` does).
+    fn apply(&self, model: &str, tensors: &mut [(String, Tensor)]) -> Result<()> {
+        let mismatch = |message: String| StageError::PlanMismatch { model: model.to_string(), message };
+        for (name, tensor) in tensors.iter_mut() {
+            if let Some(device) = self.device {
+                if tensor.device() != device {
+                    return Err(mismatch(format!(
+                        "the file places it on {}, its loader built '{name}' on {}: build on BuildContext::device() (or change the file)",
+                        crate::meter::device_name(device),
+                        crate::meter::device_name(tensor.device())
+                    )));
+                }
+            }
+            if let Some(kind) = self.kind {
+                let float = matches!(tensor.kind(), Kind::Half | Kind::BFloat16 | Kind::Float | Kind::Double);
+                if float && tensor.kind() != kind {
+                    let _no_grad = tch::no_grad_guard();
+                    let converted = tensor.f_to_kind(kind).map_err(|e| mismatch(format!("converting '{name}': {e}")))?;
+                    tensor.f_set_data(&converted).map_err(|e| mismatch(format!("converting '{name}': {e}")))?;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// What a load of one model needs besides its loader, taken from its entry under the lock.
+pub(crate) struct Recipe {
+    checkpoint: Vec<PathBuf>,
+    names: NameRules,
+    skip_init: bool,
+    placement: Placement,
+}
+
 pub(crate) struct State {
     pub(crate) entries: Vec<Entry>,
     pub(crate) index: HashMap<String, usize>,
+    /// Each stage name's models, as its first occurrence lists them.
     pub(crate) stages: BTreeMap<String, BTreeSet<String>>,
-    /// Stage names in the order the plan gives them (for the look-ahead).
-    pub(crate) order: Vec<String>,
+    /// The stages in the order the run enters them (a name may come back), each occurrence with
+    /// its own models.
+    pub(crate) sequence: Vec<(String, BTreeSet<String>)>,
+    /// Pins for the whole run (the builder's and `pin`'s).
     pub(crate) pinned: BTreeSet<String>,
+    /// Pins over a span of the sequence: (model, from, until).
+    pub(crate) spans: Vec<(String, usize, Option<usize>)>,
     pub(crate) current: Option<String>,
+    /// The occurrence of the sequence entered last.
+    pub(crate) position: Option<usize>,
     pub(crate) closed: bool,
     pub(crate) next_ticket: u64,
 }
@@ -68,10 +143,27 @@ impl State {
     }
 
     fn planned_here(&self, name: &str) -> bool {
-        match &self.current {
-            None => true,
-            Some(stage) => self.pinned.contains(name) || self.stages.get(stage).is_some_and(|m| m.contains(name)),
+        match (&self.current, self.position) {
+            (None, _) => true,
+            (Some(_), Some(index)) => {
+                self.pinned_at(index).contains(name) || self.sequence[index].1.contains(name)
+            }
+            (Some(stage), None) => self.pinned.contains(name) || self.stages.get(stage).is_some_and(|m| m.contains(name)),
         }
+    }
+
+    /// The models pinned at occurrence `index`: the whole run's and the spans holding there.
+    fn pinned_at(&self, index: usize) -> BTreeSet<String> {
+        let spans = self.spans.iter().filter(|(_, from, until)| index >= *from && until.is_none_or(|u| index < u));
+        self.pinned.iter().cloned().chain(spans.map(|(model, _, _)| model.clone())).collect()
+    }
+
+    /// The occurrence `stage` names when entered now: the next one after the current position,
+    /// else (a run that starts over, or enters out of order) its first.
+    fn occurrence(&self, stage: &str) -> Option<usize> {
+        let next = self.position.map_or(0, |p| p + 1);
+        let after = self.sequence.iter().skip(next).position(|(s, _)| s == stage).map(|i| next + i);
+        after.or_else(|| self.sequence.iter().position(|(s, _)| s == stage))
     }
 
     /// Instances whose storages are live (resident, or released with the release pending).
@@ -182,7 +274,7 @@ impl Inner {
     pub(crate) fn instance_for(self: &Arc<Self>, name: &str, purpose: Purpose) -> Result<Arc<Instance>> {
         let prefetch = purpose == Purpose::Prefetch;
         let mut state = self.state();
-        let (ticket, plan, checkpoint, names, skip_init) = loop {
+        let (ticket, plan, recipe) = loop {
             let position = state.position(name)?;
             let planned_here = prefetch || state.planned_here(name);
             let ctx = GetContext { closed: state.closed, strict: self.strict, planned_here };
@@ -227,7 +319,13 @@ impl Inner {
             let ticket = state.next_ticket;
             let entry = &mut state.entries[position];
             entry.slot.state = decide::start_load(&entry.slot, ticket);
-            break (ticket, plan, entry.checkpoint.clone(), entry.names.clone(), entry.skip_init);
+            let recipe = Recipe {
+                checkpoint: entry.checkpoint.clone(),
+                names: entry.names.clone(),
+                skip_init: entry.skip_init,
+                placement: entry.placement,
+            };
+            break (ticket, plan, recipe);
         };
         let stage = state.current.clone();
         let outside_stage = !prefetch && !state.planned_here(name);
@@ -239,11 +337,11 @@ impl Inner {
                 let _one_build_at_a_time = lock(&self.build_lock);
                 // A prefetched build draws nothing (skip_init, see decide::on_prefetch): it must
                 // not save and restore the generators the foreground is drawing from.
-                self.build(name, loader, &checkpoint, &names, skip_init, self.preserve_rng && !prefetch)
+                self.build(name, loader, &recipe, self.preserve_rng && !prefetch)
             }
-            LoadPlan::Refill(instance) => {
-                self.refill(instance, &checkpoint, &names).map(|(bytes, report)| (Arc::clone(instance), bytes, report))
-            }
+            LoadPlan::Refill(instance) => self
+                .refill(instance, &recipe.checkpoint, &recipe.names)
+                .map(|(bytes, report)| (Arc::clone(instance), bytes, report)),
         };
         let seconds = started.elapsed().as_secs_f64();
 
@@ -316,16 +414,19 @@ impl Inner {
         self: &Arc<Self>,
         name: &str,
         loader: &Arc<Loader>,
-        checkpoint: &[PathBuf],
-        names: &NameRules,
-        skip_init: bool,
+        recipe: &Recipe,
         preserve_rng: bool,
     ) -> Result<(Arc<Instance>, u64, Option<LoadReport>)> {
+        let Recipe { checkpoint, names, skip_init, placement } = recipe;
         let _rng = if preserve_rng { Some(PreservedRng::save(&self.rngs).map_err(StageError::Rng)?) } else { None };
-        let context =
-            BuildContext { components: &self.components, model: name, shared_tensors: Mutex::new(Vec::new()) };
+        let context = BuildContext {
+            components: &self.components,
+            model: name,
+            device: placement.device,
+            shared_tensors: Mutex::new(Vec::new()),
+        };
         let run = || {
-            if skip_init {
+            if *skip_init {
                 stageload_torch_sys::without_init(|| loader(&context))
             } else {
                 loader(&context)
@@ -339,6 +440,10 @@ impl Inner {
             }
         };
         let shared = context.shared_tensors.into_inner().unwrap_or_else(|e| e.into_inner());
+        placement.apply(name, &mut built.tensors)?;
+        let mut fresh: Vec<(String, Tensor)> =
+            shared.iter().filter(|(_, _, fresh)| *fresh).map(|(n, t, _)| (n.clone(), t.shallow_clone())).collect();
+        placement.apply(name, &mut fresh)?;
         let mut report = None;
         if !checkpoint.is_empty() {
             let mut targets = shallow(&built.tensors);
@@ -349,7 +454,7 @@ impl Inner {
             let names = names
                 .clone()
                 .filled_elsewhere(shared.iter().filter(|(_, _, fresh)| !fresh).map(|(n, _, _)| n.clone()))
-                .strict(names.strict || skip_init);
+                .strict(names.strict || *skip_init);
             report = Some(self.load_checkpoint(name, checkpoint, &targets, &names)?);
         }
         // Shared components another model already built are not loaded again: not counted.
@@ -516,16 +621,17 @@ impl Inner {
         total
     }
 
-    /// Starts background loads of `stage`'s models (see [`super::StagedModels::prefetch`]).
-    /// Returns the models started.
+    /// Starts background loads of `stage`'s models (see [`super::StagedModels::prefetch`]): of
+    /// the occurrence that entering it now would enter. Returns the models started.
     pub(crate) fn prefetch(self: &Arc<Self>, stage: &str) -> Result<Vec<String>> {
         let state = self.state();
-        let Some(planned) = state.stages.get(stage) else {
+        let Some(index) = state.occurrence(stage) else {
             return Err(StageError::UnknownStage {
                 stage: stage.to_string(),
                 known: state.stages.keys().cloned().collect(),
             });
         };
+        let planned = &state.sequence[index].1;
         let mut budget_left = self.prefetch_budget.map(|b| b.saturating_sub(state.resident_bytes()));
         // (name, bytes of its released instance, or its checkpoint files to measure) — the files
         // are measured once the state lock is dropped.
@@ -581,30 +687,33 @@ impl Inner {
         Ok(started.into_iter().map(|(name, _)| name).collect())
     }
 
-    /// The stage after `stage` in the plan's order.
-    pub(crate) fn next_stage(&self, stage: &str) -> Option<String> {
+    /// The stage after the one entered last, in the plan's sequence.
+    pub(crate) fn next_stage(&self) -> Option<String> {
         let state = self.state();
-        let position = state.order.iter().position(|s| s == stage)?;
-        state.order.get(position + 1).cloned()
+        let position = state.position?;
+        state.sequence.get(position + 1).map(|(name, _)| name.clone())
     }
 
     /// Enters `stage` (see [`super::StagedModels::enter`]).
     pub(crate) fn enter(&self, stage: &str) -> Result<ReleaseStats> {
         let mut state = self.state();
-        let Some(planned) = state.stages.get(stage).cloned() else {
+        let Some(index) = state.occurrence(stage) else {
             return Err(StageError::UnknownStage {
                 stage: stage.to_string(),
                 known: state.stages.keys().cloned().collect(),
             });
         };
+        let planned = state.sequence[index].1.clone();
+        let pinned = state.pinned_at(index);
         state.current = Some(stage.to_string());
+        state.position = Some(index);
         let resident_names: Vec<&str> = state
             .entries
             .iter()
             .filter(|e| matches!(e.slot.state, SlotState::Resident(_)))
             .map(|e| e.name.as_str())
             .collect();
-        let leaving = decide::leaving(resident_names, &planned, &state.pinned);
+        let leaving = decide::leaving(resident_names, &planned, &pinned);
         let resident = state.resident_bytes();
         let positions: Vec<usize> = leaving.iter().filter_map(|n| state.index.get(n).copied()).collect();
         let instances: Vec<Arc<Instance>> = positions.into_iter().filter_map(|p| state.request_release(p)).collect();
@@ -656,6 +765,7 @@ impl Inner {
                     loader: None,
                     checkpoint: Vec::new(),
                     names: NameRules::default(),
+                    placement: Placement::default(),
                     skip_init: false,
                     slot: decide::Slot {
                         state: SlotState::Resident(instance),

@@ -52,6 +52,8 @@ pub(crate) type SharedComponents = Mutex<BTreeMap<String, SharedEntry>>;
 pub struct BuildContext<'a> {
     pub(crate) components: &'a SharedComponents,
     pub(crate) model: &'a str,
+    /// Where the pipeline file puts the model, if a file gave the plan.
+    pub(crate) device: Option<tch::Device>,
     /// Tensors of shared components this build used, and whether each was freshly built.
     pub(crate) shared_tensors: Mutex<Vec<(String, Tensor, bool)>>,
 }
@@ -60,6 +62,12 @@ impl BuildContext<'_> {
     /// Name of the model being built.
     pub fn model(&self) -> &str {
         self.model
+    }
+
+    /// The device the pipeline file places the model on (`None` without a file, or for a model
+    /// it does not describe): build there, or the registry refuses the model.
+    pub fn device(&self) -> Option<tch::Device> {
+        self.device
     }
 
     /// The component under `key`, built by `build` if it is not there or its storage was
