@@ -27,7 +27,14 @@ set -e
 # Each run wrote the pipeline description the staged runs build their registry from: check it.
 description=$(sed -n 's/^pipeline description \(.*\) (stageload plan reads it)$/\1/p' "$out/ab.log" | head -1)
 echo "== stageload plan $description"
-"$stageload" plan "$description" | tee "$out/plan.txt" || echo "(the plan says it does not fit; the runs went ahead under the guard)"
+"$stageload" plan "$description" > "$out/plan.txt" || echo "(the plan says it does not fit; the runs went ahead under the guard)"
+# The plan with the working memory the eager run measured, checked against the staged run stage
+# by stage: resident weights exactly, peak within 5 % of the need.
+echo "== stageload plan --from-trace eager-1.jsonl --check staged-1.jsonl"
+if ! "$stageload" plan "$description" --from-trace "$out/eager-1.jsonl" --check "$out/staged-1.jsonl" \
+    | tee "$out/plan-check.txt" | sed -n '/^plan against/,$p'; then
+    status=1
+fi
 # The first staged and prefetch runs against the first eager one, with the per-stage check.
 "$stageload" summary "$out/eager-1.jsonl" "$out/staged-1.jsonl" | tee "$out/summary-first-runs.txt"
 "$stageload" summary "$out/eager-1.jsonl" "$out/prefetch-1.jsonl" > "$out/summary-first-runs-prefetch.txt"

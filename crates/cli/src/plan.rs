@@ -4,15 +4,19 @@
 use std::path::PathBuf;
 
 use clap::Args;
+use stageload_plan::measured::{check, render_checks, Measured};
 use stageload_plan::{plan, Budget, Pipeline};
+use stageload_trace::read_trace;
 
 use crate::args::size;
 use crate::out;
 
 /// Exit codes of `stageload plan`.
 const EXIT_CODES: &str = "\
-Exit codes: 0 every stage fits (now, or once other processes free memory); 1 a stage does not
-fit; 2 bad input (missing or invalid file, unknown model, dtype or device, truncated checkpoint).";
+Exit codes: 0 every stage fits (now, or once other processes free memory), and with --check the
+run matches the plan; 1 a stage does not fit, or --check finds a stage off; 2 bad input (missing
+or invalid file, unknown model, dtype or device, truncated checkpoint, a trace of another
+pipeline).";
 
 /// Know before a run whether a staged pipeline fits: per stage, what is resident, loaded and
 /// released, what it needs, and a verdict; the same for loading every model at once.
@@ -30,15 +34,38 @@ pub struct PlanArgs {
     /// Device (GPU) memory to check models on cuda or mps against
     #[arg(long, value_name = "SIZE", value_parser = size)]
     device_memory: Option<u64>,
+    /// Take each stage's working memory (peak minus resident weights) from this recorded run
+    /// instead of the file (the eager run's trace predicts the staged run)
+    #[arg(long, value_name = "RUN.jsonl")]
+    from_trace: Option<PathBuf>,
+    /// Compare the plan with this recorded run, stage by stage: weights exactly, peak within 5 %
+    #[arg(long, value_name = "RUN.jsonl")]
+    check: Option<PathBuf>,
+}
+
+/// Says `error` and gives exit code 2.
+fn bad(error: impl std::fmt::Display) -> i32 {
+    eprintln!("stageload plan: {error}");
+    2
 }
 
 pub fn run(args: PlanArgs) -> i32 {
     let pipeline = match Pipeline::load(&args.file) {
         Ok(pipeline) => pipeline,
-        Err(error) => {
-            eprintln!("stageload plan: {error}");
-            return 2;
+        Err(error) => return bad(error),
+    };
+    let (pipeline, source) = match &args.from_trace {
+        None => (pipeline, None),
+        Some(path) => {
+            match read_trace(path).map_err(|e| e.to_string()).and_then(|t| Measured::from_trace(&pipeline, &t)) {
+                Ok(measured) => (measured.apply(&pipeline), Some(measured.describe(&pipeline))),
+                Err(error) => return bad(error),
+            }
         }
+    };
+    let run = match args.check.as_deref().map(read_trace).transpose() {
+        Ok(run) => run,
+        Err(error) => return bad(error),
     };
     let budget = match args.memory {
         Some(bytes) => Budget::given(bytes),
@@ -50,13 +77,23 @@ pub fn run(args: PlanArgs) -> i32 {
             }
         },
     };
-    let plan = plan(&pipeline, budget, args.device_memory.map(Budget::given));
+    let mut plan = plan(&pipeline, budget, args.device_memory.map(Budget::given));
+    plan.working_from = source;
+    plan.check = match run.as_ref().map(|run| check(&pipeline, &plan, run)).transpose() {
+        Ok(checks) => checks,
+        Err(error) => return bad(error),
+    };
     if args.json {
         out::line(&serde_json::to_string_pretty(&plan).expect("a plan is plain data"));
     } else {
+        out::print(plan.working_from.as_deref().unwrap_or_default());
         out::print(&plan.render());
+        if let (Some(checks), Some(path)) = (&plan.check, &args.check) {
+            out::print(&format!("\n{}", render_checks(checks, path)));
+        }
     }
-    if plan.fits {
+    let checked = plan.check.as_ref().is_none_or(|checks| checks.iter().all(|c| c.ok));
+    if plan.fits && checked {
         0
     } else {
         1

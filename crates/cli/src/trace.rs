@@ -18,6 +18,10 @@ pub struct SummaryArgs {
     /// Print the summaries as JSON (a list, one per trace)
     #[arg(long)]
     json: bool,
+    /// Write each stage's working memory (peak minus resident weights), as the first trace
+    /// measured it, into this pipeline file (its other lines kept as they are)
+    #[arg(long, value_name = "PIPELINE.toml")]
+    write_working: Option<PathBuf>,
 }
 
 /// Draw memory over time (one panel per trace, stage bands, load and release markers), or with
@@ -57,6 +61,13 @@ pub fn summary(args: SummaryArgs) -> i32 {
     let Some(loaded) = load("summary", &args.traces) else {
         return 2;
     };
+    if let Some(file) = &args.write_working {
+        if let Err(error) = write_working(file, &loaded[0].0) {
+            eprintln!("stageload summary: --write-working {}: {error}", file.display());
+            return 2;
+        }
+        out::line(&format!("wrote the working memory {} measured into {}", loaded[0].0.path.display(), file.display()));
+    }
     if args.json {
         let summaries: Vec<&Summary> = loaded.iter().map(|(_, s)| s).collect();
         out::line(&serde_json::to_string_pretty(&summaries).expect("summaries are plain data"));
@@ -110,4 +121,24 @@ pub fn plot(args: PlotArgs) -> i32 {
             2
         }
     }
+}
+
+/// Writes the working memory `trace` measured for each stage occurrence into the pipeline file
+/// at `file`, editing only those fields.
+fn write_working(file: &std::path::Path, trace: &Trace) -> Result<(), String> {
+    let pipeline = stageload_plan::Pipeline::load(file).map_err(|e| e.to_string())?;
+    let measured = stageload_plan::measured::Measured::from_trace(&pipeline, trace)?;
+    let text =
+        stageload_input::read_text(file, stageload_plan::pipeline::MAX_PIPELINE_FILE).map_err(|e| e.to_string())?;
+    let mut document: toml_edit::DocumentMut = text.parse().map_err(|e: toml_edit::TomlError| e.to_string())?;
+    let stages =
+        document.get_mut("stages").and_then(|s| s.as_array_of_tables_mut()).ok_or("the file has no [[stages]]")?;
+    for (table, working) in stages.iter_mut().zip(&measured.working) {
+        let Some(working) = working else { continue };
+        table["working"] = toml_edit::value(working.host.to_string());
+        if let Some(device) = working.device {
+            table["device_working"] = toml_edit::value(device.to_string());
+        }
+    }
+    std::fs::write(file, document.to_string()).map_err(|e| e.to_string())
 }

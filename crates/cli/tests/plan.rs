@@ -98,3 +98,105 @@ fn bad_input_exits_2_naming_the_problem() {
     assert_eq!(output.status.code(), Some(2));
     assert!(text.contains("--memory") && text.contains("not a size"), "{text}");
 }
+
+const MIB: u64 = 1 << 20;
+
+/// A hand-made trace of the fixture's pipeline: `encode` then `decode`, each with `weights`
+/// resident and a peak of `peaks` (MiB); exact peak records unless `sampled_only`.
+fn trace(dir: &std::path::Path, name: &str, stages: &[(&str, u64, u64)], sampled_only: bool) -> PathBuf {
+    let mut lines = vec![format!(
+        "{{\"type\":\"header\",\"schema\":2,\"utc\":\"x\",\"pid\":1,\"host\":\"h\",\"os\":\"linux\",\"total_memory\":1,\
+         \"device\":\"cpu\",\"command\":[],\"interval\":0.25,\"meta\":{{\"mode\":\"{name}\"}}}}"
+    )];
+    for (i, (stage, weights, peak)) in stages.iter().enumerate() {
+        let t = i as f64;
+        lines.push(format!("{{\"type\":\"event\",\"t\":{t},\"kind\":\"stage\",\"stage\":\"{stage}\",\"resident\":0}}"));
+        lines.push(format!(
+            "{{\"type\":\"event\",\"t\":{},\"kind\":\"load\",\"model\":\"m\",\"resident\":{}}}",
+            t + 0.1,
+            weights * MIB
+        ));
+        lines.push(format!("{{\"type\":\"sample\",\"t\":{},\"rss\":{}}}", t + 0.5, (peak - 1) * MIB));
+        if !sampled_only {
+            lines.push(format!("{{\"type\":\"peak\",\"t\":{},\"stage\":\"{stage}\",\"rss\":{}}}", t + 0.9, peak * MIB));
+        }
+        lines.push(format!("{{\"type\":\"sample\",\"t\":{},\"rss\":{}}}", t + 0.95, (peak - 1) * MIB));
+    }
+    let path = dir.join(format!("{name}.jsonl"));
+    std::fs::write(&path, lines.join("\n")).unwrap();
+    path
+}
+
+#[test]
+fn working_memory_from_a_run_predicts_and_checks_another() {
+    let path = pipeline("measured");
+    let dir = path.folder.path();
+    let file = path.to_str().unwrap();
+    // Eager holds both models (2 MiB) with 10 MiB of working memory; staged holds one at a time.
+    let eager = trace(dir, "eager", &[("encode", 2, 12), ("decode", 2, 12)], false);
+    let staged = trace(dir, "staged", &[("encode", 1, 11), ("decode", 1, 11)], false);
+    let (output, text) =
+        plan(&[file, "--from-trace", eager.to_str().unwrap(), "--check", staged.to_str().unwrap(), "--memory", "1G"]);
+    assert_eq!(output.status.code(), Some(0), "{text}");
+    assert!(text.starts_with(&format!("working memory measured in {}", eager.display())), "{text}");
+    assert!(text.contains("stage encode: resident encoder (1.0 MiB), needs 11.0 MiB"), "{text}");
+    let row = text.lines().find(|l| l.starts_with("decode ")).unwrap();
+    assert!(row.contains("1.000") && row.ends_with("yes"), "{row}");
+
+    // A run that holds more than planned fails the check.
+    let heavier = trace(dir, "heavier", &[("encode", 2, 13), ("decode", 1, 11)], false);
+    let (output, text) = plan(&[file, "--from-trace", eager.to_str().unwrap(), "--check", heavier.to_str().unwrap()]);
+    assert_eq!(output.status.code(), Some(1), "{text}");
+    assert!(text.lines().any(|l| l.starts_with("encode ") && l.ends_with("NO")), "{text}");
+
+    // Without exact peaks the plan says so; a stage the run never reached keeps the file's number.
+    let sampled = trace(dir, "sampled", &[("encode", 2, 12)], true);
+    let (_, text) = plan(&[file, "--from-trace", sampled.to_str().unwrap()]);
+    assert!(
+        text.contains("no exact peak records in it")
+            && text.contains("not in the run, the file's numbers kept: decode"),
+        "{text}"
+    );
+
+    // A trace of another pipeline is refused, its stages listed.
+    let other = trace(dir, "other", &[("render", 1, 5)], false);
+    let (output, text) = plan(&[file, "--from-trace", other.to_str().unwrap()]);
+    assert_eq!(output.status.code(), Some(2), "{text}");
+    assert!(text.contains("has stages the pipeline does not: render (the pipeline's: encode, decode)"), "{text}");
+}
+
+#[test]
+fn summary_writes_the_measured_working_memory_into_the_pipeline_file() {
+    let path = pipeline("write-working");
+    let dir = path.folder.path();
+    std::fs::write(
+        &*path,
+        std::fs::read_to_string(&*path).unwrap().replacen("[[models]]", "# my models\n[[models]]", 1),
+    )
+    .unwrap();
+    let eager = trace(dir, "eager", &[("encode", 2, 12), ("decode", 2, 14)], false);
+    let output = Command::new(STAGELOAD)
+        .args(["summary", eager.to_str().unwrap(), "--write-working", path.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert_eq!(output.status.code(), Some(0), "{}", String::from_utf8_lossy(&output.stderr));
+    let written = std::fs::read_to_string(&*path).unwrap();
+    assert!(written.contains("# my models"), "the rest of the file is kept:\n{written}");
+    assert!(written.contains(&format!("working = \"{}\"", 12 * MIB - 2 * MIB)), "{written}");
+    assert!(written.contains(&format!("working = \"{}\"", 14 * MIB - 2 * MIB)), "{written}");
+    let (output, text) = plan(&[path.to_str().unwrap(), "--memory", "1G"]);
+    assert_eq!(output.status.code(), Some(0), "{text}");
+    assert!(text.contains("stage decode: resident decoder (1.0 MiB), needs 13.0 MiB"), "{text}");
+}
+
+#[test]
+fn a_stage_that_does_not_fit_says_what_would_make_it_fit() {
+    let path = pipeline("remedy");
+    let text = std::fs::read_to_string(&*path).unwrap();
+    std::fs::write(&*path, format!("pinned = [\"encoder\"]\n{text}")).unwrap();
+    let (output, text) = plan(&[path.to_str().unwrap(), "--memory", "1.5M"]);
+    assert_eq!(output.status.code(), Some(1), "{text}");
+    assert!(text.contains("to fit (short by 512.0 KiB):"), "{text}");
+    assert!(text.contains("unpin encoder here (kept, not used by this stage): saves 1.0 MiB, enough alone"), "{text}");
+    assert!(text.contains("load decoder as bf16 (dtype = \"bf16\"): saves 512.0 KiB, enough alone"), "{text}");
+}

@@ -159,3 +159,23 @@ fn a_runner_gives_the_trace_and_latents_files_through_the_environment() {
     let names = safetensors::SafeTensors::deserialize(&std::fs::read(&latents).unwrap()).unwrap().names().len();
     assert!(names >= 3, "the latents went to the file the runner named");
 }
+
+#[test]
+fn the_plan_with_the_eager_runs_working_memory_matches_the_staged_run_stage_by_stage() {
+    let folder = scratch("plan-check");
+    let dir = folder.path();
+    let eager = run("cascade", dir, "eager", &["--mode", "eager"]);
+    let staged = run("cascade", dir, "staged", &["--mode", "staged"]);
+    let description = dir.join("weights/cascade-scale-0.01/cascade.toml");
+    let pipeline = stageload_plan::Pipeline::load(&description).unwrap();
+    let measured =
+        stageload_plan::measured::Measured::from_trace(&pipeline, &read_trace(&eager.trace).unwrap()).unwrap();
+    assert!(!measured.sampled_only && measured.working.iter().all(Option::is_some), "{measured:?}");
+    let predicted = measured.apply(&pipeline);
+    let plan = stageload_plan::plan(&predicted, stageload_plan::Budget::given(1 << 40), None);
+    let checks = stageload_plan::measured::check(&predicted, &plan, &read_trace(&staged.trace).unwrap()).unwrap();
+    assert_eq!(checks.len(), 7);
+    for check in &checks {
+        assert!(check.ok, "{check:?}\n{}", stageload_plan::measured::render_checks(&checks, &staged.trace));
+    }
+}

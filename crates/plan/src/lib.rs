@@ -2,9 +2,11 @@
 //!
 //! - [`pipeline`]: the TOML pipeline description (models, checkpoints, stages, pins, working
 //!   memory), checked, with each model's size read from its checkpoints' headers only.
+//! - [`measured`]: working memory from a recorded run, and a plan checked against a run.
 //! - [`plan`](mod@plan): stage by stage residency, loads, releases, reloads, bytes read, and a verdict
 //!   per stage against this machine's budget, staged and eager.
 
+pub mod measured;
 pub mod pipeline;
 pub mod plan;
 

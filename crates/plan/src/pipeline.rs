@@ -137,6 +137,12 @@ pub struct Part {
     pub bytes: u64,
     /// Bytes read from disk to load it.
     pub file_bytes: u64,
+    /// Of `bytes`, those of float entries, and how many elements they hold (what a smaller
+    /// float dtype would shrink).
+    #[serde(default)]
+    pub float_bytes: u64,
+    #[serde(default)]
+    pub float_elements: u64,
 }
 
 /// A checked model: its files resolved and its size read from their headers. A file that several
@@ -264,9 +270,17 @@ fn converts(dtype: safetensors::Dtype) -> bool {
     matches!(dtype, F16 | BF16 | F32 | F64 | F8_E4M3 | F8_E5M2)
 }
 
-/// What one checkpoint holds for a model: the entries it loads, their bytes as stored, and their
-/// bytes once loaded with `load_bits` per float element (as stored without it).
-fn read_header(path: &Path, ignore: &[glob::Pattern], load_bits: Option<usize>) -> Result<(usize, u64, u64), String> {
+/// What one checkpoint holds for a model: the entries it loads and their bytes as stored, once
+/// loaded with `load_bits` per float element (as stored without it), and of floats once loaded.
+struct FileSizes {
+    entries: usize,
+    stored: u64,
+    resident: u64,
+    float_bytes: u64,
+    float_elements: u64,
+}
+
+fn read_header(path: &Path, ignore: &[glob::Pattern], load_bits: Option<usize>) -> Result<FileSizes, String> {
     let mut file = stageload_input::open_regular(path).map_err(|e| e.to_string())?;
     let header = stageload_input::read_header(&mut file)?;
     let loaded: Vec<_> =
@@ -274,13 +288,20 @@ fn read_header(path: &Path, ignore: &[glob::Pattern], load_bits: Option<usize>) 
     // safetensors checked each entry's offsets against its shape and dtype, and the reader
     // checked them against the file, so each size below fits the file.
     let stored = total(loaded.iter().map(|(_, info)| (info.data_offsets.1 - info.data_offsets.0) as u64));
-    let resident = total(loaded.iter().map(|(_, info)| match load_bits {
+    let resident_of = |info: &safetensors::tensor::TensorInfo| match load_bits {
         Some(bits) if converts(info.dtype) => {
             (info.shape.iter().product::<usize>() as u64).saturating_mul(bits as u64) / 8
         }
         _ => (info.data_offsets.1 - info.data_offsets.0) as u64,
-    }));
-    Ok((loaded.len(), stored, resident))
+    };
+    let floats: Vec<_> = loaded.iter().filter(|(_, info)| converts(info.dtype)).collect();
+    Ok(FileSizes {
+        entries: loaded.len(),
+        stored,
+        resident: total(loaded.iter().map(|(_, info)| resident_of(info))),
+        float_bytes: total(floats.iter().map(|(_, info)| resident_of(info))),
+        float_elements: total(floats.iter().map(|(_, info)| info.shape.iter().product::<usize>() as u64)),
+    })
 }
 
 /// A pin's span as indices into the stage sequence: `from` at its first occurrence, `until` at
@@ -301,10 +322,7 @@ pub fn resolve_pin(pin: &PinEntry, stages: &[&str]) -> Result<Pin, String> {
             match after {
                 Some(index) => Some(index),
                 None if stages.contains(&name.as_str()) => {
-                    return Err(format!(
-                        "{what}: until '{name}' does not come after from '{}'",
-                        stages[from]
-                    ))
+                    return Err(format!("{what}: until '{name}' does not come after from '{}'", stages[from]))
                 }
                 None => return Err(unknown("until", name)),
             }
@@ -376,14 +394,19 @@ impl Pipeline {
             let mut tensors = 0;
             let mut parts = Vec::new();
             for file in &files {
-                let (count, file_bytes, bytes) =
-                    read_header(file, &ignore, loaded_bits).map_err(|message| PipelineError::Checkpoint {
-                        model: entry.name.clone(),
-                        file: file.clone(),
-                        message,
-                    })?;
-                tensors += count;
-                parts.push(Part { file: file.clone(), bytes, file_bytes });
+                let sizes = read_header(file, &ignore, loaded_bits).map_err(|message| PipelineError::Checkpoint {
+                    model: entry.name.clone(),
+                    file: file.clone(),
+                    message,
+                })?;
+                tensors += sizes.entries;
+                parts.push(Part {
+                    file: file.clone(),
+                    bytes: sizes.resident,
+                    file_bytes: sizes.stored,
+                    float_bytes: sizes.float_bytes,
+                    float_elements: sizes.float_elements,
+                });
             }
             let bytes = total(parts.iter().map(|p| p.bytes));
             let file_bytes = total(parts.iter().map(|p| p.file_bytes));
@@ -430,7 +453,12 @@ impl Pipeline {
             }
         }
         let stage_names: Vec<&str> = stages.iter().map(|s: &Stage| s.name.as_str()).collect();
-        let pins = file.pins.iter().map(|pin| resolve_pin(pin, &stage_names)).collect::<Result<Vec<_>, _>>().map_err(invalid)?;
+        let pins = file
+            .pins
+            .iter()
+            .map(|pin| resolve_pin(pin, &stage_names))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(invalid)?;
         let reserve = file.reserve.as_deref().map(parse_reserve).transpose().map_err(invalid)?;
         Ok(Pipeline { path: path.to_path_buf(), models, stages, pinned: file.pinned, pins, reserve })
     }

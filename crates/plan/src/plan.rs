@@ -114,6 +114,68 @@ pub struct StagePlan {
     pub read: u64,
     pub verdict: Verdict,
     pub device_verdict: Verdict,
+    /// What would make the stage fit, when it does not.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub remedy: Option<Remedy>,
+}
+
+/// Ways to make a stage that does not fit fit, each with the bytes it saves.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Remedy {
+    /// How much the stage is over its budget (the larger of host and device).
+    pub short_by: u64,
+    /// (what to do, bytes it saves)
+    pub options: Vec<(String, u64)>,
+    /// All the options together make it fit.
+    pub together_fits: bool,
+}
+
+/// Bytes `model` would save with its float entries as bf16 (2 bytes each), counting only files
+/// no other model of `resident` lists (a shared component is built once, by whichever model
+/// comes first, in its own dtype).
+fn bf16_saving(model: &Model, resident: &[&Model]) -> u64 {
+    let own = model.parts.iter().filter(|part| {
+        !resident.iter().any(|other| other.name != model.name && other.parts.iter().any(|p| p.file == part.file))
+    });
+    total(own.map(|p| p.float_bytes.saturating_sub(p.float_elements.saturating_mul(2))))
+}
+
+/// What would make `stage` (at occurrence `index`) fit: unpinning the models it keeps without
+/// using them, and loading the models it uses in bf16.
+fn remedy(
+    pipeline: &Pipeline,
+    index: usize,
+    stage: &StagePlan,
+    budget: &Budget,
+    device: Option<&Budget>,
+) -> Option<Remedy> {
+    let over = |need: u64, budget: Option<&Budget>| match Verdict::of(need, budget) {
+        Verdict::DoesNotFit { by } => Some(by),
+        _ => None,
+    };
+    let (short_by, placement) = match (over(stage.need, Some(budget)), over(stage.device_need, device)) {
+        (Some(host), Some(dev)) if dev > host => (dev, Placement::Device),
+        (Some(host), _) => (host, Placement::Host),
+        (None, Some(dev)) => (dev, Placement::Device),
+        (None, None) => return None,
+    };
+    let listed = &pipeline.stages[index].models;
+    let resident: Vec<&Model> = stage.resident.iter().filter_map(|name| pipeline.model(name)).collect();
+    let (used, kept): (Vec<&Model>, Vec<&Model>) = resident.iter().partition(|m| listed.contains(&m.name));
+    let mut options = Vec::new();
+    let unpin = bytes_on(&resident, placement).saturating_sub(bytes_on(&used, placement));
+    if unpin > 0 {
+        let names: Vec<&str> = kept.iter().map(|m| m.name.as_str()).collect();
+        options.push((format!("unpin {} here (kept, not used by this stage)", names.join(", ")), unpin));
+    }
+    for model in used.iter().filter(|m| m.placement == placement) {
+        let saves = bf16_saving(model, &used);
+        if saves > 0 {
+            options.push((format!("load {} as bf16 (dtype = \"bf16\")", model.name), saves));
+        }
+    }
+    let together_fits = total(options.iter().map(|(_, saves)| *saves)) >= short_by;
+    Some(Remedy { short_by, options, together_fits })
 }
 
 /// The same pipeline with every model loaded up front.
@@ -148,6 +210,12 @@ pub struct Plan {
     pub eager: EagerPlan,
     /// Every stage fits (now, or once other processes free memory) on the host and the device.
     pub fits: bool,
+    /// Where the working memory came from, when a recorded run gave it (`--from-trace`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub working_from: Option<String>,
+    /// The plan against a recorded run, stage by stage (`--check`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub check: Option<Vec<crate::measured::StageCheck>>,
 }
 
 /// Bytes the models on `placement` hold together, a file several of them list counted once.
@@ -210,7 +278,10 @@ pub fn plan(pipeline: &Pipeline, budget: Budget, device_budget: Option<Budget>) 
             device_need,
             verdict: Verdict::of(need, Some(&budget)),
             device_verdict: Verdict::of(device_need, device_budget.as_ref()),
+            remedy: None,
         });
+        let planned = stages.len() - 1;
+        stages[planned].remedy = remedy(pipeline, index, &stages[planned], &budget, device_budget.as_ref());
     }
     let (peak_stage, peak_need) =
         stages.iter().rev().max_by_key(|s| s.need).map_or((String::new(), 0), |s| (s.name.clone(), s.need));
@@ -248,6 +319,8 @@ pub fn plan(pipeline: &Pipeline, budget: Budget, device_budget: Option<Budget>) 
         fits: stages.iter().all(|s| s.verdict.fits() && s.device_verdict.fits()),
         stages,
         eager,
+        working_from: None,
+        check: None,
     }
 }
 
@@ -297,6 +370,23 @@ impl Plan {
                     format_bytes(stage.device_need),
                     stage.device_verdict.describe()
                 );
+            }
+            if let Some(remedy) = &stage.remedy {
+                out += &format!("  to fit (short by {}):", format_bytes(remedy.short_by));
+                if remedy.options.is_empty() {
+                    out += " nothing to unpin or shrink here: more memory, or a smaller model\n";
+                }
+                for (what, saves) in &remedy.options {
+                    let alone = if *saves >= remedy.short_by { ", enough alone" } else { "" };
+                    out += &format!("\n    {what}: saves {}{alone}", format_bytes(*saves));
+                }
+                if !remedy.options.is_empty() {
+                    out += if remedy.together_fits {
+                        "\n    all of these together: fits\n"
+                    } else {
+                        "\n    all of these together: still short\n"
+                    };
+                }
             }
             out += &format!(
                 "  at entry: releases {}; loads {} (reads {}{})\n",

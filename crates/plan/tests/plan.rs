@@ -267,7 +267,11 @@ fn bad_pipeline_files_name_what_is_wrong() {
         ),
         ("bad-reserve", "reserve = \"lots\"\n".to_string() + &stages(""), "reserve: not a size"),
         ("bad-reserve-percent", "reserve = \"-5%\"\n".to_string() + &stages(""), "not a percent from 0% to 1000%"),
-        ("bad-ignore", stages("").replace("name = \"encoder\"", "name = \"encoder\"\nignore = [\"[\"]"), "model 'encoder': ignore"),
+        (
+            "bad-ignore",
+            stages("").replace("name = \"encoder\"", "name = \"encoder\"\nignore = [\"[\"]"),
+            "model 'encoder': ignore",
+        ),
         (
             "unknown-model",
             stages("") + "\n[[stages]]\nname = \"x\"\nmodels = [\"vae\"]\n",

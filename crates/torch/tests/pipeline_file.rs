@@ -39,7 +39,13 @@ fn spec(name: &str) -> ModelSpec {
 }
 
 fn registry(pipeline: &stageload::Pipeline) -> StagedModels {
-    StagedModels::builder().pipeline(pipeline).model(spec("encoder")).model(spec("decoder")).model(spec("helper")).build().unwrap()
+    StagedModels::builder()
+        .pipeline(pipeline)
+        .model(spec("encoder"))
+        .model(spec("decoder"))
+        .model(spec("helper"))
+        .build()
+        .unwrap()
 }
 
 const STAGES: &str = "[[stages]]\nname = \"embed\"\nmodels = [\"encoder\"]\n\
@@ -129,10 +135,7 @@ fn a_model_built_on_another_device_than_the_files_is_refused_by_name() {
         .unwrap();
     models.enter("embed").unwrap();
     let err = models.load("encoder").unwrap_err().to_string();
-    assert!(
-        err.contains("model 'encoder'") && err.contains("places it on cuda:3") && err.contains("on cpu"),
-        "{err}"
-    );
+    assert!(err.contains("model 'encoder'") && err.contains("places it on cuda:3") && err.contains("on cpu"), "{err}");
     let mut bad = pipeline.clone();
     bad.models[1].dtype = Some("i64".into());
     let err = StagedModels::builder()

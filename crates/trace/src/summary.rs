@@ -11,8 +11,9 @@
 //! 4. A window runs to the next one's start; the last one to the last sample.
 //! 5. Its peak is the largest of the samples in `[start, end)` (the last window includes its
 //!    end) and of the exact `peak` records that close it (`start < t ≤ end`).
-//! 6. Its weights are the largest `resident` of the events inside it, and of the last one at or
-//!    before its start (what it inherited).
+//! 6. Its weights are the largest `resident` of the events from the one that starts it to the one
+//!    that starts the next window (by event order, so events in the same millisecond as a
+//!    boundary fall on the right side), and of the last one before (what it inherited).
 
 use serde::{Deserialize, Serialize};
 
@@ -99,14 +100,16 @@ pub struct Summary {
     pub errors: Vec<ReadingError>,
 }
 
-fn window_starts(events: &[&EventRecord]) -> Vec<(String, f64)> {
+/// Each window's stage, start time and the index of the event that starts it.
+fn window_starts(events: &[&EventRecord]) -> Vec<(String, f64, Option<usize>)> {
     let mut starts = Vec::new();
     for (i, event) in events.iter().enumerate() {
         if event.kind != EventKind::Stage {
             continue;
         }
-        let tail = events[i + 1..].iter().take_while(|e| e.kind == EventKind::Release).last();
-        starts.push((event.stage.clone().unwrap_or_default(), tail.map_or(event.t, |release| release.t)));
+        let tail = events[i + 1..].iter().take_while(|e| e.kind == EventKind::Release).count();
+        let start = i + tail;
+        starts.push((event.stage.clone().unwrap_or_default(), events[start].t, Some(start)));
     }
     starts
 }
@@ -144,30 +147,33 @@ pub fn summarize(trace: &Trace) -> Summary {
         .collect();
 
     // Windows: synthetic setup, release-aware starts, consecutive repeats merged.
-    let mut windows: Vec<(String, f64)> = vec![("setup".to_string(), 0.0)];
-    for (stage, start) in window_starts(&events) {
+    let mut windows: Vec<(String, f64, Option<usize>)> = vec![("setup".to_string(), 0.0, None)];
+    for (stage, start, index) in window_starts(&events) {
         if windows.len() == 1 && start <= 0.0 {
-            windows[0] = (stage, 0.0);
-        } else if windows.last().is_some_and(|(last, _)| *last == stage) {
+            windows[0] = (stage, 0.0, index);
+        } else if windows.last().is_some_and(|(last, _, _)| *last == stage) {
             continue;
         } else {
-            windows.push((stage, start));
+            windows.push((stage, start, index));
         }
     }
     let stages = windows
         .iter()
         .enumerate()
-        .map(|(i, (stage, start))| {
+        .map(|(i, (stage, start, first_event))| {
             let (start, last) = (*start, i + 1 == windows.len());
-            let end = windows.get(i + 1).map_or(last_t, |(_, next)| *next);
+            let end = windows.get(i + 1).map_or(last_t, |(_, next, _)| *next);
+            // Its events: from the one after its start to the one that starts the next window.
+            let lo = first_event.map_or(0, |e| e + 1);
+            let hi = windows.get(i + 1).and_then(|(_, _, e)| *e).map_or(events.len(), |e| e + 1).max(lo);
             let inside = range(&samples, |s| s.t, |t| t >= start, |t| t < end || (last && t <= end));
             let closing = range(&peaks, |p| p.t, |t| t > start || i == 0, |t| t <= end);
             let sampled_peak = inside.iter().filter_map(|s| s.rss).max();
             let exact = closing.iter().map(|p| p.rss).max();
             let sampled_device = inside.iter().filter_map(|s| s.device_allocated).max();
             let exact_device = closing.iter().filter_map(|p| p.device).max();
-            let inherited = held[events.partition_point(|e| e.t <= start)];
-            let during = range(&events, |e| e.t, |t| t > start, |t| t < end).iter().filter_map(|e| e.resident).max();
+            let inherited = held[lo];
+            let during = events[lo..hi].iter().filter_map(|e| e.resident).max();
             StageWindow {
                 stage: stage.clone(),
                 start,

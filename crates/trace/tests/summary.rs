@@ -416,3 +416,20 @@ mod fuzz {
         }
     }
 }
+
+#[test]
+fn a_load_in_the_same_millisecond_as_the_next_stage_counts_in_its_own_window() {
+    let load = |t: f64, resident: u64| {
+        Record::Event(EventRecord { t, kind: EventKind::Load, resident: Some(resident), ..EventRecord::default() })
+    };
+    let summary = summary_of(vec![
+        stage(0.003, "setup"),
+        load(0.040, 100),
+        load(0.042, 130),
+        stage(0.042, "structure"),
+        load(0.098, 500),
+        sample(0.1, 900),
+    ]);
+    let weights: Vec<(&str, Option<u64>)> = summary.stages.iter().map(|w| (w.stage.as_str(), w.weights)).collect();
+    assert_eq!(weights, [("setup", Some(130)), ("structure", Some(500))]);
+}

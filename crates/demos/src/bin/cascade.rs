@@ -18,12 +18,12 @@ use clap::Parser;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use stageload::{BoxError, BuildContext, Built, ModelSpec, Shared, SharedRng};
-use stageload_plan::PinEntry;
 use stageload_demos::models::transformer_loader;
 use stageload_demos::{
     cached, cached_checkpoint, sample_flow, schedule, tokens_at, width_at, CommonArgs, DemoRun, DemoSpec, Mode,
     ModelShape, Transformer, CHANNELS,
 };
+use stageload_plan::PinEntry;
 use tch::nn::{self, Module, VarStore};
 use tch::{Device, Kind, Tensor};
 

@@ -216,7 +216,8 @@ impl StagedModelsBuilder {
         let names: Vec<&str> = self.stages.iter().map(|(s, _)| s.as_str()).collect();
         let mut spans = Vec::new();
         for (model, from, until) in &self.spans {
-            let entry = stageload_plan::PinEntry { models: vec![model.clone()], from: from.clone(), until: until.clone() };
+            let entry =
+                stageload_plan::PinEntry { models: vec![model.clone()], from: from.clone(), until: until.clone() };
             let pin = stageload_plan::pipeline::resolve_pin(&entry, &names)
                 .map_err(|message| StageError::PinSpan { model: model.clone(), message })?;
             spans.push((model.clone(), pin.from, pin.until));

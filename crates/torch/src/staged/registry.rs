@@ -94,7 +94,8 @@ impl Placement {
                 let float = matches!(tensor.kind(), Kind::Half | Kind::BFloat16 | Kind::Float | Kind::Double);
                 if float && tensor.kind() != kind {
                     let _no_grad = tch::no_grad_guard();
-                    let converted = tensor.f_to_kind(kind).map_err(|e| mismatch(format!("converting '{name}': {e}")))?;
+                    let converted =
+                        tensor.f_to_kind(kind).map_err(|e| mismatch(format!("converting '{name}': {e}")))?;
                     tensor.f_set_data(&converted).map_err(|e| mismatch(format!("converting '{name}': {e}")))?;
                 }
             }
@@ -145,10 +146,10 @@ impl State {
     fn planned_here(&self, name: &str) -> bool {
         match (&self.current, self.position) {
             (None, _) => true,
-            (Some(_), Some(index)) => {
-                self.pinned_at(index).contains(name) || self.sequence[index].1.contains(name)
+            (Some(_), Some(index)) => self.pinned_at(index).contains(name) || self.sequence[index].1.contains(name),
+            (Some(stage), None) => {
+                self.pinned.contains(name) || self.stages.get(stage).is_some_and(|m| m.contains(name))
             }
-            (Some(stage), None) => self.pinned.contains(name) || self.stages.get(stage).is_some_and(|m| m.contains(name)),
         }
     }
 

@@ -1,0 +1,197 @@
+//! Working memory measured instead of guessed: each stage occurrence of a pipeline matched with
+//! the window of a recorded run (`stageload plan FILE --from-trace RUN.jsonl`), its working
+//! memory taken as the window's peak minus the weights resident in it (host, and device memory
+//! on a device run), and a plan checked against a run stage by stage (`--check RUN.jsonl`).
+
+use std::path::{Path, PathBuf};
+
+use serde::Serialize;
+use stageload_trace::record::Record;
+use stageload_trace::{summarize, StageWindow, Summary, Trace};
+use stageload_units::format_bytes;
+
+use crate::pipeline::Pipeline;
+use crate::plan::Plan;
+
+/// The windows of `summary` matched to the pipeline's stage occurrences, in order: each
+/// occurrence takes the next window of its name. Err: the trace has stages the pipeline does not
+/// (the synthetic `setup` window aside), listed.
+pub fn match_windows<'a>(
+    pipeline: &Pipeline,
+    summary: &'a Summary,
+    trace: &Path,
+) -> Result<Vec<Option<&'a StageWindow>>, String> {
+    let known = |name: &str| pipeline.stages.iter().any(|s| s.name == name);
+    let mut foreign: Vec<&str> =
+        summary.stages.iter().map(|w| w.stage.as_str()).filter(|s| !known(s) && *s != "setup").collect();
+    foreign.dedup();
+    if !foreign.is_empty() {
+        let ours: Vec<&str> = pipeline.stages.iter().map(|s| s.name.as_str()).collect();
+        return Err(format!(
+            "trace {} has stages the pipeline does not: {} (the pipeline's: {}); a trace of another pipeline?",
+            trace.display(),
+            foreign.join(", "),
+            ours.join(", ")
+        ));
+    }
+    let mut next = 0;
+    Ok(pipeline
+        .stages
+        .iter()
+        .map(|stage| {
+            let found = summary.stages[next..].iter().position(|w| w.stage == stage.name)?;
+            next += found + 1;
+            Some(&summary.stages[next - 1])
+        })
+        .collect())
+}
+
+/// One occurrence's working memory as a run measured it.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Working {
+    pub host: u64,
+    /// On a device run: the device peak minus the weights.
+    pub device: Option<u64>,
+}
+
+/// Working memory per stage occurrence from one run.
+#[derive(Debug, Clone, Serialize)]
+pub struct Measured {
+    pub trace: PathBuf,
+    /// Per occurrence; `None` where the run has no window for it.
+    pub working: Vec<Option<Working>>,
+    /// The trace has no exact peak records: the peaks are the largest samples.
+    pub sampled_only: bool,
+    /// The run was on a device (`cuda:0`, `mps`): its weights are device memory.
+    pub device_run: bool,
+}
+
+impl Measured {
+    /// Reads the working memory of each stage occurrence of `pipeline` from a recorded run.
+    pub fn from_trace(pipeline: &Pipeline, trace: &Trace) -> Result<Measured, String> {
+        let summary = summarize(trace);
+        let device_run = summary.header.as_ref().is_some_and(|h| h.device != "cpu");
+        let windows = match_windows(pipeline, &summary, &trace.path)?;
+        let working = windows
+            .iter()
+            .map(|window| {
+                let window = (*window)?;
+                let weights = window.weights.unwrap_or(0);
+                Some(if device_run {
+                    Working { host: window.peak?, device: window.device_peak.map(|p| p.saturating_sub(weights)) }
+                } else {
+                    Working { host: window.peak?.saturating_sub(weights), device: None }
+                })
+            })
+            .collect();
+        let sampled_only = !trace.records.iter().any(|r| matches!(r, Record::Peak(_)));
+        Ok(Measured { trace: trace.path.clone(), working, sampled_only, device_run })
+    }
+
+    /// `pipeline` with each measured occurrence's working memory in place of the file's.
+    pub fn apply(&self, pipeline: &Pipeline) -> Pipeline {
+        let mut measured = pipeline.clone();
+        for (stage, working) in measured.stages.iter_mut().zip(&self.working) {
+            if let Some(working) = working {
+                stage.working = working.host;
+                if let Some(device) = working.device {
+                    stage.device_working = device;
+                }
+            }
+        }
+        measured
+    }
+
+    /// Where the numbers came from, and what they leave out, for the plan's text.
+    pub fn describe(&self, pipeline: &Pipeline) -> String {
+        let mut out = format!("working memory measured in {}", self.trace.display());
+        if self.sampled_only {
+            out += " (no exact peak records in it: the largest samples, which may miss a spike)";
+        }
+        let uncovered: Vec<&str> = pipeline
+            .stages
+            .iter()
+            .zip(&self.working)
+            .filter(|(_, w)| w.is_none())
+            .map(|(s, _)| s.name.as_str())
+            .collect();
+        if !uncovered.is_empty() {
+            out += &format!("; not in the run, the file's numbers kept: {}", uncovered.join(", "));
+        }
+        out + "\n"
+    }
+}
+
+/// One occurrence of the plan against the same occurrence of a run.
+#[derive(Debug, Clone, PartialEq, Serialize, serde::Deserialize)]
+pub struct StageCheck {
+    pub stage: String,
+    pub planned_weights: u64,
+    pub run_weights: Option<u64>,
+    pub planned_need: u64,
+    pub run_peak: Option<u64>,
+    /// The weights match exactly and the peak is within the tolerance of the need.
+    pub ok: bool,
+}
+
+/// The relative tolerance of a checked peak against the planned need.
+pub const PEAK_TOLERANCE: f64 = 0.05;
+
+/// Checks `plan` against a run of the same pipeline: per occurrence, the resident weights
+/// exactly, the peak within [`PEAK_TOLERANCE`] of the need (host on a CPU run; device on a
+/// device run).
+pub fn check(pipeline: &Pipeline, plan: &Plan, run: &Trace) -> Result<Vec<StageCheck>, String> {
+    let summary = summarize(run);
+    let device_run = summary.header.as_ref().is_some_and(|h| h.device != "cpu");
+    let windows = match_windows(pipeline, &summary, &run.path)?;
+    Ok(plan
+        .stages
+        .iter()
+        .zip(windows)
+        .map(|(stage, window)| {
+            let (planned_weights, planned_need, run_peak) = if device_run {
+                (
+                    stage.weights.saturating_add(stage.device_weights),
+                    stage.device_need,
+                    window.and_then(|w| w.device_peak),
+                )
+            } else {
+                (stage.weights, stage.need, window.and_then(|w| w.peak))
+            };
+            let run_weights = window.and_then(|w| w.weights);
+            let close = |peak: u64| (peak as f64 - planned_need as f64).abs() <= planned_need as f64 * PEAK_TOLERANCE;
+            let ok = run_weights == Some(planned_weights) && run_peak.is_some_and(close);
+            StageCheck { stage: stage.name.clone(), planned_weights, run_weights, planned_need, run_peak, ok }
+        })
+        .collect())
+}
+
+/// The checks as a table.
+pub fn render_checks(checks: &[StageCheck], run: &Path) -> String {
+    let bytes = |b: Option<u64>| b.map_or("-".to_string(), format_bytes);
+    let mut out = format!(
+        "plan against {} (weights exact, peak within {:.0} % of the need):\n{:<14} {:>13} {:>13} {:>13} {:>13} {:>7}  ok\n",
+        run.display(),
+        PEAK_TOLERANCE * 100.0,
+        "stage",
+        "plan weights",
+        "run weights",
+        "plan need",
+        "run peak",
+        "peak/need"
+    );
+    for c in checks {
+        let ratio = c.run_peak.map_or("-".to_string(), |p| format!("{:.3}", p as f64 / c.planned_need.max(1) as f64));
+        out += &format!(
+            "{:<14} {:>13} {:>13} {:>13} {:>13} {:>7}  {}\n",
+            c.stage,
+            format_bytes(c.planned_weights),
+            bytes(c.run_weights),
+            format_bytes(c.planned_need),
+            bytes(c.run_peak),
+            ratio,
+            if c.ok { "yes" } else { "NO" }
+        );
+    }
+    out
+}
