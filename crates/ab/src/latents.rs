@@ -163,11 +163,16 @@ fn difference(a: &Latent, b: &Latent) -> Option<Difference> {
         return Some(Difference::Identical);
     }
     let (a, b) = (values(a)?, values(b)?);
-    let max_abs = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0.0, f64::max);
-    let scale = a.iter().map(|x| x.abs()).fold(0.0, f64::max);
+    // A NaN against a number is an unbounded difference; NaN against NaN is none.
+    let apart = |(x, y): (&f64, &f64)| match (x.is_nan(), y.is_nan()) {
+        (false, false) => (x - y).abs(),
+        (true, true) => 0.0,
+        _ => f64::INFINITY,
+    };
+    let max_abs = a.iter().zip(&b).map(apart).fold(0.0, f64::max);
+    let scale = a.iter().filter(|x| x.is_finite()).map(|x| x.abs()).fold(0.0, f64::max);
     let relative = if scale > 0.0 { max_abs / scale } else { f64::INFINITY };
-    // NaN against NaN in the same place is not a difference of values, but the bytes differed.
-    Some(Difference::Differs { max_abs: if max_abs.is_nan() { f64::INFINITY } else { max_abs }, relative })
+    Some(Difference::Differs { max_abs, relative })
 }
 
 /// Compares every latent of `reference[0]` with the same latent in the other reference runs

@@ -76,3 +76,17 @@ fn latents_that_cannot_be_compared_are_errors_naming_them() {
     assert!(LatentFile::read(&junk).unwrap_err().to_string().contains("junk.safetensors"));
     assert!(LatentFile::read(dir.path()).unwrap_err().to_string().contains("not a regular file"));
 }
+
+#[test]
+fn a_tiny_difference_and_a_nan_are_measured_not_hidden() {
+    let dir = tempfile::tempdir().unwrap();
+    let eager = run(dir.path(), "eager.safetensors", &[1.0, 2.0], &[1.0]);
+    let tiny = run(dir.path(), "tiny.safetensors", &[1.0, 2.0 + 2.4e-7], &[1.0]);
+    let nan = run(dir.path(), "nan.safetensors", &[f32::NAN, 2.0], &[1.0]);
+    let reports = compare(std::slice::from_ref(&eager), &[tiny, nan]).unwrap();
+    let Difference::Differs { max_abs, relative } = reports[0].runs[0].1 else { panic!("{:?}", reports[0]) };
+    assert!(max_abs > 1e-7 && max_abs < 1e-6 && relative < 1e-6, "{max_abs} {relative}");
+    let Difference::Differs { max_abs, .. } = reports[0].runs[1].1 else { panic!("{:?}", reports[0]) };
+    assert!(max_abs.is_infinite(), "a NaN where the reference has a number is an unbounded difference");
+    assert_eq!(reports[1].verdict, Verdict::Identical);
+}

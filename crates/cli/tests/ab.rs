@@ -101,6 +101,17 @@ fn a_run_the_guard_stops_is_reported_at_its_stage_and_a_changed_latent_fails() {
         "{text}"
     );
     assert!(text.contains("staged 2: exit 0"), "{text}");
+
+    // A run that crashes is reported with its exit status; the others are still aggregated.
+    let out = folder.path().join("crashed");
+    let crashing = format!("{}\nimport sys; sys.exit(7)", program("eager", [300, 320], [1.0, 2.0], false));
+    let (output, text) = ab(&out, &[], &[crashing, program("staged", [100, 160], [1.0, 2.0], false)]);
+    assert_eq!(output.status.code(), Some(1), "{text}");
+    assert!(text.contains("eager 1: exit 7") && text.contains("eager 2: exit 7"), "{text}");
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("ab.json")).unwrap()).unwrap();
+    let decode = report["stages"].as_array().unwrap().iter().find(|s| s["stage"] == "decode").unwrap();
+    assert_eq!((decode["host"][0]["n"].as_u64(), decode["host"][1]["n"].as_u64()), (Some(2), Some(2)), "{decode}");
 }
 
 #[test]
@@ -108,7 +119,8 @@ fn bad_usage_is_refused_before_any_run() {
     let folder = tempfile::tempdir().unwrap();
     let out = folder.path().join("ab");
     let one = program("eager", [1, 1], [0.0, 0.0], false);
-    let cases: [(Vec<&str>, &str); 3] = [
+    let cases: [(Vec<&str>, &str); 4] = [
+        (vec!["--runs", "0", "--", "true", "--", "true"], "--runs"),
         (vec!["--", "true"], "two or more commands"),
         (vec!["--names", "a,b,c", "--", "true", "--", "true"], "--names gives 3 names for 2 commands"),
         (vec!["--names", "a/b,c", "--", "true", "--", "true"], "not a name for files"),

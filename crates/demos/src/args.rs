@@ -48,7 +48,7 @@ pub struct CommonArgs {
     #[arg(long, default_value_t = 3)]
     pub steps: i64,
     /// The JSONL trace of the run (default: $STAGELOAD_TRACE when set, else a temporary file)
-    #[arg(long, env = "STAGELOAD_TRACE", value_name = "FILE")]
+    #[arg(long, value_name = "FILE")]
     pub trace: Option<PathBuf>,
     /// Write the latents (safetensors) to this file, and their fingerprints to FILE.sha256
     /// (default: $STAGELOAD_LATENTS when set)

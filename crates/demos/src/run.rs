@@ -110,7 +110,8 @@ impl DemoRun {
         chacha: Arc<dyn stageload::rng::RngSnapshot>,
     ) -> Result<DemoRun, BoxError> {
         crate::logging::init();
-        let trace = args.trace.clone().unwrap_or_else(|| {
+        let asked = meter::trace_path(args.trace.clone());
+        let trace = asked.clone().unwrap_or_else(|| {
             std::env::temp_dir().join(format!("stageload-{}-{}.jsonl", spec.name, std::process::id()))
         });
         let options = MeterOptions::default()
@@ -152,7 +153,7 @@ impl DemoRun {
             mode: args.mode,
             plan,
             meter,
-            temporary_trace: args.trace.is_none(),
+            temporary_trace: asked.is_none(),
             trace,
             latents: Latents::with_env(args.latents.clone()),
             calls: std::sync::Mutex::default(),

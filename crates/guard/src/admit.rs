@@ -3,8 +3,11 @@
 
 use std::time::Duration;
 
+use crate::config::GuardConfig;
 use crate::decide::{self, Admission, Wait};
-use crate::{Clock, GuardConfig, GuardLog, Readings, Signals};
+use crate::log::GuardLog;
+use crate::machine::{Clock, Readings};
+use crate::signals::Signals;
 use stageload_probe::SystemMemory;
 
 /// Sleeps on `clock` until `until`, in slices of at most 50 ms, returning early once `interrupt`

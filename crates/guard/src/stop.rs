@@ -9,7 +9,8 @@ use std::time::Duration;
 
 use nix::sys::signal::Signal;
 
-use crate::{Clock, Readings, Signals};
+use crate::machine::{Clock, Readings};
+use crate::signals::Signals;
 
 /// The running command as a stop sees it.
 pub trait Group {

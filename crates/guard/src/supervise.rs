@@ -30,10 +30,14 @@ use serde_json::json;
 use stageload_probe::ProcessEntry;
 use stageload_units::{format_bytes, format_gb};
 
-use crate::admit::sleep_until;
-use crate::signals::name as signal_name;
-use crate::stop::{stop, Ending, Group};
-use crate::{exit, wait_for_room, Admitted, Clock, GuardConfig, GuardLog, Outcome, Readings, Signals, Watch};
+use crate::admit::{sleep_until, wait_for_room, Admitted};
+use crate::config::GuardConfig;
+use crate::decide::{Notice, Watch};
+use crate::log::GuardLog;
+use crate::machine::{Clock, Readings, SystemReadings};
+use crate::outcome::{exit, Outcome};
+use crate::signals::{name as signal_name, Signals};
+use crate::stop::{stop, Ending, Group, AFTER_KILL};
 
 /// Runs `command` under the guard: admission, start, watch, stop. See the module docs.
 pub fn run_guarded(
@@ -118,8 +122,7 @@ impl Run<'_> {
             Ending::Terminated => {}
             Ending::Killed => self.log.note("killed", "SIGKILL after the grace", None),
             Ending::Unkillable(pids) => {
-                let message =
-                    format!("processes {pids:?} still there {} s after SIGKILL", crate::stop::AFTER_KILL.as_secs());
+                let message = format!("processes {pids:?} still there {} s after SIGKILL", AFTER_KILL.as_secs());
                 self.log.note("unkillable", &message, None);
             }
         }
@@ -164,7 +167,7 @@ impl Run<'_> {
             for notice in notices {
                 let text = notice.to_string();
                 // A failing reading is logged once per distinct error, not every poll.
-                if matches!(notice, crate::Notice::Unknown(_)) {
+                if matches!(notice, Notice::Unknown(_)) {
                     if last_unknown.as_deref() == Some(&text) {
                         continue;
                     }
@@ -354,7 +357,7 @@ impl Drop for Job {
             return;
         }
         // Left without a stop and a reap: nothing the guard started may outlive it unwatched.
-        let _ = self.alive(&mut crate::SystemReadings);
+        let _ = self.alive(&mut SystemReadings);
         self.send(Signal::SIGKILL);
         let mut log = GuardLog::silent();
         self.reap(&mut log);

@@ -90,42 +90,57 @@ pub fn reset_peak() -> Result<(), ProbeError> {
     Process::myself().and_then(|p| p.clear_refs(ClearRefs::PeakRSS)).map_err(|e| read_error("/proc/self/clear_refs", e))
 }
 
-/// The entry of one process, without its command line; `None` once it has gone.
-fn tree_entry(process: &Process) -> Option<ProcessEntry> {
+/// The entry of one process, without its command line, and its number of threads; `None` once
+/// it has gone.
+fn tree_entry(process: &Process) -> Option<(ProcessEntry, i64)> {
     let stat = process.stat().ok()?;
-    Some(ProcessEntry {
+    let entry = ProcessEntry {
         pid: stat.pid,
         ppid: stat.ppid,
         pgid: stat.pgrp,
         zombie: stat.state == 'Z',
         cmdline: String::new(),
-    })
+    };
+    Some((entry, stat.num_threads))
+}
+
+/// The children of `process` (`threads` of them list theirs): a single-threaded process's from
+/// its main thread's file, without listing its task folder.
+fn children(process: &Process, threads: i64) -> Result<Vec<u32>, procfs::ProcError> {
+    if threads == 1 {
+        return process.task_main_thread()?.children();
+    }
+    let mut all = Vec::new();
+    for task in process.tasks()?.flatten() {
+        all.extend(task.children()?);
+    }
+    Ok(all)
 }
 
 /// Every process below `root`, found through `/proc/PID/task/TID/children` (one read per thread
 /// of each member) instead of a scan of the whole process table; zombies included. `Ok(None)`
 /// when the kernel has no `children` files (built without `CONFIG_PROC_CHILDREN`).
 pub fn subtree(root: i32) -> Result<Option<Vec<ProcessEntry>>, ProbeError> {
-    let tasks = Process::new(root).and_then(|p| p.tasks()).map_err(|e| read_error(format!("/proc/{root}/task"), e))?;
+    let process = Process::new(root).map_err(|e| read_error(format!("/proc/{root}"), e))?;
+    let threads = process.stat().map_err(|e| read_error(format!("/proc/{root}/stat"), e))?.num_threads;
     let mut found: Vec<ProcessEntry> = Vec::new();
     let mut seen = std::collections::HashSet::from([root]);
-    let mut parents = vec![(root, Some(tasks))];
-    while let Some((parent, tasks)) = parents.pop() {
-        let Some(tasks) = tasks.or_else(|| Process::new(parent).and_then(|p| p.tasks()).ok()) else { continue };
-        for task in tasks.flatten() {
-            let children = match task.children() {
-                Ok(children) => children,
-                Err(procfs::ProcError::NotFound(_)) if parent == root => return Ok(None),
-                Err(_) => continue,
-            };
-            for pid in children.into_iter().filter_map(|child| i32::try_from(child).ok()) {
-                if !seen.insert(pid) {
-                    continue;
-                }
-                if let Some(entry) = Process::new(pid).ok().as_ref().and_then(tree_entry) {
-                    found.push(entry);
-                    parents.push((pid, None));
-                }
+    let mut parents = vec![(process, threads)];
+    while let Some((parent, threads)) = parents.pop() {
+        let pids = match children(&parent, threads) {
+            Ok(pids) => pids,
+            Err(procfs::ProcError::NotFound(_)) if parent.pid == root => return Ok(None),
+            // A member that exited while it was read: its children are the guard's now.
+            Err(_) => continue,
+        };
+        for pid in pids.into_iter().filter_map(|child| i32::try_from(child).ok()) {
+            if !seen.insert(pid) {
+                continue;
+            }
+            let Ok(child) = Process::new(pid) else { continue };
+            if let Some((entry, threads)) = tree_entry(&child) {
+                found.push(entry);
+                parents.push((child, threads));
             }
         }
     }

@@ -12,11 +12,18 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use tch::{Device, Kind, Tensor};
 
+pub use stageload_trace::meter::TRACE_ENV;
 pub use stageload_trace::{read_trace, summarize, DeviceMemory, Meter, MeterOptions, Summary, SystemMeterReadings};
+
+/// The trace file a run writes: `explicit` when given, else `$STAGELOAD_TRACE` ([`TRACE_ENV`],
+/// how `stageload ab` gives each run its own), else none.
+pub fn trace_path(explicit: Option<PathBuf>) -> Option<PathBuf> {
+    explicit.or_else(|| std::env::var_os(TRACE_ENV).filter(|v| !v.is_empty()).map(PathBuf::from))
+}
 
 /// Starts a meter for a pipeline whose models run on `device`: the header names the device, and
 /// on CUDA every sample carries the allocator's allocated and reserved bytes.

@@ -93,3 +93,47 @@ mod tests {
         assert_eq!(huge.median, u64::MAX - 1);
     }
 }
+
+#[cfg(test)]
+mod aggregate_tests {
+    use super::*;
+    use crate::record::{EventRecord, PeakRecord, Record};
+    use crate::{summarize, EventKind, Trace};
+
+    /// A run through `stages`, each with its exact peak (MiB).
+    fn run(stages: &[(&str, u64)]) -> Summary {
+        let mut records = Vec::new();
+        for (i, (stage, peak)) in stages.iter().enumerate() {
+            let t = i as f64;
+            let event =
+                EventRecord { t, kind: EventKind::Stage, stage: Some(stage.to_string()), ..EventRecord::default() };
+            records.push(Record::Event(event));
+            records.push(Record::Peak(PeakRecord {
+                t: t + 0.5,
+                stage: stage.to_string(),
+                rss: peak << 20,
+                device: None,
+            }));
+        }
+        summarize(&Trace::new("hand.jsonl", records))
+    }
+
+    #[test]
+    fn odd_and_even_run_counts_and_a_stage_one_run_never_reached() {
+        let eager = [run(&[("a", 10), ("b", 20)]), run(&[("a", 12), ("b", 22)]), run(&[("a", 11)])];
+        let staged = [run(&[("a", 4), ("b", 6)]), run(&[("a", 6), ("b", 10)])];
+        let arms = vec![eager.iter().collect::<Vec<_>>(), staged.iter().collect()];
+        let stages = aggregate(&arms);
+        assert_eq!(stages.iter().map(|s| s.stage.as_str()).collect::<Vec<_>>(), ["a", "b"]);
+        let mib = |n: u64| n << 20;
+        assert_eq!(stages[0].host[0], Some(Spread { min: mib(10), median: mib(11), max: mib(12), n: 3 }));
+        assert_eq!(stages[0].host[1], Some(Spread { min: mib(4), median: mib(5), max: mib(6), n: 2 }));
+        assert_eq!(
+            stages[1].host[0].map(|s| (s.median, s.n)),
+            Some((mib(21), 2)),
+            "the third eager run stopped before b"
+        );
+        assert_eq!(stages[1].ratio[1], Some(8.0 / 21.0));
+        assert_eq!(stages[1].device, [None, None]);
+    }
+}

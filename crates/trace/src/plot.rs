@@ -47,18 +47,23 @@ pub const MAX_TRACES: usize = 16;
 /// Draws `traces` (with their summaries and labels) into `path` (.svg or .png), `width` pixels
 /// wide (within [`WIDTHS`]) and 300 pixels per panel (at most [`MAX_TRACES`] panels).
 pub fn plot(traces: &[(String, &Trace, &Summary)], path: &Path, width: u32) -> Result<(), PlotError> {
-    register_font();
-    if !WIDTHS.contains(&width) || traces.len() > MAX_TRACES {
-        let message = format!(
-            "a chart is {} to {} pixels wide (asked {width}) and shows at most {MAX_TRACES} traces (given {})",
-            WIDTHS.start(),
-            WIDTHS.end(),
-            traces.len()
-        );
-        return Err(PlotError::Draw { path: path.display().to_string(), message });
-    }
+    prepare(path, width, traces.len(), "traces")?;
     let size = (width, 300 * traces.len().max(1) as u32 + 40);
     render(path, size, |root| draw(root, traces), |root| draw(root, traces))
+}
+
+/// Registers the font and checks the chart's width and how many `what` it shows.
+fn prepare(path: &Path, width: u32, count: usize, what: &str) -> Result<(), PlotError> {
+    register_font();
+    if WIDTHS.contains(&width) && count <= MAX_TRACES {
+        return Ok(());
+    }
+    let message = format!(
+        "a chart is {} to {} pixels wide (asked {width}) and shows at most {MAX_TRACES} {what} (given {count})",
+        WIDTHS.start(),
+        WIDTHS.end(),
+    );
+    Err(PlotError::Draw { path: path.display().to_string(), message })
 }
 
 /// Draws with `svg` or `png` by `path`'s extension (the two closures are the same drawing, once
@@ -90,16 +95,7 @@ fn render(
 /// median over its runs, with a whisker from the smallest to the largest run; `width` pixels
 /// wide (within [`WIDTHS`]).
 pub fn bars(groups: &[(String, Vec<&Summary>)], path: &Path, width: u32) -> Result<(), PlotError> {
-    register_font();
-    if !WIDTHS.contains(&width) || groups.len() > MAX_TRACES {
-        let message = format!(
-            "a chart is {} to {} pixels wide (asked {width}) and shows at most {MAX_TRACES} modes (given {})",
-            WIDTHS.start(),
-            WIDTHS.end(),
-            groups.len()
-        );
-        return Err(PlotError::Draw { path: path.display().to_string(), message });
-    }
+    prepare(path, width, groups.len(), "modes")?;
     let runs: Vec<Vec<&Summary>> = groups.iter().map(|(_, runs)| runs.clone()).collect();
     let stages = crate::aggregate::aggregate(&runs);
     let labels: Vec<&str> = groups.iter().map(|(label, _)| label.as_str()).collect();

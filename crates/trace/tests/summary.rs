@@ -248,7 +248,7 @@ fn the_committed_traces_are_read_summarized_and_plotted_with_typed_events() {
         stageload_trace::plot::plot(&[("run".to_string(), &trace, &summary)], &chart, 800).unwrap();
         assert!(std::fs::metadata(&chart).unwrap().len() > 1000);
     }
-    assert!(reloads_in_place >= 1, "schema-1 notes ('in_place') are read into typed fields");
+    assert!(reloads_in_place >= 1, "the staged runs reload the shape decoder in place, typed");
 }
 
 /// A run on `cuda:0` in two stages: host RSS flat, device weights `weights` and a device spike.

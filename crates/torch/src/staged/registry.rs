@@ -441,15 +441,16 @@ impl Inner {
             }
         };
         let shared = context.shared_tensors.into_inner().unwrap_or_else(|e| e.into_inner());
-        placement.apply(name, &mut built.tensors)?;
+        // Shared components built by this build are this model's to place and convert too
+        // (shallow copies: the conversion reaches every holder).
         let mut fresh: Vec<(String, Tensor)> =
             shared.iter().filter(|(_, _, fresh)| *fresh).map(|(n, t, _)| (n.clone(), t.shallow_clone())).collect();
+        placement.apply(name, &mut built.tensors)?;
         placement.apply(name, &mut fresh)?;
         let mut report = None;
         if !checkpoint.is_empty() {
             let mut targets = shallow(&built.tensors);
-            targets
-                .extend(shared.iter().filter(|(_, _, fresh)| *fresh).map(|(n, t, _)| (n.clone(), t.shallow_clone())));
+            targets.extend(fresh);
             // Shared components another model loaded are not filled again, and a model built
             // without initial values must get every tensor from the file.
             let names = names
