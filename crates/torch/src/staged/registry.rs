@@ -635,20 +635,22 @@ impl Inner {
         };
         let planned = &state.sequence[index].1;
         let mut budget_left = self.prefetch_budget.map(|b| b.saturating_sub(state.resident_bytes()));
-        // (name, bytes of its released instance, or its checkpoint files to measure) — the files
-        // are measured once the state lock is dropped.
+        // (name, bytes of its released instance, or its checkpoint files to measure, its CUDA
+        // device) — the files are measured once the state lock is dropped.
         let mut candidates = Vec::new();
         for name in planned {
             let Some(&position) = state.index.get(name) else { continue };
             let entry = &state.entries[position];
             match decide::on_prefetch(&entry.slot, state.closed, entry.skip_init) {
-                Ok(()) => candidates.push((name.clone(), instance_bytes(entry), entry.checkpoint.clone())),
+                Ok(()) => {
+                    candidates.push((name.clone(), instance_bytes(entry), entry.checkpoint.clone(), cuda_device(entry)))
+                }
                 Err(skip) => tracing::debug!(model = name.as_str(), stage, ?skip, "not prefetched"),
             }
         }
         drop(state);
         let mut started = Vec::new();
-        for (name, known, files) in candidates {
+        for (name, known, files, cuda) in candidates {
             let bytes =
                 known.unwrap_or_else(|| files.iter().filter_map(|f| std::fs::metadata(f).ok()).map(|m| m.len()).sum());
             if let Some(left) = budget_left.as_mut() {
@@ -664,20 +666,21 @@ impl Inner {
                 }
                 *left -= bytes;
             }
-            started.push((name, bytes));
+            started.push((name, bytes, cuda));
         }
-        for (name, bytes) in &started {
+        for (name, bytes, cuda) in &started {
             self.emit(Event {
                 stage: Some(stage.to_string()),
                 model: Some(name.clone()),
                 bytes: Some(*bytes),
                 ..Event::now(EventKind::Prefetch)
             });
-            let (inner, name) = (Arc::clone(self), name.clone());
+            let (inner, name, cuda) = (Arc::clone(self), name.clone(), *cuda);
             let handle = std::thread::spawn(move || {
-                // On CUDA the copies go on a side stream, beside the foreground's kernels.
+                // On CUDA the copies go on a side stream of the model's device (device 0 when
+                // neither the file nor an earlier load says which), beside the foreground's kernels.
                 let _side = (stageload_torch_sys::cuda_device_count().unwrap_or(0) > 0)
-                    .then(|| stageload_torch_sys::cuda_side_stream(0).ok())
+                    .then(|| stageload_torch_sys::cuda_side_stream(cuda.unwrap_or(0)).ok())
                     .flatten();
                 // A failure stays in the slot and surfaces at the `get` that needs the model.
                 let _ = inner.instance_for(&name, Purpose::Prefetch);
@@ -686,7 +689,7 @@ impl Inner {
             running.retain(|h| !h.is_finished());
             running.push(handle);
         }
-        Ok(started.into_iter().map(|(name, _)| name).collect())
+        Ok(started.into_iter().map(|(name, _, _)| name).collect())
     }
 
     /// The stage after the one entered last, in the plan's sequence.
@@ -828,14 +831,30 @@ impl Inner {
     }
 }
 
-/// The bytes of the released instance a load of `entry` would bring back, if it has one.
-fn instance_bytes(entry: &Entry) -> Option<u64> {
-    let instance = match &entry.slot.state {
+/// The instance a released (or failed) slot keeps for a refill in place.
+fn released(entry: &Entry) -> Option<&Arc<Instance>> {
+    match &entry.slot.state {
         SlotState::Released { instance, .. } => Some(instance),
         SlotState::Failed { instance, .. } => instance.as_ref(),
         _ => None,
-    }?;
-    Some(instance.storage_sizes.iter().map(|(_, bytes)| bytes).sum())
+    }
+}
+
+/// The bytes of the released instance a load of `entry` would bring back, if it has one.
+fn instance_bytes(entry: &Entry) -> Option<u64> {
+    Some(released(entry)?.storage_sizes.iter().map(|(_, bytes)| bytes).sum())
+}
+
+/// The CUDA device a model lives on: the pipeline file's, else that of its released weights.
+fn cuda_device(entry: &Entry) -> Option<usize> {
+    let device = entry.placement.device.or_else(|| {
+        let weights = lock(&released(entry)?.weights);
+        weights.tensors.first().map(|(_, t)| t.device())
+    })?;
+    match device {
+        Device::Cuda(index) => Some(index),
+        _ => None,
+    }
 }
 
 fn shallow(tensors: &[(String, Tensor)]) -> Vec<(String, Tensor)> {
@@ -845,4 +864,45 @@ fn shallow(tensors: &[(String, Tensor)]) -> Vec<(String, Tensor)> {
 fn released_message(model: &str, stage: &Option<String>) -> String {
     let at = stage.as_ref().map(|s| format!(" when entering stage '{s}'")).unwrap_or_default();
     format!("stageload: model '{model}' was released{at} and its weights are gone; get it from the registry again")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry(placement: Placement, state: SlotState<Arc<Instance>>) -> Entry {
+        Entry {
+            name: "m".into(),
+            loader: None,
+            checkpoint: Vec::new(),
+            names: NameRules::default(),
+            placement,
+            skip_init: false,
+            slot: decide::Slot { state, has_loader: false, has_checkpoint: false, loads: 0 },
+            report: None,
+        }
+    }
+
+    #[test]
+    fn a_prefetch_copies_on_the_side_stream_of_the_models_own_cuda_device() {
+        let on = |device| Placement { device: Some(device), kind: None };
+        assert_eq!(cuda_device(&entry(on(Device::Cuda(2)), SlotState::Unloaded)), Some(2), "the file's device");
+        assert_eq!(cuda_device(&entry(on(Device::Cpu), SlotState::Unloaded)), None);
+        assert_eq!(cuda_device(&entry(Placement::default(), SlotState::Unloaded)), None, "not known yet");
+        // Without a file, a released model's own weights say where it lives (the CPU here).
+        let weights = Tensor::zeros([2], (Kind::Float, Device::Cpu));
+        let built = Built::from_tensors((), vec![("w".to_string(), weights)]);
+        let instance = Instance::new("m", built, std::sync::Weak::new()).unwrap();
+        let released = SlotState::Released { instance, stage: None, pending: false };
+        assert_eq!(cuda_device(&entry(Placement::default(), released)), None);
+    }
+
+    #[test]
+    fn the_files_device_and_dtype_are_read_and_integer_dtypes_refused() {
+        let placement = Placement::from_file("cuda:1", Some("BF16")).unwrap();
+        assert_eq!(placement, Placement { device: Some(Device::Cuda(1)), kind: Some(Kind::BFloat16) });
+        assert_eq!(Placement::from_file("mps", None).unwrap().device, Some(Device::Mps));
+        assert!(Placement::from_file("tpu", None).unwrap_err().contains("unknown device 'tpu'"));
+        assert!(Placement::from_file("cpu", Some("i64")).unwrap_err().contains("float entries only"));
+    }
 }
