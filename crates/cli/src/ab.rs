@@ -9,7 +9,7 @@ use clap::Args;
 use stageload_ab::latents::{compare, render, LatentFile};
 use stageload_ab::runner::{run, Arm, Guard};
 use stageload_guard::{exit, SystemClock, SystemReadings};
-use stageload_trace::{plot, table, Summary};
+use stageload_trace::{plot, Summary};
 
 use crate::guard::{log_and_signals, GuardFlags};
 use crate::out;
@@ -118,9 +118,7 @@ pub fn ab(args: AbArgs) -> i32 {
     let firsts: Vec<(String, &stageload_trace::Trace, &Summary)> = arms
         .iter()
         .zip(&traces)
-        .filter_map(|(arm, runs)| {
-            runs.first().map(|(t, s)| (format!("{} ({})", arm.name, table::label(s, &t.path)), t, s))
-        })
+        .filter_map(|(arm, runs)| runs.first().map(|(t, s)| (arm.name.clone(), t, s)))
         .collect();
     for extension in ["svg", "png"] {
         let charts = plot::bars(&groups, &args.out.join(format!("bars.{extension}")), 1200)
