@@ -34,7 +34,7 @@ use crate::admit::{sleep_until, wait_for_room, Admitted};
 use crate::config::GuardConfig;
 use crate::decide::{Notice, Watch};
 use crate::log::GuardLog;
-use crate::machine::{Clock, Readings, SystemReadings};
+use crate::machine::{Clock, Readings, SystemClock, SystemReadings};
 use crate::outcome::{exit, Outcome};
 use crate::signals::{name as signal_name, Signals};
 use crate::stop::{stop, Ending, Group, AFTER_KILL};
@@ -91,7 +91,7 @@ pub fn run_guarded_with_env(
     log.record("started", &format!("started pid {}", job.leader), None, json!({ "pid": job.leader.as_raw() }));
     let mut run = Run { job, config, readings, clock, log, signals };
     let outcome = run.watch(watch);
-    run.job.reap(run.log);
+    run.job.reap(run.log, run.clock);
     outcome
 }
 
@@ -312,16 +312,14 @@ impl Job {
     }
 
     /// Reaps the leader (last of all) and gives the terminal back to the guard's group.
-    fn reap(&mut self, log: &mut GuardLog) {
+    fn reap(&mut self, log: &mut GuardLog, clock: &mut dyn Clock) {
         // Elsewhere than Linux the exit was seen by reaping it.
         let already_reaped = cfg!(not(target_os = "linux")) && self.exit.is_some();
-        let cap = std::time::Instant::now() + Duration::from_secs(10);
+        let cap = clock.now().saturating_add(AFTER_KILL);
         if !already_reaped {
             loop {
                 match waitpid(self.leader, Some(WaitPidFlag::WNOHANG)) {
-                    Ok(WaitStatus::StillAlive) if std::time::Instant::now() < cap => {
-                        std::thread::sleep(Duration::from_millis(20))
-                    }
+                    Ok(WaitStatus::StillAlive) if clock.now() < cap => clock.sleep(Duration::from_millis(20)),
                     Ok(WaitStatus::StillAlive) => {
                         log.note("unreaped", &format!("pid {} has not exited; not waiting for it", self.leader), None);
                         break;
@@ -359,8 +357,8 @@ impl Drop for Job {
         // Left without a stop and a reap: nothing the guard started may outlive it unwatched.
         let _ = self.alive(&mut SystemReadings);
         self.send(Signal::SIGKILL);
-        let mut log = GuardLog::silent();
-        self.reap(&mut log);
+        // No clock reaches a drop: the real one bounds the wait.
+        self.reap(&mut GuardLog::silent(), &mut SystemClock::new());
     }
 }
 
