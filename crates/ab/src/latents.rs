@@ -21,10 +21,18 @@ pub enum LatentError {
     Read { path: PathBuf, message: String },
     #[error("latent '{latent}': {path} has {found}, the reference {reference} has {expected}")]
     Mismatch { latent: String, path: PathBuf, reference: PathBuf, found: String, expected: String },
-    #[error("latent '{latent}' is in {reference} but not in {path}")]
-    Missing { latent: String, path: PathBuf, reference: PathBuf },
+    #[error("{path} and the reference {reference} hold different latents: missing {}; extra {}", list(.missing), list(.extra))]
+    Names { path: PathBuf, reference: PathBuf, missing: Vec<String>, extra: Vec<String> },
     #[error("latent '{latent}' in {path} has dtype {dtype:?}, which is not compared")]
     Dtype { latent: String, path: PathBuf, dtype: Dtype },
+}
+
+fn list(names: &[String]) -> String {
+    if names.is_empty() {
+        "none".to_string()
+    } else {
+        names.join(", ")
+    }
 }
 
 /// The metadata key listing the latents in the order recorded (`stageload::latents::ORDER_KEY`).
@@ -179,13 +187,22 @@ fn difference(a: &Latent, b: &Latent) -> Option<Difference> {
 /// (their own variation) and in `others`.
 pub fn compare(reference: &[LatentFile], others: &[LatentFile]) -> Result<Vec<LatentReport>, LatentError> {
     let Some(base) = reference.first() else { return Ok(Vec::new()) };
+    for file in reference[1..].iter().chain(others) {
+        let missing: Vec<String> = base.names().filter(|n| file.get(n).is_none()).map(str::to_string).collect();
+        let extra: Vec<String> = file.names().filter(|n| base.get(n).is_none()).map(str::to_string).collect();
+        if !missing.is_empty() || !extra.is_empty() {
+            return Err(LatentError::Names { path: file.path.clone(), reference: base.path.clone(), missing, extra });
+        }
+    }
     let mut reports = Vec::new();
     for (name, latent) in &base.latents {
         let against = |file: &LatentFile| -> Result<Difference, LatentError> {
-            let other = file.get(name).ok_or_else(|| LatentError::Missing {
-                latent: name.clone(),
+            // The names were compared above; this only keeps the lookup total.
+            let other = file.get(name).ok_or_else(|| LatentError::Names {
                 path: file.path.clone(),
                 reference: base.path.clone(),
+                missing: vec![name.clone()],
+                extra: Vec::new(),
             })?;
             if (other.dtype, &other.shape) != (latent.dtype, &latent.shape) {
                 return Err(LatentError::Mismatch {

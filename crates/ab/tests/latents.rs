@@ -68,9 +68,16 @@ fn latents_that_cannot_be_compared_are_errors_naming_them() {
     let other_shape = run(dir.path(), "shape.safetensors", &[1.0, 2.0, 3.0], &[1.0]);
     let error = compare(std::slice::from_ref(&eager), &[other_shape]).unwrap_err().to_string();
     assert!(error.contains("latent 'x'") && error.contains("F32 [3]") && error.contains("F32 [2]"), "{error}");
-    let only_x = write(dir.path(), "only-x.safetensors", &[("x", Dtype::F32, vec![2], f32s(&[1.0, 2.0]))]);
-    let error = compare(&[eager], &[LatentFile::read(&only_x).unwrap()]).unwrap_err().to_string();
-    assert!(error.contains("latent 'y' is in") && error.contains("only-x.safetensors"), "{error}");
+    let other_names = write(
+        dir.path(),
+        "other-names.safetensors",
+        &[("x", Dtype::F32, vec![2], f32s(&[1.0, 2.0])), ("z", Dtype::F32, vec![1], f32s(&[1.0]))],
+    );
+    let error = compare(&[eager], &[LatentFile::read(&other_names).unwrap()]).unwrap_err().to_string();
+    assert!(
+        error.contains("other-names.safetensors") && error.contains("missing y; extra z"),
+        "the names on both sides are listed: {error}"
+    );
     let junk = dir.path().join("junk.safetensors");
     std::fs::write(&junk, b"not a safetensors file").unwrap();
     assert!(LatentFile::read(&junk).unwrap_err().to_string().contains("junk.safetensors"));
