@@ -13,6 +13,7 @@ use std::path::{Path, PathBuf};
 
 use safetensors::{Dtype, SafeTensors};
 use serde::Serialize;
+use stageload_trace::meter::LATENTS_ORDER_KEY as ORDER_KEY;
 use thiserror::Error;
 
 #[derive(Debug, Error)]
@@ -34,9 +35,6 @@ fn list(names: &[String]) -> String {
         names.join(", ")
     }
 }
-
-/// The metadata key listing the latents in the order recorded (`stageload::latents::ORDER_KEY`).
-pub const ORDER_KEY: &str = "stageload.latents.order";
 
 /// One latent: its dtype, shape, raw bytes.
 #[derive(Debug, Clone)]

@@ -86,16 +86,16 @@ pub fn parse_device(text: &str) -> Result<Device, String> {
             Err(format!("cuda:{index} does not exist: this machine has {count} CUDA device(s); use --device cpu"))
         }
     };
-    match text {
-        "auto" => Ok(Device::cuda_if_available()),
-        "cpu" => Ok(Device::Cpu),
-        "cuda" => cuda(0),
-        "mps" if stageload_torch_sys::mps_available().unwrap_or(false) => Ok(Device::Mps),
-        "mps" => Err("MPS is not available on this machine; use --device cpu".into()),
-        other => match other.strip_prefix("cuda:").and_then(|n| n.parse().ok()) {
-            Some(index) => cuda(index),
-            None => Err(format!("unknown device '{other}' (auto, cpu, cuda, cuda:N or mps)")),
-        },
+    if text == "auto" {
+        return Ok(Device::cuda_if_available());
+    }
+    match stageload::meter::device_from_name(text) {
+        Some(Device::Cuda(index)) => cuda(index),
+        Some(Device::Mps) if !stageload_torch_sys::mps_available().unwrap_or(false) => {
+            Err("MPS is not available on this machine; use --device cpu".into())
+        }
+        Some(device) => Ok(device),
+        None => Err(format!("unknown device '{text}' (auto, cpu, cuda, cuda:N or mps)")),
     }
 }
 

@@ -11,6 +11,7 @@ pub mod pipeline;
 pub mod plan;
 
 pub use pipeline::{
-    Model, ModelEntry, Pin, PinEntry, Pipeline, PipelineError, PipelineFile, Placement, Reserve, Stage, StageEntry,
+    DeviceName, Model, ModelEntry, Pin, PinEntry, Pipeline, PipelineError, PipelineFile, Placement, Reserve, Stage,
+    StageEntry,
 };
 pub use plan::{plan, Budget, BudgetSource, EagerPlan, Plan, StagePlan, Verdict, SCHEMA_VERSION};

@@ -70,7 +70,7 @@ impl Measured {
     /// Reads the working memory of each stage occurrence of `pipeline` from a recorded run.
     pub fn from_trace(pipeline: &Pipeline, trace: &Trace) -> Result<Measured, String> {
         let summary = summarize(trace);
-        let device_run = summary.header.as_ref().is_some_and(|h| h.device != "cpu");
+        let device_run = summary.on_device();
         let windows = match_windows(pipeline, &summary, &trace.path)?;
         let working = windows
             .iter()
@@ -142,7 +142,7 @@ pub const PEAK_TOLERANCE: f64 = 0.05;
 /// device run).
 pub fn check(pipeline: &Pipeline, plan: &Plan, run: &Trace) -> Result<Vec<StageCheck>, String> {
     let summary = summarize(run);
-    let device_run = summary.header.as_ref().is_some_and(|h| h.device != "cpu");
+    let device_run = summary.on_device();
     let windows = match_windows(pipeline, &summary, &run.path)?;
     Ok(plan
         .stages

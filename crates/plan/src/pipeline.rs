@@ -121,6 +121,33 @@ pub struct PipelineFile {
     pub stages: Vec<StageEntry>,
 }
 
+/// A device as pipeline files (and the demos' `--device`) name it: `cpu`, `cuda` (device 0),
+/// `cuda:N`, `mps`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeviceName {
+    Cpu,
+    Cuda(usize),
+    Mps,
+}
+
+impl DeviceName {
+    pub fn parse(text: &str) -> Option<DeviceName> {
+        match text {
+            "cpu" => Some(DeviceName::Cpu),
+            "cuda" => Some(DeviceName::Cuda(0)),
+            "mps" => Some(DeviceName::Mps),
+            other => other.strip_prefix("cuda:").and_then(|n| n.parse().ok()).map(DeviceName::Cuda),
+        }
+    }
+
+    pub fn placement(self) -> Placement {
+        match self {
+            DeviceName::Cpu => Placement::Host,
+            DeviceName::Cuda(_) | DeviceName::Mps => Placement::Device,
+        }
+    }
+}
+
 /// Where a model's weights live while it is resident.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -347,7 +374,13 @@ impl Pipeline {
     pub fn load(path: &Path) -> Result<Pipeline, PipelineError> {
         let text = stageload_input::read_text(path, MAX_PIPELINE_FILE)
             .map_err(|e| PipelineError::Read { path: path.to_path_buf(), message: e.to_string() })?;
-        let file: PipelineFile = toml::from_str(&text)
+        Self::parse(&text, path)
+    }
+
+    /// Checks the text of the pipeline file at `path` (already read) and reads the headers of
+    /// every checkpoint it names; relative checkpoint paths are taken from `path`'s folder.
+    pub fn parse(text: &str, path: &Path) -> Result<Pipeline, PipelineError> {
+        let file: PipelineFile = toml::from_str(text)
             .map_err(|e| PipelineError::Syntax { path: path.to_path_buf(), message: e.to_string() })?;
         let invalid = |message: String| PipelineError::Invalid { path: path.to_path_buf(), message };
         let folder = path.parent().unwrap_or(Path::new("."));
@@ -364,17 +397,9 @@ impl Pipeline {
                     entry.name
                 )));
             }
-            let placement = match entry.device.as_str() {
-                "cpu" => Placement::Host,
-                "cuda" | "mps" => Placement::Device,
-                device if device.strip_prefix("cuda:").is_some_and(|n| n.parse::<u32>().is_ok()) => Placement::Device,
-                other => {
-                    return Err(invalid(format!(
-                        "model '{}': unknown device '{other}' (cpu, cuda, cuda:N or mps)",
-                        entry.name
-                    )))
-                }
-            };
+            let placement = DeviceName::parse(&entry.device).map(DeviceName::placement).ok_or_else(|| {
+                invalid(format!("model '{}': unknown device '{}' (cpu, cuda, cuda:N or mps)", entry.name, entry.device))
+            })?;
             let loaded_bits = match &entry.dtype {
                 Some(dtype) => Some(dtype_bits(dtype).ok_or_else(|| {
                     invalid(format!(

@@ -14,8 +14,9 @@ use tch::{Device, Kind, Tensor};
 
 use crate::checkpoint::{self, CheckpointError};
 
-/// The environment variable naming the file a run's latents go to.
-pub use stageload_trace::meter::LATENTS_ENV;
+/// The environment variable naming the file a run's latents go to, and the metadata key listing
+/// the latents in the order recorded.
+pub use stageload_trace::meter::{LATENTS_ENV, LATENTS_ORDER_KEY as ORDER_KEY};
 
 /// SHA-256 of a tensor's shape and values (as f32 on the CPU), in hex.
 pub fn fingerprint(tensor: &Tensor) -> String {
@@ -27,10 +28,6 @@ pub fn fingerprint(tensor: &Tensor) -> String {
     hasher.update(&bytes);
     format!("{:x}", hasher.finalize())
 }
-
-/// The metadata key under which a latents file lists its latents in the order recorded (one
-/// name per line); `stageload latents` shows them in that order.
-pub const ORDER_KEY: &str = "stageload.latents.order";
 
 /// A run's latents, in the order recorded.
 #[derive(Debug, Default)]

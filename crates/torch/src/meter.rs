@@ -52,6 +52,16 @@ pub fn start(path: impl AsRef<Path>, device: Device, options: MeterOptions) -> s
     Meter::start(path, options)
 }
 
+/// The device a pipeline file or a `--device` flag names (`cpu`, `cuda`, `cuda:N`, `mps`; see
+/// [`stageload_plan::DeviceName`]), the inverse of [`device_name`].
+pub fn device_from_name(text: &str) -> Option<Device> {
+    Some(match stageload_plan::DeviceName::parse(text)? {
+        stageload_plan::DeviceName::Cpu => Device::Cpu,
+        stageload_plan::DeviceName::Cuda(index) => Device::Cuda(index),
+        stageload_plan::DeviceName::Mps => Device::Mps,
+    })
+}
+
 /// A device as traces and pipeline files spell it: `cpu`, `cuda:N`, `mps`, `vulkan`.
 pub fn device_name(device: Device) -> String {
     match device {

@@ -122,20 +122,23 @@ fn range<T>(items: &[T], time: impl Fn(&T) -> f64, after: impl Fn(f64) -> bool, 
     &items[lo..hi]
 }
 
+impl Summary {
+    /// The run's models were on a device (`cuda:0`, `mps`): its weights are device memory.
+    pub fn on_device(&self) -> bool {
+        self.header.as_ref().is_some_and(|h| h.device != "cpu")
+    }
+}
+
 /// Summarizes a trace's records in O(n log n): every window's readings are found by binary search
-/// in the time-sorted records.
+/// in the records, which [`Trace`] keeps in time order.
 pub fn summarize(trace: &Trace) -> Summary {
     let records = &trace.records;
-    let by_time = |a: &f64, b: &f64| a.total_cmp(b);
-    let mut samples: Vec<&Sample> =
+    let samples: Vec<&Sample> =
         records.iter().filter_map(|r| if let Record::Sample(s) = r { Some(s) } else { None }).collect();
-    samples.sort_by(|a, b| by_time(&a.t, &b.t));
-    let mut events: Vec<&EventRecord> =
+    let events: Vec<&EventRecord> =
         records.iter().filter_map(|r| if let Record::Event(e) = r { Some(e) } else { None }).collect();
-    events.sort_by(|a, b| by_time(&a.t, &b.t));
-    let mut peaks: Vec<&PeakRecord> =
+    let peaks: Vec<&PeakRecord> =
         records.iter().filter_map(|r| if let Record::Peak(p) = r { Some(p) } else { None }).collect();
-    peaks.sort_by(|a, b| by_time(&a.t, &b.t));
     let last_t =
         samples.last().map(|s| s.t).or_else(|| records.iter().filter_map(Record::t).reduce(f64::max)).unwrap_or(0.0);
     // The resident weights as of each event: `held[k]` is what the events before `k` last said.

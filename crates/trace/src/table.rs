@@ -116,8 +116,7 @@ impl StageCheck {
 /// missing a peak or weights in either trace are left out.
 pub fn against_eager(eager: &Summary, staged: &Summary) -> Vec<StageCheck> {
     // Weights on a device are checked against that device's peaks, never against host RSS.
-    let on_device = |s: &Summary| s.header.as_ref().is_some_and(|h| h.device != "cpu");
-    let device = on_device(eager) && on_device(staged);
+    let device = eager.on_device() && staged.on_device();
     let peak = |w: &crate::summary::StageWindow| if device { w.device_peak } else { w.peak };
     staged
         .stages

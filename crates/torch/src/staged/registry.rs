@@ -54,15 +54,8 @@ pub(crate) struct Placement {
 impl Placement {
     /// From the file's `device` (`cpu`, `cuda`, `cuda:N`, `mps`) and `dtype` (a float dtype).
     pub(crate) fn from_file(device: &str, dtype: Option<&str>) -> std::result::Result<Placement, String> {
-        let device = match device {
-            "cpu" => Device::Cpu,
-            "cuda" => Device::Cuda(0),
-            "mps" => Device::Mps,
-            other => match other.strip_prefix("cuda:").and_then(|n| n.parse().ok()) {
-                Some(index) => Device::Cuda(index),
-                None => return Err(format!("unknown device '{other}' (cpu, cuda, cuda:N or mps)")),
-            },
-        };
+        let device = crate::meter::device_from_name(device)
+            .ok_or_else(|| format!("unknown device '{device}' (cpu, cuda, cuda:N or mps)"))?;
         let kind = match dtype.map(str::to_ascii_lowercase).as_deref() {
             None => None,
             Some("f16" | "float16" | "half") => Some(Kind::Half),
