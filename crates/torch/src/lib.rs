@@ -8,6 +8,8 @@
 //! - [`checkpoint`]: safetensors files mapped and copied once into the model's storage.
 //! - [`names`]: how a checkpoint's entry names meet a model's (rename, ignore, strictness).
 //! - [`device_copy`]: checkpoint entries into CUDA tensors through a ring of pinned buffers.
+//! - [`stream`]: models bigger than their memory budget: a resident prefix of blocks, the rest
+//!   refilled in place from the checkpoint before they run and freed after.
 //! - [`storage`]: release and reallocation of a model's storages through the shim.
 //! - [`sync`]: the one shared-handle type and lock helper.
 //! - [`hook`]: enter a stage when a module or closure you do not own is called.
@@ -25,6 +27,7 @@ pub mod names;
 pub mod rng;
 pub mod staged;
 pub mod storage;
+pub mod stream;
 pub mod sync;
 
 pub use names::NameRules;

@@ -32,6 +32,9 @@ pub enum EventKind {
     /// A background load of `model` for `stage` began (its `load`/`reload` event, marked
     /// `prefetched`, ends it).
     Prefetch,
+    /// A streamed model's split between resident and streamed blocks was set or changed;
+    /// `residency` has the numbers, `note` the one-line report.
+    Residency,
 }
 
 impl EventKind {
@@ -45,6 +48,7 @@ impl EventKind {
             EventKind::Mark => "mark",
             EventKind::Error => "error",
             EventKind::Prefetch => "prefetch",
+            EventKind::Residency => "residency",
         }
     }
 
@@ -62,6 +66,24 @@ pub enum ReloadFrom {
     InPlace,
     /// Built again by its loader (under preserved RNG).
     Rebuilt,
+}
+
+/// How a streamed model holds its blocks (a `residency` event).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Residency {
+    /// Blocks in the model.
+    pub blocks: usize,
+    /// Blocks kept resident (a prefix); the others are streamed.
+    pub resident: usize,
+    /// Bytes that pass through the slots in one step.
+    pub streamed_per_step: u64,
+    /// The model's byte budget.
+    pub budget: u64,
+    /// Working memory a step was measured to need (0 until measured).
+    #[serde(default)]
+    pub working: u64,
+    /// Why the split changed: `start`, `out of memory`, `working memory`, `reset`.
+    pub reason: String,
 }
 
 /// How a checkpoint's entries met a model's tensors in one load.
@@ -139,6 +161,9 @@ pub struct Event {
     /// Bytes of model weights resident right after the event (shared storage counted once).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub resident: Option<u64>,
+    /// Residency events: a streamed model's split.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub residency: Option<Residency>,
 }
 
 impl Event {

@@ -1,0 +1,73 @@
+//! Models bigger than the memory they are given: a resident prefix of blocks, the rest streamed
+//! through one slot (plus one loaded ahead) and refilled in place from the checkpoint.
+//!
+//! This is release and reload in place at the grain of a block. A [`StreamedModel`] owns a
+//! model's named tensors, split into blocks by a [`BlockSpec`]; under a byte budget the first
+//! blocks that fit stay resident ([`split`]), and each of the others is refilled from the
+//! checkpoint just before it runs (`pread` into its storages on the CPU, through the pinned ring
+//! on CUDA) and freed in place just after, with the next streamed block read on a background
+//! thread while the current one computes. The forward code stays the same except for one call
+//! at each block boundary, [`Step::block`]:
+//!
+//! ```no_run
+//! # use stageload::stream::{BlockSpec, StreamedModel};
+//! # use stageload::{checkpoint::Checkpoint, NameRules};
+//! # fn f(vs: &tch::nn::VarStore, blocks: &[tch::nn::Linear], x: tch::Tensor) -> Result<(), Box<dyn std::error::Error>> {
+//! let spec = BlockSpec::new(["model.blocks.*"]).resident(["model.input", "model.output"]);
+//! let checkpoint = Checkpoint::open(&["model.safetensors"])?;
+//! let mut model = StreamedModel::new("flow", stageload::named_tensors(vs), checkpoint, &NameRules::default(), &spec, 512 << 20)?;
+//! let y = model.run(|step| {
+//!     let mut x = x.shallow_clone();
+//!     for (i, block) in blocks.iter().enumerate() {
+//!         step.block(i)?; // block i is in memory from here to the next call
+//!         x = tch::nn::Module::forward(block, &x);
+//!     }
+//!     Ok(x)
+//! })?;
+//! # Ok(()) }
+//! ```
+//!
+//! An out-of-memory inside a step (a libtorch error or panic saying so) streams one more block
+//! and runs the step again; on the CPU, where running out is the machine's problem rather than an
+//! error, the working memory measured at block boundaries decides the next step's split. The
+//! resident count only goes down during a run ([`StreamedModel::reset`] sets it back). Each
+//! change is one line in the log and a `residency` event.
+
+pub mod blocks;
+pub mod split;
+mod streamer;
+
+pub use blocks::{BlockError, BlockSpec};
+pub use split::{Split, TooSmall};
+pub use streamer::{Step, StreamStats, StreamedModel};
+
+use crate::checkpoint::CheckpointError;
+
+/// Why a streamed model could not be set up or could not run a step. Each names the model.
+#[derive(Debug, thiserror::Error)]
+pub enum StreamError {
+    #[error("streamed model '{model}': {source}")]
+    Blocks { model: String, source: BlockError },
+    #[error("streamed model '{model}': {source}")]
+    Budget { model: String, source: TooSmall },
+    #[error("streamed model '{model}': {source}")]
+    Checkpoint { model: String, source: CheckpointError },
+    #[error(
+        "streamed model '{model}': block '{block}' and '{other}' share the storage of tensor '{tensor}'; a block must own its storages (untie them, or put both in one block)"
+    )]
+    SharedStorage { model: String, block: String, other: String, tensor: String },
+    #[error(
+        "streamed model '{model}': tensor '{tensor}' of block '{block}' changed shape from {was:?} to {now:?} since the model was set up; build the model again"
+    )]
+    Reshaped { model: String, block: String, tensor: String, was: Vec<i64>, now: Vec<i64> },
+    #[error("streamed model '{model}' has {blocks} blocks; the forward asked for block {index}")]
+    NoSuchBlock { model: String, index: usize, blocks: usize },
+    #[error("streamed model '{model}': {operation} failed: {source}")]
+    Torch { model: String, operation: &'static str, source: stageload_torch_sys::ShimError },
+    #[error("streamed model '{model}' ran out of memory with every block streamed ({residency}): {message}")]
+    OutOfMemory { model: String, residency: String, message: String },
+    #[error("streamed model '{model}': the step failed: {message}")]
+    Step { model: String, message: String },
+    #[error(transparent)]
+    Tch(#[from] tch::TchError),
+}

@@ -1,0 +1,254 @@
+//! Which blocks of a streamed model stay resident: pure decisions over byte counts, tested
+//! without libtorch (as `guard/src/decide.rs` is).
+//!
+//! A model of `n` blocks keeps a prefix of `resident` blocks in memory and streams the rest
+//! through slots: one for the block that runs and, when the budget allows, one for the block
+//! loaded ahead. The budget covers everything the model holds at once: its fixed tensors (those
+//! in no block), the resident prefix, the slots, and the working memory a step needs (measured;
+//! zero until measured). The resident count only goes down during a run ([`evict`], [`refit`])
+//! unless the user resets it.
+
+use stageload_units::format_bytes;
+
+/// How a streamed model's blocks are held.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Split {
+    /// Blocks kept resident: the first `resident` ones.
+    pub resident: usize,
+    /// Blocks in the model.
+    pub blocks: usize,
+    /// A streamed block is loaded while the one before it runs (two slots; otherwise one).
+    pub look_ahead: bool,
+}
+
+impl Split {
+    /// Blocks released after they run and refilled before.
+    pub fn streamed(&self) -> usize {
+        self.blocks - self.resident
+    }
+
+    /// Whether block `index` is streamed.
+    pub fn is_streamed(&self, index: usize) -> bool {
+        index >= self.resident
+    }
+}
+
+/// Byte sizes a split is decided from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Sizes {
+    /// Tensors in no block: always resident.
+    pub fixed: u64,
+    /// Each block's bytes, in order.
+    pub blocks: Vec<u64>,
+}
+
+impl Sizes {
+    /// Bytes the model holds at most with the first `resident` blocks resident, `slots` slots
+    /// for the streamed ones and `working` bytes of working memory.
+    pub fn need(&self, resident: usize, slots: usize, working: u64) -> u64 {
+        let prefix = sum(&self.blocks[..resident]);
+        let slot = self.blocks[resident..].iter().copied().max().unwrap_or(0);
+        self.fixed.saturating_add(prefix).saturating_add(slot.saturating_mul(slots as u64)).saturating_add(working)
+    }
+
+    /// Bytes that pass through the slots in one step when the first `resident` blocks stay.
+    pub fn streamed_per_step(&self, resident: usize) -> u64 {
+        sum(&self.blocks[resident..])
+    }
+
+    /// All the model's weight bytes.
+    pub fn total(&self) -> u64 {
+        self.fixed.saturating_add(sum(&self.blocks))
+    }
+}
+
+/// A saturating sum (block sizes come from files).
+fn sum(bytes: &[u64]) -> u64 {
+    bytes.iter().fold(0u64, |a, b| a.saturating_add(*b))
+}
+
+/// The budget cannot hold the model's fixed tensors and one streamed block.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "a budget of {} is smaller than the {} a step needs with every block streamed (fixed tensors {}, one block {}, working memory {}): give it at least that much",
+    format_bytes(*budget), format_bytes(*needed), format_bytes(*fixed), format_bytes(*block), format_bytes(*working)
+)]
+pub struct TooSmall {
+    pub budget: u64,
+    pub needed: u64,
+    pub fixed: u64,
+    pub block: u64,
+    pub working: u64,
+}
+
+/// The largest split under `budget` with at most `at_most` resident blocks: as many resident
+/// blocks as fit beside the slots, with a look-ahead slot when the budget holds it.
+pub fn fit(sizes: &Sizes, budget: u64, working: u64, at_most: usize) -> Result<Split, TooSmall> {
+    let blocks = sizes.blocks.len();
+    let at_most = at_most.min(blocks);
+    let slots = |resident: usize| (blocks - resident).min(2);
+    if let Some(resident) = (0..=at_most).rev().find(|&r| sizes.need(r, slots(r), working) <= budget) {
+        return Ok(Split { resident, blocks, look_ahead: slots(resident) == 2 });
+    }
+    // No look-ahead: one slot, every block streamed.
+    if blocks == 0 || sizes.need(0, 1, working) <= budget {
+        return Ok(Split { resident: 0, blocks, look_ahead: false });
+    }
+    Err(TooSmall {
+        budget,
+        needed: sizes.need(0, 1, working),
+        fixed: sizes.fixed,
+        block: sizes.blocks.iter().copied().max().unwrap_or(0),
+        working,
+    })
+}
+
+/// After an out-of-memory in a step: one more block streamed, or `None` when every block
+/// already is (the eviction cannot help).
+pub fn evict(split: Split) -> Option<Split> {
+    let resident = split.resident.checked_sub(1)?;
+    Some(Split { resident, look_ahead: split.look_ahead || split.blocks - resident >= 2, ..split })
+}
+
+/// What a measured working memory means for the next step.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Refit {
+    /// The split holds.
+    Keep,
+    /// Fewer resident blocks (or no look-ahead) make the next step fit.
+    Shrink(Split),
+    /// Even with every block streamed the step passes the budget by `over` bytes.
+    Over { split: Split, over: u64 },
+}
+
+/// The split for the next step once a step measured `working` bytes of working memory: never
+/// more resident blocks than now.
+pub fn refit(sizes: &Sizes, split: Split, budget: u64, working: u64) -> Refit {
+    match fit(sizes, budget, working, split.resident) {
+        Ok(next) if next == split => Refit::Keep,
+        Ok(next) => Refit::Shrink(next),
+        Err(too_small) => Refit::Over {
+            split: Split { resident: 0, blocks: split.blocks, look_ahead: false },
+            over: too_small.needed - budget,
+        },
+    }
+}
+
+/// One residency line: `shape_flow: 26 of 30 blocks resident, 4 streamed, 1.4 GiB per step
+/// through the slot`.
+pub fn describe(model: &str, sizes: &Sizes, split: Split) -> String {
+    let mut line = format!("{model}: {} of {} blocks resident, {} streamed", split.resident, split.blocks, split.streamed());
+    if split.streamed() > 0 {
+        let slots = if split.look_ahead { "two slots (one ahead)" } else { "one slot" };
+        line += &format!(", {} per step through {slots}", format_bytes(sizes.streamed_per_step(split.resident)));
+    }
+    line
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MB: u64 = 1 << 20;
+
+    fn sizes(fixed: u64, blocks: &[u64]) -> Sizes {
+        Sizes { fixed: fixed * MB, blocks: blocks.iter().map(|b| b * MB).collect() }
+    }
+
+    #[test]
+    fn a_budget_over_the_whole_model_keeps_every_block() {
+        let s = sizes(10, &[100; 8]);
+        assert_eq!(fit(&s, 810 * MB, 0, 8), Ok(Split { resident: 8, blocks: 8, look_ahead: false }));
+    }
+
+    #[test]
+    fn the_resident_prefix_leaves_room_for_two_slots() {
+        let s = sizes(10, &[100; 8]);
+        // 10 + 4 × 100 + 2 slots × 100 = 610.
+        assert_eq!(fit(&s, 650 * MB, 0, 8), Ok(Split { resident: 4, blocks: 8, look_ahead: true }));
+        assert_eq!(s.need(4, 2, 0), 610 * MB);
+        assert_eq!(s.streamed_per_step(4), 400 * MB);
+    }
+
+    #[test]
+    fn a_single_streamed_block_needs_one_slot() {
+        let s = sizes(0, &[100; 4]);
+        assert_eq!(fit(&s, 399 * MB, 0, 4), Ok(Split { resident: 1, blocks: 4, look_ahead: true }));
+        assert_eq!(fit(&s, 400 * MB, 0, 4), Ok(Split { resident: 4, blocks: 4, look_ahead: false }));
+        let s = sizes(0, &[100, 100, 100, 50]);
+        assert_eq!(fit(&s, 350 * MB, 0, 4), Ok(Split { resident: 4, blocks: 4, look_ahead: false }));
+        // Two resident with one slot (300) would fit too; a slot ahead is worth a resident block.
+        assert_eq!(fit(&s, 349 * MB, 0, 4), Ok(Split { resident: 1, blocks: 4, look_ahead: true }));
+    }
+
+    #[test]
+    fn a_budget_for_one_slot_only_streams_everything_without_look_ahead() {
+        let s = sizes(10, &[100; 8]);
+        assert_eq!(fit(&s, 150 * MB, 0, 8), Ok(Split { resident: 0, blocks: 8, look_ahead: false }));
+    }
+
+    #[test]
+    fn a_budget_under_one_block_is_refused_naming_both_sizes() {
+        let s = sizes(10, &[100; 8]);
+        let err = fit(&s, 50 * MB, 0, 8).unwrap_err();
+        assert_eq!(err.needed, 110 * MB);
+        assert_eq!(err.block, 100 * MB);
+        let message = err.to_string();
+        assert!(message.contains("50.0 MiB") && message.contains("110.0 MiB"), "{message}");
+    }
+
+    #[test]
+    fn working_memory_counts_in_the_budget() {
+        let s = sizes(0, &[100; 8]);
+        assert_eq!(fit(&s, 600 * MB, 0, 8).unwrap().resident, 4);
+        assert_eq!(fit(&s, 600 * MB, 150 * MB, 8).unwrap().resident, 2);
+    }
+
+    #[test]
+    fn the_resident_count_never_grows_past_the_current_one() {
+        let s = sizes(0, &[100; 8]);
+        assert_eq!(fit(&s, 10_000 * MB, 0, 3).unwrap().resident, 3);
+        assert_eq!(refit(&s, Split { resident: 3, blocks: 8, look_ahead: true }, 10_000 * MB, 0), Refit::Keep);
+    }
+
+    #[test]
+    fn eviction_streams_one_more_block_until_none_is_left() {
+        let split = Split { resident: 2, blocks: 3, look_ahead: false };
+        let once = evict(split).unwrap();
+        assert_eq!(once, Split { resident: 1, blocks: 3, look_ahead: true });
+        let twice = evict(once).unwrap();
+        assert_eq!(twice.resident, 0);
+        assert_eq!(evict(twice), None, "every block streamed: eviction cannot help");
+    }
+
+    #[test]
+    fn a_measured_working_memory_shrinks_the_prefix_for_the_next_step() {
+        let s = sizes(0, &[100; 8]);
+        let split = fit(&s, 600 * MB, 0, 8).unwrap();
+        assert_eq!(refit(&s, split, 600 * MB, 50 * MB), Refit::Shrink(Split { resident: 3, blocks: 8, look_ahead: true }));
+        match refit(&s, split, 600 * MB, 550 * MB) {
+            Refit::Over { split, over } => {
+                assert_eq!(split.resident, 0);
+                assert_eq!(over, 50 * MB, "one slot of 100 + 550 working against 600");
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn sums_saturate_instead_of_wrapping() {
+        let s = Sizes { fixed: u64::MAX, blocks: vec![u64::MAX, u64::MAX] };
+        assert_eq!(s.need(1, 1, u64::MAX), u64::MAX);
+        assert!(fit(&s, u64::MAX - 1, 0, 2).is_err());
+        assert_eq!(s.total(), u64::MAX);
+    }
+
+    #[test]
+    fn the_residency_line_says_counts_and_bytes_per_step() {
+        let s = sizes(0, &[100; 30]);
+        let line = describe("shape_flow", &s, Split { resident: 26, blocks: 30, look_ahead: true });
+        assert_eq!(line, "shape_flow: 26 of 30 blocks resident, 4 streamed, 400.0 MiB per step through two slots (one ahead)");
+        let line = describe("m", &s, Split { resident: 30, blocks: 30, look_ahead: false });
+        assert_eq!(line, "m: 30 of 30 blocks resident, 0 streamed");
+    }
+}

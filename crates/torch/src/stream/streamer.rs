@@ -1,0 +1,587 @@
+//! The streamed model at run time: blocks freed after they run, refilled before, one refill on
+//! a background thread ahead of the forward, the split kept under the budget.
+//!
+//! Nothing here takes a lock: the model is `&mut` for a step, and the only other thread is the
+//! one refilling the block ahead, whose storages nothing else touches until it is joined.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+use stageload_trace::event::{Event, EventKind, EventSink, Residency};
+use tch::{Device, Tensor};
+
+use super::blocks::{assign, BlockSpec};
+use super::split::{describe, evict, fit, refit, Refit, Sizes, Split};
+use super::StreamError;
+use crate::checkpoint::{Checkpoint, CheckpointError};
+use crate::names::{match_names, NameMismatch, NameRules};
+use crate::staged::decide::is_out_of_memory;
+use crate::staged::error::panic_message;
+use crate::storage::{self, StorageRecord};
+
+/// What a streamed model has moved so far.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct StreamStats {
+    /// Steps completed.
+    pub steps: u64,
+    /// Block refills (ahead or on demand).
+    pub refills: u64,
+    /// Bytes refilled.
+    pub bytes_refilled: u64,
+    /// Seconds the refills took, wherever they ran.
+    pub refill_seconds: f64,
+    /// Seconds [`Step::block`] waited for a block (a refill not finished, or not started).
+    pub waited_seconds: f64,
+    /// Steps run again after an out-of-memory.
+    pub retries: u64,
+}
+
+/// One block's tensors, as the checkpoint names them, and its storages.
+struct Block {
+    name: String,
+    /// (checkpoint entry name, tensor).
+    targets: Vec<(String, Tensor)>,
+    /// (model tensor name, shape at set-up).
+    shapes: Vec<(String, Vec<i64>)>,
+    storages: Vec<StorageRecord>,
+    allocated: bool,
+}
+
+/// A refill running on its own thread.
+struct Ahead {
+    block: usize,
+    thread: JoinHandle<Result<f64, StreamError>>,
+}
+
+/// Reads the memory a step's working set shows up in (process RSS, or the CUDA allocator's).
+type Reading = Box<dyn FnMut() -> Option<u64> + Send>;
+
+/// A model whose blocks stream through memory under a byte budget; see [`super`].
+pub struct StreamedModel {
+    name: String,
+    device: Device,
+    blocks: Vec<Block>,
+    sizes: Sizes,
+    budget: u64,
+    split: Split,
+    /// Working memory measured so far (the largest step).
+    working: u64,
+    checkpoint: Arc<Checkpoint>,
+    ahead: Option<Ahead>,
+    reading: Reading,
+    sink: Option<Arc<dyn EventSink>>,
+    stats: StreamStats,
+}
+
+impl std::fmt::Debug for StreamedModel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StreamedModel").field("name", &self.name).field("split", &self.split).finish()
+    }
+}
+
+fn shallow(storages: &[StorageRecord]) -> Vec<StorageRecord> {
+    storages.iter().map(|s| StorageRecord { id: s.id, nbytes: s.nbytes, tensor: s.tensor.shallow_clone() }).collect()
+}
+
+impl StreamedModel {
+    /// Sets up `tensors` (a model's named tensors, e.g. [`crate::named_tensors`] of its
+    /// VarStore) as blocks per `spec`, streamed from `checkpoint` (names met under `rules`)
+    /// under `budget` bytes: frees the streamed blocks and fills the fixed tensors and the
+    /// resident prefix from the checkpoint. Build the model under
+    /// [`stageload_torch_sys::without_init`] so that its construction touches no memory.
+    ///
+    /// On the CPU this makes glibc return every freed block of 1 MiB or more to the OS at once
+    /// ([`stageload_torch_sys::map_large_host_blocks`], process-wide), so a freed block leaves
+    /// the RSS.
+    pub fn new(
+        name: impl Into<String>,
+        tensors: Vec<(String, Tensor)>,
+        checkpoint: Checkpoint,
+        rules: &NameRules,
+        spec: &BlockSpec,
+        budget: u64,
+    ) -> Result<Self, StreamError> {
+        let name = name.into();
+        let model = name.clone();
+        let names: Vec<&str> = tensors.iter().map(|(n, _)| n.as_str()).collect();
+        let layout = assign(spec, &names).map_err(|source| StreamError::Blocks { model: model.clone(), source })?;
+        let entries = entry_names(&checkpoint, &names, rules).map_err(|source| StreamError::Checkpoint { model: model.clone(), source })?;
+        let device = tensors.first().map_or(Device::Cpu, |(_, t)| t.device());
+
+        // Every storage belongs to one group: a block, or the fixed tensors.
+        let mut owners: std::collections::HashMap<u64, (String, String)> = std::collections::HashMap::new();
+        let mut claim = |group: &str, members: &[usize]| -> Result<Vec<StorageRecord>, StreamError> {
+            let named: Vec<(String, Tensor)> =
+                members.iter().map(|&i| (tensors[i].0.clone(), tensors[i].1.shallow_clone())).collect();
+            let records = storage::distinct_storages(&named).map_err(torch(&model, "read storage identities"))?;
+            for (tensor, t) in &named {
+                let id = stageload_torch_sys::storage_info(t).map_err(torch(&model, "read storage identities"))?.id;
+                if let Some((other, _)) = owners.get(&id).filter(|(g, _)| g != group) {
+                    return Err(StreamError::SharedStorage {
+                        model: model.clone(),
+                        block: group.to_string(),
+                        other: other.clone(),
+                        tensor: tensor.clone(),
+                    });
+                }
+                owners.insert(id, (group.to_string(), tensor.clone()));
+            }
+            Ok(records)
+        };
+        let fixed_storages = claim("the resident tensors", &layout.fixed)?;
+        let mut blocks = Vec::with_capacity(layout.blocks.len());
+        for (block_name, members) in &layout.blocks {
+            let storages = claim(block_name, members)?;
+            let missing: Vec<String> = members.iter().filter(|&&i| entries[i].is_none()).map(|&i| names[i].to_string()).collect();
+            if !missing.is_empty() {
+                let source = CheckpointError::Missing { tensors: missing, files: checkpoint.files().to_vec() };
+                return Err(StreamError::Checkpoint { model: model.clone(), source });
+            }
+            blocks.push(Block {
+                name: block_name.clone(),
+                targets: members
+                    .iter()
+                    .map(|&i| (entries[i].clone().expect("checked above"), tensors[i].1.shallow_clone()))
+                    .collect(),
+                shapes: members.iter().map(|&i| (names[i].to_string(), tensors[i].1.size())).collect(),
+                storages,
+                allocated: true,
+            });
+        }
+        let fixed_bytes: u64 = fixed_storages.iter().map(|s| s.nbytes as u64).sum();
+        let sizes = Sizes { fixed: fixed_bytes, blocks: blocks.iter().map(|b| bytes_of(&b.storages)).collect() };
+        let split = fit(&sizes, budget, 0, blocks.len()).map_err(|source| StreamError::Budget { model: model.clone(), source })?;
+        if device == Device::Cpu {
+            stageload_torch_sys::map_large_host_blocks();
+        }
+        let reading: Reading = match device {
+            Device::Cuda(index) => Box::new(move || stageload_torch_sys::cuda_memory(index).ok().map(|m| m.allocated)),
+            _ => {
+                let pid = std::process::id() as i32;
+                Box::new(move || stageload_probe::process_memory(pid).ok().map(|m| m.rss))
+            }
+        };
+        let mut streamed = StreamedModel {
+            name,
+            device,
+            blocks,
+            sizes,
+            budget,
+            split,
+            working: 0,
+            checkpoint: Arc::new(checkpoint),
+            ahead: None,
+            reading,
+            sink: None,
+            stats: StreamStats::default(),
+        };
+        // Streamed blocks go first, so that at no time more than the resident part is filled.
+        for index in split.resident..streamed.blocks.len() {
+            streamed.release(index)?;
+        }
+        let mut initial: Vec<(String, Tensor)> = layout
+            .fixed
+            .iter()
+            .filter_map(|&i| entries[i].clone().map(|entry| (entry, tensors[i].1.shallow_clone())))
+            .collect();
+        for block in &streamed.blocks[..split.resident] {
+            initial.extend(block.targets.iter().map(|(n, t)| (n.clone(), t.shallow_clone())));
+        }
+        streamed
+            .checkpoint
+            .load_into(&initial, |_| {})
+            .map_err(|source| StreamError::Checkpoint { model: streamed.name.clone(), source })?;
+        tracing::info!("{}", describe(&streamed.name, &streamed.sizes, split));
+        Ok(streamed)
+    }
+
+    /// Sends a `residency` event for the split now and for every later change to `sink`.
+    pub fn events(mut self, sink: Arc<dyn EventSink>) -> Self {
+        self.sink = Some(sink);
+        self.announce("start", None);
+        self
+    }
+
+    /// Measures working memory with `reading` (bytes now) instead of the process's RSS (CPU) or
+    /// the CUDA allocator's bytes.
+    pub fn reading(mut self, reading: impl FnMut() -> Option<u64> + Send + 'static) -> Self {
+        self.reading = Box::new(reading);
+        self
+    }
+
+    /// The model's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// How the blocks are held now.
+    pub fn split(&self) -> Split {
+        self.split
+    }
+
+    /// The bytes the split was decided from.
+    pub fn sizes(&self) -> &Sizes {
+        &self.sizes
+    }
+
+    /// The largest working memory a step was measured to need.
+    pub fn working(&self) -> u64 {
+        self.working
+    }
+
+    /// What has moved so far.
+    pub fn stats(&self) -> StreamStats {
+        self.stats
+    }
+
+    /// The residency line (`flow: 6 of 12 blocks resident, 6 streamed, …`).
+    pub fn residency(&self) -> String {
+        describe(&self.name, &self.sizes, self.split)
+    }
+
+    /// Forgets the measured working memory and keeps as many blocks resident as the budget
+    /// holds again; released prefix blocks come back as the next step reaches them.
+    pub fn reset(&mut self) -> Result<(), StreamError> {
+        self.working = 0;
+        let split = fit(&self.sizes, self.budget, 0, self.blocks.len())
+            .map_err(|source| StreamError::Budget { model: self.name.clone(), source })?;
+        if split != self.split {
+            self.split = split;
+            self.announce("reset", None);
+        }
+        Ok(())
+    }
+
+    /// Keeps at most `resident` blocks resident from the next step on (to stream more than the
+    /// budget asks, say for a benchmark); [`reset`](Self::reset) lifts it.
+    pub fn limit_resident(&mut self, resident: usize) -> Result<(), StreamError> {
+        let split = fit(&self.sizes, self.budget, self.working, resident.min(self.split.resident))
+            .map_err(|source| StreamError::Budget { model: self.name.clone(), source })?;
+        if split != self.split {
+            self.split = split;
+            self.announce("limit", None);
+        }
+        Ok(())
+    }
+
+    /// Runs one step of the forward: `f` calls [`Step::block`] before each block. On an
+    /// out-of-memory (an error or panic of `f` saying so) one more block is streamed and `f`
+    /// runs again, so `f` should compute from its inputs only (draw noise outside it). Other
+    /// errors and panics come back as errors; the model stays usable.
+    pub fn run<R>(&mut self, mut f: impl FnMut(&mut Step<'_>) -> Result<R, StreamError>) -> Result<R, StreamError> {
+        loop {
+            self.begin()?;
+            let mut step = Step { model: &mut *self, active: None, base: None, working: 0 };
+            step.base = step.model.measure_point();
+            let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(&mut step)));
+            let working = step.finish();
+            let error = match outcome {
+                Ok(Ok(result)) => {
+                    let working = working?;
+                    self.stats.steps += 1;
+                    self.after_step(working);
+                    return Ok(result);
+                }
+                Ok(Err(error)) => error,
+                Err(panic) => StreamError::Step { model: self.name.clone(), message: panic_message(&*panic) },
+            };
+            // The step's own error says more than a failure to tidy up after it.
+            drop(working);
+            let message = error.to_string();
+            if !is_out_of_memory(&message) {
+                return Err(error);
+            }
+            match evict(self.split) {
+                Some(next) => {
+                    self.split = next;
+                    self.stats.retries += 1;
+                    if let Device::Cuda(_) = self.device {
+                        let _ = stageload_torch_sys::cuda_empty_cache();
+                    }
+                    self.announce("out of memory", None);
+                }
+                None => {
+                    // The error's first line; libtorch appends its C++ backtrace.
+                    let message = message.lines().next().unwrap_or_default().to_string();
+                    return Err(StreamError::OutOfMemory { model: self.name.clone(), residency: self.residency(), message });
+                }
+            }
+        }
+    }
+
+    /// Frees the streamed blocks still held (after a split shrank) and starts the first
+    /// streamed block's refill.
+    fn begin(&mut self) -> Result<(), StreamError> {
+        for index in self.split.resident..self.blocks.len() {
+            if self.ahead.as_ref().map(|a| a.block) != Some(index) {
+                self.release(index)?;
+            }
+        }
+        if self.split.look_ahead {
+            self.start_ahead(self.split.resident);
+        }
+        Ok(())
+    }
+
+    fn after_step(&mut self, working: u64) {
+        if working <= self.working {
+            return;
+        }
+        self.working = working;
+        match refit(&self.sizes, self.split, self.budget, working) {
+            Refit::Keep => {}
+            Refit::Shrink(next) => {
+                self.split = next;
+                self.announce("working memory", None);
+            }
+            Refit::Over { split, over } => {
+                self.split = split;
+                self.announce("working memory", Some(over));
+            }
+        }
+    }
+
+    /// Logs the residency line and sends the event.
+    fn announce(&self, reason: &str, over: Option<u64>) {
+        let mut line = self.residency();
+        if let Some(over) = over {
+            line += &format!(
+                "; a step needs {} more than the budget of {} even so",
+                stageload_units::format_bytes(over),
+                stageload_units::format_bytes(self.budget)
+            );
+            tracing::warn!("{line}");
+        } else {
+            tracing::info!("{line} ({reason})");
+        }
+        if let Some(sink) = &self.sink {
+            let mut event = Event::now(EventKind::Residency);
+            event.model = Some(self.name.clone());
+            event.note = Some(line);
+            event.residency = Some(Residency {
+                blocks: self.split.blocks,
+                resident: self.split.resident,
+                streamed_per_step: self.sizes.streamed_per_step(self.split.resident),
+                budget: self.budget,
+                working: self.working,
+                reason: reason.to_string(),
+            });
+            sink.emit(&event);
+        }
+    }
+
+    /// The reading and the weights held now, for working-memory estimates.
+    fn measure_point(&mut self) -> Option<(u64, u64)> {
+        let reading = (self.reading)()?;
+        Some((reading, self.held()))
+    }
+
+    /// Weight bytes filled now: fixed tensors and every allocated block not being refilled.
+    fn held(&self) -> u64 {
+        let ahead = self.ahead.as_ref().map(|a| a.block);
+        let blocks = self.sizes.blocks.iter().zip(&self.blocks).enumerate();
+        blocks
+            .filter(|(i, (_, b))| b.allocated && Some(*i) != ahead)
+            .fold(self.sizes.fixed, |sum, (_, (bytes, _))| sum.saturating_add(*bytes))
+    }
+
+    /// Waits for the refill ahead, if any; `Ok` once its block is filled (or freed again on
+    /// failure, reported here).
+    fn join_ahead(&mut self) -> Result<(), StreamError> {
+        let Some(Ahead { block, thread }) = self.ahead.take() else { return Ok(()) };
+        let outcome = thread.join().unwrap_or_else(|panic| {
+            Err(StreamError::Step { model: self.name.clone(), message: panic_message(&*panic) })
+        });
+        self.blocks[block].allocated = outcome.is_ok();
+        self.account(block, outcome)
+    }
+
+    fn account(&mut self, block: usize, outcome: Result<f64, StreamError>) -> Result<(), StreamError> {
+        let seconds = outcome?;
+        self.stats.refills += 1;
+        self.stats.bytes_refilled += self.sizes.blocks[block];
+        self.stats.refill_seconds += seconds;
+        Ok(())
+    }
+
+    /// Starts refilling `index` on its own thread, unless it is filled or a refill runs.
+    fn start_ahead(&mut self, index: usize) {
+        if self.ahead.is_some() || index >= self.blocks.len() || self.blocks[index].allocated {
+            return;
+        }
+        let job = self.refill_job(index);
+        self.ahead = Some(Ahead { block: index, thread: std::thread::spawn(job) });
+    }
+
+    /// Makes block `index` filled: joins its refill ahead, or refills it here.
+    fn ensure(&mut self, index: usize) -> Result<(), StreamError> {
+        if self.blocks[index].allocated && self.ahead.as_ref().map(|a| a.block) != Some(index) {
+            return Ok(());
+        }
+        let start = Instant::now();
+        let outcome = if self.ahead.as_ref().map(|a| a.block) == Some(index) {
+            self.join_ahead()
+        } else {
+            let outcome = self.refill_job(index)();
+            self.blocks[index].allocated = outcome.is_ok();
+            self.account(index, outcome)
+        };
+        self.stats.waited_seconds += start.elapsed().as_secs_f64();
+        outcome
+    }
+
+    /// The refill of block `index` as a job any thread can run: checks shapes, reallocates the
+    /// storages, reads the checkpoint into them; frees them again when the read fails.
+    fn refill_job(&self, index: usize) -> impl FnOnce() -> Result<f64, StreamError> + Send + 'static {
+        let block = &self.blocks[index];
+        let model = self.name.clone();
+        let block_name = block.name.clone();
+        let targets: Vec<(String, Tensor)> = block.targets.iter().map(|(n, t)| (n.clone(), t.shallow_clone())).collect();
+        let shapes = block.shapes.clone();
+        let storages = shallow(&block.storages);
+        let checkpoint = Arc::clone(&self.checkpoint);
+        move || {
+            let start = Instant::now();
+            for ((tensor, was), (_, target)) in shapes.into_iter().zip(&targets) {
+                let now = target.size();
+                if now != was {
+                    return Err(StreamError::Reshaped { model, block: block_name, tensor, was, now });
+                }
+            }
+            // SAFETY: the block's storages are free and no thread uses them: the forward reaches
+            // this block only through `Step::block`, which waits for this job first.
+            let ids = unsafe { storage::reallocate(&storages) }
+                .map_err(torch(&model, "reallocate a block"))?;
+            if let Err(source) = checkpoint.load_into(&targets, |_| {}) {
+                let message = format!("block '{block_name}' of streamed model '{model}' failed to load: {source}");
+                // SAFETY: as above; the memory was never handed out.
+                let _ = unsafe { storage::free_ids(&storages, &ids, &message) };
+                return Err(StreamError::Checkpoint { model, source });
+            }
+            Ok(start.elapsed().as_secs_f64())
+        }
+    }
+
+    /// Frees block `index` in place (after its refill ahead, if one runs).
+    fn release(&mut self, index: usize) -> Result<(), StreamError> {
+        if self.ahead.as_ref().map(|a| a.block) == Some(index) {
+            self.join_ahead()?;
+        }
+        if !self.blocks[index].allocated {
+            return Ok(());
+        }
+        if let Device::Cuda(device) = self.device {
+            // The kernels that read the block must be done before its memory goes to a refill,
+            // which writes on another stream.
+            stageload_torch_sys::cuda_sync_current_stream(device).map_err(torch(&self.name, "wait for the GPU"))?;
+        }
+        let block = &self.blocks[index];
+        let message = format!(
+            "block '{}' of streamed model '{}' is streamed: call Step::block({index}) before using it",
+            block.name, self.name
+        );
+        // SAFETY: nothing runs on the block: the forward has moved past it (CPU ops return when
+        // done; CUDA waited for above) and its refill, if any, was joined above.
+        unsafe { storage::release(&block.storages, &HashSet::new(), &message) }.map_err(torch(&self.name, "free a block"))?;
+        self.blocks[index].allocated = false;
+        Ok(())
+    }
+}
+
+impl Drop for StreamedModel {
+    fn drop(&mut self) {
+        if let Some(ahead) = self.ahead.take() {
+            let _ = ahead.thread.join();
+        }
+    }
+}
+
+/// One step of a streamed model's forward; see [`StreamedModel::run`].
+pub struct Step<'a> {
+    model: &'a mut StreamedModel,
+    /// The block that runs now.
+    active: Option<usize>,
+    /// Reading and held weights when the step began.
+    base: Option<(u64, u64)>,
+    /// The largest working memory seen at a block boundary.
+    working: u64,
+}
+
+impl Step<'_> {
+    /// Call before block `index` runs: frees the block that ran before it (when streamed),
+    /// brings `index` in (waiting for its refill ahead, or refilling it now) and starts the
+    /// next streamed block's refill.
+    pub fn block(&mut self, index: usize) -> Result<(), StreamError> {
+        let model = &mut *self.model;
+        if index >= model.blocks.len() {
+            return Err(StreamError::NoSuchBlock { model: model.name.clone(), index, blocks: model.blocks.len() });
+        }
+        if let Some(previous) = self.active.filter(|&p| p != index && model.split.is_streamed(p)) {
+            model.release(previous)?;
+        }
+        model.ensure(index)?;
+        self.active = Some(index);
+        self.sample();
+        let model = &mut *self.model;
+        if model.split.look_ahead {
+            let next = if index + 1 < model.split.resident {
+                model.split.resident
+            } else if index + 1 < model.blocks.len() {
+                index + 1
+            } else {
+                // The first streamed block, for the next step.
+                model.split.resident
+            };
+            if next != index {
+                model.start_ahead(next);
+            }
+        }
+        Ok(())
+    }
+
+    /// How the blocks are held in this step.
+    pub fn split(&self) -> Split {
+        self.model.split
+    }
+
+    /// Notes the working memory now: growth of the reading beyond the growth of held weights.
+    fn sample(&mut self) {
+        let Some((base_reading, base_held)) = self.base else { return };
+        let Some((reading, held)) = self.model.measure_point() else { return };
+        let grown = i128::from(reading) - i128::from(base_reading) - (i128::from(held) - i128::from(base_held));
+        self.working = self.working.max(u64::try_from(grown.max(0)).unwrap_or(u64::MAX));
+    }
+
+    /// Ends the step: samples once more, frees the last streamed block. The working memory seen.
+    fn finish(mut self) -> Result<u64, StreamError> {
+        self.sample();
+        if let Some(last) = self.active.filter(|&a| self.model.split.is_streamed(a)) {
+            self.model.release(last)?;
+        }
+        Ok(self.working)
+    }
+}
+
+/// A shim failure of `operation` on `model` as a stream error.
+fn torch<'a>(model: &'a str, operation: &'static str) -> impl FnOnce(stageload_torch_sys::ShimError) -> StreamError + 'a {
+    move |source| StreamError::Torch { model: model.to_string(), operation, source }
+}
+
+fn bytes_of(storages: &[StorageRecord]) -> u64 {
+    storages.iter().fold(0u64, |sum, s| sum.saturating_add(s.nbytes as u64))
+}
+
+/// The checkpoint entry of each tensor (`None`: no entry), checked under `rules`: a strict
+/// model's mismatch is refused with both sides' names.
+fn entry_names(checkpoint: &Checkpoint, names: &[&str], rules: &NameRules) -> Result<Vec<Option<String>>, CheckpointError> {
+    let files = checkpoint.files().to_vec();
+    let found = match_names(checkpoint.entries().keys().map(String::as_str), names, rules)
+        .map_err(|source| CheckpointError::Collision { files: files.clone(), source })?;
+    if rules.strict && (!found.missing.is_empty() || !found.unused.is_empty()) {
+        return Err(CheckpointError::Names { files, mismatch: NameMismatch::new(&found) });
+    }
+    Ok(names.iter().map(|n| found.pairs.get(*n).cloned()).collect())
+}
+

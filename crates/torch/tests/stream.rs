@@ -1,0 +1,393 @@
+//! Block streaming on the CPU with real libtorch and a real checkpoint: outputs bit-identical to
+//! the fully resident model for 0, 1, half and all blocks streamed, never more than the resident
+//! prefix and two slots filled, eviction when activations do not fit (out of memory, or measured
+//! working memory over the budget), and bad input refused with names and sizes.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use stageload::checkpoint::Checkpoint;
+use stageload::stream::{BlockSpec, Step, StreamError, StreamedModel};
+use stageload::{EventKind, ListSink, NameRules};
+use tch::nn::{self, VarStore};
+use tch::{Device, Kind, Tensor};
+
+const WIDTH: i64 = 128;
+const DEPTH: usize = 8;
+/// Bytes of one block: two WIDTH×WIDTH weights and their biases, f32.
+const BLOCK: u64 = (2 * WIDTH * WIDTH + 2 * WIDTH) as u64 * 4;
+/// Bytes of the tensors in no block: input and output layers.
+const FIXED: u64 = 2 * (WIDTH * WIDTH + WIDTH) as u64 * 4;
+
+/// Every test here draws from torch's process-wide generator: one at a time.
+static GENERATOR: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+    GENERATOR.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+#[derive(Debug)]
+struct Net {
+    input: nn::Linear,
+    blocks: Vec<(nn::Linear, nn::Linear)>,
+    output: nn::Linear,
+}
+
+impl Net {
+    fn new(vs: &VarStore) -> Net {
+        let p = vs.root();
+        let linear = |path: nn::Path| nn::linear(path, WIDTH, WIDTH, Default::default());
+        Net {
+            input: linear(&p / "input"),
+            blocks: (0..DEPTH).map(|i| (linear(&p / "blocks" / i / "fc1"), linear(&p / "blocks" / i / "fc2"))).collect(),
+            output: linear(&p / "output"),
+        }
+    }
+
+    fn block(&self, i: usize, x: &Tensor) -> Tensor {
+        let (fc1, fc2) = &self.blocks[i];
+        x + x.apply(fc1).gelu("none").apply(fc2)
+    }
+
+    fn forward(&self, x: &Tensor) -> Tensor {
+        let x = (0..DEPTH).fold(x.apply(&self.input), |x, i| self.block(i, &x));
+        x.apply(&self.output)
+    }
+
+    /// The same forward with a call at each block boundary.
+    fn forward_streamed(&self, x: &Tensor, step: &mut Step<'_>) -> Result<Tensor, StreamError> {
+        let mut x = x.apply(&self.input);
+        for i in 0..DEPTH {
+            step.block(i)?;
+            x = self.block(i, &x);
+        }
+        Ok(x.apply(&self.output))
+    }
+}
+
+fn checkpoint(dir: &Path) -> PathBuf {
+    tch::manual_seed(7);
+    let vs = VarStore::new(Device::Cpu);
+    let _ = Net::new(&vs);
+    let path = dir.join("net.safetensors");
+    stageload::checkpoint::save(&vs.variables().into_iter().collect::<Vec<_>>(), &path).unwrap();
+    path
+}
+
+fn spec() -> BlockSpec {
+    BlockSpec::new(["blocks.*"]).resident(["input", "output"])
+}
+
+/// The model built without initialisation, as a streamed model would be.
+fn streamed(file: &Path, budget: u64) -> Result<(Net, StreamedModel), StreamError> {
+    let vs = VarStore::new(Device::Cpu);
+    let net = stageload_torch_sys::without_init(|| Net::new(&vs));
+    let checkpoint = Checkpoint::open(&[file]).unwrap();
+    let model = StreamedModel::new("net", stageload::named_tensors(&vs), checkpoint, &NameRules::default(), &spec(), budget)?;
+    // The process's RSS moves with the other tests' threads: these tests measure no working
+    // memory unless they script it.
+    Ok((net, model.reading(|| None)))
+}
+
+/// Three steps on seeded noise: the outputs of each.
+fn reference(file: &Path) -> Vec<Tensor> {
+    let vs = VarStore::new(Device::Cpu);
+    let net = Net::new(&vs);
+    let mut variables: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
+    variables.sort_by(|a, b| a.0.cmp(&b.0));
+    Checkpoint::open(&[file]).unwrap().load_into(&variables, |_| {}).unwrap();
+    tch::manual_seed(11);
+    (0..3).map(|_| tch::no_grad(|| net.forward(&Tensor::randn([16, WIDTH], (Kind::Float, Device::Cpu))))).collect()
+}
+
+fn run_steps(net: &Net, model: &mut StreamedModel, steps: usize) -> Vec<Tensor> {
+    tch::manual_seed(11);
+    (0..steps)
+        .map(|_| {
+            let x = Tensor::randn([16, WIDTH], (Kind::Float, Device::Cpu));
+            tch::no_grad(|| model.run(|step| net.forward_streamed(&x, step))).unwrap()
+        })
+        .collect()
+}
+
+/// Budget for `resident` resident blocks with two slots.
+fn budget_for(resident: usize) -> u64 {
+    FIXED + BLOCK * (resident as u64 + 2)
+}
+
+#[test]
+fn outputs_are_bit_identical_with_none_one_half_and_all_blocks_streamed() {
+    let _one = one_at_a_time();
+    let dir = tempfile::tempdir().unwrap();
+    let file = checkpoint(dir.path());
+    let expected = reference(&file);
+    let whole = FIXED + BLOCK * DEPTH as u64;
+    // (budget, resident limit, blocks streamed)
+    for (budget, limit, streamed_blocks) in [
+        (whole, DEPTH, 0),
+        // With equal blocks one streamed block needs as much as none; the limit asks for it.
+        (whole, DEPTH - 1, 1),
+        (budget_for(DEPTH / 2 - 2) + BLOCK, DEPTH, DEPTH / 2 + 1),
+        (budget_for(DEPTH / 2), DEPTH, DEPTH / 2),
+        (budget_for(0), DEPTH, DEPTH),
+        (FIXED + BLOCK, DEPTH, DEPTH),
+    ] {
+        let (net, mut model) = streamed(&file, budget).unwrap();
+        model.limit_resident(limit).unwrap();
+        assert_eq!(model.split().streamed(), streamed_blocks, "budget {budget}: {}", model.residency());
+        let outputs = run_steps(&net, &mut model, 3);
+        for (step, (got, want)) in outputs.iter().zip(&expected).enumerate() {
+            assert!(got.equal(want), "step {step} differs with {}", model.residency());
+        }
+        // Torch's generator is where the fully resident run left it: streaming drew nothing.
+        let after = Tensor::randn([4], (Kind::Float, Device::Cpu));
+        tch::manual_seed(11);
+        for _ in 0..3 {
+            let _ = Tensor::randn([16, WIDTH], (Kind::Float, Device::Cpu));
+        }
+        assert!(after.equal(&Tensor::randn([4], (Kind::Float, Device::Cpu))));
+        let stats = model.stats();
+        assert_eq!(stats.steps, 3);
+        assert_eq!(stats.bytes_refilled, 3 * BLOCK * streamed_blocks as u64, "each streamed block once per step");
+    }
+}
+
+/// Blocks of the model whose storage is filled now.
+fn filled(vs_tensors: &[(String, Tensor)]) -> usize {
+    (0..DEPTH)
+        .filter(|i| {
+            let name = format!("blocks.{i}.fc1.weight");
+            let (_, t) = vs_tensors.iter().find(|(n, _)| *n == name).unwrap();
+            stageload_torch_sys::storage_info(t).unwrap().allocated
+        })
+        .count()
+}
+
+#[test]
+fn at_no_boundary_are_more_than_the_prefix_and_two_slots_filled() {
+    let _one = one_at_a_time();
+    let dir = tempfile::tempdir().unwrap();
+    let file = checkpoint(dir.path());
+    let vs = VarStore::new(Device::Cpu);
+    let net = stageload_torch_sys::without_init(|| Net::new(&vs));
+    let tensors = stageload::named_tensors(&vs);
+    let checkpoint = Checkpoint::open(&[&file]).unwrap();
+    let shallow: Vec<(String, Tensor)> = tensors.iter().map(|(n, t)| (n.clone(), t.shallow_clone())).collect();
+    let mut model = StreamedModel::new("net", shallow, checkpoint, &NameRules::default(), &spec(), budget_for(2))
+        .unwrap()
+        .reading(|| None);
+    assert_eq!(filled(&tensors), 2, "set-up fills the resident prefix only");
+    let x = Tensor::randn([16, WIDTH], (Kind::Float, Device::Cpu));
+    let mut most = 0;
+    for _ in 0..3 {
+        let _ = tch::no_grad(|| {
+            model.run(|step| {
+                let mut h = x.apply(&net.input);
+                for i in 0..DEPTH {
+                    step.block(i)?;
+                    most = most.max(filled(&tensors));
+                    h = net.block(i, &h);
+                }
+                Ok(h)
+            })
+        })
+        .unwrap();
+    }
+    assert!((3..=4).contains(&most), "two resident blocks, the running one and the one ahead: {most}");
+    assert!(filled(&tensors) <= 3, "between steps: the prefix and the first streamed block ahead");
+    let stats = model.stats();
+    assert_eq!(stats.refills, 3 * 6);
+    assert!(stats.refill_seconds > 0.0);
+}
+
+#[test]
+fn an_out_of_memory_streams_one_more_block_and_the_step_gives_the_same_result() {
+    let _one = one_at_a_time();
+    let dir = tempfile::tempdir().unwrap();
+    let file = checkpoint(dir.path());
+    let expected = reference(&file);
+    let (net, model) = streamed(&file, FIXED + BLOCK * DEPTH as u64).unwrap();
+    let sink = Arc::new(ListSink::new());
+    let mut model = model.events(sink.clone());
+    assert_eq!(model.split().resident, DEPTH);
+    tch::manual_seed(11);
+    let x = Tensor::randn([16, WIDTH], (Kind::Float, Device::Cpu));
+    // The activations "do not fit" while more than 5 blocks are resident: a real libtorch
+    // out-of-memory (a petabyte) raised inside the step.
+    let y = tch::no_grad(|| {
+        model.run(|step| {
+            if step.split().resident > 5 {
+                let _ = Tensor::f_empty([1i64 << 48], (Kind::Float, Device::Cpu))?;
+            }
+            net.forward_streamed(&x, step)
+        })
+    })
+    .unwrap();
+    assert!(y.equal(&expected[0]));
+    assert_eq!(model.split().resident, 5, "one more block per out-of-memory, three in all");
+    assert_eq!(model.stats().retries, 3);
+    let residency = sink.of_kind(EventKind::Residency);
+    let reasons: Vec<&str> = residency.iter().map(|e| e.residency.as_ref().unwrap().reason.as_str()).collect();
+    assert_eq!(reasons, ["start", "out of memory", "out of memory", "out of memory"]);
+    let last = residency.last().unwrap().residency.clone().unwrap();
+    assert_eq!((last.blocks, last.resident, last.streamed_per_step), (DEPTH, 5, 3 * BLOCK));
+    assert!(residency.last().unwrap().note.as_deref().unwrap().starts_with("net: 5 of 8 blocks resident, 3 streamed"));
+    // The count only goes down: the next step keeps 5.
+    let _ = tch::no_grad(|| model.run(|step| net.forward_streamed(&x, step))).unwrap();
+    assert_eq!(model.split().resident, 5);
+    model.reset().unwrap();
+    assert_eq!(model.split().resident, DEPTH, "reset keeps what the budget holds again");
+    let again = tch::no_grad(|| model.run(|step| net.forward_streamed(&x, step))).unwrap();
+    assert!(again.equal(&expected[0]), "prefix blocks come back as the step reaches them");
+}
+
+#[test]
+fn an_out_of_memory_with_every_block_streamed_is_the_error_with_the_residency_numbers() {
+    let _one = one_at_a_time();
+    let dir = tempfile::tempdir().unwrap();
+    let file = checkpoint(dir.path());
+    let (net, mut model) = streamed(&file, budget_for(1)).unwrap();
+    let x = Tensor::randn([16, WIDTH], (Kind::Float, Device::Cpu));
+    let err = tch::no_grad(|| {
+        model.run(|step| {
+            let _ = Tensor::f_empty([1i64 << 48], (Kind::Float, Device::Cpu))?;
+            net.forward_streamed(&x, step)
+        })
+    })
+    .unwrap_err();
+    let message = err.to_string();
+    assert!(matches!(err, StreamError::OutOfMemory { .. }), "{message}");
+    assert!(message.contains("net: 0 of 8 blocks resident, 8 streamed"), "{message}");
+    assert!(message.contains("can't allocate memory"), "the original error: {message}");
+    assert!(!message.contains("frame #"), "without libtorch's C++ backtrace: {message}");
+    // Still usable.
+    tch::manual_seed(11);
+    let expected = reference(&file);
+    tch::manual_seed(11);
+    let x = Tensor::randn([16, WIDTH], (Kind::Float, Device::Cpu));
+    let y = tch::no_grad(|| model.run(|step| net.forward_streamed(&x, step))).unwrap();
+    assert!(y.equal(&expected[0]));
+}
+
+#[test]
+fn measured_working_memory_over_the_budget_streams_more_blocks_for_the_next_step() {
+    let _one = one_at_a_time();
+    let dir = tempfile::tempdir().unwrap();
+    let file = checkpoint(dir.path());
+    let expected = reference(&file);
+    let (net, model) = streamed(&file, budget_for(4)).unwrap();
+    // A scripted reading: three blocks' worth of activations appear after the first block.
+    use std::sync::atomic::{AtomicU64, Ordering};
+    let reading = Arc::new(AtomicU64::new(0));
+    let scripted = Arc::clone(&reading);
+    let mut model = model.reading(move || Some(scripted.load(Ordering::Relaxed)));
+    assert_eq!(model.split().resident, 4);
+    tch::manual_seed(11);
+    let mut outputs = Vec::new();
+    for _ in 0..3 {
+        let x = Tensor::randn([16, WIDTH], (Kind::Float, Device::Cpu));
+        reading.store(0, Ordering::Relaxed);
+        let y = tch::no_grad(|| {
+            model.run(|step| {
+                let mut h = x.apply(&net.input);
+                for i in 0..DEPTH {
+                    step.block(i)?;
+                    if i == 0 {
+                        reading.fetch_add(3 * BLOCK, Ordering::Relaxed);
+                    }
+                    h = net.block(i, &h);
+                }
+                Ok(h.apply(&net.output))
+            })
+        });
+        outputs.push(y.unwrap());
+    }
+    assert_eq!(model.working(), 3 * BLOCK);
+    // 1 resident + 2 slots + 3 blocks of working memory = the budget of 4 resident + 2 slots.
+    assert_eq!(model.split().resident, 1, "{}", model.residency());
+    for (got, want) in outputs.iter().zip(&expected) {
+        assert!(got.equal(want));
+    }
+}
+
+#[test]
+fn a_block_list_that_misses_tensors_or_names_one_twice_is_refused_by_name() {
+    let _one = one_at_a_time();
+    let dir = tempfile::tempdir().unwrap();
+    let file = checkpoint(dir.path());
+    let try_spec = |spec: BlockSpec| {
+        let vs = VarStore::new(Device::Cpu);
+        let _net = Net::new(&vs);
+        let checkpoint = Checkpoint::open(&[&file]).unwrap();
+        StreamedModel::new("net", stageload::named_tensors(&vs), checkpoint, &NameRules::default(), &spec, u64::MAX)
+            .unwrap_err()
+            .to_string()
+    };
+    let missing = try_spec(BlockSpec::new(["blocks.*"]).resident(["input"]));
+    assert!(missing.contains("'net'") && missing.contains("'output.weight'"), "{missing}");
+    let twice = try_spec(BlockSpec::new(["blocks.*", "blocks.3"]).resident(["input", "output"]));
+    assert!(twice.contains("'blocks.3.") && twice.contains("both"), "{twice}");
+}
+
+#[test]
+fn a_budget_smaller_than_one_block_is_refused_naming_both_sizes() {
+    let _one = one_at_a_time();
+    let dir = tempfile::tempdir().unwrap();
+    let file = checkpoint(dir.path());
+    let err = streamed(&file, FIXED + BLOCK / 2).unwrap_err();
+    let message = err.to_string();
+    assert!(matches!(err, StreamError::Budget { .. }), "{message}");
+    let needed = stageload_units::format_bytes(FIXED + BLOCK);
+    let budget = stageload_units::format_bytes(FIXED + BLOCK / 2);
+    assert!(message.contains(&needed) && message.contains(&budget), "{message}");
+}
+
+#[test]
+fn a_block_that_changes_shape_between_steps_is_refused_and_nothing_is_computed_with_it() {
+    let _one = one_at_a_time();
+    let dir = tempfile::tempdir().unwrap();
+    let file = checkpoint(dir.path());
+    let vs = VarStore::new(Device::Cpu);
+    let net = stageload_torch_sys::without_init(|| Net::new(&vs));
+    let checkpoint = Checkpoint::open(&[&file]).unwrap();
+    let mut model = StreamedModel::new(
+        "net",
+        stageload::named_tensors(&vs),
+        checkpoint,
+        &NameRules::default(),
+        &spec(),
+        budget_for(0),
+    )
+    .unwrap();
+    let x = Tensor::randn([16, WIDTH], (Kind::Float, Device::Cpu));
+    let _ = tch::no_grad(|| model.run(|step| net.forward_streamed(&x, step))).unwrap();
+    // Someone reshapes a streamed weight while it is out.
+    let mut weight = net.blocks[5].0.ws.shallow_clone();
+    weight.set_data(&Tensor::zeros([WIDTH, WIDTH / 2], (Kind::Float, Device::Cpu)));
+    let err = tch::no_grad(|| model.run(|step| net.forward_streamed(&x, step))).unwrap_err();
+    let message = err.to_string();
+    assert!(message.contains("blocks.5.fc1.weight") && message.contains("changed shape"), "{message}");
+    let err = tch::no_grad(|| model.run(|step| step.block(DEPTH))).unwrap_err();
+    assert!(err.to_string().contains("asked for block 8"), "{err}");
+}
+
+#[test]
+fn tied_storage_across_blocks_is_refused() {
+    let _one = one_at_a_time();
+    let dir = tempfile::tempdir().unwrap();
+    let file = checkpoint(dir.path());
+    let vs = VarStore::new(Device::Cpu);
+    let _net = Net::new(&vs);
+    let mut tensors = stageload::named_tensors(&vs);
+    // blocks.1.fc1.weight becomes a view of blocks.0.fc1.weight's storage.
+    let tied = tensors.iter().find(|(n, _)| n == "blocks.0.fc1.weight").unwrap().1.shallow_clone();
+    for (name, tensor) in tensors.iter_mut() {
+        if name == "blocks.1.fc1.weight" {
+            *tensor = tied.shallow_clone();
+        }
+    }
+    let checkpoint = Checkpoint::open(&[&file]).unwrap();
+    let err = StreamedModel::new("net", tensors, checkpoint, &NameRules::default(), &spec(), u64::MAX).unwrap_err();
+    assert!(matches!(err, StreamError::SharedStorage { .. }), "{err}");
+    assert!(err.to_string().contains("'blocks.1.fc1.weight'"), "{err}");
+}
