@@ -1,6 +1,7 @@
 //! The model the demo pipelines are made of: a pre-norm transformer (attention + MLP blocks) as
 //! real tch modules, its shapes at a scale, and the loader the registry builds it with.
 
+use stageload::stream::{BlockSpec, Step, StreamError};
 use stageload::{BoxError, BuildContext, Built};
 use tch::nn::{self, Module, VarStore};
 use tch::{Device, Kind, Tensor};
@@ -74,6 +75,46 @@ impl Module for Transformer {
         let x = self.blocks.iter().fold(x.apply(&self.input), |x, block| block.forward(&x));
         x.apply(&self.norm).apply(&self.output)
     }
+}
+
+impl Transformer {
+    /// The same forward as a streamed model's step: `step.block(i)` before block `i`.
+    pub fn forward_streamed(&self, x: &Tensor, step: &mut Step<'_>) -> Result<Tensor, StreamError> {
+        let mut x = x.apply(&self.input);
+        for (i, block) in self.blocks.iter().enumerate() {
+            step.block(i)?;
+            x = block.forward(&x);
+        }
+        Ok(x.apply(&self.norm).apply(&self.output))
+    }
+
+    /// How the tensors under `prefix` fall into blocks, for [`stageload::stream`].
+    pub fn block_spec(prefix: &str) -> BlockSpec {
+        BlockSpec::new([format!("{prefix}.blocks.*")])
+            .resident(["input", "norm", "output"].map(|part| format!("{prefix}.{part}")))
+    }
+}
+
+/// The cascade demo's seven models and, last, the backbone its extractors share, at a scale.
+/// The largest is `texture_flow` (12 blocks; 0.6 GB at scale 1).
+pub fn cascade_shapes(scale: f64) -> Vec<ModelShape> {
+    let width = width_at(1024, scale);
+    let shape = |name, depth, output| ModelShape { name, input: CHANNELS, width, depth, output };
+    vec![
+        shape("ss_flow", 10, CHANNELS),
+        shape("ss_decoder", 2, CHANNELS),
+        shape("shape_flow_512", 8, CHANNELS),
+        shape("shape_flow_1024", 8, CHANNELS),
+        shape("shape_decoder", 4, CHANNELS),
+        shape("texture_flow", 12, CHANNELS),
+        shape("texture_decoder", 4, CHANNELS),
+        shape("backbone", 8, width),
+    ]
+}
+
+/// The seed the cascade's model `i` of [`cascade_shapes`] (not the backbone) is drawn with.
+pub fn cascade_seed(i: usize) -> i64 {
+    100 + i as i64
 }
 
 /// A model's architecture.

@@ -82,8 +82,13 @@ c10::StorageImpl* storage_of(const at::Tensor* t) {
 // (uniform_, normal_, ...) return their tensor untouched and random factories (randn, rand)
 // return uninitialised memory, so nothing is drawn and no time is spent drawing; every other
 // operator runs as usual with the key excluded. The key is one libtorch reserves for testing
-// dispatch modes and registers nothing for.
+// dispatch modes and registers nothing for. In the second mode (every fill) deterministic fills
+// (zero_, fill_) and factories (zeros, ones, full) are skipped too, so building a model touches
+// none of its memory: for models whose every tensor a checkpoint fills before use.
 constexpr c10::DispatchKey kSkipInitKey = c10::DispatchKey::TESTING_ONLY_GenericMode;
+constexpr int kSkipRandom = 1;
+constexpr int kSkipEveryFill = 2;
+thread_local int skip_mode = 0;
 
 bool is_random_fill(const std::string& name) {
   static const std::unordered_set<std::string> fills = {
@@ -97,19 +102,29 @@ bool is_random_factory(const std::string& name) {
   return factories.count(name) > 0;
 }
 
+bool is_skipped_fill(const std::string& name) {
+  static const std::unordered_set<std::string> fills = {"aten::zero_", "aten::fill_"};
+  return is_random_fill(name) || (skip_mode >= kSkipEveryFill && fills.count(name) > 0);
+}
+
+bool is_skipped_factory(const std::string& name) {
+  static const std::unordered_set<std::string> factories = {"aten::zeros", "aten::ones", "aten::full"};
+  return is_random_factory(name) || (skip_mode >= kSkipEveryFill && factories.count(name) > 0);
+}
+
 void skip_init_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const auto& schema = op.schema();
   const std::string& name = schema.name();
   const size_t n = schema.arguments().size();
   const size_t base = stack->size() - n;
-  if (n >= 1 && is_random_fill(name) && (*stack)[base].isTensor()) {
+  if (n >= 1 && is_skipped_fill(name) && (*stack)[base].isTensor()) {
     at::Tensor self = (*stack)[base].toTensor();
     torch::jit::drop(*stack, n);
     torch::jit::push(*stack, std::move(self));
     return;
   }
   auto size = schema.argumentIndexWithName("size");
-  if (is_random_factory(name) && size && (*stack)[base + *size].isIntList()) {
+  if (is_skipped_factory(name) && size && (*stack)[base + *size].isIntList()) {
     auto arg = [&](const char* key) -> const c10::IValue* {
       auto i = schema.argumentIndexWithName(key);
       return i && !(*stack)[base + *i].isNone() ? &(*stack)[base + *i] : nullptr;
@@ -141,10 +156,12 @@ TORCH_LIBRARY_IMPL(_, TESTING_ONLY_GenericMode, m) {
 
 extern "C" {
 
-char* sl_skip_init(bool on, bool* previous) {
+char* sl_skip_init(int mode, int* previous) {
   return guarded([&] {
-    *previous = c10::impl::tls_is_dispatch_key_included(kSkipInitKey);
-    c10::impl::tls_set_dispatch_key_included(kSkipInitKey, on);
+    TORCH_CHECK(mode >= 0 && mode <= kSkipEveryFill, "unknown skip-init mode ", mode);
+    *previous = c10::impl::tls_is_dispatch_key_included(kSkipInitKey) ? skip_mode : 0;
+    skip_mode = mode;
+    c10::impl::tls_set_dispatch_key_included(kSkipInitKey, mode > 0);
   });
 }
 

@@ -57,7 +57,7 @@ mod ffi {
             peak_reserved: *mut i64,
         ) -> *mut c_char;
         pub fn sl_cuda_reset_peak(index: c_int) -> *mut c_char;
-        pub fn sl_skip_init(on: bool, previous: *mut bool) -> *mut c_char;
+        pub fn sl_skip_init(mode: c_int, previous: *mut c_int) -> *mut c_char;
         pub fn sl_cuda_use_side_stream(index: c_int, previous_id: *mut i64) -> *mut c_char;
         pub fn sl_cuda_set_stream(index: c_int, id: i64) -> *mut c_char;
         pub fn sl_cuda_sync_current_stream(index: c_int) -> *mut c_char;
@@ -347,18 +347,31 @@ pub fn cuda_sync_current_stream(index: usize) -> ShimResult<()> {
     check("wait for the current CUDA stream", err)
 }
 
-/// Turns skipping of random initialisation on or off for this thread; returns the previous
-/// setting.
-fn set_skip_init(on: bool) -> ShimResult<bool> {
-    let mut previous = false;
-    // SAFETY: the out-pointer is valid for a write; the shim only flips a thread-local flag.
-    let err = unsafe { ffi::sl_skip_init(on, &mut previous) };
-    check("switch random initialisation", err)?;
-    Ok(previous)
+/// What a build skips ([`without_init`], [`without_fills`]); the shim's modes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(i32)]
+enum SkipInit {
+    Nothing = 0,
+    RandomFills = 1,
+    EveryFill = 2,
 }
 
-/// Puts the thread's skip-init setting back, also when the closure unwinds.
-struct RestoreSkipInit(bool);
+/// Sets this thread's skip-init mode; returns the previous one.
+fn set_skip_init(mode: SkipInit) -> ShimResult<SkipInit> {
+    let mut previous: c_int = 0;
+    // SAFETY: the out-pointer is valid for a write; the shim checks the mode and only sets
+    // thread-local state.
+    let err = unsafe { ffi::sl_skip_init(mode as c_int, &mut previous) };
+    check("switch random initialisation", err)?;
+    Ok(match previous {
+        1 => SkipInit::RandomFills,
+        2 => SkipInit::EveryFill,
+        _ => SkipInit::Nothing,
+    })
+}
+
+/// Puts the thread's skip-init mode back, also when the closure unwinds.
+struct RestoreSkipInit(SkipInit);
 
 impl Drop for RestoreSkipInit {
     fn drop(&mut self) {
@@ -368,6 +381,17 @@ impl Drop for RestoreSkipInit {
     }
 }
 
+fn skipping<R>(mode: SkipInit, f: impl FnOnce() -> R) -> R {
+    let _restore = match set_skip_init(mode) {
+        Ok(previous) => Some(RestoreSkipInit(previous)),
+        Err(err) => {
+            tracing::warn!(%err, "could not skip initialisation; building with it");
+            None
+        }
+    };
+    f()
+}
+
 /// Runs `f` with random initialisation skipped on this thread: random fills (`uniform_`,
 /// `normal_`, `bernoulli_`, ...) leave their tensor as it is and random factories (`randn`,
 /// `rand`) return uninitialised memory. Nothing is drawn from any generator. Deterministic
@@ -375,14 +399,15 @@ impl Drop for RestoreSkipInit {
 /// building a model whose every weight then comes from a checkpoint. If the shim cannot switch
 /// (it always can on a libtorch it compiled against), `f` runs with initialisation on.
 pub fn without_init<R>(f: impl FnOnce() -> R) -> R {
-    let _restore = match set_skip_init(true) {
-        Ok(previous) => Some(RestoreSkipInit(previous)),
-        Err(err) => {
-            tracing::warn!(%err, "could not skip random initialisation; building with it");
-            None
-        }
-    };
-    f()
+    skipping(SkipInit::RandomFills, f)
+}
+
+/// Like [`without_init`], and deterministic fills and factories (`zero_`, `fill_`, `zeros`,
+/// `ones`, `full`) are skipped too: building touches none of the model's memory, so a model
+/// bigger than the machine's RAM can be built when its weights then stream from a checkpoint
+/// ([`crate`] users: `stageload::stream`). Every tensor of such a model is garbage until filled.
+pub fn without_fills<R>(f: impl FnOnce() -> R) -> R {
+    skipping(SkipInit::EveryFill, f)
 }
 
 /// The allocation size from which [`map_large_host_blocks`] makes glibc serve each block with its

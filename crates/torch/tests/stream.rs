@@ -81,7 +81,7 @@ fn spec() -> BlockSpec {
 /// The model built without initialisation, as a streamed model would be.
 fn streamed(file: &Path, budget: u64) -> Result<(Net, StreamedModel), StreamError> {
     let vs = VarStore::new(Device::Cpu);
-    let net = stageload_torch_sys::without_init(|| Net::new(&vs));
+    let net = stageload_torch_sys::without_fills(|| Net::new(&vs));
     let checkpoint = Checkpoint::open(&[file]).unwrap();
     let model = StreamedModel::new("net", stageload::named_tensors(&vs), checkpoint, &NameRules::default(), &spec(), budget)?;
     // The process's RSS moves with the other tests' threads: these tests measure no working
@@ -169,7 +169,7 @@ fn at_no_boundary_are_more_than_the_prefix_and_two_slots_filled() {
     let dir = tempfile::tempdir().unwrap();
     let file = checkpoint(dir.path());
     let vs = VarStore::new(Device::Cpu);
-    let net = stageload_torch_sys::without_init(|| Net::new(&vs));
+    let net = stageload_torch_sys::without_fills(|| Net::new(&vs));
     let tensors = stageload::named_tensors(&vs);
     let checkpoint = Checkpoint::open(&[&file]).unwrap();
     let shallow: Vec<(String, Tensor)> = tensors.iter().map(|(n, t)| (n.clone(), t.shallow_clone())).collect();
@@ -348,7 +348,7 @@ fn a_block_that_changes_shape_between_steps_is_refused_and_nothing_is_computed_w
     let dir = tempfile::tempdir().unwrap();
     let file = checkpoint(dir.path());
     let vs = VarStore::new(Device::Cpu);
-    let net = stageload_torch_sys::without_init(|| Net::new(&vs));
+    let net = stageload_torch_sys::without_fills(|| Net::new(&vs));
     let checkpoint = Checkpoint::open(&[&file]).unwrap();
     let mut model = StreamedModel::new(
         "net",

@@ -18,10 +18,10 @@ use clap::Parser;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use stageload::{BoxError, BuildContext, Built, ModelSpec, Shared, SharedRng};
-use stageload_demos::models::transformer_loader;
+use stageload_demos::models::{cascade_seed, cascade_shapes, transformer_loader};
 use stageload_demos::{
-    cached, cached_checkpoint, sample_flow, schedule, tokens_at, width_at, CommonArgs, DemoRun, DemoSpec, Mode,
-    ModelShape, Transformer, CHANNELS,
+    cached, cached_checkpoint, sample_flow, schedule, tokens_at, CommonArgs, DemoRun, DemoSpec, Mode, ModelShape,
+    Transformer, CHANNELS,
 };
 use stageload_plan::PinEntry;
 use tch::nn::{self, Module, VarStore};
@@ -31,22 +31,6 @@ use tch::{Device, Kind, Tensor};
 struct Args {
     #[command(flatten)]
     common: CommonArgs,
-}
-
-/// The seven models and the shared backbone at a scale.
-fn shapes(scale: f64) -> Vec<ModelShape> {
-    let width = width_at(1024, scale);
-    let shape = |name, depth, output| ModelShape { name, input: CHANNELS, width, depth, output };
-    vec![
-        shape("ss_flow", 10, CHANNELS),
-        shape("ss_decoder", 2, CHANNELS),
-        shape("shape_flow_512", 8, CHANNELS),
-        shape("shape_flow_1024", 8, CHANNELS),
-        shape("shape_decoder", 4, CHANNELS),
-        shape("texture_flow", 12, CHANNELS),
-        shape("texture_decoder", 4, CHANNELS),
-        shape("backbone", 8, width),
-    ]
 }
 
 const EXTRACTORS: [&str; 4] = ["ss_extractor", "shape512_extractor", "shape1024_extractor", "tex_extractor"];
@@ -85,10 +69,10 @@ fn spec(args: &CommonArgs) -> Result<DemoSpec, BoxError> {
     let folder = args.cache_folder("cascade");
     let device = args.device;
     let mut models = Vec::new();
-    let all = shapes(args.scale);
+    let all = cascade_shapes(args.scale);
     let (backbone, flows) = all.split_last().expect("the backbone is last");
     for (seed, shape) in flows.iter().enumerate() {
-        let file = cached_checkpoint(&folder, shape, &["model"], 100 + seed as i64)?;
+        let file = cached_checkpoint(&folder, shape, &["model"], cascade_seed(seed))?;
         models.push(ModelSpec::new(shape.name, transformer_loader(shape.clone(), device)).checkpoint([file]));
     }
     let backbone_file = cached_checkpoint(&folder, backbone, &["backbone", "model"], 200)?;

@@ -89,8 +89,9 @@ impl StreamedModel {
     /// Sets up `tensors` (a model's named tensors, e.g. [`crate::named_tensors`] of its
     /// VarStore) as blocks per `spec`, streamed from `checkpoint` (names met under `rules`)
     /// under `budget` bytes: frees the streamed blocks and fills the fixed tensors and the
-    /// resident prefix from the checkpoint. Build the model under
-    /// [`stageload_torch_sys::without_init`] so that its construction touches no memory.
+    /// resident prefix from the checkpoint, which must hold every tensor. Build the model under
+    /// [`stageload_torch_sys::without_fills`] so that its construction touches none of its
+    /// memory (the peak is then the resident part, never the whole model).
     ///
     /// On the CPU this makes glibc return every freed block of 1 MiB or more to the OS at once
     /// ([`stageload_torch_sys::map_large_host_blocks`], process-wide), so a freed block leaves
@@ -132,13 +133,13 @@ impl StreamedModel {
         };
         let fixed_storages = claim("the resident tensors", &layout.fixed)?;
         let mut blocks = Vec::with_capacity(layout.blocks.len());
+        let missing: Vec<String> = (0..names.len()).filter(|&i| entries[i].is_none()).map(|i| names[i].to_string()).collect();
+        if !missing.is_empty() {
+            let source = CheckpointError::Missing { tensors: missing, files: checkpoint.files().to_vec() };
+            return Err(StreamError::Checkpoint { model: model.clone(), source });
+        }
         for (block_name, members) in &layout.blocks {
             let storages = claim(block_name, members)?;
-            let missing: Vec<String> = members.iter().filter(|&&i| entries[i].is_none()).map(|&i| names[i].to_string()).collect();
-            if !missing.is_empty() {
-                let source = CheckpointError::Missing { tensors: missing, files: checkpoint.files().to_vec() };
-                return Err(StreamError::Checkpoint { model: model.clone(), source });
-            }
             blocks.push(Block {
                 name: block_name.clone(),
                 targets: members
@@ -184,7 +185,7 @@ impl StreamedModel {
         let mut initial: Vec<(String, Tensor)> = layout
             .fixed
             .iter()
-            .filter_map(|&i| entries[i].clone().map(|entry| (entry, tensors[i].1.shallow_clone())))
+            .map(|&i| (entries[i].clone().expect("checked above"), tensors[i].1.shallow_clone()))
             .collect();
         for block in &streamed.blocks[..split.resident] {
             initial.extend(block.targets.iter().map(|(n, t)| (n.clone(), t.shallow_clone())));
@@ -209,6 +210,25 @@ impl StreamedModel {
     pub fn reading(mut self, reading: impl FnMut() -> Option<u64> + Send + 'static) -> Self {
         self.reading = Box::new(reading);
         self
+    }
+
+    /// Declares the working memory a step needs (measured in an earlier run's trace: its peak
+    /// less its weights): the split keeps room for it from the first step. Measurement at block
+    /// boundaries sees what a step holds between blocks, not the transients inside one
+    /// (attention scores), so a declared figure is the safer one on the CPU.
+    pub fn working_memory(mut self, bytes: u64) -> Result<Self, StreamError> {
+        self.working = self.working.max(bytes);
+        let split = fit(&self.sizes, self.budget, self.working, self.split.resident)
+            .map_err(|source| StreamError::Budget { model: self.name.clone(), source })?;
+        if split != self.split {
+            self.split = split;
+            // Blocks the prefix no longer holds go before the first step needs the memory.
+            for index in split.resident..self.blocks.len() {
+                self.release(index)?;
+            }
+            self.announce("working memory", None);
+        }
+        Ok(self)
     }
 
     /// The model's name.

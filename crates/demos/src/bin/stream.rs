@@ -1,0 +1,204 @@
+//! The cascade's largest model (`texture_flow`, 12 blocks, 0.6 GB at scale 1) run for a flow
+//! stage with its blocks streamed from its checkpoint under a byte budget, or fully resident
+//! (no `--budget`) for comparison: same checkpoint, same seeded noise, the latent's fingerprint
+//! must match bit for bit.
+//!
+//!     cargo run -p stageload-demos --bin stream -- --budget 200MiB --trace stream.jsonl
+//!     stageload guard --max-memory 450MiB -- target/debug/stream --budget 200MiB
+//!
+//! It prints the residency line, the latent's fingerprint, the process's peak RSS and how much
+//! of it came after set-up (the model's weights and working memory), and what streaming moved.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+use clap::Parser;
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+use stageload::checkpoint::Checkpoint;
+use stageload::stream::StreamedModel;
+use stageload::{BoxError, EventSink, NameRules, SharedRng};
+use stageload_demos::args::parse_device;
+use stageload_demos::models::{cascade_seed, cascade_shapes};
+use stageload_demos::sampler::sample_flow_with;
+use stageload_demos::weights::cache_root;
+use stageload_demos::{cached_checkpoint, schedule, tokens_at, Transformer, CHANNELS};
+use stageload_units::{format_bytes, parse_size};
+use tch::nn::{Module, VarStore};
+use tch::{Device, Kind, Tensor};
+
+/// The cascade's model this demo streams.
+const MODEL: &str = "texture_flow";
+
+#[derive(Parser)]
+struct Args {
+    /// Bytes the model may hold at once (weights and working memory), e.g. 200MiB; without it
+    /// the model is loaded whole
+    #[arg(long, value_parser = |t: &str| parse_size(t).map_err(|e| e.to_string()))]
+    budget: Option<u64>,
+    /// Working memory a step needs (from a resident run: its peak over set-up less the model's
+    /// bytes); the split keeps room for it
+    #[arg(long, value_parser = |t: &str| parse_size(t).map_err(|e| e.to_string()))]
+    working: Option<u64>,
+    /// Keep at most this many blocks resident (streams more than the budget asks)
+    #[arg(long)]
+    resident_at_most: Option<usize>,
+    /// Model sizes relative to the cascade's default (1.0: texture_flow is 0.6 GB)
+    #[arg(long, default_value_t = 1.0)]
+    scale: f64,
+    /// Tokens of the latent (default: the cascade's texture stage at this scale)
+    #[arg(long)]
+    tokens: Option<i64>,
+    /// Sampler steps
+    #[arg(long, default_value_t = 3)]
+    steps: i64,
+    #[arg(long, default_value_t = 7)]
+    seed: u64,
+    /// Folder of the cached checkpoints (default: the cascade's)
+    #[arg(long)]
+    cache: Option<PathBuf>,
+    /// auto, cpu, cuda, cuda:N
+    #[arg(long, default_value = "auto", value_parser = parse_device)]
+    device: Device,
+    /// The JSONL trace of the run (with a `residency` event per split)
+    #[arg(long)]
+    trace: Option<PathBuf>,
+    /// What the run did, as JSON
+    #[arg(long)]
+    result: Option<PathBuf>,
+}
+
+#[derive(serde::Serialize)]
+struct Outcome {
+    mode: &'static str,
+    fingerprint: String,
+    model_bytes: u64,
+    budget: Option<u64>,
+    residency: Option<String>,
+    resident_blocks: Option<usize>,
+    blocks: usize,
+    /// RSS after set-up's start (libtorch loaded, nothing of the model yet).
+    base_rss: u64,
+    /// The process's peak RSS (VmHWM).
+    peak_rss: u64,
+    /// Seconds of the flow (set-up excluded).
+    seconds: f64,
+    /// Seconds per forward.
+    seconds_per_step: f64,
+    bytes_refilled: u64,
+    refill_seconds: f64,
+    waited_seconds: f64,
+}
+
+fn rss() -> Result<stageload_probe::ProcessMemory, BoxError> {
+    Ok(stageload_probe::process_memory(std::process::id() as i32)?)
+}
+
+fn main() -> Result<(), BoxError> {
+    stageload_demos::logging::init();
+    let args = Args::parse();
+    let _no_grad = tch::no_grad_guard();
+    tch::set_num_threads(std::thread::available_parallelism().map_or(1, |n| n.get()) as i32);
+    let all = cascade_shapes(args.scale);
+    let index = all.iter().position(|s| s.name == MODEL).expect("the cascade has texture_flow");
+    let shape = all[index].clone();
+    let folder = args.cache.clone().unwrap_or_else(cache_root).join(format!("cascade-scale-{}", args.scale));
+    let file = cached_checkpoint(&folder, &shape, &["model"], cascade_seed(index))?;
+    let meter = match stageload::meter::trace_path(args.trace.clone()) {
+        Some(path) => Some(Arc::new(stageload::meter::start(
+            path,
+            args.device,
+            stageload::meter::MeterOptions::default().meta("mode", if args.budget.is_some() { "streamed" } else { "resident" }),
+        )?)),
+        None => None,
+    };
+    let base = rss()?;
+    let vs = VarStore::new(args.device);
+    let model = stageload_torch_sys::without_fills(|| Transformer::new(vs.root() / "model", &shape));
+    let tensors = stageload::named_tensors(&vs);
+    let model_bytes = stageload::storage::storage_bytes(&tensors)?;
+    let checkpoint = Checkpoint::open(&[&file])?;
+    let mut streamed = match args.budget {
+        Some(budget) => {
+            let mut streamed =
+                StreamedModel::new(MODEL, tensors, checkpoint, &NameRules::default(), &Transformer::block_spec("model"), budget)?;
+            if let Some(meter) = &meter {
+                streamed = streamed.events(Arc::clone(meter) as Arc<dyn EventSink>);
+            }
+            if let Some(working) = args.working {
+                streamed = streamed.working_memory(working)?;
+            }
+            if let Some(at_most) = args.resident_at_most {
+                streamed.limit_resident(at_most)?;
+            }
+            println!("{}", streamed.residency());
+            Some(streamed)
+        }
+        None => {
+            checkpoint.load_into(&tensors, |_| {})?;
+            println!("{MODEL}: loaded whole, {}", format_bytes(model_bytes));
+            None
+        }
+    };
+
+    // The texture stage's inputs: seeded noise and a conditioning row, as the cascade draws them.
+    tch::manual_seed(args.seed as i64);
+    let chacha = SharedRng::new(ChaCha8Rng::seed_from_u64(args.seed));
+    let tokens = args.tokens.unwrap_or_else(|| tokens_at(1024, args.scale));
+    let x = Tensor::randn([tokens, CHANNELS], (Kind::Float, args.device));
+    let cond = Tensor::randn([1, CHANNELS], (Kind::Float, args.device));
+    let times = schedule(args.steps, &chacha);
+    let start = Instant::now();
+    let latent = match streamed.as_mut() {
+        Some(streamed) => sample_flow_with(x, &cond, &times, |input| streamed.run(|step| model.forward_streamed(input, step)))?,
+        None => sample_flow_with(x, &cond, &times, |input| Ok::<_, BoxError>(model.forward(input)))?,
+    };
+    let seconds = start.elapsed().as_secs_f64();
+    let fingerprint = stageload::latents::fingerprint(&latent);
+    let peak = rss()?;
+    let peak_rss = peak.peak.unwrap_or(peak.rss);
+    let stats = streamed.as_ref().map(|s| s.stats()).unwrap_or_default();
+    println!("latent {fingerprint}");
+    println!(
+        "peak RSS {} ({} over the {} before set-up); {seconds:.2} s for {} steps",
+        format_bytes(peak_rss),
+        format_bytes(peak_rss.saturating_sub(base.rss)),
+        format_bytes(base.rss),
+        args.steps
+    );
+    if let Some(s) = &streamed {
+        println!(
+            "{}; refilled {} in {:.3} s ({:.2} GB/s), waited {:.3} s",
+            s.residency(),
+            format_bytes(stats.bytes_refilled),
+            stats.refill_seconds,
+            stats.bytes_refilled as f64 / stats.refill_seconds.max(1e-9) / 1e9,
+            stats.waited_seconds
+        );
+    }
+    if let Some(path) = &args.result {
+        let outcome = Outcome {
+            mode: if streamed.is_some() { "streamed" } else { "resident" },
+            fingerprint,
+            model_bytes,
+            budget: args.budget,
+            residency: streamed.as_ref().map(|s| s.residency()),
+            resident_blocks: streamed.as_ref().map(|s| s.split().resident),
+            blocks: shape.depth as usize,
+            base_rss: base.rss,
+            peak_rss,
+            seconds,
+            seconds_per_step: seconds / args.steps.max(1) as f64,
+            bytes_refilled: stats.bytes_refilled,
+            refill_seconds: stats.refill_seconds,
+            waited_seconds: stats.waited_seconds,
+        };
+        std::fs::write(path, serde_json::to_string_pretty(&outcome)?)?;
+    }
+    drop(streamed);
+    if let Some(meter) = meter {
+        meter.finish();
+    }
+    Ok(())
+}
