@@ -95,9 +95,18 @@ fn rss() -> Result<stageload_probe::ProcessMemory, BoxError> {
     Ok(stageload_probe::process_memory(std::process::id() as i32)?)
 }
 
-fn main() -> Result<(), BoxError> {
+fn main() -> std::process::ExitCode {
     stageload_demos::logging::init();
-    let args = Args::parse();
+    match run(Args::parse()) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(err) => {
+            eprintln!("error: {err}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(args: Args) -> Result<(), BoxError> {
     let _no_grad = tch::no_grad_guard();
     tch::set_num_threads(std::thread::available_parallelism().map_or(1, |n| n.get()) as i32);
     let all = cascade_shapes(args.scale);
