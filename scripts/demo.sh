@@ -38,5 +38,8 @@ fi
 # The first staged and prefetch runs against the first eager one, with the per-stage check.
 "$stageload" summary "$out/eager-1.jsonl" "$out/staged-1.jsonl" | tee "$out/summary-first-runs.txt"
 "$stageload" summary "$out/eager-1.jsonl" "$out/prefetch-1.jsonl" > "$out/summary-first-runs-prefetch.txt"
+# Block streaming: the cascade's largest model under a budget below its size.
+echo "== block streaming (scripts/stream-demo.sh)"
+scripts/stream-demo.sh "$out/stream" || status=1
 echo "everything is in $out/ (summary.txt: the aggregated comparison)"
 exit "$status"

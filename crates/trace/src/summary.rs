@@ -17,7 +17,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::event::EventKind;
+use crate::event::{EventKind, Residency};
 use crate::reader::Trace;
 use crate::record::{millis, EventRecord, Header, PeakRecord, Record, Sample};
 
@@ -97,7 +97,40 @@ pub struct Summary {
     pub min_available: Option<u64>,
     pub device_allocated_peak: Option<u64>,
     pub device_reserved_peak: Option<u64>,
+    /// Streamed models, each with its last split and how many times the split was set.
+    #[serde(default)]
+    pub streamed: Vec<Streamed>,
     pub errors: Vec<ReadingError>,
+}
+
+/// A streamed model as its `residency` events left it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Streamed {
+    pub model: String,
+    /// The last split.
+    pub residency: Residency,
+    /// The reasons of every split, in order (`start`, `out of memory`, ...).
+    pub reasons: Vec<String>,
+}
+
+/// Each streamed model's last split, in the order the models first appear.
+fn streamed(events: &[&EventRecord]) -> Vec<Streamed> {
+    let mut models: Vec<Streamed> = Vec::new();
+    for event in events {
+        let (Some(model), Some(residency)) = (&event.model, &event.residency) else { continue };
+        match models.iter_mut().find(|m| m.model == *model) {
+            Some(known) => {
+                known.reasons.push(residency.reason.clone());
+                known.residency = residency.clone();
+            }
+            None => models.push(Streamed {
+                model: model.clone(),
+                residency: residency.clone(),
+                reasons: vec![residency.reason.clone()],
+            }),
+        }
+    }
+    models
 }
 
 /// Each window's stage, start time and the index of the event that starts it.
@@ -221,6 +254,7 @@ pub fn summarize(trace: &Trace) -> Summary {
         loads,
         releases: Releases { count: released.len(), bytes: released.iter().filter_map(|e| e.bytes).sum() },
         outside_stage,
+        streamed: streamed(&events),
         swap: (!swaps.is_empty()).then(|| Swap {
             start: swaps[0],
             peak: swaps.iter().copied().max().unwrap_or(0),

@@ -56,6 +56,20 @@ pub fn render(summary: &Summary, path: &std::path::Path) -> String {
             opt_bytes(summary.device_reserved_peak)
         );
     }
+    for streamed in &summary.streamed {
+        let r = &streamed.residency;
+        out += &format!(
+            "streamed {}: {} of {} blocks resident, {} streamed, {} per step, budget {} (split set {} time(s): {})\n",
+            streamed.model,
+            r.resident,
+            r.blocks,
+            r.blocks.saturating_sub(r.resident),
+            format_bytes(r.streamed_per_step),
+            format_bytes(r.budget),
+            streamed.reasons.len(),
+            streamed.reasons.join(", ")
+        );
+    }
     if !summary.outside_stage.is_empty() {
         out += &format!("loaded outside their stage: {}\n", summary.outside_stage.join(", "));
     }

@@ -6,6 +6,8 @@ use std::path::PathBuf;
 use stageload_trace::record::{EventRecord, PeakRecord, Record, Sample};
 use stageload_trace::{read_trace, summarize, table, EventKind, Summary, Trace, TraceError};
 
+const MIB: u64 = 1 << 20;
+
 fn sample(t: f64, rss: u64) -> Record {
     Record::Sample(Sample { t, rss: Some(rss), ..Sample::default() })
 }
@@ -432,4 +434,38 @@ fn a_load_in_the_same_millisecond_as_the_next_stage_counts_in_its_own_window() {
     ]);
     let weights: Vec<(&str, Option<u64>)> = summary.stages.iter().map(|w| (w.stage.as_str(), w.weights)).collect();
     assert_eq!(weights, [("setup", Some(130)), ("structure", Some(500))]);
+}
+
+#[test]
+fn a_streamed_model_shows_its_last_split_and_every_reason_it_changed() {
+    use stageload_trace::event::Residency;
+    let residency = |t: f64, resident: usize, reason: &str| {
+        let mut record = event(t, EventKind::Residency, None);
+        if let Record::Event(e) = &mut record {
+            e.model = Some("flow".into());
+            e.residency = Some(Residency {
+                blocks: 12,
+                resident,
+                streamed_per_step: (12 - resident) as u64 * 48 * MIB,
+                budget: 500 * MIB,
+                working: 0,
+                reason: reason.into(),
+            });
+        }
+        record
+    };
+    let summary = summary_of(vec![
+        sample(0.0, 100 * MIB),
+        residency(0.5, 2, "start"),
+        residency(1.0, 1, "working memory"),
+        sample(2.0, 400 * MIB),
+    ]);
+    assert_eq!(summary.streamed.len(), 1);
+    assert_eq!(summary.streamed[0].residency.resident, 1);
+    assert_eq!(summary.streamed[0].reasons, ["start", "working memory"]);
+    let table = table::render(&summary, std::path::Path::new("hand.jsonl"));
+    assert!(
+        table.contains("streamed flow: 1 of 12 blocks resident, 11 streamed, 528.0 MiB per step, budget 500.0 MiB (split set 2 time(s): start, working memory)"),
+        "{table}"
+    );
 }

@@ -18,7 +18,7 @@ use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use stageload::checkpoint::Checkpoint;
 use stageload::stream::StreamedModel;
-use stageload::{BoxError, EventSink, NameRules, SharedRng};
+use stageload::{BoxError, Event, EventKind, EventSink, NameRules, SharedRng};
 use stageload_demos::args::parse_device;
 use stageload_demos::models::{cascade_seed, cascade_shapes};
 use stageload_demos::sampler::sample_flow_with;
@@ -145,11 +145,23 @@ fn run(args: Args) -> Result<(), BoxError> {
             Some(streamed)
         }
         None => {
+            let start = Instant::now();
             checkpoint.load_into(&tensors, |_| {})?;
+            if let Some(meter) = &meter {
+                let mut load = Event::now(EventKind::Load);
+                load.model = Some(MODEL.to_string());
+                (load.bytes, load.seconds) = (Some(model_bytes), Some(start.elapsed().as_secs_f64()));
+                meter.emit(&load);
+            }
             println!("{MODEL}: loaded whole, {}", format_bytes(model_bytes));
             None
         }
     };
+    if let Some(meter) = &meter {
+        let mut stage = Event::now(EventKind::Stage);
+        stage.stage = Some("texture".to_string());
+        meter.emit(&stage);
+    }
 
     // The texture stage's inputs: seeded noise and a conditioning row, as the cascade draws them.
     tch::manual_seed(args.seed as i64);

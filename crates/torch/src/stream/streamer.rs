@@ -73,6 +73,8 @@ pub struct StreamedModel {
     reading: Reading,
     sink: Option<Arc<dyn EventSink>>,
     stats: StreamStats,
+    /// Bytes and seconds of set-up's load (fixed tensors and resident prefix).
+    setup: (u64, f64),
 }
 
 impl std::fmt::Debug for StreamedModel {
@@ -177,6 +179,7 @@ impl StreamedModel {
             reading,
             sink: None,
             stats: StreamStats::default(),
+            setup: (0, 0.0),
         };
         // Streamed blocks go first, so that at no time more than the resident part is filled.
         for index in split.resident..streamed.blocks.len() {
@@ -190,16 +193,24 @@ impl StreamedModel {
         for block in &streamed.blocks[..split.resident] {
             initial.extend(block.targets.iter().map(|(n, t)| (n.clone(), t.shallow_clone())));
         }
-        streamed
+        let start = Instant::now();
+        let report = streamed
             .checkpoint
             .load_into(&initial, |_| {})
             .map_err(|source| StreamError::Checkpoint { model: streamed.name.clone(), source })?;
+        streamed.setup = (report.bytes, start.elapsed().as_secs_f64());
         tracing::info!("{}", describe(&streamed.name, &streamed.sizes, split));
         Ok(streamed)
     }
 
-    /// Sends a `residency` event for the split now and for every later change to `sink`.
+    /// Sends to `sink` a `load` event for set-up's load (the resident part), a `residency`
+    /// event for the split now, and one for every later change.
     pub fn events(mut self, sink: Arc<dyn EventSink>) -> Self {
+        let mut load = Event::now(EventKind::Load);
+        load.model = Some(self.name.clone());
+        (load.bytes, load.seconds) = (Some(self.setup.0), Some(self.setup.1));
+        load.note = Some("the resident part of a streamed model".into());
+        sink.emit(&load);
         self.sink = Some(sink);
         self.announce("start", None);
         self
