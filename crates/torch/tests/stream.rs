@@ -39,7 +39,9 @@ impl Net {
         let linear = |path: nn::Path| nn::linear(path, WIDTH, WIDTH, Default::default());
         Net {
             input: linear(&p / "input"),
-            blocks: (0..DEPTH).map(|i| (linear(&p / "blocks" / i / "fc1"), linear(&p / "blocks" / i / "fc2"))).collect(),
+            blocks: (0..DEPTH)
+                .map(|i| (linear(&p / "blocks" / i / "fc1"), linear(&p / "blocks" / i / "fc2")))
+                .collect(),
             output: linear(&p / "output"),
         }
     }
@@ -83,7 +85,8 @@ fn streamed(file: &Path, budget: u64) -> Result<(Net, StreamedModel), StreamErro
     let vs = VarStore::new(Device::Cpu);
     let net = stageload_torch_sys::without_fills(|| Net::new(&vs));
     let checkpoint = Checkpoint::open(&[file]).unwrap();
-    let model = StreamedModel::new("net", stageload::named_tensors(&vs), checkpoint, &NameRules::default(), &spec(), budget)?;
+    let model =
+        StreamedModel::new("net", stageload::named_tensors(&vs), checkpoint, &NameRules::default(), &spec(), budget)?;
     // The process's RSS moves with the other tests' threads: these tests measure no working
     // memory unless they script it.
     Ok((net, model.reading(|| None)))

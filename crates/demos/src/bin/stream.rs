@@ -118,7 +118,8 @@ fn run(args: Args) -> Result<(), BoxError> {
         Some(path) => Some(Arc::new(stageload::meter::start(
             path,
             args.device,
-            stageload::meter::MeterOptions::default().meta("mode", if args.budget.is_some() { "streamed" } else { "resident" }),
+            stageload::meter::MeterOptions::default()
+                .meta("mode", if args.budget.is_some() { "streamed" } else { "resident" }),
         )?)),
         None => None,
     };
@@ -130,8 +131,14 @@ fn run(args: Args) -> Result<(), BoxError> {
     let checkpoint = Checkpoint::open(&[&file])?;
     let mut streamed = match args.budget {
         Some(budget) => {
-            let mut streamed =
-                StreamedModel::new(MODEL, tensors, checkpoint, &NameRules::default(), &Transformer::block_spec("model"), budget)?;
+            let mut streamed = StreamedModel::new(
+                MODEL,
+                tensors,
+                checkpoint,
+                &NameRules::default(),
+                &Transformer::block_spec("model"),
+                budget,
+            )?;
             if let Some(meter) = &meter {
                 streamed = streamed.events(Arc::clone(meter) as Arc<dyn EventSink>);
             }
@@ -172,7 +179,9 @@ fn run(args: Args) -> Result<(), BoxError> {
     let times = schedule(args.steps, &chacha);
     let start = Instant::now();
     let latent = match streamed.as_mut() {
-        Some(streamed) => sample_flow_with(x, &cond, &times, |input| streamed.run(|step| model.forward_streamed(input, step)))?,
+        Some(streamed) => {
+            sample_flow_with(x, &cond, &times, |input| streamed.run(|step| model.forward_streamed(input, step)))?
+        }
         None => sample_flow_with(x, &cond, &times, |input| Ok::<_, BoxError>(model.forward(input)))?,
     };
     let seconds = start.elapsed().as_secs_f64();

@@ -236,7 +236,9 @@ pub fn retry_out_of_memory(policy: OutOfMemory, already_retried: bool) -> bool {
 /// caching allocator's `OutOfMemoryError`, the CPU allocator's "not enough memory").
 pub fn is_out_of_memory(message: &str) -> bool {
     let message = message.to_ascii_lowercase();
-    ["out of memory", "outofmemoryerror", "not enough memory", "can't allocate memory"].iter().any(|m| message.contains(m))
+    ["out of memory", "outofmemoryerror", "not enough memory", "can't allocate memory"]
+        .iter()
+        .any(|m| message.contains(m))
 }
 
 /// A model's state as users see it ([`super::StagedModels::states`]).
@@ -390,7 +392,9 @@ mod tests {
         assert!(!retry_out_of_memory(OutOfMemory::Fail, false), "off by default");
         assert!(is_out_of_memory("CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; 79.1 GiB total capacity)"));
         assert!(is_out_of_memory("DefaultCPUAllocator: not enough memory: you tried to allocate 1099511627776 bytes."));
-        assert!(is_out_of_memory("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1125899906842624 bytes."));
+        assert!(is_out_of_memory(
+            "DefaultCPUAllocator: can't allocate memory: you tried to allocate 1125899906842624 bytes."
+        ));
         assert!(!is_out_of_memory("shape mismatch"));
     }
 

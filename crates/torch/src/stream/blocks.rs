@@ -80,7 +80,11 @@ pub fn assign(spec: &BlockSpec, names: &[&str]) -> Result<Layout, BlockError> {
     let mut blocks: Vec<(String, Vec<usize>)> = Vec::new();
     let claim = |tensor: usize, label: &str, block: Option<usize>, owner: &mut Vec<Option<(String, Option<usize>)>>| {
         if let Some((first, _)) = &owner[tensor] {
-            return Err(BlockError::Twice { tensor: names[tensor].to_string(), first: first.clone(), second: label.to_string() });
+            return Err(BlockError::Twice {
+                tensor: names[tensor].to_string(),
+                first: first.clone(),
+                second: label.to_string(),
+            });
         }
         owner[tensor] = Some((label.to_string(), block));
         Ok(())
@@ -121,7 +125,10 @@ pub fn assign(spec: &BlockSpec, names: &[&str]) -> Result<Layout, BlockError> {
 fn unmatched(entry: &str, names: &[&str]) -> BlockError {
     let mut sample: Vec<&str> = names.iter().take(3).copied().collect();
     sample.sort_unstable();
-    BlockError::Unmatched { entry: entry.to_string(), sample: sample.iter().map(|n| format!("'{n}'")).collect::<Vec<_>>().join(", ") }
+    BlockError::Unmatched {
+        entry: entry.to_string(),
+        sample: sample.iter().map(|n| format!("'{n}'")).collect::<Vec<_>>().join(", "),
+    }
 }
 
 /// One entry of a spec as blocks: a prefix is one block; `prefix.*` one block per child.
@@ -212,7 +219,11 @@ mod tests {
 
     #[test]
     fn a_tensor_named_twice_is_refused_naming_both_claims() {
-        let spec = BlockSpec::new(["model.blocks.*", "model.blocks.2"]).resident(["model.input", "model.norm", "model.output"]);
+        let spec = BlockSpec::new(["model.blocks.*", "model.blocks.2"]).resident([
+            "model.input",
+            "model.norm",
+            "model.output",
+        ]);
         let err = assign(&spec, &NAMES).unwrap_err();
         assert_eq!(
             err,

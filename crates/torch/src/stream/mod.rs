@@ -51,7 +51,7 @@ pub enum StreamError {
     #[error("streamed model '{model}': {source}")]
     Budget { model: String, source: TooSmall },
     #[error("streamed model '{model}': {source}")]
-    Checkpoint { model: String, source: CheckpointError },
+    Checkpoint { model: String, source: Box<CheckpointError> },
     #[error(
         "streamed model '{model}': block '{block}' and '{other}' share the storage of tensor '{tensor}'; a block must own its storages (untie them, or put both in one block)"
     )]

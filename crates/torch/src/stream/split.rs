@@ -137,7 +137,8 @@ pub fn refit(sizes: &Sizes, split: Split, budget: u64, working: u64) -> Refit {
 /// One residency line: `shape_flow: 26 of 30 blocks resident, 4 streamed, 1.4 GiB per step
 /// through the slot`.
 pub fn describe(model: &str, sizes: &Sizes, split: Split) -> String {
-    let mut line = format!("{model}: {} of {} blocks resident, {} streamed", split.resident, split.blocks, split.streamed());
+    let mut line =
+        format!("{model}: {} of {} blocks resident, {} streamed", split.resident, split.blocks, split.streamed());
     if split.streamed() > 0 {
         let slots = if split.look_ahead { "two slots (one ahead)" } else { "one slot" };
         line += &format!(", {} per step through {slots}", format_bytes(sizes.streamed_per_step(split.resident)));
@@ -225,7 +226,10 @@ mod tests {
     fn a_measured_working_memory_shrinks_the_prefix_for_the_next_step() {
         let s = sizes(0, &[100; 8]);
         let split = fit(&s, 600 * MB, 0, 8).unwrap();
-        assert_eq!(refit(&s, split, 600 * MB, 50 * MB), Refit::Shrink(Split { resident: 3, blocks: 8, look_ahead: true }));
+        assert_eq!(
+            refit(&s, split, 600 * MB, 50 * MB),
+            Refit::Shrink(Split { resident: 3, blocks: 8, look_ahead: true })
+        );
         match refit(&s, split, 600 * MB, 550 * MB) {
             Refit::Over { split, over } => {
                 assert_eq!(split.resident, 0);
@@ -247,7 +251,10 @@ mod tests {
     fn the_residency_line_says_counts_and_bytes_per_step() {
         let s = sizes(0, &[100; 30]);
         let line = describe("shape_flow", &s, Split { resident: 26, blocks: 30, look_ahead: true });
-        assert_eq!(line, "shape_flow: 26 of 30 blocks resident, 4 streamed, 400.0 MiB per step through two slots (one ahead)");
+        assert_eq!(
+            line,
+            "shape_flow: 26 of 30 blocks resident, 4 streamed, 400.0 MiB per step through two slots (one ahead)"
+        );
         let line = describe("m", &s, Split { resident: 30, blocks: 30, look_ahead: false });
         assert_eq!(line, "m: 30 of 30 blocks resident, 0 streamed");
     }

@@ -110,7 +110,8 @@ impl StreamedModel {
         let model = name.clone();
         let names: Vec<&str> = tensors.iter().map(|(n, _)| n.as_str()).collect();
         let layout = assign(spec, &names).map_err(|source| StreamError::Blocks { model: model.clone(), source })?;
-        let entries = entry_names(&checkpoint, &names, rules).map_err(|source| StreamError::Checkpoint { model: model.clone(), source })?;
+        let entries = entry_names(&checkpoint, &names, rules)
+            .map_err(|source| StreamError::Checkpoint { model: model.clone(), source: Box::new(source) })?;
         let device = tensors.first().map_or(Device::Cpu, |(_, t)| t.device());
 
         // Every storage belongs to one group: a block, or the fixed tensors.
@@ -135,10 +136,11 @@ impl StreamedModel {
         };
         let fixed_storages = claim("the resident tensors", &layout.fixed)?;
         let mut blocks = Vec::with_capacity(layout.blocks.len());
-        let missing: Vec<String> = (0..names.len()).filter(|&i| entries[i].is_none()).map(|i| names[i].to_string()).collect();
+        let missing: Vec<String> =
+            (0..names.len()).filter(|&i| entries[i].is_none()).map(|i| names[i].to_string()).collect();
         if !missing.is_empty() {
             let source = CheckpointError::Missing { tensors: missing, files: checkpoint.files().to_vec() };
-            return Err(StreamError::Checkpoint { model: model.clone(), source });
+            return Err(StreamError::Checkpoint { model: model.clone(), source: Box::new(source) });
         }
         for (block_name, members) in &layout.blocks {
             let storages = claim(block_name, members)?;
@@ -155,7 +157,8 @@ impl StreamedModel {
         }
         let fixed_bytes: u64 = fixed_storages.iter().map(|s| s.nbytes as u64).sum();
         let sizes = Sizes { fixed: fixed_bytes, blocks: blocks.iter().map(|b| bytes_of(&b.storages)).collect() };
-        let split = fit(&sizes, budget, 0, blocks.len()).map_err(|source| StreamError::Budget { model: model.clone(), source })?;
+        let split = fit(&sizes, budget, 0, blocks.len())
+            .map_err(|source| StreamError::Budget { model: model.clone(), source })?;
         if device == Device::Cpu {
             stageload_torch_sys::map_large_host_blocks();
         }
@@ -197,7 +200,7 @@ impl StreamedModel {
         let report = streamed
             .checkpoint
             .load_into(&initial, |_| {})
-            .map_err(|source| StreamError::Checkpoint { model: streamed.name.clone(), source })?;
+            .map_err(|source| StreamError::Checkpoint { model: streamed.name.clone(), source: Box::new(source) })?;
         streamed.setup = (report.bytes, start.elapsed().as_secs_f64());
         tracing::info!("{}", describe(&streamed.name, &streamed.sizes, split));
         Ok(streamed)
@@ -336,7 +339,11 @@ impl StreamedModel {
                 None => {
                     // The error's first line; libtorch appends its C++ backtrace.
                     let message = message.lines().next().unwrap_or_default().to_string();
-                    return Err(StreamError::OutOfMemory { model: self.name.clone(), residency: self.residency(), message });
+                    return Err(StreamError::OutOfMemory {
+                        model: self.name.clone(),
+                        residency: self.residency(),
+                        message,
+                    });
                 }
             }
         }
@@ -469,7 +476,8 @@ impl StreamedModel {
         let block = &self.blocks[index];
         let model = self.name.clone();
         let block_name = block.name.clone();
-        let targets: Vec<(String, Tensor)> = block.targets.iter().map(|(n, t)| (n.clone(), t.shallow_clone())).collect();
+        let targets: Vec<(String, Tensor)> =
+            block.targets.iter().map(|(n, t)| (n.clone(), t.shallow_clone())).collect();
         let shapes = block.shapes.clone();
         let storages = shallow(&block.storages);
         let checkpoint = Arc::clone(&self.checkpoint);
@@ -483,13 +491,12 @@ impl StreamedModel {
             }
             // SAFETY: the block's storages are free and no thread uses them: the forward reaches
             // this block only through `Step::block`, which waits for this job first.
-            let ids = unsafe { storage::reallocate(&storages) }
-                .map_err(torch(&model, "reallocate a block"))?;
+            let ids = unsafe { storage::reallocate(&storages) }.map_err(torch(&model, "reallocate a block"))?;
             if let Err(source) = checkpoint.load_into(&targets, |_| {}) {
                 let message = format!("block '{block_name}' of streamed model '{model}' failed to load: {source}");
                 // SAFETY: as above; the memory was never handed out.
                 let _ = unsafe { storage::free_ids(&storages, &ids, &message) };
-                return Err(StreamError::Checkpoint { model, source });
+                return Err(StreamError::Checkpoint { model, source: Box::new(source) });
             }
             Ok(start.elapsed().as_secs_f64())
         }
@@ -515,7 +522,8 @@ impl StreamedModel {
         );
         // SAFETY: nothing runs on the block: the forward has moved past it (CPU ops return when
         // done; CUDA waited for above) and its refill, if any, was joined above.
-        unsafe { storage::release(&block.storages, &HashSet::new(), &message) }.map_err(torch(&self.name, "free a block"))?;
+        unsafe { storage::release(&block.storages, &HashSet::new(), &message) }
+            .map_err(torch(&self.name, "free a block"))?;
         self.blocks[index].allocated = false;
         Ok(())
     }
@@ -596,7 +604,10 @@ impl Step<'_> {
 }
 
 /// A shim failure of `operation` on `model` as a stream error.
-fn torch<'a>(model: &'a str, operation: &'static str) -> impl FnOnce(stageload_torch_sys::ShimError) -> StreamError + 'a {
+fn torch<'a>(
+    model: &'a str,
+    operation: &'static str,
+) -> impl FnOnce(stageload_torch_sys::ShimError) -> StreamError + 'a {
     move |source| StreamError::Torch { model: model.to_string(), operation, source }
 }
 
@@ -606,7 +617,11 @@ fn bytes_of(storages: &[StorageRecord]) -> u64 {
 
 /// The checkpoint entry of each tensor (`None`: no entry), checked under `rules`: a strict
 /// model's mismatch is refused with both sides' names.
-fn entry_names(checkpoint: &Checkpoint, names: &[&str], rules: &NameRules) -> Result<Vec<Option<String>>, CheckpointError> {
+fn entry_names(
+    checkpoint: &Checkpoint,
+    names: &[&str],
+    rules: &NameRules,
+) -> Result<Vec<Option<String>>, CheckpointError> {
     let files = checkpoint.files().to_vec();
     let found = match_names(checkpoint.entries().keys().map(String::as_str), names, rules)
         .map_err(|source| CheckpointError::Collision { files: files.clone(), source })?;
@@ -615,4 +630,3 @@ fn entry_names(checkpoint: &Checkpoint, names: &[&str], rules: &NameRules) -> Re
     }
     Ok(names.iter().map(|n| found.pairs.get(*n).cloned()).collect())
 }
-
