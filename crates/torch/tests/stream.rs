@@ -80,16 +80,21 @@ fn spec() -> BlockSpec {
     BlockSpec::new(["blocks.*"]).resident(["input", "output"])
 }
 
-/// The model built without initialisation, as a streamed model would be.
-fn streamed(file: &Path, budget: u64) -> Result<(Net, StreamedModel), StreamError> {
+/// The model built without touching its memory, as a streamed model is, and its tensors.
+fn streamed_with_tensors(file: &Path, budget: u64) -> Result<(Net, StreamedModel, Vec<(String, Tensor)>), StreamError> {
     let vs = VarStore::new(Device::Cpu);
     let net = stageload_torch_sys::without_fills(|| Net::new(&vs));
     let checkpoint = Checkpoint::open(&[file]).unwrap();
-    let model =
-        StreamedModel::new("net", stageload::named_tensors(&vs), checkpoint, &NameRules::default(), &spec(), budget)?;
+    let tensors = stageload::named_tensors(&vs);
+    let shallow = tensors.iter().map(|(n, t)| (n.clone(), t.shallow_clone())).collect();
+    let model = StreamedModel::new("net", shallow, checkpoint, &NameRules::default(), &spec(), budget)?;
     // The process's RSS moves with the other tests' threads: these tests measure no working
     // memory unless they script it.
-    Ok((net, model.reading(|| None)))
+    Ok((net, model.reading(|| None), tensors))
+}
+
+fn streamed(file: &Path, budget: u64) -> Result<(Net, StreamedModel), StreamError> {
+    streamed_with_tensors(file, budget).map(|(net, model, _)| (net, model))
 }
 
 /// Three steps on seeded noise: the outputs of each.
@@ -171,14 +176,7 @@ fn at_no_boundary_are_more_than_the_prefix_and_two_slots_filled() {
     let _one = one_at_a_time();
     let dir = tempfile::tempdir().unwrap();
     let file = checkpoint(dir.path());
-    let vs = VarStore::new(Device::Cpu);
-    let net = stageload_torch_sys::without_fills(|| Net::new(&vs));
-    let tensors = stageload::named_tensors(&vs);
-    let checkpoint = Checkpoint::open(&[&file]).unwrap();
-    let shallow: Vec<(String, Tensor)> = tensors.iter().map(|(n, t)| (n.clone(), t.shallow_clone())).collect();
-    let mut model = StreamedModel::new("net", shallow, checkpoint, &NameRules::default(), &spec(), budget_for(2))
-        .unwrap()
-        .reading(|| None);
+    let (net, mut model, tensors) = streamed_with_tensors(&file, budget_for(2)).unwrap();
     assert_eq!(filled(&tensors), 2, "set-up fills the resident prefix only");
     let x = Tensor::randn([16, WIDTH], (Kind::Float, Device::Cpu));
     let mut most = 0;
@@ -350,18 +348,7 @@ fn a_block_that_changes_shape_between_steps_is_refused_and_nothing_is_computed_w
     let _one = one_at_a_time();
     let dir = tempfile::tempdir().unwrap();
     let file = checkpoint(dir.path());
-    let vs = VarStore::new(Device::Cpu);
-    let net = stageload_torch_sys::without_fills(|| Net::new(&vs));
-    let checkpoint = Checkpoint::open(&[&file]).unwrap();
-    let mut model = StreamedModel::new(
-        "net",
-        stageload::named_tensors(&vs),
-        checkpoint,
-        &NameRules::default(),
-        &spec(),
-        budget_for(0),
-    )
-    .unwrap();
+    let (net, mut model) = streamed(&file, budget_for(0)).unwrap();
     let x = Tensor::randn([16, WIDTH], (Kind::Float, Device::Cpu));
     let _ = tch::no_grad(|| model.run(|step| net.forward_streamed(&x, step))).unwrap();
     // Someone reshapes a streamed weight while it is out.
