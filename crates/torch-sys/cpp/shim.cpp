@@ -297,6 +297,22 @@ char* sl_storage_realloc(const at::Tensor* t, size_t nbytes) {
   });
 }
 
+// Memory a storage borrows (a streamed block's slot): the storage never frees it.
+void borrowed_memory_deleter(void*) {}
+
+char* sl_storage_attach(const at::Tensor* t, void* data, size_t nbytes) {
+  return guarded([&] {
+    c10::StorageImpl* s = storage_of(t);
+    TORCH_CHECK(s->_mutable_data_ptr_no_checks().get() == nullptr && s->nbytes() == 0,
+                "storage is still allocated (", s->nbytes(), " bytes); free it before attaching memory");
+    TORCH_CHECK(s->device().type() == c10::kCPU, "only CPU storages borrow memory, not ", s->device());
+    TORCH_CHECK(data != nullptr || nbytes == 0, "no memory to attach");
+    s->set_data_ptr_noswap(c10::DataPtr(data, data, &borrowed_memory_deleter, s->device()));
+    s->set_nbytes(nbytes);
+    s->clear_data_ptr_access_error_msg_();
+  });
+}
+
 char* sl_cuda_empty_cache() {
   return guarded([&] {
     TORCH_CHECK(at::hasCUDA(), "CUDA is not available");

@@ -47,6 +47,7 @@ mod ffi {
         ) -> *mut c_char;
         pub fn sl_storage_free(t: *const C_tensor, message: *const c_char, freed: *mut usize) -> *mut c_char;
         pub fn sl_storage_realloc(t: *const C_tensor, nbytes: usize) -> *mut c_char;
+        pub fn sl_storage_attach(t: *const C_tensor, data: *mut std::ffi::c_void, nbytes: usize) -> *mut c_char;
         pub fn sl_cuda_empty_cache() -> *mut c_char;
         pub fn sl_mps_empty_cache() -> *mut c_char;
         pub fn sl_cuda_memory(
@@ -221,6 +222,22 @@ pub unsafe fn realloc_storage(tensor: &Tensor, nbytes: usize) -> ShimResult<()> 
     // the caller keeps every reader away until it has filled the memory.
     let err = unsafe { ffi::sl_storage_realloc(tensor.as_ptr(), nbytes) };
     check("reallocate storage", err)
+}
+
+/// Gives a freed CPU storage `nbytes` of memory at `data` that it borrows: the storage never
+/// frees it (a later [`free_storage`] only lets go of it), so one buffer serves block after block.
+///
+/// # Safety
+///
+/// `data` must be valid for reads and writes of `nbytes` bytes, aligned for the storage's dtype,
+/// for as long as the storage holds it: the caller frees the storage before the memory goes
+/// away or goes to another storage. As with [`realloc_storage`], nothing may read the storage
+/// before the caller has filled it, and no other thread may use it meanwhile.
+pub unsafe fn attach_storage(tensor: &Tensor, data: *mut u8, nbytes: usize) -> ShimResult<()> {
+    // SAFETY: `tensor.as_ptr()` is a live `at::Tensor*`; the shim refuses an allocated or
+    // non-CPU storage; the memory's lifetime and exclusivity are the caller's precondition.
+    let err = unsafe { ffi::sl_storage_attach(tensor.as_ptr(), data.cast(), nbytes) };
+    check("attach memory to a storage", err)
 }
 
 /// Empties the CUDA caching allocator; "CUDA is not available" on a machine without it.

@@ -87,6 +87,41 @@ pub unsafe fn reallocate(storages: &[StorageRecord]) -> Result<HashSet<u64>, Shi
     Ok(reallocated)
 }
 
+/// Where each of `storages` starts in one buffer: in order, each at a multiple of
+/// [`ALIGNMENT`]; and the buffer's size.
+pub fn layout(storages: &[StorageRecord]) -> (Vec<usize>, usize) {
+    let mut offsets = Vec::with_capacity(storages.len());
+    let mut end = 0usize;
+    for storage in storages {
+        offsets.push(end);
+        end = end.saturating_add(storage.nbytes.div_ceil(ALIGNMENT).saturating_mul(ALIGNMENT));
+    }
+    (offsets, end)
+}
+
+/// Alignment of each storage in a shared buffer (libtorch's CPU allocator aligns to 64).
+pub const ALIGNMENT: usize = 64;
+
+/// Points every freed storage of `storages` at its part of the buffer at `base` (offsets from
+/// [`layout`]); returns the ids attached, so the caller fills exactly those.
+///
+/// # Safety
+///
+/// As [`shim::attach_storage`]: `base` is valid and [`ALIGNMENT`]-aligned for the whole layout
+/// for as long as the storages hold it, and no other storage uses that buffer meanwhile.
+pub unsafe fn attach(storages: &[StorageRecord], base: *mut u8, offsets: &[usize]) -> Result<HashSet<u64>, ShimError> {
+    let mut attached = HashSet::new();
+    for (storage, &offset) in storages.iter().zip(offsets) {
+        if storage.nbytes > 0 && !shim::storage_info(&storage.tensor)?.allocated {
+            // SAFETY: `offset + nbytes` lies inside the buffer (the layout) and this function's
+            // own precondition covers the rest.
+            unsafe { shim::attach_storage(&storage.tensor, base.add(offset), storage.nbytes) }?;
+            attached.insert(storage.id);
+        }
+    }
+    Ok(attached)
+}
+
 /// Frees again the storages of `ids` (undoing a [`reallocate`] whose refill failed).
 ///
 /// # Safety

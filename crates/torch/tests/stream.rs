@@ -180,6 +180,7 @@ fn at_no_boundary_are_more_than_the_prefix_and_two_slots_filled() {
     assert_eq!(filled(&tensors), 2, "set-up fills the resident prefix only");
     let x = Tensor::randn([16, WIDTH], (Kind::Float, Device::Cpu));
     let mut most = 0;
+    let mut addresses = std::collections::HashSet::new();
     for _ in 0..3 {
         let _ = tch::no_grad(|| {
             model.run(|step| {
@@ -187,6 +188,9 @@ fn at_no_boundary_are_more_than_the_prefix_and_two_slots_filled() {
                 for i in 0..DEPTH {
                     step.block(i)?;
                     most = most.max(filled(&tensors));
+                    if i >= 2 {
+                        addresses.insert(net.blocks[i].0.ws.data_ptr() as usize);
+                    }
                     h = net.block(i, &h);
                 }
                 Ok(h)
@@ -196,6 +200,7 @@ fn at_no_boundary_are_more_than_the_prefix_and_two_slots_filled() {
     }
     assert!((3..=4).contains(&most), "two resident blocks, the running one and the one ahead: {most}");
     assert!(filled(&tensors) <= 3, "between steps: the prefix and the first streamed block ahead");
+    assert_eq!(addresses.len(), 2, "18 refills of 6 streamed blocks, all into the same two slots");
     let stats = model.stats();
     assert_eq!(stats.refills, 3 * 6);
     assert!(stats.refill_seconds > 0.0);

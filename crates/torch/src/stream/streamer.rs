@@ -46,7 +46,11 @@ struct Block {
     /// (model tensor name, shape at set-up).
     shapes: Vec<(String, Vec<i64>)>,
     storages: Vec<StorageRecord>,
+    /// Where each storage starts in a slot.
+    offsets: Vec<usize>,
     allocated: bool,
+    /// The slot its storages borrow, while they do.
+    slot: Option<usize>,
 }
 
 /// A refill running on its own thread.
@@ -75,6 +79,10 @@ pub struct StreamedModel {
     stats: StreamStats,
     /// Bytes and seconds of set-up's load (fixed tensors and resident prefix).
     setup: (u64, f64),
+    /// CPU: buffers (at most two) the streamed blocks are read into, faulted in once and reused,
+    /// so that a refill runs at the page cache's speed instead of the page faults' of fresh
+    /// memory; with the block each one holds.
+    slots: Vec<(Tensor, Option<usize>)>,
 }
 
 impl std::fmt::Debug for StreamedModel {
@@ -151,8 +159,10 @@ impl StreamedModel {
                     .map(|&i| (entries[i].clone().expect("checked above"), tensors[i].1.shallow_clone()))
                     .collect(),
                 shapes: members.iter().map(|&i| (names[i].to_string(), tensors[i].1.size())).collect(),
+                offsets: storage::layout(&storages).0,
                 storages,
                 allocated: true,
+                slot: None,
             });
         }
         let fixed_bytes: u64 = fixed_storages.iter().map(|s| s.nbytes as u64).sum();
@@ -183,6 +193,7 @@ impl StreamedModel {
             sink: None,
             stats: StreamStats::default(),
             setup: (0, 0.0),
+            slots: Vec::new(),
         };
         // Streamed blocks go first, so that at no time more than the resident part is filled.
         for index in split.resident..streamed.blocks.len() {
@@ -352,6 +363,12 @@ impl StreamedModel {
     /// Frees the streamed blocks still held (after a split shrank) and starts the first
     /// streamed block's refill.
     fn begin(&mut self) -> Result<(), StreamError> {
+        // A block that became resident (reset) leaves its slot; it comes back from the allocator.
+        for index in 0..self.split.resident {
+            if self.blocks[index].slot.is_some() {
+                self.release(index)?;
+            }
+        }
         for index in self.split.resident..self.blocks.len() {
             if self.ahead.as_ref().map(|a| a.block) != Some(index) {
                 self.release(index)?;
@@ -416,13 +433,15 @@ impl StreamedModel {
         Some((reading, self.held()))
     }
 
-    /// Weight bytes filled now: fixed tensors and every allocated block not being refilled.
+    /// Weight bytes held now: fixed tensors, the slots (filled or not, their pages stay), and
+    /// every block outside a slot that is filled and not being refilled.
     fn held(&self) -> u64 {
         let ahead = self.ahead.as_ref().map(|a| a.block);
+        let slots = self.slots.iter().fold(0u64, |sum, (buffer, _)| sum.saturating_add(buffer.numel() as u64));
         let blocks = self.sizes.blocks.iter().zip(&self.blocks).enumerate();
         blocks
-            .filter(|(i, (_, b))| b.allocated && Some(*i) != ahead)
-            .fold(self.sizes.fixed, |sum, (_, (bytes, _))| sum.saturating_add(*bytes))
+            .filter(|(i, (_, b))| b.allocated && b.slot.is_none() && Some(*i) != ahead)
+            .fold(self.sizes.fixed.saturating_add(slots), |sum, (_, (bytes, _))| sum.saturating_add(*bytes))
     }
 
     /// Waits for the refill ahead, if any; `Ok` once its block is filled (or freed again on
@@ -432,11 +451,15 @@ impl StreamedModel {
         let outcome = thread.join().unwrap_or_else(|panic| {
             Err(StreamError::Step { model: self.name.clone(), message: panic_message(&*panic) })
         });
-        self.blocks[block].allocated = outcome.is_ok();
-        self.account(block, outcome)
+        self.settle(block, outcome)
     }
 
-    fn account(&mut self, block: usize, outcome: Result<f64, StreamError>) -> Result<(), StreamError> {
+    /// Books a finished refill of `block`: filled, or (failed) its slot free again.
+    fn settle(&mut self, block: usize, outcome: Result<f64, StreamError>) -> Result<(), StreamError> {
+        self.blocks[block].allocated = outcome.is_ok();
+        if outcome.is_err() {
+            self.let_go_of_slot(block);
+        }
         let seconds = outcome?;
         self.stats.refills += 1;
         self.stats.bytes_refilled += self.sizes.blocks[block];
@@ -449,7 +472,11 @@ impl StreamedModel {
         if self.ahead.is_some() || index >= self.blocks.len() || self.blocks[index].allocated {
             return;
         }
-        let job = self.refill_job(index);
+        let job = match self.refill_job(index) {
+            Ok(job) => job,
+            // Refilled (and reported) when the forward reaches the block.
+            Err(_) => return,
+        };
         self.ahead = Some(Ahead { block: index, thread: std::thread::spawn(job) });
     }
 
@@ -462,18 +489,51 @@ impl StreamedModel {
         let outcome = if self.ahead.as_ref().map(|a| a.block) == Some(index) {
             self.join_ahead()
         } else {
-            let outcome = self.refill_job(index)();
-            self.blocks[index].allocated = outcome.is_ok();
-            self.account(index, outcome)
+            let outcome = self.refill_job(index).and_then(|job| job());
+            self.settle(index, outcome)
         };
         self.stats.waited_seconds += start.elapsed().as_secs_f64();
         outcome
     }
 
-    /// The refill of block `index` as a job any thread can run: checks shapes, reallocates the
-    /// storages, reads the checkpoint into them; frees them again when the read fails.
-    fn refill_job(&self, index: usize) -> impl FnOnce() -> Result<f64, StreamError> + Send + 'static {
+    /// A slot for streamed block `index` on the CPU (made on first use, at most two): the
+    /// address of its memory, or `None` for the allocator (a resident block, or CUDA).
+    fn take_slot(&mut self, index: usize) -> Result<Option<usize>, StreamError> {
+        if self.device != Device::Cpu || !self.split.is_streamed(index) {
+            return Ok(None);
+        }
+        let free = match self.slots.iter().position(|(_, holder)| holder.is_none()) {
+            Some(free) => free,
+            None if self.slots.len() < 2 => {
+                let bytes = self.blocks.iter().map(|b| storage::layout(&b.storages).1).max().unwrap_or(0);
+                // Zeroed, so that its pages are faulted in once, here.
+                let buffer = Tensor::f_zeros([bytes as i64], (tch::Kind::Uint8, Device::Cpu))?;
+                self.slots.push((buffer, None));
+                self.slots.len() - 1
+            }
+            None => return Ok(None),
+        };
+        self.slots[free].1 = Some(index);
+        self.blocks[index].slot = Some(free);
+        Ok(Some(self.slots[free].0.data_ptr() as usize))
+    }
+
+    fn let_go_of_slot(&mut self, index: usize) {
+        if let Some(slot) = self.blocks[index].slot.take() {
+            self.slots[slot].1 = None;
+        }
+    }
+
+    /// The refill of block `index` as a job any thread can run: checks shapes, gives the
+    /// storages memory (a slot, or the allocator's), reads the checkpoint into them; frees them
+    /// again when the read fails.
+    fn refill_job(
+        &mut self,
+        index: usize,
+    ) -> Result<impl FnOnce() -> Result<f64, StreamError> + Send + 'static, StreamError> {
+        let slot = self.take_slot(index)?;
         let block = &self.blocks[index];
+        let offsets = block.offsets.clone();
         let model = self.name.clone();
         let block_name = block.name.clone();
         let targets: Vec<(String, Tensor)> =
@@ -481,7 +541,7 @@ impl StreamedModel {
         let shapes = block.shapes.clone();
         let storages = shallow(&block.storages);
         let checkpoint = Arc::clone(&self.checkpoint);
-        move || {
+        Ok(move || {
             let start = Instant::now();
             for ((tensor, was), (_, target)) in shapes.into_iter().zip(&targets) {
                 let now = target.size();
@@ -490,8 +550,14 @@ impl StreamedModel {
                 }
             }
             // SAFETY: the block's storages are free and no thread uses them: the forward reaches
-            // this block only through `Step::block`, which waits for this job first.
-            let ids = unsafe { storage::reallocate(&storages) }.map_err(torch(&model, "reallocate a block"))?;
+            // this block only through `Step::block`, which waits for this job first. A slot is
+            // this block's alone until the block is freed, and the model frees every block that
+            // holds one before the slot goes (`Drop`), after joining this job.
+            let ids = match slot {
+                Some(base) => unsafe { storage::attach(&storages, base as *mut u8, &offsets) },
+                None => unsafe { storage::reallocate(&storages) },
+            }
+            .map_err(torch(&model, "give a block memory"))?;
             if let Err(source) = checkpoint.load_into(&targets, |_| {}) {
                 let message = format!("block '{block_name}' of streamed model '{model}' failed to load: {source}");
                 // SAFETY: as above; the memory was never handed out.
@@ -499,7 +565,7 @@ impl StreamedModel {
                 return Err(StreamError::Checkpoint { model, source: Box::new(source) });
             }
             Ok(start.elapsed().as_secs_f64())
-        }
+        })
     }
 
     /// Frees block `index` in place (after its refill ahead, if one runs).
@@ -525,14 +591,22 @@ impl StreamedModel {
         unsafe { storage::release(&block.storages, &HashSet::new(), &message) }
             .map_err(torch(&self.name, "free a block"))?;
         self.blocks[index].allocated = false;
+        self.let_go_of_slot(index);
         Ok(())
     }
 }
 
 impl Drop for StreamedModel {
+    /// Joins the refill ahead, then frees every block in a slot before the slots go.
     fn drop(&mut self) {
-        if let Some(ahead) = self.ahead.take() {
-            let _ = ahead.thread.join();
+        let _ = self.join_ahead();
+        for index in 0..self.blocks.len() {
+            if self.blocks[index].slot.is_some() && self.release(index).is_err() {
+                // The storage still points into the slot: keep the slot's memory alive.
+                if let Some(slot) = self.blocks[index].slot {
+                    std::mem::forget(self.slots[slot].0.shallow_clone());
+                }
+            }
         }
     }
 }
