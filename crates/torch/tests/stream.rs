@@ -81,7 +81,10 @@ fn spec() -> BlockSpec {
 }
 
 /// The model built without touching its memory, as a streamed model is, and its tensors.
-fn streamed_with_tensors(file: &Path, budget: u64) -> Result<(Net, StreamedModel, Vec<(String, Tensor)>), StreamError> {
+/// A streamed net, and the tensors behind it (to look at their storages).
+type WithTensors = (Net, StreamedModel, Vec<(String, Tensor)>);
+
+fn streamed_with_tensors(file: &Path, budget: u64) -> Result<WithTensors, StreamError> {
     let vs = VarStore::new(Device::Cpu);
     let net = stageload_torch_sys::without_fills(|| Net::new(&vs));
     let checkpoint = Checkpoint::open(&[file]).unwrap();
