@@ -24,7 +24,9 @@ if "$stageload" guard --max-memory 1GiB -- "$stream" "${big[@]}"; then
 fi
 echo "== streamed under a 500 MiB budget, under stageload guard --max-memory 1GiB"
 "$stageload" guard --max-memory 1GiB --log "$out/guard.ndjson" -- "$stream" "${big[@]}" --budget 500MiB \
-    --working 32MiB --result "$out/streamed.json" --trace "$out/streamed.jsonl"
+    --working 32MiB --result "$out/streamed.json" --trace "$out/streamed.jsonl" --pipeline "$out/pipeline.toml"
+echo "== stageload plan of the streamed run's pipeline file, against 1 GiB"
+"$stageload" plan "$out/pipeline.toml" --memory 1GiB
 whole=$(sed -n 's/.*"fingerprint": "\(.*\)".*/\1/p' "$out/whole.json")
 streamed=$(sed -n 's/.*"fingerprint": "\(.*\)".*/\1/p' "$out/streamed.json")
 [ "$whole" = "$streamed" ] && echo "latents identical: $whole" || { echo "FAILED: latents differ"; exit 1; }

@@ -45,6 +45,7 @@ impl DemoSpec {
                     device: meter::device_name(device),
                     dtype: None,
                     ignore: Vec::new(),
+                    stream: None,
                 })
                 .collect(),
             stages: self

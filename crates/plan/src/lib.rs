@@ -2,16 +2,20 @@
 //!
 //! - [`pipeline`]: the TOML pipeline description (models, checkpoints, stages, pins, working
 //!   memory), checked, with each model's size read from its checkpoints' headers only.
+//! - [`blocks`], [`split`]: a streamed model's blocks (which tensors) and which of them stay
+//!   resident under a budget: the rules `stageload::stream` runs by and the plan counts by.
 //! - [`measured`]: working memory from a recorded run, and a plan checked against a run.
 //! - [`plan`](mod@plan): stage by stage residency, loads, releases, reloads, bytes read, and a verdict
 //!   per stage against this machine's budget, staged and eager.
 
+pub mod blocks;
 pub mod measured;
 pub mod pipeline;
 pub mod plan;
+pub mod split;
 
 pub use pipeline::{
     DeviceName, Model, ModelEntry, Pin, PinEntry, Pipeline, PipelineError, PipelineFile, Placement, Reserve, Stage,
-    StageEntry,
+    StageEntry, StreamEntry, Streaming,
 };
 pub use plan::{plan, Budget, BudgetSource, EagerPlan, Plan, StagePlan, Verdict, SCHEMA_VERSION};

@@ -23,6 +23,11 @@
 //! dtype = "bf16"                             # float entries loaded as (default: as stored)
 //! ignore = ["pooler.*"]                      # entries the model does not load (globs)
 //!
+//! [[models]]
+//! name = "flow"                              # bigger than its budget: blocks streamed
+//! files = ["weights/flow.safetensors"]
+//! stream = { blocks = ["model.blocks.*"], resident = ["model.input", "model.output"], budget = "2G" }
+//!
 //! [[stages]]
 //! name = "denoise"
 //! models = ["backbone", "denoiser"]
@@ -67,6 +72,41 @@ pub struct ModelEntry {
     /// Checkpoint entries the model does not load (glob patterns, as `NameRules::ignore`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub ignore: Vec<String>,
+    /// A model bigger than its budget: its blocks, streamed (`stageload::stream`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stream: Option<StreamEntry>,
+}
+
+/// A streamed model's blocks and budget, as the file describes them.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StreamEntry {
+    /// Blocks in run order: tensor-name prefixes, or `prefix.*` for one block per child.
+    pub blocks: Vec<String>,
+    /// Prefixes of the tensors in no block (kept resident).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub resident: Vec<String>,
+    /// Bytes the model may hold at once, its working memory included (a size: `2G`).
+    pub budget: String,
+    /// Working memory of one step, kept free inside the budget (a size; default 0).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub working: Option<String>,
+}
+
+/// How a streamed model holds its blocks under its budget, from its checkpoints' headers.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Streaming {
+    pub blocks: usize,
+    /// Blocks kept resident (a prefix).
+    pub resident_blocks: usize,
+    /// A streamed block is read while the one before runs.
+    pub look_ahead: bool,
+    /// Bytes held at most: resident tensors, resident blocks and slots.
+    pub held: u64,
+    /// Bytes read into the slots per step.
+    pub per_step: u64,
+    pub budget: u64,
+    pub working: u64,
 }
 
 fn cpu() -> String {
@@ -192,6 +232,16 @@ pub struct Model {
     pub file_bytes: u64,
     /// The same, file by file.
     pub parts: Vec<Part>,
+    /// A streamed model's split; `None`: loaded whole.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub streamed: Option<Streaming>,
+}
+
+impl Model {
+    /// Bytes the model holds when resident: its weights, or a streamed model's most.
+    pub fn held(&self) -> u64 {
+        self.streamed.as_ref().map_or(self.bytes, |s| s.held)
+    }
 }
 
 /// A checked stage.
@@ -300,6 +350,8 @@ fn converts(dtype: safetensors::Dtype) -> bool {
 /// What one checkpoint holds for a model: the entries it loads and their bytes as stored, once
 /// loaded with `load_bits` per float element (as stored without it), and of floats once loaded.
 struct FileSizes {
+    /// Each loaded entry's name and bytes once loaded.
+    loaded: Vec<(String, u64)>,
     entries: usize,
     stored: u64,
     resident: u64,
@@ -323,11 +375,37 @@ fn read_header(path: &Path, ignore: &[glob::Pattern], load_bits: Option<usize>) 
     };
     let floats: Vec<_> = loaded.iter().filter(|(_, info)| converts(info.dtype)).collect();
     Ok(FileSizes {
+        loaded: loaded.iter().map(|(name, info)| (name.clone(), resident_of(info))).collect(),
         entries: loaded.len(),
         stored,
         resident: total(loaded.iter().map(|(_, info)| resident_of(info))),
         float_bytes: total(floats.iter().map(|(_, info)| resident_of(info))),
         float_elements: total(floats.iter().map(|(_, info)| info.shape.iter().product::<usize>() as u64)),
+    })
+}
+
+/// The split a streamed model gets under its budget, from its entries' names and bytes.
+fn streaming(stream: &StreamEntry, entries: &[(String, u64)]) -> Result<Streaming, String> {
+    let budget = parse_size(&stream.budget).map_err(|e| format!("budget: {e}"))?;
+    let working = stream.working.as_deref().map_or(Ok(0), parse_size).map_err(|e| format!("working: {e}"))?;
+    let spec = crate::blocks::BlockSpec::new(stream.blocks.iter().cloned()).resident(stream.resident.iter().cloned());
+    let names: Vec<&str> = entries.iter().map(|(n, _)| n.as_str()).collect();
+    let layout = crate::blocks::assign(&spec, &names).map_err(|e| e.to_string())?;
+    let bytes = |members: &[usize]| total(members.iter().map(|&i| entries[i].1));
+    let sizes = crate::split::Sizes {
+        fixed: bytes(&layout.fixed),
+        blocks: layout.blocks.iter().map(|(_, members)| bytes(members)).collect(),
+    };
+    let split = crate::split::fit(&sizes, budget, working, sizes.blocks.len()).map_err(|e| e.to_string())?;
+    let slots = if split.look_ahead { 2 } else { usize::from(split.streamed() > 0) };
+    Ok(Streaming {
+        blocks: split.blocks,
+        resident_blocks: split.resident,
+        look_ahead: split.look_ahead,
+        held: sizes.need(split.resident, slots, 0),
+        per_step: sizes.streamed_per_step(split.resident),
+        budget,
+        working,
     })
 }
 
@@ -418,6 +496,7 @@ impl Pipeline {
             let files: Vec<PathBuf> = entry.files.iter().map(|f| folder.join(f)).collect();
             let mut tensors = 0;
             let mut parts = Vec::new();
+            let mut entries = Vec::new();
             for file in &files {
                 let sizes = read_header(file, &ignore, loaded_bits).map_err(|message| PipelineError::Checkpoint {
                     model: entry.name.clone(),
@@ -425,6 +504,7 @@ impl Pipeline {
                     message,
                 })?;
                 tensors += sizes.entries;
+                entries.extend(sizes.loaded);
                 parts.push(Part {
                     file: file.clone(),
                     bytes: sizes.resident,
@@ -435,6 +515,12 @@ impl Pipeline {
             }
             let bytes = total(parts.iter().map(|p| p.bytes));
             let file_bytes = total(parts.iter().map(|p| p.file_bytes));
+            let streamed = match &entry.stream {
+                Some(stream) => Some(
+                    streaming(stream, &entries).map_err(|e| invalid(format!("model '{}': stream: {e}", entry.name)))?,
+                ),
+                None => None,
+            };
             models.push(Model {
                 name: entry.name,
                 files,
@@ -446,6 +532,7 @@ impl Pipeline {
                 bytes,
                 file_bytes,
                 parts,
+                streamed,
             });
         }
 

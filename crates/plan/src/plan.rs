@@ -221,14 +221,11 @@ pub struct Plan {
 /// Bytes the models on `placement` hold together, a file several of them list counted once.
 fn bytes_on(models: &[&Model], placement: Placement) -> u64 {
     let mut seen = std::collections::HashSet::new();
-    total(
-        models
-            .iter()
-            .filter(|m| m.placement == placement)
-            .flat_map(|m| &m.parts)
-            .filter(|part| seen.insert(&part.file))
-            .map(|part| part.bytes),
-    )
+    let on = models.iter().filter(|m| m.placement == placement);
+    let whole =
+        on.clone().filter(|m| m.streamed.is_none()).flat_map(|m| &m.parts).filter(|part| seen.insert(&part.file));
+    let streamed = on.filter_map(|m| m.streamed.as_ref().map(|s| s.held));
+    total(whole.map(|part| part.bytes).chain(streamed))
 }
 
 /// Bytes read to load `loading` while `resident` are held: files already held are not read again.
@@ -363,6 +360,20 @@ impl Plan {
                 format_bytes(stage.need),
                 stage.verdict.describe()
             );
+            for model in stage.resident.iter().filter_map(|name| self.models.iter().find(|m| m.name == *name)) {
+                if let Some(s) = &model.streamed {
+                    out += &format!(
+                        "  {} streamed: {} of {} blocks resident, {} per step, holds {} of its {} (budget {})\n",
+                        model.name,
+                        s.resident_blocks,
+                        s.blocks,
+                        format_bytes(s.per_step),
+                        format_bytes(s.held),
+                        format_bytes(model.bytes),
+                        format_bytes(s.budget)
+                    );
+                }
+            }
             if has_device {
                 out += &format!(
                     "  device: weights {}, needs {} -> {}\n",

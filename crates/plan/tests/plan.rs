@@ -517,3 +517,61 @@ mod fuzz {
         }
     }
 }
+
+/// A 4 MiB model of four 1 MiB blocks and a 64 KiB input layer, streamed under `budget`.
+fn streamed_fixture(name: &str, stream: &str) -> Fixture {
+    let folder = scratch(name);
+    let dir = folder.path();
+    let mut tensors: Vec<(String, Dtype, &[usize])> = vec![("model.input.w".into(), Dtype::F32, &[128, 128])];
+    for i in 0..4 {
+        tensors.push((format!("model.blocks.{i}.w"), Dtype::F32, &[512, 512]));
+    }
+    let named: Vec<(&str, Dtype, &[usize])> = tensors.iter().map(|(n, d, s)| (n.as_str(), *d, *s)).collect();
+    checkpoint(&dir.join("flow.safetensors"), &named);
+    let path = dir.join("pipeline.toml");
+    std::fs::write(
+        &path,
+        format!(
+            "[[models]]\nname = \"flow\"\nfiles = [\"flow.safetensors\"]\nstream = {stream}\n\n[[stages]]\nname = \"denoise\"\nmodels = [\"flow\"]\n"
+        ),
+    )
+    .unwrap();
+    Fixture { _folder: folder, path }
+}
+
+#[test]
+fn a_streamed_model_counts_its_resident_blocks_and_slots_and_fits_where_whole_it_would_not() {
+    const MIB: u64 = 1 << 20;
+    let fixture =
+        streamed_fixture("streamed", r#"{ blocks = ["model.blocks.*"], resident = ["model.input"], budget = "3MiB" }"#);
+    let pipeline = Pipeline::load(&fixture).unwrap();
+    let model = &pipeline.models[0];
+    assert_eq!(model.bytes, 4 * MIB + 64 * 1024);
+    let streamed = model.streamed.as_ref().unwrap();
+    // 64 KiB fixed + 0 resident + two 1 MiB slots = 2.06 MiB; one resident block more is 3.06.
+    assert_eq!((streamed.blocks, streamed.resident_blocks, streamed.look_ahead), (4, 0, true));
+    assert_eq!(streamed.held, 2 * MIB + 64 * 1024);
+    assert_eq!(streamed.per_step, 4 * MIB);
+    let planned = plan(&pipeline, Budget::given(3 * MIB), None);
+    assert_eq!(planned.stages[0].weights, 2 * MIB + 64 * 1024);
+    assert!(planned.fits, "{}", planned.render());
+    let text = planned.render();
+    assert!(text.contains("flow streamed: 0 of 4 blocks resident, 4.0 MiB per step"), "{text}");
+}
+
+#[test]
+fn a_bad_stream_entry_is_refused_naming_the_model_and_the_sizes() {
+    let error = |stream: &str| match Pipeline::load(&streamed_fixture("bad-stream", stream)) {
+        Err(PipelineError::Invalid { message, .. }) => message,
+        other => panic!("{stream}: {other:?}"),
+    };
+    let small = error(r#"{ blocks = ["model.blocks.*"], resident = ["model.input"], budget = "512KiB" }"#);
+    assert!(small.contains("model 'flow'") && small.contains("512.0 KiB") && small.contains("1.1 MiB"), "{small}");
+    let missing = error(r#"{ blocks = ["model.blocks.*"], budget = "3MiB" }"#);
+    assert!(missing.contains("'model.input.w'") && missing.contains("no block"), "{missing}");
+    let twice =
+        error(r#"{ blocks = ["model.blocks.*", "model.blocks.1"], resident = ["model.input"], budget = "3MiB" }"#);
+    assert!(twice.contains("'model.blocks.1.w'"), "{twice}");
+    let size = error(r#"{ blocks = ["model.blocks.*"], resident = ["model.input"], budget = "lots" }"#);
+    assert!(size.contains("budget"), "{size}");
+}

@@ -24,6 +24,7 @@ use stageload_demos::models::{cascade_seed, cascade_shapes};
 use stageload_demos::sampler::sample_flow_with;
 use stageload_demos::weights::cache_root;
 use stageload_demos::{cached_checkpoint, schedule, tokens_at, Transformer, CHANNELS};
+use stageload_plan::{ModelEntry, PipelineFile, StageEntry, StreamEntry};
 use stageload_units::{format_bytes, parse_size};
 use tch::nn::{Module, VarStore};
 use tch::{Device, Kind, Tensor};
@@ -67,6 +68,40 @@ struct Args {
     /// What the run did, as JSON
     #[arg(long)]
     result: Option<PathBuf>,
+    /// Write the pipeline description `stageload plan` reads (the model with its blocks and
+    /// budget, one stage) to this file
+    #[arg(long)]
+    pipeline: Option<PathBuf>,
+}
+
+/// The pipeline file of this run: the model streamed under `budget` (whole without one).
+fn description(file: &std::path::Path, args: &Args) -> PipelineFile {
+    let spec = Transformer::block_spec("model");
+    let stream = args.budget.map(|budget| StreamEntry {
+        blocks: spec.blocks().to_vec(),
+        resident: spec.resident_prefixes().to_vec(),
+        budget: budget.to_string(),
+        working: args.working.map(|w| w.to_string()),
+    });
+    PipelineFile {
+        pinned: Vec::new(),
+        reserve: None,
+        pins: Vec::new(),
+        models: vec![ModelEntry {
+            name: MODEL.to_string(),
+            files: vec![file.to_path_buf()],
+            device: stageload::meter::device_name(args.device),
+            dtype: None,
+            ignore: Vec::new(),
+            stream,
+        }],
+        stages: vec![StageEntry {
+            name: "texture".into(),
+            models: vec![MODEL.into()],
+            working: None,
+            device_working: None,
+        }],
+    }
 }
 
 #[derive(serde::Serialize)]
@@ -114,6 +149,9 @@ fn run(args: Args) -> Result<(), BoxError> {
     let shape = all[index].clone();
     let folder = args.cache.clone().unwrap_or_else(cache_root).join(format!("cascade-scale-{}", args.scale));
     let file = cached_checkpoint(&folder, &shape, &["model"], cascade_seed(index))?;
+    if let Some(path) = &args.pipeline {
+        std::fs::write(path, toml::to_string(&description(&file, &args))?)?;
+    }
     let meter = match stageload::meter::trace_path(args.trace.clone()) {
         Some(path) => Some(Arc::new(stageload::meter::start(
             path,

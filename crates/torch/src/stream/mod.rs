@@ -33,9 +33,11 @@
 //! resident count only goes down during a run ([`StreamedModel::reset`] sets it back). Each
 //! change is one line in the log and a `residency` event.
 
-pub mod blocks;
-pub mod split;
 mod streamer;
+
+/// Block lists and split decisions are pure and torch-free: they live in the plan crate, which
+/// counts streamed models with the same rules.
+pub use stageload_plan::{blocks, split};
 
 pub use blocks::{BlockError, BlockSpec};
 pub use split::{Split, TooSmall};

@@ -12,14 +12,24 @@ use std::collections::HashMap;
 /// How a model's tensors fall into blocks.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct BlockSpec {
-    pub(crate) blocks: Vec<String>,
-    pub(crate) resident: Vec<String>,
+    blocks: Vec<String>,
+    resident: Vec<String>,
 }
 
 impl BlockSpec {
     /// Blocks in the order the forward runs them: prefixes, or patterns ending in `.*`.
     pub fn new<S: Into<String>>(blocks: impl IntoIterator<Item = S>) -> Self {
         BlockSpec { blocks: blocks.into_iter().map(Into::into).collect(), resident: Vec::new() }
+    }
+
+    /// The block entries, as given.
+    pub fn blocks(&self) -> &[String] {
+        &self.blocks
+    }
+
+    /// The resident prefixes, as given.
+    pub fn resident_prefixes(&self) -> &[String] {
+        &self.resident
     }
 
     /// Prefixes of the tensors in no block; they stay resident.
