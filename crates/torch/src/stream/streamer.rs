@@ -79,6 +79,8 @@ pub struct StreamedModel {
     stats: StreamStats,
     /// Bytes and seconds of set-up's load (fixed tensors and resident prefix).
     setup: (u64, f64),
+    /// The model's tensors by their names, as given.
+    tensors: Vec<(String, Tensor)>,
     /// CPU: buffers (at most two) the streamed blocks are read into, faulted in once and reused,
     /// so that a refill runs at the page cache's speed instead of the page faults' of fresh
     /// memory; with the block each one holds.
@@ -194,6 +196,7 @@ impl StreamedModel {
             stats: StreamStats::default(),
             setup: (0, 0.0),
             slots: Vec::new(),
+            tensors: tensors.iter().map(|(n, t)| (n.clone(), t.shallow_clone())).collect(),
         };
         // Streamed blocks go first, so that at no time more than the resident part is filled.
         for index in split.resident..streamed.blocks.len() {
@@ -213,6 +216,9 @@ impl StreamedModel {
             .load_into(&initial, |_| {})
             .map_err(|source| StreamError::Checkpoint { model: streamed.name.clone(), source: Box::new(source) })?;
         streamed.setup = (report.bytes, start.elapsed().as_secs_f64());
+        // The slots now, so that a registry given `tensors()` frees them with the model.
+        let slots = if split.look_ahead { 2 } else { usize::from(split.streamed() > 0) };
+        streamed.make_slots(slots)?;
         tracing::info!("{}", describe(&streamed.name, &streamed.sizes, split));
         Ok(streamed)
     }
@@ -254,6 +260,16 @@ impl StreamedModel {
             self.announce("working memory", None);
         }
         Ok(self)
+    }
+
+    /// Every tensor of the model, and the slots as `stream-slot.N`: what a registry frees to
+    /// release the model (`Built::from_tensors(model, streamed.tensors())`; declare no
+    /// checkpoint on its spec, so that it comes back by a rebuild, which reads only the resident
+    /// part again). Between steps nothing runs on any of them.
+    pub fn tensors(&self) -> Vec<(String, Tensor)> {
+        let slots =
+            self.slots.iter().enumerate().map(|(i, (buffer, _))| (format!("stream-slot.{i}"), buffer.shallow_clone()));
+        self.tensors.iter().map(|(n, t)| (n.clone(), t.shallow_clone())).chain(slots).collect()
     }
 
     /// The model's name.
@@ -321,7 +337,7 @@ impl StreamedModel {
             let mut step = Step { model: &mut *self, active: None, base: None, working: 0 };
             step.base = step.model.measure_point();
             let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(&mut step)));
-            let working = step.finish();
+            let working = step.finish().and_then(|working| self.join_ahead().map(|()| working));
             let error = match outcome {
                 Ok(Ok(result)) => {
                     let working = working?;
@@ -505,10 +521,7 @@ impl StreamedModel {
         let free = match self.slots.iter().position(|(_, holder)| holder.is_none()) {
             Some(free) => free,
             None if self.slots.len() < 2 => {
-                let bytes = self.blocks.iter().map(|b| storage::layout(&b.storages).1).max().unwrap_or(0);
-                // Zeroed, so that its pages are faulted in once, here.
-                let buffer = Tensor::f_zeros([bytes as i64], (tch::Kind::Uint8, Device::Cpu))?;
-                self.slots.push((buffer, None));
+                self.make_slots(self.slots.len() + 1)?;
                 self.slots.len() - 1
             }
             None => return Ok(None),
@@ -516,6 +529,20 @@ impl StreamedModel {
         self.slots[free].1 = Some(index);
         self.blocks[index].slot = Some(free);
         Ok(Some(self.slots[free].0.data_ptr() as usize))
+    }
+
+    /// Makes slots until there are `count` (CPU only), each as large as the largest block.
+    fn make_slots(&mut self, count: usize) -> Result<(), StreamError> {
+        if self.device != Device::Cpu {
+            return Ok(());
+        }
+        let bytes = self.blocks.iter().map(|b| storage::layout(&b.storages).1).max().unwrap_or(0);
+        while self.slots.len() < count {
+            // Zeroed, so that its pages are faulted in once, here.
+            let buffer = Tensor::f_zeros([bytes as i64], (tch::Kind::Uint8, Device::Cpu))?;
+            self.slots.push((buffer, None));
+        }
+        Ok(())
     }
 
     fn let_go_of_slot(&mut self, index: usize) {
@@ -639,15 +666,10 @@ impl Step<'_> {
         self.sample();
         let model = &mut *self.model;
         if model.split.look_ahead {
-            let next = if index + 1 < model.split.resident {
-                model.split.resident
-            } else if index + 1 < model.blocks.len() {
-                index + 1
-            } else {
-                // The first streamed block, for the next step.
-                model.split.resident
-            };
-            if next != index {
+            // The next streamed block of this step; the first one of the next step is read when
+            // that step begins, so that nothing runs while no step does.
+            let next = if index + 1 < model.split.resident { model.split.resident } else { index + 1 };
+            if next < model.blocks.len() {
                 model.start_ahead(next);
             }
         }
