@@ -458,3 +458,36 @@ fn a_streamed_model_in_staged_models_is_released_with_its_stage_and_rebuilt_the_
     let reloads = sink.of_kind(EventKind::Reload);
     assert!(reloads.iter().any(|e| e.model.as_deref() == Some("flow") && e.from == Some(ReloadFrom::Rebuilt)));
 }
+
+#[test]
+fn a_transient_inside_a_block_seen_by_the_high_water_mark_counts_as_working_memory() {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    let _one = one_at_a_time();
+    let dir = tempfile::tempdir().unwrap();
+    let file = checkpoint(dir.path());
+    let (net, model) = streamed(&file, budget_for(4)).unwrap();
+    // Boundaries see nothing; the high-water mark rises by three blocks inside block 3.
+    let mark = Arc::new(AtomicU64::new(100));
+    let scripted = Arc::clone(&mark);
+    let mut model = model.reading(|| Some(100)).peak_reading(move || Some(scripted.load(Ordering::Relaxed)));
+    let x = Tensor::randn([16, WIDTH], (Kind::Float, Device::Cpu));
+    let _ = tch::no_grad(|| {
+        model.run(|step| {
+            let mut h = x.apply(&net.input);
+            for i in 0..DEPTH {
+                step.block(i)?;
+                if i == 3 {
+                    mark.fetch_add(3 * BLOCK, Ordering::Relaxed);
+                }
+                h = net.block(i, &h);
+            }
+            Ok(h)
+        })
+    })
+    .unwrap();
+    assert_eq!(model.working(), 3 * BLOCK, "boundaries alone would say 0");
+    assert_eq!(model.split().resident, 1, "{}", model.residency());
+    // A step that does not raise the mark measures nothing new.
+    let _ = tch::no_grad(|| model.run(|step| net.forward_streamed(&x, step))).unwrap();
+    assert_eq!(model.working(), 3 * BLOCK);
+}

@@ -75,6 +75,10 @@ pub struct StreamedModel {
     checkpoint: Arc<Checkpoint>,
     ahead: Option<Ahead>,
     reading: Reading,
+    /// The high-water mark of the same memory (VmHWM; the CUDA allocator's peak), which sees
+    /// the transients inside a block that boundary readings miss. Never reset here: a meter
+    /// resets it per stage; a step that raises it says how high it went.
+    peak: Reading,
     sink: Option<Arc<dyn EventSink>>,
     stats: StreamStats,
     /// Bytes and seconds of set-up's load (fixed tensors and resident prefix).
@@ -174,11 +178,17 @@ impl StreamedModel {
         if device == Device::Cpu {
             stageload_torch_sys::map_large_host_blocks();
         }
-        let reading: Reading = match device {
-            Device::Cuda(index) => Box::new(move || stageload_torch_sys::cuda_memory(index).ok().map(|m| m.allocated)),
+        let (reading, peak): (Reading, Reading) = match device {
+            Device::Cuda(index) => (
+                Box::new(move || stageload_torch_sys::cuda_memory(index).ok().map(|m| m.allocated)),
+                Box::new(move || stageload_torch_sys::cuda_memory(index).ok().map(|m| m.peak_allocated)),
+            ),
             _ => {
                 let pid = std::process::id() as i32;
-                Box::new(move || stageload_probe::process_memory(pid).ok().map(|m| m.rss))
+                (
+                    Box::new(move || stageload_probe::process_memory(pid).ok().map(|m| m.rss)),
+                    Box::new(move || stageload_probe::process_memory(pid).ok().and_then(|m| m.peak)),
+                )
             }
         };
         let mut streamed = StreamedModel {
@@ -192,6 +202,7 @@ impl StreamedModel {
             checkpoint: Arc::new(checkpoint),
             ahead: None,
             reading,
+            peak,
             sink: None,
             stats: StreamStats::default(),
             setup: (0, 0.0),
@@ -237,9 +248,17 @@ impl StreamedModel {
     }
 
     /// Measures working memory with `reading` (bytes now) instead of the process's RSS (CPU) or
-    /// the CUDA allocator's bytes.
+    /// the CUDA allocator's bytes, and without a high-water mark unless
+    /// [`peak_reading`](Self::peak_reading) gives one.
     pub fn reading(mut self, reading: impl FnMut() -> Option<u64> + Send + 'static) -> Self {
         self.reading = Box::new(reading);
+        self.peak = Box::new(|| None);
+        self
+    }
+
+    /// The high-water mark of what [`reading`](Self::reading) reads.
+    pub fn peak_reading(mut self, peak: impl FnMut() -> Option<u64> + Send + 'static) -> Self {
+        self.peak = Box::new(peak);
         self
     }
 
@@ -334,8 +353,9 @@ impl StreamedModel {
     pub fn run<R>(&mut self, mut f: impl FnMut(&mut Step<'_>) -> Result<R, StreamError>) -> Result<R, StreamError> {
         loop {
             self.begin()?;
-            let mut step = Step { model: &mut *self, active: None, base: None, working: 0 };
-            step.base = step.model.measure_point();
+            let base = self.measure_point();
+            let peak = (self.peak)();
+            let mut step = Step { model: &mut *self, active: None, base, peak, most_held: 0, working: 0 };
             let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(&mut step)));
             let working = step.finish().and_then(|working| self.join_ahead().map(|()| working));
             let error = match outcome {
@@ -645,6 +665,10 @@ pub struct Step<'a> {
     active: Option<usize>,
     /// Reading and held weights when the step began.
     base: Option<(u64, u64)>,
+    /// The high-water mark when the step began.
+    peak: Option<u64>,
+    /// The most weight bytes held at any boundary.
+    most_held: u64,
     /// The largest working memory seen at a block boundary.
     working: u64,
 }
@@ -685,13 +709,30 @@ impl Step<'_> {
     fn sample(&mut self) {
         let Some((base_reading, base_held)) = self.base else { return };
         let Some((reading, held)) = self.model.measure_point() else { return };
+        self.most_held = self.most_held.max(held);
+        self.note(reading, base_reading, held, base_held);
+    }
+
+    /// Working memory: growth of a reading beyond the growth of held weights.
+    fn note(&mut self, reading: u64, base_reading: u64, held: u64, base_held: u64) {
         let grown = i128::from(reading) - i128::from(base_reading) - (i128::from(held) - i128::from(base_held));
         self.working = self.working.max(u64::try_from(grown.max(0)).unwrap_or(u64::MAX));
+    }
+
+    /// When the step raised the high-water mark, its peak over the start, beyond the most
+    /// weights held, is working memory too.
+    fn note_peak(&mut self) {
+        let (Some((base_reading, base_held)), Some(before)) = (self.base, self.peak) else { return };
+        match (self.model.peak)() {
+            Some(after) if after > before => self.note(after, base_reading, self.most_held.max(base_held), base_held),
+            _ => {}
+        }
     }
 
     /// Ends the step: samples once more, frees the last streamed block. The working memory seen.
     fn finish(mut self) -> Result<u64, StreamError> {
         self.sample();
+        self.note_peak();
         if let Some(last) = self.active.filter(|&a| self.model.split.is_streamed(a)) {
             self.model.release(last)?;
         }
