@@ -2,7 +2,7 @@
 # The project's GPU checks, in one call of a few minutes on the GPU machine. That machine has no
 # cargo: build here first, against its libtorch, with the device kit (../shared/device-kit):
 #
-#   ../shared/device-kit/build.sh build -p stageload-demos --bin gpu_check --bin cascade
+#   ../shared/device-kit/build.sh build -p stageload-demos --bin gpu_check --bin cascade --bin stream
 #   ../shared/device-kit/build.sh build -p stageload-cli --bin stageload
 #
 # then, on the GPU machine, from the repository root with target/device-kit carried along:
@@ -13,8 +13,10 @@
 # safetensors and the pinned/pageable copy limits on one 4 GiB file), then the cascade demo on
 # cuda:0 eager, staged, staged with prefetch, and staged without RNG preservation (the control),
 # compares their latents, and writes the summary and chart of the eager, staged and prefetch
-# traces. Eight files: gpu-check.json, log.txt, latents.txt, summary.txt, memory.svg,
-# cascade-eager.jsonl, cascade-staged.jsonl, cascade-prefetch.jsonl.
+# traces; then block streaming on cuda:0 (the stream demo: texture_flow at scale 2 whole, under a
+# 500 MiB budget, and with half its blocks streamed; same latent, step times). Files:
+# gpu-check.json, log.txt, latents.txt, summary.txt, memory.svg, cascade-eager.jsonl,
+# cascade-staged.jsonl, cascade-prefetch.jsonl, stream-*.json.
 set -uo pipefail
 root=$(pwd)
 kit=$root/target/device-kit
@@ -56,4 +58,21 @@ cp "$scratch/cascade-eager.jsonl" "$scratch/cascade-staged.jsonl" "$scratch/casc
 cat "$out/latents.txt" | tail -3 | tee -a "$log"
 run bin/stageload summary "$scratch/cascade-eager.jsonl" "$scratch/cascade-staged.jsonl" "$scratch/cascade-prefetch.jsonl" > "$out/summary.txt" || status=1
 run bin/stageload plot "$scratch/cascade-eager.jsonl" "$scratch/cascade-staged.jsonl" "$scratch/cascade-prefetch.jsonl" -o "$out/memory.svg" || status=1
+for mode in whole budget half; do
+    case $mode in
+        whole) flags=() ;;
+        budget) flags=(--budget 500MiB --working 256MiB) ;;
+        half) flags=(--budget 8GiB --resident-at-most 6) ;;
+    esac
+    step "stream $mode"
+    run bin/stream --device cuda --scale 2 --tokens 1024 --cache "$scratch/weights" "${flags[@]}" \
+        --result "$out/stream-$mode.json" || status=1
+done
+for mode in budget half; do
+    if [ "$(grep '"fingerprint"' "$out/stream-whole.json")" = "$(grep '"fingerprint"' "$out/stream-$mode.json")" ]; then
+        echo "stream $mode: latent identical to whole" | tee -a "$log"
+    else
+        echo "stream $mode: latent DIFFERS from whole" | tee -a "$log"; status=1
+    fi
+done
 exit $status

@@ -4,8 +4,9 @@
 //! This is release and reload in place at the grain of a block. A [`StreamedModel`] owns a
 //! model's named tensors, split into blocks by a [`BlockSpec`]; under a byte budget the first
 //! blocks that fit stay resident ([`split`]), and each of the others is refilled from the
-//! checkpoint just before it runs (`pread` into its storages on the CPU, through the pinned ring
-//! on CUDA) and freed in place just after, with the next streamed block read on a background
+//! checkpoint just before it runs (`pread` into two reused slot buffers on the CPU; on CUDA an
+//! async copy on a side stream from pinned host copies of every block, read once at set-up) and
+//! freed in place just after, with the next streamed block read on a background
 //! thread while the current one computes. The forward code stays the same except for one call
 //! at each block boundary, [`Step::block`]:
 //!

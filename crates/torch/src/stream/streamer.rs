@@ -85,6 +85,10 @@ pub struct StreamedModel {
     setup: (u64, f64),
     /// The model's tensors by their names, as given.
     tensors: Vec<(String, Tensor)>,
+    /// CUDA: every block's tensors in pinned host memory (the model's host tier), read from the
+    /// checkpoint once at set-up; refills copy from them on a side stream. `None`: refills read
+    /// the checkpoint (the CPU, or pinning failed).
+    host: Option<Vec<Vec<Tensor>>>,
     /// CPU: buffers (at most two) the streamed blocks are read into, faulted in once and reused,
     /// so that a refill runs at the page cache's speed instead of the page faults' of fresh
     /// memory; with the block each one holds.
@@ -208,7 +212,17 @@ impl StreamedModel {
             setup: (0, 0.0),
             slots: Vec::new(),
             tensors: tensors.iter().map(|(n, t)| (n.clone(), t.shallow_clone())).collect(),
+            host: None,
         };
+        if device.is_cuda() {
+            match pinned_copies(&streamed.blocks, &streamed.checkpoint, device) {
+                Ok(copies) => streamed.host = Some(copies),
+                Err(reason) => tracing::warn!(
+                    "streamed model '{}': no pinned host copies ({reason}); its blocks are refilled from the checkpoint",
+                    streamed.name
+                ),
+            }
+        }
         // Streamed blocks go first, so that at no time more than the resident part is filled.
         for index in split.resident..streamed.blocks.len() {
             streamed.release(index)?;
@@ -588,6 +602,9 @@ impl StreamedModel {
         let shapes = block.shapes.clone();
         let storages = shallow(&block.storages);
         let checkpoint = Arc::clone(&self.checkpoint);
+        let host: Option<Vec<Tensor>> =
+            self.host.as_ref().map(|copies| copies[index].iter().map(Tensor::shallow_clone).collect());
+        let device = self.device;
         Ok(move || {
             let start = Instant::now();
             for ((tensor, was), (_, target)) in shapes.into_iter().zip(&targets) {
@@ -605,11 +622,20 @@ impl StreamedModel {
                 None => unsafe { storage::reallocate(&storages) },
             }
             .map_err(torch(&model, "give a block memory"))?;
-            if let Err(source) = checkpoint.load_into(&targets, |_| {}) {
-                let message = format!("block '{block_name}' of streamed model '{model}' failed to load: {source}");
+            let filled = match (&host, device) {
+                (Some(host), Device::Cuda(index)) => {
+                    copy_from_host(&targets, host, index).map_err(torch(&model, "copy a block to the GPU"))
+                }
+                _ => checkpoint
+                    .load_into(&targets, |_| {})
+                    .map(drop)
+                    .map_err(|source| StreamError::Checkpoint { model: model.clone(), source: Box::new(source) }),
+            };
+            if let Err(err) = filled {
+                let message = format!("block '{block_name}' of streamed model '{model}' failed to load: {err}");
                 // SAFETY: as above; the memory was never handed out.
                 let _ = unsafe { storage::free_ids(&storages, &ids, &message) };
-                return Err(StreamError::Checkpoint { model, source: Box::new(source) });
+                return Err(err);
             }
             Ok(start.elapsed().as_secs_f64())
         })
@@ -738,6 +764,39 @@ impl Step<'_> {
         }
         Ok(self.working)
     }
+}
+
+/// Every block's tensors read once from the checkpoint into pinned host memory for `device`.
+fn pinned_copies(blocks: &[Block], checkpoint: &Checkpoint, device: Device) -> Result<Vec<Vec<Tensor>>, String> {
+    let mut copies = Vec::with_capacity(blocks.len());
+    let mut targets = Vec::new();
+    for block in blocks {
+        let mut mine = Vec::with_capacity(block.targets.len());
+        for (entry, tensor) in &block.targets {
+            let host = Tensor::f_empty(tensor.size(), (tensor.kind(), Device::Cpu))
+                .and_then(|t| t.f_pin_memory(device))
+                .map_err(|e| format!("pinning host memory: {e}"))?;
+            targets.push((entry.clone(), host.shallow_clone()));
+            mine.push(host);
+        }
+        copies.push(mine);
+    }
+    checkpoint.load_into(&targets, |_| {}).map_err(|e| e.to_string())?;
+    Ok(copies)
+}
+
+/// Copies pinned `host` tensors into the block's `targets` on a side stream of CUDA device
+/// `index`, and waits for the copies (the forward's stream then reads them).
+fn copy_from_host(
+    targets: &[(String, Tensor)],
+    host: &[Tensor],
+    index: usize,
+) -> Result<(), stageload_torch_sys::ShimError> {
+    let _side = stageload_torch_sys::cuda_side_stream(index)?;
+    for ((_, target), source) in targets.iter().zip(host) {
+        stageload_torch_sys::copy_async(target, source)?;
+    }
+    stageload_torch_sys::CudaEvent::record(index)?.synchronize()
 }
 
 /// A shim failure of `operation` on `model` as a stream error.
