@@ -34,6 +34,8 @@
 //! resident count only goes down during a run ([`StreamedModel::reset`] sets it back). Each
 //! change is one line in the log and a `residency` event.
 
+mod refill;
+mod step;
 mod streamer;
 
 /// Block lists and split decisions are pure and torch-free: they live in the plan crate, which
@@ -42,7 +44,8 @@ pub use stageload_plan::{blocks, split};
 
 pub use blocks::{BlockError, BlockSpec};
 pub use split::{Split, TooSmall};
-pub use streamer::{Step, StreamStats, StreamedModel};
+pub use step::Step;
+pub use streamer::{StreamStats, StreamedModel};
 
 use crate::checkpoint::CheckpointError;
 

@@ -1,19 +1,20 @@
-//! The streamed model at run time: blocks freed after they run, refilled before, one refill on
-//! a background thread ahead of the forward, the split kept under the budget.
+//! The streamed model: its set-up (blocks, storages, split, the resident part read), its
+//! options, and its steps (run, retry on out-of-memory, the split kept under the budget).
+//! Refills live in [`super::refill`], the block boundary in [`super::step`].
 //!
 //! Nothing here takes a lock: the model is `&mut` for a step, and the only other thread is the
 //! one refilling the block ahead, whose storages nothing else touches until it is joined.
 
-use std::collections::HashSet;
 use std::sync::Arc;
-use std::thread::JoinHandle;
 use std::time::Instant;
 
 use stageload_trace::event::{Event, EventKind, EventSink, Residency};
 use tch::{Device, Tensor};
 
 use super::blocks::{assign, BlockSpec};
+use super::refill::{pinned_copies, Ahead, Block};
 use super::split::{describe, evict, fit, refit, Refit, Sizes, Split};
+use super::step::Step;
 use super::StreamError;
 use crate::checkpoint::{Checkpoint, CheckpointError};
 use crate::names::{match_names, NameMismatch, NameRules};
@@ -38,71 +39,46 @@ pub struct StreamStats {
     pub retries: u64,
 }
 
-/// One block's tensors, as the checkpoint names them, and its storages.
-struct Block {
-    name: String,
-    /// (checkpoint entry name, tensor).
-    targets: Vec<(String, Tensor)>,
-    /// (model tensor name, shape at set-up).
-    shapes: Vec<(String, Vec<i64>)>,
-    storages: Vec<StorageRecord>,
-    /// Where each storage starts in a slot.
-    offsets: Vec<usize>,
-    allocated: bool,
-    /// The slot its storages borrow, while they do.
-    slot: Option<usize>,
-}
-
-/// A refill running on its own thread.
-struct Ahead {
-    block: usize,
-    thread: JoinHandle<Result<f64, StreamError>>,
-}
-
 /// Reads the memory a step's working set shows up in (process RSS, or the CUDA allocator's).
 type Reading = Box<dyn FnMut() -> Option<u64> + Send>;
 
 /// A model whose blocks stream through memory under a byte budget; see [`super`].
 pub struct StreamedModel {
-    name: String,
-    device: Device,
-    blocks: Vec<Block>,
-    sizes: Sizes,
-    budget: u64,
-    split: Split,
+    pub(super) name: String,
+    pub(super) device: Device,
+    pub(super) blocks: Vec<Block>,
+    pub(super) sizes: Sizes,
+    pub(super) budget: u64,
+    pub(super) split: Split,
     /// Working memory measured so far (the largest step).
-    working: u64,
-    checkpoint: Arc<Checkpoint>,
-    ahead: Option<Ahead>,
-    reading: Reading,
+    pub(super) working: u64,
+    pub(super) checkpoint: Arc<Checkpoint>,
+    pub(super) ahead: Option<Ahead>,
+    pub(super) reading: Reading,
     /// The high-water mark of the same memory (VmHWM; the CUDA allocator's peak), which sees
     /// the transients inside a block that boundary readings miss. Never reset here: a meter
     /// resets it per stage; a step that raises it says how high it went.
-    peak: Reading,
-    sink: Option<Arc<dyn EventSink>>,
-    stats: StreamStats,
+    pub(super) peak: Reading,
+    pub(super) sink: Option<Arc<dyn EventSink>>,
+    pub(super) stats: StreamStats,
     /// Bytes and seconds of set-up's load (fixed tensors and resident prefix).
-    setup: (u64, f64),
+    pub(super) setup: (u64, f64),
     /// The model's tensors by their names, as given.
-    tensors: Vec<(String, Tensor)>,
+    pub(super) tensors: Vec<(String, Tensor)>,
     /// CUDA: every block's tensors in pinned host memory (the model's host tier), read from the
     /// checkpoint once at set-up; refills copy from them on a side stream. `None`: refills read
     /// the checkpoint (the CPU, or pinning failed).
-    host: Option<Vec<Vec<Tensor>>>,
+    pub(super) host: Option<Vec<Vec<Tensor>>>,
     /// CPU: buffers (at most two) the streamed blocks are read into, faulted in once and reused,
     /// so that a refill runs at the page cache's speed instead of the page faults' of fresh
     /// memory; with the block each one holds.
-    slots: Vec<(Tensor, Option<usize>)>,
+    pub(super) slots: Vec<(Tensor, Option<usize>)>,
 }
 
 impl std::fmt::Debug for StreamedModel {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("StreamedModel").field("name", &self.name).field("split", &self.split).finish()
     }
-}
-
-fn shallow(storages: &[StorageRecord]) -> Vec<StorageRecord> {
-    storages.iter().map(|s| StorageRecord { id: s.id, nbytes: s.nbytes, tensor: s.tensor.shallow_clone() }).collect()
 }
 
 impl StreamedModel {
@@ -478,7 +454,7 @@ impl StreamedModel {
     }
 
     /// The reading and the weights held now, for working-memory estimates.
-    fn measure_point(&mut self) -> Option<(u64, u64)> {
+    pub(super) fn measure_point(&mut self) -> Option<(u64, u64)> {
         let reading = (self.reading)()?;
         Some((reading, self.held()))
     }
@@ -492,180 +468,6 @@ impl StreamedModel {
         blocks
             .filter(|(i, (_, b))| b.allocated && b.slot.is_none() && Some(*i) != ahead)
             .fold(self.sizes.fixed.saturating_add(slots), |sum, (_, (bytes, _))| sum.saturating_add(*bytes))
-    }
-
-    /// Waits for the refill ahead, if any; `Ok` once its block is filled (or freed again on
-    /// failure, reported here).
-    fn join_ahead(&mut self) -> Result<(), StreamError> {
-        let Some(Ahead { block, thread }) = self.ahead.take() else { return Ok(()) };
-        let outcome = thread.join().unwrap_or_else(|panic| {
-            Err(StreamError::Step { model: self.name.clone(), message: panic_message(&*panic) })
-        });
-        self.settle(block, outcome)
-    }
-
-    /// Books a finished refill of `block`: filled, or (failed) its slot free again.
-    fn settle(&mut self, block: usize, outcome: Result<f64, StreamError>) -> Result<(), StreamError> {
-        self.blocks[block].allocated = outcome.is_ok();
-        if outcome.is_err() {
-            self.let_go_of_slot(block);
-        }
-        let seconds = outcome?;
-        self.stats.refills += 1;
-        self.stats.bytes_refilled += self.sizes.blocks[block];
-        self.stats.refill_seconds += seconds;
-        Ok(())
-    }
-
-    /// Starts refilling `index` on its own thread, unless it is filled or a refill runs.
-    fn start_ahead(&mut self, index: usize) {
-        if self.ahead.is_some() || index >= self.blocks.len() || self.blocks[index].allocated {
-            return;
-        }
-        let job = match self.refill_job(index) {
-            Ok(job) => job,
-            // Refilled (and reported) when the forward reaches the block.
-            Err(_) => return,
-        };
-        self.ahead = Some(Ahead { block: index, thread: std::thread::spawn(job) });
-    }
-
-    /// Makes block `index` filled: joins its refill ahead, or refills it here.
-    fn ensure(&mut self, index: usize) -> Result<(), StreamError> {
-        if self.blocks[index].allocated && self.ahead.as_ref().map(|a| a.block) != Some(index) {
-            return Ok(());
-        }
-        let start = Instant::now();
-        let outcome = if self.ahead.as_ref().map(|a| a.block) == Some(index) {
-            self.join_ahead()
-        } else {
-            let outcome = self.refill_job(index).and_then(|job| job());
-            self.settle(index, outcome)
-        };
-        self.stats.waited_seconds += start.elapsed().as_secs_f64();
-        outcome
-    }
-
-    /// A slot for streamed block `index` on the CPU (made on first use, at most two): the
-    /// address of its memory, or `None` for the allocator (a resident block, or CUDA).
-    fn take_slot(&mut self, index: usize) -> Result<Option<usize>, StreamError> {
-        if self.device != Device::Cpu || !self.split.is_streamed(index) {
-            return Ok(None);
-        }
-        let free = match self.slots.iter().position(|(_, holder)| holder.is_none()) {
-            Some(free) => free,
-            None if self.slots.len() < 2 => {
-                self.make_slots(self.slots.len() + 1)?;
-                self.slots.len() - 1
-            }
-            None => return Ok(None),
-        };
-        self.slots[free].1 = Some(index);
-        self.blocks[index].slot = Some(free);
-        Ok(Some(self.slots[free].0.data_ptr() as usize))
-    }
-
-    /// Makes slots until there are `count` (CPU only), each as large as the largest block.
-    fn make_slots(&mut self, count: usize) -> Result<(), StreamError> {
-        if self.device != Device::Cpu {
-            return Ok(());
-        }
-        let bytes = self.blocks.iter().map(|b| storage::layout(&b.storages).1).max().unwrap_or(0);
-        while self.slots.len() < count {
-            // Zeroed, so that its pages are faulted in once, here.
-            let buffer = Tensor::f_zeros([bytes as i64], (tch::Kind::Uint8, Device::Cpu))?;
-            self.slots.push((buffer, None));
-        }
-        Ok(())
-    }
-
-    fn let_go_of_slot(&mut self, index: usize) {
-        if let Some(slot) = self.blocks[index].slot.take() {
-            self.slots[slot].1 = None;
-        }
-    }
-
-    /// The refill of block `index` as a job any thread can run: checks shapes, gives the
-    /// storages memory (a slot, or the allocator's), reads the checkpoint into them; frees them
-    /// again when the read fails.
-    fn refill_job(
-        &mut self,
-        index: usize,
-    ) -> Result<impl FnOnce() -> Result<f64, StreamError> + Send + 'static, StreamError> {
-        let slot = self.take_slot(index)?;
-        let block = &self.blocks[index];
-        let offsets = block.offsets.clone();
-        let model = self.name.clone();
-        let block_name = block.name.clone();
-        let targets: Vec<(String, Tensor)> =
-            block.targets.iter().map(|(n, t)| (n.clone(), t.shallow_clone())).collect();
-        let shapes = block.shapes.clone();
-        let storages = shallow(&block.storages);
-        let checkpoint = Arc::clone(&self.checkpoint);
-        let host: Option<Vec<Tensor>> =
-            self.host.as_ref().map(|copies| copies[index].iter().map(Tensor::shallow_clone).collect());
-        let device = self.device;
-        Ok(move || {
-            let start = Instant::now();
-            for ((tensor, was), (_, target)) in shapes.into_iter().zip(&targets) {
-                let now = target.size();
-                if now != was {
-                    return Err(StreamError::Reshaped { model, block: block_name, tensor, was, now });
-                }
-            }
-            // SAFETY: the block's storages are free and no thread uses them: the forward reaches
-            // this block only through `Step::block`, which waits for this job first. A slot is
-            // this block's alone until the block is freed, and the model frees every block that
-            // holds one before the slot goes (`Drop`), after joining this job.
-            let ids = match slot {
-                Some(base) => unsafe { storage::attach(&storages, base as *mut u8, &offsets) },
-                None => unsafe { storage::reallocate(&storages) },
-            }
-            .map_err(torch(&model, "give a block memory"))?;
-            let filled = match (&host, device) {
-                (Some(host), Device::Cuda(index)) => {
-                    copy_from_host(&targets, host, index).map_err(torch(&model, "copy a block to the GPU"))
-                }
-                _ => checkpoint
-                    .load_into(&targets, |_| {})
-                    .map(drop)
-                    .map_err(|source| StreamError::Checkpoint { model: model.clone(), source: Box::new(source) }),
-            };
-            if let Err(err) = filled {
-                let message = format!("block '{block_name}' of streamed model '{model}' failed to load: {err}");
-                // SAFETY: as above; the memory was never handed out.
-                let _ = unsafe { storage::free_ids(&storages, &ids, &message) };
-                return Err(err);
-            }
-            Ok(start.elapsed().as_secs_f64())
-        })
-    }
-
-    /// Frees block `index` in place (after its refill ahead, if one runs).
-    fn release(&mut self, index: usize) -> Result<(), StreamError> {
-        if self.ahead.as_ref().map(|a| a.block) == Some(index) {
-            self.join_ahead()?;
-        }
-        if !self.blocks[index].allocated {
-            return Ok(());
-        }
-        if let Device::Cuda(device) = self.device {
-            // The kernels that read the block must be done before its memory goes to a refill,
-            // which writes on another stream.
-            stageload_torch_sys::cuda_sync_current_stream(device).map_err(torch(&self.name, "wait for the GPU"))?;
-        }
-        let block = &self.blocks[index];
-        let message = format!(
-            "block '{}' of streamed model '{}' is streamed: call Step::block({index}) before using it",
-            block.name, self.name
-        );
-        // SAFETY: nothing runs on the block: the forward has moved past it (CPU ops return when
-        // done; CUDA waited for above) and its refill, if any, was joined above.
-        unsafe { storage::release(&block.storages, &HashSet::new(), &message) }
-            .map_err(torch(&self.name, "free a block"))?;
-        self.blocks[index].allocated = false;
-        self.let_go_of_slot(index);
-        Ok(())
     }
 }
 
@@ -684,123 +486,8 @@ impl Drop for StreamedModel {
     }
 }
 
-/// One step of a streamed model's forward; see [`StreamedModel::run`].
-pub struct Step<'a> {
-    model: &'a mut StreamedModel,
-    /// The block that runs now.
-    active: Option<usize>,
-    /// Reading and held weights when the step began.
-    base: Option<(u64, u64)>,
-    /// The high-water mark when the step began.
-    peak: Option<u64>,
-    /// The most weight bytes held at any boundary.
-    most_held: u64,
-    /// The largest working memory seen at a block boundary.
-    working: u64,
-}
-
-impl Step<'_> {
-    /// Call before block `index` runs: frees the block that ran before it (when streamed),
-    /// brings `index` in (waiting for its refill ahead, or refilling it now) and starts the
-    /// next streamed block's refill.
-    pub fn block(&mut self, index: usize) -> Result<(), StreamError> {
-        let model = &mut *self.model;
-        if index >= model.blocks.len() {
-            return Err(StreamError::NoSuchBlock { model: model.name.clone(), index, blocks: model.blocks.len() });
-        }
-        if let Some(previous) = self.active.filter(|&p| p != index && model.split.is_streamed(p)) {
-            model.release(previous)?;
-        }
-        model.ensure(index)?;
-        self.active = Some(index);
-        self.sample();
-        let model = &mut *self.model;
-        if model.split.look_ahead {
-            // The next streamed block of this step; the first one of the next step is read when
-            // that step begins, so that nothing runs while no step does.
-            let next = if index + 1 < model.split.resident { model.split.resident } else { index + 1 };
-            if next < model.blocks.len() {
-                model.start_ahead(next);
-            }
-        }
-        Ok(())
-    }
-
-    /// How the blocks are held in this step.
-    pub fn split(&self) -> Split {
-        self.model.split
-    }
-
-    /// Notes the working memory now: growth of the reading beyond the growth of held weights.
-    fn sample(&mut self) {
-        let Some((base_reading, base_held)) = self.base else { return };
-        let Some((reading, held)) = self.model.measure_point() else { return };
-        self.most_held = self.most_held.max(held);
-        self.note(reading, base_reading, held, base_held);
-    }
-
-    /// Working memory: growth of a reading beyond the growth of held weights.
-    fn note(&mut self, reading: u64, base_reading: u64, held: u64, base_held: u64) {
-        let grown = i128::from(reading) - i128::from(base_reading) - (i128::from(held) - i128::from(base_held));
-        self.working = self.working.max(u64::try_from(grown.max(0)).unwrap_or(u64::MAX));
-    }
-
-    /// When the step raised the high-water mark, its peak over the start, beyond the most
-    /// weights held, is working memory too.
-    fn note_peak(&mut self) {
-        let (Some((base_reading, base_held)), Some(before)) = (self.base, self.peak) else { return };
-        match (self.model.peak)() {
-            Some(after) if after > before => self.note(after, base_reading, self.most_held.max(base_held), base_held),
-            _ => {}
-        }
-    }
-
-    /// Ends the step: samples once more, frees the last streamed block. The working memory seen.
-    fn finish(mut self) -> Result<u64, StreamError> {
-        self.sample();
-        self.note_peak();
-        if let Some(last) = self.active.filter(|&a| self.model.split.is_streamed(a)) {
-            self.model.release(last)?;
-        }
-        Ok(self.working)
-    }
-}
-
-/// Every block's tensors read once from the checkpoint into pinned host memory for `device`.
-fn pinned_copies(blocks: &[Block], checkpoint: &Checkpoint, device: Device) -> Result<Vec<Vec<Tensor>>, String> {
-    let mut copies = Vec::with_capacity(blocks.len());
-    let mut targets = Vec::new();
-    for block in blocks {
-        let mut mine = Vec::with_capacity(block.targets.len());
-        for (entry, tensor) in &block.targets {
-            let host = Tensor::f_empty(tensor.size(), (tensor.kind(), Device::Cpu))
-                .and_then(|t| t.f_pin_memory(device))
-                .map_err(|e| format!("pinning host memory: {e}"))?;
-            targets.push((entry.clone(), host.shallow_clone()));
-            mine.push(host);
-        }
-        copies.push(mine);
-    }
-    checkpoint.load_into(&targets, |_| {}).map_err(|e| e.to_string())?;
-    Ok(copies)
-}
-
-/// Copies pinned `host` tensors into the block's `targets` on a side stream of CUDA device
-/// `index`, and waits for the copies (the forward's stream then reads them).
-fn copy_from_host(
-    targets: &[(String, Tensor)],
-    host: &[Tensor],
-    index: usize,
-) -> Result<(), stageload_torch_sys::ShimError> {
-    let _side = stageload_torch_sys::cuda_side_stream(index)?;
-    for ((_, target), source) in targets.iter().zip(host) {
-        stageload_torch_sys::copy_async(target, source)?;
-    }
-    stageload_torch_sys::CudaEvent::record(index)?.synchronize()
-}
-
 /// A shim failure of `operation` on `model` as a stream error.
-fn torch<'a>(
+pub(super) fn torch<'a>(
     model: &'a str,
     operation: &'static str,
 ) -> impl FnOnce(stageload_torch_sys::ShimError) -> StreamError + 'a {

@@ -1,0 +1,255 @@
+//! How a streamed block gets its memory and its bytes: a refill (on the thread ahead or on
+//! demand) into a slot (CPU: two buffers faulted in once and reused) or the allocator's memory,
+//! from the checkpoint (`pread`) or, on CUDA, from pinned host copies by async copies on a side
+//! stream; and the release in place after the block ran.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+use tch::{Device, Tensor};
+
+use super::streamer::{torch, StreamedModel};
+use super::StreamError;
+use crate::checkpoint::Checkpoint;
+use crate::staged::error::panic_message;
+use crate::storage::{self, StorageRecord};
+
+/// One block's tensors, as the checkpoint names them, and its storages.
+pub(super) struct Block {
+    pub(super) name: String,
+    /// (checkpoint entry name, tensor).
+    pub(super) targets: Vec<(String, Tensor)>,
+    /// (model tensor name, shape at set-up).
+    pub(super) shapes: Vec<(String, Vec<i64>)>,
+    pub(super) storages: Vec<StorageRecord>,
+    /// Where each storage starts in a slot.
+    pub(super) offsets: Vec<usize>,
+    pub(super) allocated: bool,
+    /// The slot its storages borrow, while they do.
+    pub(super) slot: Option<usize>,
+}
+
+/// A refill running on its own thread.
+pub(super) struct Ahead {
+    pub(super) block: usize,
+    pub(super) thread: JoinHandle<Result<f64, StreamError>>,
+}
+
+fn shallow(storages: &[StorageRecord]) -> Vec<StorageRecord> {
+    storages.iter().map(|s| StorageRecord { id: s.id, nbytes: s.nbytes, tensor: s.tensor.shallow_clone() }).collect()
+}
+
+impl StreamedModel {
+    /// Waits for the refill ahead, if any; `Ok` once its block is filled (or freed again on
+    /// failure, reported here).
+    pub(super) fn join_ahead(&mut self) -> Result<(), StreamError> {
+        let Some(Ahead { block, thread }) = self.ahead.take() else { return Ok(()) };
+        let outcome = thread.join().unwrap_or_else(|panic| {
+            Err(StreamError::Step { model: self.name.clone(), message: panic_message(&*panic) })
+        });
+        self.settle(block, outcome)
+    }
+
+    /// Books a finished refill of `block`: filled, or (failed) its slot free again.
+    pub(super) fn settle(&mut self, block: usize, outcome: Result<f64, StreamError>) -> Result<(), StreamError> {
+        self.blocks[block].allocated = outcome.is_ok();
+        if outcome.is_err() {
+            self.let_go_of_slot(block);
+        }
+        let seconds = outcome?;
+        self.stats.refills += 1;
+        self.stats.bytes_refilled += self.sizes.blocks[block];
+        self.stats.refill_seconds += seconds;
+        Ok(())
+    }
+
+    /// Starts refilling `index` on its own thread, unless it is filled or a refill runs.
+    pub(super) fn start_ahead(&mut self, index: usize) {
+        if self.ahead.is_some() || index >= self.blocks.len() || self.blocks[index].allocated {
+            return;
+        }
+        let job = match self.refill_job(index) {
+            Ok(job) => job,
+            // Refilled (and reported) when the forward reaches the block.
+            Err(_) => return,
+        };
+        self.ahead = Some(Ahead { block: index, thread: std::thread::spawn(job) });
+    }
+
+    /// Makes block `index` filled: joins its refill ahead, or refills it here.
+    pub(super) fn ensure(&mut self, index: usize) -> Result<(), StreamError> {
+        if self.blocks[index].allocated && self.ahead.as_ref().map(|a| a.block) != Some(index) {
+            return Ok(());
+        }
+        let start = Instant::now();
+        let outcome = if self.ahead.as_ref().map(|a| a.block) == Some(index) {
+            self.join_ahead()
+        } else {
+            let outcome = self.refill_job(index).and_then(|job| job());
+            self.settle(index, outcome)
+        };
+        self.stats.waited_seconds += start.elapsed().as_secs_f64();
+        outcome
+    }
+
+    /// A slot for streamed block `index` on the CPU (made on first use, at most two): the
+    /// address of its memory, or `None` for the allocator (a resident block, or CUDA).
+    pub(super) fn take_slot(&mut self, index: usize) -> Result<Option<usize>, StreamError> {
+        if self.device != Device::Cpu || !self.split.is_streamed(index) {
+            return Ok(None);
+        }
+        let free = match self.slots.iter().position(|(_, holder)| holder.is_none()) {
+            Some(free) => free,
+            None if self.slots.len() < 2 => {
+                self.make_slots(self.slots.len() + 1)?;
+                self.slots.len() - 1
+            }
+            None => return Ok(None),
+        };
+        self.slots[free].1 = Some(index);
+        self.blocks[index].slot = Some(free);
+        Ok(Some(self.slots[free].0.data_ptr() as usize))
+    }
+
+    /// Makes slots until there are `count` (CPU only), each as large as the largest block.
+    pub(super) fn make_slots(&mut self, count: usize) -> Result<(), StreamError> {
+        if self.device != Device::Cpu {
+            return Ok(());
+        }
+        let bytes = self.blocks.iter().map(|b| storage::layout(&b.storages).1).max().unwrap_or(0);
+        while self.slots.len() < count {
+            // Zeroed, so that its pages are faulted in once, here.
+            let buffer = Tensor::f_zeros([bytes as i64], (tch::Kind::Uint8, Device::Cpu))?;
+            self.slots.push((buffer, None));
+        }
+        Ok(())
+    }
+
+    pub(super) fn let_go_of_slot(&mut self, index: usize) {
+        if let Some(slot) = self.blocks[index].slot.take() {
+            self.slots[slot].1 = None;
+        }
+    }
+
+    /// The refill of block `index` as a job any thread can run: checks shapes, gives the
+    /// storages memory (a slot, or the allocator's), reads the checkpoint into them; frees them
+    /// again when the read fails.
+    pub(super) fn refill_job(
+        &mut self,
+        index: usize,
+    ) -> Result<impl FnOnce() -> Result<f64, StreamError> + Send + 'static, StreamError> {
+        let slot = self.take_slot(index)?;
+        let block = &self.blocks[index];
+        let offsets = block.offsets.clone();
+        let model = self.name.clone();
+        let block_name = block.name.clone();
+        let targets: Vec<(String, Tensor)> =
+            block.targets.iter().map(|(n, t)| (n.clone(), t.shallow_clone())).collect();
+        let shapes = block.shapes.clone();
+        let storages = shallow(&block.storages);
+        let checkpoint = Arc::clone(&self.checkpoint);
+        let host: Option<Vec<Tensor>> =
+            self.host.as_ref().map(|copies| copies[index].iter().map(Tensor::shallow_clone).collect());
+        let device = self.device;
+        Ok(move || {
+            let start = Instant::now();
+            for ((tensor, was), (_, target)) in shapes.into_iter().zip(&targets) {
+                let now = target.size();
+                if now != was {
+                    return Err(StreamError::Reshaped { model, block: block_name, tensor, was, now });
+                }
+            }
+            // SAFETY: the block's storages are free and no thread uses them: the forward reaches
+            // this block only through `Step::block`, which waits for this job first. A slot is
+            // this block's alone until the block is freed, and the model frees every block that
+            // holds one before the slot goes (`Drop`), after joining this job.
+            let ids = match slot {
+                Some(base) => unsafe { storage::attach(&storages, base as *mut u8, &offsets) },
+                None => unsafe { storage::reallocate(&storages) },
+            }
+            .map_err(torch(&model, "give a block memory"))?;
+            let filled = match (&host, device) {
+                (Some(host), Device::Cuda(index)) => {
+                    copy_from_host(&targets, host, index).map_err(torch(&model, "copy a block to the GPU"))
+                }
+                _ => checkpoint
+                    .load_into(&targets, |_| {})
+                    .map(drop)
+                    .map_err(|source| StreamError::Checkpoint { model: model.clone(), source: Box::new(source) }),
+            };
+            if let Err(err) = filled {
+                let message = format!("block '{block_name}' of streamed model '{model}' failed to load: {err}");
+                // SAFETY: as above; the memory was never handed out.
+                let _ = unsafe { storage::free_ids(&storages, &ids, &message) };
+                return Err(err);
+            }
+            Ok(start.elapsed().as_secs_f64())
+        })
+    }
+
+    /// Frees block `index` in place (after its refill ahead, if one runs).
+    pub(super) fn release(&mut self, index: usize) -> Result<(), StreamError> {
+        if self.ahead.as_ref().map(|a| a.block) == Some(index) {
+            self.join_ahead()?;
+        }
+        if !self.blocks[index].allocated {
+            return Ok(());
+        }
+        if let Device::Cuda(device) = self.device {
+            // The kernels that read the block must be done before its memory goes to a refill,
+            // which writes on another stream.
+            stageload_torch_sys::cuda_sync_current_stream(device).map_err(torch(&self.name, "wait for the GPU"))?;
+        }
+        let block = &self.blocks[index];
+        let message = format!(
+            "block '{}' of streamed model '{}' is streamed: call Step::block({index}) before using it",
+            block.name, self.name
+        );
+        // SAFETY: nothing runs on the block: the forward has moved past it (CPU ops return when
+        // done; CUDA waited for above) and its refill, if any, was joined above.
+        unsafe { storage::release(&block.storages, &HashSet::new(), &message) }
+            .map_err(torch(&self.name, "free a block"))?;
+        self.blocks[index].allocated = false;
+        self.let_go_of_slot(index);
+        Ok(())
+    }
+}
+
+/// Every block's tensors read once from the checkpoint into pinned host memory for `device`.
+pub(super) fn pinned_copies(
+    blocks: &[Block],
+    checkpoint: &Checkpoint,
+    device: Device,
+) -> Result<Vec<Vec<Tensor>>, String> {
+    let mut copies = Vec::with_capacity(blocks.len());
+    let mut targets = Vec::new();
+    for block in blocks {
+        let mut mine = Vec::with_capacity(block.targets.len());
+        for (entry, tensor) in &block.targets {
+            let host = Tensor::f_empty(tensor.size(), (tensor.kind(), Device::Cpu))
+                .and_then(|t| t.f_pin_memory(device))
+                .map_err(|e| format!("pinning host memory: {e}"))?;
+            targets.push((entry.clone(), host.shallow_clone()));
+            mine.push(host);
+        }
+        copies.push(mine);
+    }
+    checkpoint.load_into(&targets, |_| {}).map_err(|e| e.to_string())?;
+    Ok(copies)
+}
+
+/// Copies pinned `host` tensors into the block's `targets` on a side stream of CUDA device
+/// `index`, and waits for the copies (the forward's stream then reads them).
+fn copy_from_host(
+    targets: &[(String, Tensor)],
+    host: &[Tensor],
+    index: usize,
+) -> Result<(), stageload_torch_sys::ShimError> {
+    let _side = stageload_torch_sys::cuda_side_stream(index)?;
+    for ((_, target), source) in targets.iter().zip(host) {
+        stageload_torch_sys::copy_async(target, source)?;
+    }
+    stageload_torch_sys::CudaEvent::record(index)?.synchronize()
+}

@@ -1,0 +1,88 @@
+//! One step of a streamed model's forward: the call at each block boundary, and the working
+//! memory the step showed (boundary readings and the high-water mark).
+
+use super::split::Split;
+use super::streamer::StreamedModel;
+use super::StreamError;
+
+/// One step of a streamed model's forward; see [`StreamedModel::run`].
+pub struct Step<'a> {
+    pub(super) model: &'a mut StreamedModel,
+    /// The block that runs now.
+    pub(super) active: Option<usize>,
+    /// Reading and held weights when the step began.
+    pub(super) base: Option<(u64, u64)>,
+    /// The high-water mark when the step began.
+    pub(super) peak: Option<u64>,
+    /// The most weight bytes held at any boundary.
+    pub(super) most_held: u64,
+    /// The largest working memory seen at a block boundary.
+    pub(super) working: u64,
+}
+
+impl Step<'_> {
+    /// Call before block `index` runs: frees the block that ran before it (when streamed),
+    /// brings `index` in (waiting for its refill ahead, or refilling it now) and starts the
+    /// next streamed block's refill.
+    pub fn block(&mut self, index: usize) -> Result<(), StreamError> {
+        let model = &mut *self.model;
+        if index >= model.blocks.len() {
+            return Err(StreamError::NoSuchBlock { model: model.name.clone(), index, blocks: model.blocks.len() });
+        }
+        if let Some(previous) = self.active.filter(|&p| p != index && model.split.is_streamed(p)) {
+            model.release(previous)?;
+        }
+        model.ensure(index)?;
+        self.active = Some(index);
+        self.sample();
+        let model = &mut *self.model;
+        if model.split.look_ahead {
+            // The next streamed block of this step; the first one of the next step is read when
+            // that step begins, so that nothing runs while no step does.
+            let next = if index + 1 < model.split.resident { model.split.resident } else { index + 1 };
+            if next < model.blocks.len() {
+                model.start_ahead(next);
+            }
+        }
+        Ok(())
+    }
+
+    /// How the blocks are held in this step.
+    pub fn split(&self) -> Split {
+        self.model.split
+    }
+
+    /// Notes the working memory now: growth of the reading beyond the growth of held weights.
+    fn sample(&mut self) {
+        let Some((base_reading, base_held)) = self.base else { return };
+        let Some((reading, held)) = self.model.measure_point() else { return };
+        self.most_held = self.most_held.max(held);
+        self.note(reading, base_reading, held, base_held);
+    }
+
+    /// Working memory: growth of a reading beyond the growth of held weights.
+    fn note(&mut self, reading: u64, base_reading: u64, held: u64, base_held: u64) {
+        let grown = i128::from(reading) - i128::from(base_reading) - (i128::from(held) - i128::from(base_held));
+        self.working = self.working.max(u64::try_from(grown.max(0)).unwrap_or(u64::MAX));
+    }
+
+    /// When the step raised the high-water mark, its peak over the start, beyond the most
+    /// weights held, is working memory too.
+    fn note_peak(&mut self) {
+        let (Some((base_reading, base_held)), Some(before)) = (self.base, self.peak) else { return };
+        match (self.model.peak)() {
+            Some(after) if after > before => self.note(after, base_reading, self.most_held.max(base_held), base_held),
+            _ => {}
+        }
+    }
+
+    /// Ends the step: samples once more, frees the last streamed block. The working memory seen.
+    pub(super) fn finish(mut self) -> Result<u64, StreamError> {
+        self.sample();
+        self.note_peak();
+        if let Some(last) = self.active.filter(|&a| self.model.split.is_streamed(a)) {
+            self.model.release(last)?;
+        }
+        Ok(self.working)
+    }
+}
