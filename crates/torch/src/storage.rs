@@ -40,6 +40,21 @@ pub fn distinct_storages(tensors: &[(String, Tensor)]) -> Result<Vec<StorageReco
     Ok(records)
 }
 
+/// Bytes a storage needs to hold `tensor` (its offset and every element it reaches), whatever
+/// the storage holds now: the size a freed storage is given back.
+pub fn needed_bytes(tensor: &Tensor) -> usize {
+    if tensor.numel() == 0 {
+        return 0;
+    }
+    let reach = tensor
+        .size()
+        .iter()
+        .zip(tensor.stride())
+        .map(|(&size, stride)| ((size - 1).max(0) as usize).saturating_mul(stride.unsigned_abs() as usize))
+        .fold(1usize, usize::saturating_add);
+    (tensor.storage_offset().max(0) as usize).saturating_add(reach).saturating_mul(tensor.kind().elt_size_in_bytes())
+}
+
 /// Total bytes of the distinct storages behind `tensors` (each storage once, whole).
 pub fn storage_bytes(tensors: &[(String, Tensor)]) -> Result<u64, ShimError> {
     Ok(distinct_storages(tensors)?.iter().map(|s| s.nbytes as u64).sum())

@@ -491,3 +491,29 @@ fn a_transient_inside_a_block_seen_by_the_high_water_mark_counts_as_working_memo
     let _ = tch::no_grad(|| model.run(|step| net.forward_streamed(&x, step))).unwrap();
     assert_eq!(model.working(), 3 * BLOCK);
 }
+
+#[test]
+fn a_model_placed_without_memory_is_set_up_from_nothing_and_gives_the_same_outputs() {
+    let _one = one_at_a_time();
+    let dir = tempfile::tempdir().unwrap();
+    let file = checkpoint(dir.path());
+    let expected = reference(&file);
+    let vs = VarStore::new(Device::Cpu);
+    let net = stageload_torch_sys::without_fills(|| Net::new(&vs));
+    let tensors = stageload::named_tensors(&vs);
+    // On a GPU this is the move to the device, one tensor at a time; here it proves the
+    // mechanism: every tensor ends without memory, the modules still see it.
+    stageload::stream::place("net", &tensors, Device::Cpu).unwrap();
+    assert_eq!(filled(&tensors), 0);
+    assert!(tensors.iter().all(|(_, t)| !stageload_torch_sys::storage_info(t).unwrap().allocated));
+    let checkpoint = Checkpoint::open(&[&file]).unwrap();
+    let shallow = tensors.iter().map(|(n, t)| (n.clone(), t.shallow_clone())).collect();
+    let mut model = StreamedModel::new("net", shallow, checkpoint, &NameRules::default(), &spec(), budget_for(2))
+        .unwrap()
+        .reading(|| None);
+    assert_eq!(filled(&tensors), 2, "the resident prefix got its memory back");
+    let outputs = run_steps(&net, &mut model, 3);
+    for (got, want) in outputs.iter().zip(&expected) {
+        assert!(got.equal(want));
+    }
+}

@@ -162,10 +162,16 @@ fn run(args: Args) -> Result<(), BoxError> {
         None => None,
     };
     let base = rss()?;
-    let vs = VarStore::new(args.device);
+    // Streamed, the model is built on the CPU touching none of its memory and placed on its
+    // device one tensor at a time, without memory: the device never holds it whole.
+    let built_on = if args.budget.is_some() { Device::Cpu } else { args.device };
+    let vs = VarStore::new(built_on);
     let model = stageload_torch_sys::without_fills(|| Transformer::new(vs.root() / "model", &shape));
     let tensors = stageload::named_tensors(&vs);
     let model_bytes = stageload::storage::storage_bytes(&tensors)?;
+    if built_on != args.device {
+        stageload::stream::place(MODEL, &tensors, args.device)?;
+    }
     let checkpoint = Checkpoint::open(&[&file])?;
     let mut streamed = match args.budget {
         Some(budget) => {

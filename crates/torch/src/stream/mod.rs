@@ -45,7 +45,7 @@ pub use stageload_plan::{blocks, split};
 pub use blocks::{BlockError, BlockSpec};
 pub use split::{Split, TooSmall};
 pub use step::Step;
-pub use streamer::{StreamStats, StreamedModel};
+pub use streamer::{place, StreamStats, StreamedModel};
 
 use crate::checkpoint::CheckpointError;
 

@@ -113,7 +113,13 @@ impl StreamedModel {
         let mut claim = |group: &str, members: &[usize]| -> Result<Vec<StorageRecord>, StreamError> {
             let named: Vec<(String, Tensor)> =
                 members.iter().map(|&i| (tensors[i].0.clone(), tensors[i].1.shallow_clone())).collect();
-            let records = storage::distinct_storages(&named).map_err(torch(&model, "read storage identities"))?;
+            let mut records = storage::distinct_storages(&named).map_err(torch(&model, "read storage identities"))?;
+            // A storage freed before set-up ([`place`]) gets back what its tensors reach.
+            for record in records.iter_mut().filter(|r| r.nbytes == 0) {
+                let same = |t: &Tensor| stageload_torch_sys::storage_info(t).is_ok_and(|i| i.id == record.id);
+                record.nbytes =
+                    named.iter().filter(|(_, t)| same(t)).map(|(_, t)| storage::needed_bytes(t)).max().unwrap_or(0);
+            }
             for (tensor, t) in &named {
                 let id = stageload_torch_sys::storage_info(t).map_err(torch(&model, "read storage identities"))?.id;
                 if let Some((other, _)) = owners.get(&id).filter(|(g, _)| g != group) {
@@ -210,6 +216,13 @@ impl StreamedModel {
             .collect();
         for block in &streamed.blocks[..split.resident] {
             initial.extend(block.targets.iter().map(|(n, t)| (n.clone(), t.shallow_clone())));
+        }
+        // Resident storages freed before set-up ([`place`]) get their memory back first.
+        let resident = fixed_storages.iter().chain(streamed.blocks[..split.resident].iter().flat_map(|b| &b.storages));
+        for record in resident {
+            // SAFETY: during set-up no other thread has the model; the load below fills it.
+            unsafe { storage::reallocate(std::slice::from_ref(record)) }
+                .map_err(torch(&streamed.name, "give a resident tensor memory"))?;
         }
         let start = Instant::now();
         let report = streamed
@@ -484,6 +497,25 @@ impl Drop for StreamedModel {
             }
         }
     }
+}
+
+/// Moves a model built on the CPU (under [`stageload_torch_sys::without_fills`], so that none
+/// of its memory was touched) to `device` one tensor at a time, each left without memory there:
+/// at no time does the device hold more than one tensor, so a model bigger than the device can
+/// then be set up as a [`StreamedModel`], which gives the resident part its memory back and
+/// streams the rest. Each tensor keeps its identity (the model's modules see the move); tensors
+/// that shared a storage get one each.
+pub fn place(model: &str, tensors: &[(String, Tensor)], device: Device) -> Result<(), StreamError> {
+    for (name, tensor) in tensors {
+        let mut moved = tensor.shallow_clone();
+        let fresh = Tensor::f_empty(tensor.size(), (tensor.kind(), device))?;
+        moved.f_set_data(&fresh)?;
+        drop(fresh);
+        let message = format!("tensor '{name}' of streamed model '{model}' was placed on {device:?} without memory");
+        // SAFETY: the storage was made just above for this tensor alone; nothing runs on it.
+        unsafe { stageload_torch_sys::free_storage(&moved, &message) }.map_err(torch(model, "place a tensor"))?;
+    }
+    Ok(())
 }
 
 /// A shim failure of `operation` on `model` as a stream error.
