@@ -145,3 +145,46 @@ fn a_failed_prefetch_surfaces_at_the_get_that_needs_the_model() {
     assert!(matches!(err, StageError::Checkpoint { .. }) && err.to_string().contains("b.safetensors"), "{err}");
     assert!(!sink.of_kind(EventKind::Error).is_empty());
 }
+
+#[test]
+fn a_prefetch_leaves_the_current_stages_working_memory_free() {
+    let _one = one_at_a_time();
+    let dir = tempfile::TempDir::new().unwrap();
+    let files = files(dir.path());
+    let with_working = |working: Option<u64>| {
+        let mut builder = StagedModels::builder()
+            .model(ModelSpec::new("b", |_| Ok(build_mlp(64))).checkpoint([&files[1]]).skip_init(true))
+            .stage("first", Vec::<String>::new())
+            .stage("second", ["b"])
+            .prefetch_budget(200 << 10);
+        if let Some(bytes) = working {
+            builder = builder.stage_working("first", bytes);
+        }
+        let models = builder.build().unwrap();
+        models.enter("first").unwrap();
+        models.prefetch("second").unwrap()
+    };
+    assert_eq!(with_working(None), ["b"], "33 KiB of weights fit in 200 KiB");
+    assert_eq!(with_working(Some(100 << 10)), ["b"], "beside 100 KiB of working memory too");
+    assert!(with_working(Some(180 << 10)).is_empty(), "not beside 180 KiB of working memory");
+}
+
+#[test]
+fn without_a_budget_declared_working_memory_is_left_free_of_what_the_machine_has() {
+    let _one = one_at_a_time();
+    let dir = tempfile::TempDir::new().unwrap();
+    let files = files(dir.path());
+    let prefetched = |working: u64| {
+        let models = StagedModels::builder()
+            .model(ModelSpec::new("b", |_| Ok(build_mlp(64))).checkpoint([&files[1]]).skip_init(true))
+            .stage("first", Vec::<String>::new())
+            .stage("second", ["b"])
+            .stage_working("first", working)
+            .build()
+            .unwrap();
+        models.enter("first").unwrap();
+        models.prefetch("second").unwrap()
+    };
+    assert_eq!(prefetched(1 << 20), ["b"], "1 MiB of working memory leaves room on any machine");
+    assert!(prefetched(1 << 50).is_empty(), "a petabyte of working memory leaves none");
+}

@@ -33,6 +33,9 @@ pub struct StagedModelsBuilder {
     planned_models: Vec<String>,
     prefetch_next: bool,
     prefetch_budget: Option<u64>,
+    /// Working memory each stage needs beyond its weights (declared, or measured by an earlier
+    /// run and written into the pipeline file).
+    stage_working: BTreeMap<String, u64>,
     out_of_memory: decide::OutOfMemory,
 }
 
@@ -50,6 +53,9 @@ impl StagedModelsBuilder {
     pub fn pipeline(mut self, pipeline: &stageload_plan::Pipeline) -> Self {
         for stage in &pipeline.stages {
             self = self.stage(stage.name.clone(), stage.models.iter().cloned());
+            if stage.working > 0 {
+                self = self.stage_working(stage.name.clone(), stage.working);
+            }
         }
         for name in &pipeline.pinned {
             self = self.pin(name.clone());
@@ -135,10 +141,20 @@ impl StagedModelsBuilder {
         self
     }
 
-    /// Prefetches only while the resident weights plus the prefetched models stay within
-    /// `bytes` (the stage's own weights and working memory must fit beside them).
+    /// Prefetches only while the resident weights, the current stage's working memory
+    /// ([`stage_working`](Self::stage_working)) and the prefetched models stay within `bytes`.
     pub fn prefetch_budget(mut self, bytes: u64) -> Self {
         self.prefetch_budget = Some(bytes);
+        self
+    }
+
+    /// The working memory `stage` needs beyond its weights (the largest given for a stage that
+    /// comes back; [`pipeline`](Self::pipeline) takes each stage's `working`). A prefetch during
+    /// that stage leaves it free: within [`prefetch_budget`](Self::prefetch_budget), or, without
+    /// one, within the memory the machine has available when the prefetch starts.
+    pub fn stage_working(mut self, stage: impl Into<String>, bytes: u64) -> Self {
+        let working = self.stage_working.entry(stage.into()).or_insert(0);
+        *working = (*working).max(bytes);
         self
     }
 
@@ -257,6 +273,7 @@ impl StagedModelsBuilder {
                 progress: self.progress,
                 prefetch_next: self.prefetch_next,
                 prefetch_budget: self.prefetch_budget,
+                stage_working: self.stage_working,
                 prefetching: Mutex::new(Vec::new()),
                 out_of_memory: self.out_of_memory,
             }),
@@ -282,6 +299,7 @@ impl StagedModels {
             planned_models: Vec::new(),
             prefetch_next: false,
             prefetch_budget: None,
+            stage_working: BTreeMap::new(),
             out_of_memory: decide::OutOfMemory::Fail,
         }
     }

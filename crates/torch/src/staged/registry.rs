@@ -209,8 +209,11 @@ pub(crate) struct Inner {
     pub(crate) progress: Option<Arc<ProgressHook>>,
     /// After each `enter`, prefetch the next stage of the plan.
     pub(crate) prefetch_next: bool,
-    /// Prefetch only while the resident weights plus the prefetched ones stay within this.
+    /// Prefetch only while the resident weights, the stage's working memory and the prefetched
+    /// ones stay within this.
     pub(crate) prefetch_budget: Option<u64>,
+    /// Working memory per stage (declared or measured), left free by a prefetch.
+    pub(crate) stage_working: std::collections::BTreeMap<String, u64>,
     /// What a load that runs out of memory does.
     pub(crate) out_of_memory: decide::OutOfMemory,
     /// Background loads still running (joined when the registry is dropped).
@@ -627,7 +630,8 @@ impl Inner {
             });
         };
         let planned = &state.sequence[index].1;
-        let mut budget_left = self.prefetch_budget.map(|b| b.saturating_sub(state.resident_bytes()));
+        let resident = state.resident_bytes();
+        let working = state.current.as_ref().and_then(|s| self.stage_working.get(s)).copied().unwrap_or(0);
         // (name, bytes of its released instance, or its checkpoint files to measure, its CUDA
         // device) — the files are measured once the state lock is dropped.
         let mut candidates = Vec::new();
@@ -642,6 +646,15 @@ impl Inner {
             }
         }
         drop(state);
+        let mut budget_left = match self.prefetch_budget {
+            Some(budget) => Some(budget.saturating_sub(resident).saturating_sub(working)),
+            // Working memory declared and no budget: what the machine has available now (the
+            // resident weights are already out of it), less that working memory.
+            None if working > 0 => {
+                stageload_probe::system_memory().ok().map(|m| m.budget_available().saturating_sub(working))
+            }
+            None => None,
+        };
         let mut started = Vec::new();
         for (name, known, files, cuda) in candidates {
             let bytes =
