@@ -15,6 +15,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 #include <torch/torch.h>
+#include <torch/version.h>
 
 #include <cstdlib>
 #include <cstring>
@@ -154,6 +155,33 @@ TORCH_LIBRARY_IMPL(_, TESTING_ONLY_GenericMode, m) {
   m.fallback(torch::CppFunction::makeFromBoxedFunction<&skip_init_fallback>());
 }
 
+// The release message: libtorch 2.13 lets a storage carry the message every access then throws,
+// and clear it again. Older libtorch (the GPU machine's 2.11) cannot clear it, so there a released
+// storage gets no message of ours: any access throws libtorch's own "data is not allocated".
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 13)
+#define SL_RELEASE_MESSAGE 1
+#else
+#define SL_RELEASE_MESSAGE 0
+#endif
+
+void set_release_message(c10::StorageImpl* s, const char* message) {
+#if SL_RELEASE_MESSAGE
+  s->release_data_and_set_meta_custom_data_ptr_error_msg_(
+      std::string(message ? message : "this tensor's storage was released by stageload"));
+#else
+  (void)s;
+  (void)message;
+#endif
+}
+
+void clear_release_message(c10::StorageImpl* s) {
+#if SL_RELEASE_MESSAGE
+  s->clear_data_ptr_access_error_msg_();
+#else
+  (void)s;
+#endif
+}
+
 extern "C" {
 
 char* sl_skip_init(int mode, int* previous) {
@@ -277,8 +305,7 @@ char* sl_storage_free(const at::Tensor* t, const char* message, size_t* freed) {
     s->set_nbytes(0);
     // From now on every access to the data (kernels included) throws this message instead of
     // dereferencing a null pointer.
-    s->release_data_and_set_meta_custom_data_ptr_error_msg_(
-        std::string(message ? message : "this tensor's storage was released by stageload"));
+    set_release_message(s, message);
     *freed = n;
   });
 }
@@ -293,7 +320,7 @@ char* sl_storage_realloc(const at::Tensor* t, size_t nbytes) {
     TORCH_CHECK(allocator != nullptr, "no allocator for device ", s->device());
     s->set_data_ptr_noswap(allocator->allocate(nbytes));
     s->set_nbytes(nbytes);
-    s->clear_data_ptr_access_error_msg_();
+    clear_release_message(s);
   });
 }
 
@@ -309,7 +336,7 @@ char* sl_storage_attach(const at::Tensor* t, void* data, size_t nbytes) {
     TORCH_CHECK(data != nullptr || nbytes == 0, "no memory to attach");
     s->set_data_ptr_noswap(c10::DataPtr(data, data, &borrowed_memory_deleter, s->device()));
     s->set_nbytes(nbytes);
-    s->clear_data_ptr_access_error_msg_();
+    clear_release_message(s);
   });
 }
 
