@@ -399,17 +399,12 @@ impl StreamedModel {
         }
     }
 
-    /// Frees the streamed blocks still held (after a split shrank) and starts the first
-    /// streamed block's refill.
+    /// Frees what the split no longer holds (a block that became resident leaves its slot and
+    /// comes back from the allocator; streamed blocks a shrunk split still held go) and starts
+    /// the first streamed block's refill. Nothing is in flight between steps.
     fn begin(&mut self) -> Result<(), StreamError> {
-        // A block that became resident (reset) leaves its slot; it comes back from the allocator.
-        for index in 0..self.split.resident {
-            if self.blocks[index].slot.is_some() {
-                self.release(index)?;
-            }
-        }
-        for index in self.split.resident..self.blocks.len() {
-            if self.ahead.as_ref().map(|a| a.block) != Some(index) {
+        for index in 0..self.blocks.len() {
+            if self.split.is_streamed(index) || self.blocks[index].slot.is_some() {
                 self.release(index)?;
             }
         }
