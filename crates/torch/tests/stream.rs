@@ -76,6 +76,14 @@ fn checkpoint(dir: &Path) -> PathBuf {
     path
 }
 
+/// One test at a time, and the net's checkpoint in a folder that goes with the test.
+fn setup() -> (std::sync::MutexGuard<'static, ()>, tempfile::TempDir, PathBuf) {
+    let one = one_at_a_time();
+    let dir = tempfile::tempdir().unwrap();
+    let file = checkpoint(dir.path());
+    (one, dir, file)
+}
+
 fn spec() -> BlockSpec {
     BlockSpec::new(["blocks.*"]).resident(["input", "output"])
 }
@@ -128,9 +136,7 @@ fn budget_for(resident: usize) -> u64 {
 
 #[test]
 fn outputs_are_bit_identical_with_none_one_half_and_all_blocks_streamed() {
-    let _one = one_at_a_time();
-    let dir = tempfile::tempdir().unwrap();
-    let file = checkpoint(dir.path());
+    let (_one, _dir, file) = setup();
     let expected = reference(&file);
     let whole = FIXED + BLOCK * DEPTH as u64;
     // (budget, resident limit, blocks streamed)
@@ -176,9 +182,7 @@ fn filled(vs_tensors: &[(String, Tensor)]) -> usize {
 
 #[test]
 fn at_no_boundary_are_more_than_the_prefix_and_two_slots_filled() {
-    let _one = one_at_a_time();
-    let dir = tempfile::tempdir().unwrap();
-    let file = checkpoint(dir.path());
+    let (_one, _dir, file) = setup();
     let (net, mut model, tensors) = streamed_with_tensors(&file, budget_for(2)).unwrap();
     assert_eq!(filled(&tensors), 2, "set-up fills the resident prefix only");
     let x = Tensor::randn([16, WIDTH], (Kind::Float, Device::Cpu));
@@ -211,9 +215,7 @@ fn at_no_boundary_are_more_than_the_prefix_and_two_slots_filled() {
 
 #[test]
 fn an_out_of_memory_streams_one_more_block_and_the_step_gives_the_same_result() {
-    let _one = one_at_a_time();
-    let dir = tempfile::tempdir().unwrap();
-    let file = checkpoint(dir.path());
+    let (_one, _dir, file) = setup();
     let expected = reference(&file);
     let (net, model) = streamed(&file, FIXED + BLOCK * DEPTH as u64).unwrap();
     let sink = Arc::new(ListSink::new());
@@ -252,9 +254,7 @@ fn an_out_of_memory_streams_one_more_block_and_the_step_gives_the_same_result() 
 
 #[test]
 fn an_out_of_memory_with_every_block_streamed_is_the_error_with_the_residency_numbers() {
-    let _one = one_at_a_time();
-    let dir = tempfile::tempdir().unwrap();
-    let file = checkpoint(dir.path());
+    let (_one, _dir, file) = setup();
     let (net, mut model) = streamed(&file, budget_for(1)).unwrap();
     let x = Tensor::randn([16, WIDTH], (Kind::Float, Device::Cpu));
     let err = tch::no_grad(|| {
@@ -280,9 +280,7 @@ fn an_out_of_memory_with_every_block_streamed_is_the_error_with_the_residency_nu
 
 #[test]
 fn measured_working_memory_over_the_budget_streams_more_blocks_for_the_next_step() {
-    let _one = one_at_a_time();
-    let dir = tempfile::tempdir().unwrap();
-    let file = checkpoint(dir.path());
+    let (_one, _dir, file) = setup();
     let expected = reference(&file);
     let (net, model) = streamed(&file, budget_for(4)).unwrap();
     // A scripted reading: three blocks' worth of activations appear after the first block.
@@ -321,9 +319,7 @@ fn measured_working_memory_over_the_budget_streams_more_blocks_for_the_next_step
 
 #[test]
 fn a_block_list_that_misses_tensors_or_names_one_twice_is_refused_by_name() {
-    let _one = one_at_a_time();
-    let dir = tempfile::tempdir().unwrap();
-    let file = checkpoint(dir.path());
+    let (_one, _dir, file) = setup();
     let try_spec = |spec: BlockSpec| {
         let vs = VarStore::new(Device::Cpu);
         let _net = Net::new(&vs);
@@ -340,9 +336,7 @@ fn a_block_list_that_misses_tensors_or_names_one_twice_is_refused_by_name() {
 
 #[test]
 fn a_budget_smaller_than_one_block_is_refused_naming_both_sizes() {
-    let _one = one_at_a_time();
-    let dir = tempfile::tempdir().unwrap();
-    let file = checkpoint(dir.path());
+    let (_one, _dir, file) = setup();
     let err = streamed(&file, FIXED + BLOCK / 2).unwrap_err();
     let message = err.to_string();
     assert!(matches!(err, StreamError::Budget { .. }), "{message}");
@@ -353,9 +347,7 @@ fn a_budget_smaller_than_one_block_is_refused_naming_both_sizes() {
 
 #[test]
 fn a_block_that_changes_shape_between_steps_is_refused_and_nothing_is_computed_with_it() {
-    let _one = one_at_a_time();
-    let dir = tempfile::tempdir().unwrap();
-    let file = checkpoint(dir.path());
+    let (_one, _dir, file) = setup();
     let (net, mut model) = streamed(&file, budget_for(0)).unwrap();
     let x = Tensor::randn([16, WIDTH], (Kind::Float, Device::Cpu));
     let _ = tch::no_grad(|| model.run(|step| net.forward_streamed(&x, step))).unwrap();
@@ -371,9 +363,7 @@ fn a_block_that_changes_shape_between_steps_is_refused_and_nothing_is_computed_w
 
 #[test]
 fn tied_storage_across_blocks_is_refused() {
-    let _one = one_at_a_time();
-    let dir = tempfile::tempdir().unwrap();
-    let file = checkpoint(dir.path());
+    let (_one, _dir, file) = setup();
     let vs = VarStore::new(Device::Cpu);
     let _net = Net::new(&vs);
     let mut tensors = stageload::named_tensors(&vs);
@@ -399,9 +389,7 @@ struct StreamedNet {
 #[test]
 fn a_streamed_model_in_staged_models_is_released_with_its_stage_and_rebuilt_the_same() {
     use stageload::{Built, ModelSpec, ModelState, ReloadFrom, StagedModels};
-    let _one = one_at_a_time();
-    let dir = tempfile::tempdir().unwrap();
-    let file = checkpoint(dir.path());
+    let (_one, _dir, file) = setup();
     let expected = reference(&file);
     let loader_file = file.clone();
     let sink = Arc::new(ListSink::new());
@@ -462,9 +450,7 @@ fn a_streamed_model_in_staged_models_is_released_with_its_stage_and_rebuilt_the_
 #[test]
 fn a_transient_inside_a_block_seen_by_the_high_water_mark_counts_as_working_memory() {
     use std::sync::atomic::{AtomicU64, Ordering};
-    let _one = one_at_a_time();
-    let dir = tempfile::tempdir().unwrap();
-    let file = checkpoint(dir.path());
+    let (_one, _dir, file) = setup();
     let (net, model) = streamed(&file, budget_for(4)).unwrap();
     // Boundaries see nothing; the high-water mark rises by three blocks inside block 3.
     let mark = Arc::new(AtomicU64::new(100));
@@ -494,9 +480,7 @@ fn a_transient_inside_a_block_seen_by_the_high_water_mark_counts_as_working_memo
 
 #[test]
 fn a_model_placed_without_memory_is_set_up_from_nothing_and_gives_the_same_outputs() {
-    let _one = one_at_a_time();
-    let dir = tempfile::tempdir().unwrap();
-    let file = checkpoint(dir.path());
+    let (_one, _dir, file) = setup();
     let expected = reference(&file);
     let vs = VarStore::new(Device::Cpu);
     let net = stageload_torch_sys::without_fills(|| Net::new(&vs));
