@@ -25,7 +25,8 @@ impl Mode {
     }
 }
 
-fn positive_scale(text: &str) -> Result<f64, String> {
+/// A `--scale`: a finite number above zero.
+pub fn positive_scale(text: &str) -> Result<f64, String> {
     match text.parse::<f64>() {
         Ok(scale) if scale.is_finite() && scale > 0.0 => Ok(scale),
         _ => Err(format!("'{text}' is not a positive number (1 is the default size, 0.01 a tiny one)")),

@@ -66,3 +66,13 @@ fn a_budget_under_one_block_is_refused_with_both_sizes() {
     assert!(stderr.contains("streamed model 'texture_flow'") && stderr.contains("4.0 MiB"), "{stderr}");
     assert!(stderr.contains("one block 12."), "the block's size: {stderr}");
 }
+
+#[test]
+fn flags_out_of_range_are_refused_naming_the_flag() {
+    for (flag, value) in [("--tokens", "0"), ("--steps", "0"), ("--scale", "0"), ("--budget", "lots")] {
+        let out = Command::new(env!("CARGO_BIN_EXE_stream")).args(["--device", "cpu", flag, value]).output().unwrap();
+        assert_eq!(out.status.code(), Some(2), "{flag} {value}");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains(flag), "{flag} {value}: {stderr}");
+    }
+}

@@ -19,7 +19,7 @@ use rand_chacha::ChaCha8Rng;
 use stageload::checkpoint::Checkpoint;
 use stageload::stream::StreamedModel;
 use stageload::{BoxError, Event, EventKind, EventSink, NameRules, SharedRng};
-use stageload_demos::args::parse_device;
+use stageload_demos::args::{parse_device, positive_scale};
 use stageload_demos::models::{cascade_seed, cascade_shapes};
 use stageload_demos::sampler::sample_flow_with;
 use stageload_demos::weights::cache_root;
@@ -46,13 +46,13 @@ struct Args {
     #[arg(long)]
     resident_at_most: Option<usize>,
     /// Model sizes relative to the cascade's default (1.0: texture_flow is 0.6 GB)
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, value_parser = positive_scale)]
     scale: f64,
     /// Tokens of the latent (default: the cascade's texture stage at this scale)
-    #[arg(long)]
+    #[arg(long, value_parser = clap::value_parser!(i64).range(1..=1_000_000))]
     tokens: Option<i64>,
     /// Sampler steps
-    #[arg(long, default_value_t = 3)]
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(i64).range(1..=10_000))]
     steps: i64,
     #[arg(long, default_value_t = 7)]
     seed: u64,
