@@ -110,6 +110,15 @@ pub fn evict(split: Split) -> Option<Split> {
     Some(Split { resident, look_ahead: split.look_ahead || split.blocks - resident >= 2, ..split })
 }
 
+/// The governor: when the machine has less than `floor` bytes available before a step, one more
+/// block is streamed for it (`None`: the split holds, or every block already is streamed).
+pub fn govern(split: Split, available: u64, floor: u64) -> Option<Split> {
+    if available >= floor {
+        return None;
+    }
+    evict(split)
+}
+
 /// What a measured working memory means for the next step.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Refit {
@@ -237,6 +246,16 @@ mod tests {
             }
             other => panic!("{other:?}"),
         }
+    }
+
+    #[test]
+    fn the_governor_streams_one_more_block_per_step_while_memory_is_short() {
+        let split = Split { resident: 3, blocks: 8, look_ahead: true };
+        assert_eq!(govern(split, 2048 * MB, 1024 * MB), None, "enough available: the split holds");
+        assert_eq!(govern(split, 1024 * MB, 1024 * MB), None, "exactly the floor is enough");
+        assert_eq!(govern(split, 512 * MB, 1024 * MB), Some(Split { resident: 2, ..split }));
+        let all = Split { resident: 0, blocks: 8, look_ahead: true };
+        assert_eq!(govern(all, 0, 1024 * MB), None, "nothing left to stream");
     }
 
     #[test]

@@ -501,3 +501,33 @@ fn a_model_placed_without_memory_is_set_up_from_nothing_and_gives_the_same_outpu
         assert!(got.equal(want));
     }
 }
+
+#[test]
+fn the_governor_streams_one_more_block_each_step_while_the_machine_is_short_and_the_result_holds() {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    let (_one, _dir, file) = setup();
+    let expected = reference(&file);
+    let (net, model) = streamed(&file, FIXED + BLOCK * DEPTH as u64).unwrap();
+    let available = Arc::new(AtomicU64::new(100 << 20));
+    let reading = Arc::clone(&available);
+    let sink = Arc::new(ListSink::new());
+    let mut model =
+        model.governor_reading(64 << 20, move || Some(reading.load(Ordering::Relaxed))).events(sink.clone());
+    tch::manual_seed(11);
+    let mut outputs = Vec::new();
+    for step in 0..3 {
+        // Memory runs short after the first step.
+        if step == 1 {
+            available.store(32 << 20, Ordering::Relaxed);
+        }
+        let x = Tensor::randn([16, WIDTH], (Kind::Float, Device::Cpu));
+        outputs.push(tch::no_grad(|| model.run(|s| net.forward_streamed(&x, s))).unwrap());
+    }
+    assert_eq!(model.split().resident, DEPTH - 2, "one block per short step: {}", model.residency());
+    let reasons: Vec<String> =
+        sink.of_kind(EventKind::Residency).iter().map(|e| e.residency.as_ref().unwrap().reason.clone()).collect();
+    assert_eq!(reasons, ["start", "memory pressure", "memory pressure"]);
+    for (got, want) in outputs.iter().zip(&expected) {
+        assert!(got.equal(want));
+    }
+}

@@ -13,7 +13,7 @@ use tch::{Device, Tensor};
 
 use super::blocks::{assign, BlockSpec};
 use super::refill::{pinned_copies, Ahead, Block};
-use super::split::{describe, evict, fit, refit, Refit, Sizes, Split};
+use super::split::{describe, evict, fit, govern, refit, Refit, Sizes, Split};
 use super::step::Step;
 use super::StreamError;
 use crate::checkpoint::{Checkpoint, CheckpointError};
@@ -59,6 +59,8 @@ pub struct StreamedModel {
     /// the transients inside a block that boundary readings miss. Never reset here: a meter
     /// resets it per stage; a step that raises it says how high it went.
     pub(super) peak: Reading,
+    /// The governor: (bytes the machine must keep available, what it has available now).
+    pub(super) governor: Option<(u64, Reading)>,
     pub(super) sink: Option<Arc<dyn EventSink>>,
     pub(super) stats: StreamStats,
     /// Bytes and seconds of set-up's load (fixed tensors and resident prefix).
@@ -189,6 +191,7 @@ impl StreamedModel {
             ahead: None,
             reading,
             peak,
+            governor: None,
             sink: None,
             stats: StreamStats::default(),
             setup: (0, 0.0),
@@ -256,6 +259,21 @@ impl StreamedModel {
     pub fn reading(mut self, reading: impl FnMut() -> Option<u64> + Send + 'static) -> Self {
         self.reading = Box::new(reading);
         self.peak = Box::new(|| None);
+        self
+    }
+
+    /// The governor: before each step, when the machine has less than `floor` bytes available
+    /// (the probe's reading, a cgroup's headroom included), one more block is streamed, so the
+    /// model gives memory back while others need it. The count only goes down ([`reset`](Self::reset)).
+    pub fn governor(mut self, floor: u64) -> Self {
+        let available: Reading = Box::new(|| stageload_probe::system_memory().ok().map(|m| m.budget_available()));
+        self.governor = Some((floor, available));
+        self
+    }
+
+    /// The governor with `available` read from elsewhere (bytes available now).
+    pub fn governor_reading(mut self, floor: u64, available: impl FnMut() -> Option<u64> + Send + 'static) -> Self {
+        self.governor = Some((floor, Box::new(available)));
         self
     }
 
@@ -403,6 +421,12 @@ impl StreamedModel {
     /// comes back from the allocator; streamed blocks a shrunk split still held go) and starts
     /// the first streamed block's refill. Nothing is in flight between steps.
     fn begin(&mut self) -> Result<(), StreamError> {
+        if let Some((floor, available)) = self.governor.as_mut() {
+            if let Some(next) = available().and_then(|now| govern(self.split, now, *floor)) {
+                self.split = next;
+                self.announce("memory pressure", None);
+            }
+        }
         for index in 0..self.blocks.len() {
             if self.split.is_streamed(index) || self.blocks[index].slot.is_some() {
                 self.release(index)?;
