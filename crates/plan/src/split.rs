@@ -55,11 +55,6 @@ impl Sizes {
     pub fn streamed_per_step(&self, resident: usize) -> u64 {
         sum(&self.blocks[resident..])
     }
-
-    /// All the model's weight bytes.
-    pub fn total(&self) -> u64 {
-        self.fixed.saturating_add(sum(&self.blocks))
-    }
 }
 
 /// A saturating sum (block sizes come from files).
@@ -263,7 +258,6 @@ mod tests {
         let s = Sizes { fixed: u64::MAX, blocks: vec![u64::MAX, u64::MAX] };
         assert_eq!(s.need(1, 1, u64::MAX), u64::MAX);
         assert!(fit(&s, u64::MAX - 1, 0, 2).is_err());
-        assert_eq!(s.total(), u64::MAX);
     }
 
     #[test]
