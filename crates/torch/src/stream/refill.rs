@@ -161,12 +161,14 @@ impl StreamedModel {
                     return Err(StreamError::Reshaped { model, block: block_name, tensor, was, now });
                 }
             }
-            // SAFETY: the block's storages are free and no thread uses them: the forward reaches
-            // this block only through `Step::block`, which waits for this job first. A slot is
-            // this block's alone until the block is freed, and the model frees every block that
-            // holds one before the slot goes (`Drop`), after joining this job.
+            // The block's storages are free and no thread uses them: the forward reaches this
+            // block only through `Step::block`, which waits for this job first.
             let ids = match slot {
+                // SAFETY: as above; and the slot is this block's alone until the block is freed,
+                // and the model frees every block in a slot before the slot goes (`Drop`), after
+                // joining this job.
                 Some(base) => unsafe { storage::attach(&storages, base as *mut u8, &offsets) },
+                // SAFETY: as above; the allocator's fresh memory is filled below before use.
                 None => unsafe { storage::reallocate(&storages) },
             }
             .map_err(torch(&model, "give a block memory"))?;

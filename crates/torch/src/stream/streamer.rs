@@ -111,20 +111,13 @@ impl StreamedModel {
         let device = tensors.first().map_or(Device::Cpu, |(_, t)| t.device());
 
         // Every storage belongs to one group: a block, or the fixed tensors.
-        let mut owners: std::collections::HashMap<u64, (String, String)> = std::collections::HashMap::new();
+        let mut owners: std::collections::HashMap<u64, String> = std::collections::HashMap::new();
         let mut claim = |group: &str, members: &[usize]| -> Result<Vec<StorageRecord>, StreamError> {
-            let named: Vec<(String, Tensor)> =
-                members.iter().map(|&i| (tensors[i].0.clone(), tensors[i].1.shallow_clone())).collect();
-            let mut records = storage::distinct_storages(&named).map_err(torch(&model, "read storage identities"))?;
-            // A storage freed before set-up ([`place`]) gets back what its tensors reach.
-            for record in records.iter_mut().filter(|r| r.nbytes == 0) {
-                let same = |t: &Tensor| stageload_torch_sys::storage_info(t).is_ok_and(|i| i.id == record.id);
-                record.nbytes =
-                    named.iter().filter(|(_, t)| same(t)).map(|(_, t)| storage::needed_bytes(t)).max().unwrap_or(0);
-            }
-            for (tensor, t) in &named {
-                let id = stageload_torch_sys::storage_info(t).map_err(torch(&model, "read storage identities"))?.id;
-                if let Some((other, _)) = owners.get(&id).filter(|(g, _)| g != group) {
+            let mut records: Vec<StorageRecord> = Vec::new();
+            for &i in members {
+                let (tensor, t) = (&tensors[i].0, &tensors[i].1);
+                let info = stageload_torch_sys::storage_info(t).map_err(torch(&model, "read storage identities"))?;
+                if let Some(other) = owners.get(&info.id).filter(|owner| *owner != group) {
                     return Err(StreamError::SharedStorage {
                         model: model.clone(),
                         block: group.to_string(),
@@ -132,7 +125,13 @@ impl StreamedModel {
                         tensor: tensor.clone(),
                     });
                 }
-                owners.insert(id, (group.to_string(), tensor.clone()));
+                owners.insert(info.id, group.to_string());
+                // A storage freed before set-up ([`place`]) gets back what its tensors reach.
+                let nbytes = if info.allocated { info.nbytes } else { storage::needed_bytes(t) };
+                match records.iter_mut().find(|r| r.id == info.id) {
+                    Some(record) => record.nbytes = record.nbytes.max(nbytes),
+                    None => records.push(StorageRecord { id: info.id, nbytes, tensor: t.shallow_clone() }),
+                }
             }
             Ok(records)
         };
@@ -289,16 +288,7 @@ impl StreamedModel {
     /// (attention scores), so a declared figure is the safer one on the CPU.
     pub fn working_memory(mut self, bytes: u64) -> Result<Self, StreamError> {
         self.working = self.working.max(bytes);
-        let split = fit(&self.sizes, self.budget, self.working, self.split.resident)
-            .map_err(|source| StreamError::Budget { model: self.name.clone(), source })?;
-        if split != self.split {
-            self.split = split;
-            // Blocks the prefix no longer holds go before the first step needs the memory.
-            for index in split.resident..self.blocks.len() {
-                self.release(index)?;
-            }
-            self.announce("working memory", None);
-        }
+        self.refit_to(self.split.resident, "working memory")?;
         Ok(self)
     }
 
@@ -346,23 +336,23 @@ impl StreamedModel {
     /// holds again; released prefix blocks come back as the next step reaches them.
     pub fn reset(&mut self) -> Result<(), StreamError> {
         self.working = 0;
-        let split = fit(&self.sizes, self.budget, 0, self.blocks.len())
-            .map_err(|source| StreamError::Budget { model: self.name.clone(), source })?;
-        if split != self.split {
-            self.split = split;
-            self.announce("reset", None);
-        }
-        Ok(())
+        self.refit_to(self.blocks.len(), "reset")
     }
 
     /// Keeps at most `resident` blocks resident from the next step on (to stream more than the
     /// budget asks, say for a benchmark); [`reset`](Self::reset) lifts it.
     pub fn limit_resident(&mut self, resident: usize) -> Result<(), StreamError> {
-        let split = fit(&self.sizes, self.budget, self.working, resident.min(self.split.resident))
+        self.refit_to(resident.min(self.split.resident), "limit")
+    }
+
+    /// The split under the budget with the working memory known now and at most `at_most`
+    /// resident blocks; a change is announced, and the next step's `begin` frees what it drops.
+    fn refit_to(&mut self, at_most: usize, reason: &str) -> Result<(), StreamError> {
+        let split = fit(&self.sizes, self.budget, self.working, at_most)
             .map_err(|source| StreamError::Budget { model: self.name.clone(), source })?;
         if split != self.split {
             self.split = split;
-            self.announce("limit", None);
+            self.announce(reason, None);
         }
         Ok(())
     }
