@@ -352,7 +352,6 @@ fn converts(dtype: safetensors::Dtype) -> bool {
 struct FileSizes {
     /// Each loaded entry's name and bytes once loaded.
     loaded: Vec<(String, u64)>,
-    entries: usize,
     stored: u64,
     resident: u64,
     float_bytes: u64,
@@ -376,7 +375,6 @@ fn read_header(path: &Path, ignore: &[glob::Pattern], load_bits: Option<usize>) 
     let floats: Vec<_> = loaded.iter().filter(|(_, info)| converts(info.dtype)).collect();
     Ok(FileSizes {
         loaded: loaded.iter().map(|(name, info)| (name.clone(), resident_of(info))).collect(),
-        entries: loaded.len(),
         stored,
         resident: total(loaded.iter().map(|(_, info)| resident_of(info))),
         float_bytes: total(floats.iter().map(|(_, info)| resident_of(info))),
@@ -494,7 +492,6 @@ impl Pipeline {
                 .collect::<Result<Vec<_>, _>>()
                 .map_err(|e| invalid(format!("model '{}': ignore: {e}", entry.name)))?;
             let files: Vec<PathBuf> = entry.files.iter().map(|f| folder.join(f)).collect();
-            let mut tensors = 0;
             let mut parts = Vec::new();
             let mut entries = Vec::new();
             for file in &files {
@@ -503,7 +500,6 @@ impl Pipeline {
                     file: file.clone(),
                     message,
                 })?;
-                tensors += sizes.entries;
                 entries.extend(sizes.loaded);
                 parts.push(Part {
                     file: file.clone(),
@@ -528,7 +524,7 @@ impl Pipeline {
                 placement,
                 dtype: entry.dtype,
                 ignore: entry.ignore,
-                tensors,
+                tensors: entries.len(),
                 bytes,
                 file_bytes,
                 parts,

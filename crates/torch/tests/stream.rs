@@ -58,9 +58,20 @@ impl Net {
 
     /// The same forward with a call at each block boundary.
     fn forward_streamed(&self, x: &Tensor, step: &mut Step<'_>) -> Result<Tensor, StreamError> {
+        self.forward_observed(x, step, |_| {})
+    }
+
+    /// [`Self::forward_streamed`], with `seen(i)` called once block `i` is in memory.
+    fn forward_observed(
+        &self,
+        x: &Tensor,
+        step: &mut Step<'_>,
+        mut seen: impl FnMut(usize),
+    ) -> Result<Tensor, StreamError> {
         let mut x = x.apply(&self.input);
         for i in 0..DEPTH {
             step.block(i)?;
+            seen(i);
             x = self.block(i, &x);
         }
         Ok(x.apply(&self.output))
@@ -191,16 +202,12 @@ fn at_no_boundary_are_more_than_the_prefix_and_two_slots_filled() {
     for _ in 0..3 {
         let _ = tch::no_grad(|| {
             model.run(|step| {
-                let mut h = x.apply(&net.input);
-                for i in 0..DEPTH {
-                    step.block(i)?;
+                net.forward_observed(&x, step, |i| {
                     most = most.max(filled(&tensors));
                     if i >= 2 {
                         addresses.insert(net.blocks[i].0.ws.data_ptr() as usize);
                     }
-                    h = net.block(i, &h);
-                }
-                Ok(h)
+                })
             })
         })
         .unwrap();
@@ -296,15 +303,11 @@ fn measured_working_memory_over_the_budget_streams_more_blocks_for_the_next_step
         reading.store(0, Ordering::Relaxed);
         let y = tch::no_grad(|| {
             model.run(|step| {
-                let mut h = x.apply(&net.input);
-                for i in 0..DEPTH {
-                    step.block(i)?;
+                net.forward_observed(&x, step, |i| {
                     if i == 0 {
                         reading.fetch_add(3 * BLOCK, Ordering::Relaxed);
                     }
-                    h = net.block(i, &h);
-                }
-                Ok(h.apply(&net.output))
+                })
             })
         });
         outputs.push(y.unwrap());
@@ -459,15 +462,11 @@ fn a_transient_inside_a_block_seen_by_the_high_water_mark_counts_as_working_memo
     let x = Tensor::randn([16, WIDTH], (Kind::Float, Device::Cpu));
     let _ = tch::no_grad(|| {
         model.run(|step| {
-            let mut h = x.apply(&net.input);
-            for i in 0..DEPTH {
-                step.block(i)?;
+            net.forward_observed(&x, step, |i| {
                 if i == 3 {
                     mark.fetch_add(3 * BLOCK, Ordering::Relaxed);
                 }
-                h = net.block(i, &h);
-            }
-            Ok(h)
+            })
         })
     })
     .unwrap();
