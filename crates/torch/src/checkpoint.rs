@@ -114,7 +114,8 @@ pub fn dtype_of(kind: Kind) -> Option<Dtype> {
     })
 }
 
-fn is_float(kind: Kind) -> bool {
+/// The float kinds a checkpoint holds and a pipeline file may convert to.
+pub(crate) fn is_float(kind: Kind) -> bool {
     matches!(kind, Kind::Half | Kind::BFloat16 | Kind::Float | Kind::Double)
 }
 

@@ -35,6 +35,10 @@ pub enum EventKind {
     /// A streamed model's split between resident and streamed blocks was set or changed;
     /// `residency` has the numbers, `note` the one-line report.
     Residency,
+    /// The host tier stored, evicted or did not store a model's weights, or changed its
+    /// budget; `note` says which (`stored`, `evicted`, `not stored: …`, `budget`), `tier` the
+    /// tier's budget and usage after it.
+    Tier,
 }
 
 impl EventKind {
@@ -49,6 +53,7 @@ impl EventKind {
             EventKind::Error => "error",
             EventKind::Prefetch => "prefetch",
             EventKind::Residency => "residency",
+            EventKind::Tier => "tier",
         }
     }
 
@@ -66,6 +71,15 @@ pub enum ReloadFrom {
     InPlace,
     /// Built again by its loader (under preserved RNG).
     Rebuilt,
+    /// The same object, storages reallocated and refilled from its copy in the host tier.
+    HostTier,
+}
+
+/// The host tier after an event: its byte budget and the bytes its copies hold.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TierUsage {
+    pub budget: u64,
+    pub used: u64,
 }
 
 /// How a streamed model holds its blocks (a `residency` event).
@@ -164,6 +178,9 @@ pub struct Event {
     /// Residency events: a streamed model's split.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub residency: Option<Residency>,
+    /// Tier events, and reloads from the tier: the host tier's budget and usage after it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tier: Option<TierUsage>,
 }
 
 impl Event {
@@ -213,7 +230,11 @@ impl fmt::Display for Event {
         match self.from {
             Some(ReloadFrom::InPlace) => details.push("in place".to_string()),
             Some(ReloadFrom::Rebuilt) => details.push("rebuilt".to_string()),
+            Some(ReloadFrom::HostTier) => details.push("from the host tier".to_string()),
             None => {}
+        }
+        if let Some(tier) = self.tier {
+            details.push(format!("host tier {} of {}", format_bytes(tier.used), format_bytes(tier.budget)));
         }
         if let Some(kept) = self.kept_bytes.filter(|k| *k > 0) {
             details.push(format!("kept {} shared", format_bytes(kept)));

@@ -20,7 +20,7 @@ pub mod summary;
 pub mod sync;
 pub mod table;
 
-pub use event::{Event, EventKind, EventSink, ListSink, LoadReport, ReloadFrom};
+pub use event::{Event, EventKind, EventSink, ListSink, LoadReport, ReloadFrom, TierUsage};
 pub use meter::{DeviceMemory, Meter, MeterOptions, MeterReadings, SystemMeterReadings};
 pub use reader::{read_trace, Trace, TraceError};
 pub use record::{EventRecord, Record};

@@ -3,14 +3,16 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::path::PathBuf;
+use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Condvar, Mutex};
 
 use super::decide::{self, SlotState};
 use super::error::{Result, StageError};
 use super::registry::{Entry, Inner, Placement, ProgressHook, State};
 use super::spec::ModelSpec;
+use super::tier::Tier;
 use super::StagedModels;
-use crate::checkpoint::Progress;
+use crate::checkpoint::{Checkpoint, Progress};
 use crate::rng::RngSnapshot;
 use stageload_trace::event::EventSink;
 
@@ -37,6 +39,9 @@ pub struct StagedModelsBuilder {
     /// run and written into the pipeline file).
     stage_working: BTreeMap<String, u64>,
     out_of_memory: decide::OutOfMemory,
+    host_tier: Option<u64>,
+    #[cfg(test)]
+    tier_on_cpu: bool,
 }
 
 impl StagedModelsBuilder {
@@ -166,6 +171,25 @@ impl StagedModelsBuilder {
         self
     }
 
+    /// A host tier of `bytes` (default none): a device model's release first copies its weights
+    /// into host memory pinned for the device, and its reload copies them back (`reload` event
+    /// `from: host_tier`) instead of reading its checkpoint or rebuilding it. Least recently used
+    /// copies are evicted to make room; copies in flight and those of pinned models never are.
+    /// CPU models are not held (their weights are host memory already; a `tier` event says so
+    /// once). [`build`](Self::build) refuses a budget smaller than a device model whose size its
+    /// checkpoint gives ([`StageError::HostTierTooSmall`]).
+    pub fn host_tier(mut self, bytes: u64) -> Self {
+        self.host_tier = Some(bytes);
+        self
+    }
+
+    /// Unit tests: the host tier holds CPU models as it would device models.
+    #[cfg(test)]
+    pub(crate) fn tier_on_cpu(mut self) -> Self {
+        self.tier_on_cpu = true;
+        self
+    }
+
     /// Whether [`Self::build`] fixes glibc's mmap threshold so that freed weight- and
     /// activation-sized blocks go back to the OS at once (default on; a process-wide setting).
     pub fn map_large_host_blocks(mut self, on: bool) -> Self {
@@ -244,6 +268,9 @@ impl StagedModelsBuilder {
         for (name, models) in &sequence {
             stages.entry(name.clone()).or_insert_with(|| models.clone());
         }
+        if let Some(budget) = self.host_tier {
+            check_tier_budget(&entries, budget)?;
+        }
         if self.map_large_host_blocks {
             stageload_torch_sys::map_large_host_blocks();
         }
@@ -259,6 +286,7 @@ impl StagedModelsBuilder {
             position: None,
             closed: false,
             next_ticket: 0,
+            tier: self.host_tier.map(Tier::new),
         };
         Ok(StagedModels {
             inner: Arc::new(Inner {
@@ -276,6 +304,9 @@ impl StagedModelsBuilder {
                 stage_working: self.stage_working,
                 prefetching: Mutex::new(Vec::new()),
                 out_of_memory: self.out_of_memory,
+                tier_said_cpu: AtomicBool::new(false),
+                #[cfg(test)]
+                tier_on_cpu: self.tier_on_cpu,
             }),
         })
     }
@@ -301,6 +332,31 @@ impl StagedModels {
             prefetch_budget: None,
             stage_working: BTreeMap::new(),
             out_of_memory: decide::OutOfMemory::Fail,
+            host_tier: None,
+            #[cfg(test)]
+            tier_on_cpu: false,
         }
     }
+}
+
+/// Refuses a host tier budget smaller than a model the pipeline places on a device, sized from
+/// its checkpoint's headers in the dtype it will have there. Models whose device or checkpoint
+/// is not known yet are checked when released (a `tier` event says when one is not stored).
+fn check_tier_budget(entries: &[Entry], budget: u64) -> Result<()> {
+    for entry in entries {
+        let on_device = entry.placement.device.is_some_and(super::tier_copy::applies);
+        if !on_device || entry.checkpoint.is_empty() {
+            continue;
+        }
+        let Ok(checkpoint) = Checkpoint::open(&entry.checkpoint) else { continue };
+        let bytes = checkpoint.entries().values().fold(0u64, |sum, e| {
+            let kind = entry.placement.kind.filter(|_| crate::checkpoint::is_float(e.kind)).unwrap_or(e.kind);
+            let elements = e.shape.iter().fold(1u64, |n, &d| n.saturating_mul(d.max(0) as u64));
+            sum.saturating_add(elements.saturating_mul(kind.elt_size_in_bytes() as u64))
+        });
+        if bytes > budget {
+            return Err(StageError::HostTierTooSmall { model: entry.name.clone(), bytes, budget });
+        }
+    }
+    Ok(())
 }

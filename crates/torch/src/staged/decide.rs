@@ -65,6 +65,8 @@ pub struct GetContext {
     pub strict: bool,
     /// The current stage lists the model, pins it, or no stage was entered yet.
     pub planned_here: bool,
+    /// The host tier has a ready copy of the model's weights.
+    pub in_tier: bool,
 }
 
 /// Why a `get` is refused.
@@ -109,7 +111,7 @@ pub fn on_get<I: Clone>(slot: &Slot<I>, ctx: GetContext) -> GetAction<I> {
         SlotState::Failed { instance: None, .. } | SlotState::Unloaded => None,
     };
     match released {
-        Some((_, instance)) if slot.has_checkpoint => GetAction::Refill(instance.clone()),
+        Some((_, instance)) if slot.has_checkpoint || ctx.in_tier => GetAction::Refill(instance.clone()),
         _ if slot.has_loader => GetAction::Build { reload: slot.loads > 0 },
         Some((stage, _)) => GetAction::Refuse(Refusal::NoLoader { stage }),
         None => GetAction::Refuse(Refusal::NoLoader { stage: None }),
@@ -202,14 +204,16 @@ pub enum PrefetchSkip {
 }
 
 /// Decides whether a prefetch starts loading `slot` in the background. Only loads that draw no
-/// random number qualify: a refill in place from the checkpoint, or a build without
-/// initialisation (`skip_init`).
-pub fn on_prefetch<I>(slot: &Slot<I>, closed: bool, skip_init: bool) -> Result<(), PrefetchSkip> {
+/// random number qualify: a refill in place from the checkpoint or the host tier (`in_tier`), or
+/// a build without initialisation (`skip_init`).
+pub fn on_prefetch<I>(slot: &Slot<I>, closed: bool, skip_init: bool, in_tier: bool) -> Result<(), PrefetchSkip> {
     match &slot.state {
         SlotState::Resident(_) | SlotState::Released { pending: true, .. } => Err(PrefetchSkip::Resident),
         SlotState::Loading { .. } => Err(PrefetchSkip::InFlight),
         _ if closed => Err(PrefetchSkip::Closed),
-        SlotState::Released { .. } | SlotState::Failed { instance: Some(_), .. } if slot.has_checkpoint => Ok(()),
+        SlotState::Released { .. } | SlotState::Failed { instance: Some(_), .. } if slot.has_checkpoint || in_tier => {
+            Ok(())
+        }
         _ if slot.has_loader && skip_init => Ok(()),
         _ if slot.has_loader => Err(PrefetchSkip::DrawsRandomNumbers),
         _ => Err(PrefetchSkip::NoLoader),
@@ -273,7 +277,7 @@ mod tests {
         Slot { state, has_loader: true, has_checkpoint: true, loads: 1 }
     }
 
-    const FREE: GetContext = GetContext { closed: false, strict: false, planned_here: true };
+    const FREE: GetContext = GetContext { closed: false, strict: false, planned_here: true, in_tier: false };
 
     fn released(pending: bool) -> SlotState<u32> {
         SlotState::Released { stage: Some("decode".into()), instance: 7, pending }
@@ -281,7 +285,7 @@ mod tests {
 
     #[test]
     fn a_resident_model_is_handed_out_even_outside_its_stage_and_after_close() {
-        let ctx = GetContext { closed: true, strict: true, planned_here: false };
+        let ctx = GetContext { closed: true, strict: true, planned_here: false, in_tier: false };
         assert_eq!(on_get(&slot(SlotState::Resident(7)), ctx), GetAction::Use(7));
     }
 
@@ -306,6 +310,24 @@ mod tests {
         assert_eq!(on_get(&no_checkpoint, FREE), GetAction::Build { reload: true });
         no_checkpoint.has_loader = false;
         assert_eq!(on_get(&no_checkpoint, FREE), GetAction::Refuse(Refusal::NoLoader { stage: Some("decode".into()) }));
+    }
+
+    #[test]
+    fn a_released_model_with_a_copy_in_the_host_tier_comes_back_in_place_even_without_checkpoint() {
+        let mut no_checkpoint = slot(released(false));
+        no_checkpoint.has_checkpoint = false;
+        let in_tier = GetContext { in_tier: true, ..FREE };
+        assert_eq!(on_get(&no_checkpoint, in_tier), GetAction::Refill(7), "no rebuild, no random number drawn");
+        no_checkpoint.has_loader = false;
+        assert_eq!(on_get(&no_checkpoint, in_tier), GetAction::Refill(7), "an inserted model comes back too");
+        assert_eq!(on_prefetch(&no_checkpoint, false, false, true), Ok(()), "and is prefetched");
+        let mut unloaded = slot(SlotState::Unloaded);
+        unloaded.loads = 0;
+        assert_eq!(
+            on_get(&unloaded, in_tier),
+            GetAction::Build { reload: false },
+            "a copy without instance is useless"
+        );
     }
 
     #[test]
@@ -370,19 +392,19 @@ mod tests {
 
     #[test]
     fn only_loads_that_draw_no_random_number_are_prefetched() {
-        assert_eq!(on_prefetch(&slot(released(false)), false, false), Ok(()), "a refill in place draws nothing");
+        assert_eq!(on_prefetch(&slot(released(false)), false, false, false), Ok(()), "a refill in place draws nothing");
         let mut unloaded = slot(SlotState::Unloaded);
         unloaded.loads = 0;
-        assert_eq!(on_prefetch(&unloaded, false, false), Err(PrefetchSkip::DrawsRandomNumbers));
-        assert_eq!(on_prefetch(&unloaded, false, true), Ok(()), "a build without initialisation draws nothing");
-        assert_eq!(on_prefetch(&slot(SlotState::Resident(1)), false, true), Err(PrefetchSkip::Resident));
-        assert_eq!(on_prefetch(&slot(released(true)), false, true), Err(PrefetchSkip::Resident));
+        assert_eq!(on_prefetch(&unloaded, false, false, false), Err(PrefetchSkip::DrawsRandomNumbers));
+        assert_eq!(on_prefetch(&unloaded, false, true, false), Ok(()), "a build without initialisation draws nothing");
+        assert_eq!(on_prefetch(&slot(SlotState::Resident(1)), false, true, false), Err(PrefetchSkip::Resident));
+        assert_eq!(on_prefetch(&slot(released(true)), false, true, false), Err(PrefetchSkip::Resident));
         let loading = slot(SlotState::Loading { ticket: 1, previous: None });
-        assert_eq!(on_prefetch(&loading, false, true), Err(PrefetchSkip::InFlight));
-        assert_eq!(on_prefetch(&slot(released(false)), true, true), Err(PrefetchSkip::Closed));
+        assert_eq!(on_prefetch(&loading, false, true, false), Err(PrefetchSkip::InFlight));
+        assert_eq!(on_prefetch(&slot(released(false)), true, true, false), Err(PrefetchSkip::Closed));
         let mut lost = slot(released(false));
         (lost.has_loader, lost.has_checkpoint) = (false, false);
-        assert_eq!(on_prefetch(&lost, false, true), Err(PrefetchSkip::NoLoader));
+        assert_eq!(on_prefetch(&lost, false, true, false), Err(PrefetchSkip::NoLoader));
     }
 
     #[test]

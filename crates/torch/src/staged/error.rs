@@ -48,6 +48,16 @@ pub enum StageError {
     Torch { model: String, source: ShimError },
     #[error("saving or restoring random generators: {0}")]
     Rng(ShimError),
+    #[error("host tier, model '{model}': {message}")]
+    HostTier { model: String, message: String },
+    #[error("host tier budget of {} is smaller than model '{model}' ({} on its device): raise the budget to at least that, or leave the model out of the tier by placing it on the CPU", fmt_bytes(*.budget), fmt_bytes(*.bytes))]
+    HostTierTooSmall { model: String, bytes: u64, budget: u64 },
+    #[error("host tier budget of {} refused: copies in flight or of pinned models hold {}; the budget stays {}", fmt_bytes(*.asked), fmt_bytes(*.protected), fmt_bytes(*.budget))]
+    HostTierBudget { asked: u64, protected: u64, budget: u64 },
+}
+
+fn fmt_bytes(bytes: u64) -> String {
+    stageload_units::format_bytes(bytes)
 }
 
 fn at_stage(stage: &Option<String>) -> String {

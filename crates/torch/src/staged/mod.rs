@@ -13,7 +13,12 @@
 //! lock while it waits for another thread: a release of a model that some thread is using is
 //! carried out by that thread's guard when it lets go (see [`registry`] for the lock order).
 //!
+//! With a host tier ([`StagedModelsBuilder::host_tier`]), a device model's release first copies
+//! its weights into host memory (pinned for the device) when the tier's budget has room, and its
+//! next `get` copies them back in place: no checkpoint read, no rebuild, no random number drawn.
+//!
 //! Files: [`decide`] (the slot state machine, pure), [`registry`] (carrying its decisions out),
+//! [`tier`] (the host tier's budget, leases and evictions, pure), [`tier_copy`] (its copies),
 //! [`instance`] (a model object, its handle and guard), [`spec`] (what loaders get and return),
 //! [`builder`], [`error`].
 
@@ -23,6 +28,10 @@ pub mod error;
 pub mod instance;
 mod registry;
 pub mod spec;
+mod tier;
+mod tier_copy;
+#[cfg(test)]
+mod tier_tests;
 
 use std::sync::Arc;
 
@@ -162,6 +171,19 @@ impl StagedModels {
             stage: stage.to_string(),
             known: state.stages.keys().cloned().collect(),
         })
+    }
+
+    /// Sets the host tier's byte budget at run time (a registry built without a tier gets one).
+    /// Shrinking evicts least recently used copies down to the new budget; when copies in flight
+    /// or of pinned models alone hold more, it is refused
+    /// ([`StageError::HostTierBudget`]) and nothing changes. A `tier` event records the change.
+    pub fn set_host_tier_budget(&self, bytes: u64) -> Result<()> {
+        self.inner.set_tier_budget(bytes)
+    }
+
+    /// The host tier's budget and the bytes its copies hold (`None`: no tier).
+    pub fn host_tier(&self) -> Option<stageload_trace::event::TierUsage> {
+        self.inner.tier_usage()
     }
 
     /// Bytes of the distinct storages of every model holding weights (shared storage once).

@@ -22,12 +22,14 @@ use super::decide::{self, Finish, GetAction, GetContext, ModelState, Refusal, Sl
 use super::error::{panic_message, Result, StageError};
 use super::instance::{Handle, Instance, ReleaseMark};
 use super::spec::{BuildContext, Built, Loader, SharedComponents};
+use super::tier::{Evicted, Tier};
+use super::tier_copy::{self, HostCopies};
 use crate::checkpoint::{Checkpoint, Progress};
 use crate::names::NameRules;
 use crate::rng::{PreservedRng, RngSnapshot};
 use crate::storage::{self, ReleaseStats};
 use crate::sync::lock;
-use stageload_trace::event::{Event, EventKind, EventSink, LoadReport, ReloadFrom};
+use stageload_trace::event::{Event, EventKind, EventSink, LoadReport, ReloadFrom, TierUsage};
 
 /// Told how far a checkpoint load has come: the model and bytes done of the total.
 pub(crate) type ProgressHook = dyn Fn(&str, Progress) + Send + Sync;
@@ -84,7 +86,7 @@ impl Placement {
                 }
             }
             if let Some(kind) = self.kind {
-                let float = matches!(tensor.kind(), Kind::Half | Kind::BFloat16 | Kind::Float | Kind::Double);
+                let float = crate::checkpoint::is_float(tensor.kind());
                 if float && tensor.kind() != kind {
                     let _no_grad = tch::no_grad_guard();
                     let converted =
@@ -122,6 +124,8 @@ pub(crate) struct State {
     pub(crate) position: Option<usize>,
     pub(crate) closed: bool,
     pub(crate) next_ticket: u64,
+    /// Host copies of released device models (`None`: no host tier).
+    pub(crate) tier: Option<Tier<HostCopies>>,
 }
 
 impl State {
@@ -144,6 +148,15 @@ impl State {
                 self.pinned.contains(name) || self.stages.get(stage).is_some_and(|m| m.contains(name))
             }
         }
+    }
+
+    /// The models pinned now: at the occurrence entered last, else for the whole run.
+    fn pinned_now(&self) -> BTreeSet<String> {
+        self.position.map_or_else(|| self.pinned.clone(), |index| self.pinned_at(index))
+    }
+
+    fn tier_usage(&self) -> Option<TierUsage> {
+        self.tier.as_ref().map(|tier| TierUsage { budget: tier.budget(), used: tier.used() })
     }
 
     /// The models pinned at occurrence `index`: the whole run's and the spans holding there.
@@ -218,6 +231,11 @@ pub(crate) struct Inner {
     pub(crate) out_of_memory: decide::OutOfMemory,
     /// Background loads still running (joined when the registry is dropped).
     pub(crate) prefetching: Mutex<Vec<std::thread::JoinHandle<()>>>,
+    /// The host tier said once that it does not hold CPU models.
+    pub(crate) tier_said_cpu: std::sync::atomic::AtomicBool,
+    /// Unit tests: the host tier holds CPU models too (no device here to test it with).
+    #[cfg(test)]
+    pub(crate) tier_on_cpu: bool,
 }
 
 /// Why a load runs.
@@ -231,8 +249,12 @@ pub(crate) enum Purpose {
 
 /// What a load started under the state lock needs once the lock is dropped.
 enum LoadPlan {
-    Build { reload: bool, loader: Arc<Loader> },
-    Refill(Arc<Instance>),
+    Build {
+        reload: bool,
+        loader: Arc<Loader>,
+    },
+    /// In place, from the host tier's copies (leased) or else the checkpoint.
+    Refill(Arc<Instance>, Option<HostCopies>),
 }
 
 impl Inner {
@@ -274,7 +296,8 @@ impl Inner {
         let (ticket, plan, recipe) = loop {
             let position = state.position(name)?;
             let planned_here = prefetch || state.planned_here(name);
-            let ctx = GetContext { closed: state.closed, strict: self.strict, planned_here };
+            let in_tier = state.tier.as_ref().is_some_and(|tier| tier.ready(name));
+            let ctx = GetContext { closed: state.closed, strict: self.strict, planned_here, in_tier };
             let entry = &state.entries[position];
             let plan = match decide::on_get(&entry.slot, ctx) {
                 GetAction::Use(instance) => return Ok(instance),
@@ -306,7 +329,10 @@ impl Inner {
                 GetAction::Refuse(Refusal::NoLoader { stage }) => {
                     return Err(StageError::NoLoader { model: name.to_string(), stage })
                 }
-                GetAction::Refill(instance) => LoadPlan::Refill(instance),
+                GetAction::Refill(instance) => {
+                    let copies = state.tier.as_mut().and_then(|tier| tier.lease(name)).map(HostCopies::shallow);
+                    LoadPlan::Refill(instance, copies)
+                }
                 GetAction::Build { reload } => match &entry.loader {
                     Some(loader) => LoadPlan::Build { reload, loader: Arc::clone(loader) },
                     None => return Err(StageError::NoLoader { model: name.to_string(), stage: None }),
@@ -336,13 +362,24 @@ impl Inner {
                 // not save and restore the generators the foreground is drawing from.
                 self.build(name, loader, &recipe, self.preserve_rng && !prefetch)
             }
-            LoadPlan::Refill(instance) => self
-                .refill(instance, &recipe.checkpoint, &recipe.names)
+            LoadPlan::Refill(instance, copies) => self
+                .refill(instance, &recipe.checkpoint, &recipe.names, copies.as_ref())
                 .map(|(bytes, report)| (Arc::clone(instance), bytes, report)),
         };
         let seconds = started.elapsed().as_secs_f64();
 
         let mut state = self.state();
+        // A reload from the tier gives its copy up (the weights are on the device again); a
+        // failed one leaves it for the next try.
+        let from_tier = matches!(plan, LoadPlan::Refill(_, Some(_)));
+        let mut restored = None;
+        if let (true, Some(tier)) = (from_tier, state.tier.as_mut()) {
+            match result {
+                Ok(_) => restored = tier.forget(name),
+                Err(_) => tier.unlease(name),
+            }
+        }
+        let tier = if from_tier { state.tier_usage() } else { None };
         let position = state.index.get(name).copied();
         let outcome = result.as_ref().map(|(instance, ..)| Arc::clone(instance)).map_err(|e| e.to_string());
         let finish = decide::on_load_finished(position.map(|p| &state.entries[p].slot), ticket, outcome);
@@ -363,10 +400,12 @@ impl Inner {
                 entry.report = report.clone();
                 let resident = state.resident_bytes();
                 drop(state);
+                drop(restored);
                 let (kind, from) = match plan {
                     LoadPlan::Build { reload: false, .. } => (EventKind::Load, None),
                     LoadPlan::Build { reload: true, .. } => (EventKind::Reload, Some(ReloadFrom::Rebuilt)),
-                    LoadPlan::Refill(_) => (EventKind::Reload, Some(ReloadFrom::InPlace)),
+                    LoadPlan::Refill(_, Some(_)) => (EventKind::Reload, Some(ReloadFrom::HostTier)),
+                    LoadPlan::Refill(_, None) => (EventKind::Reload, Some(ReloadFrom::InPlace)),
                 };
                 self.emit(Event {
                     stage,
@@ -378,6 +417,7 @@ impl Inner {
                     prefetched: prefetch,
                     report,
                     resident: Some(resident),
+                    tier,
                     ..Event::now(kind)
                 });
                 Ok(instance)
@@ -492,12 +532,14 @@ impl Inner {
     }
 
     /// Brings a released instance back in place: reallocates its freed storages and refills
-    /// them from the checkpoint. On failure the instance stays released as it was.
+    /// them from its host tier `copies` when it has them, else from the checkpoint. On failure
+    /// the instance stays released as it was.
     fn refill(
         &self,
         instance: &Arc<Instance>,
         checkpoint: &[PathBuf],
         names: &NameRules,
+        copies: Option<&HostCopies>,
     ) -> Result<(u64, Option<LoadReport>)> {
         let name = &instance.name;
         let torch = |source| StageError::Torch { model: name.clone(), source };
@@ -513,7 +555,16 @@ impl Inner {
             .filter(|(_, t)| stageload_torch_sys::storage_info(t).is_ok_and(|i| reallocated.contains(&i.id)))
             .map(|(n, t)| (n.clone(), t.shallow_clone()))
             .collect();
-        let report = match self.load_checkpoint(name, checkpoint, &targets, names) {
+        let filled = match copies {
+            Some(copies) => {
+                let device = targets.first().map_or(Device::Cpu, |(_, t)| t.device());
+                tier_copy::copy_in(&targets, copies, device)
+                    .map(|()| None)
+                    .map_err(|message| StageError::HostTier { model: name.clone(), message })
+            }
+            None => self.load_checkpoint(name, checkpoint, &targets, names).map(Some),
+        };
+        let report = match filled {
             Ok(report) => report,
             Err(err) => {
                 let stage = instance.mark().stage().flatten();
@@ -527,7 +578,7 @@ impl Inner {
         drop(weights);
         lock(&instance.ctl).mark = ReleaseMark::Live;
         drop(body);
-        Ok((bytes, Some(report)))
+        Ok((bytes, report))
     }
 
     /// Frees a released instance's storages now, or leaves that to the guard holding it (see the
@@ -546,6 +597,7 @@ impl Inner {
         ctl.mark = ReleaseMark::Freed(stage.clone());
         drop(ctl);
 
+        self.store_in_tier(instance, &stage);
         let started = Instant::now();
         let keep: HashSet<u64> =
             self.state().holding().filter(|i| !Arc::ptr_eq(i, instance)).flat_map(|i| i.storage_ids()).collect();
@@ -607,6 +659,129 @@ impl Inner {
         Some(stats)
     }
 
+    /// Copies a device model's weights into the host tier before its release frees them, when
+    /// the tier has (or can make) room; says why when it does not. Runs under the instance's
+    /// body lock, with the state lock taken only to reserve and to fill the entry.
+    fn store_in_tier(&self, instance: &Instance, stage: &Option<String>) {
+        let tensors = shallow(&lock(&instance.weights).tensors);
+        let Some(device) = tensors.first().map(|(_, t)| t.device()) else { return };
+        let name = instance.name.as_str();
+        let mut state = self.state();
+        // Not when closing, nor for an instance that left its slot (removed, replaced).
+        let still_held = state
+            .index
+            .get(name)
+            .and_then(|&p| released(&state.entries[p]))
+            .is_some_and(|held| std::ptr::eq(held.as_ref(), instance));
+        if state.tier.is_none() || state.closed || !still_held {
+            return;
+        }
+        if !self.tier_applies(device) {
+            let usage = state.tier_usage();
+            drop(state);
+            if !self.tier_said_cpu.swap(true, std::sync::atomic::Ordering::Relaxed) {
+                let note = format!(
+                    "not stored: '{name}' lives on the CPU, where its weights are host memory already; the host tier holds device models"
+                );
+                self.tier_event(stage, name, None, None, note, usage);
+            }
+            return;
+        }
+        let bytes = match tier_copy::bytes_needed(&tensors) {
+            Ok(bytes) => bytes,
+            Err(err) => {
+                let usage = state.tier_usage();
+                drop(state);
+                return self.tier_event(stage, name, None, None, format!("not stored: {err}"), usage);
+            }
+        };
+        let protected = state.pinned_now();
+        let admitted = state.tier.as_mut().map(|tier| tier.admit(name, bytes, &protected));
+        let usage = state.tier_usage();
+        drop(state);
+        let evicted = match admitted {
+            Some(Ok(evicted)) => evicted,
+            Some(Err(why)) => {
+                return self.tier_event(stage, name, Some(bytes), None, format!("not stored: {why}"), usage)
+            }
+            None => return,
+        };
+        self.evicted(stage, evicted, usage);
+
+        let started = Instant::now();
+        let copied = tier_copy::copy_out(&tensors, device);
+        let mut state = self.state();
+        let Some(tier) = state.tier.as_mut() else { return };
+        let (note, dropped) = match copied {
+            Ok(copies) => ("stored".to_string(), tier.fill(name, copies)),
+            Err(message) => (format!("not stored: {message}"), tier.forget(name)),
+        };
+        let usage = state.tier_usage();
+        drop(state);
+        drop(dropped);
+        self.tier_event(stage, name, Some(bytes), Some(started.elapsed().as_secs_f64()), note, usage);
+    }
+
+    /// Whether the host tier holds copies of models on `device`.
+    fn tier_applies(&self, device: Device) -> bool {
+        #[cfg(test)]
+        if self.tier_on_cpu {
+            return true;
+        }
+        tier_copy::applies(device)
+    }
+
+    /// Drops evicted copies (the state lock let go) and says so.
+    fn evicted(&self, stage: &Option<String>, evicted: Vec<Evicted<HostCopies>>, usage: Option<TierUsage>) {
+        for Evicted { model, bytes, copies } in evicted {
+            drop(copies);
+            self.tier_event(stage, &model, Some(bytes), None, "evicted".to_string(), usage);
+        }
+    }
+
+    fn tier_event(
+        &self,
+        stage: &Option<String>,
+        model: &str,
+        bytes: Option<u64>,
+        seconds: Option<f64>,
+        note: String,
+        tier: Option<TierUsage>,
+    ) {
+        self.emit(Event {
+            stage: stage.clone(),
+            model: Some(model.to_string()),
+            bytes,
+            seconds,
+            note: Some(note),
+            tier,
+            ..Event::now(EventKind::Tier)
+        });
+    }
+
+    /// Sets the host tier's budget (see [`super::StagedModels::set_host_tier_budget`]).
+    pub(crate) fn set_tier_budget(&self, bytes: u64) -> Result<()> {
+        let mut state = self.state();
+        let protected = state.pinned_now();
+        let stage = state.current.clone();
+        let tier = state.tier.get_or_insert_with(|| Tier::new(bytes));
+        let old = tier.budget();
+        let evicted = tier.set_budget(bytes, &protected).map_err(|refused| StageError::HostTierBudget {
+            asked: refused.asked,
+            protected: refused.protected,
+            budget: old,
+        })?;
+        let usage = state.tier_usage();
+        drop(state);
+        self.evicted(&stage, evicted, usage);
+        self.emit(Event { stage, note: Some("budget".into()), tier: usage, ..Event::now(EventKind::Tier) });
+        Ok(())
+    }
+
+    pub(crate) fn tier_usage(&self) -> Option<TierUsage> {
+        self.state().tier_usage()
+    }
+
     /// Releases `instances` (already marked), adding up what was freed now.
     pub(crate) fn release_all(&self, instances: Vec<Arc<Instance>>) -> ReleaseStats {
         let mut total = ReleaseStats::default();
@@ -638,7 +813,8 @@ impl Inner {
         for name in planned {
             let Some(&position) = state.index.get(name) else { continue };
             let entry = &state.entries[position];
-            match decide::on_prefetch(&entry.slot, state.closed, entry.skip_init) {
+            let in_tier = state.tier.as_ref().is_some_and(|tier| tier.ready(name));
+            match decide::on_prefetch(&entry.slot, state.closed, entry.skip_init, in_tier) {
                 Ok(()) => {
                     candidates.push((name.clone(), instance_bytes(entry), entry.checkpoint.clone(), cuda_device(entry)))
                 }
@@ -742,7 +918,9 @@ impl Inner {
         let instances: Vec<Arc<Instance>> = positions.into_iter().filter_map(|p| state.request_release(p)).collect();
         state.current = None;
         state.closed = true;
+        let copies = state.tier.as_mut().map(Tier::clear);
         drop(state);
+        drop(copies);
         // A `close` mark first, so a trace does not read these releases as the tail of the last
         // stage's entry.
         self.emit(Event { stage, note: Some("close".into()), resident: Some(resident), ..Event::now(EventKind::Mark) });
@@ -753,6 +931,7 @@ impl Inner {
     pub(crate) fn insert(self: &Arc<Self>, name: &str, built: Built) -> Result<()> {
         let instance = Instance::new(name, built, Arc::downgrade(self))?;
         let mut state = self.state();
+        let stale = state.tier.as_mut().and_then(|tier| tier.forget(name));
         let old = match state.index.get(name).copied() {
             Some(position) => {
                 let old = state.request_release(position);
@@ -791,6 +970,7 @@ impl Inner {
         };
         self.changed.notify_all();
         drop(state);
+        drop(stale);
         self.release_all(old.into_iter().collect());
         Ok(())
     }
@@ -812,8 +992,10 @@ impl Inner {
         let (mut state, position) = self.settled(name)?;
         let old = if release { state.request_release(position) } else { None };
         state.remove_entry(position);
+        let stale = state.tier.as_mut().and_then(|tier| tier.forget(name));
         self.changed.notify_all();
         drop(state);
+        drop(stale);
         self.release_all(old.into_iter().collect());
         Ok(())
     }

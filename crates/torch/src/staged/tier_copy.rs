@@ -1,0 +1,206 @@
+//! The host tier's copies: a device model's weights out to host memory before a release frees
+//! them, and back into its reallocated storages when it reloads.
+//!
+//! Host copies are pinned for the model's device when the driver allows it (libtorch's caching
+//! host allocator keeps freed pinned blocks for the next copy, so pinning is paid once per
+//! size), else pageable, said once per process. On CUDA both directions run on a side stream of
+//! the model's device and end at a recorded event; the copy out first waits for the work the
+//! model's device already has queued. Tensors that view the same bytes (tied weights) are copied
+//! once.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use stageload_torch_sys as shim;
+use tch::{Device, Tensor};
+
+/// A model's weights in host memory: each distinct view once, and which view each name has.
+#[derive(Debug)]
+pub(crate) struct HostCopies {
+    hosts: Vec<Tensor>,
+    names: Vec<(String, usize)>,
+    pinned: bool,
+}
+
+impl HostCopies {
+    /// The same copies, shared (for a reload that runs with the registry's lock let go).
+    pub(crate) fn shallow(&self) -> HostCopies {
+        HostCopies {
+            hosts: self.hosts.iter().map(Tensor::shallow_clone).collect(),
+            names: self.names.clone(),
+            pinned: self.pinned,
+        }
+    }
+
+    fn host(&self, name: &str) -> Option<&Tensor> {
+        self.names.iter().find(|(n, _)| n == name).map(|&(_, i)| &self.hosts[i])
+    }
+}
+
+/// Whether the host tier holds copies of a model on `device`: device models only (a CPU model's
+/// weights are host memory already).
+pub(crate) fn applies(device: Device) -> bool {
+    device != Device::Cpu
+}
+
+/// What a view is, to copy tensors that view the same bytes once.
+type ViewKey = (u64, i64, Vec<i64>, Vec<i64>, tch::Kind);
+
+fn view_key(tensor: &Tensor) -> Result<ViewKey, shim::ShimError> {
+    let info = shim::storage_info(tensor)?;
+    Ok((info.id, tensor.storage_offset(), tensor.size(), tensor.stride(), tensor.kind()))
+}
+
+fn tensor_bytes(tensor: &Tensor) -> u64 {
+    (tensor.numel() as u64).saturating_mul(tensor.kind().elt_size_in_bytes() as u64)
+}
+
+/// The distinct views of `tensors` (first name wins) and, per name, its view's index.
+fn distinct_views(tensors: &[(String, Tensor)]) -> Result<(Vec<&Tensor>, Vec<(String, usize)>), shim::ShimError> {
+    let mut keys: Vec<ViewKey> = Vec::new();
+    let mut views = Vec::new();
+    let mut names = Vec::with_capacity(tensors.len());
+    for (name, tensor) in tensors {
+        let key = view_key(tensor)?;
+        let index = match keys.iter().position(|k| *k == key) {
+            Some(index) => index,
+            None => {
+                keys.push(key);
+                views.push(tensor);
+                views.len() - 1
+            }
+        };
+        names.push((name.clone(), index));
+    }
+    Ok((views, names))
+}
+
+/// Host bytes a copy of `tensors` takes (each distinct view once).
+pub(crate) fn bytes_needed(tensors: &[(String, Tensor)]) -> Result<u64, shim::ShimError> {
+    Ok(distinct_views(tensors)?.0.into_iter().map(tensor_bytes).sum())
+}
+
+static SAID_PAGEABLE: AtomicBool = AtomicBool::new(false);
+
+/// A host tensor shaped like `like`, pinned for `device` when the driver allows it.
+fn host_like(like: &Tensor, device: Device, pin: bool) -> Result<(Tensor, bool), tch::TchError> {
+    let host = Tensor::f_empty(like.size(), (like.kind(), Device::Cpu))?;
+    if !pin || device == Device::Cpu {
+        return Ok((host, false));
+    }
+    match host.f_pin_memory(device) {
+        Ok(pinned) => Ok((pinned, true)),
+        Err(err) => {
+            if !SAID_PAGEABLE.swap(true, Ordering::Relaxed) {
+                tracing::warn!(%err, "host tier: pinning host memory failed; copies use pageable memory (slower)");
+            }
+            Ok((host, false))
+        }
+    }
+}
+
+/// Copies `tensors` (a model's weights on `device`) into host memory.
+pub(crate) fn copy_out(tensors: &[(String, Tensor)], device: Device) -> Result<HostCopies, String> {
+    let (views, names) = distinct_views(tensors).map_err(|e| e.to_string())?;
+    let mut hosts = Vec::with_capacity(views.len());
+    let mut pinned = true;
+    for view in &views {
+        let (host, pinned_here) =
+            host_like(view, device, pinned).map_err(|e| format!("allocating host memory: {e}"))?;
+        pinned &= pinned_here;
+        hosts.push(host);
+    }
+    // Copies already pinned stay valid if a later one fell back; all go the same way below.
+    let pairs: Vec<(&Tensor, &Tensor)> = hosts.iter().zip(views.iter().copied()).collect();
+    copy_all(&pairs, device, pinned).map_err(|e| format!("copying to host memory: {e}"))?;
+    Ok(HostCopies { hosts, names, pinned })
+}
+
+/// Copies `copies` back into `targets` (tensors of the model on `device`, their storages
+/// reallocated). Every target must have a copy.
+pub(crate) fn copy_in(targets: &[(String, Tensor)], copies: &HostCopies, device: Device) -> Result<(), String> {
+    let mut pairs = Vec::with_capacity(targets.len());
+    for (name, target) in targets {
+        let host = copies.host(name).ok_or_else(|| format!("the host tier has no copy of tensor '{name}'"))?;
+        pairs.push((target, host));
+    }
+    copy_all(&pairs, device, copies.pinned).map_err(|e| format!("copying from host memory: {e}"))
+}
+
+/// `dst.copy_(src)` for every pair; on CUDA with pinned host memory, asynchronous on a side
+/// stream and waited for at its end.
+fn copy_all(pairs: &[(&Tensor, &Tensor)], device: Device, pinned: bool) -> Result<(), String> {
+    let _no_grad = tch::no_grad_guard();
+    match device {
+        Device::Cuda(index) if pinned => {
+            // The model's last kernels (a build, a fill) may still be queued on this thread's
+            // stream: the side stream starts after them.
+            shim::cuda_sync_current_stream(index).map_err(|e| e.to_string())?;
+            let _side = shim::cuda_side_stream(index).map_err(|e| e.to_string())?;
+            for (dst, src) in pairs {
+                shim::copy_async(dst, src).map_err(|e| e.to_string())?;
+            }
+            shim::CudaEvent::record(index).and_then(|event| event.synchronize()).map_err(|e| e.to_string())
+        }
+        _ => {
+            for (dst, src) in pairs {
+                let mut dst = dst.shallow_clone();
+                dst.f_copy_(src).map_err(|e| e.to_string())?;
+            }
+            Ok(())
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tch::Kind;
+
+    #[test]
+    fn weights_copied_out_and_back_into_freed_storages_are_bit_identical() {
+        let w = Tensor::randn([64, 32], (Kind::Float, Device::Cpu));
+        let tied = w.shallow_clone();
+        let b = Tensor::randn([32], (Kind::BFloat16, Device::Cpu));
+        let tensors = vec![("w".to_string(), w.shallow_clone()), ("tied".to_string(), tied), ("b".to_string(), b)];
+        let before: Vec<Tensor> = tensors.iter().map(|(_, t)| t.copy()).collect();
+        assert_eq!(bytes_needed(&tensors).unwrap(), 64 * 32 * 4 + 32 * 2, "the tied view counted once");
+
+        let copies = copy_out(&tensors, Device::Cpu).unwrap();
+        assert_eq!(copies.hosts.len(), 2, "one copy of the tied view");
+        assert!(!copies.pinned, "no driver here: pageable copies");
+        let storages = crate::storage::distinct_storages(&tensors).unwrap();
+        // SAFETY: these tensors are this test's alone and unused until refilled below.
+        unsafe { crate::storage::release(&storages, &Default::default(), "released by the test") }.unwrap();
+        // SAFETY: as above.
+        unsafe { crate::storage::reallocate(&storages) }.unwrap();
+        copy_in(&tensors, &copies.shallow(), Device::Cpu).unwrap();
+        for ((name, after), before) in tensors.iter().zip(&before) {
+            assert!(after.equal(before), "tensor '{name}' differs after the round trip");
+        }
+    }
+
+    #[test]
+    fn a_target_without_a_copy_is_an_error_naming_the_tensor() {
+        let tensors = vec![("w".to_string(), Tensor::zeros([4], (Kind::Float, Device::Cpu)))];
+        let copies = copy_out(&tensors, Device::Cpu).unwrap();
+        let other = vec![("v".to_string(), Tensor::zeros([4], (Kind::Float, Device::Cpu)))];
+        let err = copy_in(&other, &copies, Device::Cpu).unwrap_err();
+        assert!(err.contains("no copy of tensor 'v'"), "{err}");
+    }
+
+    #[test]
+    fn host_memory_that_cannot_be_pinned_falls_back_to_pageable() {
+        let like = Tensor::zeros([8], (Kind::Float, Device::Cpu));
+        let (host, pinned) = host_like(&like, Device::Cuda(0), true).unwrap();
+        let gpu = shim::cuda_device_count().unwrap_or(0) > 0;
+        assert_eq!(pinned, gpu, "pinned exactly when a CUDA driver is there");
+        assert_eq!(host.size(), [8]);
+        assert!(!host_like(&like, Device::Cuda(0), false).unwrap().1, "not pinned once a pin failed");
+    }
+
+    #[test]
+    fn the_tier_holds_device_models_only() {
+        assert!(!applies(Device::Cpu));
+        assert!(applies(Device::Cuda(0)) && applies(Device::Mps));
+    }
+}

@@ -1,0 +1,154 @@
+//! The host tier inside the registry, run on the CPU: the registry's tier holds device models
+//! only, so these tests switch it on for CPU models ([`StagedModelsBuilder::tier_on_cpu`]); the
+//! copies themselves are the real ones (pageable here, pinned on a GPU machine, where
+//! `scripts/gpu-check.sh` runs the same path on CUDA).
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use tch::{Device, Kind, Tensor};
+
+use super::{Built, ModelSpec, StageError, StagedModels, StagedModelsBuilder};
+use stageload_trace::event::{Event, EventKind, ListSink, ReloadFrom};
+
+/// A model of one random `[n]` float tensor, no checkpoint, counting its builds.
+fn random_model(name: &str, n: i64, builds: Arc<AtomicUsize>) -> ModelSpec {
+    ModelSpec::new(name, move |_| {
+        builds.fetch_add(1, Ordering::SeqCst);
+        let weight = Tensor::randn([n], (Kind::Float, Device::Cpu));
+        Ok(Built::from_tensors(weight.shallow_clone(), vec![("weight".to_string(), weight)]))
+    })
+}
+
+/// Models `a`, `b`, `c` of `sizes` floats, one stage each (`sa`, `sb`, `sc`), a tier of `budget`
+/// bytes; the builds of each model counted.
+fn registry(sizes: [i64; 3], budget: u64) -> (StagedModels, Arc<ListSink>, [Arc<AtomicUsize>; 3]) {
+    let sink = Arc::new(ListSink::new());
+    let builds = [(); 3].map(|_| Arc::new(AtomicUsize::new(0)));
+    let mut builder: StagedModelsBuilder =
+        StagedModels::builder().host_tier(budget).tier_on_cpu().events(sink.clone()).preserve_rng(false);
+    for ((name, n), count) in ["a", "b", "c"].into_iter().zip(sizes).zip(&builds) {
+        builder = builder.model(random_model(name, n, Arc::clone(count))).stage(format!("s{name}"), [name]);
+    }
+    (builder.build().unwrap(), sink, builds)
+}
+
+fn weight(models: &StagedModels, name: &str) -> Tensor {
+    models.call(name, |w: &mut Tensor| w.copy()).unwrap()
+}
+
+fn tier_notes(sink: &ListSink) -> Vec<(String, String)> {
+    sink.of_kind(EventKind::Tier)
+        .into_iter()
+        .filter_map(|e: Event| Some((e.model?, e.note?)))
+        .map(|(model, note)| (model, note.split(':').next().unwrap_or_default().to_string()))
+        .collect()
+}
+
+#[test]
+fn a_released_model_comes_back_from_the_host_tier_bit_identical_without_being_rebuilt() {
+    let (models, sink, builds) = registry([1024, 8, 8], 1 << 20);
+    models.enter("sa").unwrap();
+    let before = weight(&models, "a");
+    models.enter("sb").unwrap();
+    models.get::<Tensor>("b").unwrap();
+    let usage = models.host_tier().unwrap();
+    assert_eq!((usage.budget, usage.used), (1 << 20, 4096), "a's 4 KiB in the tier");
+    assert_eq!(models.resident_bytes(), 32, "a's storage is freed all the same");
+
+    models.enter("sa").unwrap();
+    assert!(weight(&models, "a").equal(&before), "bit for bit");
+    assert_eq!(builds[0].load(Ordering::SeqCst), 1, "no rebuild (it has no checkpoint: it would have been)");
+    let reload = sink.of_kind(EventKind::Reload).into_iter().find(|e| e.model.as_deref() == Some("a")).unwrap();
+    assert_eq!(reload.from, Some(ReloadFrom::HostTier));
+    assert_eq!(reload.tier.unwrap().used, 32, "a's copy given up, b's stored meanwhile");
+    assert_eq!(tier_notes(&sink), [("a".into(), "stored".into()), ("b".into(), "stored".into())]);
+}
+
+#[test]
+fn the_least_recently_released_copy_is_evicted_and_its_model_rebuilt() {
+    // Room for two of the three 4 KiB models.
+    let (models, sink, builds) = registry([1024, 1024, 1024], 9000);
+    for stage in ["sa", "sb", "sc", "sa"] {
+        models.enter(stage).unwrap();
+        models.get::<Tensor>(&stage[1..]).unwrap();
+    }
+    // Entering sc stored b (a and b in); entering sa again stored c and evicted a.
+    let notes = tier_notes(&sink);
+    assert_eq!(
+        notes[..4],
+        [
+            ("a".into(), "stored".into()),
+            ("b".into(), "stored".into()),
+            ("a".into(), "evicted".into()),
+            ("c".into(), "stored".into())
+        ]
+    );
+    assert_eq!(builds[0].load(Ordering::SeqCst), 2, "a rebuilt: its copy was evicted");
+    let reload = sink.of_kind(EventKind::Reload).pop().unwrap();
+    assert_eq!((reload.model.as_deref(), reload.from), (Some("a"), Some(ReloadFrom::Rebuilt)));
+    assert_eq!(models.host_tier().unwrap().used, 8192, "b and c");
+}
+
+#[test]
+fn a_model_larger_than_the_budget_is_not_stored_and_the_event_names_both_sizes() {
+    let (models, sink, _) = registry([1 << 20, 8, 8], 1 << 20);
+    models.enter("sa").unwrap();
+    models.get::<Tensor>("a").unwrap();
+    models.enter("sb").unwrap();
+    let event = sink.of_kind(EventKind::Tier).into_iter().next().unwrap();
+    let note = event.note.unwrap();
+    assert!(note.starts_with("not stored") && note.contains("4.0 MiB") && note.contains("1.0 MiB"), "{note}");
+    assert_eq!(models.host_tier().unwrap().used, 0);
+}
+
+#[test]
+fn shrinking_the_budget_evicts_what_it_can_and_refuses_below_a_pinned_models_copy() {
+    let (models, sink, _) = registry([1024, 1024, 8], 1 << 20);
+    for stage in ["sa", "sb", "sc"] {
+        models.enter(stage).unwrap();
+        models.get::<Tensor>(&stage[1..]).unwrap();
+    }
+    assert_eq!(models.host_tier().unwrap().used, 8192);
+    models.pin("b").unwrap();
+    let refused = models.set_host_tier_budget(1000).unwrap_err();
+    assert!(matches!(refused, StageError::HostTierBudget { asked: 1000, protected: 4096, budget: 1_048_576 }));
+    assert!(refused.to_string().contains("the budget stays 1.0 MiB"), "{refused}");
+    assert_eq!(models.host_tier().unwrap().used, 8192, "a refusal evicts nothing");
+
+    models.set_host_tier_budget(5000).unwrap();
+    let usage = models.host_tier().unwrap();
+    assert_eq!((usage.budget, usage.used), (5000, 4096), "a evicted, b (pinned) kept");
+    assert!(tier_notes(&sink).contains(&("a".into(), "evicted".into())));
+}
+
+#[test]
+fn closing_does_not_copy_models_into_the_tier_and_empties_it() {
+    let (models, sink, _) = registry([1024, 1024, 8], 1 << 20);
+    models.enter("sa").unwrap();
+    models.get::<Tensor>("a").unwrap();
+    models.enter("sb").unwrap();
+    models.get::<Tensor>("b").unwrap();
+    models.close().unwrap();
+    assert_eq!(tier_notes(&sink), [("a".into(), "stored".into())], "b released by close, not stored");
+    assert_eq!(models.host_tier().unwrap().used, 0);
+}
+
+#[test]
+fn a_prefetch_brings_a_model_back_from_the_tier_in_the_background() {
+    let (models, sink, builds) = registry([1024, 8, 8], 1 << 20);
+    models.enter("sa").unwrap();
+    let before = weight(&models, "a");
+    models.enter("sb").unwrap();
+    assert_eq!(models.prefetch("sa").unwrap(), ["a"], "no checkpoint, yet no random number drawn");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    while models.states().iter().any(|(name, state)| name == "a" && *state != super::ModelState::Resident) {
+        assert!(std::time::Instant::now() < deadline, "the prefetch did not finish in 20 s");
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    models.enter("sa").unwrap();
+    assert!(weight(&models, "a").equal(&before));
+    assert_eq!(builds[0].load(Ordering::SeqCst), 1);
+    let reload = sink.of_kind(EventKind::Reload).into_iter().find(|e| e.model.as_deref() == Some("a")).unwrap();
+    assert!(reload.prefetched && reload.from == Some(ReloadFrom::HostTier), "{reload:?}");
+}
