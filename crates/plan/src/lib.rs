@@ -4,6 +4,7 @@
 //!   memory), checked, with each model's size read from its checkpoints' headers only.
 //! - [`blocks`], [`split`]: a streamed model's blocks (which tensors) and which of them stay
 //!   resident under a budget: the rules `stageload::stream` runs by and the plan counts by.
+//! - [`tier`]: what the host tier holds along the run, under its budget.
 //! - [`measured`]: working memory from a recorded run, and a plan checked against a run.
 //! - [`plan`](mod@plan): stage by stage residency, loads, releases, reloads, bytes read, and a verdict
 //!   per stage against this machine's budget, staged and eager.
@@ -13,6 +14,7 @@ pub mod measured;
 pub mod pipeline;
 pub mod plan;
 pub mod split;
+pub mod tier;
 
 pub use pipeline::{
     DeviceName, Model, ModelEntry, Pin, PinEntry, Pipeline, PipelineError, PipelineFile, Placement, Reserve, Stage,

@@ -6,6 +6,7 @@
 //! ```toml
 //! pinned = ["backbone"]                      # resident for the whole run
 //! reserve = "10%"                            # headroom on every stage's need (or a size: "512M")
+//! host_tier = "8G"                           # released device models' weights kept in host memory
 //!
 //! [[pins]]                                   # resident from a stage until another begins
 //! models = ["extractor"]
@@ -152,6 +153,9 @@ pub struct PipelineFile {
     /// Headroom added to every stage's need: a size (`512M`) or a percent of the need (`10%`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reserve: Option<String>,
+    /// Host memory for copies of released device models' weights (a size).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host_tier: Option<String>,
     /// Models resident over a span of stages.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub pins: Vec<PinEntry>,
@@ -301,6 +305,9 @@ pub struct Pipeline {
     pub pins: Vec<Pin>,
     #[serde(default)]
     pub reserve: Option<Reserve>,
+    /// The host tier's budget, bytes.
+    #[serde(default)]
+    pub host_tier: Option<u64>,
 }
 
 impl Pipeline {
@@ -568,6 +575,11 @@ impl Pipeline {
             .collect::<Result<Vec<_>, _>>()
             .map_err(invalid)?;
         let reserve = file.reserve.as_deref().map(parse_reserve).transpose().map_err(invalid)?;
-        Ok(Pipeline { path: path.to_path_buf(), models, stages, pinned: file.pinned, pins, reserve })
+        let host_tier = file
+            .host_tier
+            .as_deref()
+            .map(|text| parse_size(text).map_err(|e| invalid(format!("host_tier: {e}"))))
+            .transpose()?;
+        Ok(Pipeline { path: path.to_path_buf(), models, stages, pinned: file.pinned, pins, reserve, host_tier })
     }
 }

@@ -12,6 +12,7 @@ use serde::{Deserialize, Serialize};
 use stageload_units::format_bytes;
 
 use crate::pipeline::{total, Model, Pipeline, Placement};
+use crate::tier::{TierPlan, TierRun};
 
 /// The version of the JSON schema of [`Plan`]; raised on any incompatible change.
 pub const SCHEMA_VERSION: u32 = 1;
@@ -104,6 +105,13 @@ pub struct StagePlan {
     pub reloaded: Vec<String>,
     /// Models released at the stage's entry.
     pub released: Vec<String>,
+    /// Of `reloaded`, those that come back from the host tier (nothing read from disk).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub from_tier: Vec<String>,
+    /// Host bytes the tier's copies hold once the stage's releases are stored (counted in
+    /// `need`; absent without a tier).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub tier: u64,
     /// Host bytes of the resident weights, and with the stage's working memory.
     pub weights: u64,
     pub need: u64,
@@ -117,6 +125,10 @@ pub struct StagePlan {
     /// What would make the stage fit, when it does not.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub remedy: Option<Remedy>,
+}
+
+fn is_zero(bytes: &u64) -> bool {
+    *bytes == 0
 }
 
 /// Ways to make a stage that does not fit fit, each with the bytes it saves.
@@ -216,6 +228,9 @@ pub struct Plan {
     /// The plan against a recorded run, stage by stage (`--check`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub check: Option<Vec<crate::measured::StageCheck>>,
+    /// The pipeline's host tier against its largest device model.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host_tier: Option<TierPlan>,
 }
 
 /// Bytes the models on `placement` hold together, a file several of them list counted once.
@@ -245,6 +260,7 @@ pub fn plan(pipeline: &Pipeline, budget: Budget, device_budget: Option<Budget>) 
     let mut ever_loaded: Vec<String> = Vec::new();
     let mut stages = Vec::new();
     let reserve = |need: u64| pipeline.reserve.map_or(need, |r| r.on(need));
+    let mut tier = pipeline.host_tier.map(TierRun::new);
     for (index, stage) in pipeline.stages.iter().enumerate() {
         let pinned = pipeline.pinned_at(index);
         let keep = |name: &String| stage.models.contains(name) || pinned.contains(&name);
@@ -252,14 +268,25 @@ pub fn plan(pipeline: &Pipeline, budget: Budget, device_budget: Option<Budget>) 
         resident.retain(|name| keep(name));
         let loaded: Vec<String> = stage.models.iter().filter(|name| !resident.contains(name)).cloned().collect();
         let reloaded: Vec<String> = loaded.iter().filter(|name| ever_loaded.contains(name)).cloned().collect();
-        let read = read_for(&models_of(&loaded), &models_of(&resident));
+        let (from_tier, tier_bytes) = match tier.as_mut() {
+            Some(tier) => {
+                for model in models_of(&released).into_iter().filter(|m| m.placement == Placement::Device) {
+                    tier.release(&model.name, model.held());
+                }
+                let held = tier.used();
+                (reloaded.iter().filter(|name| tier.reload(name)).cloned().collect(), held)
+            }
+            None => (Vec::new(), 0),
+        };
+        let from_disk: Vec<String> = loaded.iter().filter(|name| !from_tier.contains(name)).cloned().collect();
+        let read = read_for(&models_of(&from_disk), &models_of(&resident));
         resident.extend(loaded.iter().cloned());
         ever_loaded.extend(loaded.iter().filter(|name| !ever_loaded.contains(name)).cloned().collect::<Vec<_>>());
         let resident_models = models_of(&resident);
         let weights = bytes_on(&resident_models, Placement::Host);
         let device_weights = bytes_on(&resident_models, Placement::Device);
         let (need, device_need) = (
-            reserve(weights.saturating_add(stage.working)),
+            reserve(weights.saturating_add(tier_bytes).saturating_add(stage.working)),
             reserve(device_weights.saturating_add(stage.device_working)),
         );
         stages.push(StagePlan {
@@ -269,6 +296,8 @@ pub fn plan(pipeline: &Pipeline, budget: Budget, device_budget: Option<Budget>) 
             loaded,
             reloaded,
             released,
+            from_tier,
+            tier: tier_bytes,
             weights,
             need,
             device_weights,
@@ -303,6 +332,15 @@ pub fn plan(pipeline: &Pipeline, budget: Budget, device_budget: Option<Budget>) 
         verdict: Verdict::of(eager_need, Some(&budget)),
         device_verdict: Verdict::of(eager_device_need, device_budget.as_ref()),
     };
+    let host_tier = pipeline.host_tier.map(|budget| TierPlan {
+        budget,
+        largest: pipeline
+            .models
+            .iter()
+            .filter(|m| m.placement == Placement::Device)
+            .max_by_key(|m| m.held())
+            .map(|m| (m.name.clone(), m.held())),
+    });
     Plan {
         schema: SCHEMA_VERSION,
         pipeline: pipeline.path.clone(),
@@ -313,7 +351,9 @@ pub fn plan(pipeline: &Pipeline, budget: Budget, device_budget: Option<Budget>) 
         peak_need,
         device_peak_need: stages.iter().map(|s| s.device_need).max().unwrap_or(0),
         read: total(stages.iter().map(|s| s.read)),
-        fits: stages.iter().all(|s| s.verdict.fits() && s.device_verdict.fits()),
+        fits: stages.iter().all(|s| s.verdict.fits() && s.device_verdict.fits())
+            && host_tier.as_ref().is_none_or(TierPlan::fits),
+        host_tier,
         stages,
         eager,
         working_from: None,
@@ -382,6 +422,13 @@ impl Plan {
                     stage.device_verdict.describe()
                 );
             }
+            if self.host_tier.is_some() && (stage.tier > 0 || !stage.from_tier.is_empty()) {
+                out += &format!(
+                    "  host tier: holds {} at entry; back from it: {}\n",
+                    format_bytes(stage.tier),
+                    list(&stage.from_tier)
+                );
+            }
             if let Some(remedy) = &stage.remedy {
                 out += &format!("  to fit (short by {}):", format_bytes(remedy.short_by));
                 if remedy.options.is_empty() {
@@ -444,6 +491,17 @@ impl Plan {
                 format_bytes(self.eager.device_need),
                 self.eager.device_verdict.describe()
             );
+        }
+        if let Some(tier) = &self.host_tier {
+            out += &format!("host tier: budget {}", format_bytes(tier.budget));
+            out += &match &tier.largest {
+                Some((model, bytes)) if !tier.fits() => format!(
+                    ", smaller than device model {model} ({}): the registry refuses it at build; raise it to at least that\n",
+                    format_bytes(*bytes)
+                ),
+                Some((model, bytes)) => format!(", largest device model {model} ({}) fits\n", format_bytes(*bytes)),
+                None => ", no device model to hold\n".to_string(),
+            };
         }
         out += &format!(
             "staging saves {} at the peak\n=> {}\n",

@@ -239,6 +239,44 @@ fn device_models_are_checked_against_the_device_budget() {
     assert!(!tight.fits);
 }
 
+/// The encoder and decoder on cuda:0, a host tier of `tier`.
+fn on_device_with_tier(name: &str, tier: &str) -> Pipeline {
+    let text = format!("host_tier = \"{tier}\"\n")
+        + &stages("")
+            .replace("files = [\"encoder.safetensors\"]", "files = [\"encoder.safetensors\"]\ndevice = \"cuda:0\"")
+            .replace(
+                "files = [\"decoder-1.safetensors\", \"decoder-2.safetensors\"]",
+                "files = [\"decoder-1.safetensors\", \"decoder-2.safetensors\"]\ndevice = \"cuda:0\"",
+            );
+    Pipeline::load(&fixture(name, &text)).unwrap()
+}
+
+#[test]
+fn released_device_models_are_held_by_the_host_tier_and_come_back_from_it_without_a_read() {
+    let pipeline = on_device_with_tier("tier", "2M");
+    assert_eq!(pipeline.host_tier, Some(2 * MIB));
+    let plan = plan(&pipeline, Budget::given(64 * MIB), None);
+    let stage = |name: &str| plan.stages.iter().find(|s| s.name == name).unwrap();
+    // decode releases the encoder into the tier: host memory holds it beside the backbone.
+    assert_eq!((stage("decode").tier, stage("decode").need), (ENCODER, BACKBONE + ENCODER + 512 * KIB));
+    // again releases the decoder and takes the encoder back from the tier: nothing read.
+    let again = stage("again");
+    assert_eq!((again.tier, names(&again.from_tier), again.read), (ENCODER + DECODER, vec!["encoder"], 0));
+    let rendered = plan.render();
+    assert!(rendered.contains("host tier: budget 2.0 MiB, largest device model encoder (1.0 MiB) fits"), "{rendered}");
+    assert!(rendered.contains("back from it: encoder"), "{rendered}");
+    assert!(plan.fits);
+}
+
+#[test]
+fn a_host_tier_smaller_than_a_device_model_does_not_fit_and_says_what_to_raise_it_to() {
+    let plan = plan(&on_device_with_tier("tier-small", "100K"), Budget::given(64 * MIB), None);
+    assert!(!plan.fits);
+    let rendered = plan.render();
+    assert!(rendered.contains("smaller than device model encoder (1.0 MiB)"), "{rendered}");
+    assert!(plan.stages.iter().all(|s| s.tier == 0), "nothing fits in it");
+}
+
 fn error_of(name: &str, pipeline: &str) -> String {
     match Pipeline::load(&fixture(name, pipeline)) {
         Ok(_) => panic!("{name}: accepted"),

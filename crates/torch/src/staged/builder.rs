@@ -56,6 +56,9 @@ impl StagedModelsBuilder {
     ///
     /// [`BuildContext::device`]: super::BuildContext::device
     pub fn pipeline(mut self, pipeline: &stageload_plan::Pipeline) -> Self {
+        if let Some(bytes) = pipeline.host_tier {
+            self = self.host_tier(bytes);
+        }
         for stage in &pipeline.stages {
             self = self.stage(stage.name.clone(), stage.models.iter().cloned());
             if stage.working > 0 {
