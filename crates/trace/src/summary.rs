@@ -17,7 +17,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::event::{EventKind, Residency};
+use crate::event::{EventKind, ReloadFrom, Residency};
 use crate::reader::Trace;
 use crate::record::{millis, EventRecord, Header, PeakRecord, Record, Sample};
 
@@ -100,7 +100,60 @@ pub struct Summary {
     /// Streamed models, each with its last split and how many times the split was set.
     #[serde(default)]
     pub streamed: Vec<Streamed>,
+    /// What the host tier did, when the run had one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host_tier: Option<HostTier>,
     pub errors: Vec<ReadingError>,
+}
+
+/// The host tier over a run, from its `tier` events and the reloads that came from it.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct HostTier {
+    /// The last budget.
+    pub budget: u64,
+    /// The most its copies held at once.
+    pub peak_used: u64,
+    /// Models stored, evicted, and releases not stored (each with the reason).
+    pub stored: usize,
+    pub evicted: usize,
+    pub not_stored: Vec<String>,
+    /// Reloads from the tier, their bytes and their copy speed.
+    pub reloads: usize,
+    pub reload_bytes: u64,
+    pub reload_gb_per_s: f64,
+}
+
+/// The host tier's activity; `None` when the trace has no tier event.
+fn host_tier(events: &[&EventRecord]) -> Option<HostTier> {
+    let mut tier = HostTier::default();
+    let mut seen = false;
+    let mut reload_seconds = 0.0;
+    for event in events {
+        if let Some(usage) = event.tier {
+            seen = true;
+            tier.budget = usage.budget;
+            tier.peak_used = tier.peak_used.max(usage.used);
+        }
+        match (event.kind, event.note.as_deref()) {
+            (EventKind::Tier, Some("stored")) => tier.stored += 1,
+            (EventKind::Tier, Some("evicted")) => tier.evicted += 1,
+            (EventKind::Tier, Some(note)) if note.starts_with("not stored") => {
+                let model = event.model.as_deref().unwrap_or("?");
+                tier.not_stored.push(format!("{model}: {}", note.trim_start_matches("not stored: ")));
+            }
+            (EventKind::Reload, _) if event.from == Some(ReloadFrom::HostTier) => {
+                tier.reloads += 1;
+                tier.reload_bytes += event.bytes.unwrap_or(0);
+                reload_seconds += event.seconds.unwrap_or(0.0);
+            }
+            _ => {}
+        }
+        seen |= event.kind == EventKind::Tier;
+    }
+    if reload_seconds > 0.0 {
+        tier.reload_gb_per_s = tier.reload_bytes as f64 / reload_seconds / 1e9;
+    }
+    seen.then_some(tier)
 }
 
 /// A streamed model as its `residency` events left it.
@@ -255,6 +308,7 @@ pub fn summarize(trace: &Trace) -> Summary {
         releases: Releases { count: released.len(), bytes: released.iter().filter_map(|e| e.bytes).sum() },
         outside_stage,
         streamed: streamed(&events),
+        host_tier: host_tier(&events),
         swap: (!swaps.is_empty()).then(|| Swap {
             start: swaps[0],
             peak: swaps.iter().copied().max().unwrap_or(0),

@@ -70,6 +70,21 @@ pub fn render(summary: &Summary, path: &std::path::Path) -> String {
             streamed.reasons.join(", ")
         );
     }
+    if let Some(tier) = &summary.host_tier {
+        out += &format!(
+            "host tier: budget {}, held at most {}; {} stored, {} evicted, {} reload(s) from it ({} at {:.2} GB/s)\n",
+            format_bytes(tier.budget),
+            format_bytes(tier.peak_used),
+            tier.stored,
+            tier.evicted,
+            tier.reloads,
+            format_bytes(tier.reload_bytes),
+            tier.reload_gb_per_s
+        );
+        for reason in &tier.not_stored {
+            out += &format!("  not stored: {reason}\n");
+        }
+    }
     if !summary.outside_stage.is_empty() {
         out += &format!("loaded outside their stage: {}\n", summary.outside_stage.join(", "));
     }

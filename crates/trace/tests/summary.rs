@@ -7,6 +7,7 @@ use stageload_trace::record::{EventRecord, PeakRecord, Record, Sample};
 use stageload_trace::{read_trace, summarize, table, EventKind, Summary, Trace, TraceError};
 
 const MIB: u64 = 1 << 20;
+const GIB: u64 = 1 << 30;
 
 fn sample(t: f64, rss: u64) -> Record {
     Record::Sample(Sample { t, rss: Some(rss), ..Sample::default() })
@@ -468,4 +469,41 @@ fn a_streamed_model_shows_its_last_split_and_every_reason_it_changed() {
         table.contains("streamed flow: 1 of 12 blocks resident, 11 streamed, 528.0 MiB per step, budget 500.0 MiB (split set 2 time(s): start, working memory)"),
         "{table}"
     );
+}
+
+#[test]
+fn the_host_tier_shows_its_budget_peak_stores_evictions_and_reloads_from_it() {
+    use stageload_trace::event::TierUsage;
+    let tier = |t: f64, model: &str, note: &str, used: u64| {
+        let mut record = event(t, EventKind::Tier, Some("decode"));
+        if let Record::Event(e) = &mut record {
+            e.model = Some(model.into());
+            e.note = Some(note.into());
+            e.tier = Some(TierUsage { budget: 2 * GIB, used });
+        }
+        record
+    };
+    let mut reload = event(3.0, EventKind::Reload, Some("encode"));
+    if let Record::Event(e) = &mut reload {
+        e.model = Some("encoder".into());
+        e.from = Some(stageload_trace::ReloadFrom::HostTier);
+        (e.bytes, e.seconds) = (Some(GIB), Some(0.02));
+        e.tier = Some(TierUsage { budget: 2 * GIB, used: 0 });
+    }
+    let summary = summary_of(vec![
+        sample(0.0, 100 * MIB),
+        tier(1.0, "encoder", "stored", GIB),
+        tier(2.0, "encoder", "evicted", 0),
+        tier(2.1, "decoder", "stored", 2 * GIB),
+        tier(2.2, "vae", "not stored: its 3.0 GiB are more than the host tier's budget of 2.0 GiB", 2 * GIB),
+        reload,
+        sample(4.0, 100 * MIB),
+    ]);
+    let host = summary.host_tier.clone().unwrap();
+    assert_eq!((host.budget, host.peak_used, host.stored, host.evicted, host.reloads), (2 * GIB, 2 * GIB, 2, 1, 1));
+    assert!((host.reload_gb_per_s - GIB as f64 / 0.02 / 1e9).abs() < 1e-9);
+    let table = table::render(&summary, std::path::Path::new("hand.jsonl"));
+    assert!(table.contains("host tier: budget 2.0 GiB, held at most 2.0 GiB; 2 stored, 1 evicted, 1 reload(s) from it (1.0 GiB at 53.69 GB/s)"), "{table}");
+    assert!(table.contains("  not stored: vae: its 3.0 GiB are more"), "{table}");
+    assert!(summary_of(vec![sample(0.0, MIB)]).host_tier.is_none(), "no tier, no line");
 }
