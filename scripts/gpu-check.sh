@@ -11,12 +11,13 @@
 #
 # It runs: gpu_check (crates/demos) (the CUDA paths checked, checkpoint -> CUDA against Python's
 # safetensors and the pinned/pageable copy limits on one 4 GiB file), then the cascade demo on
-# cuda:0 eager, staged, staged with prefetch, and staged without RNG preservation (the control),
+# cuda:0 eager, staged, staged with prefetch, staged with a 4 GiB host tier (the released models
+# come back from pinned host memory), and staged without RNG preservation (the control),
 # compares their latents, and writes the summary and chart of the eager, staged and prefetch
 # traces; then block streaming on cuda:0 (the stream demo: texture_flow at scale 2 whole, under a
 # 500 MiB budget, and with half its blocks streamed; same latent, step times). Files:
-# gpu-check.json, log.txt, latents.txt, summary.txt, memory.svg, cascade-eager.jsonl,
-# cascade-staged.jsonl, cascade-prefetch.jsonl, stream-*.json.
+# gpu-check.json, log.txt, latents.txt, summary.txt, summary-tier.txt, memory.svg,
+# cascade-{eager,staged,prefetch,tier}.jsonl, stream-*.json.
 set -uo pipefail
 root=$(pwd)
 kit=$root/target/device-kit
@@ -33,11 +34,12 @@ status=0
 step gpu_check
 run bin/gpu_check --out "$out" --scratch "$scratch" --gib 4 --rounds 5 --peer "$root/crates/demos/python/bench_device.py" || status=1
 
-for mode in eager staged prefetch control; do
+for mode in eager staged prefetch tier control; do
     case $mode in
         eager) flags=(--mode eager) ;;
         staged) flags=(--mode staged) ;;
         prefetch) flags=(--mode staged --prefetch) ;;
+        tier) flags=(--mode staged --host-tier 4GiB) ;;
         control) flags=(--mode staged --no-preserve-rng) ;;
     esac
     step "cascade $mode"
@@ -47,16 +49,17 @@ for mode in eager staged prefetch control; do
     cp "$scratch/latents-$mode.safetensors.sha256" "$scratch/latents-$mode.txt" 2>/dev/null || true
     echo "cascade $mode wall $(( ($(date +%s%N) - start) / 1000000 )) ms" | tee -a "$log"
 done
-cp "$scratch/cascade-eager.jsonl" "$scratch/cascade-staged.jsonl" "$scratch/cascade-prefetch.jsonl" "$out/"
+cp "$scratch/cascade-eager.jsonl" "$scratch/cascade-staged.jsonl" "$scratch/cascade-prefetch.jsonl" "$scratch/cascade-tier.jsonl" "$out/"
 {
-    for mode in eager staged prefetch control; do echo "== $mode"; cat "$scratch/latents-$mode.txt"; done
-    for mode in staged prefetch control; do
+    for mode in eager staged prefetch tier control; do echo "== $mode"; cat "$scratch/latents-$mode.txt"; done
+    for mode in staged prefetch tier control; do
         if cmp -s "$scratch/latents-eager.txt" "$scratch/latents-$mode.txt"; then echo "$mode: latents identical to eager"
         else echo "$mode: $(diff <(cat "$scratch/latents-eager.txt") "$scratch/latents-$mode.txt" | grep -c '^>') latents differ from eager"; fi
     done
 } > "$out/latents.txt"
-cat "$out/latents.txt" | tail -3 | tee -a "$log"
+tail -4 "$out/latents.txt" | tee -a "$log"
 run bin/stageload summary "$scratch/cascade-eager.jsonl" "$scratch/cascade-staged.jsonl" "$scratch/cascade-prefetch.jsonl" > "$out/summary.txt" || status=1
+run bin/stageload summary "$scratch/cascade-tier.jsonl" > "$out/summary-tier.txt" || status=1
 run bin/stageload plot "$scratch/cascade-eager.jsonl" "$scratch/cascade-staged.jsonl" "$scratch/cascade-prefetch.jsonl" -o "$out/memory.svg" || status=1
 for mode in whole budget half; do
     case $mode in

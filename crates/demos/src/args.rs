@@ -71,6 +71,10 @@ pub struct CommonArgs {
     /// built without random initialisation)
     #[arg(long)]
     pub prefetch: bool,
+    /// Staged: keep released device models' weights in this much pinned host memory (e.g.
+    /// 4GiB) and reload them from it; CPU models are not held (a `tier` event says so)
+    #[arg(long, value_name = "SIZE", value_parser = |t: &str| stageload_units::parse_size(t).map_err(|e| e.to_string()))]
+    pub host_tier: Option<u64>,
     /// Where the models and the noise live: auto (CUDA when present, else the CPU), cpu, cuda,
     /// cuda:N, mps
     #[arg(long, default_value = "auto", value_parser = parse_device)]

@@ -31,11 +31,12 @@ pub struct DemoSpec {
 impl DemoSpec {
     /// Writes the pipeline description `stageload plan` reads (models with their checkpoint
     /// files, stages, pins) to `path`.
-    pub fn write_description(&self, path: &Path, device: Device) -> Result<(), BoxError> {
+    pub fn write_description(&self, path: &Path, device: Device, host_tier: Option<u64>) -> Result<(), BoxError> {
         let description = PipelineFile {
             pinned: self.pinned.clone(),
             pins: self.pins.clone(),
             reserve: None,
+            host_tier: host_tier.map(|bytes| bytes.to_string()),
             models: self
                 .models
                 .iter()
@@ -122,11 +123,12 @@ impl DemoRun {
             .meta("seed", args.seed)
             .meta("preserve_rng", !args.no_preserve_rng)
             .meta("prefetch", args.prefetch)
+            .meta("host_tier", args.host_tier.unwrap_or(0))
             .meta("device", meter::device_name(args.device));
         let meter = Arc::new(meter::start(&trace, args.device, options)?);
         let names: Vec<String> = spec.models.iter().map(|m| m.name().to_string()).collect();
         let description = args.cache_folder(spec.name).join(format!("{}.toml", spec.name));
-        spec.write_description(&description, args.device)?;
+        spec.write_description(&description, args.device, args.host_tier)?;
         println!("pipeline description {} (stageload plan reads it)", description.display());
         let mut plan = stageload::Pipeline::load(&description)?;
         if args.mode == Mode::Eager {

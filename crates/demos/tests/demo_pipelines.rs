@@ -107,7 +107,9 @@ fn text_to_image_staged_equals_eager_and_the_control_drifts() {
 fn cascade_holds_only_the_planned_models_and_reloads_the_shape_decoder_once() {
     let folder = scratch("cascade-plan");
     let dir = folder.path();
-    let staged = run("cascade", dir, "staged", &["--mode", "staged", "--check-residency"]);
+    // With a host tier, which on the CPU holds nothing and says so (on CUDA it holds the
+    // released models: scripts/gpu-check.sh).
+    let staged = run("cascade", dir, "staged", &["--mode", "staged", "--check-residency", "--host-tier", "64MiB"]);
     let extractors = ["ss_extractor", "shape512_extractor", "shape1024_extractor", "tex_extractor"];
     let plan: BTreeMap<&str, Vec<&str>> = [
         ("structure", vec!["ss_flow", "ss_decoder"]),
@@ -140,6 +142,16 @@ fn cascade_holds_only_the_planned_models_and_reloads_the_shape_decoder_once() {
     let reloads: Vec<&(EventKind, String)> = events.iter().filter(|(kind, _)| *kind == EventKind::Reload).collect();
     assert_eq!(reloads, [&(EventKind::Reload, "shape_decoder".to_string())], "{events:?}");
     assert_eq!(events.iter().filter(|(_, model)| model == "shape_decoder").count(), 2);
+    let tier: Vec<String> = read_trace(&staged.trace)
+        .unwrap()
+        .records
+        .into_iter()
+        .filter_map(|r| match r {
+            Record::Event(e) if e.kind == EventKind::Tier => e.note,
+            _ => None,
+        })
+        .collect();
+    assert!(tier.len() == 1 && tier[0].contains("lives on the CPU"), "{tier:?}");
 }
 
 #[test]

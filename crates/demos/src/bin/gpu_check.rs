@@ -6,7 +6,9 @@
 //! the pinned ring equals the same file loaded on the CPU, bit for bit; f16 entries converted to
 //! f32 on the device equal the CPU's conversion; a registry model on CUDA built without
 //! initialisation draws nothing from the CUDA generator, gives the same output after a release
-//! (device memory back to the allocator and the driver) and a reload in place.
+//! (device memory back to the allocator and the driver) and a reload in place; a model without
+//! checkpoint released into a host tier comes back from it (not rebuilt) with the same output,
+//! its reload's copy speed reported against the pinned host→device limit of the same run.
 //!
 //!     gpu_check --out DIR [--gib 4] [--rounds 5] [--python python3]
 
@@ -17,7 +19,7 @@ use std::time::Instant;
 
 use clap::Parser;
 use stageload::checkpoint::Checkpoint;
-use stageload::{BoxError, Built, ModelSpec, StagedModels};
+use stageload::{BoxError, Built, EventKind, ListSink, ModelSpec, ReloadFrom, StagedModels};
 use stageload_torch_sys::{cuda_memory, generator_state, GeneratorDevice};
 use tch::nn::{self, Module, VarStore};
 use tch::{Device, Kind, Tensor};
@@ -162,6 +164,58 @@ fn registry_checks(scratch: &Path, device: Device) -> Result<BTreeMap<String, se
     Ok(r)
 }
 
+/// The host tier on CUDA: a 1 GiB model without checkpoint (random weights, so only the tier or
+/// a rebuild can bring it back) released into a 2 GiB tier and reloaded from it.
+fn tier_checks(device: Device) -> Result<BTreeMap<String, serde_json::Value>, BoxError> {
+    let sink = std::sync::Arc::new(ListSink::new());
+    let layers = 16;
+    let models = StagedModels::builder()
+        .model(ModelSpec::new("net", move |_| {
+            let vs = VarStore::new(device);
+            let mut seq = nn::seq();
+            for i in 0..layers {
+                seq = seq.add(nn::linear(vs.root() / format!("l{i}"), 4096, 4096, Default::default()));
+            }
+            Ok(Built::new(Net(seq), &vs))
+        }))
+        .stage("run", ["net"])
+        .stage("other", Vec::<String>::new())
+        .host_tier(2 << 30)
+        .events(sink.clone())
+        .build()?;
+    let x = Tensor::ones([8, 4096], (Kind::Float, device)) / 64.0;
+    models.enter("run")?;
+    let y = tch::no_grad(|| models.call("net", |m: &mut Net| m.0.forward(&x)))?;
+    let resident = cuda_memory(0)?;
+    models.enter("other")?;
+    let released = cuda_memory(0)?;
+    let held = models.host_tier().map_or(0, |t| t.used);
+    models.enter("run")?;
+    let again = tch::no_grad(|| models.call("net", |m: &mut Net| m.0.forward(&x)))?;
+    let tier = sink.of_kind(EventKind::Tier);
+    let stored = tier.iter().find(|e| e.note.as_deref() == Some("stored"));
+    let reload = sink.of_kind(EventKind::Reload).pop();
+    let rate = |bytes: Option<u64>, seconds: Option<f64>| match (bytes, seconds) {
+        (Some(bytes), Some(seconds)) if seconds > 0.0 => bytes as f64 / seconds / 1e9,
+        _ => f64::NAN,
+    };
+    let mut r = BTreeMap::new();
+    r.insert("tier_stored_on_release".into(), (stored.is_some() && held > 0).into());
+    r.insert(
+        "tier_release_frees_device_memory".into(),
+        (resident.allocated.saturating_sub(released.allocated) >= held * 9 / 10).into(),
+    );
+    r.insert(
+        "tier_reload_from_tier".into(),
+        reload.as_ref().is_some_and(|e| e.from == Some(ReloadFrom::HostTier)).into(),
+    );
+    r.insert("tier_identical_after_reload".into(), again.equal(&y).into());
+    r.insert("tier_held_bytes".into(), held.into());
+    r.insert("tier_store_gb_per_s".into(), stored.map_or(f64::NAN, |e| rate(e.bytes, e.seconds)).into());
+    r.insert("tier_reload_gb_per_s".into(), reload.map_or(f64::NAN, |e| rate(e.bytes, e.seconds)).into());
+    Ok(r)
+}
+
 fn main() -> Result<(), BoxError> {
     stageload_demos::logging::init();
     let args = Args::parse();
@@ -197,6 +251,7 @@ fn main() -> Result<(), BoxError> {
     result.insert("f16_to_f32_on_device_equals_cpu".into(), all_equal(&converted_cuda, &converted_cpu).into());
     drop((converted_cuda, converted_cpu));
     result.extend(registry_checks(&scratch, device)?);
+    result.extend(tier_checks(device)?);
 
     // Speed: checkpoint → CUDA (targets allocated once), then the peers, alternating.
     let bytes = std::fs::metadata(&big)?.len() as f64;
@@ -226,6 +281,9 @@ fn main() -> Result<(), BoxError> {
     result.insert("pinned_h2d_gb_per_s".into(), pinned.into());
     result.insert("pageable_h2d_gb_per_s".into(), pageable.into());
     result.insert("stageload_over_pinned_limit".into(), (stageload_rate / pinned).into());
+    if let Some(tier) = result.get("tier_reload_gb_per_s").and_then(|v| v.as_f64()) {
+        result.insert("tier_reload_over_pinned_limit".into(), (tier / pinned).into());
+    }
     result.insert("python".into(), peers.clone());
     if let Some(best) =
         ["load_file_cuda", "load_file_then_to_cuda"].iter().filter_map(|k| peers.get(k)?.as_f64()).reduce(f64::max)

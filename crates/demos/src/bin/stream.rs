@@ -86,6 +86,7 @@ fn description(file: &std::path::Path, args: &Args) -> PipelineFile {
     PipelineFile {
         pinned: Vec::new(),
         reserve: None,
+        host_tier: None,
         pins: Vec::new(),
         models: vec![ModelEntry {
             name: MODEL.to_string(),
