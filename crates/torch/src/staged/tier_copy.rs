@@ -13,11 +13,14 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use stageload_torch_sys as shim;
 use tch::{Device, Tensor};
 
+/// Each tensor name with the index of its distinct view.
+type NameIndex = Vec<(String, usize)>;
+
 /// A model's weights in host memory: each distinct view once, and which view each name has.
 #[derive(Debug)]
 pub(crate) struct HostCopies {
     hosts: Vec<Tensor>,
-    names: Vec<(String, usize)>,
+    names: NameIndex,
     pinned: bool,
 }
 
@@ -55,7 +58,7 @@ fn tensor_bytes(tensor: &Tensor) -> u64 {
 }
 
 /// The distinct views of `tensors` (first name wins) and, per name, its view's index.
-fn distinct_views(tensors: &[(String, Tensor)]) -> Result<(Vec<&Tensor>, Vec<(String, usize)>), shim::ShimError> {
+fn distinct_views(tensors: &[(String, Tensor)]) -> Result<(Vec<&Tensor>, NameIndex), shim::ShimError> {
     let mut keys: Vec<ViewKey> = Vec::new();
     let mut views = Vec::new();
     let mut names = Vec::with_capacity(tensors.len());
