@@ -32,8 +32,39 @@ pub struct AbReport {
     pub latents: Vec<(String, Vec<LatentReport>)>,
     /// Why latents could not be compared, if they could not.
     pub latents_error: Option<String>,
+    /// Per arm, how long its runs took (each trace's first sample to its last).
+    pub wall: Vec<WallTime>,
     /// Every run exited 0 and every latent is identical or within the reference's variation.
     pub passed: bool,
+}
+
+/// One arm's run times and their median against the first arm's.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct WallTime {
+    pub arm: String,
+    pub seconds: Vec<f64>,
+    pub median: Option<f64>,
+    /// `median` / the first arm's median.
+    pub ratio: Option<f64>,
+}
+
+/// Each arm's run times (in run order) with medians and ratios to the first arm.
+pub fn wall_times(arms: &[String], seconds: &[Vec<f64>]) -> Vec<WallTime> {
+    let median = |values: &[f64]| {
+        let mut sorted = values.to_vec();
+        sorted.sort_by(f64::total_cmp);
+        let n = sorted.len();
+        (n > 0).then(|| if n % 2 == 1 { sorted[n / 2] } else { (sorted[n / 2 - 1] + sorted[n / 2]) / 2.0 })
+    };
+    let reference = seconds.first().and_then(|s| median(s));
+    arms.iter()
+        .zip(seconds)
+        .map(|(arm, seconds)| {
+            let median = median(seconds);
+            let ratio = median.zip(reference).filter(|(_, r)| *r > 0.0).map(|(m, r)| m / r);
+            WallTime { arm: arm.clone(), seconds: seconds.clone(), median, ratio }
+        })
+        .collect()
 }
 
 /// The traces of the runs that have one, with their summaries, by arm.
@@ -71,8 +102,10 @@ pub fn report(arms: &[Arm], records: &[RunRecord]) -> (AbReport, Traces) {
     let passed = records.iter().all(|r| r.exit == 0)
         && latents_error.is_none()
         && latents.iter().flat_map(|(_, reports)| reports).all(|r| r.verdict.passes());
-    let arms = arms.iter().map(|a| a.name.clone()).collect();
-    (AbReport { arms, runs, stages, latents, latents_error, passed }, traces)
+    let arms: Vec<String> = arms.iter().map(|a| a.name.clone()).collect();
+    let seconds: Vec<Vec<f64>> = traces.iter().map(|t| t.iter().map(|(_, s)| s.duration).collect()).collect();
+    let wall = wall_times(&arms, &seconds);
+    (AbReport { arms, runs, stages, latents, latents_error, wall, passed }, traces)
 }
 
 /// Each later arm's latents files against the first arm's (runs without a file are left out).
@@ -102,6 +135,13 @@ pub fn render(report: &AbReport) -> String {
         let reached = run.reached.as_deref().map_or(String::new(), |s| format!(", last stage {s}"));
         let trace = run.trace_error.as_deref().map_or(String::new(), |e| format!(" [{e}]"));
         out += &format!("  {} {}: {}{reached}{trace}\n", run.arm, run.round, run.ending);
+    }
+    out += "\nwall time per run (each trace's first sample to its last), median; ratio = median / the first arm's:\n";
+    for wall in &report.wall {
+        let runs: Vec<String> = wall.seconds.iter().map(|s| format!("{s:.1}")).collect();
+        let median = wall.median.map_or("-".to_string(), |m| format!("{m:.1} s"));
+        let ratio = wall.ratio.map_or("-".to_string(), |r| format!("{r:.3}"));
+        out += &format!("  {:<14} {median:>9}  ratio {ratio}  (runs: {} s)\n", wall.arm, runs.join(", "));
     }
     out += "\npeak per stage, median (min – max) over the runs; ratio = median / the first arm's median:\n";
     let mut header = format!("  {:<14}", "stage");
@@ -149,4 +189,20 @@ pub fn render(report: &AbReport) -> String {
         "\nverdict: FAILED (see above)\n"
     };
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_arms_wall_time_is_its_median_against_the_first_arms() {
+        let arms = ["eager".to_string(), "staged".to_string(), "none".to_string()];
+        let walls = wall_times(&arms, &[vec![40.0, 42.0], vec![30.0, 31.0, 29.0], vec![]]);
+        assert_eq!(walls[0].median, Some(41.0), "an even count takes the middle two");
+        assert_eq!(walls[1].median, Some(30.0));
+        assert!((walls[1].ratio.unwrap() - 30.0 / 41.0).abs() < 1e-12);
+        assert_eq!((walls[2].median, walls[2].ratio), (None, None), "an arm without traces has no time");
+        assert_eq!(walls[0].ratio, Some(1.0));
+    }
 }

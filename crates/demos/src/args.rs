@@ -75,6 +75,9 @@ pub struct CommonArgs {
     /// 4GiB) and reload them from it; CPU models are not held (a `tier` event says so)
     #[arg(long, value_name = "SIZE", value_parser = |t: &str| stageload_units::parse_size(t).map_err(|e| e.to_string()))]
     pub host_tier: Option<u64>,
+    /// Drop the checkpoints' pages from the page cache before the run: every load reads the disk
+    #[arg(long)]
+    pub cold: bool,
     /// Where the models and the noise live: auto (CUDA when present, else the CPU), cpu, cuda,
     /// cuda:N, mps
     #[arg(long, default_value = "auto", value_parser = parse_device)]

@@ -124,9 +124,16 @@ impl DemoRun {
             .meta("preserve_rng", !args.no_preserve_rng)
             .meta("prefetch", args.prefetch)
             .meta("host_tier", args.host_tier.unwrap_or(0))
+            .meta("cold", args.cold)
             .meta("device", meter::device_name(args.device));
         let meter = Arc::new(meter::start(&trace, args.device, options)?);
         let names: Vec<String> = spec.models.iter().map(|m| m.name().to_string()).collect();
+        if args.cold {
+            for file in spec.models.iter().flat_map(|m| m.checkpoint_files()) {
+                crate::weights::drop_page_cache(file)
+                    .map_err(|e| format!("--cold: dropping {} from the page cache: {e}", file.display()))?;
+            }
+        }
         let description = args.cache_folder(spec.name).join(format!("{}.toml", spec.name));
         spec.write_description(&description, args.device, args.host_tier)?;
         println!("pipeline description {} (stageload plan reads it)", description.display());

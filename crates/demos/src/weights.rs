@@ -22,6 +22,15 @@ pub fn cache_root() -> PathBuf {
         .join("demo-weights")
 }
 
+/// Drops `path`'s pages from the page cache (`posix_fadvise(DONTNEED)`): its next read comes
+/// from the disk, as on a cold start.
+pub fn drop_page_cache(path: &Path) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let file = std::fs::File::open(path)?;
+    nix::fcntl::posix_fadvise(file.as_raw_fd(), 0, 0, nix::fcntl::PosixFadviseAdvice::POSIX_FADV_DONTNEED)
+        .map_err(std::io::Error::from)
+}
+
 /// The checkpoint of `shape` under `folder`, written once from weights drawn with `seed` (same
 /// seed, same weights, every time).
 pub fn cached_checkpoint(folder: &Path, shape: &ModelShape, prefix: &[&str], seed: i64) -> Result<PathBuf, BoxError> {

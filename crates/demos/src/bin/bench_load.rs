@@ -86,9 +86,7 @@ fn measured<T>(load: impl FnOnce() -> T) -> Measure {
 }
 
 fn drop_page_cache(path: &Path) {
-    use std::os::fd::AsRawFd;
-    let file = std::fs::File::open(path).expect("open checkpoint");
-    let _ = nix::fcntl::posix_fadvise(file.as_raw_fd(), 0, 0, nix::fcntl::PosixFadviseAdvice::POSIX_FADV_DONTNEED);
+    stageload_demos::weights::drop_page_cache(path).expect("drop the checkpoint's pages");
 }
 
 /// Reads the file once so that the first warm round does not read it from the disk.
