@@ -19,6 +19,7 @@
 //!
 //! Files: [`decide`] (the slot state machine, pure), [`registry`] (carrying its decisions out),
 //! [`tier`] (the host tier's budget, leases and evictions, pure), [`tier_copy`] (its copies),
+//! [`tier_store`] (the registry storing into it),
 //! [`instance`] (a model object, its handle and guard), [`spec`] (what loaders get and return),
 //! [`builder`], [`error`].
 
@@ -30,6 +31,7 @@ mod registry;
 pub mod spec;
 mod tier;
 mod tier_copy;
+mod tier_store;
 #[cfg(test)]
 mod tier_tests;
 

@@ -1,7 +1,8 @@
 //! The registry: slots by name, stage entry, loads and releases, carried out as
 //! [`super::decide`] says.
 //!
-//! Locking. The state lock (`Inner::state`) guards the slots, stages and pins; it is held for
+//! Locking. The state lock (`Inner::state`) guards the slots, stages, pins and the host tier's
+//! bookkeeping (its copies run with the lock let go, see [`super::tier_store`]); it is held for
 //! bookkeeping only, never while a model is built, read from disk, freed, or in use, and never
 //! while waiting for another thread: a `get` of a model another thread is loading waits on the
 //! `changed` condition variable, which gives the lock up while it waits. A release takes the
@@ -22,7 +23,7 @@ use super::decide::{self, Finish, GetAction, GetContext, ModelState, Refusal, Sl
 use super::error::{panic_message, Result, StageError};
 use super::instance::{Handle, Instance, ReleaseMark};
 use super::spec::{BuildContext, Built, Loader, SharedComponents};
-use super::tier::{Evicted, Tier};
+use super::tier::Tier;
 use super::tier_copy::{self, HostCopies};
 use crate::checkpoint::{Checkpoint, Progress};
 use crate::names::NameRules;
@@ -151,11 +152,11 @@ impl State {
     }
 
     /// The models pinned now: at the occurrence entered last, else for the whole run.
-    fn pinned_now(&self) -> BTreeSet<String> {
+    pub(super) fn pinned_now(&self) -> BTreeSet<String> {
         self.position.map_or_else(|| self.pinned.clone(), |index| self.pinned_at(index))
     }
 
-    fn tier_usage(&self) -> Option<TierUsage> {
+    pub(super) fn tier_usage(&self) -> Option<TierUsage> {
         self.tier.as_ref().map(|tier| TierUsage { budget: tier.budget(), used: tier.used() })
     }
 
@@ -659,129 +660,6 @@ impl Inner {
         Some(stats)
     }
 
-    /// Copies a device model's weights into the host tier before its release frees them, when
-    /// the tier has (or can make) room; says why when it does not. Runs under the instance's
-    /// body lock, with the state lock taken only to reserve and to fill the entry.
-    fn store_in_tier(&self, instance: &Instance, stage: &Option<String>) {
-        let tensors = shallow(&lock(&instance.weights).tensors);
-        let Some(device) = tensors.first().map(|(_, t)| t.device()) else { return };
-        let name = instance.name.as_str();
-        let mut state = self.state();
-        // Not when closing, nor for an instance that left its slot (removed, replaced).
-        let still_held = state
-            .index
-            .get(name)
-            .and_then(|&p| released(&state.entries[p]))
-            .is_some_and(|held| std::ptr::eq(held.as_ref(), instance));
-        if state.tier.is_none() || state.closed || !still_held {
-            return;
-        }
-        if !self.tier_applies(device) {
-            let usage = state.tier_usage();
-            drop(state);
-            if !self.tier_said_cpu.swap(true, std::sync::atomic::Ordering::Relaxed) {
-                let note = format!(
-                    "not stored: '{name}' lives on the CPU, where its weights are host memory already; the host tier holds device models"
-                );
-                self.tier_event(stage, name, None, None, note, usage);
-            }
-            return;
-        }
-        let bytes = match tier_copy::bytes_needed(&tensors) {
-            Ok(bytes) => bytes,
-            Err(err) => {
-                let usage = state.tier_usage();
-                drop(state);
-                return self.tier_event(stage, name, None, None, format!("not stored: {err}"), usage);
-            }
-        };
-        let protected = state.pinned_now();
-        let admitted = state.tier.as_mut().map(|tier| tier.admit(name, bytes, &protected));
-        let usage = state.tier_usage();
-        drop(state);
-        let evicted = match admitted {
-            Some(Ok(evicted)) => evicted,
-            Some(Err(why)) => {
-                return self.tier_event(stage, name, Some(bytes), None, format!("not stored: {why}"), usage)
-            }
-            None => return,
-        };
-        self.evicted(stage, evicted, usage);
-
-        let started = Instant::now();
-        let copied = tier_copy::copy_out(&tensors, device);
-        let mut state = self.state();
-        let Some(tier) = state.tier.as_mut() else { return };
-        let (note, dropped) = match copied {
-            Ok(copies) => ("stored".to_string(), tier.fill(name, copies)),
-            Err(message) => (format!("not stored: {message}"), tier.forget(name)),
-        };
-        let usage = state.tier_usage();
-        drop(state);
-        drop(dropped);
-        self.tier_event(stage, name, Some(bytes), Some(started.elapsed().as_secs_f64()), note, usage);
-    }
-
-    /// Whether the host tier holds copies of models on `device`.
-    fn tier_applies(&self, device: Device) -> bool {
-        #[cfg(test)]
-        if self.tier_on_cpu {
-            return true;
-        }
-        tier_copy::applies(device)
-    }
-
-    /// Drops evicted copies (the state lock let go) and says so.
-    fn evicted(&self, stage: &Option<String>, evicted: Vec<Evicted<HostCopies>>, usage: Option<TierUsage>) {
-        for Evicted { model, bytes, copies } in evicted {
-            drop(copies);
-            self.tier_event(stage, &model, Some(bytes), None, "evicted".to_string(), usage);
-        }
-    }
-
-    fn tier_event(
-        &self,
-        stage: &Option<String>,
-        model: &str,
-        bytes: Option<u64>,
-        seconds: Option<f64>,
-        note: String,
-        tier: Option<TierUsage>,
-    ) {
-        self.emit(Event {
-            stage: stage.clone(),
-            model: Some(model.to_string()),
-            bytes,
-            seconds,
-            note: Some(note),
-            tier,
-            ..Event::now(EventKind::Tier)
-        });
-    }
-
-    /// Sets the host tier's budget (see [`super::StagedModels::set_host_tier_budget`]).
-    pub(crate) fn set_tier_budget(&self, bytes: u64) -> Result<()> {
-        let mut state = self.state();
-        let protected = state.pinned_now();
-        let stage = state.current.clone();
-        let tier = state.tier.get_or_insert_with(|| Tier::new(bytes));
-        let old = tier.budget();
-        let evicted = tier.set_budget(bytes, &protected).map_err(|refused| StageError::HostTierBudget {
-            asked: refused.asked,
-            protected: refused.protected,
-            budget: old,
-        })?;
-        let usage = state.tier_usage();
-        drop(state);
-        self.evicted(&stage, evicted, usage);
-        self.emit(Event { stage, note: Some("budget".into()), tier: usage, ..Event::now(EventKind::Tier) });
-        Ok(())
-    }
-
-    pub(crate) fn tier_usage(&self) -> Option<TierUsage> {
-        self.state().tier_usage()
-    }
-
     /// Releases `instances` (already marked), adding up what was freed now.
     pub(crate) fn release_all(&self, instances: Vec<Arc<Instance>>) -> ReleaseStats {
         let mut total = ReleaseStats::default();
@@ -1020,7 +898,7 @@ impl Inner {
 }
 
 /// The instance a released (or failed) slot keeps for a refill in place.
-fn released(entry: &Entry) -> Option<&Arc<Instance>> {
+pub(super) fn released(entry: &Entry) -> Option<&Arc<Instance>> {
     match &entry.slot.state {
         SlotState::Released { instance, .. } => Some(instance),
         SlotState::Failed { instance, .. } => instance.as_ref(),
@@ -1045,7 +923,7 @@ fn cuda_device(entry: &Entry) -> Option<usize> {
     }
 }
 
-fn shallow(tensors: &[(String, Tensor)]) -> Vec<(String, Tensor)> {
+pub(super) fn shallow(tensors: &[(String, Tensor)]) -> Vec<(String, Tensor)> {
     tensors.iter().map(|(n, t)| (n.clone(), t.shallow_clone())).collect()
 }
 
