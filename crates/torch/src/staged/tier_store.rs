@@ -20,8 +20,6 @@ impl Inner {
     /// the tier has (or can make) room; says why when it does not. Runs under the instance's
     /// body lock, with the state lock taken only to reserve and to fill the entry.
     pub(super) fn store_in_tier(&self, instance: &Instance, stage: &Option<String>) {
-        let tensors = shallow(&lock(&instance.weights).tensors);
-        let Some(device) = tensors.first().map(|(_, t)| t.device()) else { return };
         let name = instance.name.as_str();
         let mut state = self.state();
         // Not when closing, nor for an instance that left its slot (removed, replaced).
@@ -33,6 +31,9 @@ impl Inner {
         if state.tier.is_none() || state.closed || !still_held {
             return;
         }
+        // Lock order: the state lock, then the instance's weights.
+        let tensors = shallow(&lock(&instance.weights).tensors);
+        let Some(device) = tensors.first().map(|(_, t)| t.device()) else { return };
         if !self.tier_applies(device) {
             let usage = state.tier_usage();
             drop(state);
