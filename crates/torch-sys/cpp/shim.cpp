@@ -241,6 +241,15 @@ char* sl_copy_async(const at::Tensor* dst, const at::Tensor* src) {
   });
 }
 
+// A page-locked copy of a host tensor, for whatever accelerator the process has (the device
+// argument of pin_memory is deprecated, and warned about on every call, since torch 2.3).
+char* sl_pin_memory(const at::Tensor* t, at::Tensor** out) {
+  return guarded([&] {
+    TORCH_CHECK(t != nullptr && t->defined() && out != nullptr, "undefined tensor");
+    *out = new at::Tensor(t->pin_memory());
+  });
+}
+
 char* sl_cuda_sync_current_stream(int index) {
   return guarded([&] {
     generator_device(SL_CUDA, index);

@@ -63,6 +63,7 @@ mod ffi {
         pub fn sl_cuda_set_stream(index: c_int, id: i64) -> *mut c_char;
         pub fn sl_cuda_sync_current_stream(index: c_int) -> *mut c_char;
         pub fn sl_copy_async(dst: *const C_tensor, src: *const C_tensor) -> *mut c_char;
+        pub fn sl_pin_memory(t: *const C_tensor, out: *mut *mut C_tensor) -> *mut c_char;
         pub fn sl_cuda_event_record(index: c_int, out: *mut *mut std::ffi::c_void) -> *mut c_char;
         pub fn sl_event_synchronize(event: *mut std::ffi::c_void) -> *mut c_char;
         pub fn sl_event_free(event: *mut std::ffi::c_void);
@@ -319,6 +320,21 @@ pub fn copy_async(dst: &Tensor, src: &Tensor) -> ShimResult<()> {
     // SAFETY: both pointers are live `at::Tensor*` borrowed for the call.
     let err = unsafe { ffi::sl_copy_async(dst.as_ptr(), src.as_ptr()) };
     check("copy asynchronously", err)
+}
+
+/// `tensor.pin_memory()`: a copy of a host tensor in page-locked memory, which the GPU's copy
+/// engines read at full speed; an error (not a panic) where no accelerator can pin memory.
+/// Unlike tch's `pin_memory(device)`, it passes no device, which libtorch 2.3+ warns about on
+/// every call.
+pub fn pin_memory(tensor: &Tensor) -> ShimResult<Tensor> {
+    let mut out = std::ptr::null_mut();
+    // SAFETY: `tensor.as_ptr()` is a live `at::Tensor*` borrowed for the call; the out-pointer
+    // is valid for a write.
+    let err = unsafe { ffi::sl_pin_memory(tensor.as_ptr(), &mut out) };
+    check("pin host memory", err)?;
+    // SAFETY: on success the shim wrote a fresh `new at::Tensor`, which the returned `Tensor`
+    // owns alone and frees with `delete` (tch's `at_free`) when dropped.
+    Ok(unsafe { Tensor::from_ptr(out) })
 }
 
 /// A point in a CUDA stream's work: everything enqueued on it before the event was recorded.

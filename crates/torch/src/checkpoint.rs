@@ -430,7 +430,7 @@ impl Checkpoint {
         for index in devices {
             let on_this: Vec<&(&str, &Tensor, &Entry)> =
                 items.iter().filter(|(_, t, _)| t.device() == Device::Cuda(index)).collect();
-            let copied = device_copy::with_ring(Device::Cuda(index), |ring| {
+            let copied = device_copy::with_ring(|ring| {
                 tch::no_grad(|| self.copy_through_ring(ring, index, &on_this, done, progress))
             });
             match copied {

@@ -48,9 +48,9 @@ pub(crate) struct Ring {
 
 static RING: OnceLock<Mutex<Option<Ring>>> = OnceLock::new();
 
-/// Runs `f` with the process's pinned ring (pinned for `device` on first use); `Err` with the
+/// Runs `f` with the process's pinned ring (pinned on first use); `Err` with the
 /// reason when host memory cannot be pinned, so the caller falls back to pageable copies.
-pub(crate) fn with_ring<R>(device: Device, f: impl FnOnce(&mut Ring) -> R) -> Result<R, String> {
+pub(crate) fn with_ring<R>(f: impl FnOnce(&mut Ring) -> R) -> Result<R, String> {
     let cell = RING.get_or_init(|| Mutex::new(None));
     let mut ring = lock(cell);
     if ring.is_none() {
@@ -58,7 +58,8 @@ pub(crate) fn with_ring<R>(device: Device, f: impl FnOnce(&mut Ring) -> R) -> Re
         let mut slots = Vec::with_capacity(count);
         for _ in 0..count {
             let slot = Tensor::f_empty([WINDOW as i64], (Kind::Uint8, Device::Cpu))
-                .and_then(|t| t.f_pin_memory(device))
+                .map_err(|e| e.to_string())
+                .and_then(|t| stageload_torch_sys::pin_memory(&t).map_err(|e| e.to_string()))
                 .map_err(|e| format!("pinning {} MiB of host memory: {e}", (count * WINDOW) >> 20))?;
             slots.push(slot);
         }

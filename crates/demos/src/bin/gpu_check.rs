@@ -81,7 +81,8 @@ fn median(mut values: Vec<f64>) -> f64 {
 /// GB/s of host→device copies of 1 GiB from pinned and from pageable memory.
 fn copy_limits(rounds: usize, device: Device) -> (f64, f64) {
     let bytes = 1i64 << 30;
-    let pinned = Tensor::empty([bytes], (Kind::Uint8, Device::Cpu)).pin_memory(device);
+    let pinned = stageload_torch_sys::pin_memory(&Tensor::empty([bytes], (Kind::Uint8, Device::Cpu)))
+        .expect("pinning 1 GiB of host memory");
     let pageable = Tensor::ones([bytes], (Kind::Uint8, Device::Cpu));
     let mut target = Tensor::empty([bytes], (Kind::Uint8, device));
     let mut rate = |source: &Tensor| {

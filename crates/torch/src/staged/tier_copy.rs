@@ -1,7 +1,7 @@
 //! The host tier's copies: a device model's weights out to host memory before a release frees
 //! them, and back into its reallocated storages when it reloads.
 //!
-//! Host copies are pinned for the model's device when the driver allows it (libtorch's caching
+//! Host copies are pinned (page-locked) when the driver allows it (libtorch's caching
 //! host allocator keeps freed pinned blocks for the next copy, so pinning is paid once per
 //! size), else pageable, said once per process. On CUDA both directions run on a side stream of
 //! the model's device and end at a recorded event; the copy out first waits for the work the
@@ -90,7 +90,7 @@ fn host_like(like: &Tensor, device: Device, pin: bool) -> Result<(Tensor, bool),
     if !pin || device == Device::Cpu {
         return Ok((host, false));
     }
-    match host.f_pin_memory(device) {
+    match shim::pin_memory(&host) {
         Ok(pinned) => Ok((pinned, true)),
         Err(err) => {
             if !SAID_PAGEABLE.swap(true, Ordering::Relaxed) {

@@ -219,19 +219,16 @@ impl StreamedModel {
     }
 }
 
-/// Every block's tensors read once from the checkpoint into pinned host memory for `device`.
-pub(super) fn pinned_copies(
-    blocks: &[Block],
-    checkpoint: &Checkpoint,
-    device: Device,
-) -> Result<Vec<Vec<Tensor>>, String> {
+/// Every block's tensors read once from the checkpoint into pinned host memory.
+pub(super) fn pinned_copies(blocks: &[Block], checkpoint: &Checkpoint) -> Result<Vec<Vec<Tensor>>, String> {
     let mut copies = Vec::with_capacity(blocks.len());
     let mut targets = Vec::new();
     for block in blocks {
         let mut mine = Vec::with_capacity(block.targets.len());
         for (entry, tensor) in &block.targets {
             let host = Tensor::f_empty(tensor.size(), (tensor.kind(), Device::Cpu))
-                .and_then(|t| t.f_pin_memory(device))
+                .map_err(|e| e.to_string())
+                .and_then(|t| stageload_torch_sys::pin_memory(&t).map_err(|e| e.to_string()))
                 .map_err(|e| format!("pinning host memory: {e}"))?;
             targets.push((entry.clone(), host.shallow_clone()));
             mine.push(host);

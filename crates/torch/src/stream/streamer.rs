@@ -199,7 +199,7 @@ impl StreamedModel {
             host: None,
         };
         if device.is_cuda() {
-            match pinned_copies(&streamed.blocks, &streamed.checkpoint, device) {
+            match pinned_copies(&streamed.blocks, &streamed.checkpoint) {
                 Ok(copies) => streamed.host = Some(copies),
                 Err(reason) => tracing::warn!(
                     "streamed model '{}': no pinned host copies ({reason}); its blocks are refilled from the checkpoint",
