@@ -191,3 +191,11 @@ fn the_plan_with_the_eager_runs_working_memory_matches_the_staged_run_stage_by_s
         assert!(check.ok, "{check:?}\n{}", stageload_plan::measured::render_checks(&checks, &staged.trace));
     }
 }
+
+#[test]
+fn a_host_tier_that_is_not_a_size_is_refused_naming_the_flag() {
+    let out = Command::new(binary("cascade")).args(["--device", "cpu", "--host-tier", "lots"]).output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("--host-tier") && stderr.contains("lots"), "{stderr}");
+}
