@@ -48,6 +48,13 @@ pub(crate) struct Ring {
 
 static RING: OnceLock<Mutex<Option<Ring>>> = OnceLock::new();
 
+/// An uninitialised host tensor of `size` and `kind` in pinned (page-locked) memory; `Err` with
+/// libtorch's reason where memory cannot be pinned (no driver).
+pub(crate) fn pinned_empty(size: &[i64], kind: Kind) -> Result<Tensor, String> {
+    let host = Tensor::f_empty(size, (kind, Device::Cpu)).map_err(|e| e.to_string())?;
+    stageload_torch_sys::pin_memory(&host).map_err(|e| e.to_string())
+}
+
 /// Runs `f` with the process's pinned ring (pinned on first use); `Err` with the
 /// reason when host memory cannot be pinned, so the caller falls back to pageable copies.
 pub(crate) fn with_ring<R>(f: impl FnOnce(&mut Ring) -> R) -> Result<R, String> {
@@ -57,9 +64,7 @@ pub(crate) fn with_ring<R>(f: impl FnOnce(&mut Ring) -> R) -> Result<R, String> 
         let count = slots();
         let mut slots = Vec::with_capacity(count);
         for _ in 0..count {
-            let slot = Tensor::f_empty([WINDOW as i64], (Kind::Uint8, Device::Cpu))
-                .map_err(|e| e.to_string())
-                .and_then(|t| stageload_torch_sys::pin_memory(&t).map_err(|e| e.to_string()))
+            let slot = pinned_empty(&[WINDOW as i64], Kind::Uint8)
                 .map_err(|e| format!("pinning {} MiB of host memory: {e}", (count * WINDOW) >> 20))?;
             slots.push(slot);
         }

@@ -86,19 +86,17 @@ static SAID_PAGEABLE: AtomicBool = AtomicBool::new(false);
 
 /// A host tensor shaped like `like`, pinned for `device` when the driver allows it.
 fn host_like(like: &Tensor, device: Device, pin: bool) -> Result<(Tensor, bool), tch::TchError> {
-    let host = Tensor::f_empty(like.size(), (like.kind(), Device::Cpu))?;
-    if !pin || device == Device::Cpu {
-        return Ok((host, false));
-    }
-    match shim::pin_memory(&host) {
-        Ok(pinned) => Ok((pinned, true)),
-        Err(err) => {
-            if !SAID_PAGEABLE.swap(true, Ordering::Relaxed) {
-                tracing::warn!(%err, "host tier: pinning host memory failed; copies use pageable memory (slower)");
+    if pin && device != Device::Cpu {
+        match crate::device_copy::pinned_empty(&like.size(), like.kind()) {
+            Ok(pinned) => return Ok((pinned, true)),
+            Err(err) => {
+                if !SAID_PAGEABLE.swap(true, Ordering::Relaxed) {
+                    tracing::warn!(%err, "host tier: pinning host memory failed; copies use pageable memory (slower)");
+                }
             }
-            Ok((host, false))
         }
     }
+    Ok((Tensor::f_empty(like.size(), (like.kind(), Device::Cpu))?, false))
 }
 
 /// Copies `tensors` (a model's weights on `device`) into host memory.

@@ -226,9 +226,7 @@ pub(super) fn pinned_copies(blocks: &[Block], checkpoint: &Checkpoint) -> Result
     for block in blocks {
         let mut mine = Vec::with_capacity(block.targets.len());
         for (entry, tensor) in &block.targets {
-            let host = Tensor::f_empty(tensor.size(), (tensor.kind(), Device::Cpu))
-                .map_err(|e| e.to_string())
-                .and_then(|t| stageload_torch_sys::pin_memory(&t).map_err(|e| e.to_string()))
+            let host = crate::device_copy::pinned_empty(&tensor.size(), tensor.kind())
                 .map_err(|e| format!("pinning host memory: {e}"))?;
             targets.push((entry.clone(), host.shallow_clone()));
             mine.push(host);
