@@ -17,7 +17,8 @@
 # traces; then block streaming on cuda:0 (the stream demo: texture_flow at scale 2 whole, under a
 # 500 MiB budget, and with half its blocks streamed; same latent, step times). Files:
 # gpu-check.json, log.txt, latents.txt, summary.txt, summary-tier.txt, memory.svg,
-# cascade-{eager,staged,prefetch,tier}.jsonl, stream-*.json.
+# cascade-{eager,staged,prefetch,tier}.jsonl, stream-*.json, stream-ratios.json (step time
+# streamed / whole, refill GB/s / the pinned limit of this run).
 set -uo pipefail
 root=$(pwd)
 kit=$root/target/device-kit
@@ -78,4 +79,23 @@ for mode in budget half; do
         echo "stream $mode: latent DIFFERS from whole" | tee -a "$log"; status=1
     fi
 done
+# #14's ratios in this run: step time streamed against whole, refills against the pinned limit.
+python3 - "$out" <<'PY' | tee -a "$log" || status=1
+import json, pathlib, sys
+out = pathlib.Path(sys.argv[1])
+pinned = json.loads((out / "gpu-check.json").read_text())["pinned_h2d_gb_per_s"]
+whole = json.loads((out / "stream-whole.json").read_text())
+ratios = {"pinned_h2d_gb_per_s": pinned}
+for mode in ("budget", "half"):
+    run = json.loads((out / f"stream-{mode}.json").read_text())
+    refill = run["bytes_refilled"] / run["refill_seconds"] / 1e9 if run["refill_seconds"] > 0 else None
+    ratios[mode] = {
+        "step_over_whole": run["seconds_per_step"] / whole["seconds_per_step"],
+        "refill_gb_per_s": refill,
+        "refill_over_pinned": refill / pinned if refill else None,
+        "residency": run["residency"],
+    }
+(out / "stream-ratios.json").write_text(json.dumps(ratios, indent=2))
+print(json.dumps(ratios, indent=2))
+PY
 exit $status
