@@ -152,3 +152,19 @@ fn a_prefetch_brings_a_model_back_from_the_tier_in_the_background() {
     let reload = sink.of_kind(EventKind::Reload).into_iter().find(|e| e.model.as_deref() == Some("a")).unwrap();
     assert!(reload.prefetched && reload.from == Some(ReloadFrom::HostTier), "{reload:?}");
 }
+
+#[test]
+fn a_model_in_use_when_its_stage_ends_is_stored_when_its_user_lets_go() {
+    let (models, sink, builds) = registry([1024, 8, 8], 1 << 20);
+    models.enter("sa").unwrap();
+    let handle = models.get::<Tensor>("a").unwrap();
+    let guard = handle.lock().unwrap();
+    let before = guard.copy();
+    models.enter("sb").unwrap();
+    assert!(tier_notes(&sink).is_empty(), "the release waits for the guard");
+    drop(guard);
+    assert_eq!(tier_notes(&sink), [("a".into(), "stored".into())], "stored by the guard's release");
+    models.enter("sa").unwrap();
+    assert!(weight(&models, "a").equal(&before));
+    assert_eq!(builds[0].load(Ordering::SeqCst), 1);
+}
