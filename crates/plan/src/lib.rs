@@ -4,7 +4,8 @@
 //!   memory), checked, with each model's size read from its checkpoints' headers only.
 //! - [`blocks`], [`split`]: a streamed model's blocks (which tensors) and which of them stay
 //!   resident under a budget: the rules `stageload::stream` runs by and the plan counts by.
-//! - [`tier`]: what the host tier holds along the run, under its budget.
+//! - [`tier`]: the host tier's rules (budget, LRU eviction, leases), which `stageload`'s
+//!   registry runs and the plan counts each stage's copies with.
 //! - [`measured`]: working memory from a recorded run, and a plan checked against a run.
 //! - [`plan`](mod@plan): stage by stage residency, loads, releases, reloads, bytes read, and a verdict
 //!   per stage against this machine's budget, staged and eager.

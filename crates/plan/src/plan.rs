@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 use stageload_units::format_bytes;
 
 use crate::pipeline::{total, Model, Pipeline, Placement};
-use crate::tier::{TierPlan, TierRun};
+use crate::tier::{Tier, TierPlan};
 
 /// The version of the JSON schema of [`Plan`]; raised on any incompatible change.
 pub const SCHEMA_VERSION: u32 = 1;
@@ -260,7 +260,7 @@ pub fn plan(pipeline: &Pipeline, budget: Budget, device_budget: Option<Budget>) 
     let mut ever_loaded: Vec<String> = Vec::new();
     let mut stages = Vec::new();
     let reserve = |need: u64| pipeline.reserve.map_or(need, |r| r.on(need));
-    let mut tier = pipeline.host_tier.map(TierRun::new);
+    let mut tier = pipeline.host_tier.map(Tier::<()>::new);
     for (index, stage) in pipeline.stages.iter().enumerate() {
         let pinned = pipeline.pinned_at(index);
         let keep = |name: &String| stage.models.contains(name) || pinned.contains(&name);
@@ -270,11 +270,15 @@ pub fn plan(pipeline: &Pipeline, budget: Budget, device_budget: Option<Budget>) 
         let reloaded: Vec<String> = loaded.iter().filter(|name| ever_loaded.contains(name)).cloned().collect();
         let (from_tier, tier_bytes) = match tier.as_mut() {
             Some(tier) => {
+                // As the registry: each release stored when it fits (oldest copies evicted), each
+                // reload from the tier gives its copy up.
                 for model in models_of(&released).into_iter().filter(|m| m.placement == Placement::Device) {
-                    tier.release(&model.name, model.held());
+                    if tier.admit(&model.name, model.held(), &Default::default()).is_ok() {
+                        tier.fill(&model.name, ());
+                    }
                 }
                 let held = tier.used();
-                (reloaded.iter().filter(|name| tier.reload(name)).cloned().collect(), held)
+                (reloaded.iter().filter(|name| tier.forget(name).is_some()).cloned().collect(), held)
             }
             None => (Vec::new(), 0),
         };

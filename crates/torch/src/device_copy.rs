@@ -13,6 +13,7 @@
 
 use std::sync::{Mutex, OnceLock};
 
+use stageload_torch_sys::ShimError;
 use tch::{Device, Kind, Tensor};
 
 use crate::sync::lock;
@@ -37,6 +38,17 @@ pub struct Piece {
 pub fn pieces(elements: usize, element_bytes: usize, window: usize) -> Vec<Piece> {
     let per_piece = (window / element_bytes.max(1)).max(1);
     (0..elements).step_by(per_piece).map(|first| Piece { first, count: per_piece.min(elements - first) }).collect()
+}
+
+/// `dst.copy_(src)` for every pair, asynchronous on a side stream of CUDA device `index`, and
+/// waited for at its end (a recorded event): the sources are pinned host memory (or the
+/// targets are, copying back), and the caller's stream is free to run kernels meanwhile.
+pub(crate) fn copy_on_side_stream(pairs: &[(&Tensor, &Tensor)], index: usize) -> Result<(), ShimError> {
+    let _side = stageload_torch_sys::cuda_side_stream(index)?;
+    for (dst, src) in pairs {
+        stageload_torch_sys::copy_async(dst, src)?;
+    }
+    stageload_torch_sys::CudaEvent::record(index)?.synchronize()
 }
 
 /// The pinned ring, allocated once per process; `None` when pinning failed (no driver).

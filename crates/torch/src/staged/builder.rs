@@ -10,10 +10,10 @@ use super::decide::{self, SlotState};
 use super::error::{Result, StageError};
 use super::registry::{Entry, Inner, Placement, ProgressHook, State};
 use super::spec::ModelSpec;
-use super::tier::Tier;
 use super::StagedModels;
 use crate::checkpoint::{Checkpoint, Progress};
 use crate::rng::RngSnapshot;
+use stageload_plan::tier::Tier;
 use stageload_trace::event::EventSink;
 
 /// Builds a [`StagedModels`]: models, stages, pins, sink, options.

@@ -18,7 +18,8 @@
 //! next `get` copies them back in place: no checkpoint read, no rebuild, no random number drawn.
 //!
 //! Files: [`decide`] (the slot state machine, pure), [`registry`] (carrying its decisions out),
-//! [`tier`] (the host tier's budget, leases and evictions, pure), [`tier_copy`] (its copies),
+//! [`tier_copy`] (the host tier's copies; its budget, leases and evictions are the pure
+//! [`stageload_plan::tier`]),
 //! [`tier_store`] (the registry storing into it),
 //! [`instance`] (a model object, its handle and guard), [`spec`] (what loaders get and return),
 //! [`builder`], [`error`].
@@ -29,7 +30,6 @@ pub mod error;
 pub mod instance;
 mod registry;
 pub mod spec;
-mod tier;
 mod tier_copy;
 mod tier_store;
 #[cfg(test)]

@@ -23,13 +23,13 @@ use super::decide::{self, Finish, GetAction, GetContext, ModelState, Refusal, Sl
 use super::error::{panic_message, Result, StageError};
 use super::instance::{Handle, Instance, ReleaseMark};
 use super::spec::{BuildContext, Built, Loader, SharedComponents};
-use super::tier::Tier;
 use super::tier_copy::{self, HostCopies};
 use crate::checkpoint::{Checkpoint, Progress};
 use crate::names::NameRules;
 use crate::rng::{PreservedRng, RngSnapshot};
 use crate::storage::{self, ReleaseStats};
 use crate::sync::lock;
+use stageload_plan::tier::Tier;
 use stageload_trace::event::{Event, EventKind, EventSink, LoadReport, ReloadFrom, TierUsage};
 
 /// Told how far a checkpoint load has come: the model and bytes done of the total.
@@ -923,7 +923,7 @@ fn cuda_device(entry: &Entry) -> Option<usize> {
     }
 }
 
-pub(super) fn shallow(tensors: &[(String, Tensor)]) -> Vec<(String, Tensor)> {
+fn shallow(tensors: &[(String, Tensor)]) -> Vec<(String, Tensor)> {
     tensors.iter().map(|(n, t)| (n.clone(), t.shallow_clone())).collect()
 }
 

@@ -8,19 +8,48 @@
 //! model's device already has queued. Tensors that view the same bytes (tied weights) are copied
 //! once.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use stageload_torch_sys as shim;
 use tch::{Device, Tensor};
 
-/// Each tensor name with the index of its distinct view.
-type NameIndex = Vec<(String, usize)>;
+/// A model's tensors as distinct views (tensors that view the same bytes, tied weights, once)
+/// and, per tensor name, its view: computed once per release, sized before the tier admits
+/// the model, then copied.
+pub(crate) struct Views {
+    views: Vec<Tensor>,
+    names: HashMap<String, usize>,
+}
+
+impl Views {
+    pub(crate) fn of(tensors: &[(String, Tensor)]) -> Result<Views, shim::ShimError> {
+        let mut keys: HashMap<ViewKey, usize> = HashMap::new();
+        let mut views = Vec::new();
+        let mut names = HashMap::with_capacity(tensors.len());
+        for (name, tensor) in tensors {
+            let info = shim::storage_info(tensor)?;
+            let key = (info.id, tensor.storage_offset(), tensor.size(), tensor.stride(), tensor.kind());
+            let index = *keys.entry(key).or_insert_with(|| {
+                views.push(tensor.shallow_clone());
+                views.len() - 1
+            });
+            names.entry(name.clone()).or_insert(index);
+        }
+        Ok(Views { views, names })
+    }
+
+    /// Host bytes a copy takes.
+    pub(crate) fn bytes(&self) -> u64 {
+        self.views.iter().map(tensor_bytes).sum()
+    }
+}
 
 /// A model's weights in host memory: each distinct view once, and which view each name has.
 #[derive(Debug)]
 pub(crate) struct HostCopies {
     hosts: Vec<Tensor>,
-    names: NameIndex,
+    names: HashMap<String, usize>,
     pinned: bool,
 }
 
@@ -33,10 +62,6 @@ impl HostCopies {
             pinned: self.pinned,
         }
     }
-
-    fn host(&self, name: &str) -> Option<&Tensor> {
-        self.names.iter().find(|(n, _)| n == name).map(|&(_, i)| &self.hosts[i])
-    }
 }
 
 /// Whether the host tier holds copies of a model on `device`: device models only (a CPU model's
@@ -45,41 +70,11 @@ pub(crate) fn applies(device: Device) -> bool {
     device != Device::Cpu
 }
 
-/// What a view is, to copy tensors that view the same bytes once.
+/// What a view is: storage, offset, sizes, strides, dtype.
 type ViewKey = (u64, i64, Vec<i64>, Vec<i64>, tch::Kind);
-
-fn view_key(tensor: &Tensor) -> Result<ViewKey, shim::ShimError> {
-    let info = shim::storage_info(tensor)?;
-    Ok((info.id, tensor.storage_offset(), tensor.size(), tensor.stride(), tensor.kind()))
-}
 
 fn tensor_bytes(tensor: &Tensor) -> u64 {
     (tensor.numel() as u64).saturating_mul(tensor.kind().elt_size_in_bytes() as u64)
-}
-
-/// The distinct views of `tensors` (first name wins) and, per name, its view's index.
-fn distinct_views(tensors: &[(String, Tensor)]) -> Result<(Vec<&Tensor>, NameIndex), shim::ShimError> {
-    let mut keys: Vec<ViewKey> = Vec::new();
-    let mut views = Vec::new();
-    let mut names = Vec::with_capacity(tensors.len());
-    for (name, tensor) in tensors {
-        let key = view_key(tensor)?;
-        let index = match keys.iter().position(|k| *k == key) {
-            Some(index) => index,
-            None => {
-                keys.push(key);
-                views.push(tensor);
-                views.len() - 1
-            }
-        };
-        names.push((name.clone(), index));
-    }
-    Ok((views, names))
-}
-
-/// Host bytes a copy of `tensors` takes (each distinct view once).
-pub(crate) fn bytes_needed(tensors: &[(String, Tensor)]) -> Result<u64, shim::ShimError> {
-    Ok(distinct_views(tensors)?.0.into_iter().map(tensor_bytes).sum())
 }
 
 static SAID_PAGEABLE: AtomicBool = AtomicBool::new(false);
@@ -99,9 +94,9 @@ fn host_like(like: &Tensor, device: Device, pin: bool) -> Result<(Tensor, bool),
     Ok((Tensor::f_empty(like.size(), (like.kind(), Device::Cpu))?, false))
 }
 
-/// Copies `tensors` (a model's weights on `device`) into host memory.
-pub(crate) fn copy_out(tensors: &[(String, Tensor)], device: Device) -> Result<HostCopies, String> {
-    let (views, names) = distinct_views(tensors).map_err(|e| e.to_string())?;
+/// Copies `views` (a model's weights on `device`) into host memory.
+pub(crate) fn copy_out(views: Views, device: Device) -> Result<HostCopies, String> {
+    let Views { views, names } = views;
     let mut hosts = Vec::with_capacity(views.len());
     let mut pinned = true;
     for view in &views {
@@ -111,7 +106,7 @@ pub(crate) fn copy_out(tensors: &[(String, Tensor)], device: Device) -> Result<H
         hosts.push(host);
     }
     // Copies already pinned stay valid if a later one fell back; all go the same way below.
-    let pairs: Vec<(&Tensor, &Tensor)> = hosts.iter().zip(views.iter().copied()).collect();
+    let pairs: Vec<(&Tensor, &Tensor)> = hosts.iter().zip(&views).collect();
     copy_all(&pairs, device, pinned).map_err(|e| format!("copying to host memory: {e}"))?;
     Ok(HostCopies { hosts, names, pinned })
 }
@@ -121,8 +116,8 @@ pub(crate) fn copy_out(tensors: &[(String, Tensor)], device: Device) -> Result<H
 pub(crate) fn copy_in(targets: &[(String, Tensor)], copies: &HostCopies, device: Device) -> Result<(), String> {
     let mut pairs = Vec::with_capacity(targets.len());
     for (name, target) in targets {
-        let host = copies.host(name).ok_or_else(|| format!("the host tier has no copy of tensor '{name}'"))?;
-        pairs.push((target, host));
+        let host = copies.names.get(name).ok_or_else(|| format!("the host tier has no copy of tensor '{name}'"))?;
+        pairs.push((target, &copies.hosts[*host]));
     }
     copy_all(&pairs, device, copies.pinned).map_err(|e| format!("copying from host memory: {e}"))
 }
@@ -136,11 +131,7 @@ fn copy_all(pairs: &[(&Tensor, &Tensor)], device: Device, pinned: bool) -> Resul
             // The model's last kernels (a build, a fill) may still be queued on this thread's
             // stream: the side stream starts after them.
             shim::cuda_sync_current_stream(index).map_err(|e| e.to_string())?;
-            let _side = shim::cuda_side_stream(index).map_err(|e| e.to_string())?;
-            for (dst, src) in pairs {
-                shim::copy_async(dst, src).map_err(|e| e.to_string())?;
-            }
-            shim::CudaEvent::record(index).and_then(|event| event.synchronize()).map_err(|e| e.to_string())
+            crate::device_copy::copy_on_side_stream(pairs, index).map_err(|e| e.to_string())
         }
         _ => {
             for (dst, src) in pairs {
@@ -164,9 +155,10 @@ mod tests {
         let b = Tensor::randn([32], (Kind::BFloat16, Device::Cpu));
         let tensors = vec![("w".to_string(), w.shallow_clone()), ("tied".to_string(), tied), ("b".to_string(), b)];
         let before: Vec<Tensor> = tensors.iter().map(|(_, t)| t.copy()).collect();
-        assert_eq!(bytes_needed(&tensors).unwrap(), 64 * 32 * 4 + 32 * 2, "the tied view counted once");
+        let views = Views::of(&tensors).unwrap();
+        assert_eq!(views.bytes(), 64 * 32 * 4 + 32 * 2, "the tied view counted once");
 
-        let copies = copy_out(&tensors, Device::Cpu).unwrap();
+        let copies = copy_out(views, Device::Cpu).unwrap();
         assert_eq!(copies.hosts.len(), 2, "one copy of the tied view");
         assert!(!copies.pinned, "no driver here: pageable copies");
         let storages = crate::storage::distinct_storages(&tensors).unwrap();
@@ -183,7 +175,7 @@ mod tests {
     #[test]
     fn a_target_without_a_copy_is_an_error_naming_the_tensor() {
         let tensors = vec![("w".to_string(), Tensor::zeros([4], (Kind::Float, Device::Cpu)))];
-        let copies = copy_out(&tensors, Device::Cpu).unwrap();
+        let copies = copy_out(Views::of(&tensors).unwrap(), Device::Cpu).unwrap();
         let other = vec![("v".to_string(), Tensor::zeros([4], (Kind::Float, Device::Cpu)))];
         let err = copy_in(&other, &copies, Device::Cpu).unwrap_err();
         assert!(err.contains("no copy of tensor 'v'"), "{err}");

@@ -1,6 +1,6 @@
 //! The registry's side of the host tier: storing a released device model's weights (reserve
 //! under the state lock, copy with it let go, fill), the budget set at run time, and the `tier`
-//! events. The rules are [`super::tier`]'s, the copies [`super::tier_copy`]'s; a reload from
+//! events. The rules are [`stageload_plan::tier`]'s, the copies [`super::tier_copy`]'s; a reload from
 //! the tier is a refill in place ([`super::registry`]).
 
 use std::time::Instant;
@@ -9,10 +9,10 @@ use tch::Device;
 
 use super::error::{Result, StageError};
 use super::instance::Instance;
-use super::registry::{released, shallow, Inner};
-use super::tier::{Evicted, Tier};
+use super::registry::{released, Inner};
 use super::tier_copy::{self, HostCopies};
 use crate::sync::lock;
+use stageload_plan::tier::{Evicted, Tier};
 use stageload_trace::event::{Event, EventKind, TierUsage};
 
 impl Inner {
@@ -32,9 +32,10 @@ impl Inner {
             return;
         }
         // Lock order: the state lock, then the instance's weights.
-        let tensors = shallow(&lock(&instance.weights).tensors);
-        let Some(device) = tensors.first().map(|(_, t)| t.device()) else { return };
+        let weights = lock(&instance.weights);
+        let Some(device) = weights.tensors.first().map(|(_, t)| t.device()) else { return };
         if !self.tier_applies(device) {
+            drop(weights);
             let usage = state.tier_usage();
             drop(state);
             if !self.tier_said_cpu.swap(true, std::sync::atomic::Ordering::Relaxed) {
@@ -45,14 +46,17 @@ impl Inner {
             }
             return;
         }
-        let bytes = match tier_copy::bytes_needed(&tensors) {
-            Ok(bytes) => bytes,
+        let views = tier_copy::Views::of(&weights.tensors);
+        drop(weights);
+        let views = match views {
+            Ok(views) => views,
             Err(err) => {
                 let usage = state.tier_usage();
                 drop(state);
                 return self.tier_event(stage, name, None, None, format!("not stored: {err}"), usage);
             }
         };
+        let bytes = views.bytes();
         let protected = state.pinned_now();
         let admitted = state.tier.as_mut().map(|tier| tier.admit(name, bytes, &protected));
         let usage = state.tier_usage();
@@ -67,7 +71,7 @@ impl Inner {
         self.evicted(stage, evicted, usage);
 
         let started = Instant::now();
-        let copied = tier_copy::copy_out(&tensors, device);
+        let copied = tier_copy::copy_out(views, device);
         let mut state = self.state();
         let Some(tier) = state.tier.as_mut() else { return };
         let (note, dropped) = match copied {

@@ -174,7 +174,9 @@ impl StreamedModel {
             .map_err(torch(&model, "give a block memory"))?;
             let filled = match (&host, device) {
                 (Some(host), Device::Cuda(index)) => {
-                    copy_from_host(&targets, host, index).map_err(torch(&model, "copy a block to the GPU"))
+                    let pairs: Vec<(&Tensor, &Tensor)> = targets.iter().map(|(_, t)| t).zip(host).collect();
+                    crate::device_copy::copy_on_side_stream(&pairs, index)
+                        .map_err(torch(&model, "copy a block to the GPU"))
                 }
                 _ => checkpoint
                     .load_into(&targets, |_| {})
@@ -235,18 +237,4 @@ pub(super) fn pinned_copies(blocks: &[Block], checkpoint: &Checkpoint) -> Result
     }
     checkpoint.load_into(&targets, |_| {}).map_err(|e| e.to_string())?;
     Ok(copies)
-}
-
-/// Copies pinned `host` tensors into the block's `targets` on a side stream of CUDA device
-/// `index`, and waits for the copies (the forward's stream then reads them).
-fn copy_from_host(
-    targets: &[(String, Tensor)],
-    host: &[Tensor],
-    index: usize,
-) -> Result<(), stageload_torch_sys::ShimError> {
-    let _side = stageload_torch_sys::cuda_side_stream(index)?;
-    for ((_, target), source) in targets.iter().zip(host) {
-        stageload_torch_sys::copy_async(target, source)?;
-    }
-    stageload_torch_sys::CudaEvent::record(index)?.synchronize()
 }
