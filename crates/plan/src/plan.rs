@@ -336,15 +336,7 @@ pub fn plan(pipeline: &Pipeline, budget: Budget, device_budget: Option<Budget>) 
         verdict: Verdict::of(eager_need, Some(&budget)),
         device_verdict: Verdict::of(eager_device_need, device_budget.as_ref()),
     };
-    let host_tier = pipeline.host_tier.map(|budget| TierPlan {
-        budget,
-        largest: pipeline
-            .models
-            .iter()
-            .filter(|m| m.placement == Placement::Device)
-            .max_by_key(|m| m.held())
-            .map(|m| (m.name.clone(), m.held())),
-    });
+    let host_tier = pipeline.host_tier.map(|budget| TierPlan::of(pipeline, budget));
     Plan {
         schema: SCHEMA_VERSION,
         pipeline: pipeline.path.clone(),

@@ -11,9 +11,9 @@ use super::error::{Result, StageError};
 use super::registry::{Entry, Inner, Placement, ProgressHook, State};
 use super::spec::ModelSpec;
 use super::StagedModels;
-use crate::checkpoint::{Checkpoint, Progress};
+use crate::checkpoint::Progress;
 use crate::rng::RngSnapshot;
-use stageload_plan::tier::Tier;
+use stageload_plan::tier::{Tier, TierPlan};
 use stageload_trace::event::EventSink;
 
 /// Builds a [`StagedModels`]: models, stages, pins, sink, options.
@@ -40,6 +40,8 @@ pub struct StagedModelsBuilder {
     stage_working: BTreeMap<String, u64>,
     out_of_memory: decide::OutOfMemory,
     host_tier: Option<u64>,
+    /// The pipeline file's largest model on a device, as its plan sizes it.
+    largest_device_model: Option<(String, u64)>,
     #[cfg(test)]
     tier_on_cpu: bool,
 }
@@ -59,6 +61,7 @@ impl StagedModelsBuilder {
         if let Some(bytes) = pipeline.host_tier {
             self = self.host_tier(bytes);
         }
+        self.largest_device_model = TierPlan::of(pipeline, 0).largest;
         for stage in &pipeline.stages {
             self = self.stage(stage.name.clone(), stage.models.iter().cloned());
             if stage.working > 0 {
@@ -179,8 +182,11 @@ impl StagedModelsBuilder {
     /// `from: host_tier`) instead of reading its checkpoint or rebuilding it. Least recently used
     /// copies are evicted to make room; copies in flight and those of pinned models never are.
     /// CPU models are not held (their weights are host memory already; a `tier` event says so
-    /// once). [`build`](Self::build) refuses a budget smaller than a device model whose size its
-    /// checkpoint gives ([`StageError::HostTierTooSmall`]).
+    /// once). [`build`](Self::build) refuses a budget smaller than the largest model the
+    /// [`pipeline`](Self::pipeline) file places on a device, sized as `stageload plan` sizes it
+    /// from the checkpoint headers ([`StageError::HostTierTooSmall`]); models the registry learns
+    /// the size of only once built are checked when released (a `tier` event says when one is
+    /// not stored).
     pub fn host_tier(mut self, bytes: u64) -> Self {
         self.host_tier = Some(bytes);
         self
@@ -272,7 +278,10 @@ impl StagedModelsBuilder {
             stages.entry(name.clone()).or_insert_with(|| models.clone());
         }
         if let Some(budget) = self.host_tier {
-            check_tier_budget(&entries, budget)?;
+            let tier = TierPlan { budget, largest: self.largest_device_model.clone() };
+            if let (false, Some((model, bytes))) = (tier.fits(), tier.largest) {
+                return Err(StageError::HostTierTooSmall { model, bytes, budget });
+            }
         }
         if self.map_large_host_blocks {
             stageload_torch_sys::map_large_host_blocks();
@@ -336,30 +345,9 @@ impl StagedModels {
             stage_working: BTreeMap::new(),
             out_of_memory: decide::OutOfMemory::Fail,
             host_tier: None,
+            largest_device_model: None,
             #[cfg(test)]
             tier_on_cpu: false,
         }
     }
-}
-
-/// Refuses a host tier budget smaller than a model the pipeline places on a device, sized from
-/// its checkpoint's headers in the dtype it will have there. Models whose device or checkpoint
-/// is not known yet are checked when released (a `tier` event says when one is not stored).
-fn check_tier_budget(entries: &[Entry], budget: u64) -> Result<()> {
-    for entry in entries {
-        let on_device = entry.placement.device.is_some_and(super::tier_copy::applies);
-        if !on_device || entry.checkpoint.is_empty() {
-            continue;
-        }
-        let Ok(checkpoint) = Checkpoint::open(&entry.checkpoint) else { continue };
-        let bytes = checkpoint.entries().values().fold(0u64, |sum, e| {
-            let kind = entry.placement.kind.filter(|_| crate::checkpoint::is_float(e.kind)).unwrap_or(e.kind);
-            let elements = e.shape.iter().fold(1u64, |n, &d| n.saturating_mul(d.max(0) as u64));
-            sum.saturating_add(elements.saturating_mul(kind.elt_size_in_bytes() as u64))
-        });
-        if bytes > budget {
-            return Err(StageError::HostTierTooSmall { model: entry.name.clone(), bytes, budget });
-        }
-    }
-    Ok(())
 }
