@@ -48,13 +48,12 @@ pub struct WallTime {
     pub ratio: Option<f64>,
 }
 
-/// Each arm's run times (in run order) with medians and ratios to the first arm.
+/// Each arm's run times (in run order) with medians and ratios to the first arm; the medians
+/// are [`Spread`]s of whole milliseconds (a trace's duration is one already).
 pub fn wall_times(arms: &[String], seconds: &[Vec<f64>]) -> Vec<WallTime> {
     let median = |values: &[f64]| {
-        let mut sorted = values.to_vec();
-        sorted.sort_by(f64::total_cmp);
-        let n = sorted.len();
-        (n > 0).then(|| if n % 2 == 1 { sorted[n / 2] } else { (sorted[n / 2 - 1] + sorted[n / 2]) / 2.0 })
+        let millis = values.iter().map(|s| (s * 1000.0).round().max(0.0) as u64).collect();
+        Spread::of(millis).map(|spread| spread.median as f64 / 1000.0)
     };
     let reference = seconds.first().and_then(|s| median(s));
     arms.iter()

@@ -128,6 +128,7 @@ fn host_tier(events: &[&EventRecord]) -> Option<HostTier> {
     let mut tier = HostTier::default();
     let mut seen = false;
     let mut reload_seconds = 0.0;
+    // Every tier event, and every reload from the tier, carries the tier's usage.
     for event in events {
         if let Some(usage) = event.tier {
             seen = true;
@@ -148,7 +149,6 @@ fn host_tier(events: &[&EventRecord]) -> Option<HostTier> {
             }
             _ => {}
         }
-        seen |= event.kind == EventKind::Tier;
     }
     if reload_seconds > 0.0 {
         tier.reload_gb_per_s = tier.reload_bytes as f64 / reload_seconds / 1e9;
