@@ -27,6 +27,11 @@ pub struct ReleaseStats {
     pub kept: u64,
 }
 
+/// Named tensors sharing `tensors`' storages (shallow copies: what a holder of the model sees).
+pub(crate) fn shallow(tensors: &[(String, Tensor)]) -> Vec<(String, Tensor)> {
+    tensors.iter().map(|(n, t)| (n.clone(), t.shallow_clone())).collect()
+}
+
 /// The distinct storages behind `tensors`, in first-seen order.
 pub fn distinct_storages(tensors: &[(String, Tensor)]) -> Result<Vec<StorageRecord>, ShimError> {
     let mut seen = HashSet::new();

@@ -176,7 +176,7 @@ impl<M: 'static> Handle<M> {
     /// Shallow copies of the model's named tensors (they share its storages). Never waits for a
     /// user of the model.
     pub fn tensors(&self) -> Vec<(String, Tensor)> {
-        lock(&self.instance.weights).tensors.iter().map(|(n, t)| (n.clone(), t.shallow_clone())).collect()
+        crate::storage::shallow(&lock(&self.instance.weights).tensors)
     }
 }
 

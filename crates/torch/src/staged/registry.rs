@@ -27,7 +27,7 @@ use super::tier_copy::{self, HostCopies};
 use crate::checkpoint::{Checkpoint, Progress};
 use crate::names::NameRules;
 use crate::rng::{PreservedRng, RngSnapshot};
-use crate::storage::{self, ReleaseStats};
+use crate::storage::{self, shallow, ReleaseStats};
 use crate::sync::lock;
 use stageload_plan::tier::Tier;
 use stageload_trace::event::{Event, EventKind, EventSink, LoadReport, ReloadFrom, TierUsage};
@@ -921,10 +921,6 @@ fn cuda_device(entry: &Entry) -> Option<usize> {
         Device::Cuda(index) => Some(index),
         _ => None,
     }
-}
-
-fn shallow(tensors: &[(String, Tensor)]) -> Vec<(String, Tensor)> {
-    tensors.iter().map(|(n, t)| (n.clone(), t.shallow_clone())).collect()
 }
 
 fn released_message(model: &str, stage: &Option<String>) -> String {

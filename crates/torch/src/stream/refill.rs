@@ -145,8 +145,7 @@ impl StreamedModel {
         let offsets = block.offsets.clone();
         let model = self.name.clone();
         let block_name = block.name.clone();
-        let targets: Vec<(String, Tensor)> =
-            block.targets.iter().map(|(n, t)| (n.clone(), t.shallow_clone())).collect();
+        let targets = storage::shallow(&block.targets);
         let shapes = block.shapes.clone();
         let storages = shallow(&block.storages);
         let checkpoint = Arc::clone(&self.checkpoint);

@@ -195,7 +195,7 @@ impl StreamedModel {
             stats: StreamStats::default(),
             setup: (0, 0.0),
             slots: Vec::new(),
-            tensors: tensors.iter().map(|(n, t)| (n.clone(), t.shallow_clone())).collect(),
+            tensors: Vec::new(),
             host: None,
         };
         if device.is_cuda() {
@@ -217,7 +217,7 @@ impl StreamedModel {
             .map(|&i| (entries[i].clone().expect("checked above"), tensors[i].1.shallow_clone()))
             .collect();
         for block in &streamed.blocks[..split.resident] {
-            initial.extend(block.targets.iter().map(|(n, t)| (n.clone(), t.shallow_clone())));
+            initial.extend(storage::shallow(&block.targets));
         }
         // Resident storages freed before set-up ([`place`]) get their memory back first.
         let resident = fixed_storages.iter().chain(streamed.blocks[..split.resident].iter().flat_map(|b| &b.storages));
@@ -232,6 +232,7 @@ impl StreamedModel {
             .load_into(&initial, |_| {})
             .map_err(|source| StreamError::Checkpoint { model: streamed.name.clone(), source: Box::new(source) })?;
         streamed.setup = (report.bytes, start.elapsed().as_secs_f64());
+        streamed.tensors = tensors;
         // The slots now, so that a registry given `tensors()` frees them with the model.
         let slots = if split.look_ahead { 2 } else { usize::from(split.streamed() > 0) };
         streamed.make_slots(slots)?;
@@ -299,7 +300,7 @@ impl StreamedModel {
     pub fn tensors(&self) -> Vec<(String, Tensor)> {
         let slots =
             self.slots.iter().enumerate().map(|(i, (buffer, _))| (format!("stream-slot.{i}"), buffer.shallow_clone()));
-        self.tensors.iter().map(|(n, t)| (n.clone(), t.shallow_clone())).chain(slots).collect()
+        storage::shallow(&self.tensors).into_iter().chain(slots).collect()
     }
 
     /// The model's name.
