@@ -4,6 +4,8 @@
 //!   memory), checked, with each model's size read from its checkpoints' headers only.
 //! - [`blocks`], [`split`]: a streamed model's blocks (which tensors) and which of them stay
 //!   resident under a budget: the rules `stageload::stream` runs by and the plan counts by.
+//! - [`hot`]: which streamed blocks stay in memory after they run (the hot set), by the same
+//!   rules in the streamer and the plan.
 //! - [`tier`]: the host tier's rules (budget, LRU eviction, leases), which `stageload`'s
 //!   registry runs and the plan counts each stage's copies with.
 //! - [`measured`]: working memory from a recorded run, and a plan checked against a run.
@@ -11,6 +13,7 @@
 //!   per stage against this machine's budget, staged and eager.
 
 pub mod blocks;
+pub mod hot;
 pub mod measured;
 pub mod pipeline;
 pub mod plan;

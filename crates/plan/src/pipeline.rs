@@ -102,10 +102,13 @@ pub struct Streaming {
     pub resident_blocks: usize,
     /// A streamed block is read while the one before runs.
     pub look_ahead: bool,
-    /// Bytes held at most: resident tensors, resident blocks and slots.
+    /// Bytes held at most: resident tensors, resident blocks, slots and the blocks kept hot.
     pub held: u64,
     /// Bytes read into the slots per step.
     pub per_step: u64,
+    /// Streamed blocks kept hot after the first step (a forward that runs them in order).
+    #[serde(default)]
+    pub hot_blocks: usize,
     pub budget: u64,
     pub working: u64,
 }
@@ -403,12 +406,14 @@ fn streaming(stream: &StreamEntry, entries: &[(String, u64)]) -> Result<Streamin
     };
     let split = crate::split::fit(&sizes, budget, working, sizes.blocks.len()).map_err(|e| e.to_string())?;
     let slots = if split.look_ahead { 2 } else { usize::from(split.streamed() > 0) };
+    let hot = crate::hot::steady(&sizes.blocks, split.resident..split.blocks, split.hot);
     Ok(Streaming {
         blocks: split.blocks,
         resident_blocks: split.resident,
         look_ahead: split.look_ahead,
-        held: sizes.need(split.resident, slots, 0),
-        per_step: sizes.streamed_per_step(split.resident),
+        held: sizes.need(split.resident, slots, 0).saturating_add(hot.bytes()),
+        per_step: sizes.streamed_per_step(split.resident).saturating_sub(hot.bytes()),
+        hot_blocks: hot.count(),
         budget,
         working,
     })

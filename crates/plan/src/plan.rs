@@ -399,10 +399,11 @@ impl Plan {
             for model in stage.resident.iter().filter_map(|name| self.models.iter().find(|m| m.name == *name)) {
                 if let Some(s) = &model.streamed {
                     out += &format!(
-                        "  {} streamed: {} of {} blocks resident, {} per step, holds {} of its {} (budget {})\n",
+                        "  {} streamed: {} of {} blocks resident, {} kept hot, {} per step, holds {} of its {} (budget {})\n",
                         model.name,
                         s.resident_blocks,
                         s.blocks,
+                        s.hot_blocks,
                         format_bytes(s.per_step),
                         format_bytes(s.held),
                         format_bytes(model.bytes),

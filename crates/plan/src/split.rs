@@ -5,8 +5,9 @@
 //! through slots: one for the block that runs and, when the budget allows, one for the block
 //! loaded ahead. The budget covers everything the model holds at once: its fixed tensors (those
 //! in no block), the resident prefix, the slots, and the working memory a step needs (measured;
-//! zero until measured). The resident count only goes down during a run ([`evict`], [`refit`])
-//! unless the user resets it.
+//! zero until measured). What the budget leaves beyond those is the hot set's room
+//! ([`crate::hot`]): streamed blocks kept after they run. The resident count and the room only go
+//! down during a run ([`evict`], [`govern`], [`refit`]) unless the user resets them.
 
 use stageload_units::format_bytes;
 
@@ -19,6 +20,8 @@ pub struct Split {
     pub blocks: usize,
     /// A streamed block is loaded while the one before it runs (two slots; otherwise one).
     pub look_ahead: bool,
+    /// Bytes the hot set may hold: streamed blocks kept after they run.
+    pub hot: u64,
 }
 
 impl Split {
@@ -82,12 +85,14 @@ pub fn fit(sizes: &Sizes, budget: u64, working: u64, at_most: usize) -> Result<S
     let blocks = sizes.blocks.len();
     let at_most = at_most.min(blocks);
     let slots = |resident: usize| (blocks - resident).min(2);
+    let room = |need: u64| budget.saturating_sub(need);
     if let Some(resident) = (0..=at_most).rev().find(|&r| sizes.need(r, slots(r), working) <= budget) {
-        return Ok(Split { resident, blocks, look_ahead: slots(resident) == 2 });
+        let hot = if resident < blocks { room(sizes.need(resident, slots(resident), working)) } else { 0 };
+        return Ok(Split { resident, blocks, look_ahead: slots(resident) == 2, hot });
     }
     // No look-ahead: one slot, every block streamed.
     if blocks == 0 || sizes.need(0, 1, working) <= budget {
-        return Ok(Split { resident: 0, blocks, look_ahead: false });
+        return Ok(Split { resident: 0, blocks, look_ahead: false, hot: room(sizes.need(0, 1, working)) });
     }
     Err(TooSmall {
         budget,
@@ -98,18 +103,23 @@ pub fn fit(sizes: &Sizes, budget: u64, working: u64, at_most: usize) -> Result<S
     })
 }
 
-/// After an out-of-memory in a step: one more block streamed, or `None` when every block
-/// already is (the eviction cannot help).
+/// After an out-of-memory in a step: the hot set given up, else one more block streamed, or
+/// `None` when every block already is and nothing is hot (the eviction cannot help).
 pub fn evict(split: Split) -> Option<Split> {
+    if split.hot > 0 {
+        return Some(Split { hot: 0, ..split });
+    }
     let resident = split.resident.checked_sub(1)?;
     Some(Split { resident, look_ahead: split.look_ahead || split.blocks - resident >= 2, ..split })
 }
 
-/// The governor: when the machine has less than `floor` bytes available before a step, one more
-/// block is streamed for it (`None`: the split holds, or every block already is streamed).
+/// The governor: when the machine has less than `floor` bytes available before a step, the
+/// shortfall comes out of the hot set's room, and once that is empty one more block is streamed
+/// per step (`None`: the split holds, or every block already is streamed).
 pub fn govern(split: Split, available: u64, floor: u64) -> Option<Split> {
-    if available >= floor {
-        return None;
+    let short = floor.checked_sub(available).filter(|&s| s > 0)?;
+    if split.hot > 0 {
+        return Some(Split { hot: split.hot.saturating_sub(short), ..split });
     }
     evict(split)
 }
@@ -126,13 +136,19 @@ pub enum Refit {
 }
 
 /// The split for the next step once a step measured `working` bytes of working memory: never
-/// more resident blocks than now.
+/// more resident blocks, nor a larger hot set, than now.
 pub fn refit(sizes: &Sizes, split: Split, budget: u64, working: u64) -> Refit {
     match fit(sizes, budget, working, split.resident) {
-        Ok(next) if next == split => Refit::Keep,
-        Ok(next) => Refit::Shrink(next),
+        Ok(next) => {
+            let next = Split { hot: next.hot.min(split.hot), ..next };
+            if next == split {
+                Refit::Keep
+            } else {
+                Refit::Shrink(next)
+            }
+        }
         Err(too_small) => Refit::Over {
-            split: Split { resident: 0, blocks: split.blocks, look_ahead: false },
+            split: Split { resident: 0, blocks: split.blocks, look_ahead: false, hot: 0 },
             over: too_small.needed - budget,
         },
     }
@@ -146,6 +162,9 @@ pub fn describe(model: &str, sizes: &Sizes, split: Split) -> String {
     if split.streamed() > 0 {
         let slots = if split.look_ahead { "two slots (one ahead)" } else { "one slot" };
         line += &format!(", {} per step through {slots}", format_bytes(sizes.streamed_per_step(split.resident)));
+        if split.hot > 0 {
+            line += &format!(", {} of room to keep blocks hot", format_bytes(split.hot));
+        }
     }
     line
 }
@@ -163,14 +182,14 @@ mod tests {
     #[test]
     fn a_budget_over_the_whole_model_keeps_every_block() {
         let s = sizes(10, &[100; 8]);
-        assert_eq!(fit(&s, 810 * MB, 0, 8), Ok(Split { resident: 8, blocks: 8, look_ahead: false }));
+        assert_eq!(fit(&s, 810 * MB, 0, 8), Ok(Split { resident: 8, blocks: 8, look_ahead: false, hot: 0 }));
     }
 
     #[test]
     fn the_resident_prefix_leaves_room_for_two_slots() {
         let s = sizes(10, &[100; 8]);
         // 10 + 4 × 100 + 2 slots × 100 = 610.
-        assert_eq!(fit(&s, 650 * MB, 0, 8), Ok(Split { resident: 4, blocks: 8, look_ahead: true }));
+        assert_eq!(fit(&s, 650 * MB, 0, 8), Ok(Split { resident: 4, blocks: 8, look_ahead: true, hot: 40 * MB }));
         assert_eq!(s.need(4, 2, 0), 610 * MB);
         assert_eq!(s.streamed_per_step(4), 400 * MB);
     }
@@ -178,18 +197,18 @@ mod tests {
     #[test]
     fn a_single_streamed_block_needs_one_slot() {
         let s = sizes(0, &[100; 4]);
-        assert_eq!(fit(&s, 399 * MB, 0, 4), Ok(Split { resident: 1, blocks: 4, look_ahead: true }));
-        assert_eq!(fit(&s, 400 * MB, 0, 4), Ok(Split { resident: 4, blocks: 4, look_ahead: false }));
+        assert_eq!(fit(&s, 399 * MB, 0, 4), Ok(Split { resident: 1, blocks: 4, look_ahead: true, hot: 99 * MB }));
+        assert_eq!(fit(&s, 400 * MB, 0, 4), Ok(Split { resident: 4, blocks: 4, look_ahead: false, hot: 0 }));
         let s = sizes(0, &[100, 100, 100, 50]);
-        assert_eq!(fit(&s, 350 * MB, 0, 4), Ok(Split { resident: 4, blocks: 4, look_ahead: false }));
+        assert_eq!(fit(&s, 350 * MB, 0, 4), Ok(Split { resident: 4, blocks: 4, look_ahead: false, hot: 0 }));
         // Two resident with one slot (300) would fit too; a slot ahead is worth a resident block.
-        assert_eq!(fit(&s, 349 * MB, 0, 4), Ok(Split { resident: 1, blocks: 4, look_ahead: true }));
+        assert_eq!(fit(&s, 349 * MB, 0, 4), Ok(Split { resident: 1, blocks: 4, look_ahead: true, hot: 49 * MB }));
     }
 
     #[test]
     fn a_budget_for_one_slot_only_streams_everything_without_look_ahead() {
         let s = sizes(10, &[100; 8]);
-        assert_eq!(fit(&s, 150 * MB, 0, 8), Ok(Split { resident: 0, blocks: 8, look_ahead: false }));
+        assert_eq!(fit(&s, 150 * MB, 0, 8), Ok(Split { resident: 0, blocks: 8, look_ahead: false, hot: 40 * MB }));
     }
 
     #[test]
@@ -213,14 +232,17 @@ mod tests {
     fn the_resident_count_never_grows_past_the_current_one() {
         let s = sizes(0, &[100; 8]);
         assert_eq!(fit(&s, 10_000 * MB, 0, 3).unwrap().resident, 3);
-        assert_eq!(refit(&s, Split { resident: 3, blocks: 8, look_ahead: true }, 10_000 * MB, 0), Refit::Keep);
+        let split = Split { resident: 3, blocks: 8, look_ahead: true, hot: 0 };
+        assert_eq!(refit(&s, split, 10_000 * MB, 0), Refit::Keep, "nor does the hot set's room");
     }
 
     #[test]
-    fn eviction_streams_one_more_block_until_none_is_left() {
-        let split = Split { resident: 2, blocks: 3, look_ahead: false };
-        let once = evict(split).unwrap();
-        assert_eq!(once, Split { resident: 1, blocks: 3, look_ahead: true });
+    fn eviction_gives_up_the_hot_set_then_streams_one_more_block_until_none_is_left() {
+        let split = Split { resident: 2, blocks: 3, look_ahead: false, hot: 10 * MB };
+        let cold = evict(split).unwrap();
+        assert_eq!(cold, Split { hot: 0, ..split });
+        let once = evict(cold).unwrap();
+        assert_eq!(once, Split { resident: 1, blocks: 3, look_ahead: true, hot: 0 });
         let twice = evict(once).unwrap();
         assert_eq!(twice.resident, 0);
         assert_eq!(evict(twice), None, "every block streamed: eviction cannot help");
@@ -232,7 +254,7 @@ mod tests {
         let split = fit(&s, 600 * MB, 0, 8).unwrap();
         assert_eq!(
             refit(&s, split, 600 * MB, 50 * MB),
-            Refit::Shrink(Split { resident: 3, blocks: 8, look_ahead: true })
+            Refit::Shrink(Split { resident: 3, blocks: 8, look_ahead: true, hot: 0 })
         );
         match refit(&s, split, 600 * MB, 550 * MB) {
             Refit::Over { split, over } => {
@@ -244,13 +266,17 @@ mod tests {
     }
 
     #[test]
-    fn the_governor_streams_one_more_block_per_step_while_memory_is_short() {
-        let split = Split { resident: 3, blocks: 8, look_ahead: true };
+    fn the_governor_shrinks_the_hot_set_by_the_shortfall_then_streams_one_more_block_per_step() {
+        let split = Split { resident: 3, blocks: 8, look_ahead: true, hot: 0 };
         assert_eq!(govern(split, 2048 * MB, 1024 * MB), None, "enough available: the split holds");
         assert_eq!(govern(split, 1024 * MB, 1024 * MB), None, "exactly the floor is enough");
         assert_eq!(govern(split, 512 * MB, 1024 * MB), Some(Split { resident: 2, ..split }));
-        let all = Split { resident: 0, blocks: 8, look_ahead: true };
+        let all = Split { resident: 0, blocks: 8, look_ahead: true, hot: 0 };
         assert_eq!(govern(all, 0, 1024 * MB), None, "nothing left to stream");
+        let hot = Split { hot: 700 * MB, ..split };
+        assert_eq!(govern(hot, 512 * MB, 1024 * MB), Some(Split { hot: 188 * MB, ..split }));
+        assert_eq!(govern(Split { hot: 188 * MB, ..split }, 512 * MB, 1024 * MB), Some(split));
+        assert_eq!(govern(split, 512 * MB, 1024 * MB), Some(Split { resident: 2, ..split }));
     }
 
     #[test]
@@ -263,12 +289,14 @@ mod tests {
     #[test]
     fn the_residency_line_says_counts_and_bytes_per_step() {
         let s = sizes(0, &[100; 30]);
-        let line = describe("shape_flow", &s, Split { resident: 26, blocks: 30, look_ahead: true });
+        let line = describe("shape_flow", &s, Split { resident: 26, blocks: 30, look_ahead: true, hot: 0 });
         assert_eq!(
             line,
             "shape_flow: 26 of 30 blocks resident, 4 streamed, 400.0 MiB per step through two slots (one ahead)"
         );
-        let line = describe("m", &s, Split { resident: 30, blocks: 30, look_ahead: false });
+        let line = describe("m", &s, Split { resident: 30, blocks: 30, look_ahead: false, hot: 0 });
         assert_eq!(line, "m: 30 of 30 blocks resident, 0 streamed");
+        let line = describe("m", &s, Split { resident: 0, blocks: 30, look_ahead: true, hot: 250 * MB });
+        assert!(line.ends_with("through two slots (one ahead), 250.0 MiB of room to keep blocks hot"), "{line}");
     }
 }

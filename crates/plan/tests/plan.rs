@@ -594,7 +594,7 @@ fn a_streamed_model_counts_its_resident_blocks_and_slots_and_fits_where_whole_it
     assert_eq!(planned.stages[0].weights, 2 * MIB + 64 * 1024);
     assert!(planned.fits, "{}", planned.render());
     let text = planned.render();
-    assert!(text.contains("flow streamed: 0 of 4 blocks resident, 4.0 MiB per step"), "{text}");
+    assert!(text.contains("flow streamed: 0 of 4 blocks resident, 0 kept hot, 4.0 MiB per step"), "{text}");
 }
 
 #[test]

@@ -182,13 +182,13 @@ fn outputs_are_bit_identical_with_none_one_half_and_all_blocks_streamed() {
 
 /// Blocks of the model whose storage is filled now.
 fn filled(vs_tensors: &[(String, Tensor)]) -> usize {
-    (0..DEPTH)
-        .filter(|i| {
-            let name = format!("blocks.{i}.fc1.weight");
-            let (_, t) = vs_tensors.iter().find(|(n, _)| *n == name).unwrap();
-            stageload_torch_sys::storage_info(t).unwrap().allocated
-        })
-        .count()
+    (0..DEPTH).filter(|&i| is_filled(vs_tensors, i)).count()
+}
+
+fn is_filled(vs_tensors: &[(String, Tensor)], block: usize) -> bool {
+    let name = format!("blocks.{block}.fc1.weight");
+    let (_, t) = vs_tensors.iter().find(|(n, _)| *n == name).unwrap();
+    stageload_torch_sys::storage_info(t).unwrap().allocated
 }
 
 #[test]
@@ -529,4 +529,148 @@ fn the_governor_streams_one_more_block_each_step_while_the_machine_is_short_and_
     for (got, want) in outputs.iter().zip(&expected) {
         assert!(got.equal(want));
     }
+}
+
+/// A streamed net whose forward runs its blocks in any order: no prefix, the room is the hot set.
+fn any_order(file: &Path, budget: u64) -> WithTensors {
+    let (net, model, tensors) = streamed_with_tensors(file, budget).unwrap();
+    (net, model.any_order().unwrap(), tensors)
+}
+
+#[test]
+fn a_forward_in_order_keeps_the_blocks_it_kept_first_hot_and_refills_only_the_others() {
+    let (_one, _dir, file) = setup();
+    let expected = reference(&file);
+    // Two slots and room for three blocks.
+    let (net, mut model, tensors) = any_order(&file, budget_for(3));
+    assert_eq!((model.split().resident, model.split().hot), (0, 3 * BLOCK), "{}", model.residency());
+    assert_eq!(filled(&tensors), 3, "the prefix set-up read is kept hot");
+    let outputs = run_steps(&net, &mut model, 3);
+    for (step, (got, want)) in outputs.iter().zip(&expected).enumerate() {
+        assert!(got.equal(want), "step {step} differs");
+    }
+    assert_eq!(filled(&tensors), 3, "between steps the hot set stays");
+    let stats = model.stats();
+    assert_eq!((stats.refills, stats.hot_hits), (3 * 5, 3 * 3), "the three found every step, the five read");
+    // The prefix under the same budget moves the same bytes: in order, the hot set is that prefix.
+    let (net, mut prefix) = streamed(&file, budget_for(3)).unwrap();
+    let _ = run_steps(&net, &mut prefix, 3);
+    assert_eq!(stats.bytes_refilled, prefix.stats().bytes_refilled);
+
+    // Without room (a budget for the slots only) every block is read every step.
+    let (net, mut cold, tensors) = any_order(&file, budget_for(0));
+    assert_eq!((filled(&tensors), cold.split().hot), (0, 0));
+    let _ = run_steps(&net, &mut cold, 2);
+    assert_eq!((cold.stats().refills, cold.stats().hot_hits), (2 * 8, 0));
+}
+
+#[test]
+fn experts_used_every_step_stay_hot_while_one_used_once_goes_through_a_slot() {
+    let (_one, _dir, file) = setup();
+    // Step s runs block s % 6 (a rare expert), then 6 and 7 (used every step), naming each next
+    // block ahead; the room holds two (at first 0 and 1, set-up's prefix).
+    let order = |s: usize| [s % 6, 6, 7];
+    let steps = 8;
+    let expected: Vec<Tensor> = {
+        let vs = VarStore::new(Device::Cpu);
+        let net = Net::new(&vs);
+        let mut variables: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
+        variables.sort_by(|a, b| a.0.cmp(&b.0));
+        Checkpoint::open(&[&file]).unwrap().load_into(&variables, |_| {}).unwrap();
+        tch::manual_seed(11);
+        (0..steps)
+            .map(|s| {
+                let x = Tensor::randn([16, WIDTH], (Kind::Float, Device::Cpu));
+                tch::no_grad(|| order(s).iter().fold(x.apply(&net.input), |x, &i| net.block(i, &x)))
+            })
+            .collect()
+    };
+    let (net, mut model, tensors) = any_order(&file, budget_for(2));
+    tch::manual_seed(11);
+    let mut refills = Vec::new();
+    for (s, want) in expected.iter().enumerate() {
+        let x = Tensor::randn([16, WIDTH], (Kind::Float, Device::Cpu));
+        let before = model.stats().refills;
+        let got = tch::no_grad(|| {
+            model.run(|step| {
+                let blocks = order(s);
+                let mut x = x.apply(&net.input);
+                for (k, &i) in blocks.iter().enumerate() {
+                    step.block(i)?;
+                    if let Some(&next) = blocks.get(k + 1) {
+                        step.prefetch(next)?;
+                    }
+                    x = net.block(i, &x);
+                }
+                Ok(x)
+            })
+        })
+        .unwrap();
+        assert!(got.equal(want), "step {s} differs");
+        refills.push(model.stats().refills - before);
+    }
+    assert_eq!(refills[3..], [1; 5], "from the fourth step only the rare expert is read: {refills:?}");
+    assert_eq!(filled(&tensors), 2);
+    assert!(is_filled(&tensors, 6) && is_filled(&tensors, 7), "the two experts used every step stay");
+    assert!(model.stats().hot_hits >= 10, "{:?}", model.stats());
+    let err = tch::no_grad(|| model.run(|step| step.prefetch(DEPTH))).unwrap_err();
+    assert!(matches!(err, StreamError::NoSuchBlock { index: DEPTH, .. }), "{err}");
+}
+
+#[test]
+fn an_out_of_memory_gives_up_the_hot_set_first_and_the_step_gives_the_same_result() {
+    let (_one, _dir, file) = setup();
+    let expected = reference(&file);
+    let (net, model, tensors) = any_order(&file, budget_for(3));
+    let sink = Arc::new(ListSink::new());
+    let mut model = model.events(sink.clone());
+    tch::manual_seed(11);
+    let x = Tensor::randn([16, WIDTH], (Kind::Float, Device::Cpu));
+    let y = tch::no_grad(|| {
+        model.run(|step| {
+            if step.split().hot > 0 {
+                let _ = Tensor::f_empty([1i64 << 48], (Kind::Float, Device::Cpu))?;
+            }
+            net.forward_streamed(&x, step)
+        })
+    })
+    .unwrap();
+    assert!(y.equal(&expected[0]));
+    assert_eq!((model.split().resident, model.split().hot, model.stats().retries), (0, 0, 1));
+    assert_eq!(filled(&tensors), 0, "nothing kept hot after the retry");
+    let reasons: Vec<String> =
+        sink.of_kind(EventKind::Residency).iter().map(|e| e.residency.as_ref().unwrap().reason.clone()).collect();
+    assert_eq!(reasons, ["start", "out of memory"]);
+    let err = tch::no_grad(|| {
+        model.run(|step| {
+            let _ = Tensor::f_empty([1i64 << 48], (Kind::Float, Device::Cpu))?;
+            net.forward_streamed(&x, step)
+        })
+    })
+    .unwrap_err();
+    assert!(matches!(err, StreamError::OutOfMemory { .. }), "no hot set, nothing resident: {err}");
+}
+
+#[test]
+fn the_governor_frees_hot_blocks_for_the_shortfall_before_it_streams_resident_ones() {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    let (_one, _dir, file) = setup();
+    let expected = reference(&file);
+    let (net, model, tensors) = any_order(&file, budget_for(3));
+    let floor = 64 << 20;
+    let available = Arc::new(AtomicU64::new(floor));
+    let reading = Arc::clone(&available);
+    let mut model = model.governor_reading(floor, move || Some(reading.load(Ordering::Relaxed)));
+    tch::manual_seed(11);
+    let mut held = Vec::new();
+    for step in 0..3 {
+        // A block and a half short before the second step, enough again before the third.
+        available.store(if step == 1 { floor - BLOCK * 3 / 2 } else { floor }, Ordering::Relaxed);
+        let x = Tensor::randn([16, WIDTH], (Kind::Float, Device::Cpu));
+        let y = tch::no_grad(|| model.run(|s| net.forward_streamed(&x, s))).unwrap();
+        assert!(y.equal(&expected[step]), "step {step}");
+        held.push(filled(&tensors));
+    }
+    assert_eq!(held, [3, 1, 1], "two hot blocks go for 1.5 blocks short; the room stays shrunk");
+    assert_eq!(model.split().hot, 3 * BLOCK - BLOCK * 3 / 2);
 }

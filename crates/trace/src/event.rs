@@ -91,6 +91,9 @@ pub struct Residency {
     pub resident: usize,
     /// Bytes that pass through the slots in one step.
     pub streamed_per_step: u64,
+    /// Bytes of the budget's room where streamed blocks are kept hot after they run.
+    #[serde(default)]
+    pub hot: u64,
     /// The model's byte budget.
     pub budget: u64,
     /// Working memory a step was measured to need (0 until measured).

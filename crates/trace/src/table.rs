@@ -59,13 +59,14 @@ pub fn render(summary: &Summary, path: &std::path::Path) -> String {
     for streamed in &summary.streamed {
         let r = &streamed.residency;
         out += &format!(
-            "streamed {}: {} of {} blocks resident, {} streamed, {} per step, budget {} (split set {} time(s): {})\n",
+            "streamed {}: {} of {} blocks resident, {} streamed, {} per step, budget {}{} (split set {} time(s): {})\n",
             streamed.model,
             r.resident,
             r.blocks,
             r.blocks.saturating_sub(r.resident),
             format_bytes(r.streamed_per_step),
             format_bytes(r.budget),
+            if r.hot > 0 { format!(", hot set room {}", format_bytes(r.hot)) } else { String::new() },
             streamed.reasons.len(),
             streamed.reasons.join(", ")
         );

@@ -448,6 +448,7 @@ fn a_streamed_model_shows_its_last_split_and_every_reason_it_changed() {
                 blocks: 12,
                 resident,
                 streamed_per_step: (12 - resident) as u64 * 48 * MIB,
+                hot: if resident == 1 { 20 * MIB } else { 0 },
                 budget: 500 * MIB,
                 working: 0,
                 reason: reason.into(),
@@ -466,7 +467,7 @@ fn a_streamed_model_shows_its_last_split_and_every_reason_it_changed() {
     assert_eq!(summary.streamed[0].reasons, ["start", "working memory"]);
     let table = table::render(&summary, std::path::Path::new("hand.jsonl"));
     assert!(
-        table.contains("streamed flow: 1 of 12 blocks resident, 11 streamed, 528.0 MiB per step, budget 500.0 MiB (split set 2 time(s): start, working memory)"),
+        table.contains("streamed flow: 1 of 12 blocks resident, 11 streamed, 528.0 MiB per step, budget 500.0 MiB, hot set room 20.0 MiB (split set 2 time(s): start, working memory)"),
         "{table}"
     );
 }

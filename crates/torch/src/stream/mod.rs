@@ -28,8 +28,15 @@
 //! # Ok(()) }
 //! ```
 //!
-//! An out-of-memory inside a step (a libtorch error or panic saying so) streams one more block
-//! and runs the step again; on the CPU, where running out is the machine's problem rather than an
+//! The room the budget leaves beyond the prefix, the slots and the working memory keeps
+//! streamed blocks hot after they run ([`hot`]: the blocks used most, ties to those held, so a
+//! forward in order keeps a fixed set instead of thrashing). A forward that runs its blocks in
+//! any order, or only some each step (experts), says so with [`StreamedModel::any_order`]: then
+//! no prefix is kept, the whole room is the hot set, and the block read ahead is the one the
+//! forward names with [`Step::prefetch`].
+//!
+//! An out-of-memory inside a step (a libtorch error or panic saying so) gives up the hot set, or
+//! else streams one more block, and runs the step again; on the CPU, where running out is the machine's problem rather than an
 //! error, the working memory measured at block boundaries decides the next step's split. The
 //! resident count only goes down during a run ([`StreamedModel::reset`] sets it back). Each
 //! change is one line in the log and a `residency` event.
@@ -40,7 +47,7 @@ mod streamer;
 
 /// Block lists and split decisions are pure and torch-free: they live in the plan crate, which
 /// counts streamed models with the same rules.
-pub use stageload_plan::{blocks, split};
+pub use stageload_plan::{blocks, hot, split};
 
 pub use blocks::{BlockError, BlockSpec};
 pub use split::{Split, TooSmall};

@@ -57,6 +57,7 @@ impl StreamedModel {
         self.blocks[block].allocated = outcome.is_ok();
         if outcome.is_err() {
             self.let_go_of_slot(block);
+            self.hot.drop_block(block, self.sizes.blocks[block]);
         }
         let seconds = outcome?;
         self.stats.refills += 1;
@@ -65,12 +66,13 @@ impl StreamedModel {
         Ok(())
     }
 
-    /// Starts refilling `index` on its own thread, unless it is filled or a refill runs.
-    pub(super) fn start_ahead(&mut self, index: usize) {
+    /// Starts refilling `index` on its own thread, unless it is filled or a refill runs;
+    /// `running` is the block the forward runs meanwhile.
+    pub(super) fn start_ahead(&mut self, index: usize, running: Option<usize>) {
         if self.ahead.is_some() || index >= self.blocks.len() || self.blocks[index].allocated {
             return;
         }
-        let job = match self.refill_job(index) {
+        let job = match self.refill_job(index, running) {
             Ok(job) => job,
             // Refilled (and reported) when the forward reaches the block.
             Err(_) => return,
@@ -87,17 +89,34 @@ impl StreamedModel {
         let outcome = if self.ahead.as_ref().map(|a| a.block) == Some(index) {
             self.join_ahead()
         } else {
-            let outcome = self.refill_job(index).and_then(|job| job());
+            let outcome = self.refill_job(index, None).and_then(|job| job());
             self.settle(index, outcome)
         };
         self.stats.waited_seconds += start.elapsed().as_secs_f64();
         outcome
     }
 
+    /// Whether streamed block `index` is kept hot once refilled (the weaker blocks it displaces
+    /// freed first); never displaces `running` or the block in flight ahead.
+    fn keep_hot(&mut self, index: usize, running: Option<usize>) -> Result<bool, StreamError> {
+        if !self.split.is_streamed(index) {
+            return Ok(false);
+        }
+        let protected: Vec<usize> = [Some(index), running, self.ahead.as_ref().map(|a| a.block)].into_iter().flatten().collect();
+        let Some(victims) = self.hot.admit(index, &self.sizes.blocks, self.split.hot, &protected) else {
+            return Ok(false);
+        };
+        for victim in victims {
+            self.drop_hot(victim)?;
+        }
+        self.hot.keep(index, self.sizes.blocks[index]);
+        Ok(true)
+    }
+
     /// A slot for streamed block `index` on the CPU (made on first use, at most two): the
-    /// address of its memory, or `None` for the allocator (a resident block, or CUDA).
+    /// address of its memory, or `None` for the allocator (a resident or hot block, or CUDA).
     pub(super) fn take_slot(&mut self, index: usize) -> Result<Option<usize>, StreamError> {
-        if self.device != Device::Cpu || !self.split.is_streamed(index) {
+        if self.device != Device::Cpu || !self.passes(index) {
             return Ok(None);
         }
         let free = match self.slots.iter().position(|(_, holder)| holder.is_none()) {
@@ -133,13 +152,16 @@ impl StreamedModel {
         }
     }
 
-    /// The refill of block `index` as a job any thread can run: checks shapes, gives the
-    /// storages memory (a slot, or the allocator's), reads the checkpoint into them; frees them
-    /// again when the read fails.
+    /// The refill of block `index` as a job any thread can run (while the forward runs
+    /// `running`): checks shapes, gives the storages memory (kept hot: the allocator's; else a
+    /// slot, or the allocator's), reads the checkpoint into them; frees them again when the
+    /// read fails.
     pub(super) fn refill_job(
         &mut self,
         index: usize,
+        running: Option<usize>,
     ) -> Result<impl FnOnce() -> Result<f64, StreamError> + Send + 'static, StreamError> {
+        self.keep_hot(index, running)?;
         let slot = self.take_slot(index)?;
         let block = &self.blocks[index];
         let offsets = block.offsets.clone();

@@ -21,28 +21,43 @@ pub struct Step<'a> {
 }
 
 impl Step<'_> {
-    /// Call before block `index` runs: frees the block that ran before it (when streamed),
-    /// brings `index` in (waiting for its refill ahead, or refilling it now) and starts the
-    /// next streamed block's refill.
+    /// Call before block `index` runs: frees the block that ran before it (when streamed and
+    /// not hot), brings `index` in (found hot, waiting for its refill ahead, or refilling it
+    /// now) and starts the next streamed block's refill (in order; with
+    /// [`StreamedModel::any_order`], only the one [`prefetch`](Self::prefetch) names).
     pub fn block(&mut self, index: usize) -> Result<(), StreamError> {
         let model = &mut *self.model;
-        if index >= model.blocks.len() {
-            return Err(StreamError::NoSuchBlock { model: model.name.clone(), index, blocks: model.blocks.len() });
-        }
-        if let Some(previous) = self.active.filter(|&p| p != index && model.split.is_streamed(p)) {
+        model.check_index(index)?;
+        if let Some(previous) = self.active.filter(|&p| p != index && model.passes(p)) {
             model.release(previous)?;
         }
+        if model.hot.holds(index) && model.blocks[index].allocated && model.ahead.as_ref().map(|a| a.block) != Some(index) {
+            model.stats.hot_hits += 1;
+        }
         model.ensure(index)?;
+        model.hot.used(index);
         self.active = Some(index);
         self.sample();
         let model = &mut *self.model;
-        if model.split.look_ahead {
+        if model.split.look_ahead && !model.any_order {
             // The next streamed block of this step; the first one of the next step is read when
             // that step begins, so that nothing runs while no step does.
             let next = if index + 1 < model.split.resident { model.split.resident } else { index + 1 };
             if next < model.blocks.len() {
-                model.start_ahead(next);
+                model.start_ahead(next, Some(index));
             }
+        }
+        Ok(())
+    }
+
+    /// Starts reading block `index` ahead while the current block runs (when a slot for it is
+    /// free and nothing else is read ahead): the forward's guess at the block it runs next.
+    /// Needed only with [`StreamedModel::any_order`]; a wrong guess costs a read, never a result.
+    pub fn prefetch(&mut self, index: usize) -> Result<(), StreamError> {
+        let model = &mut *self.model;
+        model.check_index(index)?;
+        if model.split.look_ahead && Some(index) != self.active {
+            model.start_ahead(index, self.active);
         }
         Ok(())
     }
@@ -80,7 +95,7 @@ impl Step<'_> {
     pub(super) fn finish(mut self) -> Result<u64, StreamError> {
         self.sample();
         self.note_peak();
-        if let Some(last) = self.active.filter(|&a| self.model.split.is_streamed(a)) {
+        if let Some(last) = self.active.filter(|&a| self.model.passes(a)) {
             self.model.release(last)?;
         }
         Ok(self.working)

@@ -12,6 +12,7 @@ use stageload_trace::event::{Event, EventKind, EventSink, Residency};
 use tch::{Device, Tensor};
 
 use super::blocks::{assign, BlockSpec};
+use super::hot::HotSet;
 use super::refill::{pinned_copies, Ahead, Block};
 use super::split::{describe, evict, fit, govern, refit, Refit, Sizes, Split};
 use super::step::Step;
@@ -37,6 +38,8 @@ pub struct StreamStats {
     pub waited_seconds: f64,
     /// Steps run again after an out-of-memory.
     pub retries: u64,
+    /// Streamed blocks found in the hot set when the forward reached them (refills saved).
+    pub hot_hits: u64,
 }
 
 /// Reads the memory a step's working set shows up in (process RSS, or the CUDA allocator's).
@@ -50,6 +53,10 @@ pub struct StreamedModel {
     pub(super) sizes: Sizes,
     pub(super) budget: u64,
     pub(super) split: Split,
+    /// Streamed blocks kept after they run, in the split's room for them.
+    pub(super) hot: HotSet,
+    /// The forward runs blocks in any order or only some of them ([`Self::any_order`]).
+    pub(super) any_order: bool,
     /// Working memory measured so far (the largest step).
     pub(super) working: u64,
     pub(super) checkpoint: Arc<Checkpoint>,
@@ -185,6 +192,8 @@ impl StreamedModel {
             sizes,
             budget,
             split,
+            hot: HotSet::new(split.blocks),
+            any_order: false,
             working: 0,
             checkpoint: Arc::new(checkpoint),
             ahead: None,
@@ -333,22 +342,47 @@ impl StreamedModel {
         describe(&self.name, &self.sizes, self.split)
     }
 
-    /// Forgets the measured working memory and keeps as many blocks resident as the budget
-    /// holds again; released prefix blocks come back as the next step reaches them.
+    /// Forgets the measured working memory and keeps as many blocks resident, and as large a
+    /// hot set, as the budget holds again; released prefix blocks come back as the next step
+    /// reaches them.
     pub fn reset(&mut self) -> Result<(), StreamError> {
         self.working = 0;
         self.refit_to(self.blocks.len(), "reset")
     }
 
-    /// Keeps at most `resident` blocks resident from the next step on (to stream more than the
-    /// budget asks, say for a benchmark); [`reset`](Self::reset) lifts it.
+    /// Keeps at most `resident` blocks resident, and none hot, from the next step on (to stream
+    /// more than the budget asks, say for a benchmark); [`reset`](Self::reset) lifts it.
     pub fn limit_resident(&mut self, resident: usize) -> Result<(), StreamError> {
-        self.refit_to(resident.min(self.split.resident), "limit")
+        self.refit_to(resident.min(self.split.resident), "limit")?;
+        self.split.hot = 0;
+        Ok(())
+    }
+
+    /// Declares that the forward runs the blocks in any order, or only some of them each step
+    /// (a mixture of experts' experts): no block is kept for its position; the room the budget
+    /// leaves beside the fixed tensors, the slots and the working memory holds the blocks used
+    /// most (the hot set, [`stageload_plan::hot`]), and the block loaded ahead is the one the
+    /// forward names with [`Step::prefetch`] (none is guessed).
+    pub fn any_order(mut self) -> Result<Self, StreamError> {
+        self.any_order = true;
+        self.refit_to(0, "any order")?;
+        // The prefix set-up read stays, as hot blocks, while the room holds it.
+        for index in 0..self.blocks.len() {
+            if !self.blocks[index].allocated || self.blocks[index].slot.is_some() {
+                continue;
+            }
+            match self.hot.admit(index, &self.sizes.blocks, self.split.hot, &[]) {
+                Some(victims) if victims.is_empty() => self.hot.keep(index, self.sizes.blocks[index]),
+                _ => self.release(index)?,
+            }
+        }
+        Ok(self)
     }
 
     /// The split under the budget with the working memory known now and at most `at_most`
     /// resident blocks; a change is announced, and the next step's `begin` frees what it drops.
     fn refit_to(&mut self, at_most: usize, reason: &str) -> Result<(), StreamError> {
+        let at_most = if self.any_order { 0 } else { at_most };
         let split = fit(&self.sizes, self.budget, self.working, at_most)
             .map_err(|source| StreamError::Budget { model: self.name.clone(), source })?;
         if split != self.split {
@@ -409,8 +443,9 @@ impl StreamedModel {
     }
 
     /// Frees what the split no longer holds (a block that became resident leaves its slot and
-    /// comes back from the allocator; streamed blocks a shrunk split still held go) and starts
-    /// the first streamed block's refill. Nothing is in flight between steps.
+    /// comes back from the allocator; streamed blocks a shrunk split still held go; hot blocks
+    /// past a shrunk room go, weakest first) and starts the first streamed block's refill.
+    /// Nothing is in flight between steps.
     fn begin(&mut self) -> Result<(), StreamError> {
         if let Some((floor, available)) = self.governor.as_mut() {
             if let Some(next) = available().and_then(|now| govern(self.split, now, *floor)) {
@@ -418,18 +453,46 @@ impl StreamedModel {
                 self.announce("memory pressure", None);
             }
         }
+        for victim in self.hot.over(&self.sizes.blocks, self.split.hot, &[]) {
+            self.drop_hot(victim)?;
+        }
         for index in 0..self.blocks.len() {
-            if self.split.is_streamed(index) || self.blocks[index].slot.is_some() {
+            if !self.split.is_streamed(index) {
+                // Resident now: its memory stays, wherever it came from.
+                self.hot.drop_block(index, self.sizes.blocks[index]);
+            }
+            if self.passes(index) || self.blocks[index].slot.is_some() {
                 self.release(index)?;
             }
         }
-        if self.split.look_ahead {
-            self.start_ahead(self.split.resident);
+        if self.split.look_ahead && !self.any_order {
+            self.start_ahead(self.split.resident, None);
         }
         Ok(())
     }
 
+    /// `NoSuchBlock` unless the model has block `index`.
+    pub(super) fn check_index(&self, index: usize) -> Result<(), StreamError> {
+        match index < self.blocks.len() {
+            true => Ok(()),
+            false => Err(StreamError::NoSuchBlock { model: self.name.clone(), index, blocks: self.blocks.len() }),
+        }
+    }
+
+    /// Whether block `index` is freed after it runs: streamed and not held hot.
+    pub(super) fn passes(&self, index: usize) -> bool {
+        self.split.is_streamed(index) && !self.hot.holds(index)
+    }
+
+    /// Frees hot block `index` and forgets it.
+    pub(super) fn drop_hot(&mut self, index: usize) -> Result<(), StreamError> {
+        self.release(index)?;
+        self.hot.drop_block(index, self.sizes.blocks[index]);
+        Ok(())
+    }
+
     fn after_step(&mut self, working: u64) {
+        self.hot.decay();
         if working <= self.working {
             return;
         }
@@ -468,6 +531,7 @@ impl StreamedModel {
                 blocks: self.split.blocks,
                 resident: self.split.resident,
                 streamed_per_step: self.sizes.streamed_per_step(self.split.resident),
+                hot: self.split.hot,
                 budget: self.budget,
                 working: self.working,
                 reason: reason.to_string(),
