@@ -121,16 +121,15 @@ impl HotSet {
 
     /// Held, unprotected blocks by score, lowest first; among equals the later block first.
     fn weakest_first(&self, protected: &[usize]) -> Vec<usize> {
-        let mut held: Vec<usize> =
-            (0..self.held.len()).filter(|&b| self.held[b] && !protected.contains(&b)).collect();
+        let mut held: Vec<usize> = (0..self.held.len()).filter(|&b| self.held[b] && !protected.contains(&b)).collect();
         held.sort_by_key(|&b| (self.scores[b], std::cmp::Reverse(b)));
         held
     }
 }
 
-/// The blocks a forward that runs `streamed` in order every step keeps in `room`: the hot set
-/// after its first step, which later steps keep (ties keep what is held). What the plan counts.
-pub fn steady(sizes: &[u64], streamed: std::ops::Range<usize>, room: u64) -> HotSet {
+/// The blocks a forward that runs `streamed` in that order every step keeps in `room`: the hot
+/// set after its first step, which later steps keep (ties keep what is held). What the plan counts.
+pub fn steady(sizes: &[u64], streamed: impl IntoIterator<Item = usize>, room: u64) -> HotSet {
     let mut hot = HotSet::new(sizes.len());
     for block in streamed {
         if let Some(victims) = hot.admit(block, sizes, room, &[block]) {

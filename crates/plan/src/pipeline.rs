@@ -92,6 +92,10 @@ pub struct StreamEntry {
     /// Working memory of one step, kept free inside the budget (a size; default 0).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub working: Option<String>,
+    /// The forward runs the blocks in any order or only some each step (experts;
+    /// `StreamedModel::any_order`): no prefix, the budget's room is the hot set.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub any_order: bool,
 }
 
 /// How a streamed model holds its blocks under its budget, from its checkpoints' headers.
@@ -102,11 +106,15 @@ pub struct Streaming {
     pub resident_blocks: usize,
     /// A streamed block is read while the one before runs.
     pub look_ahead: bool,
+    /// Blocks run in any order (experts): `per_step` is what a step that runs them all reads.
+    #[serde(default)]
+    pub any_order: bool,
     /// Bytes held at most: resident tensors, resident blocks, slots and the blocks kept hot.
     pub held: u64,
     /// Bytes read into the slots per step.
     pub per_step: u64,
-    /// Streamed blocks kept hot after the first step (a forward that runs them in order).
+    /// Streamed blocks kept hot after the first step (a forward that runs them in order; with
+    /// `any_order`, as many as the room holds: which ones depends on the forward).
     #[serde(default)]
     pub hot_blocks: usize,
     pub budget: u64,
@@ -404,13 +412,23 @@ fn streaming(stream: &StreamEntry, entries: &[(String, u64)]) -> Result<Streamin
         fixed: bytes(&layout.fixed),
         blocks: layout.blocks.iter().map(|(_, members)| bytes(members)).collect(),
     };
-    let split = crate::split::fit(&sizes, budget, working, sizes.blocks.len()).map_err(|e| e.to_string())?;
+    let at_most = if stream.any_order { 0 } else { sizes.blocks.len() };
+    let split = crate::split::fit(&sizes, budget, working, at_most).map_err(|e| e.to_string())?;
     let slots = if split.look_ahead { 2 } else { usize::from(split.streamed() > 0) };
-    let hot = crate::hot::steady(&sizes.blocks, split.resident..split.blocks, split.hot);
+    // In any order the hot set fills its room with whichever blocks the forward uses most: the
+    // plan counts the smallest that fill it (the most bytes held, the fewest saved).
+    let hot = if stream.any_order {
+        let mut by_size: Vec<usize> = (0..split.blocks).collect();
+        by_size.sort_by_key(|&b| sizes.blocks[b]);
+        crate::hot::steady(&sizes.blocks, by_size, split.hot)
+    } else {
+        crate::hot::steady(&sizes.blocks, split.resident..split.blocks, split.hot)
+    };
     Ok(Streaming {
         blocks: split.blocks,
         resident_blocks: split.resident,
         look_ahead: split.look_ahead,
+        any_order: stream.any_order,
         held: sizes.need(split.resident, slots, 0).saturating_add(hot.bytes()),
         per_step: sizes.streamed_per_step(split.resident).saturating_sub(hot.bytes()),
         hot_blocks: hot.count(),

@@ -399,8 +399,9 @@ impl Plan {
             for model in stage.resident.iter().filter_map(|name| self.models.iter().find(|m| m.name == *name)) {
                 if let Some(s) = &model.streamed {
                     out += &format!(
-                        "  {} streamed: {} of {} blocks resident, {} kept hot, {} per step, holds {} of its {} (budget {})\n",
+                        "  {} streamed{}: {} of {} blocks resident, {} kept hot, {} per step, holds {} of its {} (budget {})\n",
                         model.name,
+                        if s.any_order { " in any order" } else { "" },
                         s.resident_blocks,
                         s.blocks,
                         s.hot_blocks,

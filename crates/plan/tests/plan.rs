@@ -598,6 +598,31 @@ fn a_streamed_model_counts_its_resident_blocks_and_slots_and_fits_where_whole_it
 }
 
 #[test]
+fn a_model_streamed_in_any_order_keeps_in_its_hot_set_what_a_prefix_would_hold() {
+    const MIB: u64 = 1 << 20;
+    let streamed = |name: &str, stream: &str| {
+        let pipeline = Pipeline::load(&streamed_fixture(name, stream)).unwrap();
+        let text = plan(&pipeline, Budget::given(8 * MIB), None).render();
+        (pipeline.models[0].streamed.clone().unwrap(), text)
+    };
+    let (prefix, _) =
+        streamed("prefix", r#"{ blocks = ["model.blocks.*"], resident = ["model.input"], budget = "4MiB" }"#);
+    let (any, text) = streamed(
+        "any-order",
+        r#"{ blocks = ["model.blocks.*"], resident = ["model.input"], budget = "4MiB", any_order = true }"#,
+    );
+    assert_eq!((prefix.resident_blocks, prefix.hot_blocks), (1, 0));
+    assert_eq!((any.resident_blocks, any.hot_blocks, any.any_order), (0, 1, true));
+    // 64 KiB fixed + two 1 MiB slots + one block, resident or hot; three read per step.
+    assert_eq!((any.held, any.per_step), (prefix.held, prefix.per_step));
+    assert_eq!((any.held, any.per_step), (3 * MIB + 64 * 1024, 3 * MIB));
+    assert!(
+        text.contains("flow streamed in any order: 0 of 4 blocks resident, 1 kept hot, 3.0 MiB per step"),
+        "{text}"
+    );
+}
+
+#[test]
 fn a_bad_stream_entry_is_refused_naming_the_model_and_the_sizes() {
     let error = |stream: &str| match Pipeline::load(&streamed_fixture("bad-stream", stream)) {
         Err(PipelineError::Invalid { message, .. }) => message,

@@ -82,6 +82,7 @@ fn description(file: &std::path::Path, args: &Args) -> PipelineFile {
         resident: spec.resident_prefixes().to_vec(),
         budget: budget.to_string(),
         working: args.working.map(|w| w.to_string()),
+        any_order: false,
     });
     PipelineFile {
         pinned: Vec::new(),

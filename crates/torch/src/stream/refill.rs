@@ -102,7 +102,8 @@ impl StreamedModel {
         if !self.split.is_streamed(index) {
             return Ok(false);
         }
-        let protected: Vec<usize> = [Some(index), running, self.ahead.as_ref().map(|a| a.block)].into_iter().flatten().collect();
+        let protected: Vec<usize> =
+            [Some(index), running, self.ahead.as_ref().map(|a| a.block)].into_iter().flatten().collect();
         let Some(victims) = self.hot.admit(index, &self.sizes.blocks, self.split.hot, &protected) else {
             return Ok(false);
         };

@@ -31,7 +31,10 @@ impl Step<'_> {
         if let Some(previous) = self.active.filter(|&p| p != index && model.passes(p)) {
             model.release(previous)?;
         }
-        if model.hot.holds(index) && model.blocks[index].allocated && model.ahead.as_ref().map(|a| a.block) != Some(index) {
+        if model.hot.holds(index)
+            && model.blocks[index].allocated
+            && model.ahead.as_ref().map(|a| a.block) != Some(index)
+        {
             model.stats.hot_hits += 1;
         }
         model.ensure(index)?;
