@@ -242,8 +242,8 @@ mod tests {
     fn a_shrunk_room_frees_the_weakest_blocks_until_the_rest_fits() {
         let sizes = [10, 20, 30];
         let mut hot = HotSet::new(3);
-        for b in 0..3 {
-            hot.keep(b, sizes[b]);
+        for (b, bytes) in sizes.iter().enumerate() {
+            hot.keep(b, *bytes);
         }
         hot.used(1);
         hot.used(1);
