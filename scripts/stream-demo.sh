@@ -4,7 +4,8 @@
 # `stageload guard --max-memory 1GiB` (below the model's size: the whole model under the same
 # guard is stopped); the latents must match. Then the step-time benchmark at scale 1 (1024
 # tokens, compute-bound): fully resident against half the blocks streamed and against the budget's
-# own split, from the page cache. Results in $1 (default target/demo/stream).
+# own split, from the page cache; then the hot set under a router's access (hot-set-bench.sh).
+# Results in $1 (default target/demo/stream).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 eval "$(scripts/setup-libtorch.sh)"
@@ -45,3 +46,5 @@ awk -v r="$resident" -v h="$half" -v b="$budget" 'BEGIN {
     printf "resident %.2f s; half streamed %.2f s (%.3fx); 400 MiB budget %.2f s (%.3fx)\n", r, h, h / r, b, b / r }'
 "$stageload" summary "$out/whole.jsonl" "$out/streamed.jsonl"
 } 2>&1 | tee "$out/stream.log"
+echo "== the hot set, a forward that runs some blocks per call (scripts/hot-set-bench.sh)"
+scripts/hot-set-bench.sh "$out/hot-set"

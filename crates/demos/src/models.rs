@@ -80,10 +80,33 @@ impl Module for Transformer {
 impl Transformer {
     /// The same forward as a streamed model's step: `step.block(i)` before block `i`.
     pub fn forward_streamed(&self, x: &Tensor, step: &mut Step<'_>) -> Result<Tensor, StreamError> {
+        let all: Vec<usize> = (0..self.blocks.len()).collect();
+        self.forward_routed_streamed(x, step, &all)
+    }
+
+    /// The forward through the blocks of `route` only, in its order (a router's choice of
+    /// experts; indices past the last block are skipped).
+    pub fn forward_routed(&self, x: &Tensor, route: &[usize]) -> Tensor {
+        let x = route.iter().filter_map(|&i| self.blocks.get(i)).fold(x.apply(&self.input), |x, b| b.forward(&x));
+        x.apply(&self.norm).apply(&self.output)
+    }
+
+    /// [`Self::forward_routed`] as a streamed model's step: `step.block(i)` before block `i`,
+    /// and the route's next block named ahead (`step.prefetch`).
+    pub fn forward_routed_streamed(
+        &self,
+        x: &Tensor,
+        step: &mut Step<'_>,
+        route: &[usize],
+    ) -> Result<Tensor, StreamError> {
         let mut x = x.apply(&self.input);
-        for (i, block) in self.blocks.iter().enumerate() {
+        let route: Vec<usize> = route.iter().copied().filter(|&i| i < self.blocks.len()).collect();
+        for (k, &i) in route.iter().enumerate() {
             step.block(i)?;
-            x = block.forward(&x);
+            if let Some(&next) = route.get(k + 1) {
+                step.prefetch(next)?;
+            }
+            x = self.blocks[i].forward(&x);
         }
         Ok(x.apply(&self.norm).apply(&self.output))
     }

@@ -68,6 +68,8 @@ pub enum CheckpointError {
     Stream { tensor: String, path: PathBuf, source: stageload_torch_sys::ShimError },
     #[error("reading tensor '{tensor}' from {path} failed: {source}")]
     Read { tensor: String, path: PathBuf, source: std::io::Error },
+    #[error("dropping tensor '{tensor}' of {path} from the page cache failed: {source}")]
+    Uncache { tensor: String, path: PathBuf, source: std::io::Error },
     #[error("cannot write {path}: {source}")]
     Write { path: PathBuf, source: std::io::Error },
 }
@@ -215,6 +217,33 @@ impl Checkpoint {
     /// Every entry by name.
     pub fn entries(&self) -> &HashMap<String, Entry> {
         &self.entries
+    }
+
+    /// Drops the bytes of the entries `names` from the page cache (`posix_fadvise(DONTNEED)`
+    /// over each range; pages other processes map stay): after a read, what reading past the
+    /// cache leaves, so a model streamed from disk does not push other files out of memory and
+    /// its next read comes from the disk. Names the checkpoint does not have are skipped; where
+    /// the call does not exist (macOS) nothing is dropped.
+    pub fn drop_cached<'a>(&self, names: impl IntoIterator<Item = &'a str>) -> Result<(), CheckpointError> {
+        #[cfg(any(target_os = "linux", target_os = "android", target_os = "freebsd"))]
+        for entry_name in names {
+            use std::os::fd::AsRawFd;
+            let Some(entry) = self.entries.get(entry_name) else { continue };
+            let (Ok(start), Ok(len)) = (i64::try_from(entry.start), i64::try_from(entry.end - entry.start)) else {
+                continue;
+            };
+            let fd = self.handles[entry.file].as_raw_fd();
+            nix::fcntl::posix_fadvise(fd, start, len, nix::fcntl::PosixFadviseAdvice::POSIX_FADV_DONTNEED).map_err(
+                |errno| CheckpointError::Uncache {
+                    tensor: entry_name.to_string(),
+                    path: self.files[entry.file].clone(),
+                    source: errno.into(),
+                },
+            )?;
+        }
+        #[cfg(not(any(target_os = "linux", target_os = "android", target_os = "freebsd")))]
+        drop(names.into_iter());
+        Ok(())
     }
 
     /// Checks `targets` against the files without copying anything; returns the entries to

@@ -674,3 +674,19 @@ fn the_governor_frees_hot_blocks_for_the_shortfall_before_it_streams_resident_on
     assert_eq!(held, [3, 1, 1], "two hot blocks go for 1.5 blocks short; the room stays shrunk");
     assert_eq!(model.split().hot, 3 * BLOCK - BLOCK * 3 / 2);
 }
+
+#[test]
+fn refills_past_the_page_cache_give_the_same_outputs() {
+    let (_one, _dir, file) = setup();
+    let expected = reference(&file);
+    let (net, model) = streamed(&file, budget_for(2)).unwrap();
+    let mut model = model.uncached();
+    let outputs = run_steps(&net, &mut model, 3);
+    for (step, (got, want)) in outputs.iter().zip(&expected).enumerate() {
+        assert!(got.equal(want), "step {step} differs");
+    }
+    assert_eq!(model.stats().refills, 3 * 6);
+    // Dropping pages of entries it has and skipping names it has not is not an error.
+    let checkpoint = Checkpoint::open(&[&file]).unwrap();
+    checkpoint.drop_cached(["blocks.0.fc1.weight", "no.such.tensor"]).unwrap();
+}

@@ -26,7 +26,7 @@ use stageload_demos::weights::cache_root;
 use stageload_demos::{cached_checkpoint, schedule, tokens_at, Transformer, CHANNELS};
 use stageload_plan::{ModelEntry, PipelineFile, StageEntry, StreamEntry};
 use stageload_units::{format_bytes, parse_size};
-use tch::nn::{Module, VarStore};
+use tch::nn::VarStore;
 use tch::{Device, Kind, Tensor};
 
 /// The cascade's model this demo streams.
@@ -42,9 +42,25 @@ struct Args {
     /// bytes); the split keeps room for it
     #[arg(long, value_parser = |t: &str| parse_size(t).map_err(|e| e.to_string()))]
     working: Option<u64>,
-    /// Keep at most this many blocks resident (streams more than the budget asks)
+    /// Keep at most this many blocks resident, and none hot (streams more than the budget asks)
     #[arg(long)]
     resident_at_most: Option<usize>,
+    /// Which blocks each forward runs: `all` in order, or `experts` (a fixed router: blocks 0
+    /// and 1 every call, one of the last three and one of the others in turn)
+    #[arg(long, value_enum, default_value_t = Route::All)]
+    route: Route,
+    /// Stream the blocks in any order (with a budget): no prefix, the budget's room is the hot
+    /// set of the blocks used most, and each forward names its next block ahead
+    #[arg(long)]
+    any_order: bool,
+    /// Refills read past the page cache (each drops what it read), as a model bigger than
+    /// memory streams from disk
+    #[arg(long)]
+    uncached: bool,
+    /// Drop the checkpoint's pages from the page cache before set-up: its first reads come from
+    /// the disk
+    #[arg(long)]
+    cold: bool,
     /// Model sizes relative to the cascade's default (1.0: texture_flow is 0.6 GB)
     #[arg(long, default_value_t = 1.0, value_parser = positive_scale)]
     scale: f64,
@@ -74,6 +90,23 @@ struct Args {
     pipeline: Option<PathBuf>,
 }
 
+#[derive(Clone, Copy, Debug, PartialEq, clap::ValueEnum, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+enum Route {
+    All,
+    Experts,
+}
+
+/// The blocks forward call `n` runs, in order: every block, or (experts, at least 6 blocks)
+/// blocks 0 and 1, one of the middle blocks in turn (each in one call of `depth - 5`) and one of
+/// the last three in turn (each in one call of three).
+fn route(route: Route, n: usize, depth: usize) -> Vec<usize> {
+    match route {
+        Route::Experts if depth >= 6 => vec![0, 1, 2 + n % (depth - 5), depth - 1 - n % 3],
+        _ => (0..depth).collect(),
+    }
+}
+
 /// The pipeline file of this run: the model streamed under `budget` (whole without one).
 fn description(file: &std::path::Path, args: &Args) -> PipelineFile {
     let spec = Transformer::block_spec("model");
@@ -82,7 +115,7 @@ fn description(file: &std::path::Path, args: &Args) -> PipelineFile {
         resident: spec.resident_prefixes().to_vec(),
         budget: budget.to_string(),
         working: args.working.map(|w| w.to_string()),
-        any_order: false,
+        any_order: args.any_order,
     });
     PipelineFile {
         pinned: Vec::new(),
@@ -123,6 +156,13 @@ struct Outcome {
     seconds: f64,
     /// Seconds per forward.
     seconds_per_step: f64,
+    route: Route,
+    any_order: bool,
+    /// Forward calls, and the blocks they ran.
+    calls: usize,
+    blocks_run: usize,
+    refills: u64,
+    hot_hits: u64,
     bytes_refilled: u64,
     refill_seconds: f64,
     waited_seconds: f64,
@@ -174,6 +214,9 @@ fn run(args: Args) -> Result<(), BoxError> {
     if built_on != args.device {
         stageload::stream::place(MODEL, &tensors, args.device)?;
     }
+    if args.cold {
+        stageload_demos::weights::drop_page_cache(&file)?;
+    }
     let checkpoint = Checkpoint::open(&[&file])?;
     let mut streamed = match args.budget {
         Some(budget) => {
@@ -190,6 +233,12 @@ fn run(args: Args) -> Result<(), BoxError> {
             }
             if let Some(working) = args.working {
                 streamed = streamed.working_memory(working)?;
+            }
+            if args.any_order {
+                streamed = streamed.any_order()?;
+            }
+            if args.uncached {
+                streamed = streamed.uncached();
             }
             if let Some(at_most) = args.resident_at_most {
                 streamed.limit_resident(at_most)?;
@@ -223,12 +272,23 @@ fn run(args: Args) -> Result<(), BoxError> {
     let x = Tensor::randn([tokens, CHANNELS], (Kind::Float, args.device));
     let cond = Tensor::randn([1, CHANNELS], (Kind::Float, args.device));
     let times = schedule(args.steps, &chacha);
+    let depth = shape.depth as usize;
+    let (mut calls, mut blocks_run) = (0, 0);
+    let mut next_route = || {
+        let blocks = route(args.route, calls, depth);
+        calls += 1;
+        blocks_run += blocks.len();
+        blocks
+    };
     let start = Instant::now();
     let latent = match streamed.as_mut() {
-        Some(streamed) => {
-            sample_flow_with(x, &cond, &times, |input| streamed.run(|step| model.forward_streamed(input, step)))?
-        }
-        None => sample_flow_with(x, &cond, &times, |input| Ok::<_, BoxError>(model.forward(input)))?,
+        Some(streamed) => sample_flow_with(x, &cond, &times, |input| {
+            let blocks = next_route();
+            streamed.run(|step| model.forward_routed_streamed(input, step, &blocks))
+        })?,
+        None => sample_flow_with(x, &cond, &times, |input| {
+            Ok::<_, BoxError>(model.forward_routed(input, &next_route()))
+        })?,
     };
     let seconds = start.elapsed().as_secs_f64();
     let fingerprint = stageload::latents::fingerprint(&latent);
@@ -245,9 +305,11 @@ fn run(args: Args) -> Result<(), BoxError> {
     );
     if let Some(s) = &streamed {
         println!(
-            "{}; refilled {} in {:.3} s ({:.2} GB/s), waited {:.3} s",
+            "{}; refilled {} ({} blocks, {} found hot) in {:.3} s ({:.2} GB/s), waited {:.3} s",
             s.residency(),
             format_bytes(stats.bytes_refilled),
+            stats.refills,
+            stats.hot_hits,
             stats.refill_seconds,
             stats.bytes_refilled as f64 / stats.refill_seconds.max(1e-9) / 1e9,
             stats.waited_seconds
@@ -266,6 +328,12 @@ fn run(args: Args) -> Result<(), BoxError> {
             peak_rss,
             seconds,
             seconds_per_step: seconds / args.steps.max(1) as f64,
+            route: args.route,
+            any_order: args.any_order,
+            calls,
+            blocks_run,
+            refills: stats.refills,
+            hot_hits: stats.hot_hits,
             bytes_refilled: stats.bytes_refilled,
             refill_seconds: stats.refill_seconds,
             waited_seconds: stats.waited_seconds,

@@ -175,6 +175,7 @@ impl StreamedModel {
         let host: Option<Vec<Tensor>> =
             self.host.as_ref().map(|copies| copies[index].iter().map(Tensor::shallow_clone).collect());
         let device = self.device;
+        let uncached = self.uncached;
         Ok(move || {
             let start = Instant::now();
             for ((tensor, was), (_, target)) in shapes.into_iter().zip(&targets) {
@@ -202,7 +203,10 @@ impl StreamedModel {
                 }
                 _ => checkpoint
                     .load_into(&targets, |_| {})
-                    .map(drop)
+                    .and_then(|_| match uncached {
+                        true => checkpoint.drop_cached(targets.iter().map(|(entry, _)| entry.as_str())),
+                        false => Ok(()),
+                    })
                     .map_err(|source| StreamError::Checkpoint { model: model.clone(), source: Box::new(source) }),
             };
             if let Err(err) = filled {

@@ -57,6 +57,8 @@ pub struct StreamedModel {
     pub(super) hot: HotSet,
     /// The forward runs blocks in any order or only some of them ([`Self::any_order`]).
     pub(super) any_order: bool,
+    /// Refills drop what they read from the page cache ([`Self::uncached`]).
+    pub(super) uncached: bool,
     /// Working memory measured so far (the largest step).
     pub(super) working: u64,
     pub(super) checkpoint: Arc<Checkpoint>,
@@ -194,6 +196,7 @@ impl StreamedModel {
             split,
             hot: HotSet::new(split.blocks),
             any_order: false,
+            uncached: false,
             working: 0,
             checkpoint: Arc::new(checkpoint),
             ahead: None,
@@ -377,6 +380,15 @@ impl StreamedModel {
             }
         }
         Ok(self)
+    }
+
+    /// Refills from the checkpoint read past the page cache: each drops the block's bytes from
+    /// it once read ([`Checkpoint::drop_cached`]), so streaming a model bigger than the machine's
+    /// memory does not push other programs' files out, and every refill reads the disk (what
+    /// such a model costs; the hot set then saves disk reads).
+    pub fn uncached(mut self) -> Self {
+        self.uncached = true;
+        self
     }
 
     /// The split under the budget with the working memory known now and at most `at_most`
