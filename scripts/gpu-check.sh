@@ -15,7 +15,8 @@
 # come back from pinned host memory), and staged without RNG preservation (the control),
 # compares their latents, and writes the summary and chart of the eager, staged and prefetch
 # traces; then block streaming on cuda:0 (the stream demo: texture_flow at scale 2 whole, under a
-# 500 MiB budget, and with half its blocks streamed; same latent, step times). Files:
+# 500 MiB budget, and with half its blocks streamed; same latent, step times; and a router's
+# access with a hot set against the same route whole). Files:
 # gpu-check.json, log.txt, latents.txt, summary.txt, summary-tier.txt, memory.svg,
 # cascade-{eager,staged,prefetch,tier}.jsonl, stream-*.json, stream-ratios.json (step time
 # streamed / whole, refill GB/s / the pinned limit of this run).
@@ -72,11 +73,21 @@ for mode in whole budget half; do
     run bin/stream --device cuda --scale 2 --tokens 1024 --cache "$scratch/weights" "${flags[@]}" \
         --result "$out/stream-$mode.json" || status=1
 done
-for mode in budget half; do
-    if [ "$(grep '"fingerprint"' "$out/stream-whole.json")" = "$(grep '"fingerprint"' "$out/stream-$mode.json")" ]; then
-        echo "stream $mode: latent identical to whole" | tee -a "$log"
+# The hot set on the GPU: a router's access (4 of 12 blocks per call), any order, against the
+# same route with the model whole.
+for mode in experts-whole experts-hot; do
+    flags=(--route experts --steps 12)
+    [ "$mode" = experts-hot ] && flags+=(--budget 900MiB --working 256MiB --any-order)
+    step "stream $mode"
+    run bin/stream --device cuda --scale 2 --tokens 1024 --cache "$scratch/weights" "${flags[@]}" \
+        --result "$out/stream-$mode.json" || status=1
+done
+for pair in whole:budget whole:half experts-whole:experts-hot; do
+    reference=${pair%%:*} mode=${pair#*:}
+    if [ "$(grep '"fingerprint"' "$out/stream-$reference.json")" = "$(grep '"fingerprint"' "$out/stream-$mode.json")" ]; then
+        echo "stream $mode: latent identical to $reference" | tee -a "$log"
     else
-        echo "stream $mode: latent DIFFERS from whole" | tee -a "$log"; status=1
+        echo "stream $mode: latent DIFFERS from $reference" | tee -a "$log"; status=1
     fi
 done
 # #14's ratios in this run: step time streamed against whole, refills against the pinned limit.

@@ -286,9 +286,9 @@ fn run(args: Args) -> Result<(), BoxError> {
             let blocks = next_route();
             streamed.run(|step| model.forward_routed_streamed(input, step, &blocks))
         })?,
-        None => sample_flow_with(x, &cond, &times, |input| {
-            Ok::<_, BoxError>(model.forward_routed(input, &next_route()))
-        })?,
+        None => {
+            sample_flow_with(x, &cond, &times, |input| Ok::<_, BoxError>(model.forward_routed(input, &next_route())))?
+        }
     };
     let seconds = start.elapsed().as_secs_f64();
     let fingerprint = stageload::latents::fingerprint(&latent);
