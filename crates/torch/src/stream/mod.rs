@@ -1,5 +1,6 @@
 //! Models bigger than the memory they are given: a resident prefix of blocks, the rest streamed
-//! through one slot (plus one loaded ahead) and refilled in place from the checkpoint.
+//! through one slot (plus one loaded ahead) and refilled in place from the checkpoint, the ones
+//! used most kept hot in what the budget leaves.
 //!
 //! This is release and reload in place at the grain of a block. A [`StreamedModel`] owns a
 //! model's named tensors, split into blocks by a [`BlockSpec`]; under a byte budget the first
@@ -36,10 +37,11 @@
 //! forward names with [`Step::prefetch`].
 //!
 //! An out-of-memory inside a step (a libtorch error or panic saying so) gives up the hot set, or
-//! else streams one more block, and runs the step again; on the CPU, where running out is the machine's problem rather than an
-//! error, the working memory measured at block boundaries decides the next step's split. The
-//! resident count only goes down during a run ([`StreamedModel::reset`] sets it back). Each
-//! change is one line in the log and a `residency` event.
+//! else streams one more block, and runs the step again; on the CPU, where running out is the
+//! machine's problem rather than an error, the working memory measured at block boundaries
+//! decides the next step's split. The resident count and the hot set's room only go down during
+//! a run ([`StreamedModel::reset`] sets them back). Each change is one line in the log and a
+//! `residency` event. [`StreamedModel::uncached`] makes refills read past the page cache.
 
 mod refill;
 mod step;
