@@ -5,6 +5,8 @@
 // nothing unwinds into Rust and nothing aborts the process.
 #include <ATen/ATen.h>
 #include <ATen/Context.h>
+#include <ATen/DeviceAccelerator.h>
+#include <ATen/core/CachingHostAllocator.h>
 #include <ATen/detail/MPSHooksInterface.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <c10/core/Allocator.h>
@@ -247,6 +249,17 @@ char* sl_pin_memory(const at::Tensor* t, at::Tensor** out) {
   return guarded([&] {
     TORCH_CHECK(t != nullptr && t->defined() && out != nullptr, "undefined tensor");
     *out = new at::Tensor(t->pin_memory());
+  });
+}
+
+char* sl_empty_pinned_cache() {
+  return guarded([&] {
+    TORCH_CHECK(at::hasCUDA() || at::hasMPS(), "no accelerator, so no pinned host memory to give back");
+    auto accelerator = at::getAccelerator(false);
+    TORCH_CHECK(accelerator.has_value(), "no accelerator, so no pinned host memory to give back");
+    auto* allocator = at::getHostAllocator(*accelerator);
+    TORCH_CHECK(allocator != nullptr, "no pinned host memory allocator for ", *accelerator);
+    allocator->empty_cache();
   });
 }
 

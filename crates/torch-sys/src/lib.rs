@@ -64,6 +64,7 @@ mod ffi {
         pub fn sl_cuda_sync_current_stream(index: c_int) -> *mut c_char;
         pub fn sl_copy_async(dst: *const C_tensor, src: *const C_tensor) -> *mut c_char;
         pub fn sl_pin_memory(t: *const C_tensor, out: *mut *mut C_tensor) -> *mut c_char;
+        pub fn sl_empty_pinned_cache() -> *mut c_char;
         pub fn sl_cuda_event_record(index: c_int, out: *mut *mut std::ffi::c_void) -> *mut c_char;
         pub fn sl_event_synchronize(event: *mut std::ffi::c_void) -> *mut c_char;
         pub fn sl_event_free(event: *mut std::ffi::c_void);
@@ -335,6 +336,15 @@ pub fn pin_memory(tensor: &Tensor) -> ShimResult<Tensor> {
     // SAFETY: on success the shim wrote a fresh `new at::Tensor`, which the returned `Tensor`
     // owns alone and frees with `delete` (tch's `at_free`) when dropped.
     Ok(unsafe { Tensor::from_ptr(out) })
+}
+
+/// Gives the pinned host memory libtorch's host allocator keeps cached for the accelerator
+/// (blocks no tensor uses any more, once their copies are done) back to the OS; an error (not a
+/// panic) where there is no accelerator.
+pub fn empty_pinned_cache() -> ShimResult<()> {
+    // SAFETY: no arguments; the shim checks that an accelerator and its allocator exist.
+    let err = unsafe { ffi::sl_empty_pinned_cache() };
+    check("give cached pinned memory back", err)
 }
 
 /// A point in a CUDA stream's work: everything enqueued on it before the event was recorded.

@@ -122,6 +122,16 @@ fn mps_and_async_copies_answer_on_any_machine() {
 }
 
 #[test]
+fn giving_back_pinned_memory_without_an_accelerator_is_an_error_naming_why() {
+    if tch::Cuda::is_available() || mps_available().unwrap() {
+        return; // tested with CUDA below; MPS keeps no pinned cache to test here
+    }
+    let err = empty_pinned_cache().unwrap_err();
+    assert_eq!(err.operation, "give cached pinned memory back");
+    assert!(err.message.contains("no accelerator"), "{err}");
+}
+
+#[test]
 fn cuda_queries_answer_not_available_without_cuda() {
     let count = cuda_device_count().unwrap();
     if count == 0 {
@@ -146,6 +156,9 @@ fn cuda_queries_answer_not_available_without_cuda() {
         cuda_reset_peak(0).unwrap();
         assert!(!generator_state(GeneratorDevice::Cuda(0)).unwrap().is_empty());
         assert!(cuda_memory(count).unwrap_err().message.contains("out of range"));
+        // Pinned memory freed goes back to the OS through the host allocator's cache.
+        drop(pin_memory(&Tensor::ones([1 << 20], (Kind::Float, Device::Cpu))).unwrap());
+        empty_pinned_cache().unwrap();
     }
     assert_eq!(tch::Cuda::device_count() as usize, count, "shim and tch agree");
 }

@@ -193,6 +193,13 @@ fn tier_checks(device: Device) -> Result<BTreeMap<String, serde_json::Value>, Bo
     let held = models.host_tier().map_or(0, |t| t.used);
     models.enter("run")?;
     let again = tch::no_grad(|| models.call("net", |m: &mut Net| m.0.forward(&x)))?;
+    // Released into the tier again, then the budget shrunk to nothing: the pinned copy's memory
+    // leaves the process (libtorch's host allocator cache emptied), not just the tier.
+    models.enter("other")?;
+    let rss = || stageload_probe::process_memory(std::process::id() as i32).map(|m| m.rss);
+    let (held_again, before) = (models.host_tier().map_or(0, |t| t.used), rss()?);
+    models.set_host_tier_budget(0)?;
+    let after = rss()?;
     let tier = sink.of_kind(EventKind::Tier);
     let stored = tier.iter().find(|e| e.note.as_deref() == Some("stored"));
     let reload = sink.of_kind(EventKind::Reload).pop();
@@ -212,6 +219,11 @@ fn tier_checks(device: Device) -> Result<BTreeMap<String, serde_json::Value>, Bo
     );
     r.insert("tier_identical_after_reload".into(), again.equal(&y).into());
     r.insert("tier_held_bytes".into(), held.into());
+    r.insert(
+        "tier_shrink_gives_pinned_memory_back".into(),
+        (before.saturating_sub(after) >= held_again * 9 / 10).into(),
+    );
+    r.insert("tier_shrink_rss_drop_bytes".into(), before.saturating_sub(after).into());
     r.insert("tier_store_gb_per_s".into(), stored.map_or(f64::NAN, |e| rate(e.bytes, e.seconds)).into());
     r.insert("tier_reload_gb_per_s".into(), reload.map_or(f64::NAN, |e| rate(e.bytes, e.seconds)).into());
     Ok(r)

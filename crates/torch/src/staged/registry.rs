@@ -796,9 +796,13 @@ impl Inner {
         let instances: Vec<Arc<Instance>> = positions.into_iter().filter_map(|p| state.request_release(p)).collect();
         state.current = None;
         state.closed = true;
-        let copies = state.tier.as_mut().map(Tier::clear);
+        let copies = state.tier.as_mut().map(Tier::clear).unwrap_or_default();
         drop(state);
+        let pinned = copies.iter().any(super::tier_copy::HostCopies::pinned);
         drop(copies);
+        if pinned {
+            super::tier_copy::give_back_pinned();
+        }
         // A `close` mark first, so a trace does not read these releases as the tail of the last
         // stage's entry.
         self.emit(Event { stage, note: Some("close".into()), resident: Some(resident), ..Event::now(EventKind::Mark) });

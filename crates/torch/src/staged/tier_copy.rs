@@ -64,6 +64,22 @@ impl HostCopies {
     }
 }
 
+impl HostCopies {
+    /// Whether the copies are pinned memory.
+    pub(crate) fn pinned(&self) -> bool {
+        self.pinned
+    }
+}
+
+/// Gives the pinned memory that dropped copies left in libtorch's host allocator cache back to
+/// the OS (after a shrunk budget or a close; an eviction that makes room keeps it cached for the
+/// copy that follows). A failure is logged: the memory stays cached, nothing else changes.
+pub(crate) fn give_back_pinned() {
+    if let Err(err) = stageload_torch_sys::empty_pinned_cache() {
+        tracing::warn!("host tier: pinned memory stays cached: {err}");
+    }
+}
+
 /// Whether the host tier holds copies of a model on `device`: device models only (a CPU model's
 /// weights are host memory already).
 pub(crate) fn applies(device: Device) -> bool {

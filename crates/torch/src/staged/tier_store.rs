@@ -121,7 +121,8 @@ impl Inner {
         });
     }
 
-    /// Sets the host tier's budget (see [`super::StagedModels::set_host_tier_budget`]).
+    /// Sets the host tier's budget (see [`super::StagedModels::set_host_tier_budget`]); the
+    /// pinned memory of the copies it evicts goes back to the OS.
     pub(crate) fn set_tier_budget(&self, bytes: u64) -> Result<()> {
         let mut state = self.state();
         let protected = state.pinned_now();
@@ -135,7 +136,11 @@ impl Inner {
         })?;
         let usage = state.tier_usage();
         drop(state);
+        let pinned = evicted.iter().any(|e| e.copies.as_ref().is_some_and(HostCopies::pinned));
         self.evicted(&stage, evicted, usage);
+        if pinned {
+            tier_copy::give_back_pinned();
+        }
         self.emit(Event { stage, note: Some("budget".into()), tier: usage, ..Event::now(EventKind::Tier) });
         Ok(())
     }
