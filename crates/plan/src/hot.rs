@@ -80,7 +80,7 @@ impl HotSet {
                 break;
             }
             victims.push(candidate);
-            free = free.saturating_add(sizes[candidate]);
+            free = free.saturating_add(sizes.get(candidate).copied().unwrap_or(0));
             if size <= free {
                 return Some(victims);
             }
@@ -114,7 +114,7 @@ impl HotSet {
                 break;
             }
             victims.push(candidate);
-            bytes = bytes.saturating_sub(sizes[candidate]);
+            bytes = bytes.saturating_sub(sizes.get(candidate).copied().unwrap_or(0));
         }
         victims
     }
@@ -251,6 +251,40 @@ mod tests {
         assert_eq!(hot.over(&sizes, 60, &[]), Vec::<usize>::new());
         assert_eq!(hot.over(&sizes, 45, &[]), vec![0, 2], "0 scores least, then 2; 20 bytes left");
         assert_eq!(hot.over(&sizes, 0, &[]), vec![0, 2, 1]);
+    }
+
+    proptest::proptest! {
+        /// Any sizes, rooms and access orders (indices past the end included): the set never
+        /// holds more than its room, its bytes are its blocks' sizes, and a shrunk room is met.
+        #[test]
+        fn the_hot_set_never_holds_more_than_its_room(
+            sizes in proptest::collection::vec(0..1000u64, 1..10),
+            room in 0..4000u64,
+            shrunk in 0..4000u64,
+            steps in proptest::collection::vec(proptest::collection::vec(0..12usize, 1..8), 1..12),
+        ) {
+            let mut hot = HotSet::new(sizes.len());
+            let held_bytes = |hot: &HotSet| (0..sizes.len()).filter(|&b| hot.holds(b)).map(|b| sizes[b]).sum::<u64>();
+            for order in &steps {
+                for &block in order {
+                    if let Some(victims) = hot.admit(block, &sizes, room, &[block]) {
+                        proptest::prop_assert!(!victims.contains(&block));
+                        for v in victims {
+                            hot.drop_block(v, sizes[v]);
+                        }
+                        hot.keep(block, sizes[block]);
+                    }
+                    hot.used(block);
+                    proptest::prop_assert!(hot.bytes() <= room);
+                    proptest::prop_assert_eq!(hot.bytes(), held_bytes(&hot));
+                }
+                hot.decay();
+            }
+            for v in hot.over(&sizes, shrunk, &[]) {
+                hot.drop_block(v, sizes[v]);
+            }
+            proptest::prop_assert!(hot.bytes() <= shrunk);
+        }
     }
 
     #[test]
