@@ -44,6 +44,7 @@
 //! `residency` event. [`StreamedModel::uncached`] makes refills read past the page cache.
 
 mod refill;
+mod run;
 mod step;
 mod streamer;
 

@@ -1,6 +1,6 @@
 //! The streamed model: its set-up (blocks, storages, split, the resident part read), its
-//! options, and its steps (run, retry on out-of-memory, the split kept under the budget).
-//! Refills live in [`super::refill`], the block boundary in [`super::step`].
+//! options and what it reports. Its steps live in [`super::run`], refills in
+//! [`super::refill`], the block boundary in [`super::step`].
 //!
 //! Nothing here takes a lock: the model is `&mut` for a step, and the only other thread is the
 //! one refilling the block ahead, whose storages nothing else touches until it is joined.
@@ -8,19 +8,16 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use stageload_trace::event::{Event, EventKind, EventSink, Residency};
+use stageload_trace::event::{Event, EventKind, EventSink};
 use tch::{Device, Tensor};
 
 use super::blocks::{assign, BlockSpec};
 use super::hot::HotSet;
 use super::refill::{pinned_copies, Ahead, Block};
-use super::split::{describe, evict, fit, govern, refit, Refit, Sizes, Split};
-use super::step::Step;
+use super::split::{describe, fit, Sizes, Split};
 use super::StreamError;
 use crate::checkpoint::{Checkpoint, CheckpointError};
 use crate::names::{match_names, NameMismatch, NameRules};
-use crate::staged::decide::is_out_of_memory;
-use crate::staged::error::panic_message;
 use crate::storage::{self, StorageRecord};
 
 /// What a streamed model has moved so far.
@@ -402,171 +399,6 @@ impl StreamedModel {
             self.announce(reason, None);
         }
         Ok(())
-    }
-
-    /// Runs one step of the forward: `f` calls [`Step::block`] before each block. On an
-    /// out-of-memory (an error or panic of `f` saying so) one more block is streamed and `f`
-    /// runs again, so `f` should compute from its inputs only (draw noise outside it). Other
-    /// errors and panics come back as errors; the model stays usable.
-    pub fn run<R>(&mut self, mut f: impl FnMut(&mut Step<'_>) -> Result<R, StreamError>) -> Result<R, StreamError> {
-        loop {
-            self.begin()?;
-            let base = self.measure_point();
-            let peak = (self.peak)();
-            let mut step = Step { model: &mut *self, active: None, base, peak, most_held: 0, working: 0 };
-            let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(&mut step)));
-            let working = step.finish().and_then(|working| self.join_ahead().map(|()| working));
-            let error = match outcome {
-                Ok(Ok(result)) => {
-                    let working = working?;
-                    self.stats.steps += 1;
-                    self.after_step(working);
-                    return Ok(result);
-                }
-                Ok(Err(error)) => error,
-                Err(panic) => StreamError::Step { model: self.name.clone(), message: panic_message(&*panic) },
-            };
-            // The step's own error says more than a failure to tidy up after it.
-            drop(working);
-            let message = error.to_string();
-            if !is_out_of_memory(&message) {
-                return Err(error);
-            }
-            match evict(self.split) {
-                Some(next) => {
-                    self.split = next;
-                    self.stats.retries += 1;
-                    if let Device::Cuda(_) = self.device {
-                        let _ = stageload_torch_sys::cuda_empty_cache();
-                    }
-                    self.announce("out of memory", None);
-                }
-                None => {
-                    // The error's first line; libtorch appends its C++ backtrace.
-                    let message = message.lines().next().unwrap_or_default().to_string();
-                    return Err(StreamError::OutOfMemory {
-                        model: self.name.clone(),
-                        residency: self.residency(),
-                        message,
-                    });
-                }
-            }
-        }
-    }
-
-    /// Frees what the split no longer holds (a block that became resident leaves its slot and
-    /// comes back from the allocator; streamed blocks a shrunk split still held go; hot blocks
-    /// past a shrunk room go, weakest first) and starts the first streamed block's refill.
-    /// Nothing is in flight between steps.
-    fn begin(&mut self) -> Result<(), StreamError> {
-        if let Some((floor, available)) = self.governor.as_mut() {
-            if let Some(next) = available().and_then(|now| govern(self.split, now, *floor)) {
-                self.split = next;
-                self.announce("memory pressure", None);
-            }
-        }
-        for victim in self.hot.over(&self.sizes.blocks, self.split.hot, &[]) {
-            self.drop_hot(victim)?;
-        }
-        for index in 0..self.blocks.len() {
-            if !self.split.is_streamed(index) {
-                // Resident now: its memory stays, wherever it came from.
-                self.hot.drop_block(index, self.sizes.blocks[index]);
-            }
-            if self.passes(index) || self.blocks[index].slot.is_some() {
-                self.release(index)?;
-            }
-        }
-        if self.split.look_ahead && !self.any_order {
-            self.start_ahead(self.split.resident, None);
-        }
-        Ok(())
-    }
-
-    /// `NoSuchBlock` unless the model has block `index`.
-    pub(super) fn check_index(&self, index: usize) -> Result<(), StreamError> {
-        match index < self.blocks.len() {
-            true => Ok(()),
-            false => Err(StreamError::NoSuchBlock { model: self.name.clone(), index, blocks: self.blocks.len() }),
-        }
-    }
-
-    /// Whether block `index` is freed after it runs: streamed and not held hot.
-    pub(super) fn passes(&self, index: usize) -> bool {
-        self.split.is_streamed(index) && !self.hot.holds(index)
-    }
-
-    /// Frees hot block `index` and forgets it.
-    pub(super) fn drop_hot(&mut self, index: usize) -> Result<(), StreamError> {
-        self.release(index)?;
-        self.hot.drop_block(index, self.sizes.blocks[index]);
-        Ok(())
-    }
-
-    fn after_step(&mut self, working: u64) {
-        self.hot.decay();
-        if working <= self.working {
-            return;
-        }
-        self.working = working;
-        match refit(&self.sizes, self.split, self.budget, working) {
-            Refit::Keep => {}
-            Refit::Shrink(next) => {
-                self.split = next;
-                self.announce("working memory", None);
-            }
-            Refit::Over { split, over } => {
-                self.split = split;
-                self.announce("working memory", Some(over));
-            }
-        }
-    }
-
-    /// Logs the residency line and sends the event.
-    fn announce(&self, reason: &str, over: Option<u64>) {
-        let mut line = self.residency();
-        if let Some(over) = over {
-            line += &format!(
-                "; a step needs {} more than the budget of {} even so",
-                stageload_units::format_bytes(over),
-                stageload_units::format_bytes(self.budget)
-            );
-            tracing::warn!("{line}");
-        } else {
-            tracing::info!("{line} ({reason})");
-        }
-        if let Some(sink) = &self.sink {
-            let mut event = Event::now(EventKind::Residency);
-            event.model = Some(self.name.clone());
-            event.note = Some(line);
-            event.residency = Some(Residency {
-                blocks: self.split.blocks,
-                resident: self.split.resident,
-                streamed_per_step: self.sizes.streamed_per_step(self.split.resident),
-                hot: self.split.hot,
-                budget: self.budget,
-                working: self.working,
-                reason: reason.to_string(),
-            });
-            sink.emit(&event);
-        }
-    }
-
-    /// The reading and the weights held now, for working-memory estimates.
-    pub(super) fn measure_point(&mut self) -> Option<(u64, u64)> {
-        let reading = (self.reading)()?;
-        Some((reading, self.held()))
-    }
-
-    /// Weight bytes held now: fixed tensors, the slots (filled or not, their pages stay), and
-    /// every block outside a slot that is filled and not being refilled.
-    fn held(&self) -> u64 {
-        let ahead = self.ahead.as_ref().map(|a| a.block);
-        let slots = self.slots.iter().fold(0u64, |sum, (buffer, _)| sum.saturating_add(buffer.numel() as u64));
-        let blocks = self.sizes.blocks.iter().zip(&self.blocks).enumerate();
-        blocks
-            .filter(|(i, (_, b))| b.allocated && b.slot.is_none() && Some(*i) != ahead)
-            .fold(self.sizes.fixed.saturating_add(slots), |sum, (_, (bytes, _))| sum.saturating_add(*bytes))
     }
 }
 
