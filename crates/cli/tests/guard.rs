@@ -17,20 +17,22 @@ const STAGELOAD: &str = env!("CARGO_BIN_EXE_stageload");
 /// Flags that make admission and the watch ignore how busy this shared machine is.
 const ANY_MACHINE: [&str; 4] = ["--wait-free", "0", "--kill-free", "0"];
 
-/// The tests send SIGINT and type Ctrl-C. A test run started in the background of a
-/// non-interactive shell inherits SIGINT ignored, which the guard rightly keeps ignoring (see
-/// `a_signal_ignored_when_the_guard_started_stays_ignored`) and its command inherits; such a run
-/// gets the default disposition back first.
-fn default_interrupt() {
+/// The tests send SIGINT and SIGHUP and type Ctrl-C. A test run started in the background of a
+/// non-interactive shell inherits SIGINT ignored, one started under `nohup` SIGHUP, which the
+/// guard rightly keeps ignoring (see `a_signal_ignored_when_the_guard_started_stays_ignored`)
+/// and its command inherits; such a run gets the default dispositions back first.
+fn default_signals() {
     static ONCE: Once = Once::new();
     ONCE.call_once(|| {
-        // SAFETY: sets SIGINT's disposition to the default; no handler of this process is involved.
-        unsafe { nix::sys::signal::signal(Signal::SIGINT, SigHandler::SigDfl) }.expect("reset SIGINT to its default");
+        for signal in [Signal::SIGINT, Signal::SIGHUP] {
+            // SAFETY: sets the disposition to the default; no handler of this process is involved.
+            unsafe { nix::sys::signal::signal(signal, SigHandler::SigDfl) }.expect("reset a signal to its default");
+        }
     });
 }
 
 fn guard(args: &[&str]) -> Command {
-    default_interrupt();
+    default_signals();
     let mut command = Command::new(STAGELOAD);
     command.arg("guard").args(args).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
     command
