@@ -309,7 +309,7 @@ fn a_signal_ignored_when_the_guard_started_stays_ignored() {
 /// Runs the guard on a pseudo-terminal (Python's pty module), types `keys` into it once the
 /// command runs, and returns what the terminal showed and the guard's exit code.
 fn on_a_terminal(command: &str, keys: &str) -> (String, i32) {
-    default_interrupt();
+    default_signals();
     let driver = r#"
 import os, pty, sys, time, select
 pid, fd = pty.fork()
