@@ -544,6 +544,7 @@ fn a_forward_in_order_keeps_the_blocks_it_kept_first_hot_and_refills_only_the_ot
     // Two slots and room for three blocks.
     let (net, mut model, tensors) = any_order(&file, budget_for(3));
     assert_eq!((model.split().resident, model.split().hot), (0, 3 * BLOCK), "{}", model.residency());
+    assert!(model.residency().ends_with("in any order (a step reads only the blocks it runs and does not find hot)"));
     assert_eq!(filled(&tensors), 3, "the prefix set-up read is kept hot");
     let outputs = run_steps(&net, &mut model, 3);
     for (step, (got, want)) in outputs.iter().zip(&expected).enumerate() {

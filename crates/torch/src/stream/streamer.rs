@@ -337,9 +337,14 @@ impl StreamedModel {
         self.stats
     }
 
-    /// The residency line (`flow: 6 of 12 blocks resident, 6 streamed, …`).
+    /// The residency line (`flow: 6 of 12 blocks resident, 6 streamed, …`); in any order, the
+    /// bytes per step are those of a step that runs every block.
     pub fn residency(&self) -> String {
-        describe(&self.name, &self.sizes, self.split)
+        let line = describe(&self.name, &self.sizes, self.split);
+        match self.any_order {
+            true => line + "; in any order (a step reads only the blocks it runs and does not find hot)",
+            false => line,
+        }
     }
 
     /// Forgets the measured working memory and keeps as many blocks resident, and as large a
