@@ -298,7 +298,7 @@ impl StreamedModel {
     /// (attention scores), so a declared figure is the safer one on the CPU.
     pub fn working_memory(mut self, bytes: u64) -> Result<Self, StreamError> {
         self.working = self.working.max(bytes);
-        self.refit_to(self.split.resident, "working memory")?;
+        self.refit_to(self.split.resident, self.split.hot, "working memory")?;
         Ok(self)
     }
 
@@ -352,15 +352,13 @@ impl StreamedModel {
     /// reaches them.
     pub fn reset(&mut self) -> Result<(), StreamError> {
         self.working = 0;
-        self.refit_to(self.blocks.len(), "reset")
+        self.refit_to(self.blocks.len(), u64::MAX, "reset")
     }
 
     /// Keeps at most `resident` blocks resident, and none hot, from the next step on (to stream
     /// more than the budget asks, say for a benchmark); [`reset`](Self::reset) lifts it.
     pub fn limit_resident(&mut self, resident: usize) -> Result<(), StreamError> {
-        self.refit_to(resident.min(self.split.resident), "limit")?;
-        self.split.hot = 0;
-        Ok(())
+        self.refit_to(resident.min(self.split.resident), 0, "limit")
     }
 
     /// Declares that the forward runs the blocks in any order, or only some of them each step
@@ -370,7 +368,7 @@ impl StreamedModel {
     /// forward names with [`Step::prefetch`] (none is guessed).
     pub fn any_order(mut self) -> Result<Self, StreamError> {
         self.any_order = true;
-        self.refit_to(0, "any order")?;
+        self.refit_to(0, u64::MAX, "any order")?;
         // The prefix set-up read stays, as hot blocks, while the room holds it.
         for index in 0..self.blocks.len() {
             if !self.blocks[index].allocated || self.blocks[index].slot.is_some() {
@@ -393,12 +391,14 @@ impl StreamedModel {
         self
     }
 
-    /// The split under the budget with the working memory known now and at most `at_most`
-    /// resident blocks; a change is announced, and the next step's `begin` frees what it drops.
-    fn refit_to(&mut self, at_most: usize, reason: &str) -> Result<(), StreamError> {
+    /// The split under the budget with the working memory known now, at most `at_most`
+    /// resident blocks and a hot set's room of at most `hot_at_most`; a change is announced, and
+    /// the next step's `begin` frees what it drops.
+    fn refit_to(&mut self, at_most: usize, hot_at_most: u64, reason: &str) -> Result<(), StreamError> {
         let at_most = if self.any_order { 0 } else { at_most };
         let split = fit(&self.sizes, self.budget, self.working, at_most)
             .map_err(|source| StreamError::Budget { model: self.name.clone(), source })?;
+        let split = Split { hot: split.hot.min(hot_at_most), ..split };
         if split != self.split {
             self.split = split;
             self.announce(reason, None);
