@@ -3,6 +3,9 @@
 # over texture_flow's 12 blocks at scale 1: blocks 0 and 1 every call, one of the last three
 # and one of the middle seven in turn; `stream --route experts`) on the CPU, arms:
 #   resident  the whole model loaded;
+#   resident-mapped  the same with the allocator setting a streamed model makes on the CPU
+#             (every block of 1 MiB or more its own mapping, so that freed weights leave the RSS;
+#             activations then page-fault on every call): what streaming costs beyond it;
 #   hot       streamed in any order under a 550 MiB budget (two slots, a hot set of ~6 blocks);
 #   no-hot    the same with no hot set (`--resident-at-most 0`);
 #   prefix    the same budget as a resident prefix (blocks 0-5, which the router does not favour).
@@ -20,12 +23,13 @@ out="${1:-target/hot-set-bench}"
 cargo build -p stageload-demos --bin stream
 stream=target/debug/stream
 common=(--device cpu --route experts --steps 24 --tokens 128)
-arms=(resident hot no-hot prefix)
+arms=(resident resident-mapped hot no-hot prefix)
 flags() { # arm, source
     local budget="--budget 550MiB --working 150MiB"
-    [ "$2" = disk ] && { echo -n "--cold "; [ "$1" = resident ] || echo -n "--uncached "; }
+    [ "$2" = disk ] && { echo -n "--cold "; [[ "$1" = resident* ]] || echo -n "--uncached "; }
     case "$1" in
         resident) ;;
+        resident-mapped) echo "--map-large-blocks" ;;
         hot) echo "$budget --any-order" ;;
         no-hot) echo "$budget --any-order --resident-at-most 0" ;;
         prefix) echo "$budget" ;;
@@ -33,7 +37,7 @@ flags() { # arm, source
 }
 field() { sed -n "s/.*\"$2\": \"\{0,1\}\([^,\"]*\)\"\{0,1\},\{0,1\}$/\1/p" "$1"; }
 median() {
-    for f in "$1"-*.json; do field "$f" seconds; done | sort -n |
+    for f in "$1"-[0-9]*.json; do field "$f" seconds; done | sort -n |
         awk '{v[NR]=$1} END {print (v[int((NR+1)/2)]+v[int(NR/2)+1])/2}'
 }
 mkdir -p "$out"
@@ -60,7 +64,7 @@ for source in cache disk; do
         awk -v arm="$arm" -v s="$(median "$dir/$arm")" -v r="$resident" -v refills="$(field "$f" refills)" \
             -v hits="$(field "$f" hot_hits)" -v bytes="$(field "$f" bytes_refilled)" \
             -v runs="$(field "$f" blocks_run)" -v peak="$(field "$f" peak_rss)" -v base="$(field "$f" base_rss)" \
-            'BEGIN { printf "   %-8s %.2f s (%.3fx resident); %d of %d block runs read (%.2f GiB), %d found hot; peak %.0f MiB\n",
+            'BEGIN { printf "   %-15s %.2f s (%.3fx resident); %d of %d block runs read (%.2f GiB), %d found hot; peak %.0f MiB\n",
                      arm, s, s / r, refills, runs, bytes / 2^30, hits, (peak - base) / 2^20 }'
     done
     hot=$(field "$dir/hot-1.json" refills)

@@ -61,6 +61,11 @@ struct Args {
     /// the disk
     #[arg(long)]
     cold: bool,
+    /// Serve every host allocation of 1 MiB or more with its own mapping, as a streamed model on
+    /// the CPU makes the process do (`map_large_host_blocks`): the resident model's control for
+    /// what that costs
+    #[arg(long)]
+    map_large_blocks: bool,
     /// Model sizes relative to the cascade's default (1.0: texture_flow is 0.6 GB)
     #[arg(long, default_value_t = 1.0, value_parser = positive_scale)]
     scale: f64,
@@ -203,6 +208,9 @@ fn run(args: Args) -> Result<(), BoxError> {
         )?)),
         None => None,
     };
+    if args.map_large_blocks {
+        stageload_torch_sys::map_large_host_blocks();
+    }
     let base = rss()?;
     // Streamed, the model is built on the CPU touching none of its memory and placed on its
     // device one tensor at a time, without memory: the device never holds it whole.
