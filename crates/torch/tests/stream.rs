@@ -542,7 +542,9 @@ fn a_forward_in_order_keeps_the_blocks_it_kept_first_hot_and_refills_only_the_ot
     let (_one, _dir, file) = setup();
     let expected = reference(&file);
     // Two slots and room for three blocks.
-    let (net, mut model, tensors) = any_order(&file, budget_for(3));
+    let (net, model, tensors) = any_order(&file, budget_for(3));
+    let sink = Arc::new(ListSink::new());
+    let mut model = model.events(sink.clone());
     assert_eq!((model.split().resident, model.split().hot), (0, 3 * BLOCK), "{}", model.residency());
     assert!(model.residency().ends_with("in any order (a step reads only the blocks it runs and does not find hot)"));
     assert_eq!(filled(&tensors), 3, "the prefix set-up read is kept hot");
@@ -553,6 +555,12 @@ fn a_forward_in_order_keeps_the_blocks_it_kept_first_hot_and_refills_only_the_ot
     assert_eq!(filled(&tensors), 3, "between steps the hot set stays");
     let stats = model.stats();
     assert_eq!((stats.refills, stats.hot_hits), (3 * 5, 3 * 3), "the three found every step, the five read");
+    // When the model goes, one `end` event says what it moved.
+    drop(model);
+    let end = sink.of_kind(EventKind::Residency).pop().unwrap();
+    let totals = end.residency.unwrap();
+    assert_eq!((totals.reason.as_str(), totals.refills, totals.hot_hits), ("end", 15, 9));
+    assert_eq!((end.bytes, end.seconds), (Some(stats.bytes_refilled), Some(stats.refill_seconds)));
     // The prefix under the same budget moves the same bytes: in order, the hot set is that prefix.
     let (net, mut prefix) = streamed(&file, budget_for(3)).unwrap();
     let _ = run_steps(&net, &mut prefix, 3);

@@ -99,8 +99,16 @@ pub struct Residency {
     /// Working memory a step was measured to need (0 until measured).
     #[serde(default)]
     pub working: u64,
-    /// Why the split changed: `start`, `out of memory`, `working memory`, `reset`.
+    /// Why the split changed: `start`, `out of memory`, `working memory`, `reset`; `end` when
+    /// the model goes, with its totals (the event's `bytes` and `seconds`: what its refills read
+    /// and how long they took).
     pub reason: String,
+    /// With `end`: blocks refilled over the model's life.
+    #[serde(default)]
+    pub refills: u64,
+    /// With `end`: streamed blocks found in the hot set when the forward reached them.
+    #[serde(default)]
+    pub hot_hits: u64,
 }
 
 /// How a checkpoint's entries met a model's tensors in one load.

@@ -164,23 +164,44 @@ pub struct Streamed {
     pub residency: Residency,
     /// The reasons of every split, in order (`start`, `out of memory`, ...).
     pub reasons: Vec<String>,
+    /// What its refills moved, summed over its `end` events (one each time the model went).
+    #[serde(default)]
+    pub moved: Moved,
 }
 
-/// Each streamed model's last split, in the order the models first appear.
+/// Blocks a streamed model refilled and found hot, and the bytes and seconds of the refills.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct Moved {
+    pub refills: u64,
+    pub hot_hits: u64,
+    pub bytes: u64,
+    pub seconds: f64,
+}
+
+/// Each streamed model's last split and what it moved, in the order the models first appear.
 fn streamed(events: &[&EventRecord]) -> Vec<Streamed> {
     let mut models: Vec<Streamed> = Vec::new();
     for event in events {
         let (Some(model), Some(residency)) = (&event.model, &event.residency) else { continue };
-        match models.iter_mut().find(|m| m.model == *model) {
-            Some(known) => {
-                known.reasons.push(residency.reason.clone());
-                known.residency = residency.clone();
-            }
-            None => models.push(Streamed {
+        let position = models.iter().position(|m| m.model == *model).unwrap_or_else(|| {
+            models.push(Streamed {
                 model: model.clone(),
                 residency: residency.clone(),
-                reasons: vec![residency.reason.clone()],
-            }),
+                reasons: Vec::new(),
+                moved: Moved::default(),
+            });
+            models.len() - 1
+        });
+        let known = &mut models[position];
+        if residency.reason == "end" {
+            let moved = &mut known.moved;
+            moved.refills = moved.refills.saturating_add(residency.refills);
+            moved.hot_hits = moved.hot_hits.saturating_add(residency.hot_hits);
+            moved.bytes = moved.bytes.saturating_add(event.bytes.unwrap_or(0));
+            moved.seconds += event.seconds.unwrap_or(0.0);
+        } else {
+            known.reasons.push(residency.reason.clone());
+            known.residency = residency.clone();
         }
     }
     models

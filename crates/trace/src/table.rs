@@ -70,6 +70,16 @@ pub fn render(summary: &Summary, path: &std::path::Path) -> String {
             streamed.reasons.len(),
             streamed.reasons.join(", ")
         );
+        let moved = &streamed.moved;
+        if moved.refills > 0 || moved.hot_hits > 0 {
+            out += &format!(
+                "  read {} block(s), {} at {:.2} GB/s; {} found hot\n",
+                moved.refills,
+                format_bytes(moved.bytes),
+                moved.bytes as f64 / moved.seconds.max(1e-9) / 1e9,
+                moved.hot_hits
+            );
+        }
     }
     if let Some(tier) = &summary.host_tier {
         out += &format!(

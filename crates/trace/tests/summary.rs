@@ -438,7 +438,7 @@ fn a_load_in_the_same_millisecond_as_the_next_stage_counts_in_its_own_window() {
 }
 
 #[test]
-fn a_streamed_model_shows_its_last_split_and_every_reason_it_changed() {
+fn a_streamed_model_shows_its_last_split_every_reason_it_changed_and_what_it_moved() {
     use stageload_trace::event::Residency;
     let residency = |t: f64, resident: usize, reason: &str| {
         let mut record = event(t, EventKind::Residency, None);
@@ -452,7 +452,18 @@ fn a_streamed_model_shows_its_last_split_and_every_reason_it_changed() {
                 budget: 500 * MIB,
                 working: 0,
                 reason: reason.into(),
+                ..Residency::default()
             });
+        }
+        record
+    };
+    // The model went twice (released and rebuilt): its totals add up.
+    let end = |t: f64, refills: u64, hot_hits: u64| {
+        let mut record = residency(t, 1, "end");
+        if let Record::Event(e) = &mut record {
+            (e.bytes, e.seconds) = (Some(refills * 48 * MIB), Some(refills as f64 * 0.01));
+            let r = e.residency.as_mut().unwrap();
+            (r.refills, r.hot_hits) = (refills, hot_hits);
         }
         record
     };
@@ -460,16 +471,21 @@ fn a_streamed_model_shows_its_last_split_and_every_reason_it_changed() {
         sample(0.0, 100 * MIB),
         residency(0.5, 2, "start"),
         residency(1.0, 1, "working memory"),
+        end(1.5, 20, 4),
+        end(1.8, 11, 0),
         sample(2.0, 400 * MIB),
     ]);
     assert_eq!(summary.streamed.len(), 1);
-    assert_eq!(summary.streamed[0].residency.resident, 1);
-    assert_eq!(summary.streamed[0].reasons, ["start", "working memory"]);
+    let flow = &summary.streamed[0];
+    assert_eq!(flow.residency.resident, 1);
+    assert_eq!(flow.reasons, ["start", "working memory"], "`end` is no split change");
+    assert_eq!((flow.moved.refills, flow.moved.hot_hits, flow.moved.bytes), (31, 4, 31 * 48 * MIB));
     let table = table::render(&summary, std::path::Path::new("hand.jsonl"));
     assert!(
         table.contains("streamed flow: 1 of 12 blocks resident, 11 streamed, 528.0 MiB per step, budget 500.0 MiB, hot set room 20.0 MiB (split set 2 time(s): start, working memory)"),
         "{table}"
     );
+    assert!(table.contains("  read 31 block(s), 1.5 GiB at 5.03 GB/s; 4 found hot"), "{table}");
 }
 
 #[test]

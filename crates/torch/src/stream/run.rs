@@ -146,21 +146,38 @@ impl StreamedModel {
         } else {
             tracing::info!("{line} ({reason})");
         }
-        if let Some(sink) = &self.sink {
-            let mut event = Event::now(EventKind::Residency);
-            event.model = Some(self.name.clone());
-            event.note = Some(line);
-            event.residency = Some(Residency {
-                blocks: self.split.blocks,
-                resident: self.split.resident,
-                streamed_per_step: self.sizes.streamed_per_step(self.split.resident),
-                hot: self.split.hot,
-                budget: self.budget,
-                working: self.working,
-                reason: reason.to_string(),
-            });
-            sink.emit(&event);
-        }
+        self.residency_event(reason, line, |_| {});
+    }
+
+    /// Sends an `end` residency event with the model's totals (when it goes).
+    pub(super) fn announce_totals(&self) {
+        let stats = self.stats;
+        self.residency_event("end", self.residency(), |event| {
+            (event.bytes, event.seconds) = (Some(stats.bytes_refilled), Some(stats.refill_seconds));
+            if let Some(residency) = event.residency.as_mut() {
+                (residency.refills, residency.hot_hits) = (stats.refills, stats.hot_hits);
+            }
+        });
+    }
+
+    /// A `residency` event with the split now, `line` as its note, finished by `finish`.
+    fn residency_event(&self, reason: &str, line: String, finish: impl FnOnce(&mut Event)) {
+        let Some(sink) = &self.sink else { return };
+        let mut event = Event::now(EventKind::Residency);
+        event.model = Some(self.name.clone());
+        event.note = Some(line);
+        event.residency = Some(Residency {
+            blocks: self.split.blocks,
+            resident: self.split.resident,
+            streamed_per_step: self.sizes.streamed_per_step(self.split.resident),
+            hot: self.split.hot,
+            budget: self.budget,
+            working: self.working,
+            reason: reason.to_string(),
+            ..Residency::default()
+        });
+        finish(&mut event);
+        sink.emit(&event);
     }
 
     /// The reading and the weights held now, for working-memory estimates.

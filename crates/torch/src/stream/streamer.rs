@@ -408,9 +408,11 @@ impl StreamedModel {
 }
 
 impl Drop for StreamedModel {
-    /// Joins the refill ahead, then frees every block in a slot before the slots go.
+    /// Joins the refill ahead, says what the model moved (an `end` residency event), then frees
+    /// every block in a slot before the slots go.
     fn drop(&mut self) {
         let _ = self.join_ahead();
+        self.announce_totals();
         for index in 0..self.blocks.len() {
             if self.blocks[index].slot.is_some() && self.release(index).is_err() {
                 // The storage still points into the slot: keep the slot's memory alive.
