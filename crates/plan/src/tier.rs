@@ -103,6 +103,7 @@ impl TierPlan {
         self.largest.as_ref().is_none_or(|(_, bytes)| *bytes <= self.budget)
     }
 }
+
 impl<T> Tier<T> {
     pub fn new(budget: u64) -> Self {
         Tier { budget, clock: 0, slots: BTreeMap::new() }

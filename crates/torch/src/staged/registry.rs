@@ -798,11 +798,7 @@ impl Inner {
         state.closed = true;
         let copies = state.tier.as_mut().map(Tier::clear).unwrap_or_default();
         drop(state);
-        let pinned = copies.iter().any(super::tier_copy::HostCopies::pinned);
-        drop(copies);
-        if pinned {
-            super::tier_copy::give_back_pinned();
-        }
+        tier_copy::drop_giving_back(copies);
         // A `close` mark first, so a trace does not read these releases as the tail of the last
         // stage's entry.
         self.emit(Event { stage, note: Some("close".into()), resident: Some(resident), ..Event::now(EventKind::Mark) });

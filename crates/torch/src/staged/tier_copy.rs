@@ -64,19 +64,16 @@ impl HostCopies {
     }
 }
 
-impl HostCopies {
-    /// Whether the copies are pinned memory.
-    pub(crate) fn pinned(&self) -> bool {
-        self.pinned
-    }
-}
-
-/// Gives the pinned memory that dropped copies left in libtorch's host allocator cache back to
-/// the OS (after a shrunk budget or a close; an eviction that makes room keeps it cached for the
-/// copy that follows). A failure is logged: the memory stays cached, nothing else changes.
-pub(crate) fn give_back_pinned() {
-    if let Err(err) = stageload_torch_sys::empty_pinned_cache() {
-        tracing::warn!("host tier: pinned memory stays cached: {err}");
+/// Drops `copies` and gives the pinned memory they leave in libtorch's host allocator cache back
+/// to the OS (after a shrunk budget or a close; an eviction that makes room just drops, keeping
+/// the cache for the copy that follows). A failure is logged: the memory stays cached.
+pub(crate) fn drop_giving_back(copies: Vec<HostCopies>) {
+    let pinned = copies.iter().any(|c| c.pinned);
+    drop(copies);
+    if pinned {
+        if let Err(err) = stageload_torch_sys::empty_pinned_cache() {
+            tracing::warn!("host tier: pinned memory stays cached: {err}");
+        }
     }
 }
 

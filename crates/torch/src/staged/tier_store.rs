@@ -68,7 +68,7 @@ impl Inner {
             }
             None => return,
         };
-        self.evicted(stage, evicted, usage);
+        drop(self.evicted(stage, evicted, usage));
 
         let started = Instant::now();
         let copied = tier_copy::copy_out(views, device);
@@ -93,12 +93,19 @@ impl Inner {
         tier_copy::applies(device)
     }
 
-    /// Drops evicted copies (the state lock let go) and says so.
-    fn evicted(&self, stage: &Option<String>, evicted: Vec<Evicted<HostCopies>>, usage: Option<TierUsage>) {
-        for Evicted { model, bytes, copies } in evicted {
-            drop(copies);
+    /// Says which copies were evicted (the state lock let go); returns them for the caller to drop.
+    fn evicted(
+        &self,
+        stage: &Option<String>,
+        evicted: Vec<Evicted<HostCopies>>,
+        usage: Option<TierUsage>,
+    ) -> Vec<HostCopies> {
+        let mut copies = Vec::with_capacity(evicted.len());
+        for Evicted { model, bytes, copies: copy } in evicted {
+            copies.extend(copy);
             self.tier_event(stage, &model, Some(bytes), None, "evicted".to_string(), usage);
         }
+        copies
     }
 
     fn tier_event(
@@ -136,11 +143,7 @@ impl Inner {
         })?;
         let usage = state.tier_usage();
         drop(state);
-        let pinned = evicted.iter().any(|e| e.copies.as_ref().is_some_and(HostCopies::pinned));
-        self.evicted(&stage, evicted, usage);
-        if pinned {
-            tier_copy::give_back_pinned();
-        }
+        tier_copy::drop_giving_back(self.evicted(&stage, evicted, usage));
         self.emit(Event { stage, note: Some("budget".into()), tier: usage, ..Event::now(EventKind::Tier) });
         Ok(())
     }

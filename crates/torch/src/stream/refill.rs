@@ -98,7 +98,7 @@ impl StreamedModel {
 
     /// Whether streamed block `index` is kept hot once refilled (the weaker blocks it displaces
     /// freed first); never displaces `running` or the block in flight ahead.
-    fn keep_hot(&mut self, index: usize, running: Option<usize>) -> Result<bool, StreamError> {
+    pub(super) fn keep_hot(&mut self, index: usize, running: Option<usize>) -> Result<bool, StreamError> {
         if !self.split.is_streamed(index) {
             return Ok(false);
         }
@@ -217,6 +217,18 @@ impl StreamedModel {
             }
             Ok(start.elapsed().as_secs_f64())
         })
+    }
+
+    /// Whether block `index` is freed after it runs: streamed and not held hot.
+    pub(super) fn passes(&self, index: usize) -> bool {
+        self.split.is_streamed(index) && !self.hot.holds(index)
+    }
+
+    /// Frees hot block `index` and forgets it.
+    pub(super) fn drop_hot(&mut self, index: usize) -> Result<(), StreamError> {
+        self.release(index)?;
+        self.hot.drop_block(index, self.sizes.blocks[index]);
+        Ok(())
     }
 
     /// Frees block `index` in place (after its refill ahead, if one runs).

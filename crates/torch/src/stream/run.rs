@@ -16,8 +16,8 @@ use crate::staged::error::panic_message;
 
 impl StreamedModel {
     /// Runs one step of the forward: `f` calls [`Step::block`] before each block. On an
-    /// out-of-memory (an error or panic of `f` saying so) one more block is streamed and `f`
-    /// runs again, so `f` should compute from its inputs only (draw noise outside it). Other
+    /// out-of-memory (an error or panic of `f` saying so) the hot set is given up, else one more
+    /// block is streamed, and `f` runs again, so `f` should compute from its inputs only (draw noise outside it). Other
     /// errors and panics come back as errors; the model stays usable.
     pub fn run<R>(&mut self, mut f: impl FnMut(&mut Step<'_>) -> Result<R, StreamError>) -> Result<R, StreamError> {
         loop {
@@ -91,26 +91,6 @@ impl StreamedModel {
         if self.split.look_ahead && !self.any_order {
             self.start_ahead(self.split.resident, None);
         }
-        Ok(())
-    }
-
-    /// `NoSuchBlock` unless the model has block `index`.
-    pub(super) fn check_index(&self, index: usize) -> Result<(), StreamError> {
-        match index < self.blocks.len() {
-            true => Ok(()),
-            false => Err(StreamError::NoSuchBlock { model: self.name.clone(), index, blocks: self.blocks.len() }),
-        }
-    }
-
-    /// Whether block `index` is freed after it runs: streamed and not held hot.
-    pub(super) fn passes(&self, index: usize) -> bool {
-        self.split.is_streamed(index) && !self.hot.holds(index)
-    }
-
-    /// Frees hot block `index` and forgets it.
-    pub(super) fn drop_hot(&mut self, index: usize) -> Result<(), StreamError> {
-        self.release(index)?;
-        self.hot.drop_block(index, self.sizes.blocks[index]);
         Ok(())
     }
 

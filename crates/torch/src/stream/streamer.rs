@@ -337,6 +337,14 @@ impl StreamedModel {
         self.stats
     }
 
+    /// `NoSuchBlock` unless the model has block `index`.
+    pub(super) fn check_index(&self, index: usize) -> Result<(), StreamError> {
+        match index < self.blocks.len() {
+            true => Ok(()),
+            false => Err(StreamError::NoSuchBlock { model: self.name.clone(), index, blocks: self.blocks.len() }),
+        }
+    }
+
     /// The residency line (`flow: 6 of 12 blocks resident, 6 streamed, …`); in any order, the
     /// bytes per step are those of a step that runs every block.
     pub fn residency(&self) -> String {
@@ -371,12 +379,9 @@ impl StreamedModel {
         self.refit_to(0, u64::MAX, "any order")?;
         // The prefix set-up read stays, as hot blocks, while the room holds it.
         for index in 0..self.blocks.len() {
-            if !self.blocks[index].allocated || self.blocks[index].slot.is_some() {
-                continue;
-            }
-            match self.hot.admit(index, &self.sizes.blocks, self.split.hot, &[]) {
-                Some(victims) if victims.is_empty() => self.hot.keep(index, self.sizes.blocks[index]),
-                _ => self.release(index)?,
+            let filled = self.blocks[index].allocated && self.blocks[index].slot.is_none();
+            if filled && !self.keep_hot(index, None)? {
+                self.release(index)?;
             }
         }
         Ok(self)
