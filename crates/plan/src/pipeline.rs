@@ -257,6 +257,12 @@ impl Model {
     pub fn held(&self) -> u64 {
         self.streamed.as_ref().map_or(self.bytes, |s| s.held)
     }
+
+    /// Whether the host tier holds the model's copy when it is released: a device model's,
+    /// unless it is streamed (its blocks have no memory between steps; it keeps its own copies).
+    pub fn tiered(&self) -> bool {
+        self.placement == Placement::Device && self.streamed.is_none()
+    }
 }
 
 /// A checked stage.

@@ -91,11 +91,11 @@ pub struct TierPlan {
 }
 
 impl TierPlan {
-    /// A tier of `budget` for `pipeline`: its largest model placed on a device, sized as the plan
-    /// sizes it (in the file's dtype, ignored entries left out; a streamed model by what it holds).
+    /// A tier of `budget` for `pipeline`: its largest model the tier would hold (on a device, not
+    /// streamed), sized as the plan sizes it (in the file's dtype, ignored entries left out).
     pub fn of(pipeline: &crate::Pipeline, budget: u64) -> TierPlan {
         // Ties go to the model listed first (`max_by_key` keeps the last, hence `rev`).
-        let on_device = pipeline.models.iter().rev().filter(|m| m.placement == crate::Placement::Device);
+        let on_device = pipeline.models.iter().rev().filter(|m| m.tiered());
         TierPlan { budget, largest: on_device.max_by_key(|m| m.held()).map(|m| (m.name.clone(), m.held())) }
     }
 

@@ -638,3 +638,20 @@ fn a_bad_stream_entry_is_refused_naming_the_model_and_the_sizes() {
     let size = error(r#"{ blocks = ["model.blocks.*"], resident = ["model.input"], budget = "lots" }"#);
     assert!(size.contains("budget"), "{size}");
 }
+
+#[test]
+fn a_streamed_device_model_is_not_held_by_the_host_tier_nor_sized_against_it() {
+    let fixture =
+        streamed_fixture("streamed-tier", r#"{ blocks = ["model.blocks.*"], resident = ["model.input"], budget = "3MiB" }"#);
+    let text = std::fs::read_to_string(&fixture.path).unwrap();
+    let text = format!("host_tier = \"1M\"\n{text}")
+        .replace("files = [\"flow.safetensors\"]", "files = [\"flow.safetensors\"]\ndevice = \"cuda:0\"")
+        + "\n[[stages]]\nname = \"decode\"\nmodels = []\n\n[[stages]]\nname = \"again\"\nmodels = [\"flow\"]\n";
+    std::fs::write(&fixture.path, text).unwrap();
+    let pipeline = Pipeline::load(&fixture).unwrap();
+    let planned = plan(&pipeline, Budget::given(64 * MIB), None);
+    // Whole it is 4.06 MiB and streamed it holds 2.06, both over the 1 MiB tier: no matter.
+    assert_eq!(planned.host_tier.as_ref().unwrap().largest, None);
+    assert!(planned.stages.iter().all(|s| s.tier == 0 && s.from_tier.is_empty()), "{}", planned.render());
+    assert!(planned.fits, "{}", planned.render());
+}

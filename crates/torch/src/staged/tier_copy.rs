@@ -20,6 +20,9 @@ use tch::{Device, Tensor};
 pub(crate) struct Views {
     views: Vec<Tensor>,
     names: HashMap<String, usize>,
+    /// Tensors whose storage has no memory behind it now (a streamed model's blocks between
+    /// steps): a model with any cannot be copied whole.
+    unallocated: usize,
 }
 
 impl Views {
@@ -27,8 +30,13 @@ impl Views {
         let mut keys: HashMap<ViewKey, usize> = HashMap::new();
         let mut views = Vec::new();
         let mut names = HashMap::with_capacity(tensors.len());
+        let mut unallocated = 0;
         for (name, tensor) in tensors {
             let info = shim::storage_info(tensor)?;
+            if !info.allocated {
+                unallocated += 1;
+                continue;
+            }
             let key = (info.id, tensor.storage_offset(), tensor.size(), tensor.stride(), tensor.kind());
             let index = *keys.entry(key).or_insert_with(|| {
                 views.push(tensor.shallow_clone());
@@ -36,7 +44,12 @@ impl Views {
             });
             names.entry(name.clone()).or_insert(index);
         }
-        Ok(Views { views, names })
+        Ok(Views { views, names, unallocated })
+    }
+
+    /// How many tensors have no memory behind them now.
+    pub(crate) fn unallocated(&self) -> usize {
+        self.unallocated
     }
 
     /// Host bytes a copy takes.
@@ -109,7 +122,7 @@ fn host_like(like: &Tensor, device: Device, pin: bool) -> Result<(Tensor, bool),
 
 /// Copies `views` (a model's weights on `device`) into host memory.
 pub(crate) fn copy_out(views: Views, device: Device) -> Result<HostCopies, String> {
-    let Views { views, names } = views;
+    let Views { views, names, .. } = views;
     let mut hosts = Vec::with_capacity(views.len());
     let mut pinned = true;
     for view in &views {

@@ -49,7 +49,17 @@ impl Inner {
         let views = tier_copy::Views::of(&weights.tensors);
         drop(weights);
         let views = match views {
-            Ok(views) => views,
+            Ok(views) if views.unallocated() == 0 => views,
+            // Before the tier makes room: a copy that cannot be whole evicts nothing.
+            Ok(views) => {
+                let usage = state.tier_usage();
+                drop(state);
+                let note = format!(
+                    "not stored: {} of '{name}''s tensors have no memory now (a streamed model's blocks between steps: it keeps its own copies); it is rebuilt when needed",
+                    views.unallocated()
+                );
+                return self.tier_event(stage, name, None, None, note, usage);
+            }
             Err(err) => {
                 let usage = state.tier_usage();
                 drop(state);

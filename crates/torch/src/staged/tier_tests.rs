@@ -168,3 +168,82 @@ fn a_model_in_use_when_its_stage_ends_is_stored_when_its_user_lets_go() {
     assert!(weight(&models, "a").equal(&before));
     assert_eq!(builds[0].load(Ordering::SeqCst), 1);
 }
+
+/// A model of four 1 KiB blocks streamed under a budget that keeps one resident: its
+/// forward adds each block's weight to the input.
+struct Streamed {
+    streamed: crate::stream::StreamedModel,
+    blocks: Vec<Tensor>,
+}
+
+fn streamed_model(file: std::path::PathBuf, builds: Arc<AtomicUsize>) -> ModelSpec {
+    ModelSpec::new("s", move |_| {
+        builds.fetch_add(1, Ordering::SeqCst);
+        let blocks: Vec<Tensor> = (0..4).map(|_| Tensor::zeros([256], (Kind::Float, Device::Cpu))).collect();
+        let tensors = blocks.iter().enumerate().map(|(i, t)| (format!("blocks.{i}"), t.shallow_clone())).collect();
+        let checkpoint = crate::checkpoint::Checkpoint::open(&[&file])?;
+        let spec = crate::stream::BlockSpec::new(["blocks.*"]);
+        // One resident block and two slots.
+        let streamed =
+            crate::stream::StreamedModel::new("s", tensors, checkpoint, &crate::NameRules::default(), &spec, 3 * 1024)?
+                .reading(|| None);
+        let tensors = streamed.tensors();
+        Ok(Built::from_tensors(Streamed { streamed, blocks }, tensors))
+    })
+}
+
+fn forward(models: &StagedModels) -> Tensor {
+    models
+        .call("s", |m: &mut Streamed| {
+            let blocks = &m.blocks;
+            m.streamed.run(|step| {
+                let mut x = Tensor::zeros([256], (Kind::Float, Device::Cpu));
+                for (i, block) in blocks.iter().enumerate() {
+                    step.block(i)?;
+                    x = x + block;
+                }
+                Ok(x)
+            })
+        })
+        .unwrap()
+        .unwrap()
+}
+
+#[test]
+fn a_streamed_model_is_not_stored_evicts_nothing_and_is_rebuilt_the_same() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("s.safetensors");
+    let weights: Vec<(String, Tensor)> =
+        (0..4).map(|i| (format!("blocks.{i}"), Tensor::randn([256], (Kind::Float, Device::Cpu)))).collect();
+    crate::checkpoint::save(&weights, &file).unwrap();
+    let expected = weights.iter().fold(Tensor::zeros([256], (Kind::Float, Device::Cpu)), |x, (_, w)| x + w);
+
+    let sink = Arc::new(ListSink::new());
+    let (a_builds, s_builds) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    // Room for a's 4 KiB copy and not for both: storing s would have evicted a.
+    let models = StagedModels::builder()
+        .host_tier(6 * 1024)
+        .tier_on_cpu()
+        .events(sink.clone())
+        .preserve_rng(false)
+        .model(random_model("a", 1024, Arc::clone(&a_builds)))
+        .model(streamed_model(file, Arc::clone(&s_builds)))
+        .stage("sa", ["a"])
+        .stage("ss", ["s"])
+        .build()
+        .unwrap();
+    models.enter("sa").unwrap();
+    let a = weight(&models, "a");
+    models.enter("ss").unwrap();
+    assert!(forward(&models).equal(&expected));
+    models.enter("sa").unwrap();
+    assert!(weight(&models, "a").equal(&a));
+    assert_eq!(a_builds.load(Ordering::SeqCst), 1, "a came back from the tier: s evicted nothing");
+    models.enter("ss").unwrap();
+    assert!(forward(&models).equal(&expected), "rebuilt, the same output");
+    assert_eq!(s_builds.load(Ordering::SeqCst), 2);
+
+    assert_eq!(tier_notes(&sink)[..2], [("a".into(), "stored".into()), ("s".into(), "not stored".into())]);
+    let note = sink.of_kind(EventKind::Tier).into_iter().filter_map(|e| e.note).find(|n| n.contains("'s'")).unwrap();
+    assert!(note.contains("3 of 's''s tensors have no memory now"), "{note}");
+}
