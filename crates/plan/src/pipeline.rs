@@ -343,16 +343,15 @@ impl Pipeline {
     }
 }
 
-/// Bits per element of a dtype name as users write it (`f16`, `bfloat16`, `F32`, `int8`, ...).
-pub fn dtype_bits(name: &str) -> Option<usize> {
-    let bits = match name.to_ascii_lowercase().as_str() {
-        "bool" | "u8" | "uint8" | "i8" | "int8" | "f8_e4m3" | "f8_e5m2" => 8,
-        "f16" | "float16" | "half" | "bf16" | "bfloat16" | "i16" | "int16" | "u16" | "uint16" => 16,
-        "f32" | "float32" | "float" | "i32" | "int32" | "u32" | "uint32" => 32,
-        "f64" | "float64" | "double" | "i64" | "int64" | "long" | "u64" | "uint64" => 64,
-        _ => return None,
-    };
-    Some(bits)
+/// Bits per element of a load dtype as users write it: the float dtypes the registry converts a
+/// model's float entries to (`f16`, `bf16`, `f32`, `f64` and their long names, any case).
+pub fn load_dtype_bits(name: &str) -> Option<usize> {
+    match name.to_ascii_lowercase().as_str() {
+        "f16" | "float16" | "half" | "bf16" | "bfloat16" => Some(16),
+        "f32" | "float32" | "float" => Some(32),
+        "f64" | "float64" | "double" => Some(64),
+        _ => None,
+    }
 }
 
 /// The largest pipeline file read: far more than any real description, far less than a device
@@ -513,14 +512,21 @@ impl Pipeline {
                 invalid(format!("model '{}': unknown device '{}' (cpu, cuda, cuda:N or mps)", entry.name, entry.device))
             })?;
             let loaded_bits = match &entry.dtype {
-                Some(dtype) => Some(dtype_bits(dtype).ok_or_else(|| {
+                Some(dtype) => Some(load_dtype_bits(dtype).ok_or_else(|| {
                     invalid(format!(
-                        "model '{}': unknown dtype '{dtype}' (f16, bf16, f32, f64, i8 ... i64, u8, bool)",
+                        "model '{}': unknown dtype '{dtype}': float entries load as f16, bf16, f32 or f64 (integer and bool entries keep theirs)",
                         entry.name
                     ))
                 })?),
                 None => None,
             };
+            if loaded_bits == Some(64) && entry.device == "mps" {
+                return Err(invalid(format!(
+                    "model '{}': dtype '{}': mps cannot hold float64; choose f32, f16 or bf16",
+                    entry.name,
+                    entry.dtype.as_deref().unwrap_or_default()
+                )));
+            }
             let ignore = entry
                 .ignore
                 .iter()

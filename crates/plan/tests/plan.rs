@@ -322,6 +322,16 @@ fn bad_pipeline_files_name_what_is_wrong() {
             "unknown dtype 'f12'",
         ),
         (
+            "int-dtype",
+            stages("").replace("name = \"encoder\"", "name = \"encoder\"\ndtype = \"int8\""),
+            "unknown dtype 'int8': float entries load as f16, bf16, f32 or f64",
+        ),
+        (
+            "mps-f64",
+            stages("").replace("name = \"encoder\"", "name = \"encoder\"\ndevice = \"mps\"\ndtype = \"F64\""),
+            "model 'encoder': dtype 'F64': mps cannot hold float64; choose f32",
+        ),
+        (
             "bad-device",
             stages("").replace("name = \"encoder\"", "name = \"encoder\"\ndevice = \"tpu\""),
             "unknown device 'tpu'",
@@ -641,8 +651,10 @@ fn a_bad_stream_entry_is_refused_naming_the_model_and_the_sizes() {
 
 #[test]
 fn a_streamed_device_model_is_not_held_by_the_host_tier_nor_sized_against_it() {
-    let fixture =
-        streamed_fixture("streamed-tier", r#"{ blocks = ["model.blocks.*"], resident = ["model.input"], budget = "3MiB" }"#);
+    let fixture = streamed_fixture(
+        "streamed-tier",
+        r#"{ blocks = ["model.blocks.*"], resident = ["model.input"], budget = "3MiB" }"#,
+    );
     let text = std::fs::read_to_string(&fixture.path).unwrap();
     let text = format!("host_tier = \"1M\"\n{text}")
         .replace("files = [\"flow.safetensors\"]", "files = [\"flow.safetensors\"]\ndevice = \"cuda:0\"")

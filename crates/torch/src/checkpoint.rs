@@ -127,6 +127,11 @@ pub fn converts(from: Kind, to: Kind) -> bool {
     from == to || (is_float(from) && is_float(to)) || (!is_float(from) && from != Kind::Bool && to != Kind::Bool)
 }
 
+/// Whether a `device` can hold tensors of `kind`: MPS has no float64.
+pub fn device_holds(device: Device, kind: Kind) -> bool {
+    !(device == Device::Mps && kind == Kind::Double)
+}
+
 /// One tensor of a checkpoint: where it lives and what it is.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Entry {
@@ -668,6 +673,11 @@ impl Checkpoint {
                 Tensor::f_from_blob(buffer.as_ptr(), &shape, &contiguous_strides(&shape), entry.kind, Device::Cpu)
             }
             .map_err(copy_error)?;
+            // A kind the target's device cannot hold (float64 on MPS) converts on the host.
+            let source = match device_holds(target.device(), entry.kind) {
+                true => source,
+                false => source.f_to_kind(target.kind()).map_err(copy_error)?,
+            };
             destination.f_copy_(&source).map_err(copy_error)?;
         }
         Ok(())
@@ -791,7 +801,15 @@ pub fn save_with_metadata<P: AsRef<Path>>(
 
 #[cfg(test)]
 mod tests {
-    use super::overlapping_ranges;
+    use super::{device_holds, overlapping_ranges};
+    use tch::{Device, Kind};
+
+    #[test]
+    fn mps_holds_no_float64_and_other_devices_hold_every_kind() {
+        assert!(!device_holds(Device::Mps, Kind::Double));
+        assert!(device_holds(Device::Mps, Kind::Float) && device_holds(Device::Mps, Kind::BFloat16));
+        assert!(device_holds(Device::Cuda(0), Kind::Double) && device_holds(Device::Cpu, Kind::Double));
+    }
 
     #[test]
     fn overlapping_ranges_are_found_and_touching_or_empty_ones_are_not() {

@@ -69,6 +69,12 @@ impl Placement {
                 return Err(format!("dtype '{other}': the registry converts float entries only (f16, bf16, f32, f64)"))
             }
         };
+        if let Some(kind) = kind.filter(|&kind| !crate::checkpoint::device_holds(device, kind)) {
+            return Err(format!(
+                "dtype {kind:?}: {} cannot hold it; choose f32, f16 or bf16",
+                crate::meter::device_name(device)
+            ));
+        }
         Ok(Placement { device: Some(device), kind })
     }
 
@@ -966,5 +972,8 @@ mod tests {
         assert_eq!(Placement::from_file("mps", None).unwrap().device, Some(Device::Mps));
         assert!(Placement::from_file("tpu", None).unwrap_err().contains("unknown device 'tpu'"));
         assert!(Placement::from_file("cpu", Some("i64")).unwrap_err().contains("float entries only"));
+        let refused = Placement::from_file("mps", Some("f64")).unwrap_err();
+        assert!(refused.contains("mps cannot hold it; choose f32"), "{refused}");
+        assert!(Placement::from_file("cuda", Some("f64")).is_ok());
     }
 }
