@@ -340,6 +340,10 @@ char* sl_storage_realloc(const at::Tensor* t, size_t nbytes) {
     c10::Allocator* allocator = s->allocator();
     if (allocator == nullptr) allocator = c10::GetAllocator(s->device().type());
     TORCH_CHECK(allocator != nullptr, "no allocator for device ", s->device());
+    // A device's caching allocator allocates on the thread's current device: make that the
+    // storage's (a refill on a background thread, or a model on cuda:1 while cuda:0 is current).
+    c10::OptionalDeviceGuard on_its_device;
+    if (s->device().type() != c10::DeviceType::CPU) on_its_device.reset_device(s->device());
     s->set_data_ptr_noswap(allocator->allocate(nbytes));
     s->set_nbytes(nbytes);
     clear_release_message(s);
