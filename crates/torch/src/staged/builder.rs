@@ -8,7 +8,8 @@ use std::sync::{Arc, Condvar, Mutex};
 
 use super::decide::{self, SlotState};
 use super::error::{Result, StageError};
-use super::registry::{Entry, Inner, Placement, ProgressHook, State};
+use super::placement::Placement;
+use super::registry::{Entry, Inner, ProgressHook, State};
 use super::spec::ModelSpec;
 use super::StagedModels;
 use crate::checkpoint::Progress;

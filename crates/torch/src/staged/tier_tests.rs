@@ -200,7 +200,7 @@ fn forward(models: &StagedModels) -> Tensor {
                 let mut x = Tensor::zeros([256], (Kind::Float, Device::Cpu));
                 for (i, block) in blocks.iter().enumerate() {
                     step.block(i)?;
-                    x = x + block;
+                    x += block;
                 }
                 Ok(x)
             })

@@ -1,0 +1,367 @@
+//! Loads: a `get` or a prefetch decides under the state lock ([`super::decide::on_get`]), then
+//! builds, or refills in place from the host tier or the checkpoint, with the lock let go; the
+//! out-of-memory policy's one retry.
+
+use std::collections::HashSet;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use tch::{Device, Tensor};
+
+use super::decide::{self, Finish, GetAction, GetContext, Refusal, SlotState};
+use super::error::{panic_message, Result, StageError};
+use super::instance::{Instance, ReleaseMark};
+use super::placement::Placement;
+use super::registry::Inner;
+use super::release::released_message;
+use super::spec::{BuildContext, Loader};
+use super::tier_copy::{self, HostCopies};
+use crate::checkpoint::Checkpoint;
+use crate::names::NameRules;
+use crate::rng::PreservedRng;
+use crate::storage::{self, shallow};
+use crate::sync::lock;
+use stageload_trace::event::{Event, EventKind, LoadReport, ReloadFrom};
+
+/// What a load of one model needs besides its loader, taken from its entry under the lock.
+pub(crate) struct Recipe {
+    checkpoint: Vec<PathBuf>,
+    names: NameRules,
+    skip_init: bool,
+    placement: Placement,
+}
+
+/// Why a load runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Purpose {
+    /// A `get` (or `load`) of the current stage.
+    Use,
+    /// A background load for a stage about to begin.
+    Prefetch,
+}
+
+/// What a load started under the state lock needs once the lock is dropped.
+enum LoadPlan {
+    Build {
+        reload: bool,
+        loader: Arc<Loader>,
+    },
+    /// In place, from the host tier's copies (leased) or else the checkpoint.
+    Refill(Arc<Instance>, Option<HostCopies>),
+}
+
+impl Inner {
+    /// The instance of `name`, loaded or brought back if needed (see [`decide::on_get`]).
+    pub(crate) fn instance(self: &Arc<Self>, name: &str) -> Result<Arc<Instance>> {
+        match self.instance_for(name, Purpose::Use) {
+            Err(StageError::OutOfMemory { .. }) if decide::retry_out_of_memory(self.out_of_memory, false) => {
+                self.release_unlisted();
+                self.instance_for(name, Purpose::Use)
+            }
+            other => other,
+        }
+    }
+
+    /// Releases the unpinned resident models the current stage does not list (the
+    /// out-of-memory policy's remedy).
+    fn release_unlisted(&self) {
+        let mut state = self.state();
+        let positions: Vec<usize> =
+            (0..state.entries.len()).filter(|&p| !state.planned_here(&state.entries[p].name)).collect();
+        let instances: Vec<Arc<Instance>> = positions.into_iter().filter_map(|p| state.request_release(p)).collect();
+        drop(state);
+        self.release_all(instances);
+    }
+
+    pub(crate) fn instance_for(self: &Arc<Self>, name: &str, purpose: Purpose) -> Result<Arc<Instance>> {
+        let prefetch = purpose == Purpose::Prefetch;
+        let mut state = self.state();
+        let (ticket, plan, recipe) = loop {
+            let position = state.position(name)?;
+            let planned_here = prefetch || state.planned_here(name);
+            let in_tier = state.tier.as_ref().is_some_and(|tier| tier.ready(name));
+            let ctx = GetContext { closed: state.closed, strict: self.strict, planned_here, in_tier };
+            let entry = &state.entries[position];
+            let plan = match decide::on_get(&entry.slot, ctx) {
+                GetAction::Use(instance) => return Ok(instance),
+                GetAction::Wait => {
+                    state = crate::sync::wait(&self.changed, state);
+                    continue;
+                }
+                GetAction::Revive(instance) => {
+                    let mut ctl = lock(&instance.ctl);
+                    if matches!(ctl.mark, ReleaseMark::Requested(_)) {
+                        ctl.mark = ReleaseMark::Live;
+                        drop(ctl);
+                        state.entries[position].slot.state = SlotState::Resident(Arc::clone(&instance));
+                        self.changed.notify_all();
+                        return Ok(instance);
+                    }
+                    // Its storages are being freed right now: wait for that to finish.
+                    drop(ctl);
+                    state = crate::sync::wait(&self.changed, state);
+                    continue;
+                }
+                GetAction::Refuse(Refusal::Closed) => return Err(StageError::Closed { model: name.to_string() }),
+                GetAction::Refuse(Refusal::OutsideStage) => {
+                    return Err(StageError::OutsideStage {
+                        model: name.to_string(),
+                        stage: state.current.clone().unwrap_or_default(),
+                    })
+                }
+                GetAction::Refuse(Refusal::NoLoader { stage }) => {
+                    return Err(StageError::NoLoader { model: name.to_string(), stage })
+                }
+                GetAction::Refill(instance) => {
+                    let copies = state.tier.as_mut().and_then(|tier| tier.lease(name)).map(HostCopies::shallow);
+                    LoadPlan::Refill(instance, copies)
+                }
+                GetAction::Build { reload } => match &entry.loader {
+                    Some(loader) => LoadPlan::Build { reload, loader: Arc::clone(loader) },
+                    None => return Err(StageError::NoLoader { model: name.to_string(), stage: None }),
+                },
+            };
+            state.next_ticket += 1;
+            let ticket = state.next_ticket;
+            let entry = &mut state.entries[position];
+            entry.slot.state = decide::start_load(&entry.slot, ticket);
+            let recipe = Recipe {
+                checkpoint: entry.checkpoint.clone(),
+                names: entry.names.clone(),
+                skip_init: entry.skip_init,
+                placement: entry.placement,
+            };
+            break (ticket, plan, recipe);
+        };
+        let stage = state.current.clone();
+        let outside_stage = !prefetch && !state.planned_here(name);
+        drop(state);
+
+        let started = Instant::now();
+        let result = match &plan {
+            LoadPlan::Build { loader, .. } => {
+                let _one_build_at_a_time = lock(&self.build_lock);
+                // A prefetched build draws nothing (skip_init, see decide::on_prefetch): it must
+                // not save and restore the generators the foreground is drawing from.
+                self.build(name, loader, &recipe, self.preserve_rng && !prefetch)
+            }
+            LoadPlan::Refill(instance, copies) => self
+                .refill(instance, &recipe.checkpoint, &recipe.names, copies.as_ref())
+                .map(|(bytes, report)| (Arc::clone(instance), bytes, report)),
+        };
+        let seconds = started.elapsed().as_secs_f64();
+
+        let mut state = self.state();
+        // A reload from the tier gives its copy up (the weights are on the device again); a
+        // failed one leaves it for the next try.
+        let from_tier = matches!(plan, LoadPlan::Refill(_, Some(_)));
+        let mut restored = None;
+        if let (true, Some(tier)) = (from_tier, state.tier.as_mut()) {
+            match result {
+                Ok(_) => restored = tier.forget(name),
+                Err(_) => tier.unlease(name),
+            }
+        }
+        let tier = if from_tier { state.tier_usage() } else { None };
+        let position = state.index.get(name).copied();
+        let outcome = result.as_ref().map(|(instance, ..)| Arc::clone(instance)).map_err(|e| e.to_string());
+        let finish = decide::on_load_finished(position.map(|p| &state.entries[p].slot), ticket, outcome);
+        self.changed.notify_all();
+        let Finish::Install(installed) = finish else {
+            drop(state);
+            // An insert or a remove overtook this load: what it built is dropped.
+            return match result {
+                Ok(_) => self.instance(name),
+                Err(err) => Err(err),
+            };
+        };
+        let entry = &mut state.entries[position.expect("a load installs only into a slot that exists")];
+        entry.slot.state = installed;
+        match result {
+            Ok((instance, bytes, report)) => {
+                entry.slot.loads += 1;
+                entry.report = report.clone();
+                let resident = state.resident_bytes();
+                drop(state);
+                drop(restored);
+                let (kind, from) = match plan {
+                    LoadPlan::Build { reload: false, .. } => (EventKind::Load, None),
+                    LoadPlan::Build { reload: true, .. } => (EventKind::Reload, Some(ReloadFrom::Rebuilt)),
+                    LoadPlan::Refill(_, Some(_)) => (EventKind::Reload, Some(ReloadFrom::HostTier)),
+                    LoadPlan::Refill(_, None) => (EventKind::Reload, Some(ReloadFrom::InPlace)),
+                };
+                self.emit(Event {
+                    stage,
+                    model: Some(name.to_string()),
+                    bytes: Some(bytes),
+                    seconds: Some(seconds),
+                    from,
+                    outside_stage,
+                    prefetched: prefetch,
+                    report,
+                    resident: Some(resident),
+                    tier,
+                    ..Event::now(kind)
+                });
+                Ok(instance)
+            }
+            Err(err) => {
+                drop(state);
+                let err = match err {
+                    StageError::OutOfMemory { .. } => err,
+                    other if decide::is_out_of_memory(&other.to_string()) => StageError::OutOfMemory {
+                        model: name.to_string(),
+                        stage: stage.clone(),
+                        message: other.to_string(),
+                    },
+                    other => other,
+                };
+                self.emit(Event {
+                    stage,
+                    model: Some(name.to_string()),
+                    seconds: Some(seconds),
+                    note: Some(err.to_string()),
+                    ..Event::now(EventKind::Error)
+                });
+                Err(err)
+            }
+        }
+    }
+
+    /// Runs a loader under preserved RNG, catching panics, and fills the model from its
+    /// checkpoint. Returns the instance, the bytes it brought in, and the load report.
+    fn build(
+        self: &Arc<Self>,
+        name: &str,
+        loader: &Arc<Loader>,
+        recipe: &Recipe,
+        preserve_rng: bool,
+    ) -> Result<(Arc<Instance>, u64, Option<LoadReport>)> {
+        let Recipe { checkpoint, names, skip_init, placement } = recipe;
+        let _rng = if preserve_rng { Some(PreservedRng::save(&self.rngs).map_err(StageError::Rng)?) } else { None };
+        let context = BuildContext {
+            components: &self.components,
+            model: name,
+            device: placement.device,
+            shared_tensors: Mutex::new(Vec::new()),
+        };
+        let run = || {
+            if *skip_init {
+                stageload_torch_sys::without_init(|| loader(&context))
+            } else {
+                loader(&context)
+            }
+        };
+        let mut built = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(run)) {
+            Ok(Ok(built)) => built,
+            Ok(Err(source)) => return Err(StageError::LoaderFailed { model: name.to_string(), source }),
+            Err(panic) => {
+                return Err(StageError::LoaderPanicked { model: name.to_string(), message: panic_message(&*panic) })
+            }
+        };
+        let shared = context.shared_tensors.into_inner().unwrap_or_else(|e| e.into_inner());
+        // Shared components built by this build are this model's to place and convert too
+        // (shallow copies: the conversion reaches every holder).
+        let mut fresh: Vec<(String, Tensor)> =
+            shared.iter().filter(|(_, _, fresh)| *fresh).map(|(n, t, _)| (n.clone(), t.shallow_clone())).collect();
+        placement.apply(name, &mut built.tensors)?;
+        placement.apply(name, &mut fresh)?;
+        let mut report = None;
+        if !checkpoint.is_empty() {
+            let mut targets = shallow(&built.tensors);
+            targets.extend(fresh);
+            // Shared components another model loaded are not filled again, and a model built
+            // without initial values must get every tensor from the file.
+            let names = names
+                .clone()
+                .filled_elsewhere(shared.iter().filter(|(_, _, fresh)| !fresh).map(|(n, _, _)| n.clone()))
+                .strict(names.strict || *skip_init);
+            report = Some(self.load_checkpoint(name, checkpoint, &targets, &names)?);
+        }
+        // Shared components another model already built are not loaded again: not counted.
+        let reused: Vec<(String, Tensor)> =
+            shared.iter().filter(|(_, _, fresh)| !fresh).map(|(n, t, _)| (n.clone(), t.shallow_clone())).collect();
+        let reused: HashSet<u64> = storage::distinct_storages(&reused)
+            .map_err(|source| StageError::Torch { model: name.to_string(), source })?
+            .iter()
+            .map(|r| r.id)
+            .collect();
+        built.tensors.extend(shared.into_iter().map(|(n, t, _)| (n, t)));
+        let instance = Instance::new(name, built, Arc::downgrade(self))?;
+        let bytes = instance.storage_sizes.iter().filter(|(id, _)| !reused.contains(id)).map(|(_, bytes)| bytes).sum();
+        Ok((instance, bytes, report))
+    }
+
+    fn load_checkpoint(
+        &self,
+        model: &str,
+        files: &[PathBuf],
+        targets: &[(String, Tensor)],
+        names: &NameRules,
+    ) -> Result<LoadReport> {
+        let wrap = |source| StageError::Checkpoint { model: model.to_string(), source: Box::new(source) };
+        let checkpoint = Checkpoint::open(files).map_err(wrap)?;
+        let report = checkpoint
+            .load_named(targets, names, |progress| {
+                if let Some(hook) = &self.progress {
+                    hook(model, progress)
+                }
+            })
+            .map_err(wrap)?;
+        if !report.unused.is_empty() || !report.missing.is_empty() {
+            tracing::warn!(model, unused = ?report.unused, missing = ?report.missing, "checkpoint and model names differ (lenient load)");
+        }
+        Ok(report)
+    }
+
+    /// Brings a released instance back in place: reallocates its freed storages and refills
+    /// them from its host tier `copies` when it has them, else from the checkpoint. On failure
+    /// the instance stays released as it was.
+    fn refill(
+        &self,
+        instance: &Arc<Instance>,
+        checkpoint: &[PathBuf],
+        names: &NameRules,
+        copies: Option<&HostCopies>,
+    ) -> Result<(u64, Option<LoadReport>)> {
+        let name = &instance.name;
+        let torch = |source| StageError::Torch { model: name.clone(), source };
+        // Waits only for a release of this very instance still freeing its storages.
+        let body = lock(&instance.body);
+        let weights = lock(&instance.weights);
+        // SAFETY: the body lock keeps every caller of the model away until the refill below has
+        // filled these storages (or freed them again).
+        let reallocated = unsafe { storage::reallocate(&weights.storages) }.map_err(torch)?;
+        let targets: Vec<(String, Tensor)> = weights
+            .tensors
+            .iter()
+            .filter(|(_, t)| stageload_torch_sys::storage_info(t).is_ok_and(|i| reallocated.contains(&i.id)))
+            .map(|(n, t)| (n.clone(), t.shallow_clone()))
+            .collect();
+        let filled = match copies {
+            Some(copies) => {
+                let device = targets.first().map_or(Device::Cpu, |(_, t)| t.device());
+                tier_copy::copy_in(&targets, copies, device)
+                    .map(|()| None)
+                    .map_err(|message| StageError::HostTier { model: name.clone(), message })
+            }
+            None => self.load_checkpoint(name, checkpoint, &targets, names).map(Some),
+        };
+        let report = match filled {
+            Ok(report) => report,
+            Err(err) => {
+                let stage = instance.mark().stage().flatten();
+                let message = released_message(name, &stage);
+                // SAFETY: still under the body lock; nothing has used the half-filled storages.
+                unsafe { storage::free_ids(&weights.storages, &reallocated, &message) }.map_err(torch)?;
+                return Err(err);
+            }
+        };
+        let bytes = weights.storages.iter().filter(|s| reallocated.contains(&s.id)).map(|s| s.nbytes as u64).sum();
+        drop(weights);
+        lock(&instance.ctl).mark = ReleaseMark::Live;
+        drop(body);
+        Ok((bytes, report))
+    }
+}

@@ -1,0 +1,157 @@
+//! Prefetch: a stage's models loaded on background threads (on CUDA on a side stream of the
+//! model's device) while the current stage computes, as far as the prefetch budget allows.
+
+use std::sync::Arc;
+
+use tch::Device;
+
+use super::decide;
+use super::error::{Result, StageError};
+use super::load::Purpose;
+use super::registry::{released, Entry, Inner};
+use crate::sync::lock;
+use stageload_trace::event::{Event, EventKind};
+
+impl Inner {
+    /// Starts background loads of `stage`'s models (see [`super::StagedModels::prefetch`]): of
+    /// the occurrence that entering it now would enter. Returns the models started.
+    pub(crate) fn prefetch(self: &Arc<Self>, stage: &str) -> Result<Vec<String>> {
+        let state = self.state();
+        let Some(index) = state.occurrence(stage) else {
+            return Err(StageError::UnknownStage {
+                stage: stage.to_string(),
+                known: state.stages.keys().cloned().collect(),
+            });
+        };
+        let planned = &state.sequence[index].1;
+        let resident = state.resident_bytes();
+        let working = state.current.as_ref().and_then(|s| self.stage_working.get(s)).copied().unwrap_or(0);
+        // (name, bytes of its released instance, or its checkpoint files to measure, its CUDA
+        // device) — the files are measured once the state lock is dropped.
+        let mut candidates = Vec::new();
+        for name in planned {
+            let Some(&position) = state.index.get(name) else { continue };
+            let entry = &state.entries[position];
+            let in_tier = state.tier.as_ref().is_some_and(|tier| tier.ready(name));
+            match decide::on_prefetch(&entry.slot, state.closed, entry.skip_init, in_tier) {
+                Ok(()) => {
+                    candidates.push((name.clone(), instance_bytes(entry), entry.checkpoint.clone(), cuda_device(entry)))
+                }
+                Err(skip) => tracing::debug!(model = name.as_str(), stage, ?skip, "not prefetched"),
+            }
+        }
+        drop(state);
+        let mut budget_left = match self.prefetch_budget {
+            Some(budget) => Some(budget.saturating_sub(resident).saturating_sub(working)),
+            // Working memory declared and no budget: what the machine has available now (the
+            // resident weights are already out of it), less that working memory.
+            None if working > 0 => {
+                stageload_probe::system_memory().ok().map(|m| m.budget_available().saturating_sub(working))
+            }
+            None => None,
+        };
+        let mut started = Vec::new();
+        for (name, known, files, cuda) in candidates {
+            let bytes =
+                known.unwrap_or_else(|| files.iter().filter_map(|f| std::fs::metadata(f).ok()).map(|m| m.len()).sum());
+            if let Some(left) = budget_left.as_mut() {
+                if bytes > *left {
+                    tracing::debug!(
+                        model = name.as_str(),
+                        stage,
+                        bytes,
+                        left = *left,
+                        "not prefetched: over the prefetch budget"
+                    );
+                    continue;
+                }
+                *left -= bytes;
+            }
+            started.push((name, bytes, cuda));
+        }
+        for (name, bytes, cuda) in &started {
+            self.emit(Event {
+                stage: Some(stage.to_string()),
+                model: Some(name.clone()),
+                bytes: Some(*bytes),
+                ..Event::now(EventKind::Prefetch)
+            });
+            let (inner, name, cuda) = (Arc::clone(self), name.clone(), *cuda);
+            let handle = std::thread::spawn(move || {
+                // On CUDA the copies go on a side stream of the model's device (device 0 when
+                // neither the file nor an earlier load says which), beside the foreground's kernels.
+                let _side = (stageload_torch_sys::cuda_device_count().unwrap_or(0) > 0)
+                    .then(|| stageload_torch_sys::cuda_side_stream(cuda.unwrap_or(0)).ok())
+                    .flatten();
+                // A failure stays in the slot and surfaces at the `get` that needs the model.
+                let _ = inner.instance_for(&name, Purpose::Prefetch);
+            });
+            let mut running = lock(&self.prefetching);
+            running.retain(|h| !h.is_finished());
+            running.push(handle);
+        }
+        Ok(started.into_iter().map(|(name, _, _)| name).collect())
+    }
+
+    /// The stage after the one entered last, in the plan's sequence.
+    pub(crate) fn next_stage(&self) -> Option<String> {
+        let state = self.state();
+        let position = state.position?;
+        state.sequence.get(position + 1).map(|(name, _)| name.clone())
+    }
+}
+
+/// The bytes of the released instance a load of `entry` would bring back, if it has one.
+fn instance_bytes(entry: &Entry) -> Option<u64> {
+    Some(released(entry)?.storage_sizes.iter().map(|(_, bytes)| bytes).sum())
+}
+
+/// The CUDA device a model lives on: the pipeline file's, else that of its released weights.
+fn cuda_device(entry: &Entry) -> Option<usize> {
+    let device = entry.placement.device.or_else(|| {
+        let weights = lock(&released(entry)?.weights);
+        weights.tensors.first().map(|(_, t)| t.device())
+    })?;
+    match device {
+        Device::Cuda(index) => Some(index),
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::staged::decide::SlotState;
+    use crate::staged::instance::Instance;
+    use crate::staged::placement::Placement;
+    use crate::staged::spec::Built;
+    use crate::NameRules;
+    use tch::{Kind, Tensor};
+
+    fn entry(placement: Placement, state: SlotState<Arc<Instance>>) -> Entry {
+        Entry {
+            name: "m".into(),
+            loader: None,
+            checkpoint: Vec::new(),
+            names: NameRules::default(),
+            placement,
+            skip_init: false,
+            slot: decide::Slot { state, has_loader: false, has_checkpoint: false, loads: 0 },
+            report: None,
+        }
+    }
+
+    #[test]
+    fn a_prefetch_copies_on_the_side_stream_of_the_models_own_cuda_device() {
+        let on = |device| Placement { device: Some(device), kind: None };
+        assert_eq!(cuda_device(&entry(on(Device::Cuda(2)), SlotState::Unloaded)), Some(2), "the file's device");
+        assert_eq!(cuda_device(&entry(on(Device::Cpu), SlotState::Unloaded)), None);
+        assert_eq!(cuda_device(&entry(Placement::default(), SlotState::Unloaded)), None, "not known yet");
+        // Without a file, a released model's own weights say where it lives (the CPU here).
+        let weights = Tensor::zeros([2], (Kind::Float, Device::Cpu));
+        let built = Built::from_tensors((), vec![("w".to_string(), weights)]);
+        let instance = Instance::new("m", built, std::sync::Weak::new()).unwrap();
+        let released = SlotState::Released { instance, stage: None, pending: false };
+        assert_eq!(cuda_device(&entry(Placement::default(), released)), None);
+    }
+}
