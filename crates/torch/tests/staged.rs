@@ -458,3 +458,73 @@ fn out_of_memory_is_a_typed_error_and_the_policy_releases_others_and_retries_onc
         models.call("big", |_: &mut Mlp| -> () { panic!("CUDA out of memory. Tried to allocate 1 GiB") }).unwrap_err();
     assert!(matches!(err, StageError::OutOfMemory { .. }), "{err}");
 }
+
+/// A model object that counts its drops.
+struct Counted {
+    mlp: Mlp,
+    dropped: Arc<AtomicUsize>,
+}
+
+impl Drop for Counted {
+    fn drop(&mut self) {
+        self.dropped.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+fn counted(name: &str, checkpoint: Option<&std::path::Path>, dropped: Arc<AtomicUsize>) -> ModelSpec {
+    let spec = ModelSpec::new(name, move |_| {
+        let vs = VarStore::new(Device::Cpu);
+        let model = Counted { mlp: mlp(&vs, 8), dropped: Arc::clone(&dropped) };
+        Ok(Built::new(model, &vs))
+    });
+    match checkpoint {
+        Some(file) => spec.checkpoint([file]),
+        None => spec,
+    }
+}
+
+#[test]
+fn a_released_model_that_will_be_rebuilt_drops_its_object_at_once_and_one_refilled_in_place_keeps_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("mlp.safetensors");
+    let vs = VarStore::new(Device::Cpu);
+    let _ = mlp(&vs, 8);
+    stageload::checkpoint::save(&vs.variables().into_iter().collect::<Vec<_>>(), &file).unwrap();
+    let (rebuilt, refilled) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    let sink = Arc::new(ListSink::new());
+    let models = StagedModels::builder()
+        .model(counted("rebuilt", None, Arc::clone(&rebuilt)))
+        .model(counted("refilled", Some(&file), Arc::clone(&refilled)))
+        .model(spec("other", 4))
+        .stage("both", ["rebuilt", "refilled"])
+        .stage("other", ["other"])
+        .stage("both", ["rebuilt", "refilled"])
+        .events(sink.clone())
+        .build()
+        .unwrap();
+    let forward = |name: &str| models.call(name, |m: &mut Counted| m.mlp.forward(&input(8))).unwrap();
+    models.enter("both").unwrap();
+    let (first_rebuilt, first_refilled) = (forward("rebuilt"), forward("refilled"));
+    let handle = models.get::<Counted>("rebuilt").unwrap();
+    models.enter("other").unwrap();
+    // Nothing of the first object is used again: it went with the release, not at the rebuild.
+    assert_eq!(rebuilt.load(Ordering::SeqCst), 1, "dropped at its release");
+    assert_eq!(refilled.load(Ordering::SeqCst), 0, "kept to be refilled in place");
+    assert!(matches!(handle.lock().err().unwrap(), StageError::Released { .. }), "an old handle says so");
+
+    models.enter("both").unwrap();
+    assert!(forward("refilled").equal(&first_refilled), "the same object, refilled from its file");
+    assert_eq!(refilled.load(Ordering::SeqCst), 0);
+    assert_eq!(forward("rebuilt").size(), first_rebuilt.size(), "a new object");
+    let from: Vec<_> =
+        sink.of_kind(EventKind::Reload).into_iter().map(|e| (e.model.unwrap(), e.from.unwrap())).collect();
+    assert_eq!(
+        from,
+        [
+            ("refilled".to_string(), stageload::ReloadFrom::InPlace),
+            ("rebuilt".to_string(), stageload::ReloadFrom::Rebuilt)
+        ]
+    );
+    drop(models);
+    assert_eq!((rebuilt.load(Ordering::SeqCst), refilled.load(Ordering::SeqCst)), (2, 1), "each object dropped once");
+}

@@ -98,6 +98,14 @@ pub enum GetAction<I> {
     Refuse(Refusal),
 }
 
+/// Whether a released instance comes back in place: refilled from its checkpoint or from the
+/// host tier's copy. When it does not, nothing of it is used again (a `get` rebuilds the model
+/// or refuses), so the model object goes at its release, with whatever it holds beside its
+/// weights.
+pub fn refillable<I>(slot: &Slot<I>, in_tier: bool) -> bool {
+    slot.has_checkpoint || in_tier
+}
+
 /// Decides a `get` of `slot`.
 pub fn on_get<I: Clone>(slot: &Slot<I>, ctx: GetContext) -> GetAction<I> {
     let released = match &slot.state {
@@ -111,7 +119,7 @@ pub fn on_get<I: Clone>(slot: &Slot<I>, ctx: GetContext) -> GetAction<I> {
         SlotState::Failed { instance: None, .. } | SlotState::Unloaded => None,
     };
     match released {
-        Some((_, instance)) if slot.has_checkpoint || ctx.in_tier => GetAction::Refill(instance.clone()),
+        Some((_, instance)) if refillable(slot, ctx.in_tier) => GetAction::Refill(instance.clone()),
         _ if slot.has_loader => GetAction::Build { reload: slot.loads > 0 },
         Some((stage, _)) => GetAction::Refuse(Refusal::NoLoader { stage }),
         None => GetAction::Refuse(Refusal::NoLoader { stage: None }),
@@ -211,9 +219,7 @@ pub fn on_prefetch<I>(slot: &Slot<I>, closed: bool, skip_init: bool, in_tier: bo
         SlotState::Resident(_) | SlotState::Released { pending: true, .. } => Err(PrefetchSkip::Resident),
         SlotState::Loading { .. } => Err(PrefetchSkip::InFlight),
         _ if closed => Err(PrefetchSkip::Closed),
-        SlotState::Released { .. } | SlotState::Failed { instance: Some(_), .. } if slot.has_checkpoint || in_tier => {
-            Ok(())
-        }
+        SlotState::Released { .. } | SlotState::Failed { instance: Some(_), .. } if refillable(slot, in_tier) => Ok(()),
         _ if slot.has_loader && skip_init => Ok(()),
         _ if slot.has_loader => Err(PrefetchSkip::DrawsRandomNumbers),
         _ => Err(PrefetchSkip::NoLoader),

@@ -1,5 +1,6 @@
 //! Releases: a released instance's storages freed in place (once the host tier has its copy),
-//! or left to the guard of whoever holds the model; the allocators' caches emptied after.
+//! or left to the guard of whoever holds the model; the model object itself dropped when it
+//! will not be refilled in place; the allocators' caches emptied after.
 
 use std::collections::HashSet;
 use std::sync::Arc;
@@ -26,7 +27,7 @@ impl Inner {
         if decide::on_release(body.is_some()) == decide::ReleaseWhen::WhenUnlocked {
             return None;
         }
-        let body = body?;
+        let mut body = body?;
         ctl.mark = ReleaseMark::Freed(stage.clone());
         drop(ctl);
 
@@ -38,35 +39,33 @@ impl Inner {
         // SAFETY: the body lock is held, so no caller of this model runs; storages another
         // resident model holds are in `keep` and stay.
         let result = unsafe { storage::release(&lock(&instance.weights).storages, &keep, &message) };
-        if result.as_ref().is_ok_and(|stats| stats.freed > 0) {
-            // Before the event, so that a meter reading at the event sees the memory gone.
-            stageload_torch_sys::trim_host_heap();
-            // Device allocators keep freed blocks cached: hand them back to the device.
-            if stageload_torch_sys::cuda_device_count().unwrap_or(0) > 0 {
-                if let Err(err) = stageload_torch_sys::cuda_empty_cache() {
-                    tracing::warn!(%err, "emptying the CUDA cache after a release failed");
-                }
-            }
-            if stageload_torch_sys::mps_available().unwrap_or(false) {
-                if let Err(err) = stageload_torch_sys::mps_empty_cache() {
-                    tracing::warn!(%err, "emptying the MPS cache after a release failed");
-                }
-            }
-        }
         // Settled either way: a failed free leaves what it could not free allocated, and the
         // next `get` refills the rest; nobody waits for this release any longer.
         let mut state = self.state();
+        let in_tier = state.tier.as_ref().is_some_and(|tier| tier.ready(&instance.name));
+        let mut comes_back = true;
         if let Some(entry) = state.entry_mut(&instance.name) {
             if let SlotState::Released { instance: held, pending, .. } = &mut entry.slot.state {
                 if Arc::ptr_eq(held, instance) {
                     *pending = false;
+                    comes_back = decide::refillable(&entry.slot, in_tier);
                 }
             }
         }
         let resident = state.resident_bytes();
         self.changed.notify_all();
         drop(state);
+        let dropped = !comes_back && result.is_ok();
+        if dropped {
+            // Never used again: the model object goes now, and whatever it holds beside its
+            // weights (host buffers, a streamed model's pinned copies) with it.
+            drop(std::mem::replace(&mut *body, Box::new(())));
+        }
         drop(body);
+        if dropped || result.as_ref().is_ok_and(|stats| stats.freed > 0) {
+            // Before the event, so that a meter reading at the event sees the memory gone.
+            give_back_caches(dropped);
+        }
         let stats = match result {
             Ok(stats) => stats,
             Err(source) => {
@@ -102,6 +101,31 @@ impl Inner {
             }
         }
         total
+    }
+}
+
+/// Hands what the allocators keep cached after a release back: the host heap's free pages to
+/// the OS, the device caches to their devices, and, when the model object went (`dropped`),
+/// pinned host memory to the OS (not after every release: a copy into the host tier reuses
+/// what a reload from it left cached).
+fn give_back_caches(dropped: bool) {
+    stageload_torch_sys::trim_host_heap();
+    let cuda = stageload_torch_sys::cuda_device_count().unwrap_or(0) > 0;
+    let mps = stageload_torch_sys::mps_available().unwrap_or(false);
+    if cuda {
+        if let Err(err) = stageload_torch_sys::cuda_empty_cache() {
+            tracing::warn!(%err, "emptying the CUDA cache after a release failed");
+        }
+    }
+    if mps {
+        if let Err(err) = stageload_torch_sys::mps_empty_cache() {
+            tracing::warn!(%err, "emptying the MPS cache after a release failed");
+        }
+    }
+    if dropped && (cuda || mps) {
+        if let Err(err) = stageload_torch_sys::empty_pinned_cache() {
+            tracing::warn!(%err, "emptying the pinned host memory cache after a release failed");
+        }
     }
 }
 
