@@ -240,7 +240,12 @@ fn bytes_on(models: &[&Model], placement: Placement) -> u64 {
     let whole =
         on.clone().filter(|m| m.streamed.is_none()).flat_map(|m| &m.parts).filter(|part| seen.insert(&part.file));
     let streamed = on.filter_map(|m| m.streamed.as_ref().map(|s| s.held));
-    total(whole.map(|part| part.bytes).chain(streamed))
+    // A streamed model on a device keeps every block's pinned copy in host memory.
+    let host_copies = models
+        .iter()
+        .filter(|m| placement == Placement::Host && m.placement == Placement::Device)
+        .filter_map(|m| m.streamed.as_ref().map(|s| s.host_copies));
+    total(whole.map(|part| part.bytes).chain(streamed).chain(host_copies))
 }
 
 /// Bytes read to load `loading` while `resident` are held: files already held are not read again.
@@ -399,7 +404,7 @@ impl Plan {
             for model in stage.resident.iter().filter_map(|name| self.models.iter().find(|m| m.name == *name)) {
                 if let Some(s) = &model.streamed {
                     out += &format!(
-                        "  {} streamed{}: {} of {} blocks resident, {} kept hot, {} per step, holds {} of its {} (budget {})\n",
+                        "  {} streamed{}: {} of {} blocks resident, {} kept hot, {} per step, holds {} of its {} (budget {}){}\n",
                         model.name,
                         if s.any_order { " in any order" } else { "" },
                         s.resident_blocks,
@@ -408,7 +413,11 @@ impl Plan {
                         format_bytes(s.per_step),
                         format_bytes(s.held),
                         format_bytes(model.bytes),
-                        format_bytes(s.budget)
+                        format_bytes(s.budget),
+                        match s.host_copies {
+                            0 => String::new(),
+                            bytes => format!("; its blocks' pinned copies hold {} of host memory", format_bytes(bytes)),
+                        }
                     );
                 }
             }
