@@ -10,7 +10,7 @@
 use std::collections::HashMap;
 
 /// How a model's tensors fall into blocks.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct BlockSpec {
     blocks: Vec<String>,
     resident: Vec<String>,

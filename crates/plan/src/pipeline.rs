@@ -101,6 +101,9 @@ pub struct StreamEntry {
 /// How a streamed model holds its blocks under its budget, from its checkpoints' headers.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Streaming {
+    /// The file's blocks and resident tensors, as the run takes them.
+    #[serde(default)]
+    pub spec: crate::blocks::BlockSpec,
     pub blocks: usize,
     /// Blocks kept resident (a prefix).
     pub resident_blocks: usize,
@@ -434,6 +437,7 @@ fn streaming(stream: &StreamEntry, entries: &[(String, u64)], on_device: bool) -
         crate::hot::steady(&sizes.blocks, split.resident..split.blocks, split.hot)
     };
     Ok(Streaming {
+        spec,
         blocks: split.blocks,
         resident_blocks: split.resident,
         look_ahead: split.look_ahead,
@@ -559,6 +563,12 @@ impl Pipeline {
             let bytes = total(parts.iter().map(|p| p.bytes));
             let file_bytes = total(parts.iter().map(|p| p.file_bytes));
             let streamed = match &entry.stream {
+                Some(_) if entry.dtype.is_some() => {
+                    return Err(invalid(format!(
+                        "model '{}': dtype and stream together: a streamed model's blocks load in the kinds its loader builds them in; build it in that dtype and leave dtype out",
+                        entry.name
+                    )))
+                }
                 Some(stream) => Some(
                     streaming(stream, &entries, placement == Placement::Device)
                         .map_err(|e| invalid(format!("model '{}': stream: {e}", entry.name)))?,

@@ -647,6 +647,18 @@ fn a_bad_stream_entry_is_refused_naming_the_model_and_the_sizes() {
     assert!(twice.contains("'model.blocks.1.w'"), "{twice}");
     let size = error(r#"{ blocks = ["model.blocks.*"], resident = ["model.input"], budget = "lots" }"#);
     assert!(size.contains("budget"), "{size}");
+    let fixture = streamed_fixture(
+        "stream-dtype",
+        r#"{ blocks = ["model.blocks.*"], resident = ["model.input"], budget = "3MiB" }"#,
+    );
+    let text = std::fs::read_to_string(&fixture.path).unwrap();
+    std::fs::write(&fixture.path, text.replace("stream = ", "dtype = \"bf16\"\nstream = ")).unwrap();
+    match Pipeline::load(&fixture) {
+        Err(PipelineError::Invalid { message, .. }) => {
+            assert!(message.contains("model 'flow': dtype and stream together"), "{message}")
+        }
+        other => panic!("dtype with stream: {other:?}"),
+    }
 }
 
 #[test]

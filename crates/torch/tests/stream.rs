@@ -451,6 +451,53 @@ fn a_streamed_model_in_staged_models_is_released_with_its_stage_and_rebuilt_the_
 }
 
 #[test]
+fn a_streamed_model_of_the_pipeline_file_runs_the_split_its_plan_counts() {
+    use stageload::{Built, ModelSpec, StagedModels};
+    let (_one, dir, file) = setup();
+    let expected = reference(&file);
+    let path = dir.path().join("pipeline.toml");
+    let stream =
+        format!(r#"{{ blocks = ["blocks.*"], resident = ["input", "output"], budget = "{}" }}"#, budget_for(3));
+    std::fs::write(
+        &path,
+        format!(
+            "[[models]]\nname = \"flow\"\nfiles = [\"net.safetensors\"]\nstream = {stream}\n\n\
+             [[stages]]\nname = \"denoise\"\nmodels = [\"flow\"]\n"
+        ),
+    )
+    .unwrap();
+    let pipeline = stageload::Pipeline::load(&path).unwrap();
+    let planned = stageload_plan::plan(&pipeline, stageload_plan::Budget::given(1 << 30), None);
+    let split = pipeline.models[0].streamed.clone().unwrap();
+    assert_eq!((split.resident_blocks, split.blocks), (3, DEPTH));
+
+    let models = StagedModels::builder()
+        .pipeline(&pipeline)
+        .model(ModelSpec::new("flow", |ctx| {
+            let plan = ctx.stream().ok_or("the file streams flow")?;
+            let vs = VarStore::new(Device::Cpu);
+            let net = stageload_torch_sys::without_fills(|| Net::new(&vs));
+            let streamed = StreamedModel::planned("flow", stageload::named_tensors(&vs), plan)?.reading(|| None);
+            let tensors = streamed.tensors();
+            Ok(Built::from_tensors(StreamedNet { net, streamed }, tensors))
+        }))
+        .build()
+        .unwrap();
+    models.enter("denoise").unwrap();
+    tch::manual_seed(11);
+    let x = Tensor::randn([16, WIDTH], (Kind::Float, Device::Cpu));
+    let (y, resident) = models
+        .call("flow", |m: &mut StreamedNet| {
+            let y = tch::no_grad(|| m.streamed.run(|step| m.net.forward_streamed(&x, step)));
+            (y, m.streamed.split().resident)
+        })
+        .unwrap();
+    assert!(y.unwrap().equal(&expected[0]), "the file's checkpoint, read by the streamer");
+    assert_eq!(resident, split.resident_blocks, "the run keeps what the plan counts");
+    assert_eq!(models.resident_bytes(), planned.stages[0].weights, "held: what the plan counts, not the whole model");
+}
+
+#[test]
 fn a_transient_inside_a_block_seen_by_the_high_water_mark_counts_as_working_memory() {
     use std::sync::atomic::{AtomicU64, Ordering};
     let (_one, _dir, file) = setup();

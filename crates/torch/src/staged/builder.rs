@@ -14,6 +14,7 @@ use super::spec::ModelSpec;
 use super::StagedModels;
 use crate::checkpoint::Progress;
 use crate::rng::RngSnapshot;
+use crate::stream::StreamPlan;
 use stageload_plan::tier::{Tier, TierPlan};
 use stageload_trace::event::EventSink;
 
@@ -33,6 +34,8 @@ pub struct StagedModelsBuilder {
     map_large_host_blocks: bool,
     progress: Option<Arc<ProgressHook>>,
     planned_checkpoints: HashMap<String, Vec<PathBuf>>,
+    /// The pipeline file's streamed models: their files and split (no checkpoint for the registry).
+    planned_streams: HashMap<String, (Vec<PathBuf>, stageload_plan::pipeline::Streaming)>,
     planned_models: Vec<String>,
     prefetch_next: bool,
     prefetch_budget: Option<u64>,
@@ -79,7 +82,14 @@ impl StagedModelsBuilder {
             }
         }
         for model in &pipeline.models {
-            self.planned_checkpoints.insert(model.name.clone(), model.files.clone());
+            match &model.streamed {
+                Some(streamed) => {
+                    self.planned_streams.insert(model.name.clone(), (model.files.clone(), streamed.clone()));
+                }
+                None => {
+                    self.planned_checkpoints.insert(model.name.clone(), model.files.clone());
+                }
+            }
             self.planned_models.push(model.name.clone());
             let placement = (model.device.clone(), model.dtype.clone(), model.ignore.clone());
             self.planned_placement.insert(model.name.clone(), placement);
@@ -232,6 +242,16 @@ impl StagedModelsBuilder {
                 (true, Some(planned)) => planned.clone(),
                 _ => spec.checkpoint,
             };
+            let stream = self.planned_streams.get(&spec.name).map(|(files, streamed)| {
+                Arc::new(StreamPlan {
+                    files: files.clone(),
+                    spec: streamed.spec.clone(),
+                    budget: streamed.budget,
+                    working: streamed.working,
+                    any_order: streamed.any_order,
+                    names: names.clone(),
+                })
+            });
             let slot = decide::Slot {
                 state: SlotState::Unloaded,
                 has_loader: true,
@@ -244,6 +264,7 @@ impl StagedModelsBuilder {
                 checkpoint,
                 names,
                 placement,
+                stream,
                 skip_init: spec.skip_init,
                 slot,
                 report: None,
@@ -340,6 +361,7 @@ impl StagedModels {
             map_large_host_blocks: true,
             progress: None,
             planned_checkpoints: HashMap::new(),
+            planned_streams: HashMap::new(),
             planned_models: Vec::new(),
             prefetch_next: false,
             prefetch_budget: None,

@@ -21,6 +21,7 @@ use crate::checkpoint::Checkpoint;
 use crate::names::NameRules;
 use crate::rng::PreservedRng;
 use crate::storage::{self, shallow};
+use crate::stream::StreamPlan;
 use crate::sync::lock;
 use stageload_trace::event::{Event, EventKind, LoadReport, ReloadFrom};
 
@@ -30,6 +31,7 @@ pub(crate) struct Recipe {
     names: NameRules,
     skip_init: bool,
     placement: Placement,
+    stream: Option<Arc<StreamPlan>>,
 }
 
 /// Why a load runs.
@@ -131,6 +133,7 @@ impl Inner {
                 names: entry.names.clone(),
                 skip_init: entry.skip_init,
                 placement: entry.placement,
+                stream: entry.stream.clone(),
             };
             break (ticket, plan, recipe);
         };
@@ -238,13 +241,14 @@ impl Inner {
         recipe: &Recipe,
         preserve_rng: bool,
     ) -> Result<(Arc<Instance>, u64, Option<LoadReport>)> {
-        let Recipe { checkpoint, names, skip_init, placement } = recipe;
+        let Recipe { checkpoint, names, skip_init, placement, stream } = recipe;
         let _rng = if preserve_rng { Some(PreservedRng::save(&self.rngs).map_err(StageError::Rng)?) } else { None };
         let context = BuildContext {
             components: &self.components,
             model: name,
             device: placement.device,
             shared_tensors: Mutex::new(Vec::new()),
+            stream: stream.as_deref(),
         };
         let run = || {
             if *skip_init {

@@ -135,6 +135,7 @@ mod tests {
             checkpoint: Vec::new(),
             names: NameRules::default(),
             placement,
+            stream: None,
             skip_init: false,
             slot: decide::Slot { state, has_loader: false, has_checkpoint: false, loads: 0 },
             report: None,

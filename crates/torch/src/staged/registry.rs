@@ -27,6 +27,7 @@ use crate::checkpoint::Progress;
 use crate::names::NameRules;
 use crate::rng::RngSnapshot;
 use crate::storage::ReleaseStats;
+use crate::stream::StreamPlan;
 use crate::sync::lock;
 use stageload_plan::tier::Tier;
 use stageload_trace::event::{Event, EventKind, EventSink, LoadReport, TierUsage};
@@ -41,6 +42,8 @@ pub(crate) struct Entry {
     pub(crate) checkpoint: Vec<PathBuf>,
     pub(crate) names: NameRules,
     pub(crate) placement: Placement,
+    /// How the pipeline file streams the model (it then has no checkpoint).
+    pub(crate) stream: Option<Arc<StreamPlan>>,
     pub(crate) skip_init: bool,
     pub(crate) slot: decide::Slot<Arc<Instance>>,
     pub(crate) report: Option<LoadReport>,
@@ -263,6 +266,7 @@ impl Inner {
                     checkpoint: Vec::new(),
                     names: NameRules::default(),
                     placement: Placement::default(),
+                    stream: None,
                     skip_init: false,
                     slot: decide::Slot {
                         state: SlotState::Resident(instance),

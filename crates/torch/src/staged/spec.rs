@@ -56,6 +56,8 @@ pub struct BuildContext<'a> {
     pub(crate) device: Option<tch::Device>,
     /// Tensors of shared components this build used, and whether each was freshly built.
     pub(crate) shared_tensors: Mutex<Vec<(String, Tensor, bool)>>,
+    /// How the pipeline file streams the model, if it does.
+    pub(crate) stream: Option<&'a crate::stream::StreamPlan>,
 }
 
 impl BuildContext<'_> {
@@ -68,6 +70,15 @@ impl BuildContext<'_> {
     /// it does not describe): build there, or the registry refuses the model.
     pub fn device(&self) -> Option<tch::Device> {
         self.device
+    }
+
+    /// How the pipeline file streams the model (`stream = { ... }` in its entry), if it does:
+    /// build the modules under `stageload_torch_sys::without_fills` and make the model with
+    /// [`StreamedModel::planned`](crate::stream::StreamedModel::planned). The registry gives a
+    /// streamed model no checkpoint (it would load it whole); a release drops it and a later
+    /// stage rebuilds it.
+    pub fn stream(&self) -> Option<&crate::stream::StreamPlan> {
+        self.stream
     }
 
     /// The component under `key`, built by `build` if it is not there or its storage was

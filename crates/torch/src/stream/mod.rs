@@ -55,7 +55,7 @@ pub use stageload_plan::{blocks, hot, split};
 pub use blocks::{BlockError, BlockSpec};
 pub use split::{Split, TooSmall};
 pub use step::Step;
-pub use streamer::{place, StreamStats, StreamedModel};
+pub use streamer::{place, StreamPlan, StreamStats, StreamedModel};
 
 use crate::checkpoint::CheckpointError;
 

@@ -42,6 +42,20 @@ pub struct StreamStats {
 /// Reads the memory a step's working set shows up in (process RSS, or the CUDA allocator's).
 type Reading = Box<dyn FnMut() -> Option<u64> + Send>;
 
+/// A streamed model as a pipeline file describes it (`stream = { ... }` in its entry), handed
+/// to its loader by [`BuildContext::stream`](crate::BuildContext::stream): the registry gives
+/// such a model no checkpoint (it would load it whole); [`StreamedModel::planned`] reads it.
+#[derive(Debug, Clone)]
+pub struct StreamPlan {
+    pub files: Vec<std::path::PathBuf>,
+    pub spec: BlockSpec,
+    pub budget: u64,
+    pub working: u64,
+    pub any_order: bool,
+    /// The model's name rules, the file's ignored entries included.
+    pub names: NameRules,
+}
+
 /// A model whose blocks stream through memory under a byte budget; see [`super`].
 pub struct StreamedModel {
     pub(super) name: String,
@@ -90,6 +104,27 @@ impl std::fmt::Debug for StreamedModel {
 }
 
 impl StreamedModel {
+    /// The streamed model the pipeline file describes ([`StreamPlan`], from
+    /// [`BuildContext::stream`](crate::BuildContext::stream)): its checkpoint, blocks, budget,
+    /// working memory and order, so the run is the plan `stageload plan` checked.
+    pub fn planned(
+        name: impl Into<String>,
+        tensors: Vec<(String, Tensor)>,
+        plan: &StreamPlan,
+    ) -> Result<Self, StreamError> {
+        let name = name.into();
+        let checkpoint = Checkpoint::open(&plan.files)
+            .map_err(|source| StreamError::Checkpoint { model: name.clone(), source: Box::new(source) })?;
+        let mut model = StreamedModel::new(name, tensors, checkpoint, &plan.names, &plan.spec, plan.budget)?;
+        if plan.working > 0 {
+            model = model.working_memory(plan.working)?;
+        }
+        if plan.any_order {
+            model = model.any_order()?;
+        }
+        Ok(model)
+    }
+
     /// Sets up `tensors` (a model's named tensors, e.g. [`crate::named_tensors`] of its
     /// VarStore) as blocks per `spec`, streamed from `checkpoint` (names met under `rules`)
     /// under `budget` bytes: frees the streamed blocks and fills the fixed tensors and the
