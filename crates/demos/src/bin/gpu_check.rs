@@ -8,7 +8,10 @@
 //! initialisation draws nothing from the CUDA generator, gives the same output after a release
 //! (device memory back to the allocator and the driver) and a reload in place; a model without
 //! checkpoint released into a host tier comes back from it (not rebuilt) with the same output,
-//! its reload's copy speed reported against the pinned host→device limit of the same run.
+//! its reload's copy speed reported against the pinned host→device limit of the same run; a
+//! model the pipeline file streams runs its planned split with the whole model's output, and
+//! gives its pinned host copies back when a stage releases it. A group of checks that fails
+//! with an error is reported as such and the others still run.
 //!
 //!     gpu_check --out DIR [--gib 4] [--rounds 5] [--python python3]
 
@@ -19,6 +22,7 @@ use std::time::Instant;
 
 use clap::Parser;
 use stageload::checkpoint::Checkpoint;
+use stageload::stream::{Step, StreamError, StreamedModel};
 use stageload::{BoxError, Built, EventKind, ListSink, ModelSpec, ReloadFrom, StagedModels};
 use stageload_torch_sys::{cuda_memory, generator_state, GeneratorDevice};
 use tch::nn::{self, Module, VarStore};
@@ -229,6 +233,115 @@ fn tier_checks(device: Device) -> Result<BTreeMap<String, serde_json::Value>, Bo
     Ok(r)
 }
 
+/// Eight 64 MiB blocks, streamed.
+struct Blocks(Vec<nn::Linear>);
+
+fn blocks(vs: &VarStore) -> Blocks {
+    Blocks((0..8).map(|i| nn::linear(vs.root() / "blocks" / i, 4096, 4096, Default::default())).collect())
+}
+
+impl Blocks {
+    fn forward(&self, x: &Tensor, step: Option<&mut Step<'_>>) -> Result<Tensor, StreamError> {
+        let mut x = x.shallow_clone();
+        let mut step = step;
+        for (i, block) in self.0.iter().enumerate() {
+            if let Some(step) = step.as_deref_mut() {
+                step.block(i)?;
+            }
+            x = block.forward(&x).gelu("none");
+        }
+        Ok(x)
+    }
+}
+
+/// A model the pipeline file streams on CUDA, inside the registry: the file's split (2 of 8
+/// blocks resident under 330 MiB with 64 MiB working memory), the same output as the model whole, its pinned host copies
+/// given back to the OS when a stage releases it, the same output again once rebuilt.
+fn streamed_registry_checks(scratch: &Path, device: Device) -> Result<BTreeMap<String, serde_json::Value>, BoxError> {
+    let file = scratch.join("blocks.safetensors");
+    {
+        let vs = VarStore::new(Device::Cpu);
+        let _ = blocks(&vs);
+        stageload::checkpoint::save(&vs.variables().into_iter().collect::<Vec<_>>(), &file)?;
+    }
+    let x = Tensor::ones([8, 4096], (Kind::Float, device)) / 64.0;
+    let whole = {
+        let mut vs = VarStore::new(device);
+        let model = blocks(&vs);
+        vs.load(&file)?;
+        tch::no_grad(|| model.forward(&x, None))?
+    };
+    let pipeline_file = scratch.join("streamed.toml");
+    std::fs::write(
+        &pipeline_file,
+        format!(
+            "[[models]]\nname = \"flow\"\nfiles = [\"blocks.safetensors\"]\ndevice = \"{}\"\n\
+             stream = {{ blocks = [\"blocks.*\"], budget = \"330MiB\", working = \"64MiB\" }}\n\n\
+             [[stages]]\nname = \"run\"\nmodels = [\"flow\"]\n\n[[stages]]\nname = \"other\"\nmodels = []\n\n\
+             [[stages]]\nname = \"run\"\nmodels = [\"flow\"]\n",
+            stageload::meter::device_name(device)
+        ),
+    )?;
+    let pipeline = stageload::Pipeline::load(&pipeline_file)?;
+    let planned = pipeline.models[0].streamed.clone().ok_or("the file streams flow")?;
+    struct Flow(Blocks, StreamedModel);
+    let models = StagedModels::builder()
+        .pipeline(&pipeline)
+        .model(ModelSpec::new("flow", |ctx| {
+            let plan = ctx.stream().ok_or("the file streams flow")?;
+            let vs = VarStore::new(Device::Cpu);
+            let model = stageload_torch_sys::without_fills(|| blocks(&vs));
+            let tensors = stageload::named_tensors(&vs);
+            stageload::stream::place("flow", &tensors, ctx.device().unwrap_or(Device::Cpu))?;
+            let streamed = StreamedModel::planned("flow", tensors, plan)?;
+            let tensors = streamed.tensors();
+            Ok(Built::from_tensors(Flow(model, streamed), tensors))
+        }))
+        .build()?;
+    let run = || -> Result<(Tensor, usize), BoxError> {
+        let (y, resident) = models.call("flow", |m: &mut Flow| {
+            let y = tch::no_grad(|| m.1.run(|step| m.0.forward(&x, Some(step))));
+            (y, m.1.split().resident)
+        })?;
+        Ok((y?, resident))
+    };
+    let rss = || stageload_probe::process_memory(std::process::id() as i32).map(|m| m.rss);
+    models.enter("run")?;
+    let (y, resident) = run()?;
+    let before = rss()?;
+    models.enter("other")?;
+    let after = rss()?;
+    models.enter("run")?;
+    let (again, _) = run()?;
+    let host_copies = planned.host_copies;
+    let mut r = BTreeMap::new();
+    r.insert("streamed_keeps_the_planned_blocks".into(), (resident == planned.resident_blocks).into());
+    r.insert("streamed_equals_whole_on_cuda".into(), y.equal(&whole).into());
+    r.insert(
+        "streamed_release_gives_pinned_copies_back".into(),
+        (before.saturating_sub(after) >= host_copies * 9 / 10).into(),
+    );
+    r.insert("streamed_release_rss_drop_bytes".into(), before.saturating_sub(after).into());
+    r.insert("streamed_identical_after_rebuild".into(), again.equal(&y).into());
+    Ok(r)
+}
+
+/// A group of checks; an error becomes `<group>_error` in the result, and the rest still run.
+fn checks(
+    result: &mut BTreeMap<String, serde_json::Value>,
+    group: &str,
+    run: impl FnOnce() -> Result<BTreeMap<String, serde_json::Value>, BoxError>,
+) {
+    match run() {
+        Ok(values) => result.extend(values),
+        Err(err) => {
+            eprintln!("{group}: {err}");
+            result.insert(format!("{group}_error"), err.to_string().into());
+            result.insert(format!("{group}_ran"), false.into());
+        }
+    }
+}
+
 fn main() -> Result<(), BoxError> {
     stageload_demos::logging::init();
     let args = Args::parse();
@@ -263,8 +376,9 @@ fn main() -> Result<(), BoxError> {
     halves.load_into(&converted_cpu, |_| {})?;
     result.insert("f16_to_f32_on_device_equals_cpu".into(), all_equal(&converted_cuda, &converted_cpu).into());
     drop((converted_cuda, converted_cpu));
-    result.extend(registry_checks(&scratch, device)?);
-    result.extend(tier_checks(device)?);
+    checks(&mut result, "registry", || registry_checks(&scratch, device));
+    checks(&mut result, "tier", || tier_checks(device));
+    checks(&mut result, "streamed_registry", || streamed_registry_checks(&scratch, device));
 
     // Speed: checkpoint → CUDA (targets allocated once), then the peers, alternating.
     let bytes = std::fs::metadata(&big)?.len() as f64;
