@@ -55,7 +55,7 @@ impl Inner {
                 let usage = state.tier_usage();
                 drop(state);
                 let note = format!(
-                    "not stored: {} of '{name}''s tensors have no memory now (a streamed model's blocks between steps: it keeps its own copies); it is rebuilt when needed",
+                    "not stored: '{name}' has {} tensors with no memory now (a streamed model's blocks between steps: it keeps its own copies); it is rebuilt when needed",
                     views.unallocated()
                 );
                 return self.tier_event(stage, name, None, None, note, usage);
