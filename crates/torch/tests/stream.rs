@@ -451,13 +451,33 @@ fn a_streamed_model_in_staged_models_is_released_with_its_stage_and_rebuilt_the_
 }
 
 #[test]
+fn declared_working_memory_frees_at_once_the_blocks_it_no_longer_keeps() {
+    let (_one, _dir, file) = setup();
+    let (_net, model, tensors) = streamed_with_tensors(&file, budget_for(4) + BLOCK / 2).unwrap();
+    let allocated = |block: usize| {
+        let name = format!("blocks.{block}.fc1.weight");
+        let (_, tensor) = tensors.iter().find(|(n, _)| *n == name).unwrap();
+        stageload_torch_sys::storage_info(tensor).unwrap().allocated
+    };
+    assert_eq!(model.split().resident, 4);
+    assert!(allocated(3));
+    let model = model.working_memory(BLOCK).unwrap();
+    assert_eq!(model.split().resident, 3);
+    assert!(!allocated(3), "block 3 freed before any step");
+    assert!(allocated(2));
+}
+
+#[test]
 fn a_streamed_model_of_the_pipeline_file_runs_the_split_its_plan_counts() {
     use stageload::{Built, ModelSpec, StagedModels};
     let (_one, dir, file) = setup();
     let expected = reference(&file);
     let path = dir.path().join("pipeline.toml");
-    let stream =
-        format!(r#"{{ blocks = ["blocks.*"], resident = ["input", "output"], budget = "{}" }}"#, budget_for(3));
+    // With its working memory one block fits fewer: 3 resident, not 4.
+    let stream = format!(
+        r#"{{ blocks = ["blocks.*"], resident = ["input", "output"], budget = "{}", working = "{BLOCK}" }}"#,
+        budget_for(3) + BLOCK
+    );
     std::fs::write(
         &path,
         format!(

@@ -76,6 +76,16 @@ impl StreamedModel {
                 self.announce("memory pressure", None);
             }
         }
+        self.let_go()?;
+        if self.split.look_ahead && !self.any_order {
+            self.start_ahead(self.split.resident, None);
+        }
+        Ok(())
+    }
+
+    /// Frees what the split no longer holds: hot blocks past the room (weakest first), and
+    /// every streamed block not kept hot or still in a slot. Nothing may run on the blocks.
+    pub(super) fn let_go(&mut self) -> Result<(), StreamError> {
         for victim in self.hot.over(&self.sizes.blocks, self.split.hot, &[]) {
             self.drop_hot(victim)?;
         }
@@ -87,9 +97,6 @@ impl StreamedModel {
             if self.passes(index) || self.blocks[index].slot.is_some() {
                 self.release(index)?;
             }
-        }
-        if self.split.look_ahead && !self.any_order {
-            self.start_ahead(self.split.resident, None);
         }
         Ok(())
     }

@@ -56,6 +56,13 @@ pub struct StreamPlan {
     pub names: NameRules,
 }
 
+/// What set-up fits the split to.
+struct Fit {
+    budget: u64,
+    working: u64,
+    any_order: bool,
+}
+
 /// A model whose blocks stream through memory under a byte budget; see [`super`].
 pub struct StreamedModel {
     pub(super) name: String,
@@ -115,14 +122,8 @@ impl StreamedModel {
         let name = name.into();
         let checkpoint = Checkpoint::open(&plan.files)
             .map_err(|source| StreamError::Checkpoint { model: name.clone(), source: Box::new(source) })?;
-        let mut model = StreamedModel::new(name, tensors, checkpoint, &plan.names, &plan.spec, plan.budget)?;
-        if plan.working > 0 {
-            model = model.working_memory(plan.working)?;
-        }
-        if plan.any_order {
-            model = model.any_order()?;
-        }
-        Ok(model)
+        let fit = Fit { budget: plan.budget, working: plan.working, any_order: plan.any_order };
+        StreamedModel::set_up(name, tensors, checkpoint, &plan.names, &plan.spec, fit)
     }
 
     /// Sets up `tensors` (a model's named tensors, e.g. [`crate::named_tensors`] of its
@@ -143,7 +144,20 @@ impl StreamedModel {
         spec: &BlockSpec,
         budget: u64,
     ) -> Result<Self, StreamError> {
-        let name = name.into();
+        let fit = Fit { budget, working: 0, any_order: false };
+        StreamedModel::set_up(name.into(), tensors, checkpoint, rules, spec, fit)
+    }
+
+    /// [`Self::new`] with the working memory and the order known before anything is read, so
+    /// set-up reads only the blocks that stay.
+    fn set_up(
+        name: String,
+        tensors: Vec<(String, Tensor)>,
+        checkpoint: Checkpoint,
+        rules: &NameRules,
+        spec: &BlockSpec,
+        Fit { budget, working, any_order }: Fit,
+    ) -> Result<Self, StreamError> {
         let model = name.clone();
         let names: Vec<&str> = tensors.iter().map(|(n, _)| n.as_str()).collect();
         let layout = assign(spec, &names).map_err(|source| StreamError::Blocks { model: model.clone(), source })?;
@@ -201,7 +215,7 @@ impl StreamedModel {
         }
         let fixed_bytes: u64 = fixed_storages.iter().map(|s| s.nbytes as u64).sum();
         let sizes = Sizes { fixed: fixed_bytes, blocks: blocks.iter().map(|b| bytes_of(&b.storages)).collect() };
-        let split = fit(&sizes, budget, 0, blocks.len())
+        let split = fit(&sizes, budget, working, if any_order { 0 } else { blocks.len() })
             .map_err(|source| StreamError::Budget { model: model.clone(), source })?;
         if device == Device::Cpu {
             stageload_torch_sys::map_large_host_blocks();
@@ -227,9 +241,9 @@ impl StreamedModel {
             budget,
             split,
             hot: HotSet::new(split.blocks),
-            any_order: false,
+            any_order,
             uncached: false,
-            working: 0,
+            working,
             checkpoint: Arc::new(checkpoint),
             ahead: None,
             reading,
@@ -334,6 +348,8 @@ impl StreamedModel {
     pub fn working_memory(mut self, bytes: u64) -> Result<Self, StreamError> {
         self.working = self.working.max(bytes);
         self.refit_to(self.split.resident, self.split.hot, "working memory")?;
+        // The blocks set-up read that no longer stay go now, not at the first step.
+        self.let_go()?;
         Ok(self)
     }
 
