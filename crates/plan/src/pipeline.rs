@@ -122,8 +122,8 @@ pub struct Streaming {
     pub hot_blocks: usize,
     pub budget: u64,
     pub working: u64,
-    /// On a device: host bytes of every block's pinned copy, which the streamer reads once at
-    /// set-up and refills from (0 on the CPU, where refills read the checkpoint).
+    /// On CUDA: host bytes of every block's pinned copy, which the streamer reads once at set-up
+    /// and refills from (0 elsewhere, where refills read the checkpoint).
     #[serde(default)]
     pub host_copies: u64,
 }
@@ -413,7 +413,7 @@ fn read_header(path: &Path, ignore: &[glob::Pattern], load_bits: Option<usize>) 
 }
 
 /// The split a streamed model gets under its budget, from its entries' names and bytes.
-fn streaming(stream: &StreamEntry, entries: &[(String, u64)], on_device: bool) -> Result<Streaming, String> {
+fn streaming(stream: &StreamEntry, entries: &[(String, u64)], on_cuda: bool) -> Result<Streaming, String> {
     let budget = parse_size(&stream.budget).map_err(|e| format!("budget: {e}"))?;
     let working = stream.working.as_deref().map_or(Ok(0), parse_size).map_err(|e| format!("working: {e}"))?;
     let spec = crate::blocks::BlockSpec::new(stream.blocks.iter().cloned()).resident(stream.resident.iter().cloned());
@@ -447,7 +447,7 @@ fn streaming(stream: &StreamEntry, entries: &[(String, u64)], on_device: bool) -
         hot_blocks: hot.count(),
         budget,
         working,
-        host_copies: if on_device { total(sizes.blocks.iter().copied()) } else { 0 },
+        host_copies: if on_cuda { total(sizes.blocks.iter().copied()) } else { 0 },
     })
 }
 
@@ -570,7 +570,7 @@ impl Pipeline {
                     )))
                 }
                 Some(stream) => Some(
-                    streaming(stream, &entries, placement == Placement::Device)
+                    streaming(stream, &entries, matches!(DeviceName::parse(&entry.device), Some(DeviceName::Cuda(_))))
                         .map_err(|e| invalid(format!("model '{}': stream: {e}", entry.name)))?,
                 ),
                 None => None,
