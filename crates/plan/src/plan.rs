@@ -240,12 +240,7 @@ fn bytes_on(models: &[&Model], placement: Placement) -> u64 {
     let whole =
         on.clone().filter(|m| m.streamed.is_none()).flat_map(|m| &m.parts).filter(|part| seen.insert(&part.file));
     let streamed = on.filter_map(|m| m.streamed.as_ref().map(|s| s.held));
-    // A streamed model on a device keeps every block's pinned copy in host memory.
-    let host_copies = models
-        .iter()
-        .filter(|m| placement == Placement::Host && m.placement == Placement::Device)
-        .filter_map(|m| m.streamed.as_ref().map(|s| s.host_copies));
-    total(whole.map(|part| part.bytes).chain(streamed).chain(host_copies))
+    total(whole.map(|part| part.bytes).chain(streamed))
 }
 
 /// Bytes read to load `loading` while `resident` are held: files already held are not read again.
@@ -294,8 +289,11 @@ pub fn plan(pipeline: &Pipeline, budget: Budget, device_budget: Option<Budget>) 
         let resident_models = models_of(&resident);
         let weights = bytes_on(&resident_models, Placement::Host);
         let device_weights = bytes_on(&resident_models, Placement::Device);
+        // A streamed model on CUDA keeps every block's pinned copy in host memory: like the
+        // tier's copies, host memory the stage needs beside its weights.
+        let pinned_copies = total(resident_models.iter().filter_map(|m| m.streamed.as_ref().map(|s| s.host_copies)));
         let (need, device_need) = (
-            reserve(weights.saturating_add(tier_bytes).saturating_add(stage.working)),
+            reserve(total([weights, tier_bytes, pinned_copies, stage.working])),
             reserve(device_weights.saturating_add(stage.device_working)),
         );
         stages.push(StagePlan {
