@@ -491,8 +491,10 @@ fn a_streamed_model_of_the_pipeline_file_runs_the_split_its_plan_counts() {
     let split = pipeline.models[0].streamed.clone().unwrap();
     assert_eq!((split.resident_blocks, split.blocks), (3, DEPTH));
 
+    let sink = Arc::new(ListSink::new());
     let models = StagedModels::builder()
         .pipeline(&pipeline)
+        .events(sink.clone())
         .model(ModelSpec::new("flow", |ctx| {
             let plan = ctx.stream().ok_or("the file streams flow")?;
             let vs = VarStore::new(Device::Cpu);
@@ -515,6 +517,9 @@ fn a_streamed_model_of_the_pipeline_file_runs_the_split_its_plan_counts() {
     assert!(y.unwrap().equal(&expected[0]), "the file's checkpoint, read by the streamer");
     assert_eq!(resident, split.resident_blocks, "the run keeps what the plan counts");
     assert_eq!(models.resident_bytes(), planned.stages[0].weights, "held: what the plan counts, not the whole model");
+    let of_flow = |kind| sink.of_kind(kind).into_iter().filter(|e| e.model.as_deref() == Some("flow")).count();
+    assert_eq!(of_flow(EventKind::Load), 1, "the registry's load, not a second one");
+    assert!(of_flow(EventKind::Residency) >= 1, "its split in the run's trace");
 }
 
 #[test]

@@ -250,6 +250,7 @@ impl StagedModelsBuilder {
                     working: streamed.working,
                     any_order: streamed.any_order,
                     names: names.clone(),
+                    sink: self.sink.clone(),
                 })
             });
             let slot = decide::Slot {

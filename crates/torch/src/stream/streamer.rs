@@ -45,7 +45,7 @@ type Reading = Box<dyn FnMut() -> Option<u64> + Send>;
 /// A streamed model as a pipeline file describes it (`stream = { ... }` in its entry), handed
 /// to its loader by [`BuildContext::stream`](crate::BuildContext::stream): the registry gives
 /// such a model no checkpoint (it would load it whole); [`StreamedModel::planned`] reads it.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct StreamPlan {
     pub files: Vec<std::path::PathBuf>,
     pub spec: BlockSpec,
@@ -54,6 +54,20 @@ pub struct StreamPlan {
     pub any_order: bool,
     /// The model's name rules, the file's ignored entries included.
     pub names: NameRules,
+    /// The registry's event sink: the model's `residency` events go into the run's trace.
+    pub(crate) sink: Option<Arc<dyn EventSink>>,
+}
+
+impl std::fmt::Debug for StreamPlan {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StreamPlan")
+            .field("files", &self.files)
+            .field("spec", &self.spec)
+            .field("budget", &self.budget)
+            .field("working", &self.working)
+            .field("any_order", &self.any_order)
+            .finish_non_exhaustive()
+    }
 }
 
 /// What set-up fits the split to.
@@ -113,7 +127,8 @@ impl std::fmt::Debug for StreamedModel {
 impl StreamedModel {
     /// The streamed model the pipeline file describes ([`StreamPlan`], from
     /// [`BuildContext::stream`](crate::BuildContext::stream)): its checkpoint, blocks, budget,
-    /// working memory and order, so the run is the plan `stageload plan` checked.
+    /// working memory and order, so the run is the plan `stageload plan` checked; its
+    /// `residency` events go to the registry's sink.
     pub fn planned(
         name: impl Into<String>,
         tensors: Vec<(String, Tensor)>,
@@ -123,7 +138,13 @@ impl StreamedModel {
         let checkpoint = Checkpoint::open(&plan.files)
             .map_err(|source| StreamError::Checkpoint { model: name.clone(), source: Box::new(source) })?;
         let fit = Fit { budget: plan.budget, working: plan.working, any_order: plan.any_order };
-        StreamedModel::set_up(name, tensors, checkpoint, &plan.names, &plan.spec, fit)
+        let mut model = StreamedModel::set_up(name, tensors, checkpoint, &plan.names, &plan.spec, fit)?;
+        // Residency into the run's trace; the registry reports the load itself.
+        if let Some(sink) = &plan.sink {
+            model.sink = Some(Arc::clone(sink));
+            model.announce("start", None);
+        }
+        Ok(model)
     }
 
     /// Sets up `tensors` (a model's named tensors, e.g. [`crate::named_tensors`] of its
