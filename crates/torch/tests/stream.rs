@@ -467,13 +467,10 @@ fn declared_working_memory_frees_at_once_the_blocks_it_no_longer_keeps() {
     assert!(allocated(2));
 }
 
-#[test]
-fn a_streamed_model_of_the_pipeline_file_runs_the_split_its_plan_counts() {
-    use stageload::{Built, ModelSpec, StagedModels};
-    let (_one, dir, file) = setup();
-    let expected = reference(&file);
-    let path = dir.path().join("pipeline.toml");
-    // With its working memory one block fits fewer: 3 resident, not 4.
+/// A pipeline file in `dir` streaming the net (`net.safetensors` there) as `flow` in stage
+/// `denoise`; with its working memory one block fits fewer: 3 resident, not 4.
+fn streaming_pipeline(dir: &Path) -> stageload::Pipeline {
+    let path = dir.join("pipeline.toml");
     let stream = format!(
         r#"{{ blocks = ["blocks.*"], resident = ["input", "output"], budget = "{}", working = "{BLOCK}" }}"#,
         budget_for(3) + BLOCK
@@ -486,7 +483,15 @@ fn a_streamed_model_of_the_pipeline_file_runs_the_split_its_plan_counts() {
         ),
     )
     .unwrap();
-    let pipeline = stageload::Pipeline::load(&path).unwrap();
+    stageload::Pipeline::load(&path).unwrap()
+}
+
+#[test]
+fn a_streamed_model_of_the_pipeline_file_runs_the_split_its_plan_counts() {
+    use stageload::{Built, ModelSpec, StagedModels};
+    let (_one, dir, file) = setup();
+    let expected = reference(&file);
+    let pipeline = streaming_pipeline(dir.path());
     let planned = stageload_plan::plan(&pipeline, stageload_plan::Budget::given(1 << 30), None);
     let split = pipeline.models[0].streamed.clone().unwrap();
     assert_eq!((split.resident_blocks, split.blocks), (3, DEPTH));
@@ -520,6 +525,25 @@ fn a_streamed_model_of_the_pipeline_file_runs_the_split_its_plan_counts() {
     let of_flow = |kind| sink.of_kind(kind).into_iter().filter(|e| e.model.as_deref() == Some("flow")).count();
     assert_eq!(of_flow(EventKind::Load), 1, "the registry's load, not a second one");
     assert!(of_flow(EventKind::Residency) >= 1, "its split in the run's trace");
+}
+
+#[test]
+fn a_loader_that_ignores_the_files_stream_plan_is_refused_not_left_with_its_initial_weights() {
+    use stageload::{Built, ModelSpec, StageError, StagedModels};
+    let (_one, dir, _file) = setup();
+    let models = StagedModels::builder()
+        .pipeline(&streaming_pipeline(dir.path()))
+        .model(ModelSpec::new("flow", |_| {
+            let vs = VarStore::new(Device::Cpu);
+            let net = Net::new(&vs);
+            Ok(Built::new(net, &vs))
+        }))
+        .build()
+        .unwrap();
+    models.enter("denoise").unwrap();
+    let err = models.get::<Net>("flow").err().unwrap();
+    assert!(matches!(err, StageError::PlanMismatch { .. }), "{err}");
+    assert!(err.to_string().contains("StreamedModel::planned(name, tensors, ctx.stream())"), "{err}");
 }
 
 #[test]

@@ -249,6 +249,7 @@ impl Inner {
             device: placement.device,
             shared_tensors: Mutex::new(Vec::new()),
             stream: stream.as_deref(),
+            stream_taken: Default::default(),
         };
         let run = || {
             if *skip_init {
@@ -264,6 +265,13 @@ impl Inner {
                 return Err(StageError::LoaderPanicked { model: name.to_string(), message: panic_message(&*panic) })
             }
         };
+        if stream.is_some() && !context.stream_taken.into_inner() {
+            // It has no checkpoint: built whole, its weights would stay as the loader left them.
+            return Err(StageError::PlanMismatch {
+                model: name.to_string(),
+                message: "the pipeline file streams it, and its loader did not take the plan: make it with StreamedModel::planned(name, tensors, ctx.stream()) (or take `stream` out of the file)".into(),
+            });
+        }
         let shared = context.shared_tensors.into_inner().unwrap_or_else(|e| e.into_inner());
         // Shared components built by this build are this model's to place and convert too
         // (shallow copies: the conversion reaches every holder).

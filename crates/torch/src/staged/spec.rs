@@ -58,6 +58,8 @@ pub struct BuildContext<'a> {
     pub(crate) shared_tensors: Mutex<Vec<(String, Tensor, bool)>>,
     /// How the pipeline file streams the model, if it does.
     pub(crate) stream: Option<&'a crate::stream::StreamPlan>,
+    /// Whether the loader asked for [`Self::stream`] (a streamed model's loader must).
+    pub(crate) stream_taken: std::sync::atomic::AtomicBool,
 }
 
 impl BuildContext<'_> {
@@ -78,6 +80,7 @@ impl BuildContext<'_> {
     /// streamed model no checkpoint (it would load it whole); a release drops it and a later
     /// stage rebuilds it.
     pub fn stream(&self) -> Option<&crate::stream::StreamPlan> {
+        self.stream_taken.store(true, std::sync::atomic::Ordering::Relaxed);
         self.stream
     }
 
