@@ -9,7 +9,7 @@
 //! async copy on a side stream from pinned host copies of every block, read once at set-up) and
 //! freed in place just after, with the next streamed block read on a background
 //! thread while the current one computes. The forward code stays the same except for one call
-//! at each block boundary, [`Step::block`]:
+//! at each block boundary, [`Step::block`](step::Step::block):
 //!
 //! ```no_run
 //! # use stageload::stream::{BlockSpec, StreamedModel};
@@ -29,12 +29,17 @@
 //! # Ok(()) }
 //! ```
 //!
+//! A pipeline file may stream a model (`stream = { blocks, resident, budget, ... }` in its
+//! entry): [`StagedModelsBuilder::pipeline`](crate::staged::builder::StagedModelsBuilder::pipeline) hands that plan to the model's loader
+//! ([`crate::BuildContext::stream`]) and [`StreamedModel::planned`] makes the model from it, so
+//! the run keeps the split `stageload plan` counted.
+//!
 //! The room the budget leaves beyond the prefix, the slots and the working memory keeps
 //! streamed blocks hot after they run ([`hot`]: the blocks used most, ties to those held, so a
 //! forward in order keeps a fixed set instead of thrashing). A forward that runs its blocks in
 //! any order, or only some each step (experts), says so with [`StreamedModel::any_order`]: then
 //! no prefix is kept, the whole room is the hot set, and the block read ahead is the one the
-//! forward names with [`Step::prefetch`].
+//! forward names with [`Step::prefetch`](step::Step::prefetch).
 //!
 //! An out-of-memory inside a step (a libtorch error or panic saying so) gives up the hot set, or
 //! else streams one more block, and runs the step again; on the CPU, where running out is the
