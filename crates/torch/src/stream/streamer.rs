@@ -31,7 +31,7 @@ pub struct StreamStats {
     pub bytes_refilled: u64,
     /// Seconds the refills took, wherever they ran.
     pub refill_seconds: f64,
-    /// Seconds [`Step::block`] waited for a block (a refill not finished, or not started).
+    /// Seconds [`Step::block`](super::Step::block) waited for a block (a refill not finished, or not started).
     pub waited_seconds: f64,
     /// Steps run again after an out-of-memory.
     pub retries: u64,
@@ -445,7 +445,7 @@ impl StreamedModel {
     /// (a mixture of experts' experts): no block is kept for its position; the room the budget
     /// leaves beside the fixed tensors, the slots and the working memory holds the blocks used
     /// most (the hot set, [`stageload_plan::hot`]), and the block loaded ahead is the one the
-    /// forward names with [`Step::prefetch`] (none is guessed).
+    /// forward names with [`Step::prefetch`](super::Step::prefetch) (none is guessed).
     pub fn any_order(mut self) -> Result<Self, StreamError> {
         self.any_order = true;
         self.refit_to(0, u64::MAX, "any order")?;
