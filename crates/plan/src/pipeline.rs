@@ -350,14 +350,33 @@ impl Pipeline {
     }
 }
 
-/// Bits per element of a load dtype as users write it: the float dtypes the registry converts a
-/// model's float entries to (`f16`, `bf16`, `f32`, `f64` and their long names, any case).
-pub fn load_dtype_bits(name: &str) -> Option<usize> {
-    match name.to_ascii_lowercase().as_str() {
-        "f16" | "float16" | "half" | "bf16" | "bfloat16" => Some(16),
-        "f32" | "float32" | "float" => Some(32),
-        "f64" | "float64" | "double" => Some(64),
-        _ => None,
+/// A dtype a model's float entries load as: the ones the registry converts to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LoadDtype {
+    F16,
+    BF16,
+    F32,
+    F64,
+}
+
+impl LoadDtype {
+    /// As users write it: `f16`, `bf16`, `f32`, `f64` and their long names, any case.
+    pub fn parse(name: &str) -> Option<LoadDtype> {
+        match name.to_ascii_lowercase().as_str() {
+            "f16" | "float16" | "half" => Some(LoadDtype::F16),
+            "bf16" | "bfloat16" => Some(LoadDtype::BF16),
+            "f32" | "float32" | "float" => Some(LoadDtype::F32),
+            "f64" | "float64" | "double" => Some(LoadDtype::F64),
+            _ => None,
+        }
+    }
+
+    pub fn bits(self) -> usize {
+        match self {
+            LoadDtype::F16 | LoadDtype::BF16 => 16,
+            LoadDtype::F32 => 32,
+            LoadDtype::F64 => 64,
+        }
     }
 }
 
@@ -521,7 +540,7 @@ impl Pipeline {
                 invalid(format!("model '{}': unknown device '{}' (cpu, cuda, cuda:N or mps)", entry.name, entry.device))
             })?;
             let loaded_bits = match &entry.dtype {
-                Some(dtype) => Some(load_dtype_bits(dtype).ok_or_else(|| {
+                Some(dtype) => Some(LoadDtype::parse(dtype).map(LoadDtype::bits).ok_or_else(|| {
                     invalid(format!(
                         "model '{}': unknown dtype '{dtype}': float entries load as f16, bf16, f32 or f64 (integer and bool entries keep theirs)",
                         entry.name

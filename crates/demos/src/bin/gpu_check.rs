@@ -103,6 +103,14 @@ fn copy_limits(rounds: usize, device: Device) -> (f64, f64) {
     (rate(&pinned), rate(&pageable))
 }
 
+/// Writes the freshly initialised weights of the model `build` makes to `file`.
+fn save_initialised(file: &Path, build: impl FnOnce(&VarStore)) -> Result<(), BoxError> {
+    let vs = VarStore::new(Device::Cpu);
+    build(&vs);
+    stageload::checkpoint::save(&vs.variables().into_iter().collect::<Vec<_>>(), file)?;
+    Ok(())
+}
+
 struct Net(nn::Sequential);
 
 fn net(vs: &VarStore) -> Net {
@@ -118,11 +126,7 @@ fn net(vs: &VarStore) -> Net {
 /// repeats the output.
 fn registry_checks(scratch: &Path, device: Device) -> Result<BTreeMap<String, serde_json::Value>, BoxError> {
     let file = scratch.join("net.safetensors");
-    {
-        let vs = VarStore::new(Device::Cpu);
-        let _ = net(&vs);
-        stageload::checkpoint::save(&vs.variables().into_iter().collect::<Vec<_>>(), &file)?;
-    }
+    save_initialised(&file, |vs| drop(net(vs)))?;
     let models = StagedModels::builder()
         .model(
             ModelSpec::new("net", move |_| {
@@ -259,11 +263,7 @@ impl Blocks {
 /// given back to the OS when a stage releases it, the same output again once rebuilt.
 fn streamed_registry_checks(scratch: &Path, device: Device) -> Result<BTreeMap<String, serde_json::Value>, BoxError> {
     let file = scratch.join("blocks.safetensors");
-    {
-        let vs = VarStore::new(Device::Cpu);
-        let _ = blocks(&vs);
-        stageload::checkpoint::save(&vs.variables().into_iter().collect::<Vec<_>>(), &file)?;
-    }
+    save_initialised(&file, |vs| drop(blocks(vs)))?;
     let x = Tensor::ones([8, 4096], (Kind::Float, device)) / 64.0;
     let whole = {
         let mut vs = VarStore::new(device);

@@ -82,7 +82,7 @@ impl Inner {
         let (ticket, plan, recipe) = loop {
             let position = state.position(name)?;
             let planned_here = prefetch || state.planned_here(name);
-            let in_tier = state.tier.as_ref().is_some_and(|tier| tier.ready(name));
+            let in_tier = state.in_tier(name);
             let ctx = GetContext { closed: state.closed, strict: self.strict, planned_here, in_tier };
             let entry = &state.entries[position];
             let plan = match decide::on_get(&entry.slot, ctx) {

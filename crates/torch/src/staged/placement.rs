@@ -4,6 +4,7 @@
 use tch::{Device, Kind, Tensor};
 
 use super::error::{Result, StageError};
+use stageload_plan::pipeline::LoadDtype;
 
 /// Where the pipeline file puts a model and in which dtype (both optional).
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
@@ -17,14 +18,17 @@ impl Placement {
     pub(crate) fn from_file(device: &str, dtype: Option<&str>) -> std::result::Result<Placement, String> {
         let device = crate::meter::device_from_name(device)
             .ok_or_else(|| format!("unknown device '{device}' (cpu, cuda, cuda:N or mps)"))?;
-        let kind = match dtype.map(str::to_ascii_lowercase).as_deref() {
+        let kind = match dtype.map(|name| (name, LoadDtype::parse(name))) {
             None => None,
-            Some("f16" | "float16" | "half") => Some(Kind::Half),
-            Some("bf16" | "bfloat16") => Some(Kind::BFloat16),
-            Some("f32" | "float32" | "float") => Some(Kind::Float),
-            Some("f64" | "float64" | "double") => Some(Kind::Double),
-            Some(other) => {
-                return Err(format!("dtype '{other}': the registry converts float entries only (f16, bf16, f32, f64)"))
+            Some((_, Some(LoadDtype::F16))) => Some(Kind::Half),
+            Some((_, Some(LoadDtype::BF16))) => Some(Kind::BFloat16),
+            Some((_, Some(LoadDtype::F32))) => Some(Kind::Float),
+            Some((_, Some(LoadDtype::F64))) => Some(Kind::Double),
+            Some((other, None)) => {
+                return Err(format!(
+                    "dtype '{}': the registry converts float entries only (f16, bf16, f32, f64)",
+                    other.to_ascii_lowercase()
+                ))
             }
         };
         if let Some(kind) = kind.filter(|&kind| !crate::checkpoint::device_holds(device, kind)) {

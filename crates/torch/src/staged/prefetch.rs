@@ -32,7 +32,7 @@ impl Inner {
         for name in planned {
             let Some(&position) = state.index.get(name) else { continue };
             let entry = &state.entries[position];
-            let in_tier = state.tier.as_ref().is_some_and(|tier| tier.ready(name));
+            let in_tier = state.in_tier(name);
             match decide::on_prefetch(&entry.slot, state.closed, entry.skip_init, in_tier) {
                 Ok(()) => {
                     candidates.push((name.clone(), instance_bytes(entry), entry.checkpoint.clone(), cuda_device(entry)))

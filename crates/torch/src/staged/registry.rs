@@ -97,6 +97,11 @@ impl State {
         self.position.map_or_else(|| self.pinned.clone(), |index| self.pinned_at(index))
     }
 
+    /// Whether the host tier has a finished copy of `name` that nobody is using.
+    pub(super) fn in_tier(&self, name: &str) -> bool {
+        self.tier.as_ref().is_some_and(|tier| tier.ready(name))
+    }
+
     pub(super) fn tier_usage(&self) -> Option<TierUsage> {
         self.tier.as_ref().map(|tier| TierUsage { budget: tier.budget(), used: tier.used() })
     }

@@ -42,7 +42,7 @@ impl Inner {
         // Settled either way: a failed free leaves what it could not free allocated, and the
         // next `get` refills the rest; nobody waits for this release any longer.
         let mut state = self.state();
-        let in_tier = state.tier.as_ref().is_some_and(|tier| tier.ready(&instance.name));
+        let in_tier = state.in_tier(&instance.name);
         let mut comes_back = true;
         if let Some(entry) = state.entry_mut(&instance.name) {
             if let SlotState::Released { instance: held, pending, .. } = &mut entry.slot.state {

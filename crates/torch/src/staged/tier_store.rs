@@ -48,22 +48,21 @@ impl Inner {
         }
         let views = tier_copy::Views::of(&weights.tensors);
         drop(weights);
+        // Before the tier makes room: a copy that cannot be whole evicts nothing.
         let views = match views {
-            Ok(views) if views.unallocated() == 0 => views,
-            // Before the tier makes room: a copy that cannot be whole evicts nothing.
-            Ok(views) => {
+            Ok(views) if views.unallocated() == 0 => Ok(views),
+            Ok(views) => Err(format!(
+                "'{name}' has {} tensors with no memory now (a streamed model's blocks between steps: it keeps its own copies); it is rebuilt when needed",
+                views.unallocated()
+            )),
+            Err(err) => Err(err.to_string()),
+        };
+        let views = match views {
+            Ok(views) => views,
+            Err(why) => {
                 let usage = state.tier_usage();
                 drop(state);
-                let note = format!(
-                    "not stored: '{name}' has {} tensors with no memory now (a streamed model's blocks between steps: it keeps its own copies); it is rebuilt when needed",
-                    views.unallocated()
-                );
-                return self.tier_event(stage, name, None, None, note, usage);
-            }
-            Err(err) => {
-                let usage = state.tier_usage();
-                drop(state);
-                return self.tier_event(stage, name, None, None, format!("not stored: {err}"), usage);
+                return self.tier_event(stage, name, None, None, format!("not stored: {why}"), usage);
             }
         };
         let bytes = views.bytes();

@@ -141,8 +141,7 @@ impl StreamedModel {
         let mut model = StreamedModel::set_up(name, tensors, checkpoint, &plan.names, &plan.spec, fit)?;
         // Residency into the run's trace; the registry reports the load itself.
         if let Some(sink) = &plan.sink {
-            model.sink = Some(Arc::clone(sink));
-            model.announce("start", None);
+            model.report_to(Arc::clone(sink));
         }
         Ok(model)
     }
@@ -327,9 +326,14 @@ impl StreamedModel {
         (load.bytes, load.seconds) = (Some(self.setup.0), Some(self.setup.1));
         load.note = Some("the resident part of a streamed model".into());
         sink.emit(&load);
+        self.report_to(sink);
+        self
+    }
+
+    /// Sends `residency` events to `sink` from now on, starting with the split now.
+    fn report_to(&mut self, sink: Arc<dyn EventSink>) {
         self.sink = Some(sink);
         self.announce("start", None);
-        self
     }
 
     /// Measures working memory with `reading` (bytes now) instead of the process's RSS (CPU) or
@@ -449,13 +453,13 @@ impl StreamedModel {
     pub fn any_order(mut self) -> Result<Self, StreamError> {
         self.any_order = true;
         self.refit_to(0, u64::MAX, "any order")?;
-        // The prefix set-up read stays, as hot blocks, while the room holds it.
+        // The prefix set-up read stays, as hot blocks, while the room holds it; the rest goes.
         for index in 0..self.blocks.len() {
-            let filled = self.blocks[index].allocated && self.blocks[index].slot.is_none();
-            if filled && !self.keep_hot(index, None)? {
-                self.release(index)?;
+            if self.blocks[index].allocated && self.blocks[index].slot.is_none() {
+                self.keep_hot(index, None)?;
             }
         }
+        self.let_go()?;
         Ok(self)
     }
 
