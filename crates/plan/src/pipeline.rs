@@ -445,25 +445,16 @@ fn streaming(stream: &StreamEntry, entries: &[(String, u64)], on_cuda: bool) -> 
     };
     let at_most = if stream.any_order { 0 } else { sizes.blocks.len() };
     let split = crate::split::fit(&sizes, budget, working, at_most).map_err(|e| e.to_string())?;
-    let slots = if split.look_ahead { 2 } else { usize::from(split.streamed() > 0) };
-    // In any order the hot set fills its room with whichever blocks the forward uses most: the
-    // plan counts the smallest that fill it (the most bytes held, the fewest saved).
-    let hot = if stream.any_order {
-        let mut by_size: Vec<usize> = (0..split.blocks).collect();
-        by_size.sort_by_key(|&b| sizes.blocks[b]);
-        crate::hot::steady(&sizes.blocks, by_size, split.hot)
-    } else {
-        crate::hot::steady(&sizes.blocks, split.resident..split.blocks, split.hot)
-    };
+    let holding = sizes.holding(split, stream.any_order);
     Ok(Streaming {
         spec,
         blocks: split.blocks,
         resident_blocks: split.resident,
         look_ahead: split.look_ahead,
         any_order: stream.any_order,
-        held: sizes.need(split.resident, slots, 0).saturating_add(hot.bytes()),
-        per_step: sizes.streamed_per_step(split.resident).saturating_sub(hot.bytes()),
-        hot_blocks: hot.count(),
+        held: holding.held,
+        per_step: holding.per_step,
+        hot_blocks: holding.hot_blocks,
         budget,
         working,
         host_copies: if on_cuda { total(sizes.blocks.iter().copied()) } else { 0 },

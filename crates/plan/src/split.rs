@@ -34,6 +34,28 @@ impl Split {
     pub fn is_streamed(&self, index: usize) -> bool {
         index >= self.resident
     }
+
+    /// Slots the streamed blocks pass through: two with a look-ahead, one without, none when
+    /// every block is resident.
+    pub fn slots(&self) -> usize {
+        if self.look_ahead {
+            2
+        } else {
+            usize::from(self.streamed() > 0)
+        }
+    }
+}
+
+/// What a split holds once its hot set has settled (after the first step): what the plan counts
+/// for a streamed model and what the running model reports to its registry, so the two agree.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Holding {
+    /// Bytes held at most: fixed tensors, resident prefix, slots and the blocks kept hot.
+    pub held: u64,
+    /// Bytes read into the slots per step.
+    pub per_step: u64,
+    /// Streamed blocks kept hot.
+    pub hot_blocks: usize,
 }
 
 /// Byte sizes a split is decided from.
@@ -52,6 +74,25 @@ impl Sizes {
         let prefix = sum(&self.blocks[..resident]);
         let slot = self.blocks[resident..].iter().copied().max().unwrap_or(0);
         self.fixed.saturating_add(prefix).saturating_add(slot.saturating_mul(slots as u64)).saturating_add(working)
+    }
+
+    /// What `split` holds once its hot set has settled. In order, the hot set keeps the first
+    /// streamed blocks that fit its room; in any order it keeps whichever blocks the forward
+    /// uses most, and this counts the smallest that fill the room (the most bytes held, the
+    /// fewest reads saved).
+    pub fn holding(&self, split: Split, any_order: bool) -> Holding {
+        let hot = if any_order {
+            let mut by_size: Vec<usize> = (0..split.blocks).collect();
+            by_size.sort_by_key(|&b| self.blocks[b]);
+            crate::hot::steady(&self.blocks, by_size, split.hot)
+        } else {
+            crate::hot::steady(&self.blocks, split.resident..split.blocks, split.hot)
+        };
+        Holding {
+            held: self.need(split.resident, split.slots(), 0).saturating_add(hot.bytes()),
+            per_step: self.streamed_per_step(split.resident).saturating_sub(hot.bytes()),
+            hot_blocks: hot.count(),
+        }
     }
 
     /// Bytes that pass through the slots in one step when the first `resident` blocks stay.

@@ -251,6 +251,7 @@ impl StagedModelsBuilder {
                     any_order: streamed.any_order,
                     names: names.clone(),
                     sink: self.sink.clone(),
+                    held: Default::default(),
                 })
             });
             let slot = decide::Slot {

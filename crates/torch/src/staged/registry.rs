@@ -15,6 +15,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::path::PathBuf;
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 use super::decide::{self, ModelState, SlotState};
@@ -125,13 +126,21 @@ impl State {
         self.entries.iter().filter_map(|e| decide::holds_storage(&e.slot.state))
     }
 
+    /// Bytes of the instances holding storage, a storage two of them share counted once; a
+    /// streamed model of the pipeline file counts what its split holds now (fixed tensors,
+    /// resident prefix, slots, hot blocks: what the plan counts), which changes as it runs.
     pub(super) fn resident_bytes(&self) -> u64 {
         let mut seen = HashSet::new();
-        self.holding()
-            .flat_map(|i| i.storage_sizes.iter())
-            .filter(|(id, _)| seen.insert(*id))
-            .map(|(_, bytes)| bytes)
-            .sum()
+        let mut total = 0u64;
+        for entry in &self.entries {
+            let Some(instance) = decide::holds_storage(&entry.slot.state) else { continue };
+            // 0 until the streamed model reports (a loader that built it some other way).
+            let held = entry.stream.as_ref().map_or(0, |plan| plan.held.load(Ordering::Relaxed));
+            let fresh = instance.storage_sizes.iter().filter(|(id, _)| seen.insert(*id));
+            let own = fresh.fold(0u64, |sum, (_, bytes)| sum.saturating_add(*bytes));
+            total = total.saturating_add(if held > 0 { held } else { own });
+        }
+        total
     }
 
     pub(super) fn remove_entry(&mut self, position: usize) -> Entry {

@@ -4,6 +4,8 @@
 //! measured; each change is announced (a log line and a `residency` event). Nothing here takes a
 //! lock (see [`super::streamer`]).
 
+use std::sync::atomic::Ordering;
+
 use stageload_trace::event::{Event, EventKind, Residency};
 use tch::Device;
 
@@ -122,6 +124,7 @@ impl StreamedModel {
 
     /// Logs the residency line and sends the event.
     pub(super) fn announce(&self, reason: &str, over: Option<u64>) {
+        self.publish_holding();
         let mut line = self.residency();
         if let Some(over) = over {
             line += &format!(
@@ -134,6 +137,13 @@ impl StreamedModel {
             tracing::info!("{line} ({reason})");
         }
         self.residency_event(reason, line, |_| {});
+    }
+
+    /// Tells the registry (a planned model's) what the split holds now.
+    pub(super) fn publish_holding(&self) {
+        if let Some(held) = &self.held_for_registry {
+            held.store(self.sizes.holding(self.split, self.any_order).held, Ordering::Relaxed);
+        }
     }
 
     /// Sends an `end` residency event with the model's totals (when it goes).

@@ -5,6 +5,7 @@
 //! Nothing here takes a lock: the model is `&mut` for a step, and the only other thread is the
 //! one refilling the block ahead, whose storages nothing else touches until it is joined.
 
+use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -56,6 +57,9 @@ pub struct StreamPlan {
     pub names: NameRules,
     /// The registry's event sink: the model's `residency` events go into the run's trace.
     pub(crate) sink: Option<Arc<dyn EventSink>>,
+    /// The registry counts the model as what its split holds (written at set-up and at every
+    /// change of the split), not as the storages it had when it was built.
+    pub(crate) held: Arc<AtomicU64>,
 }
 
 impl std::fmt::Debug for StreamPlan {
@@ -103,6 +107,8 @@ pub struct StreamedModel {
     /// The governor: (bytes the machine must keep available, what it has available now).
     pub(super) governor: Option<(u64, Reading)>,
     pub(super) sink: Option<Arc<dyn EventSink>>,
+    /// Where a registry reads what the split holds ([`StreamPlan`]'s `held`).
+    pub(super) held_for_registry: Option<Arc<AtomicU64>>,
     pub(super) stats: StreamStats,
     /// Bytes and seconds of set-up's load (fixed tensors and resident prefix).
     pub(super) setup: (u64, f64),
@@ -139,6 +145,8 @@ impl StreamedModel {
             .map_err(|source| StreamError::Checkpoint { model: name.clone(), source: Box::new(source) })?;
         let fit = Fit { budget: plan.budget, working: plan.working, any_order: plan.any_order };
         let mut model = StreamedModel::set_up(name, tensors, checkpoint, &plan.names, &plan.spec, fit)?;
+        model.held_for_registry = Some(Arc::clone(&plan.held));
+        model.publish_holding();
         // Residency into the run's trace; the registry reports the load itself.
         if let Some(sink) = &plan.sink {
             model.report_to(Arc::clone(sink));
@@ -270,6 +278,7 @@ impl StreamedModel {
             peak,
             governor: None,
             sink: None,
+            held_for_registry: None,
             stats: StreamStats::default(),
             setup: (0, 0.0),
             slots: Vec::new(),
@@ -312,8 +321,7 @@ impl StreamedModel {
         streamed.setup = (report.bytes, start.elapsed().as_secs_f64());
         streamed.tensors = tensors;
         // The slots now, so that a registry given `tensors()` frees them with the model.
-        let slots = if split.look_ahead { 2 } else { usize::from(split.streamed() > 0) };
-        streamed.make_slots(slots)?;
+        streamed.make_slots(split.slots())?;
         tracing::info!("{}", describe(&streamed.name, &streamed.sizes, split));
         Ok(streamed)
     }
