@@ -31,7 +31,8 @@ pub struct PlanArgs {
     /// Check against this much host memory instead of this machine's
     #[arg(long, value_name = "SIZE", value_parser = size)]
     memory: Option<u64>,
-    /// Device (GPU) memory to check models on cuda or mps against
+    /// Device (GPU) memory to check models on cuda or mps against (default: the pipeline
+    /// file's device_memory)
     #[arg(long, value_name = "SIZE", value_parser = size)]
     device_memory: Option<u64>,
     /// Take each stage's working memory (peak minus resident weights) from this recorded run
@@ -77,7 +78,8 @@ pub fn run(args: PlanArgs) -> i32 {
             }
         },
     };
-    let mut plan = plan(&pipeline, budget, args.device_memory.map(Budget::given));
+    let device_memory = args.device_memory.or(pipeline.device_memory);
+    let mut plan = plan(&pipeline, budget, device_memory.map(Budget::given));
     plan.working_from = source;
     plan.check = match run.as_ref().map(|run| check(&pipeline, &plan, run)).transpose() {
         Ok(checks) => checks,

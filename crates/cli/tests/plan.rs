@@ -85,6 +85,25 @@ fn json_output() {
 }
 
 #[test]
+fn the_files_device_memory_is_the_device_budget_unless_the_flag_gives_one() {
+    let path = pipeline("device-memory");
+    let text = std::fs::read_to_string(&path.path).unwrap();
+    let text = format!(
+        "device_memory = \"1536K\"\n{}",
+        text.replace("files = [\"decoder.safetensors\"]", "files = [\"decoder.safetensors\"]\ndevice = \"cuda\"")
+    );
+    std::fs::write(&path.path, text).unwrap();
+    let file = path.to_str().unwrap();
+    let device_total = |args: &[&str]| {
+        let (output, text) = plan(&[&[file, "--json", "--memory", "4M"], args].concat());
+        assert_eq!(output.status.code(), Some(0), "{text}");
+        serde_json::from_slice::<serde_json::Value>(&output.stdout).unwrap()["device_budget"]["total"].clone()
+    };
+    assert_eq!(device_total(&[]), 1536 << 10);
+    assert_eq!(device_total(&["--device-memory", "1G"]), 1u64 << 30);
+}
+
+#[test]
 fn bad_input_exits_2_naming_the_problem() {
     let (output, text) = plan(&["/no/such/pipeline.toml"]);
     assert_eq!(output.status.code(), Some(2));

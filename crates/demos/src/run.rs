@@ -37,6 +37,8 @@ impl DemoSpec {
             pins: self.pins.clone(),
             reserve: None,
             host_tier: host_tier.map(|bytes| bytes.to_string()),
+            memory: None,
+            device_memory: None,
             models: self
                 .models
                 .iter()

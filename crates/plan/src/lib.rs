@@ -14,6 +14,7 @@
 
 pub mod blocks;
 pub mod hot;
+pub mod leftover;
 pub mod measured;
 pub mod pipeline;
 pub mod plan;

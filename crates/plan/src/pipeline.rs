@@ -7,6 +7,8 @@
 //! pinned = ["backbone"]                      # resident for the whole run
 //! reserve = "10%"                            # headroom on every stage's need (or a size: "512M")
 //! host_tier = "8G"                           # released device models' weights kept in host memory
+//! memory = "24G"                             # the run's host memory and device memory, from which
+//! device_memory = "80G"                      # a streamed model without a budget takes the rest
 //!
 //! [[pins]]                                   # resident from a stage until another begins
 //! models = ["extractor"]
@@ -28,6 +30,7 @@
 //! name = "flow"                              # bigger than its budget: blocks streamed
 //! files = ["weights/flow.safetensors"]
 //! stream = { blocks = ["model.blocks.*"], resident = ["model.input", "model.output"], budget = "2G" }
+//!                                            # no budget: what its stages leave of `memory`
 //!
 //! [[stages]]
 //! name = "denoise"
@@ -40,7 +43,7 @@ use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
-use stageload_units::parse_size;
+use stageload_units::{format_bytes, parse_size};
 use thiserror::Error;
 
 /// Why a pipeline file or one of its checkpoints cannot be planned.
@@ -87,8 +90,11 @@ pub struct StreamEntry {
     /// Prefixes of the tensors in no block (kept resident).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub resident: Vec<String>,
-    /// Bytes the model may hold at once, its working memory included (a size: `2G`).
-    pub budget: String,
+    /// Bytes the model may hold at once, its working memory included (a size: `2G`). Without
+    /// it the model takes what its stages leave of the file's `memory` (`device_memory` on a
+    /// device): less the reserve, the weights resident beside it and the stage's working memory.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub budget: Option<String>,
     /// Working memory of one step, kept free inside the budget (a size; default 0).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub working: Option<String>,
@@ -121,6 +127,9 @@ pub struct Streaming {
     #[serde(default)]
     pub hot_blocks: usize,
     pub budget: u64,
+    /// A budget the file did not give: what its tightest stage leaves (see [`crate::leftover`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub budget_from: Option<String>,
     pub working: u64,
     /// On CUDA: host bytes of every block's pinned copy, which the streamer reads once at set-up
     /// and refills from (0 elsewhere, where refills read the checkpoint).
@@ -174,6 +183,13 @@ pub struct PipelineFile {
     /// Host memory for copies of released device models' weights (a size).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub host_tier: Option<String>,
+    /// Host memory the run is given (a size): what streamed host models without a budget share.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory: Option<String>,
+    /// Device memory the run is given (a size): the same for device models, and the plan's
+    /// device budget when `--device-memory` is not given.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device_memory: Option<String>,
     /// Models resident over a span of stages.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub pins: Vec<PinEntry>,
@@ -313,6 +329,30 @@ impl Reserve {
             Reserve::Percent(percent) => need.saturating_add((need as f64 * percent / 100.0) as u64),
         }
     }
+
+    /// The largest need that fits `memory` with the headroom added: `on(room(m)) <= m` (0 when
+    /// nothing does).
+    pub fn room(&self, memory: u64) -> u64 {
+        match *self {
+            Reserve::Bytes(bytes) => memory.saturating_sub(bytes),
+            Reserve::Percent(percent) => {
+                // Unlike `on`, a sum past u64::MAX fits nothing here (else the search below
+                // would walk to u64::MAX).
+                let fits = |need: u64| {
+                    need.checked_add((need as f64 * percent / 100.0) as u64).is_some_and(|with| with <= memory)
+                };
+                // The float estimate is off by a few bytes at most either way: step to the edge.
+                let mut room = (memory as f64 / (1.0 + percent / 100.0)) as u64;
+                while room > 0 && !fits(room) {
+                    room -= 1;
+                }
+                while room < memory && fits(room + 1) {
+                    room += 1;
+                }
+                room
+            }
+        }
+    }
 }
 
 /// A checked pipeline: every name resolved, every checkpoint header read.
@@ -332,6 +372,11 @@ pub struct Pipeline {
     /// The host tier's budget, bytes.
     #[serde(default)]
     pub host_tier: Option<u64>,
+    /// Host and device memory the run is given, bytes.
+    #[serde(default)]
+    pub memory: Option<u64>,
+    #[serde(default)]
+    pub device_memory: Option<u64>,
 }
 
 impl Pipeline {
@@ -379,6 +424,10 @@ impl LoadDtype {
         }
     }
 }
+
+/// A streamed model without a budget, until its stages are known: its index among the models,
+/// its stream entry, its entries' names and bytes, whether it is on CUDA.
+type Undecided = (usize, StreamEntry, Vec<(String, u64)>, bool);
 
 /// The largest pipeline file read: far more than any real description, far less than a device
 /// read forever.
@@ -431,9 +480,14 @@ fn read_header(path: &Path, ignore: &[glob::Pattern], load_bits: Option<usize>) 
     })
 }
 
-/// The split a streamed model gets under its budget, from its entries' names and bytes.
-fn streaming(stream: &StreamEntry, entries: &[(String, u64)], on_cuda: bool) -> Result<Streaming, String> {
-    let budget = parse_size(&stream.budget).map_err(|e| format!("budget: {e}"))?;
+/// The split a streamed model gets under `budget`, from its entries' names and bytes.
+fn streaming(
+    stream: &StreamEntry,
+    entries: &[(String, u64)],
+    on_cuda: bool,
+    budget: (u64, Option<String>),
+) -> Result<Streaming, String> {
+    let (budget, budget_from) = budget;
     let working = stream.working.as_deref().map_or(Ok(0), parse_size).map_err(|e| format!("working: {e}"))?;
     let spec = crate::blocks::BlockSpec::new(stream.blocks.iter().cloned()).resident(stream.resident.iter().cloned());
     let names: Vec<&str> = entries.iter().map(|(n, _)| n.as_str()).collect();
@@ -456,6 +510,7 @@ fn streaming(stream: &StreamEntry, entries: &[(String, u64)], on_cuda: bool) -> 
         per_step: holding.per_step,
         hot_blocks: holding.hot_blocks,
         budget,
+        budget_from,
         working,
         host_copies: if on_cuda { total(sizes.blocks.iter().copied()) } else { 0 },
     })
@@ -517,6 +572,7 @@ impl Pipeline {
 
         let mut names = HashSet::new();
         let mut models = Vec::new();
+        let mut undecided: Vec<Undecided> = Vec::new();
         for entry in file.models {
             if !names.insert(entry.name.clone()) {
                 return Err(invalid(format!("model '{}' is described twice", entry.name)));
@@ -572,6 +628,7 @@ impl Pipeline {
             }
             let bytes = total(parts.iter().map(|p| p.bytes));
             let file_bytes = total(parts.iter().map(|p| p.file_bytes));
+            let tensors = entries.len();
             let streamed = match &entry.stream {
                 Some(_) if entry.dtype.is_some() => {
                     return Err(invalid(format!(
@@ -579,10 +636,23 @@ impl Pipeline {
                         entry.name
                     )))
                 }
-                Some(stream) => Some(
-                    streaming(stream, &entries, matches!(DeviceName::parse(&entry.device), Some(DeviceName::Cuda(_))))
-                        .map_err(|e| invalid(format!("model '{}': stream: {e}", entry.name)))?,
-                ),
+                Some(stream) => {
+                    let on_cuda = matches!(DeviceName::parse(&entry.device), Some(DeviceName::Cuda(_)));
+                    match &stream.budget {
+                        Some(budget) => {
+                            let budget = parse_size(budget)
+                                .map_err(|e| invalid(format!("model '{}': stream: budget: {e}", entry.name)))?;
+                            Some(
+                                streaming(stream, &entries, on_cuda, (budget, None))
+                                    .map_err(|e| invalid(format!("model '{}': stream: {e}", entry.name)))?,
+                            )
+                        }
+                        None => {
+                            undecided.push((models.len(), stream.clone(), entries, on_cuda));
+                            None
+                        }
+                    }
+                }
                 None => None,
             };
             models.push(Model {
@@ -592,7 +662,7 @@ impl Pipeline {
                 placement,
                 dtype: entry.dtype,
                 ignore: entry.ignore,
-                tensors: entries.len(),
+                tensors,
                 bytes,
                 file_bytes,
                 parts,
@@ -641,6 +711,56 @@ impl Pipeline {
             .as_deref()
             .map(|text| parse_size(text).map_err(|e| invalid(format!("host_tier: {e}"))))
             .transpose()?;
-        Ok(Pipeline { path: path.to_path_buf(), models, stages, pinned: file.pinned, pins, reserve, host_tier })
+        let memory = |field: &str, value: &Option<String>| -> Result<Option<u64>, PipelineError> {
+            value.as_deref().map(|text| parse_size(text).map_err(|e| invalid(format!("{field}: {e}")))).transpose()
+        };
+        let (memory, device_memory) = (memory("memory", &file.memory)?, memory("device_memory", &file.device_memory)?);
+        let mut pipeline = Pipeline {
+            path: path.to_path_buf(),
+            models,
+            stages,
+            pinned: file.pinned,
+            pins,
+            reserve,
+            host_tier,
+            memory,
+            device_memory,
+        };
+        pipeline.derive_budgets(undecided).map_err(invalid)?;
+        Ok(pipeline)
+    }
+
+    /// Gives each streamed model without a budget what its stages leave ([`crate::leftover`]).
+    fn derive_budgets(&mut self, undecided: Vec<Undecided>) -> Result<(), String> {
+        let names: Vec<String> = undecided.iter().map(|(index, ..)| self.models[*index].name.clone()).collect();
+        let names: Vec<&str> = names.iter().map(String::as_str).collect();
+        let mut derived = Vec::new();
+        for (index, stream, entries, on_cuda) in &undecided {
+            let model = &self.models[*index];
+            let (memory, field) = match model.placement {
+                Placement::Host => (self.memory, "memory"),
+                Placement::Device => (self.device_memory, "device_memory"),
+            };
+            let what = |message: String| format!("model '{}': stream: {message}", model.name);
+            let memory = memory.ok_or_else(|| {
+                what(format!(
+                    "no budget: give it one (budget = \"2G\"), or give the pipeline {field} = \"...\" so that it takes what its stages leave"
+                ))
+            })?;
+            let left = crate::leftover::leftover(self, &model.name, model.placement, memory, &names).map_err(what)?;
+            let from = match &left.stage {
+                Some(stage) => format!("what stage '{stage}' leaves of {field} {}", format_bytes(memory)),
+                None => format!("{field} {}, in no stage", format_bytes(memory)),
+            };
+            let working =
+                stream.working.as_deref().map_or(Ok(0), parse_size).map_err(|e| what(format!("working: {e}")))?;
+            // Its own working memory is inside the stage's, and kept free inside its budget.
+            let budget = left.bytes.saturating_add(working);
+            derived.push((*index, streaming(stream, entries, *on_cuda, (budget, Some(from))).map_err(what)?));
+        }
+        for (index, streamed) in derived {
+            self.models[index].streamed = Some(streamed);
+        }
+        Ok(())
     }
 }

@@ -234,7 +234,7 @@ pub struct Plan {
 }
 
 /// Bytes the models on `placement` hold together, a file several of them list counted once.
-fn bytes_on(models: &[&Model], placement: Placement) -> u64 {
+pub(crate) fn bytes_on(models: &[&Model], placement: Placement) -> u64 {
     let mut seen = std::collections::HashSet::new();
     let on = models.iter().filter(|m| m.placement == placement);
     let whole =
@@ -402,7 +402,7 @@ impl Plan {
             for model in stage.resident.iter().filter_map(|name| self.models.iter().find(|m| m.name == *name)) {
                 if let Some(s) = &model.streamed {
                     out += &format!(
-                        "  {} streamed{}: {} of {} blocks resident, {} kept hot, {} per step, holds {} of its {} (budget {}){}\n",
+                        "  {} streamed{}: {} of {} blocks resident, {} kept hot, {} per step, holds {} of its {} (budget {}{}){}\n",
                         model.name,
                         if s.any_order { " in any order" } else { "" },
                         s.resident_blocks,
@@ -412,6 +412,7 @@ impl Plan {
                         format_bytes(s.held),
                         format_bytes(model.bytes),
                         format_bytes(s.budget),
+                        s.budget_from.as_ref().map_or(String::new(), |from| format!(": {from}")),
                         match s.host_copies {
                             0 => String::new(),
                             bytes => format!("; its blocks' pinned copies hold {} of host memory", format_bytes(bytes)),

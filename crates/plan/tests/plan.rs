@@ -563,6 +563,24 @@ mod fuzz {
                 }
             }
         }
+
+        /// The room a reserve leaves is the largest need that fits with the reserve on it.
+        #[test]
+        fn the_room_a_reserve_leaves_is_the_most_that_fits(memory in any::<u64>(), percent in 0.0f64..=1000.0, bytes in any::<u64>()) {
+            for reserve in [stageload_plan::Reserve::Percent(percent), stageload_plan::Reserve::Bytes(bytes)] {
+                let room = reserve.room(memory);
+                prop_assert!(room == 0 || reserve.on(room) <= memory, "{reserve:?} {memory}: {room}");
+                let over = |need: u64| reserve.on(need) > memory || reserve.on(need) == u64::MAX;
+                prop_assert!(room == memory || over(room + 1), "{reserve:?} {memory}: {room} is not the most");
+            }
+        }
+
+        /// Near u64::MAX, where the reserve's sum saturates: an answer at once.
+        #[test]
+        fn the_room_of_a_huge_memory_is_found_at_once(memory in (u64::MAX - 1_000_000)..=u64::MAX, percent in 0.0f64..=1000.0) {
+            let reserve = stageload_plan::Reserve::Percent(percent);
+            prop_assert!(reserve.room(memory) <= memory);
+        }
     }
 }
 
@@ -684,4 +702,112 @@ fn a_streamed_device_model_is_not_held_by_the_host_tier_nor_sized_against_it() {
     assert!(planned.render().contains("its blocks' pinned copies hold 4.0 MiB of host memory"), "{}", planned.render());
     assert!(planned.stages.iter().all(|s| s.tier == 0 && s.from_tier.is_empty()), "{}", planned.render());
     assert!(planned.fits, "{}", planned.render());
+}
+
+/// [`streamed_fixture`]'s flow without a budget (its step's working memory 256 KiB) and a 1 MiB
+/// encoder, in three stages: `prompt` (encoder, 1 MiB working), `denoise` (both, 512 KiB),
+/// `decode` (flow, 2 MiB); `head` goes first in the file.
+fn leftover_fixture(name: &str, head: &str) -> Fixture {
+    let fixture =
+        streamed_fixture(name, r#"{ blocks = ["model.blocks.*"], resident = ["model.input"], working = "256K" }"#);
+    let dir = fixture.path.parent().unwrap().to_path_buf();
+    checkpoint(&dir.join("encoder.safetensors"), &[("w", Dtype::F32, &[512, 512])]);
+    let text = std::fs::read_to_string(&fixture.path).unwrap();
+    let models = text.split("[[stages]]").next().unwrap().to_string();
+    std::fs::write(
+        &fixture.path,
+        format!(
+            "{head}\n{models}[[models]]\nname = \"encoder\"\nfiles = [\"encoder.safetensors\"]\n\n\
+             [[stages]]\nname = \"prompt\"\nmodels = [\"encoder\"]\nworking = \"1M\"\n\n\
+             [[stages]]\nname = \"denoise\"\nmodels = [\"flow\", \"encoder\"]\nworking = \"512K\"\n\n\
+             [[stages]]\nname = \"decode\"\nmodels = [\"flow\"]\nworking = \"2M\"\n"
+        ),
+    )
+    .unwrap();
+    fixture
+}
+
+#[test]
+fn a_streamed_model_without_a_budget_takes_what_its_tightest_stage_leaves() {
+    let pipeline = Pipeline::load(&leftover_fixture("leftover", "memory = \"6M\"")).unwrap();
+    let streamed = pipeline.models[0].streamed.clone().unwrap();
+    // denoise leaves 6 - 1 (encoder) - 0.5 = 4.5 MiB, decode 6 - 2 = 4 MiB: decode's, plus the
+    // step's own 256 KiB kept free inside the budget.
+    assert_eq!(streamed.budget, 4 * MIB + 256 * KIB);
+    assert_eq!(streamed.budget_from.as_deref(), Some("what stage 'decode' leaves of memory 6.0 MiB"));
+    // 64 KiB fixed + 1 resident block + two slots = 3.06 MiB; two resident would be 4.06.
+    assert_eq!((streamed.resident_blocks, streamed.held), (1, 3 * MIB + 64 * KIB));
+    let planned = plan(&pipeline, Budget::given(6 * MIB), None);
+    assert!(planned.fits, "every stage fits the memory the budget came from: {}", planned.render());
+    assert!(
+        planned.render().contains("(budget 4.2 MiB: what stage 'decode' leaves of memory 6.0 MiB)"),
+        "{}",
+        planned.render()
+    );
+
+    // A reserve of 50% leaves 4 MiB of the 6 to plan in: decode leaves 2 MiB, room for one slot.
+    let reserved = Pipeline::load(&leftover_fixture("leftover-reserve", "memory = \"6M\"\nreserve = \"50%\"")).unwrap();
+    let streamed = reserved.models[0].streamed.clone().unwrap();
+    assert_eq!(streamed.budget, 2 * MIB + 256 * KIB);
+    assert_eq!((streamed.resident_blocks, streamed.look_ahead, streamed.held), (0, false, MIB + 64 * KIB));
+    let planned = plan(&reserved, Budget::given(6 * MIB), None);
+    assert!(planned.fits, "{}", planned.render());
+}
+
+#[test]
+fn a_budget_no_stage_can_leave_is_refused_naming_the_stage_and_the_sizes() {
+    let error = |name: &str, head: &str| match Pipeline::load(&leftover_fixture(name, head)) {
+        Err(PipelineError::Invalid { message, .. }) => message,
+        other => panic!("{head}: {other:?}"),
+    };
+    let none = error("leftover-none", "");
+    assert!(none.contains("model 'flow': stream: no budget: give it one") && none.contains("memory = "), "{none}");
+    let nothing = error("leftover-nothing", "memory = \"1M\"");
+    assert!(
+        nothing.contains("stage 'denoise' leaves it nothing of 1.0 MiB: 1.0 MiB resident beside it and 512.0 KiB"),
+        "{nothing}"
+    );
+    // Pinned, the encoder is beside the flow in decode too: 3 - 1 - 2 = nothing there.
+    let pinned = error("leftover-pinned", "memory = \"3M\"\npinned = [\"encoder\"]");
+    assert!(pinned.contains("stage 'decode' leaves it nothing"), "{pinned}");
+    // On a device the flow takes from device_memory, which this file does not give.
+    let fixture = leftover_fixture("leftover-device", "memory = \"6M\"");
+    let text = std::fs::read_to_string(&fixture.path).unwrap();
+    std::fs::write(
+        &fixture.path,
+        text.replacen("files = [\"flow.safetensors\"]", "files = [\"flow.safetensors\"]\ndevice = \"cuda\"", 1),
+    )
+    .unwrap();
+    match Pipeline::load(&fixture) {
+        Err(PipelineError::Invalid { message, .. }) => assert!(message.contains("device_memory = "), "{message}"),
+        other => panic!("{other:?}"),
+    }
+    std::fs::write(
+        &fixture.path,
+        format!("device_memory = \"5M\"\n{}", std::fs::read_to_string(&fixture.path).unwrap()),
+    )
+    .unwrap();
+    let pipeline = Pipeline::load(&fixture).unwrap();
+    // The encoder is on the host: on the device, denoise and decode leave 5 MiB (no device working).
+    assert_eq!(pipeline.models[0].streamed.as_ref().unwrap().budget, 5 * MIB + 256 * KIB);
+    assert_eq!(pipeline.device_memory, Some(5 * MIB));
+}
+
+#[test]
+fn two_streamed_models_without_budgets_in_one_stage_are_refused() {
+    let fixture = leftover_fixture("leftover-two", "memory = \"64M\"");
+    let text = std::fs::read_to_string(&fixture.path).unwrap();
+    let text = text.replacen(
+        "files = [\"encoder.safetensors\"]",
+        "files = [\"encoder.safetensors\"]\nstream = { blocks = [\"w\"] }",
+        1,
+    );
+    std::fs::write(&fixture.path, text).unwrap();
+    match Pipeline::load(&fixture) {
+        Err(PipelineError::Invalid { message, .. }) => assert!(
+            message.contains("'flow' and 'encoder' both take what stage 'denoise' leaves: give one of them a budget"),
+            "{message}"
+        ),
+        other => panic!("{other:?}"),
+    }
 }

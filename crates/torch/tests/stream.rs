@@ -468,17 +468,19 @@ fn declared_working_memory_frees_at_once_the_blocks_it_no_longer_keeps() {
 }
 
 /// A pipeline file in `dir` streaming the net (`net.safetensors` there) as `flow` in stage
-/// `denoise`; with its working memory one block fits fewer: 3 resident, not 4.
-fn streaming_pipeline(dir: &Path) -> stageload::Pipeline {
+/// `denoise`; with its working memory one block fits fewer: 3 resident, not 4. `budget`: the
+/// budget in the stream entry, else what the stage leaves of the file's `memory`.
+fn streaming_pipeline(dir: &Path, budget: bool) -> stageload::Pipeline {
     let path = dir.join("pipeline.toml");
-    let stream = format!(
-        r#"{{ blocks = ["blocks.*"], resident = ["input", "output"], budget = "{}", working = "{BLOCK}" }}"#,
-        budget_for(3) + BLOCK
-    );
+    let (memory, budget) = match budget {
+        true => (String::new(), format!(", budget = \"{}\"", budget_for(3) + BLOCK)),
+        false => (format!("memory = \"{}\"\n", budget_for(3)), String::new()),
+    };
+    let stream = format!(r#"{{ blocks = ["blocks.*"], resident = ["input", "output"], working = "{BLOCK}"{budget} }}"#);
     std::fs::write(
         &path,
         format!(
-            "[[models]]\nname = \"flow\"\nfiles = [\"net.safetensors\"]\nstream = {stream}\n\n\
+            "{memory}[[models]]\nname = \"flow\"\nfiles = [\"net.safetensors\"]\nstream = {stream}\n\n\
              [[stages]]\nname = \"denoise\"\nmodels = [\"flow\"]\n"
         ),
     )
@@ -515,28 +517,35 @@ fn staged_flow(
 fn a_streamed_model_of_the_pipeline_file_runs_the_split_its_plan_counts() {
     let (_one, dir, file) = setup();
     let expected = reference(&file);
-    let pipeline = streaming_pipeline(dir.path());
-    let planned = stageload_plan::plan(&pipeline, stageload_plan::Budget::given(1 << 30), None);
-    let split = pipeline.models[0].streamed.clone().unwrap();
-    assert_eq!((split.resident_blocks, split.blocks), (3, DEPTH));
+    // Its own budget, or what its stage leaves of the run's memory: the same split.
+    for budget in [true, false] {
+        let pipeline = streaming_pipeline(dir.path(), budget);
+        let planned = stageload_plan::plan(&pipeline, stageload_plan::Budget::given(1 << 30), None);
+        let split = pipeline.models[0].streamed.clone().unwrap();
+        assert_eq!((split.resident_blocks, split.blocks, split.budget_from.is_none()), (3, DEPTH, budget));
 
-    let sink = Arc::new(ListSink::new());
-    let models = staged_flow(&pipeline, sink.clone(), Default::default());
-    models.enter("denoise").unwrap();
-    tch::manual_seed(11);
-    let x = Tensor::randn([16, WIDTH], (Kind::Float, Device::Cpu));
-    let (y, resident) = models
-        .call("flow", |m: &mut StreamedNet| {
-            let y = tch::no_grad(|| m.streamed.run(|step| m.net.forward_streamed(&x, step)));
-            (y, m.streamed.split().resident)
-        })
-        .unwrap();
-    assert!(y.unwrap().equal(&expected[0]), "the file's checkpoint, read by the streamer");
-    assert_eq!(resident, split.resident_blocks, "the run keeps what the plan counts");
-    assert_eq!(models.resident_bytes(), planned.stages[0].weights, "held: what the plan counts, not the whole model");
-    let of_flow = |kind| sink.of_kind(kind).into_iter().filter(|e| e.model.as_deref() == Some("flow")).count();
-    assert_eq!(of_flow(EventKind::Load), 1, "the registry's load, not a second one");
-    assert!(of_flow(EventKind::Residency) >= 1, "its split in the run's trace");
+        let sink = Arc::new(ListSink::new());
+        let models = staged_flow(&pipeline, sink.clone(), Default::default());
+        models.enter("denoise").unwrap();
+        tch::manual_seed(11);
+        let x = Tensor::randn([16, WIDTH], (Kind::Float, Device::Cpu));
+        let (y, resident) = models
+            .call("flow", |m: &mut StreamedNet| {
+                let y = tch::no_grad(|| m.streamed.run(|step| m.net.forward_streamed(&x, step)));
+                (y, m.streamed.split().resident)
+            })
+            .unwrap();
+        assert!(y.unwrap().equal(&expected[0]), "the file's checkpoint, read by the streamer");
+        assert_eq!(resident, split.resident_blocks, "the run keeps what the plan counts");
+        assert_eq!(
+            models.resident_bytes(),
+            planned.stages[0].weights,
+            "held: what the plan counts, not the whole model"
+        );
+        let of_flow = |kind| sink.of_kind(kind).into_iter().filter(|e| e.model.as_deref() == Some("flow")).count();
+        assert_eq!(of_flow(EventKind::Load), 1, "the registry's load, not a second one");
+        assert!(of_flow(EventKind::Residency) >= 1, "its split in the run's trace");
+    }
 }
 
 #[test]
@@ -544,7 +553,7 @@ fn the_registry_counts_a_streamed_model_by_what_its_split_holds_after_an_evictio
     use std::sync::atomic::Ordering;
     let (_one, dir, file) = setup();
     let expected = reference(&file);
-    let pipeline = streaming_pipeline(dir.path());
+    let pipeline = streaming_pipeline(dir.path(), true);
     let reading = Arc::new(std::sync::atomic::AtomicU64::new(0));
     let sink = Arc::new(ListSink::new());
     let models = staged_flow(&pipeline, sink.clone(), Arc::clone(&reading));
@@ -583,7 +592,7 @@ fn a_loader_that_ignores_the_files_stream_plan_is_refused_not_left_with_its_init
     use stageload::{Built, ModelSpec, StageError, StagedModels};
     let (_one, dir, _file) = setup();
     let models = StagedModels::builder()
-        .pipeline(&streaming_pipeline(dir.path()))
+        .pipeline(&streaming_pipeline(dir.path(), true))
         .model(ModelSpec::new("flow", |_| {
             let vs = VarStore::new(Device::Cpu);
             let net = Net::new(&vs);

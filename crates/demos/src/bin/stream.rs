@@ -118,7 +118,7 @@ fn description(file: &std::path::Path, args: &Args) -> PipelineFile {
     let stream = args.budget.map(|budget| StreamEntry {
         blocks: spec.blocks().to_vec(),
         resident: spec.resident_prefixes().to_vec(),
-        budget: budget.to_string(),
+        budget: Some(budget.to_string()),
         working: args.working.map(|w| w.to_string()),
         any_order: args.any_order,
     });
@@ -126,6 +126,8 @@ fn description(file: &std::path::Path, args: &Args) -> PipelineFile {
         pinned: Vec::new(),
         reserve: None,
         host_tier: None,
+        memory: None,
+        device_memory: None,
         pins: Vec::new(),
         models: vec![ModelEntry {
             name: MODEL.to_string(),
