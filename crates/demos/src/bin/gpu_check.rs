@@ -308,6 +308,7 @@ fn streamed_registry_checks(scratch: &Path, device: Device) -> Result<BTreeMap<S
     let rss = || stageload_probe::process_memory(std::process::id() as i32).map(|m| m.rss);
     models.enter("run")?;
     let (y, resident) = run()?;
+    let counted = models.resident_bytes();
     let before = rss()?;
     models.enter("other")?;
     let after = rss()?;
@@ -317,6 +318,7 @@ fn streamed_registry_checks(scratch: &Path, device: Device) -> Result<BTreeMap<S
     let mut r = BTreeMap::new();
     r.insert("streamed_keeps_the_planned_blocks".into(), (resident == planned.resident_blocks).into());
     r.insert("streamed_equals_whole_on_cuda".into(), y.equal(&whole).into());
+    r.insert("streamed_counted_as_planned".into(), (counted == planned.held).into());
     r.insert(
         "streamed_release_gives_pinned_copies_back".into(),
         (before.saturating_sub(after) >= host_copies * 9 / 10).into(),
