@@ -27,15 +27,20 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
-use safetensors::Dtype;
 use stageload_trace::event::LoadReport as NamedLoad;
 use tch::{Device, Kind, Tensor};
 
 use crate::device_copy;
 
+mod kinds;
+mod save;
 mod to_cuda;
+
 use crate::names::{match_names, Collision, NameMismatch, NameRules};
 use crate::sync::lock;
+pub(crate) use kinds::is_float;
+pub use kinds::{converts, device_holds, dtype_of, kind_of};
+pub use save::{save, save_with_metadata};
 
 /// Why a checkpoint could not be read or loaded. Each variant names the file and the tensor.
 #[derive(Debug, thiserror::Error)]
@@ -82,56 +87,6 @@ fn quoted(names: &[String]) -> String {
 
 fn paths(files: &[PathBuf]) -> String {
     files.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", ")
-}
-
-/// The tch kind of a safetensors dtype, for the dtypes libtorch has.
-pub fn kind_of(dtype: Dtype) -> Option<Kind> {
-    Some(match dtype {
-        Dtype::BOOL => Kind::Bool,
-        Dtype::U8 => Kind::Uint8,
-        Dtype::I8 => Kind::Int8,
-        Dtype::I16 => Kind::Int16,
-        Dtype::I32 => Kind::Int,
-        Dtype::I64 => Kind::Int64,
-        Dtype::F16 => Kind::Half,
-        Dtype::BF16 => Kind::BFloat16,
-        Dtype::F32 => Kind::Float,
-        Dtype::F64 => Kind::Double,
-        _ => return None,
-    })
-}
-
-/// The safetensors dtype of a tch kind.
-pub fn dtype_of(kind: Kind) -> Option<Dtype> {
-    Some(match kind {
-        Kind::Bool => Dtype::BOOL,
-        Kind::Uint8 => Dtype::U8,
-        Kind::Int8 => Dtype::I8,
-        Kind::Int16 => Dtype::I16,
-        Kind::Int => Dtype::I32,
-        Kind::Int64 => Dtype::I64,
-        Kind::Half => Dtype::F16,
-        Kind::BFloat16 => Dtype::BF16,
-        Kind::Float => Dtype::F32,
-        Kind::Double => Dtype::F64,
-        _ => return None,
-    })
-}
-
-/// The float kinds a checkpoint holds and a pipeline file may convert to.
-pub(crate) fn is_float(kind: Kind) -> bool {
-    matches!(kind, Kind::Half | Kind::BFloat16 | Kind::Float | Kind::Double)
-}
-
-/// Whether a checkpoint entry of kind `from` may be loaded into a tensor of kind `to`: any float
-/// to any float (precision is the model's choice), integers to integers or floats, bool to bool.
-pub fn converts(from: Kind, to: Kind) -> bool {
-    from == to || (is_float(from) && is_float(to)) || (!is_float(from) && from != Kind::Bool && to != Kind::Bool)
-}
-
-/// Whether a `device` can hold tensors of `kind`: MPS has no float64.
-pub fn device_holds(device: Device, kind: Kind) -> bool {
-    !(device == Device::Mps && kind == Kind::Double)
 }
 
 /// One tensor of a checkpoint: where it lives and what it is.
@@ -566,53 +521,9 @@ fn contiguous_strides(shape: &[i64]) -> Vec<i64> {
     strides
 }
 
-/// Writes named tensors to a safetensors file (CPU copies, contiguous), e.g. a model's
-/// variables. Used by the examples and tests to make real checkpoints.
-pub fn save<P: AsRef<Path>>(tensors: &[(String, Tensor)], path: P) -> Result<(), CheckpointError> {
-    save_with_metadata(tensors, None, path)
-}
-
-/// [`save`], with the file's string metadata (`__metadata__`).
-pub fn save_with_metadata<P: AsRef<Path>>(
-    tensors: &[(String, Tensor)],
-    metadata: Option<HashMap<String, String>>,
-    path: P,
-) -> Result<(), CheckpointError> {
-    let path = path.as_ref();
-    let invalid = |reason: String| CheckpointError::Invalid { path: path.to_path_buf(), reason };
-    let mut owned = Vec::with_capacity(tensors.len());
-    for (name, tensor) in tensors {
-        let cpu = tensor.to_device(Device::Cpu).contiguous();
-        let dtype = dtype_of(cpu.kind())
-            .ok_or_else(|| invalid(format!("tensor '{name}' has unsupported kind {:?}", cpu.kind())))?;
-        let mut bytes = vec![0u8; cpu.numel() * cpu.kind().elt_size_in_bytes()];
-        cpu.f_copy_data_u8(&mut bytes, cpu.numel()).map_err(|e| invalid(format!("reading tensor '{name}': {e}")))?;
-        let shape: Vec<usize> = cpu.size().iter().map(|&d| d as usize).collect();
-        owned.push((name.clone(), dtype, shape, bytes));
-    }
-    let views = owned
-        .iter()
-        .map(|(name, dtype, shape, bytes)| {
-            safetensors::tensor::TensorView::new(*dtype, shape.clone(), bytes).map(|v| (name.clone(), v))
-        })
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| invalid(e.to_string()))?;
-    let tmp = path.with_extension("safetensors.partial");
-    safetensors::serialize_to_file(views, metadata, &tmp).map_err(|e| invalid(e.to_string()))?;
-    std::fs::rename(&tmp, path).map_err(|source| CheckpointError::Write { path: path.to_path_buf(), source })
-}
-
 #[cfg(test)]
 mod tests {
-    use super::{device_holds, overlapping_ranges};
-    use tch::{Device, Kind};
-
-    #[test]
-    fn mps_holds_no_float64_and_other_devices_hold_every_kind() {
-        assert!(!device_holds(Device::Mps, Kind::Double));
-        assert!(device_holds(Device::Mps, Kind::Float) && device_holds(Device::Mps, Kind::BFloat16));
-        assert!(device_holds(Device::Cuda(0), Kind::Double) && device_holds(Device::Cpu, Kind::Double));
-    }
+    use super::overlapping_ranges;
 
     #[test]
     fn overlapping_ranges_are_found_and_touching_or_empty_ones_are_not() {
