@@ -495,11 +495,18 @@ fn staged_flow(
     sink: Arc<ListSink>,
     reading: Arc<std::sync::atomic::AtomicU64>,
 ) -> stageload::StagedModels {
+    flow_builder(pipeline, sink, reading).build().unwrap()
+}
+
+/// [`staged_flow`]'s builder, to add to.
+fn flow_builder(
+    pipeline: &stageload::Pipeline,
+    sink: Arc<ListSink>,
+    reading: Arc<std::sync::atomic::AtomicU64>,
+) -> stageload::staged::builder::StagedModelsBuilder {
     use stageload::{Built, ModelSpec, StagedModels};
-    StagedModels::builder()
-        .pipeline(pipeline)
-        .events(sink)
-        .model(ModelSpec::new("flow", move |ctx| {
+    StagedModels::builder().pipeline(pipeline).events(sink).model(
+        ModelSpec::new("flow", move |ctx| {
             let plan = ctx.stream().ok_or("the file streams flow")?;
             let vs = VarStore::new(Device::Cpu);
             let net = stageload_torch_sys::without_fills(|| Net::new(&vs));
@@ -508,9 +515,10 @@ fn staged_flow(
                 .reading(move || Some(reading.load(std::sync::atomic::Ordering::Relaxed)));
             let tensors = streamed.tensors();
             Ok(Built::from_tensors(StreamedNet { net, streamed }, tensors))
-        }))
-        .build()
-        .unwrap()
+        })
+        // It draws nothing (built without fills, filled by the streamer): it may be prefetched.
+        .skip_init(true),
+    )
 }
 
 #[test]
@@ -545,6 +553,29 @@ fn a_streamed_model_of_the_pipeline_file_runs_the_split_its_plan_counts() {
         let of_flow = |kind| sink.of_kind(kind).into_iter().filter(|e| e.model.as_deref() == Some("flow")).count();
         assert_eq!(of_flow(EventKind::Load), 1, "the registry's load, not a second one");
         assert!(of_flow(EventKind::Residency) >= 1, "its split in the run's trace");
+    }
+}
+
+#[test]
+fn a_streamed_model_is_prefetched_as_what_its_plan_holds_not_as_nothing() {
+    let (_one, dir, _file) = setup();
+    let pipeline = streaming_pipeline(dir.path(), true);
+    let held = pipeline.models[0].streamed.as_ref().unwrap().held;
+    for (budget, started) in [(held - 1, false), (held, true)] {
+        let sink = Arc::new(ListSink::new());
+        let models = flow_builder(&pipeline, sink.clone(), Default::default()).prefetch_budget(budget).build().unwrap();
+        let prefetched = models.prefetch("denoise").unwrap();
+        assert_eq!(prefetched == ["flow"], started, "a prefetch budget of {budget} for {held}: {prefetched:?}");
+        // The background build done (10 s at most) before the stage asks for the model.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while started && sink.of_kind(EventKind::Load).is_empty() && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        models.enter("denoise").unwrap();
+        models.call("flow", |_: &mut StreamedNet| ()).unwrap();
+        let load = sink.of_kind(EventKind::Load).pop().unwrap();
+        assert_eq!(load.prefetched, started, "{load:?}");
+        assert_eq!(models.resident_bytes(), held);
     }
 }
 

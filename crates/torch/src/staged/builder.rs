@@ -252,6 +252,7 @@ impl StagedModelsBuilder {
                     names: names.clone(),
                     sink: self.sink.clone(),
                     held: Default::default(),
+                    planned_held: streamed.held,
                 })
             });
             let slot = decide::Slot {

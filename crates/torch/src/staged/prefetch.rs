@@ -26,8 +26,9 @@ impl Inner {
         let planned = &state.sequence[index].1;
         let resident = state.resident_bytes();
         let working = state.current.as_ref().and_then(|s| self.stage_working.get(s)).copied().unwrap_or(0);
-        // (name, bytes of its released instance, or its checkpoint files to measure, its CUDA
-        // device) — the files are measured once the state lock is dropped.
+        // (name, bytes it will hold (a streamed model's plan, else its released instance), or
+        // its checkpoint files to measure, its CUDA device) — the files are measured once the
+        // state lock is dropped.
         let mut candidates = Vec::new();
         for name in planned {
             let Some(&position) = state.index.get(name) else { continue };
@@ -35,7 +36,8 @@ impl Inner {
             let in_tier = state.in_tier(name);
             match decide::on_prefetch(&entry.slot, state.closed, entry.skip_init, in_tier) {
                 Ok(()) => {
-                    candidates.push((name.clone(), instance_bytes(entry), entry.checkpoint.clone(), cuda_device(entry)))
+                    let known = entry.stream.as_ref().map(|plan| plan.planned_held).or_else(|| instance_bytes(entry));
+                    candidates.push((name.clone(), known, entry.checkpoint.clone(), cuda_device(entry)))
                 }
                 Err(skip) => tracing::debug!(model = name.as_str(), stage, ?skip, "not prefetched"),
             }

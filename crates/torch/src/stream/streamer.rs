@@ -60,6 +60,8 @@ pub struct StreamPlan {
     /// The registry counts the model as what its split holds (written at set-up and at every
     /// change of the split), not as the storages it had when it was built.
     pub(crate) held: Arc<AtomicU64>,
+    /// What the plan counts it to hold once built (what a prefetch of it must find room for).
+    pub(crate) planned_held: u64,
 }
 
 impl std::fmt::Debug for StreamPlan {
