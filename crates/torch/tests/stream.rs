@@ -501,7 +501,7 @@ fn staged_flow(
 /// [`staged_flow`]'s builder, to add to.
 fn flow_builder(
     pipeline: &stageload::Pipeline,
-    sink: Arc<ListSink>,
+    sink: Arc<dyn stageload::EventSink>,
     reading: Arc<std::sync::atomic::AtomicU64>,
 ) -> stageload::staged::builder::StagedModelsBuilder {
     use stageload::{Built, ModelSpec, StagedModels};
@@ -577,6 +577,29 @@ fn a_streamed_model_is_prefetched_as_what_its_plan_holds_not_as_nothing() {
         assert_eq!(load.prefetched, started, "{load:?}");
         assert_eq!(models.resident_bytes(), held);
     }
+}
+
+#[test]
+fn the_plan_checked_against_a_streamed_runs_trace_finds_its_weights_exactly() {
+    let (_one, dir, _file) = setup();
+    let pipeline = streaming_pipeline(dir.path(), false);
+    let planned = stageload_plan::plan(&pipeline, stageload_plan::Budget::given(1 << 30), None);
+    let path = dir.path().join("run.jsonl");
+    let meter = Arc::new(stageload::meter::start(&path, Device::Cpu, Default::default()).unwrap());
+    let models = flow_builder(&pipeline, meter.clone(), Default::default()).build().unwrap();
+    models.enter("denoise").unwrap();
+    tch::manual_seed(11);
+    let x = Tensor::randn([16, WIDTH], (Kind::Float, Device::Cpu));
+    models
+        .call("flow", |m: &mut StreamedNet| tch::no_grad(|| m.streamed.run(|step| m.net.forward_streamed(&x, step))))
+        .unwrap()
+        .unwrap();
+    models.close();
+    meter.finish();
+    let trace = stageload_trace::read_trace(&path).unwrap();
+    let checks = stageload_plan::measured::check(&pipeline, &planned, &trace).unwrap();
+    assert_eq!(checks.len(), 1);
+    assert_eq!(checks[0].run_weights, Some(checks[0].planned_weights), "{checks:?}");
 }
 
 #[test]
