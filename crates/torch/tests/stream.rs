@@ -590,11 +590,11 @@ fn the_plan_checked_against_a_streamed_runs_trace_finds_its_weights_exactly() {
     models.enter("denoise").unwrap();
     tch::manual_seed(11);
     let x = Tensor::randn([16, WIDTH], (Kind::Float, Device::Cpu));
-    models
+    let y = models
         .call("flow", |m: &mut StreamedNet| tch::no_grad(|| m.streamed.run(|step| m.net.forward_streamed(&x, step))))
-        .unwrap()
         .unwrap();
-    models.close();
+    assert!(y.is_ok());
+    models.close().unwrap();
     meter.finish();
     let trace = stageload_trace::read_trace(&path).unwrap();
     let checks = stageload_plan::measured::check(&pipeline, &planned, &trace).unwrap();
