@@ -165,6 +165,27 @@ pub fn govern(split: Split, available: u64, floor: u64) -> Option<Split> {
     evict(split)
 }
 
+/// How long a pressure reading takes to show what a change did: the window of PSI's shortest
+/// average (`avg10`). The pressure governor acts at most once per window.
+pub const PRESSURE_WINDOW: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// The governor on memory pressure (PSI's `some avg10`: the percent of the last 10 s in which
+/// some task stalled waiting for memory): at `threshold` or more, when the last relief was at
+/// least a [`PRESSURE_WINDOW`] ago (`since_last`; `None`: never), half the hot set's room goes,
+/// and once that is empty one more block is streamed. PSI says how much the machine suffers,
+/// not how many bytes it lacks: a half at a time, then time for the average to show it.
+pub fn relieve(split: Split, pressure: f64, threshold: f64, since_last: Option<std::time::Duration>) -> Option<Split> {
+    // A NaN reading compares false: nothing to act on.
+    let pressed = pressure >= threshold;
+    if !pressed || since_last.is_some_and(|since| since < PRESSURE_WINDOW) {
+        return None;
+    }
+    if split.hot > 0 {
+        return Some(Split { hot: split.hot / 2, ..split });
+    }
+    evict(split)
+}
+
 /// What a measured working memory means for the next step.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Refit {
@@ -318,6 +339,23 @@ mod tests {
         assert_eq!(govern(hot, 512 * MB, 1024 * MB), Some(Split { hot: 188 * MB, ..split }));
         assert_eq!(govern(Split { hot: 188 * MB, ..split }, 512 * MB, 1024 * MB), Some(split));
         assert_eq!(govern(split, 512 * MB, 1024 * MB), Some(Split { resident: 2, ..split }));
+    }
+
+    #[test]
+    fn under_memory_pressure_the_hot_set_halves_then_one_more_block_streams_once_per_window() {
+        use std::time::Duration;
+        let split = Split { resident: 3, blocks: 8, look_ahead: true, hot: 400 * MB };
+        let long_ago = Some(PRESSURE_WINDOW);
+        assert_eq!(relieve(split, 9.9, 10.0, None), None, "under the threshold: the split holds");
+        assert_eq!(relieve(split, f64::NAN, 10.0, None), None, "no reading to act on");
+        assert_eq!(relieve(split, 10.0, 10.0, None), Some(Split { hot: 200 * MB, ..split }));
+        let halved = Split { hot: 200 * MB, ..split };
+        assert_eq!(relieve(halved, 80.0, 10.0, Some(Duration::from_secs(3))), None, "the average has not seen it yet");
+        assert_eq!(relieve(halved, 80.0, 10.0, long_ago), Some(Split { hot: 100 * MB, ..split }));
+        let cold = Split { hot: 0, ..split };
+        assert_eq!(relieve(cold, 80.0, 10.0, long_ago), Some(Split { resident: 2, ..cold }));
+        let all = Split { resident: 0, blocks: 8, look_ahead: true, hot: 0 };
+        assert_eq!(relieve(all, 100.0, 10.0, long_ago), None, "nothing left to stream");
     }
 
     #[test]

@@ -895,6 +895,51 @@ fn the_governor_frees_hot_blocks_for_the_shortfall_before_it_streams_resident_on
 }
 
 #[test]
+fn under_memory_pressure_the_hot_set_halves_once_per_window_and_the_result_holds() {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    let (_one, _dir, file) = setup();
+    let expected = reference(&file);
+    let (net, model, tensors) = any_order(&file, budget_for(3));
+    // Percent stalled, scripted (in hundredths); PSI's own reading drives `governor_pressure`.
+    let stalled = Arc::new(AtomicU64::new(0));
+    let reading = Arc::clone(&stalled);
+    let mut model =
+        model.governor_pressure_reading(10.0, move || Some(reading.load(Ordering::Relaxed) as f64 / 100.0)).unwrap();
+    tch::manual_seed(11);
+    let mut held = Vec::new();
+    for (step, want) in expected.iter().enumerate() {
+        // Pressed from the second step on: the second halves the room, the third is inside the
+        // window in which the average has not yet seen it.
+        stalled.store(if step == 0 { 0 } else { 4_000 }, Ordering::Relaxed);
+        let x = Tensor::randn([16, WIDTH], (Kind::Float, Device::Cpu));
+        let y = tch::no_grad(|| model.run(|s| net.forward_streamed(&x, s))).unwrap();
+        assert!(y.equal(want), "step {step}");
+        held.push(filled(&tensors));
+    }
+    assert_eq!(held, [3, 1, 1], "3 hot blocks, then room for 1.5 of them");
+    assert_eq!(model.split().hot, 3 * BLOCK / 2);
+    // The kernel's own reading (no pressure on a test machine, or none at all): same outputs.
+    let (net, model, _) = any_order(&file, budget_for(3));
+    let mut model = model.governor_pressure(10.0).unwrap();
+    tch::manual_seed(11);
+    let x = Tensor::randn([16, WIDTH], (Kind::Float, Device::Cpu));
+    assert!(tch::no_grad(|| model.run(|s| net.forward_streamed(&x, s))).unwrap().equal(&expected[0]));
+}
+
+#[test]
+fn a_pressure_threshold_that_is_not_a_percent_is_refused_by_name() {
+    let (_one, _dir, file) = setup();
+    for threshold in [0.0, -5.0, 100.5, f64::NAN] {
+        let (_, model, _) = streamed_with_tensors(&file, budget_for(3)).unwrap();
+        let error = model.governor_pressure(threshold).unwrap_err().to_string();
+        assert!(
+            error.starts_with("streamed model 'net': a pressure threshold of") && error.contains("at most 100"),
+            "{error}"
+        );
+    }
+}
+
+#[test]
 fn refills_past_the_page_cache_give_the_same_outputs() {
     let (_one, _dir, file) = setup();
     let expected = reference(&file);

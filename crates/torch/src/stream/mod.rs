@@ -89,6 +89,8 @@ pub enum StreamError {
     OutOfMemory { model: String, residency: String, message: String },
     #[error("streamed model '{model}': the step failed: {message}")]
     Step { model: String, message: String },
+    #[error("streamed model '{model}': {message}")]
+    Setting { model: String, message: String },
     #[error(transparent)]
     Tch(#[from] tch::TchError),
 }

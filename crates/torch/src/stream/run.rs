@@ -5,11 +5,12 @@
 //! lock (see [`super::streamer`]).
 
 use std::sync::atomic::Ordering;
+use std::time::Instant;
 
 use stageload_trace::event::{Event, EventKind, Residency};
 use tch::Device;
 
-use super::split::{evict, govern, refit, Refit};
+use super::split::{evict, govern, refit, relieve, Refit};
 use super::step::Step;
 use super::streamer::StreamedModel;
 use super::StreamError;
@@ -76,6 +77,15 @@ impl StreamedModel {
             if let Some(next) = available().and_then(|now| govern(self.split, now, *floor)) {
                 self.split = next;
                 self.announce("memory pressure", None);
+            }
+        }
+        if let Some(governor) = self.pressure.as_mut() {
+            let since = governor.last.map(|at| at.elapsed());
+            let relief = (governor.reading)().and_then(|now| relieve(self.split, now, governor.threshold, since));
+            if let Some(next) = relief {
+                governor.last = Some(Instant::now());
+                self.split = next;
+                self.announce("memory pressure (PSI)", None);
             }
         }
         self.let_go()?;

@@ -76,6 +76,13 @@ impl std::fmt::Debug for StreamPlan {
     }
 }
 
+/// The governor on memory pressure: the threshold (percent), the reading, when it last acted.
+pub(super) struct PressureGovernor {
+    pub(super) threshold: f64,
+    pub(super) reading: Box<dyn FnMut() -> Option<f64> + Send>,
+    pub(super) last: Option<Instant>,
+}
+
 /// What set-up fits the split to.
 struct Fit {
     budget: u64,
@@ -108,6 +115,8 @@ pub struct StreamedModel {
     pub(super) peak: Reading,
     /// The governor: (bytes the machine must keep available, what it has available now).
     pub(super) governor: Option<(u64, Reading)>,
+    /// The governor on memory pressure (PSI).
+    pub(super) pressure: Option<PressureGovernor>,
     pub(super) sink: Option<Arc<dyn EventSink>>,
     /// Where a registry reads what the split holds ([`StreamPlan`]'s `held`).
     pub(super) held_for_registry: Option<Arc<AtomicU64>>,
@@ -279,6 +288,7 @@ impl StreamedModel {
             reading,
             peak,
             governor: None,
+            pressure: None,
             sink: None,
             held_for_registry: None,
             stats: StreamStats::default(),
@@ -368,6 +378,37 @@ impl StreamedModel {
     pub fn governor_reading(mut self, floor: u64, available: impl FnMut() -> Option<u64> + Send + 'static) -> Self {
         self.governor = Some((floor, Box::new(available)));
         self
+    }
+
+    /// The governor on memory pressure: before each step, when the kernel's pressure stall
+    /// information (`/proc/pressure/memory`, `some avg10`: the percent of the last 10 s in which
+    /// some task waited for memory) is at `threshold` or more, half the hot set's room goes, and
+    /// once that is empty one more block is streamed; at most once per
+    /// [`PRESSURE_WINDOW`](super::split::PRESSURE_WINDOW), so that the average can show what it
+    /// did. Where the kernel has no PSI nothing changes. Refused: a threshold outside (0, 100].
+    pub fn governor_pressure(self, threshold: f64) -> Result<Self, StreamError> {
+        self.governor_pressure_reading(threshold, || {
+            stageload_probe::pressure().ok().flatten().map(|pressure| pressure.some_avg10)
+        })
+    }
+
+    /// [`governor_pressure`](Self::governor_pressure) with `pressure` read from elsewhere
+    /// (percent now).
+    pub fn governor_pressure_reading(
+        mut self,
+        threshold: f64,
+        pressure: impl FnMut() -> Option<f64> + Send + 'static,
+    ) -> Result<Self, StreamError> {
+        if !(threshold > 0.0 && threshold <= 100.0) {
+            return Err(StreamError::Setting {
+                model: self.name.clone(),
+                message: format!(
+                    "a pressure threshold of {threshold} is not a percent of time stalled: give one above 0 and at most 100 (e.g. 10)"
+                ),
+            });
+        }
+        self.pressure = Some(PressureGovernor { threshold, reading: Box::new(pressure), last: None });
+        Ok(self)
     }
 
     /// The high-water mark of what [`reading`](Self::reading) reads.
