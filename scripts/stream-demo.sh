@@ -2,7 +2,9 @@
 # Block streaming, as scripts/demo.sh runs it (and alone): the cascade's largest model
 # (texture_flow) at scale 2 (1.2 GiB) loaded whole, then streamed under a 500 MiB budget inside
 # `stageload guard --max-memory 1GiB` (below the model's size: the whole model under the same
-# guard is stopped); the latents must match. Then the step-time benchmark at scale 1 (1024
+# guard is stopped); the latents must match, and the plan of the streamed run's pipeline file
+# (with the working memory the whole run measured) must match the streamed run: the run goes
+# through StagedModels built from that file. Then the step-time benchmark at scale 1 (1024
 # tokens, compute-bound): fully resident against half the blocks streamed and against the budget's
 # own split, from the page cache; then the hot set under a router's access (hot-set-bench.sh).
 # Results in $1 (default target/demo/stream).
@@ -26,8 +28,9 @@ fi
 echo "== streamed under a 500 MiB budget, under stageload guard --max-memory 1GiB"
 "$stageload" guard --max-memory 1GiB --log "$out/guard.ndjson" -- "$stream" "${big[@]}" --budget 500MiB \
     --working 32MiB --result "$out/streamed.json" --trace "$out/streamed.jsonl" --pipeline "$out/pipeline.toml"
-echo "== stageload plan of the streamed run's pipeline file, against 1 GiB"
-"$stageload" plan "$out/pipeline.toml" --memory 1GiB
+echo "== stageload plan of the streamed run's pipeline file against 1 GiB, with the working memory"
+echo "   the whole run measured, checked against the streamed run (weights exact, peak within 5 %)"
+"$stageload" plan "$out/pipeline.toml" --memory 1GiB --from-trace "$out/whole.jsonl" --check "$out/streamed.jsonl"
 whole=$(sed -n 's/.*"fingerprint": "\(.*\)".*/\1/p' "$out/whole.json")
 streamed=$(sed -n 's/.*"fingerprint": "\(.*\)".*/\1/p' "$out/streamed.json")
 [ "$whole" = "$streamed" ] && echo "latents identical: $whole" || { echo "FAILED: latents differ"; exit 1; }

@@ -8,6 +8,9 @@
 //!
 //! It prints the residency line, the latent's fingerprint, the process's peak RSS and how much
 //! of it came after set-up (the model's weights and working memory), and what streaming moved.
+//! The run goes through `StagedModels` built from the pipeline file it describes (`--pipeline`
+//! writes it): the file's stream entry is what the streamer runs, and `stageload plan --check`
+//! compares that file's plan with the run's trace.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -16,9 +19,8 @@ use std::time::Instant;
 use clap::Parser;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
-use stageload::checkpoint::Checkpoint;
 use stageload::stream::StreamedModel;
-use stageload::{BoxError, Event, EventKind, EventSink, NameRules, SharedRng};
+use stageload::{BoxError, Built, EventSink, ModelSpec, Pipeline, SharedRng, StagedModels};
 use stageload_demos::args::{parse_device, positive_scale};
 use stageload_demos::models::{cascade_seed, cascade_shapes};
 use stageload_demos::sampler::sample_flow_with;
@@ -175,6 +177,12 @@ struct Outcome {
     waited_seconds: f64,
 }
 
+/// The model as the registry holds it: whole, or with its streamer.
+struct Flow {
+    model: Transformer,
+    streamed: Option<StreamedModel>,
+}
+
 fn rss() -> Result<stageload_probe::ProcessMemory, BoxError> {
     Ok(stageload_probe::process_memory(std::process::id() as i32)?)
 }
@@ -198,9 +206,15 @@ fn run(args: Args) -> Result<(), BoxError> {
     let shape = all[index].clone();
     let folder = args.cache.clone().unwrap_or_else(cache_root).join(format!("cascade-scale-{}", args.scale));
     let file = cached_checkpoint(&folder, &shape, &["model"], cascade_seed(index))?;
-    if let Some(path) = &args.pipeline {
-        std::fs::write(path, toml::to_string(&description(&file, &args))?)?;
+    // The run is the pipeline file's: the model, whole or streamed (its blocks, budget, working
+    // memory, order), in one stage, through StagedModels; `stageload plan` reads the same file.
+    let text = toml::to_string(&description(&file, &args))?;
+    let described = args.pipeline.clone().unwrap_or_else(|| folder.join("stream-demo.toml"));
+    if args.pipeline.is_some() {
+        std::fs::write(&described, &text)?;
     }
+    let pipeline = Pipeline::parse(&text, &described)?;
+    let model_bytes = pipeline.models[0].bytes;
     let meter = match stageload::meter::trace_path(args.trace.clone()) {
         Some(path) => Some(Arc::new(stageload::meter::start(
             path,
@@ -214,66 +228,48 @@ fn run(args: Args) -> Result<(), BoxError> {
         stageload_torch_sys::map_large_host_blocks();
     }
     let base = rss()?;
-    // Streamed, the model is built on the CPU touching none of its memory and placed on its
-    // device one tensor at a time, without memory: the device never holds it whole.
-    let built_on = if args.budget.is_some() { Device::Cpu } else { args.device };
-    let vs = VarStore::new(built_on);
-    let model = stageload_torch_sys::without_fills(|| Transformer::new(vs.root() / "model", &shape));
-    let tensors = stageload::named_tensors(&vs);
-    let model_bytes = stageload::storage::storage_bytes(&tensors)?;
-    if built_on != args.device {
-        stageload::stream::place(MODEL, &tensors, args.device)?;
-    }
     if args.cold {
         stageload_demos::weights::drop_page_cache(&file)?;
     }
-    let checkpoint = Checkpoint::open(&[&file])?;
-    let mut streamed = match args.budget {
-        Some(budget) => {
-            let mut streamed = StreamedModel::new(
-                MODEL,
-                tensors,
-                checkpoint,
-                &NameRules::default(),
-                &Transformer::block_spec("model"),
-                budget,
-            )?;
-            if let Some(meter) = &meter {
-                streamed = streamed.events(Arc::clone(meter) as Arc<dyn EventSink>);
-            }
-            if let Some(working) = args.working {
-                streamed = streamed.working_memory(working)?;
-            }
-            if args.any_order {
-                streamed = streamed.any_order()?;
-            }
-            if args.uncached {
-                streamed = streamed.uncached();
-            }
-            if let Some(at_most) = args.resident_at_most {
-                streamed.limit_resident(at_most)?;
-            }
-            println!("{}", streamed.residency());
-            Some(streamed)
-        }
-        None => {
-            let start = Instant::now();
-            checkpoint.load_into(&tensors, |_| {})?;
-            if let Some(meter) = &meter {
-                let mut load = Event::now(EventKind::Load);
-                load.model = Some(MODEL.to_string());
-                (load.bytes, load.seconds) = (Some(model_bytes), Some(start.elapsed().as_secs_f64()));
-                meter.emit(&load);
-            }
-            println!("{MODEL}: loaded whole, {}", format_bytes(model_bytes));
-            None
-        }
-    };
+    let (device, uncached, resident_at_most, built) =
+        (args.device, args.uncached, args.resident_at_most, shape.clone());
+    let mut builder = StagedModels::builder().pipeline(&pipeline);
     if let Some(meter) = &meter {
-        let mut stage = Event::now(EventKind::Stage);
-        stage.stage = Some("texture".to_string());
-        meter.emit(&stage);
+        builder = builder.events(Arc::clone(meter) as Arc<dyn EventSink>);
     }
+    let models = builder
+        .model(
+            ModelSpec::new(MODEL, move |ctx| {
+                let Some(plan) = ctx.stream() else {
+                    // Whole: built without initial values on the device, filled by the registry
+                    // from the file's checkpoint.
+                    let vs = VarStore::new(device);
+                    let model = Transformer::new(vs.root() / "model", &built);
+                    return Ok(Built::new(Flow { model, streamed: None }, &vs));
+                };
+                // Streamed: built on the CPU touching none of its memory and placed on its device
+                // one tensor at a time, without memory: the device never holds it whole.
+                let vs = VarStore::new(Device::Cpu);
+                let model = stageload_torch_sys::without_fills(|| Transformer::new(vs.root() / "model", &built));
+                let tensors = stageload::named_tensors(&vs);
+                if device != Device::Cpu {
+                    stageload::stream::place(MODEL, &tensors, device)?;
+                }
+                let mut streamed = StreamedModel::planned(MODEL, tensors, plan)?;
+                if uncached {
+                    streamed = streamed.uncached();
+                }
+                if let Some(at_most) = resident_at_most {
+                    streamed.limit_resident(at_most)?;
+                }
+                println!("{}", streamed.residency());
+                let tensors = streamed.tensors();
+                Ok(Built::from_tensors(Flow { model, streamed: Some(streamed) }, tensors))
+            })
+            .skip_init(true),
+        )
+        .build()?;
+    models.enter("texture")?;
 
     // The texture stage's inputs: seeded noise and a conditioning row, as the cascade draws them.
     tch::manual_seed(args.seed as i64);
@@ -290,21 +286,27 @@ fn run(args: Args) -> Result<(), BoxError> {
         blocks_run += blocks.len();
         blocks
     };
+    // Set-up (the whole load, or the streamer's resident part) before the clock starts.
+    models.get::<Flow>(MODEL)?;
     let start = Instant::now();
-    let latent = match streamed.as_mut() {
-        Some(streamed) => sample_flow_with(x, &cond, &times, |input| {
-            let blocks = next_route();
-            streamed.run(|step| model.forward_routed_streamed(input, step, &blocks))
-        })?,
-        None => {
-            sample_flow_with(x, &cond, &times, |input| Ok::<_, BoxError>(model.forward_routed(input, &next_route())))?
-        }
-    };
+    let (latent, stats, streamed) = models.call(MODEL, |flow: &mut Flow| -> Result<_, BoxError> {
+        let latent = match flow.streamed.as_mut() {
+            Some(streamed) => sample_flow_with(x, &cond, &times, |input| {
+                let blocks = next_route();
+                streamed.run(|step| flow.model.forward_routed_streamed(input, step, &blocks))
+            })?,
+            None => sample_flow_with(x, &cond, &times, |input| {
+                Ok::<_, BoxError>(flow.model.forward_routed(input, &next_route()))
+            })?,
+        };
+        let streamed = flow.streamed.as_ref();
+        let stats = streamed.map(|s| s.stats()).unwrap_or_default();
+        Ok((latent, stats, streamed.map(|s| (s.residency(), s.split().resident))))
+    })??;
     let seconds = start.elapsed().as_secs_f64();
     let fingerprint = stageload::latents::fingerprint(&latent);
     let peak = rss()?;
     let peak_rss = peak.peak.unwrap_or(peak.rss);
-    let stats = streamed.as_ref().map(|s| s.stats()).unwrap_or_default();
     println!("latent {fingerprint}");
     println!(
         "peak RSS {} ({} over the {} before set-up); {seconds:.2} s for {} steps",
@@ -313,10 +315,9 @@ fn run(args: Args) -> Result<(), BoxError> {
         format_bytes(base.rss),
         args.steps
     );
-    if let Some(s) = &streamed {
+    if let Some((residency, _)) = &streamed {
         println!(
-            "{}; refilled {} ({} blocks, {} found hot) in {:.3} s ({:.2} GB/s), waited {:.3} s",
-            s.residency(),
+            "{residency}; refilled {} ({} blocks, {} found hot) in {:.3} s ({:.2} GB/s), waited {:.3} s",
             format_bytes(stats.bytes_refilled),
             stats.refills,
             stats.hot_hits,
@@ -331,8 +332,8 @@ fn run(args: Args) -> Result<(), BoxError> {
             fingerprint,
             model_bytes,
             budget: args.budget,
-            residency: streamed.as_ref().map(|s| s.residency()),
-            resident_blocks: streamed.as_ref().map(|s| s.split().resident),
+            residency: streamed.as_ref().map(|(residency, _)| residency.clone()),
+            resident_blocks: streamed.as_ref().map(|(_, resident)| *resident),
             blocks: shape.depth as usize,
             base_rss: base.rss,
             peak_rss,
@@ -350,7 +351,8 @@ fn run(args: Args) -> Result<(), BoxError> {
         };
         std::fs::write(path, serde_json::to_string_pretty(&outcome)?)?;
     }
-    drop(streamed);
+    models.close()?;
+    drop(models);
     if let Some(meter) = meter {
         meter.finish();
     }
