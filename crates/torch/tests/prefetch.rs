@@ -62,8 +62,10 @@ fn registry(
     )
 }
 
-/// A seeded run: noise drawn in every stage, each model called on it.
-fn run(models: &Arc<StagedModels>) -> Vec<Tensor> {
+/// A seeded run: noise drawn in every stage, each model called on it. With `prefetches`, each
+/// stage's call waits (10 s at most) for the prefetches begun so far to end in a load, so that
+/// the next stage's `get` finds the model there instead of racing the background thread to it.
+fn run(models: &Arc<StagedModels>, prefetches: Option<&ListSink>) -> Vec<Tensor> {
     tch::manual_seed(11);
     let mut outputs = Vec::new();
     for (stage, model) in [("first", "a"), ("second", "b"), ("third", "a")] {
@@ -72,6 +74,12 @@ fn run(models: &Arc<StagedModels>) -> Vec<Tensor> {
         let models = models.clone();
         let model = model.to_string();
         outputs.push(within("a call", move || models.call(&model, |m: &mut Mlp| m.forward(&noise)).unwrap()));
+        let Some(sink) = prefetches else { continue };
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        let loaded = || sink.events().into_iter().filter(|e| e.kind.is_load() && e.prefetched).count();
+        while loaded() < sink.of_kind(EventKind::Prefetch).len() && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
     }
     outputs
 }
@@ -81,9 +89,9 @@ fn a_prefetched_run_gives_the_same_numbers_as_one_without() {
     let _one = one_at_a_time();
     let dir = tempfile::TempDir::new().unwrap();
     let files = files(dir.path());
-    let plain = run(&registry(&files, true, false, Arc::new(ListSink::new())));
+    let plain = run(&registry(&files, true, false, Arc::new(ListSink::new())), None);
     let sink = Arc::new(ListSink::new());
-    let prefetched = run(&registry(&files, true, true, sink.clone()));
+    let prefetched = run(&registry(&files, true, true, sink.clone()), Some(&sink));
     for (a, b) in plain.iter().zip(&prefetched) {
         assert!(a.equal(b), "prefetch changed a result");
     }
