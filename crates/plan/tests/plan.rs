@@ -762,6 +762,8 @@ fn a_budget_no_stage_can_leave_is_refused_naming_the_stage_and_the_sizes() {
     };
     let none = error("leftover-none", "");
     assert!(none.contains("model 'flow': stream: no budget: give it one") && none.contains("memory = "), "{none}");
+    let lots = error("leftover-lots", "memory = \"lots\"");
+    assert!(lots.starts_with("memory: "), "{lots}");
     let nothing = error("leftover-nothing", "memory = \"1M\"");
     assert!(
         nothing.contains("stage 'denoise' leaves it nothing of 1.0 MiB: 1.0 MiB resident beside it and 512.0 KiB"),
