@@ -241,7 +241,8 @@ fn the_committed_traces_are_read_summarized_and_plotted_with_typed_events() {
     for path in &traces {
         let trace = read_trace(path).unwrap_or_else(|e| panic!("{e}"));
         let summary = summarize(&trace);
-        assert!(summary.loads.count > 0 && summary.stages.len() > 1, "{}", path.display());
+        // A run may be one stage from its first millisecond (the streamed demo's): no setup window.
+        assert!(summary.loads.count > 0 && !summary.stages.is_empty(), "{}", path.display());
         reloads_in_place += trace
             .records
             .iter()
