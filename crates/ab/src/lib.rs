@@ -3,7 +3,7 @@
 //! - [`runner`]: two or more commands run alternately, N times each, each in its own process
 //!   under the guard, each with its own trace and latents file.
 //! - [`latents`]: latents files compared by size, judged against the reference's own variation.
-//! - [`report`]: all of it as text and JSON.
+//! - [`mod@report`]: all of it as text and JSON.
 
 pub mod latents;
 pub mod report;

@@ -21,7 +21,7 @@ pub fn print(text: &str) {
     }
 }
 
-/// [`print`] with a line end.
+/// [`print()`] with a line end.
 pub fn line(text: &str) {
     print(&format!("{text}\n"));
 }

@@ -12,7 +12,7 @@
 //!   leave its command running unwatched.
 //! - At a terminal, the command's group becomes the foreground group, so Ctrl-C and terminal
 //!   reads reach the command as they would without the guard.
-//! - Whatever way the guard leaves a started command (a panic, an early return), the [`Job`]'s
+//! - Whatever way the guard leaves a started command (a panic, an early return), the `Job`'s
 //!   drop sends SIGKILL to its group and members unless it was reaped: nothing the guard started
 //!   outlives it unwatched.
 

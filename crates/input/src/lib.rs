@@ -1,7 +1,7 @@
 //! stageload-input: reading what users hand stageload (pipeline files, checkpoints, traces)
 //! without being led astray by it. Torch-free.
 //!
-//! - [`file`]: opening only regular files, refusing FIFOs, devices, sockets and directories by
+//! - [`mod@file`]: opening only regular files, refusing FIFOs, devices, sockets and directories by
 //!   kind without blocking on them, and reading text up to a cap.
 //! - [`header`]: a safetensors header read and checked without its data, with its length capped
 //!   and checked against the file before anything is allocated (`stageload plan` and the

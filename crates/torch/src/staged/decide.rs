@@ -1,7 +1,7 @@
 //! The registry's decisions, as pure functions over a slot's state: what `get` must do, which
 //! models `enter` releases, what a finished load may install, whether a release happens now or
 //! when the model's user lets go. No libtorch, no locks, no clock: the registry
-//! ([`super::registry`]) calls these under its state lock and carries the decisions out with the
+//! (`registry.rs`) calls these under its state lock and carries the decisions out with the
 //! lock dropped; the tests below script slot states the way `guard/src/decide.rs` scripts
 //! readings.
 //!

@@ -5,7 +5,7 @@
 //! itself; held by a user for as long as a guard lives), then the registry's state lock, then
 //! `ctl` or `weights` (bookkeeping, held for a few statements). A release never waits for
 //! `body`: it tries it, and when a user holds it the release is left to that user's guard,
-//! which frees the storages as it drops (see [`super::registry`]).
+//! which frees the storages as it drops (see `registry.rs`).
 
 use std::any::{Any, TypeId};
 use std::marker::PhantomData;

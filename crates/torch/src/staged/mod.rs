@@ -11,18 +11,18 @@
 //!
 //! The API takes `&self` and is safe to share between threads. No call holds the registry's
 //! lock while it waits for another thread: a release of a model that some thread is using is
-//! carried out by that thread's guard when it lets go (see [`registry`] for the lock order).
+//! carried out by that thread's guard when it lets go (see `registry` for the lock order).
 //!
 //! With a host tier ([`StagedModelsBuilder::host_tier`]), a device model's release first copies
 //! its weights into host memory (pinned for the device) when the tier's budget has room, and its
 //! next `get` copies them back in place: no checkpoint read, no rebuild, no random number drawn.
 //!
-//! Files: [`decide`] (the slot state machine, pure), [`registry`] (carrying its decisions out:
-//! the state, stage entry), [`load`] (builds and refills), [`release`] (frees in place),
-//! [`prefetch`] (background loads), [`placement`] (the pipeline file's device and dtype),
-//! [`tier_copy`] (the host tier's copies; its budget, leases and evictions are the pure
+//! Files: [`decide`] (the slot state machine, pure), `registry` (carrying its decisions out:
+//! the state, stage entry), `load` (builds and refills), `release` (frees in place),
+//! `prefetch` (background loads), `placement` (the pipeline file's device and dtype),
+//! `tier_copy` (the host tier's copies; its budget, leases and evictions are the pure
 //! [`stageload_plan::tier`]),
-//! [`tier_store`] (the registry storing into it),
+//! `tier_store` (the registry storing into it),
 //! [`instance`] (a model object, its handle and guard), [`spec`] (what loaders get and return),
 //! [`builder`], [`error`].
 
