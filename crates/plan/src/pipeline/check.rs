@@ -17,15 +17,25 @@ use super::{
 /// its stream entry, its entries' names and bytes, whether it is on CUDA.
 type Undecided = (usize, StreamEntry, Vec<(String, u64)>, bool);
 
+/// A streamed model's budget: the file's, or what its stages leave (`from` says where).
+enum Budget {
+    Given(u64),
+    Left { bytes: u64, from: String },
+}
+
 /// The split a streamed model gets under `budget`, from its entries' names and bytes.
 fn streaming(
     stream: &StreamEntry,
     entries: &[(String, u64)],
     on_cuda: bool,
-    budget: (u64, Option<String>),
+    budget: Budget,
 ) -> Result<Streaming, String> {
-    let (budget, budget_from) = budget;
     let working = stream.working.as_deref().map_or(Ok(0), parse_size).map_err(|e| format!("working: {e}"))?;
+    let (budget, budget_from) = match budget {
+        Budget::Given(bytes) => (bytes, None),
+        // Its own working memory is inside the stage's, and kept free inside its budget.
+        Budget::Left { bytes, from } => (bytes.saturating_add(working), Some(from)),
+    };
     let spec = crate::blocks::BlockSpec::new(stream.blocks.iter().cloned()).resident(stream.resident.iter().cloned());
     let names: Vec<&str> = entries.iter().map(|(n, _)| n.as_str()).collect();
     let layout = crate::blocks::assign(&spec, &names).map_err(|e| e.to_string())?;
@@ -180,7 +190,7 @@ impl Pipeline {
                             let budget = parse_size(budget)
                                 .map_err(|e| invalid(format!("model '{}': stream: budget: {e}", entry.name)))?;
                             Some(
-                                streaming(stream, &entries, on_cuda, (budget, None))
+                                streaming(stream, &entries, on_cuda, Budget::Given(budget))
                                     .map_err(|e| invalid(format!("model '{}': stream: {e}", entry.name)))?,
                             )
                         }
@@ -289,11 +299,8 @@ impl Pipeline {
                 Some(stage) => format!("what stage '{stage}' leaves of {field} {}", format_bytes(memory)),
                 None => format!("{field} {}, in no stage", format_bytes(memory)),
             };
-            let working =
-                stream.working.as_deref().map_or(Ok(0), parse_size).map_err(|e| what(format!("working: {e}")))?;
-            // Its own working memory is inside the stage's, and kept free inside its budget.
-            let budget = left.bytes.saturating_add(working);
-            derived.push((*index, streaming(stream, entries, *on_cuda, (budget, Some(from))).map_err(what)?));
+            let budget = Budget::Left { bytes: left.bytes, from };
+            derived.push((*index, streaming(stream, entries, *on_cuda, budget).map_err(what)?));
         }
         for (index, streamed) in derived {
             self.models[index].streamed = Some(streamed);
