@@ -1,7 +1,9 @@
 //! The stream demo as a user runs it: the cascade's largest model loaded whole, then streamed
-//! under a budget below its size, in separate processes. The latent must match bit for bit, and
-//! the streamed process's RSS must grow by no more than the budget after set-up. A budget under
-//! one block is refused naming both sizes.
+//! under a budget below its size with the working memory the whole runs measured, in separate
+//! processes. The latent must match bit for bit, the streamed model's storages must hold no more
+//! than the budget leaves beside that working memory, and the process's RSS must grow by no more
+//! than the budget after set-up, within what the working memory's measurement does not cover. A
+//! budget under one block is refused naming both sizes.
 
 use std::path::Path;
 use std::process::Command;
@@ -39,18 +41,39 @@ fn run(cache: &Path, result: &Path, args: &[&str]) -> serde_json::Value {
 fn the_largest_model_streamed_under_a_budget_below_its_size_gives_the_same_latent() {
     let folder = tempfile::TempDir::new().unwrap();
     let (cache, result) = (folder.path().join("cache"), folder.path().join("result.json"));
-    let whole = run(&cache, &result, &[]);
-    let model = whole["model_bytes"].as_u64().unwrap();
-    assert!(model > 140 * MIB, "texture_flow at scale 0.25 is about 150 MiB: {whole}");
+    let grown = |r: &serde_json::Value| r["peak_rss"].as_u64().unwrap() - r["base_rss"].as_u64().unwrap();
+    // The first run writes the checkpoint into the cache; the two after it measure.
+    run(&cache, &result, &[]);
+    let wholes = [run(&cache, &result, &[]), run(&cache, &result, &[])];
+    let model = wholes[0]["model_bytes"].as_u64().unwrap();
+    assert!(model > 140 * MIB, "texture_flow at scale 0.25 is about 150 MiB: {}", wholes[0]);
+    // The working memory, as the demo's `--working` says to measure it: a resident run's growth
+    // over set-up less the model (libtorch's first-use buffers included), the larger of two.
+    let workings: Vec<u64> =
+        wholes.iter().map(|w| grown(w).checked_sub(model).expect("the whole run holds the model")).collect();
+    let working = *workings.iter().max().unwrap();
     let budget = 60 * MIB;
-    let streamed = run(&cache, &result, &["--budget", "60MiB", "--working", "8MiB"]);
-    assert_eq!(streamed["fingerprint"], whole["fingerprint"], "{streamed}");
+    let streamed = run(&cache, &result, &["--budget", "60MiB", "--working", &working.to_string()]);
+    assert_eq!(streamed["fingerprint"], wholes[0]["fingerprint"], "{streamed}");
     let resident = streamed["resident_blocks"].as_u64().unwrap();
     assert!(resident < 12 && streamed["bytes_refilled"].as_u64().unwrap() > 0, "{streamed}");
-    let grown = |r: &serde_json::Value| r["peak_rss"].as_u64().unwrap() - r["base_rss"].as_u64().unwrap();
-    assert!(grown(&whole) > model, "loaded whole, the process holds the model: {whole}");
-    // Allocator and page-cache noise: 8 MiB.
-    assert!(grown(&streamed) <= budget + 8 * MIB, "streamed: {} MiB over set-up; {streamed}", grown(&streamed) / MIB);
+    // The weights' share of the budget, by the storages themselves: exact.
+    let held = streamed["most_held"].as_u64().unwrap();
+    assert!(
+        held <= budget - working,
+        "held {held} at a block boundary, over the budget less the working memory; {streamed}"
+    );
+    // The process: what the budget covers, plus what the resident runs' working memory does not
+    // cover: its run-to-run spread (libtorch's and glibc's per-thread buffers), and the refill
+    // thread's stack, which the resident run has no thread for (Rust's default: 2 MiB).
+    let spread = workings.iter().max().unwrap() - workings.iter().min().unwrap();
+    let allowance = spread + 2 * MIB;
+    assert!(
+        grown(&streamed) <= budget + allowance,
+        "streamed: {} MiB over set-up against a budget of 60 MiB + {} KiB; {streamed}",
+        grown(&streamed) / MIB,
+        allowance >> 10
+    );
 }
 
 #[test]

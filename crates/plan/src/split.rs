@@ -72,8 +72,15 @@ impl Sizes {
     /// for the streamed ones and `working` bytes of working memory.
     pub fn need(&self, resident: usize, slots: usize, working: u64) -> u64 {
         let prefix = sum(&self.blocks[..resident]);
-        let slot = self.blocks[resident..].iter().copied().max().unwrap_or(0);
+        let slot = self.slot(resident);
         self.fixed.saturating_add(prefix).saturating_add(slot.saturating_mul(slots as u64)).saturating_add(working)
+    }
+
+    /// Bytes of one slot when the first `resident` blocks stay: the largest of the blocks that
+    /// can land in it, the streamed ones (0 when none is). The streamer sizes its slot buffers
+    /// by this, so the slots hold what [`need`](Self::need) counts.
+    pub fn slot(&self, resident: usize) -> u64 {
+        self.blocks.get(resident..).unwrap_or_default().iter().copied().max().unwrap_or(0)
     }
 
     /// What `split` holds once its hot set has settled. In order, the hot set keeps the first
@@ -106,6 +113,20 @@ fn sum(bytes: &[u64]) -> u64 {
     bytes.iter().fold(0u64, |a, b| a.saturating_add(*b))
 }
 
+/// Where each tensor of a block starts in a slot: at a multiple of this many bytes (libtorch's
+/// CPU allocator aligns to 64).
+pub const SLOT_ALIGNMENT: u64 = 64;
+
+/// A block's bytes as a slot lays it out: each of its tensors' `bytes`, in order, at a multiple
+/// of [`SLOT_ALIGNMENT`]. The size a block counts for in [`Sizes`], in the plan (from a
+/// checkpoint's entries) and in the streamer (from the model's storages), so a slot buffer holds
+/// exactly what the split counts.
+pub fn block_bytes(bytes: impl IntoIterator<Item = u64>) -> u64 {
+    bytes
+        .into_iter()
+        .fold(0u64, |total, b| total.saturating_add(b.div_ceil(SLOT_ALIGNMENT).saturating_mul(SLOT_ALIGNMENT)))
+}
+
 /// The budget cannot hold the model's fixed tensors and one streamed block.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error(
@@ -123,9 +144,21 @@ pub struct TooSmall {
 /// The largest split under `budget` with at most `at_most` resident blocks: as many resident
 /// blocks as fit beside the slots, with a look-ahead slot when the budget holds it.
 pub fn fit(sizes: &Sizes, budget: u64, working: u64, at_most: usize) -> Result<Split, TooSmall> {
+    fit_within(sizes, budget, working, at_most, true)
+}
+
+/// [`fit`], with a look-ahead slot only when `look_ahead` allows one (off: one slot, and the
+/// room of the other goes to resident blocks or the hot set).
+pub fn fit_within(
+    sizes: &Sizes,
+    budget: u64,
+    working: u64,
+    at_most: usize,
+    look_ahead: bool,
+) -> Result<Split, TooSmall> {
     let blocks = sizes.blocks.len();
     let at_most = at_most.min(blocks);
-    let slots = |resident: usize| (blocks - resident).min(2);
+    let slots = |resident: usize| (blocks - resident).min(if look_ahead { 2 } else { 1 });
     let room = |need: u64| budget.saturating_sub(need);
     if let Some(resident) = (0..=at_most).rev().find(|&r| sizes.need(r, slots(r), working) <= budget) {
         let hot = if resident < blocks { room(sizes.need(resident, slots(resident), working)) } else { 0 };
@@ -145,24 +178,29 @@ pub fn fit(sizes: &Sizes, budget: u64, working: u64, at_most: usize) -> Result<S
 }
 
 /// After an out-of-memory in a step: the hot set given up, else one more block streamed, or
-/// `None` when every block already is and nothing is hot (the eviction cannot help).
-pub fn evict(split: Split) -> Option<Split> {
+/// `None` when every block already is and nothing is hot (the eviction cannot help). Never
+/// raises what the model holds ([`Sizes::holding`]): the block that starts streaming may be
+/// larger than the slots were, so the slot ahead is kept only when two slots of the new size
+/// fit in what the model held before; one slot always does (it replaces the block's own bytes).
+pub fn evict(sizes: &Sizes, split: Split) -> Option<Split> {
     if split.hot > 0 {
         return Some(Split { hot: 0, ..split });
     }
     let resident = split.resident.checked_sub(1)?;
-    Some(Split { resident, look_ahead: split.look_ahead || split.blocks - resident >= 2, ..split })
+    let before = sizes.need(split.resident, split.slots(), 0);
+    let look_ahead = split.blocks - resident >= 2 && sizes.need(resident, 2, 0) <= before;
+    Some(Split { resident, look_ahead, ..split })
 }
 
 /// The governor: when the machine has less than `floor` bytes available before a step, the
 /// shortfall comes out of the hot set's room, and once that is empty one more block is streamed
 /// per step (`None`: the split holds, or every block already is streamed).
-pub fn govern(split: Split, available: u64, floor: u64) -> Option<Split> {
+pub fn govern(sizes: &Sizes, split: Split, available: u64, floor: u64) -> Option<Split> {
     let short = floor.checked_sub(available).filter(|&s| s > 0)?;
     if split.hot > 0 {
         return Some(Split { hot: split.hot.saturating_sub(short), ..split });
     }
-    evict(split)
+    evict(sizes, split)
 }
 
 /// How long a pressure reading takes to show what a change did: the window of PSI's shortest
@@ -174,7 +212,13 @@ pub const PRESSURE_WINDOW: std::time::Duration = std::time::Duration::from_secs(
 /// least a [`PRESSURE_WINDOW`] ago (`since_last`; `None`: never), half the hot set's room goes,
 /// and once that is empty one more block is streamed. PSI says how much the machine suffers,
 /// not how many bytes it lacks: a half at a time, then time for the average to show it.
-pub fn relieve(split: Split, pressure: f64, threshold: f64, since_last: Option<std::time::Duration>) -> Option<Split> {
+pub fn relieve(
+    sizes: &Sizes,
+    split: Split,
+    pressure: f64,
+    threshold: f64,
+    since_last: Option<std::time::Duration>,
+) -> Option<Split> {
     // A NaN reading compares false: nothing to act on.
     let pressed = pressure >= threshold;
     if !pressed || since_last.is_some_and(|since| since < PRESSURE_WINDOW) {
@@ -183,7 +227,7 @@ pub fn relieve(split: Split, pressure: f64, threshold: f64, since_last: Option<s
     if split.hot > 0 {
         return Some(Split { hot: split.hot / 2, ..split });
     }
-    evict(split)
+    evict(sizes, split)
 }
 
 /// What a measured working memory means for the next step.
@@ -268,6 +312,16 @@ mod tests {
     }
 
     #[test]
+    fn without_look_ahead_the_second_slot_goes_to_a_resident_block() {
+        let s = sizes(10, &[100; 8]);
+        assert_eq!(fit(&s, 650 * MB, 0, 8).unwrap().resident, 4);
+        assert_eq!(
+            fit_within(&s, 650 * MB, 0, 8, false),
+            Ok(Split { resident: 5, blocks: 8, look_ahead: false, hot: 40 * MB })
+        );
+    }
+
+    #[test]
     fn a_budget_for_one_slot_only_streams_everything_without_look_ahead() {
         let s = sizes(10, &[100; 8]);
         assert_eq!(fit(&s, 150 * MB, 0, 8), Ok(Split { resident: 0, blocks: 8, look_ahead: false, hot: 40 * MB }));
@@ -300,14 +354,59 @@ mod tests {
 
     #[test]
     fn eviction_gives_up_the_hot_set_then_streams_one_more_block_until_none_is_left() {
+        let s = sizes(0, &[100; 3]);
         let split = Split { resident: 2, blocks: 3, look_ahead: false, hot: 10 * MB };
-        let cold = evict(split).unwrap();
+        let cold = evict(&s, split).unwrap();
         assert_eq!(cold, Split { hot: 0, ..split });
-        let once = evict(cold).unwrap();
+        let once = evict(&s, cold).unwrap();
         assert_eq!(once, Split { resident: 1, blocks: 3, look_ahead: true, hot: 0 });
-        let twice = evict(once).unwrap();
+        let twice = evict(&s, once).unwrap();
         assert_eq!(twice.resident, 0);
-        assert_eq!(evict(twice), None, "every block streamed: eviction cannot help");
+        assert_eq!(evict(&s, twice), None, "every block streamed: eviction cannot help");
+    }
+
+    #[test]
+    fn slots_are_as_large_as_the_largest_streamed_block_not_the_largest_block() {
+        let s = sizes(0, &[10, 10, 50, 10, 20, 10]);
+        assert_eq!(s.slot(3), 20 * MB, "the 50 is resident: it never lands in a slot");
+        assert_eq!(s.slot(2), 50 * MB);
+        assert_eq!(s.slot(6), 0, "nothing streamed");
+        assert_eq!(s.need(3, 2, 0), (70 + 40) * MB);
+    }
+
+    #[test]
+    fn streaming_a_block_larger_than_the_slots_drops_the_slot_ahead_rather_than_hold_more() {
+        // Resident 10 + 10 + 50, two slots of 10: 90. Streaming the 50 with two slots of 50
+        // would hold 120; one slot of 50 holds 70.
+        let s = sizes(0, &[10, 10, 50, 10, 10]);
+        let split = Split { resident: 3, blocks: 5, look_ahead: true, hot: 0 };
+        let next = evict(&s, split).unwrap();
+        assert_eq!(next, Split { resident: 2, blocks: 5, look_ahead: false, hot: 0 });
+        assert!(s.holding(next, false).held <= s.holding(split, false).held);
+        // Streaming one more (a 10) with two slots of 50 would hold 10 + 100 against 10 + 10 + 50.
+        assert!(!evict(&s, next).unwrap().look_ahead, "110 > 70: still one slot");
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn an_eviction_never_raises_what_the_model_holds(
+            blocks in proptest::collection::vec(1..1000u64, 1..12),
+            fixed in 0..1000u64,
+            resident_seed in 0..12usize,
+            look_ahead: bool,
+            hot in 0..3000u64,
+        ) {
+            let s = Sizes { fixed, blocks };
+            let n = s.blocks.len();
+            let resident = resident_seed % (n + 1);
+            let mut split = Split { resident, blocks: n, look_ahead: look_ahead && n - resident >= 2, hot };
+            while let Some(next) = evict(&s, split) {
+                proptest::prop_assert!(s.holding(next, false).held <= s.holding(split, false).held, "{split:?} -> {next:?}");
+                proptest::prop_assert!(s.holding(next, true).held <= s.holding(split, true).held);
+                split = next;
+            }
+            proptest::prop_assert_eq!(split.resident, 0);
+        }
     }
 
     #[test]
@@ -329,33 +428,39 @@ mod tests {
 
     #[test]
     fn the_governor_shrinks_the_hot_set_by_the_shortfall_then_streams_one_more_block_per_step() {
+        let s = sizes(0, &[100; 8]);
         let split = Split { resident: 3, blocks: 8, look_ahead: true, hot: 0 };
-        assert_eq!(govern(split, 2048 * MB, 1024 * MB), None, "enough available: the split holds");
-        assert_eq!(govern(split, 1024 * MB, 1024 * MB), None, "exactly the floor is enough");
-        assert_eq!(govern(split, 512 * MB, 1024 * MB), Some(Split { resident: 2, ..split }));
+        assert_eq!(govern(&s, split, 2048 * MB, 1024 * MB), None, "enough available: the split holds");
+        assert_eq!(govern(&s, split, 1024 * MB, 1024 * MB), None, "exactly the floor is enough");
+        assert_eq!(govern(&s, split, 512 * MB, 1024 * MB), Some(Split { resident: 2, ..split }));
         let all = Split { resident: 0, blocks: 8, look_ahead: true, hot: 0 };
-        assert_eq!(govern(all, 0, 1024 * MB), None, "nothing left to stream");
+        assert_eq!(govern(&s, all, 0, 1024 * MB), None, "nothing left to stream");
         let hot = Split { hot: 700 * MB, ..split };
-        assert_eq!(govern(hot, 512 * MB, 1024 * MB), Some(Split { hot: 188 * MB, ..split }));
-        assert_eq!(govern(Split { hot: 188 * MB, ..split }, 512 * MB, 1024 * MB), Some(split));
-        assert_eq!(govern(split, 512 * MB, 1024 * MB), Some(Split { resident: 2, ..split }));
+        assert_eq!(govern(&s, hot, 512 * MB, 1024 * MB), Some(Split { hot: 188 * MB, ..split }));
+        assert_eq!(govern(&s, Split { hot: 188 * MB, ..split }, 512 * MB, 1024 * MB), Some(split));
+        assert_eq!(govern(&s, split, 512 * MB, 1024 * MB), Some(Split { resident: 2, ..split }));
     }
 
     #[test]
     fn under_memory_pressure_the_hot_set_halves_then_one_more_block_streams_once_per_window() {
         use std::time::Duration;
+        let s = sizes(0, &[100; 8]);
         let split = Split { resident: 3, blocks: 8, look_ahead: true, hot: 400 * MB };
         let long_ago = Some(PRESSURE_WINDOW);
-        assert_eq!(relieve(split, 9.9, 10.0, None), None, "under the threshold: the split holds");
-        assert_eq!(relieve(split, f64::NAN, 10.0, None), None, "no reading to act on");
-        assert_eq!(relieve(split, 10.0, 10.0, None), Some(Split { hot: 200 * MB, ..split }));
+        assert_eq!(relieve(&s, split, 9.9, 10.0, None), None, "under the threshold: the split holds");
+        assert_eq!(relieve(&s, split, f64::NAN, 10.0, None), None, "no reading to act on");
+        assert_eq!(relieve(&s, split, 10.0, 10.0, None), Some(Split { hot: 200 * MB, ..split }));
         let halved = Split { hot: 200 * MB, ..split };
-        assert_eq!(relieve(halved, 80.0, 10.0, Some(Duration::from_secs(3))), None, "the average has not seen it yet");
-        assert_eq!(relieve(halved, 80.0, 10.0, long_ago), Some(Split { hot: 100 * MB, ..split }));
+        assert_eq!(
+            relieve(&s, halved, 80.0, 10.0, Some(Duration::from_secs(3))),
+            None,
+            "the average has not seen it yet"
+        );
+        assert_eq!(relieve(&s, halved, 80.0, 10.0, long_ago), Some(Split { hot: 100 * MB, ..split }));
         let cold = Split { hot: 0, ..split };
-        assert_eq!(relieve(cold, 80.0, 10.0, long_ago), Some(Split { resident: 2, ..cold }));
+        assert_eq!(relieve(&s, cold, 80.0, 10.0, long_ago), Some(Split { resident: 2, ..cold }));
         let all = Split { resident: 0, blocks: 8, look_ahead: true, hot: 0 };
-        assert_eq!(relieve(all, 100.0, 10.0, long_ago), None, "nothing left to stream");
+        assert_eq!(relieve(&s, all, 100.0, 10.0, long_ago), None, "nothing left to stream");
     }
 
     #[test]

@@ -108,7 +108,8 @@ pub unsafe fn reallocate(storages: &[StorageRecord]) -> Result<HashSet<u64>, Shi
 }
 
 /// Where each of `storages` starts in one buffer: in order, each at a multiple of
-/// [`ALIGNMENT`]; and the buffer's size.
+/// [`ALIGNMENT`]; and the buffer's size ([`stageload_plan::split::block_bytes`], the size the
+/// split counts the block for).
 pub fn layout(storages: &[StorageRecord]) -> (Vec<usize>, usize) {
     let mut offsets = Vec::with_capacity(storages.len());
     let mut end = 0usize;
@@ -119,8 +120,9 @@ pub fn layout(storages: &[StorageRecord]) -> (Vec<usize>, usize) {
     (offsets, end)
 }
 
-/// Alignment of each storage in a shared buffer (libtorch's CPU allocator aligns to 64).
-pub const ALIGNMENT: usize = 64;
+/// Alignment of each storage in a shared buffer: the plan's
+/// [`SLOT_ALIGNMENT`](stageload_plan::split::SLOT_ALIGNMENT) (libtorch's CPU allocator aligns to 64).
+pub const ALIGNMENT: usize = stageload_plan::split::SLOT_ALIGNMENT as usize;
 
 /// Points every freed storage of `storages` at its part of the buffer at `base` (offsets from
 /// [`layout`]); returns the ids attached, so the caller fills exactly those.

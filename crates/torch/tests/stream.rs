@@ -109,10 +109,11 @@ fn streamed_with_tensors(file: &Path, budget: u64) -> Result<WithTensors, Stream
     let checkpoint = Checkpoint::open(&[file]).unwrap();
     let tensors = stageload::named_tensors(&vs);
     let shallow = tensors.iter().map(|(n, t)| (n.clone(), t.shallow_clone())).collect();
-    let model = StreamedModel::new("net", shallow, checkpoint, &NameRules::default(), &spec(), budget)?;
+    let mut model = StreamedModel::new("net", shallow, checkpoint, &NameRules::default(), &spec(), budget)?;
     // The process's RSS moves with the other tests' threads: these tests measure no working
     // memory unless they script it.
-    Ok((net, model.reading(|| None), tensors))
+    model.reading(|| None);
+    Ok((net, model, tensors))
 }
 
 fn streamed(file: &Path, budget: u64) -> Result<(Net, StreamedModel), StreamError> {
@@ -226,7 +227,8 @@ fn an_out_of_memory_streams_one_more_block_and_the_step_gives_the_same_result() 
     let expected = reference(&file);
     let (net, model) = streamed(&file, FIXED + BLOCK * DEPTH as u64).unwrap();
     let sink = Arc::new(ListSink::new());
-    let mut model = model.events(sink.clone());
+    let mut model = model;
+    model.events(sink.clone());
     assert_eq!(model.split().resident, DEPTH);
     tch::manual_seed(11);
     let x = Tensor::randn([16, WIDTH], (Kind::Float, Device::Cpu));
@@ -294,7 +296,8 @@ fn measured_working_memory_over_the_budget_streams_more_blocks_for_the_next_step
     use std::sync::atomic::{AtomicU64, Ordering};
     let reading = Arc::new(AtomicU64::new(0));
     let scripted = Arc::clone(&reading);
-    let mut model = model.reading(move || Some(scripted.load(Ordering::Relaxed)));
+    let mut model = model;
+    model.reading(move || Some(scripted.load(Ordering::Relaxed)));
     assert_eq!(model.split().resident, 4);
     tch::manual_seed(11);
     let mut outputs = Vec::new();
@@ -401,15 +404,15 @@ fn a_streamed_model_in_staged_models_is_released_with_its_stage_and_rebuilt_the_
             let vs = VarStore::new(Device::Cpu);
             let net = stageload_torch_sys::without_fills(|| Net::new(&vs));
             let checkpoint = Checkpoint::open(&[&loader_file])?;
-            let streamed = StreamedModel::new(
+            let mut streamed = StreamedModel::new(
                 "flow",
                 stageload::named_tensors(&vs),
                 checkpoint,
                 &NameRules::default(),
                 &spec(),
                 budget_for(2),
-            )?
-            .reading(|| None);
+            )?;
+            streamed.reading(|| None);
             let tensors = streamed.tensors();
             Ok(Built::from_tensors(StreamedNet { net, streamed }, tensors))
         }))
@@ -461,7 +464,8 @@ fn declared_working_memory_frees_at_once_the_blocks_it_no_longer_keeps() {
     };
     assert_eq!(model.split().resident, 4);
     assert!(allocated(3));
-    let model = model.working_memory(BLOCK).unwrap();
+    let mut model = model;
+    model.working_memory(BLOCK).unwrap();
     assert_eq!(model.split().resident, 3);
     assert!(!allocated(3), "block 3 freed before any step");
     assert!(allocated(2));
@@ -511,8 +515,8 @@ fn flow_builder(
             let vs = VarStore::new(Device::Cpu);
             let net = stageload_torch_sys::without_fills(|| Net::new(&vs));
             let reading = Arc::clone(&reading);
-            let streamed = StreamedModel::planned("flow", stageload::named_tensors(&vs), plan)?
-                .reading(move || Some(reading.load(std::sync::atomic::Ordering::Relaxed)));
+            let mut streamed = StreamedModel::planned("flow", stageload::named_tensors(&vs), plan)?;
+            streamed.reading(move || Some(reading.load(std::sync::atomic::Ordering::Relaxed)));
             let tensors = streamed.tensors();
             Ok(Built::from_tensors(StreamedNet { net, streamed }, tensors))
         })
@@ -668,7 +672,8 @@ fn a_transient_inside_a_block_seen_by_the_high_water_mark_counts_as_working_memo
     // Boundaries see nothing; the high-water mark rises by three blocks inside block 3.
     let mark = Arc::new(AtomicU64::new(100));
     let scripted = Arc::clone(&mark);
-    let mut model = model.reading(|| Some(100)).peak_reading(move || Some(scripted.load(Ordering::Relaxed)));
+    let mut model = model;
+    model.reading(|| Some(100)).peak_reading(move || Some(scripted.load(Ordering::Relaxed)));
     let x = Tensor::randn([16, WIDTH], (Kind::Float, Device::Cpu));
     let _ = tch::no_grad(|| {
         model.run(|step| {
@@ -701,9 +706,9 @@ fn a_model_placed_without_memory_is_set_up_from_nothing_and_gives_the_same_outpu
     assert!(tensors.iter().all(|(_, t)| !stageload_torch_sys::storage_info(t).unwrap().allocated));
     let checkpoint = Checkpoint::open(&[&file]).unwrap();
     let shallow = tensors.iter().map(|(n, t)| (n.clone(), t.shallow_clone())).collect();
-    let mut model = StreamedModel::new("net", shallow, checkpoint, &NameRules::default(), &spec(), budget_for(2))
-        .unwrap()
-        .reading(|| None);
+    let mut model =
+        StreamedModel::new("net", shallow, checkpoint, &NameRules::default(), &spec(), budget_for(2)).unwrap();
+    model.reading(|| None);
     assert_eq!(filled(&tensors), 2, "the resident prefix got its memory back");
     let outputs = run_steps(&net, &mut model, 3);
     for (got, want) in outputs.iter().zip(&expected) {
@@ -720,8 +725,8 @@ fn the_governor_streams_one_more_block_each_step_while_the_machine_is_short_and_
     let available = Arc::new(AtomicU64::new(100 << 20));
     let reading = Arc::clone(&available);
     let sink = Arc::new(ListSink::new());
-    let mut model =
-        model.governor_reading(64 << 20, move || Some(reading.load(Ordering::Relaxed))).events(sink.clone());
+    let mut model = model;
+    model.governor_reading(64 << 20, move || Some(reading.load(Ordering::Relaxed))).events(sink.clone());
     tch::manual_seed(11);
     let mut outputs = Vec::new();
     for step in 0..3 {
@@ -743,8 +748,9 @@ fn the_governor_streams_one_more_block_each_step_while_the_machine_is_short_and_
 
 /// A streamed net whose forward runs its blocks in any order: no prefix, the room is the hot set.
 fn any_order(file: &Path, budget: u64) -> WithTensors {
-    let (net, model, tensors) = streamed_with_tensors(file, budget).unwrap();
-    (net, model.any_order().unwrap(), tensors)
+    let (net, mut model, tensors) = streamed_with_tensors(file, budget).unwrap();
+    model.any_order().unwrap();
+    (net, model, tensors)
 }
 
 #[test]
@@ -754,7 +760,8 @@ fn a_forward_in_order_keeps_the_blocks_it_kept_first_hot_and_refills_only_the_ot
     // Two slots and room for three blocks.
     let (net, model, tensors) = any_order(&file, budget_for(3));
     let sink = Arc::new(ListSink::new());
-    let mut model = model.events(sink.clone());
+    let mut model = model;
+    model.events(sink.clone());
     assert_eq!((model.split().resident, model.split().hot), (0, 3 * BLOCK), "{}", model.residency());
     assert!(model.residency().ends_with("in any order (a step reads only the blocks it runs and does not find hot)"));
     assert_eq!(filled(&tensors), 3, "the prefix set-up read is kept hot");
@@ -842,7 +849,8 @@ fn an_out_of_memory_gives_up_the_hot_set_first_and_the_step_gives_the_same_resul
     let expected = reference(&file);
     let (net, model, tensors) = any_order(&file, budget_for(3));
     let sink = Arc::new(ListSink::new());
-    let mut model = model.events(sink.clone());
+    let mut model = model;
+    model.events(sink.clone());
     tch::manual_seed(11);
     let x = Tensor::randn([16, WIDTH], (Kind::Float, Device::Cpu));
     let y = tch::no_grad(|| {
@@ -879,7 +887,8 @@ fn the_governor_frees_hot_blocks_for_the_shortfall_before_it_streams_resident_on
     let floor = 64 << 20;
     let available = Arc::new(AtomicU64::new(floor));
     let reading = Arc::clone(&available);
-    let mut model = model.governor_reading(floor, move || Some(reading.load(Ordering::Relaxed)));
+    let mut model = model;
+    model.governor_reading(floor, move || Some(reading.load(Ordering::Relaxed)));
     tch::manual_seed(11);
     let mut held = Vec::new();
     for (step, want) in expected.iter().enumerate() {
@@ -903,8 +912,8 @@ fn under_memory_pressure_the_hot_set_halves_once_per_window_and_the_result_holds
     // Percent stalled, scripted (in hundredths); PSI's own reading drives `governor_pressure`.
     let stalled = Arc::new(AtomicU64::new(0));
     let reading = Arc::clone(&stalled);
-    let mut model =
-        model.governor_pressure_reading(10.0, move || Some(reading.load(Ordering::Relaxed) as f64 / 100.0)).unwrap();
+    let mut model = model;
+    model.governor_pressure_reading(10.0, move || Some(reading.load(Ordering::Relaxed) as f64 / 100.0)).unwrap();
     tch::manual_seed(11);
     let mut held = Vec::new();
     for (step, want) in expected.iter().enumerate() {
@@ -920,7 +929,8 @@ fn under_memory_pressure_the_hot_set_halves_once_per_window_and_the_result_holds
     assert_eq!(model.split().hot, 3 * BLOCK / 2);
     // The kernel's own reading (no pressure on a test machine, or none at all): same outputs.
     let (net, model, _) = any_order(&file, budget_for(3));
-    let mut model = model.governor_pressure(10.0).unwrap();
+    let mut model = model;
+    model.governor_pressure(10.0).unwrap();
     tch::manual_seed(11);
     let x = Tensor::randn([16, WIDTH], (Kind::Float, Device::Cpu));
     assert!(tch::no_grad(|| model.run(|s| net.forward_streamed(&x, s))).unwrap().equal(&expected[0]));
@@ -930,7 +940,7 @@ fn under_memory_pressure_the_hot_set_halves_once_per_window_and_the_result_holds
 fn a_pressure_threshold_that_is_not_a_percent_is_refused_by_name() {
     let (_one, _dir, file) = setup();
     for threshold in [0.0, -5.0, 100.5, f64::NAN] {
-        let (_, model, _) = streamed_with_tensors(&file, budget_for(3)).unwrap();
+        let (_, mut model, _) = streamed_with_tensors(&file, budget_for(3)).unwrap();
         let error = model.governor_pressure(threshold).unwrap_err().to_string();
         assert!(
             error.starts_with("streamed model 'net': a pressure threshold of") && error.contains("at most 100"),
@@ -944,7 +954,8 @@ fn refills_past_the_page_cache_give_the_same_outputs() {
     let (_one, _dir, file) = setup();
     let expected = reference(&file);
     let (net, model) = streamed(&file, budget_for(2)).unwrap();
-    let mut model = model.uncached();
+    let mut model = model;
+    model.uncached();
     let outputs = run_steps(&net, &mut model, 3);
     for (step, (got, want)) in outputs.iter().zip(&expected).enumerate() {
         assert!(got.equal(want), "step {step} differs");
@@ -953,4 +964,122 @@ fn refills_past_the_page_cache_give_the_same_outputs() {
     // Dropping pages of entries it has and skipping names it has not is not an error.
     let checkpoint = Checkpoint::open(&[&file]).unwrap();
     checkpoint.drop_cached(["blocks.0.fc1.weight", "no.such.tensor"]).unwrap();
+}
+
+/// Hidden widths of the uneven net's six blocks: the largest first, in the middle, last.
+const UNEVEN: [[i64; 6]; 3] = [[512, 64, 128, 64, 256, 64], [64, 128, 512, 64, 256, 64], [64, 128, 64, 256, 64, 512]];
+
+/// A net whose blocks differ in size: block `i` widens to `widths[i]` and back.
+struct Uneven {
+    input: nn::Linear,
+    blocks: Vec<(nn::Linear, nn::Linear)>,
+    output: nn::Linear,
+}
+
+impl Uneven {
+    fn new(vs: &VarStore, widths: &[i64]) -> Uneven {
+        let p = vs.root();
+        let linear = |path: nn::Path, i, o| nn::linear(path, i, o, Default::default());
+        Uneven {
+            input: linear(&p / "input", WIDTH, WIDTH),
+            blocks: widths
+                .iter()
+                .enumerate()
+                .map(|(i, &w)| {
+                    (linear(&p / "blocks" / i / "fc1", WIDTH, w), linear(&p / "blocks" / i / "fc2", w, WIDTH))
+                })
+                .collect(),
+            output: linear(&p / "output", WIDTH, WIDTH),
+        }
+    }
+
+    /// The forward, with a call at each block boundary when streamed.
+    fn forward(&self, x: &Tensor, mut step: Option<&mut Step<'_>>) -> Result<Tensor, StreamError> {
+        let mut x = x.apply(&self.input);
+        for (i, (fc1, fc2)) in self.blocks.iter().enumerate() {
+            if let Some(step) = step.as_mut() {
+                step.block(i)?;
+            }
+            x = &x + x.apply(fc1).gelu("none").apply(fc2);
+        }
+        Ok(x.apply(&self.output))
+    }
+}
+
+/// The uneven net's checkpoint, seeded noise, and the net's output on it loaded whole.
+fn uneven_checkpoint(dir: &Path, widths: &[i64]) -> (PathBuf, Tensor, Tensor) {
+    tch::manual_seed(7);
+    let vs = VarStore::new(Device::Cpu);
+    let net = Uneven::new(&vs, widths);
+    let path = dir.join("uneven.safetensors");
+    stageload::checkpoint::save(&vs.variables().into_iter().collect::<Vec<_>>(), &path).unwrap();
+    tch::manual_seed(11);
+    let x = Tensor::randn([16, WIDTH], (Kind::Float, Device::Cpu));
+    let y = tch::no_grad(|| net.forward(&x, None)).unwrap();
+    (path, x, y)
+}
+
+fn uneven_streamed(file: &Path, widths: &[i64], budget: u64) -> (Uneven, StreamedModel) {
+    let vs = VarStore::new(Device::Cpu);
+    let net = stageload_torch_sys::without_fills(|| Uneven::new(&vs, widths));
+    let checkpoint = Checkpoint::open(&[file]).unwrap();
+    let mut model =
+        StreamedModel::new("uneven", stageload::named_tensors(&vs), checkpoint, &NameRules::default(), &spec(), budget)
+            .unwrap();
+    model.reading(|| None);
+    (net, model)
+}
+
+#[test]
+fn what_a_streamed_model_holds_by_its_storages_stays_within_its_budget_whatever_the_order_of_its_block_sizes() {
+    let (_one, dir, _) = setup();
+    for widths in UNEVEN {
+        let (file, x, expected) = uneven_checkpoint(dir.path(), &widths);
+        let n = widths.len();
+        let sizes = uneven_streamed(&file, &widths, u64::MAX).1.sizes().clone();
+        for resident in [0, 1, n / 2, n - 1] {
+            // What `resident` blocks and their slots need, and room for the smallest block hot.
+            let slots = (n - resident).min(2);
+            let budget = sizes.need(resident, slots, 0) + sizes.blocks.iter().copied().min().unwrap();
+            let (net, mut model) = uneven_streamed(&file, &widths, budget);
+            if model.split().resident > resident {
+                model.limit_resident(resident).unwrap();
+            }
+            let case = format!("widths {widths:?}, {resident} resident, budget {budget}");
+            assert!(model.held_bytes() <= budget, "{case}: set-up holds {}", model.held_bytes());
+            // One step (a real libtorch out-of-memory inside it first when `fail`); what the
+            // model holds after it.
+            let step = |model: &mut StreamedModel, mut fail: bool| {
+                let y = tch::no_grad(|| {
+                    model.run(|step| {
+                        if std::mem::take(&mut fail) {
+                            let _ = Tensor::f_empty([1i64 << 48], (Kind::Float, Device::Cpu))?;
+                        }
+                        net.forward(&x, Some(step))
+                    })
+                })
+                .unwrap();
+                assert!(y.equal(&expected), "{case}: the output differs");
+                assert!(
+                    model.stats().most_held <= budget,
+                    "{case}: {} held at a block boundary",
+                    model.stats().most_held
+                );
+                model.held_bytes()
+            };
+            let held = (0..2).map(|_| step(&mut model, false)).max().unwrap();
+            assert_eq!(model.split().resident, resident, "{case}");
+            // Evictions until every block streams: none raises what the model holds.
+            let mut before = held;
+            while model.split().resident > 0 || model.split().hot > 0 {
+                let split = model.split();
+                let after = step(&mut model, true);
+                assert!(after <= before, "{case}: {split:?} held {before}, then {:?} {after}", model.split());
+                before = after;
+            }
+            model.reset().unwrap();
+            step(&mut model, false);
+            assert!(model.held_bytes() <= budget, "{case}: {} held after reset", model.held_bytes());
+        }
+    }
 }

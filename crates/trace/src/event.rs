@@ -99,6 +99,13 @@ pub struct Residency {
     /// Working memory a step was measured to need (0 until measured).
     #[serde(default)]
     pub working: u64,
+    /// Bytes the model holds on its device now, counted from its storages (fixed tensors,
+    /// blocks with memory, slot buffers): what the budget bounds.
+    #[serde(default)]
+    pub held: u64,
+    /// Bytes of host memory pinned for the blocks' copies (CUDA).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub pinned: u64,
     /// Why the split changed: `start`, `out of memory`, `working memory`, `reset`; `end` when
     /// the model goes, with its totals (the event's `bytes` and `seconds`: what its refills read
     /// and how long they took).
@@ -132,8 +139,8 @@ pub struct LoadReport {
     pub missing: Vec<String>,
 }
 
-fn is_zero(n: &usize) -> bool {
-    *n == 0
+fn is_zero<T: Default + PartialEq>(n: &T) -> bool {
+    *n == T::default()
 }
 
 fn is_false(b: &bool) -> bool {

@@ -172,6 +172,8 @@ struct Outcome {
     blocks_run: usize,
     refills: u64,
     hot_hits: u64,
+    /// The most the streamed model held at a block boundary, from its storages.
+    most_held: u64,
     bytes_refilled: u64,
     refill_seconds: f64,
     waited_seconds: f64,
@@ -257,7 +259,7 @@ fn run(args: Args) -> Result<(), BoxError> {
                 }
                 let mut streamed = StreamedModel::planned(MODEL, tensors, plan)?;
                 if uncached {
-                    streamed = streamed.uncached();
+                    streamed.uncached();
                 }
                 if let Some(at_most) = resident_at_most {
                     streamed.limit_resident(at_most)?;
@@ -345,6 +347,7 @@ fn run(args: Args) -> Result<(), BoxError> {
             blocks_run,
             refills: stats.refills,
             hot_hits: stats.hot_hits,
+            most_held: stats.most_held,
             bytes_refilled: stats.bytes_refilled,
             refill_seconds: stats.refill_seconds,
             waited_seconds: stats.waited_seconds,

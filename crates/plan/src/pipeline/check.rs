@@ -39,10 +39,11 @@ fn streaming(
     let spec = crate::blocks::BlockSpec::new(stream.blocks.iter().cloned()).resident(stream.resident.iter().cloned());
     let names: Vec<&str> = entries.iter().map(|(n, _)| n.as_str()).collect();
     let layout = crate::blocks::assign(&spec, &names).map_err(|e| e.to_string())?;
-    let bytes = |members: &[usize]| total(members.iter().map(|&i| entries[i].1));
+    let bytes = |members: &[usize]| members.iter().map(|&i| entries[i].1).collect::<Vec<u64>>();
+    // Fixed tensors come from the allocator; a block counts as a slot lays it out.
     let sizes = crate::split::Sizes {
-        fixed: bytes(&layout.fixed),
-        blocks: layout.blocks.iter().map(|(_, members)| bytes(members)).collect(),
+        fixed: total(bytes(&layout.fixed)),
+        blocks: layout.blocks.iter().map(|(_, members)| crate::split::block_bytes(bytes(members))).collect(),
     };
     let at_most = if stream.any_order { 0 } else { sizes.blocks.len() };
     let split = crate::split::fit(&sizes, budget, working, at_most).map_err(|e| e.to_string())?;
@@ -59,7 +60,7 @@ fn streaming(
         budget,
         budget_from,
         working,
-        host_copies: if on_cuda { total(sizes.blocks.iter().copied()) } else { 0 },
+        host_copies: if on_cuda { total(layout.blocks.iter().flat_map(|(_, members)| bytes(members))) } else { 0 },
     })
 }
 

@@ -184,9 +184,9 @@ fn streamed_model(file: std::path::PathBuf, builds: Arc<AtomicUsize>) -> ModelSp
         let checkpoint = crate::checkpoint::Checkpoint::open(&[&file])?;
         let spec = crate::stream::BlockSpec::new(["blocks.*"]);
         // One resident block and two slots.
-        let streamed =
-            crate::stream::StreamedModel::new("s", tensors, checkpoint, &crate::NameRules::default(), &spec, 3 * 1024)?
-                .reading(|| None);
+        let mut streamed =
+            crate::stream::StreamedModel::new("s", tensors, checkpoint, &crate::NameRules::default(), &spec, 3 * 1024)?;
+        streamed.reading(|| None);
         let tensors = streamed.tensors();
         Ok(Built::from_tensors(Streamed { streamed, blocks }, tensors))
     })

@@ -26,6 +26,8 @@ pub(super) struct Block {
     pub(super) storages: Vec<StorageRecord>,
     /// Where each storage starts in a slot.
     pub(super) offsets: Vec<usize>,
+    /// Bytes as a slot lays it out (its size in the split's [`Sizes`](super::split::Sizes)).
+    pub(super) bytes: u64,
     pub(super) allocated: bool,
     /// The slot its storages borrow, while they do.
     pub(super) slot: Option<usize>,
@@ -114,35 +116,55 @@ impl StreamedModel {
         Ok(true)
     }
 
-    /// A slot for streamed block `index` on the CPU (made on first use, at most two): the
-    /// address of its memory, or `None` for the allocator (a resident or hot block, or CUDA).
-    pub(super) fn take_slot(&mut self, index: usize) -> Result<Option<usize>, StreamError> {
+    /// A free slot for streamed block `index` on the CPU: the address of its memory, or `None`
+    /// for the allocator (a resident or hot block, or CUDA). The split's slots always have one
+    /// free for the block the forward reaches: the block before it left its slot first, and the
+    /// one read ahead takes the other.
+    pub(super) fn take_slot(&mut self, index: usize) -> Option<usize> {
         if self.device != Device::Cpu || !self.passes(index) {
-            return Ok(None);
+            return None;
         }
-        let free = match self.slots.iter().position(|(_, holder)| holder.is_none()) {
-            Some(free) => free,
-            None if self.slots.len() < 2 => {
-                self.make_slots(self.slots.len() + 1)?;
-                self.slots.len() - 1
-            }
-            None => return Ok(None),
+        let bytes = self.blocks[index].bytes;
+        let fits = |(buffer, holder): &(Tensor, Option<usize>)| holder.is_none() && buffer.numel() as u64 >= bytes;
+        let Some(free) = self.slots.iter().position(fits) else {
+            tracing::warn!(
+                "streamed model '{}': no free slot for block '{}'; it takes the allocator's memory",
+                self.name,
+                self.blocks[index].name
+            );
+            return None;
         };
         self.slots[free].1 = Some(index);
         self.blocks[index].slot = Some(free);
-        Ok(Some(self.slots[free].0.data_ptr() as usize))
+        Some(self.slots[free].0.data_ptr() as usize)
     }
 
-    /// Makes slots until there are `count` (CPU only), each as large as the largest block.
-    pub(super) fn make_slots(&mut self, count: usize) -> Result<(), StreamError> {
+    /// Gives the slot buffers (CPU) what the split needs: each as large as the largest streamed
+    /// block ([`Sizes::slot`](super::split::Sizes::slot)), two with a look-ahead, one without,
+    /// none when every block is resident; a buffer the split does not use is emptied. Only
+    /// between steps, when no block is in a slot. The buffers keep their identity (a registry
+    /// that holds them as `stream-slot.N` sees their new memory), and every buffer that changes
+    /// is emptied before any is filled, so a change never holds the old and the new at once.
+    pub(super) fn fit_slots(&mut self) -> Result<(), StreamError> {
         if self.device != Device::Cpu {
             return Ok(());
         }
-        let bytes = self.blocks.iter().map(|b| storage::layout(&b.storages).1).max().unwrap_or(0);
-        while self.slots.len() < count {
+        let empty = || Tensor::f_zeros([0], (tch::Kind::Uint8, Device::Cpu));
+        while self.slots.len() < 2 {
+            self.slots.push((empty()?, None));
+        }
+        let bytes = i64::try_from(self.sizes.slot(self.split.resident)).unwrap_or(i64::MAX);
+        let wanted: Vec<i64> = (0..self.slots.len()).map(|i| if i < self.split.slots() { bytes } else { 0 }).collect();
+        let changing: Vec<usize> =
+            (0..self.slots.len()).filter(|&i| self.slots[i].0.numel() as i64 != wanted[i]).collect();
+        debug_assert!(self.slots.iter().all(|(_, holder)| holder.is_none()), "slots resized while in use");
+        for &i in &changing {
+            self.slots[i].0.f_set_data(&empty()?)?;
+        }
+        for &i in &changing {
             // Zeroed, so that its pages are faulted in once, here.
-            let buffer = Tensor::f_zeros([bytes as i64], (tch::Kind::Uint8, Device::Cpu))?;
-            self.slots.push((buffer, None));
+            let buffer = Tensor::f_zeros([wanted[i]], (tch::Kind::Uint8, Device::Cpu))?;
+            self.slots[i].0.f_set_data(&buffer)?;
         }
         Ok(())
     }
@@ -163,7 +185,7 @@ impl StreamedModel {
         running: Option<usize>,
     ) -> Result<impl FnOnce() -> Result<f64, StreamError> + Send + 'static, StreamError> {
         self.keep_hot(index, running)?;
-        let slot = self.take_slot(index)?;
+        let slot = self.take_slot(index);
         let block = &self.blocks[index];
         let offsets = block.offsets.clone();
         let model = self.name.clone();

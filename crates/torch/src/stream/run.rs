@@ -46,14 +46,13 @@ impl StreamedModel {
             if !is_out_of_memory(&message) {
                 return Err(error);
             }
-            match evict(self.split) {
+            match evict(&self.sizes, self.split) {
                 Some(next) => {
-                    self.split = next;
                     self.stats.retries += 1;
                     if let Device::Cuda(_) = self.device {
                         let _ = stageload_torch_sys::cuda_empty_cache();
                     }
-                    self.announce("out of memory", None);
+                    self.set_split(next, "out of memory", None);
                 }
                 None => {
                     // The error's first line; libtorch appends its C++ backtrace.
@@ -70,33 +69,34 @@ impl StreamedModel {
 
     /// Frees what the split no longer holds (a block that became resident leaves its slot and
     /// comes back from the allocator; streamed blocks a shrunk split still held go; hot blocks
-    /// past a shrunk room go, weakest first) and starts the first streamed block's refill.
-    /// Nothing is in flight between steps.
+    /// past a shrunk room go, weakest first), sizes the slots for it and starts the first
+    /// streamed block's refill. Nothing is in flight between steps.
     fn begin(&mut self) -> Result<(), StreamError> {
         if let Some((floor, available)) = self.governor.as_mut() {
-            if let Some(next) = available().and_then(|now| govern(self.split, now, *floor)) {
-                self.split = next;
-                self.announce("memory pressure", None);
+            if let Some(next) = available().and_then(|now| govern(&self.sizes, self.split, now, *floor)) {
+                self.set_split(next, "memory pressure", None);
             }
         }
         if let Some(governor) = self.pressure.as_mut() {
             let since = governor.last.map(|at| at.elapsed());
-            let relief = (governor.reading)().and_then(|now| relieve(self.split, now, governor.threshold, since));
+            let (sizes, split) = (&self.sizes, self.split);
+            let relief = (governor.reading)().and_then(|now| relieve(sizes, split, now, governor.threshold, since));
             if let Some(next) = relief {
                 governor.last = Some(Instant::now());
-                self.split = next;
-                self.announce("memory pressure (PSI)", None);
+                self.set_split(next, "memory pressure (PSI)", None);
             }
         }
         self.let_go()?;
         if self.split.look_ahead && !self.any_order {
             self.start_ahead(self.split.resident, None);
         }
+        self.note_held();
         Ok(())
     }
 
     /// Frees what the split no longer holds: hot blocks past the room (weakest first), and
-    /// every streamed block not kept hot or still in a slot. Nothing may run on the blocks.
+    /// every streamed block not kept hot or still in a slot; then sizes the slots for the split.
+    /// Nothing may run on the blocks.
     pub(super) fn let_go(&mut self) -> Result<(), StreamError> {
         for victim in self.hot.over(&self.sizes.blocks, self.split.hot, &[]) {
             self.drop_hot(victim)?;
@@ -110,7 +110,7 @@ impl StreamedModel {
                 self.release(index)?;
             }
         }
-        Ok(())
+        self.fit_slots()
     }
 
     fn after_step(&mut self, working: u64) {
@@ -121,14 +121,8 @@ impl StreamedModel {
         self.working = working;
         match refit(&self.sizes, self.split, self.budget, working) {
             Refit::Keep => {}
-            Refit::Shrink(next) => {
-                self.split = next;
-                self.announce("working memory", None);
-            }
-            Refit::Over { split, over } => {
-                self.split = split;
-                self.announce("working memory", Some(over));
-            }
+            Refit::Shrink(next) => self.set_split(next, "working memory", None),
+            Refit::Over { split, over } => self.set_split(split, "working memory", Some(over)),
         }
     }
 
@@ -180,6 +174,8 @@ impl StreamedModel {
             hot: self.split.hot,
             budget: self.budget,
             working: self.working,
+            held: self.held_bytes(),
+            pinned: self.pinned_bytes(),
             reason: reason.to_string(),
             ..Residency::default()
         });
@@ -187,20 +183,10 @@ impl StreamedModel {
         sink.emit(&event);
     }
 
-    /// The reading and the weights held now, for working-memory estimates.
+    /// The reading and the weights held now (the block in flight ahead left out: its refill
+    /// may not have taken its memory yet), for working-memory estimates.
     pub(super) fn measure_point(&mut self) -> Option<(u64, u64)> {
         let reading = (self.reading)()?;
-        Some((reading, self.held()))
-    }
-
-    /// Weight bytes held now: fixed tensors, the slots (filled or not, their pages stay), and
-    /// every block outside a slot that is filled and not being refilled.
-    fn held(&self) -> u64 {
-        let ahead = self.ahead.as_ref().map(|a| a.block);
-        let slots = self.slots.iter().fold(0u64, |sum, (buffer, _)| sum.saturating_add(buffer.numel() as u64));
-        let blocks = self.sizes.blocks.iter().zip(&self.blocks).enumerate();
-        blocks
-            .filter(|(i, (_, b))| b.allocated && b.slot.is_none() && Some(*i) != ahead)
-            .fold(self.sizes.fixed.saturating_add(slots), |sum, (_, (bytes, _))| sum.saturating_add(*bytes))
+        Some((reading, self.held_outside_ahead()))
     }
 }

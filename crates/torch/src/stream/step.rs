@@ -50,6 +50,7 @@ impl Step<'_> {
                 model.start_ahead(next, Some(index));
             }
         }
+        model.note_held();
         Ok(())
     }
 
@@ -68,6 +69,12 @@ impl Step<'_> {
     /// How the blocks are held in this step.
     pub fn split(&self) -> Split {
         self.model.split
+    }
+
+    /// What the model holds now, from its storages ([`StreamedModel::held_bytes`]): the block
+    /// read ahead included.
+    pub fn held_bytes(&self) -> u64 {
+        self.model.held_bytes()
     }
 
     /// Notes the working memory now: growth of the reading beyond the growth of held weights.

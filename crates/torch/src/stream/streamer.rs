@@ -15,7 +15,7 @@ use tch::{Device, Tensor};
 use super::blocks::{assign, BlockSpec};
 use super::hot::HotSet;
 use super::refill::{pinned_copies, Ahead, Block};
-use super::split::{describe, fit, Sizes, Split};
+use super::split::{describe, fit_within, Sizes, Split};
 use super::StreamError;
 use crate::checkpoint::{Checkpoint, CheckpointError};
 use crate::names::{match_names, NameMismatch, NameRules};
@@ -38,6 +38,9 @@ pub struct StreamStats {
     pub retries: u64,
     /// Streamed blocks found in the hot set when the forward reached them (refills saved).
     pub hot_hits: u64,
+    /// The most the model held at any block boundary or step's start, from its storages
+    /// ([`StreamedModel::held_bytes`]).
+    pub most_held: u64,
 }
 
 /// Reads the memory a step's working set shows up in (process RSS, or the CUDA allocator's).
@@ -129,10 +132,15 @@ pub struct StreamedModel {
     /// checkpoint once at set-up; refills copy from them on a side stream. `None`: refills read
     /// the checkpoint (the CPU, or pinning failed).
     pub(super) host: Option<Vec<Vec<Tensor>>>,
-    /// CPU: buffers (at most two) the streamed blocks are read into, faulted in once and reused,
-    /// so that a refill runs at the page cache's speed instead of the page faults' of fresh
-    /// memory; with the block each one holds.
+    /// CPU: the two buffers the streamed blocks are read into, faulted in once and reused, so
+    /// that a refill runs at the page cache's speed instead of the page faults' of fresh memory;
+    /// with the block each one holds. Sized by the split ([`Sizes::slot`]): a buffer the split
+    /// does not use is empty.
     pub(super) slots: Vec<(Tensor, Option<usize>)>,
+    /// The fixed tensors' storages (in no block; always resident).
+    pub(super) fixed: Vec<StorageRecord>,
+    /// A streamed block is read while the one before it runs ([`Self::look_ahead`]).
+    pub(super) look_ahead: bool,
 }
 
 impl std::fmt::Debug for StreamedModel {
@@ -247,14 +255,16 @@ impl StreamedModel {
                     .collect(),
                 shapes: members.iter().map(|&i| (names[i].to_string(), tensors[i].1.size())).collect(),
                 offsets: storage::layout(&storages).0,
+                bytes: storage::layout(&storages).1 as u64,
                 storages,
                 allocated: true,
                 slot: None,
             });
         }
-        let fixed_bytes: u64 = fixed_storages.iter().map(|s| s.nbytes as u64).sum();
-        let sizes = Sizes { fixed: fixed_bytes, blocks: blocks.iter().map(|b| bytes_of(&b.storages)).collect() };
-        let split = fit(&sizes, budget, working, if any_order { 0 } else { blocks.len() })
+        let fixed_bytes = fixed_storages.iter().fold(0u64, |sum, s| sum.saturating_add(s.nbytes as u64));
+        // A block counts as a slot lays it out (`stageload_plan::split::block_bytes`).
+        let sizes = Sizes { fixed: fixed_bytes, blocks: blocks.iter().map(|b| b.bytes).collect() };
+        let split = fit_within(&sizes, budget, working, if any_order { 0 } else { blocks.len() }, true)
             .map_err(|source| StreamError::Budget { model: model.clone(), source })?;
         if device == Device::Cpu {
             stageload_torch_sys::map_large_host_blocks();
@@ -294,6 +304,8 @@ impl StreamedModel {
             stats: StreamStats::default(),
             setup: (0, 0.0),
             slots: Vec::new(),
+            fixed: Vec::new(),
+            look_ahead: true,
             tensors: Vec::new(),
             host: None,
         };
@@ -332,15 +344,19 @@ impl StreamedModel {
             .map_err(|source| StreamError::Checkpoint { model: streamed.name.clone(), source: Box::new(source) })?;
         streamed.setup = (report.bytes, start.elapsed().as_secs_f64());
         streamed.tensors = tensors;
+        streamed.fixed = fixed_storages;
         // The slots now, so that a registry given `tensors()` frees them with the model.
-        streamed.make_slots(split.slots())?;
+        streamed.fit_slots()?;
         tracing::info!("{}", describe(&streamed.name, &streamed.sizes, split));
         Ok(streamed)
     }
 
     /// Sends to `sink` a `load` event for set-up's load (the resident part), a `residency`
     /// event for the split now, and one for every later change.
-    pub fn events(mut self, sink: Arc<dyn EventSink>) -> Self {
+    ///
+    /// Every option of a streamed model takes `&mut self` and returns it (`Result` where it can
+    /// fail), so options chain at set-up and can change between steps too.
+    pub fn events(&mut self, sink: Arc<dyn EventSink>) -> &mut Self {
         let mut load = Event::now(EventKind::Load);
         load.model = Some(self.name.clone());
         (load.bytes, load.seconds) = (Some(self.setup.0), Some(self.setup.1));
@@ -359,7 +375,7 @@ impl StreamedModel {
     /// Measures working memory with `reading` (bytes now) instead of the process's RSS (CPU) or
     /// the CUDA allocator's bytes, and without a high-water mark unless
     /// [`peak_reading`](Self::peak_reading) gives one.
-    pub fn reading(mut self, reading: impl FnMut() -> Option<u64> + Send + 'static) -> Self {
+    pub fn reading(&mut self, reading: impl FnMut() -> Option<u64> + Send + 'static) -> &mut Self {
         self.reading = Box::new(reading);
         self.peak = Box::new(|| None);
         self
@@ -368,14 +384,18 @@ impl StreamedModel {
     /// The governor: before each step, when the machine has less than `floor` bytes available
     /// (the probe's reading, a cgroup's headroom included), one more block is streamed, so the
     /// model gives memory back while others need it. The count only goes down ([`reset`](Self::reset)).
-    pub fn governor(mut self, floor: u64) -> Self {
+    pub fn governor(&mut self, floor: u64) -> &mut Self {
         let available: Reading = Box::new(|| stageload_probe::system_memory().ok().map(|m| m.budget_available()));
         self.governor = Some((floor, available));
         self
     }
 
     /// The governor with `available` read from elsewhere (bytes available now).
-    pub fn governor_reading(mut self, floor: u64, available: impl FnMut() -> Option<u64> + Send + 'static) -> Self {
+    pub fn governor_reading(
+        &mut self,
+        floor: u64,
+        available: impl FnMut() -> Option<u64> + Send + 'static,
+    ) -> &mut Self {
         self.governor = Some((floor, Box::new(available)));
         self
     }
@@ -386,7 +406,7 @@ impl StreamedModel {
     /// once that is empty one more block is streamed; at most once per
     /// [`PRESSURE_WINDOW`](super::split::PRESSURE_WINDOW), so that the average can show what it
     /// did. Where the kernel has no PSI nothing changes. Refused: a threshold outside (0, 100].
-    pub fn governor_pressure(self, threshold: f64) -> Result<Self, StreamError> {
+    pub fn governor_pressure(&mut self, threshold: f64) -> Result<&mut Self, StreamError> {
         self.governor_pressure_reading(threshold, || {
             stageload_probe::pressure().ok().flatten().map(|pressure| pressure.some_avg10)
         })
@@ -395,10 +415,10 @@ impl StreamedModel {
     /// [`governor_pressure`](Self::governor_pressure) with `pressure` read from elsewhere
     /// (percent now).
     pub fn governor_pressure_reading(
-        mut self,
+        &mut self,
         threshold: f64,
         pressure: impl FnMut() -> Option<f64> + Send + 'static,
-    ) -> Result<Self, StreamError> {
+    ) -> Result<&mut Self, StreamError> {
         if !(threshold > 0.0 && threshold <= 100.0) {
             return Err(StreamError::Setting {
                 model: self.name.clone(),
@@ -412,7 +432,7 @@ impl StreamedModel {
     }
 
     /// The high-water mark of what [`reading`](Self::reading) reads.
-    pub fn peak_reading(mut self, peak: impl FnMut() -> Option<u64> + Send + 'static) -> Self {
+    pub fn peak_reading(&mut self, peak: impl FnMut() -> Option<u64> + Send + 'static) -> &mut Self {
         self.peak = Box::new(peak);
         self
     }
@@ -421,7 +441,7 @@ impl StreamedModel {
     /// less its weights): the split keeps room for it from the first step. Measurement at block
     /// boundaries sees what a step holds between blocks, not the transients inside one
     /// (attention scores), so a declared figure is the safer one on the CPU.
-    pub fn working_memory(mut self, bytes: u64) -> Result<Self, StreamError> {
+    pub fn working_memory(&mut self, bytes: u64) -> Result<&mut Self, StreamError> {
         self.working = self.working.max(bytes);
         self.refit_to(self.split.resident, self.split.hot, "working memory")?;
         // The blocks set-up read that no longer stay go now, not at the first step.
@@ -490,10 +510,54 @@ impl StreamedModel {
         self.refit_to(self.blocks.len(), u64::MAX, "reset")
     }
 
+    /// What the model holds now, counted from its storages, not from the split's formula: the
+    /// fixed tensors, every block with memory outside a slot (resident, hot, or on CUDA being
+    /// refilled ahead: counted at its size) and the slot buffers, filled or not (their pages
+    /// stay). Bytes on the model's device; on CUDA the pinned host copies refills copy from are
+    /// [`pinned_bytes`](Self::pinned_bytes). What the budget bounds (see [`super`]).
+    pub fn held_bytes(&self) -> u64 {
+        let ahead = self.ahead.as_ref().filter(|a| self.blocks[a.block].slot.is_none());
+        self.held_outside_ahead().saturating_add(ahead.map_or(0, |a| self.sizes.blocks[a.block]))
+    }
+
+    /// Notes what the model holds now in [`StreamStats::most_held`].
+    pub(super) fn note_held(&mut self) {
+        self.stats.most_held = self.stats.most_held.max(self.held_bytes());
+    }
+
+    /// Bytes of host memory pinned for the blocks' copies (CUDA; 0 on the CPU or when pinning
+    /// failed), from their storages.
+    pub fn pinned_bytes(&self) -> u64 {
+        let copies = self.host.iter().flatten().flatten();
+        copies.fold(0u64, |sum, t| sum.saturating_add(storage_bytes(t)))
+    }
+
+    /// [`held_bytes`](Self::held_bytes) less the block being refilled ahead, whose storages its
+    /// refill thread owns until joined: read without touching them.
+    pub(super) fn held_outside_ahead(&self) -> u64 {
+        let ahead = self.ahead.as_ref().map(|a| a.block);
+        let slots = self.slots.iter().map(|(buffer, _)| storage_bytes(buffer));
+        let blocks = self.blocks.iter().enumerate().filter(|(i, b)| b.slot.is_none() && Some(*i) != ahead);
+        let storages = self.fixed.iter().chain(blocks.flat_map(|(_, b)| &b.storages));
+        storages.map(|s| storage_bytes(&s.tensor)).chain(slots).fold(0u64, u64::saturating_add)
+    }
+
     /// Keeps at most `resident` blocks resident, and none hot, from the next step on (to stream
     /// more than the budget asks, say for a benchmark); [`reset`](Self::reset) lifts it.
-    pub fn limit_resident(&mut self, resident: usize) -> Result<(), StreamError> {
-        self.refit_to(resident.min(self.split.resident), 0, "limit")
+    pub fn limit_resident(&mut self, resident: usize) -> Result<&mut Self, StreamError> {
+        self.refit_to(resident.min(self.split.resident), 0, "limit")?;
+        Ok(self)
+    }
+
+    /// Whether a streamed block is read while the one before it runs (on by default). Off, the
+    /// model has one slot instead of two and every refill runs when the forward reaches its
+    /// block (the step waits for each); the split is fitted again as set-up fits it (the working
+    /// memory measured so far kept), so the slot's bytes go to resident blocks or the hot set.
+    /// From the next step on.
+    pub fn look_ahead(&mut self, on: bool) -> Result<&mut Self, StreamError> {
+        self.look_ahead = on;
+        self.refit_to(self.blocks.len(), u64::MAX, if on { "look-ahead on" } else { "look-ahead off" })?;
+        Ok(self)
     }
 
     /// Declares that the forward runs the blocks in any order, or only some of them each step
@@ -501,7 +565,7 @@ impl StreamedModel {
     /// leaves beside the fixed tensors, the slots and the working memory holds the blocks used
     /// most (the hot set, [`stageload_plan::hot`]), and the block loaded ahead is the one the
     /// forward names with [`Step::prefetch`](super::Step::prefetch) (none is guessed).
-    pub fn any_order(mut self) -> Result<Self, StreamError> {
+    pub fn any_order(&mut self) -> Result<&mut Self, StreamError> {
         self.any_order = true;
         self.refit_to(0, u64::MAX, "any order")?;
         // The prefix set-up read stays, as hot blocks, while the room holds it; the rest goes.
@@ -518,7 +582,7 @@ impl StreamedModel {
     /// it once read ([`Checkpoint::drop_cached`]), so streaming a model bigger than the machine's
     /// memory does not push other programs' files out, and every refill reads the disk (what
     /// such a model costs; the hot set then saves disk reads).
-    pub fn uncached(mut self) -> Self {
+    pub fn uncached(&mut self) -> &mut Self {
         self.uncached = true;
         self
     }
@@ -528,14 +592,21 @@ impl StreamedModel {
     /// the next step's `begin` frees what it drops.
     fn refit_to(&mut self, at_most: usize, hot_at_most: u64, reason: &str) -> Result<(), StreamError> {
         let at_most = if self.any_order { 0 } else { at_most };
-        let split = fit(&self.sizes, self.budget, self.working, at_most)
+        let split = fit_within(&self.sizes, self.budget, self.working, at_most, self.look_ahead)
             .map_err(|source| StreamError::Budget { model: self.name.clone(), source })?;
-        let split = Split { hot: split.hot.min(hot_at_most), ..split };
-        if split != self.split {
-            self.split = split;
-            self.announce(reason, None);
-        }
+        self.set_split(Split { hot: split.hot.min(hot_at_most), ..split }, reason, None);
         Ok(())
+    }
+
+    /// The one place the split changes: `split` (without its look-ahead when that is off) from
+    /// the next step on, announced when it differs (`over`: a step needs that much more than the
+    /// budget even so). The next step's `begin` frees what it drops and sizes the slots.
+    pub(super) fn set_split(&mut self, split: Split, reason: &str, over: Option<u64>) {
+        let split = Split { look_ahead: split.look_ahead && self.look_ahead, ..split };
+        if split != self.split || over.is_some() {
+            self.split = split;
+            self.announce(reason, over);
+        }
     }
 }
 
@@ -583,8 +654,9 @@ pub(super) fn torch<'a>(
     move |source| StreamError::Torch { model: model.to_string(), operation, source }
 }
 
-fn bytes_of(storages: &[StorageRecord]) -> u64 {
-    storages.iter().fold(0u64, |sum, s| sum.saturating_add(s.nbytes as u64))
+/// Bytes of the storage behind `tensor` when it has memory (0 when freed or unreadable).
+fn storage_bytes(tensor: &Tensor) -> u64 {
+    stageload_torch_sys::storage_info(tensor).map_or(0, |info| if info.allocated { info.nbytes as u64 } else { 0 })
 }
 
 /// The checkpoint entry of each tensor (`None`: no entry), checked under `rules`: a strict
