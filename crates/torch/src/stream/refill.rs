@@ -26,8 +26,6 @@ pub(super) struct Block {
     pub(super) storages: Vec<StorageRecord>,
     /// Where each storage starts in a slot.
     pub(super) offsets: Vec<usize>,
-    /// Bytes as a slot lays it out (its size in the split's [`Sizes`](super::split::Sizes)).
-    pub(super) bytes: u64,
     pub(super) allocated: bool,
     /// The slot its storages borrow, while they do.
     pub(super) slot: Option<usize>,
@@ -124,7 +122,7 @@ impl StreamedModel {
         if self.device != Device::Cpu || !self.passes(index) {
             return None;
         }
-        let bytes = self.blocks[index].bytes;
+        let bytes = self.sizes.blocks[index];
         let fits = |(buffer, holder): &(Tensor, Option<usize>)| holder.is_none() && buffer.numel() as u64 >= bytes;
         let Some(free) = self.slots.iter().position(fits) else {
             tracing::warn!(

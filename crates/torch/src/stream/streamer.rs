@@ -255,7 +255,6 @@ impl StreamedModel {
                     .collect(),
                 shapes: members.iter().map(|&i| (names[i].to_string(), tensors[i].1.size())).collect(),
                 offsets: storage::layout(&storages).0,
-                bytes: storage::layout(&storages).1 as u64,
                 storages,
                 allocated: true,
                 slot: None,
@@ -263,7 +262,10 @@ impl StreamedModel {
         }
         let fixed_bytes = fixed_storages.iter().fold(0u64, |sum, s| sum.saturating_add(s.nbytes as u64));
         // A block counts as a slot lays it out (`stageload_plan::split::block_bytes`).
-        let sizes = Sizes { fixed: fixed_bytes, blocks: blocks.iter().map(|b| b.bytes).collect() };
+        let sizes = Sizes {
+            fixed: fixed_bytes,
+            blocks: blocks.iter().map(|b| storage::layout(&b.storages).1 as u64).collect(),
+        };
         let split = fit_within(&sizes, budget, working, if any_order { 0 } else { blocks.len() }, true)
             .map_err(|source| StreamError::Budget { model: model.clone(), source })?;
         if device == Device::Cpu {
