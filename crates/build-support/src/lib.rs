@@ -1,26 +1,36 @@
-//! Build-script helper for every package that produces a binary, test or example linking libtorch.
+//! Build-script helper for every package that produces a binary, test or example linking
+//! libtorch, this workspace's and a user's own crate.
 //!
-//! Cargo does not pass link arguments from a dependency to its dependents, so each such package
-//! calls [`link_libtorch`] from its own `build.rs`. The package must depend directly on
-//! `stageload-torch-sys`, whose build script publishes the libtorch folder as
-//! `DEP_STAGELOAD_SHIM_LIBTORCH_LIB`. The shim's build script also checks, with
-//! [`check_libtorch_version`], that the libtorch found is the release tch 0.26 is written for.
+//! Cargo passes neither link arguments nor `DEP_*` variables past a direct dependent, so a
+//! package whose binaries link libtorch calls [`link_libtorch`] from its own `build.rs`: one line
+//! and one build-dependency. It finds libtorch by itself ([`find_libtorch`]: torch-sys's folder
+//! when the package depends on the shim directly, else `LIBTORCH`, the Python torch of
+//! `LIBTORCH_USE_PYTORCH`, or the per-user cache that `stageload libtorch --install` fills). The
+//! shim's build script also checks, with [`check_libtorch_version`], that the libtorch found is the
+//! release tch 0.26 is written for.
 
 use std::path::Path;
+
+mod find;
+
+pub use find::{
+    cache_root, cache_venv, find_libtorch, install_libtorch, Libtorch, Source, INSTALL_COMMAND, TORCH_VERSION,
+};
 
 /// The libtorch release (major, minor) that tch 0.26 and the shim are written for.
 pub const LIBTORCH_WANTED: (u32, u32) = (2, 13);
 
 /// Emits an rpath to libtorch's lib folder (so nothing needs `LD_LIBRARY_PATH`) and, on Linux,
 /// `--no-as-needed -ltorch` so that `libtorch_cuda` stays linked and CUDA is seen where present.
+/// Stops the build, naming the one command to run, when no libtorch is found.
 pub fn link_libtorch() {
-    let Ok(lib) = std::env::var("DEP_STAGELOAD_SHIM_LIBTORCH_LIB") else {
-        panic!(
-            "DEP_STAGELOAD_SHIM_LIBTORCH_LIB is not set: this package must depend directly on \
-             stageload-torch-sys to link libtorch"
-        );
-    };
-    link_libtorch_at(std::path::Path::new(&lib));
+    for var in ["LIBTORCH", "LIBTORCH_USE_PYTORCH", "PYTHON", "STAGELOAD_CACHE", "XDG_CACHE_HOME"] {
+        println!("cargo:rerun-if-env-changed={var}");
+    }
+    match find_libtorch() {
+        Ok(libtorch) => link_libtorch_at(&libtorch.lib()),
+        Err(message) => panic!("{message}"),
+    }
 }
 
 /// As [`link_libtorch`], for a known libtorch lib folder (used by the shim's own build script).
@@ -63,8 +73,8 @@ pub fn check_libtorch_version(include: &Path) -> Result<(), String> {
     Err(format!(
         "stageload needs libtorch {}.{} (tch 0.26), but the libtorch at {} is {shown}. \
          Point LIBTORCH at a libtorch 2.13.0 folder, or unset LIBTORCH and run \
-         scripts/setup-libtorch.sh, which installs torch==2.13.0 into the per-user cache \
-         (STAGELOAD_CACHE).",
+         scripts/setup-libtorch.sh (in this repository) or `stageload libtorch --install`, which \
+         install torch==2.13.0 into the per-user cache (STAGELOAD_CACHE).",
         LIBTORCH_WANTED.0,
         LIBTORCH_WANTED.1,
         include.parent().unwrap_or(include).display()

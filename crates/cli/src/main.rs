@@ -2,11 +2,13 @@
 //! room and stops it before it takes the machine down (see [`guard`]); `plan` says before a run
 //! whether a staged pipeline fits this machine (see [`plan`]); `summary` and `plot` show where a
 //! recorded run's memory went (see [`trace`]); `ab` runs commands alternately under the guard and
-//! compares them, `latents` compares latents files (see [`ab`]).
+//! compares them, `latents` compares latents files (see [`ab`]); `libtorch` finds or installs
+//! libtorch for a crate that uses stageload (see [`libtorch`]).
 
 mod ab;
 mod args;
 mod guard;
+mod libtorch;
 mod out;
 mod plan;
 mod trace;
@@ -30,6 +32,7 @@ enum Commands {
     Plot(trace::PlotArgs),
     Ab(ab::AbArgs),
     Latents(ab::LatentsArgs),
+    Libtorch(libtorch::LibtorchArgs),
 }
 
 fn main() -> ExitCode {
@@ -45,6 +48,7 @@ fn main() -> ExitCode {
         Commands::Plot(args) => trace::plot(args),
         Commands::Ab(args) => ab::ab(args),
         Commands::Latents(args) => ab::latents(args),
+        Commands::Libtorch(args) => libtorch::run(args),
     };
     ExitCode::from(u8::try_from(code).unwrap_or(u8::MAX))
 }

@@ -1,0 +1,3 @@
+fn main() {
+    stageload_build::link_libtorch();
+}
