@@ -94,6 +94,8 @@ fn a_run_the_guard_stops_is_reported_at_its_stage_and_a_changed_latent_fails() {
     let out = folder.path().join("stopped");
     let heavy = program("eager", [300, 320], [1.0, 2.0], true);
     let light = program("staged", [100, 160], [1.0, 2.0], false);
+    // A limit far above what an interpreter running the light program holds (its own 10-20 MiB)
+    // and far below the 400 MiB the heavy one writes.
     let (output, text) = ab(&out, &["--max-memory", "128M", "--grace", "1s"], &[heavy, light]);
     assert_eq!(output.status.code(), Some(1), "{text}");
     assert!(

@@ -258,7 +258,9 @@ fn max_memory_stops_an_allocating_command_and_the_log_has_the_readings() {
     assert_eq!(events, ["start", "started", "stop"], "{records:?}");
     let stop = &records[2];
     let used = stop["detail"]["command_memory"].as_u64().unwrap();
-    assert!(used > 128 << 20 && used < 512 << 20, "{stop}");
+    // Stopped on the way up: over the limit (what a stop means), and short of the 16 blocks
+    // alone, which the whole program (its interpreter's own memory on top) would pass.
+    assert!(used > 128 << 20 && used < 16 * (32 << 20), "{stop}");
     assert!(stop["memory"]["available"].as_u64().unwrap() > 0, "{stop}");
 }
 

@@ -273,8 +273,8 @@ pub fn plan(pipeline: &Pipeline, budget: Budget, device_budget: Option<Budget>) 
                 // As the registry: each release stored when it fits (oldest copies evicted), each
                 // reload from the tier gives its copy up.
                 for model in models_of(&released).into_iter().filter(|m| m.tiered()) {
-                    if tier.admit(&model.name, model.held(), &Default::default()).is_ok() {
-                        tier.fill(&model.name, ());
+                    if let Ok(admitted) = tier.admit(&model.name, model.held(), &Default::default()) {
+                        tier.fill(&model.name, admitted.ticket, ());
                     }
                 }
                 let held = tier.used();

@@ -6,6 +6,14 @@
 //! drop) once the registry's lock is let go. [`TierPlan`] checks a pipeline's budget against its
 //! largest device model.
 //!
+//! Identity. An entry belongs to the instance whose copy it is: [`Tier::admit`] hands out a
+//! [`Ticket`], and every later call about that copy ([`Tier::fill`], [`Tier::withdraw`],
+//! [`Tier::unlease`], and a lease's end) names it. A call whose ticket is not the entry's (the
+//! model was replaced, removed or released again meanwhile, and the entry is another instance's
+//! or gone) changes nothing and hands its copy back to be dropped, so one instance's weights never
+//! land in another's entry. Only [`Tier::forget`], for a model that left the registry or was
+//! replaced, goes by name alone.
+//!
 //! Rules. An entry is reserved (and leased) before its copy runs, so its bytes count at once
 //! and a concurrent admission cannot overbook the budget. A leased entry (a copy in flight, into
 //! the tier or back to the device) and the entry of a model pinned at the current stage are
@@ -18,9 +26,22 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use serde::{Deserialize, Serialize};
 
+/// Which reservation an entry is: handed out by [`Tier::admit`], named by every later call
+/// about that copy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Ticket(u64);
+
+/// A reservation made: its ticket, and the entries evicted to make room (for the caller to drop).
+#[derive(Debug)]
+pub struct Admitted<T> {
+    pub ticket: Ticket,
+    pub evicted: Vec<Evicted<T>>,
+}
+
 /// One model's place in the tier.
 #[derive(Debug)]
 struct Slot<T> {
+    ticket: Ticket,
     bytes: u64,
     last_used: u64,
     leased: bool,
@@ -33,6 +54,8 @@ struct Slot<T> {
 pub struct Tier<T> {
     budget: u64,
     clock: u64,
+    /// The last ticket handed out.
+    tickets: u64,
     slots: BTreeMap<String, Slot<T>>,
 }
 
@@ -106,7 +129,7 @@ impl TierPlan {
 
 impl<T> Tier<T> {
     pub fn new(budget: u64) -> Self {
-        Tier { budget, clock: 0, slots: BTreeMap::new() }
+        Tier { budget, clock: 0, tickets: 0, slots: BTreeMap::new() }
     }
 
     pub fn budget(&self) -> u64 {
@@ -124,14 +147,9 @@ impl<T> Tier<T> {
     }
 
     /// Reserves `bytes` for `model`'s copy (leased until [`fill`](Self::fill) or
-    /// [`forget`](Self::forget)), evicting least recently used unprotected entries to make room.
-    /// Returns the evicted entries' names and copies, for the caller to drop.
-    pub fn admit(
-        &mut self,
-        model: &str,
-        bytes: u64,
-        protected: &BTreeSet<String>,
-    ) -> Result<Vec<Evicted<T>>, NotStored> {
+    /// [`withdraw`](Self::withdraw)), evicting least recently used unprotected entries to make
+    /// room. Returns the reservation's ticket and the evicted entries, for the caller to drop.
+    pub fn admit(&mut self, model: &str, bytes: u64, protected: &BTreeSet<String>) -> Result<Admitted<T>, NotStored> {
         if self.slots.contains_key(model) {
             return Err(NotStored::AlreadyStored);
         }
@@ -146,43 +164,63 @@ impl<T> Tier<T> {
         })?;
         let evicted = self.evict(&victims);
         self.clock += 1;
-        self.slots.insert(model.to_string(), Slot { bytes, last_used: self.clock, leased: true, copies: None });
-        Ok(evicted)
+        self.tickets += 1;
+        let ticket = Ticket(self.tickets);
+        self.slots.insert(model.to_string(), Slot { ticket, bytes, last_used: self.clock, leased: true, copies: None });
+        Ok(Admitted { ticket, evicted })
     }
 
-    /// Puts the finished copy of a model [`admit`](Self::admit) reserved; gives it back when the
-    /// reservation was forgotten meanwhile.
-    pub fn fill(&mut self, model: &str, copies: T) -> Option<T> {
+    /// `model`'s entry when it is `ticket`'s.
+    fn entry(&mut self, model: &str, ticket: Ticket) -> Option<&mut Slot<T>> {
+        self.slots.get_mut(model).filter(|slot| slot.ticket == ticket)
+    }
+
+    /// Puts the finished copy into the reservation of `ticket`; gives it back when that
+    /// reservation is gone (forgotten meanwhile, or the entry is another instance's now).
+    pub fn fill(&mut self, model: &str, ticket: Ticket, copies: T) -> Option<T> {
         self.clock += 1;
-        match self.slots.get_mut(model) {
+        let clock = self.clock;
+        match self.entry(model, ticket) {
             Some(slot) if slot.copies.is_none() => {
                 slot.copies = Some(copies);
                 slot.leased = false;
-                slot.last_used = self.clock;
+                slot.last_used = clock;
                 None
             }
             _ => Some(copies),
         }
     }
 
-    /// Leases `model`'s copy for a reload; `None` when it has no ready copy.
-    pub fn lease(&mut self, model: &str) -> Option<&T> {
+    /// Leases `model`'s copy for a reload: the entry's ticket (for [`unlease`](Self::unlease)
+    /// or [`withdraw`](Self::withdraw) when the reload ends) and the copy; `None` when it has no
+    /// ready copy.
+    pub fn lease(&mut self, model: &str) -> Option<(Ticket, &T)> {
         let slot = self.slots.get_mut(model).filter(|s| s.copies.is_some() && !s.leased)?;
         slot.leased = true;
-        slot.copies.as_ref()
+        Some((slot.ticket, slot.copies.as_ref()?))
     }
 
-    /// Ends a lease without taking the copy (a reload that failed): the entry stays, evictable.
-    pub fn unlease(&mut self, model: &str) {
+    /// Ends the lease of `ticket` without taking the copy (a reload that failed): the entry
+    /// stays, evictable. Changes nothing when the entry is not `ticket`'s.
+    pub fn unlease(&mut self, model: &str, ticket: Ticket) {
         self.clock += 1;
-        if let Some(slot) = self.slots.get_mut(model) {
+        let clock = self.clock;
+        if let Some(slot) = self.entry(model, ticket) {
             slot.leased = false;
-            slot.last_used = self.clock;
+            slot.last_used = clock;
         }
     }
 
-    /// Removes `model`'s entry (its copy went back to the device, its copy into the tier failed,
-    /// or the model left the registry); returns the copy for the caller to drop.
+    /// Removes the entry of `ticket` (its copy went back to the device, or its copy into the
+    /// tier failed); returns the copy for the caller to drop. Changes nothing when the entry is
+    /// not `ticket`'s.
+    pub fn withdraw(&mut self, model: &str, ticket: Ticket) -> Option<T> {
+        self.entry(model, ticket)?;
+        self.slots.remove(model).and_then(|s| s.copies)
+    }
+
+    /// Removes `model`'s entry, whichever instance's it is (the model left the registry or was
+    /// replaced); returns the copy for the caller to drop.
     pub fn forget(&mut self, model: &str) -> Option<T> {
         self.slots.remove(model).and_then(|s| s.copies)
     }
@@ -247,19 +285,59 @@ mod tests {
     }
 
     fn stored(tier: &mut Tier<()>, model: &str, bytes: u64) -> Vec<String> {
-        let evicted = tier.admit(model, bytes, &none()).unwrap();
-        assert_eq!(tier.fill(model, ()), None);
-        evicted.into_iter().map(|e| e.model).collect()
+        let admitted = tier.admit(model, bytes, &none()).unwrap();
+        assert_eq!(tier.fill(model, admitted.ticket, ()), None);
+        admitted.evicted.into_iter().map(|e| e.model).collect()
+    }
+
+    /// Ends a lease of `model` that failed.
+    fn lease_and_fail(tier: &mut Tier<()>, model: &str) {
+        let (ticket, _) = tier.lease(model).unwrap();
+        tier.unlease(model, ticket);
     }
 
     #[test]
     fn a_model_is_stored_while_the_budget_has_room_and_its_bytes_count_from_the_reservation() {
         let mut tier = Tier::<()>::new(100);
-        tier.admit("a", 60, &none()).unwrap();
+        let ticket = tier.admit("a", 60, &none()).unwrap().ticket;
         assert_eq!(tier.used(), 60, "reserved before the copy runs");
         assert!(!tier.ready("a"), "not usable while the copy runs");
-        assert_eq!(tier.fill("a", ()), None);
+        assert_eq!(tier.fill("a", ticket, ()), None);
         assert!(tier.ready("a"));
+    }
+
+    #[test]
+    fn a_copy_of_a_replaced_instance_never_lands_in_the_new_instances_entry() {
+        let mut tier = Tier::<&str>::new(100);
+        let old = tier.admit("m", 10, &none()).unwrap().ticket;
+        // The model is replaced during the copy (its entry forgotten), and the new instance is
+        // released in turn: a new reservation of the same name.
+        assert_eq!(tier.forget("m"), None);
+        let new = tier.admit("m", 10, &none()).unwrap().ticket;
+        assert_ne!(old, new);
+        assert_eq!(tier.fill("m", old, "old weights"), Some("old weights"), "handed back to be dropped");
+        assert!(!tier.ready("m"), "the new reservation still waits for its own copy");
+        assert_eq!(tier.fill("m", new, "new weights"), None);
+        assert_eq!(tier.lease("m").map(|(ticket, copies)| (ticket, *copies)), Some((new, "new weights")));
+    }
+
+    #[test]
+    fn a_failed_copy_or_reload_of_another_instance_leaves_the_entry_alone() {
+        let mut tier = Tier::<&str>::new(100);
+        let old = tier.admit("m", 10, &none()).unwrap().ticket;
+        tier.forget("m");
+        let new = tier.admit("m", 10, &none()).unwrap().ticket;
+        assert_eq!(tier.withdraw("m", old), None, "the old copy failed: not the new reservation");
+        assert_eq!(tier.used(), 10);
+        assert_eq!(tier.fill("m", new, "new"), None);
+        let (leased, _) = tier.lease("m").unwrap();
+        tier.unlease("m", old);
+        assert!(!tier.ready("m"), "a stale unlease does not end the new lease");
+        assert_eq!(tier.withdraw("m", old), None);
+        tier.unlease("m", leased);
+        assert!(tier.ready("m"));
+        assert_eq!(tier.withdraw("m", new), Some("new"), "the entry's own ticket takes it");
+        assert_eq!(tier.used(), 0);
     }
 
     #[test]
@@ -268,8 +346,7 @@ mod tests {
         stored(&mut tier, "a", 40);
         stored(&mut tier, "b", 40);
         // "a" is used (a reload that failed keeps it and makes it recent): "b" is now the oldest.
-        tier.lease("a").unwrap();
-        tier.unlease("a");
+        lease_and_fail(&mut tier, "a");
         assert_eq!(stored(&mut tier, "c", 50), ["b"]);
         assert_eq!(tier.used(), 90);
         assert_eq!(stored(&mut tier, "d", 100), ["a", "c"], "oldest first, as many as needed");
@@ -288,7 +365,7 @@ mod tests {
         assert!(refused.to_string().contains("leased or pinned"), "{refused}");
         assert_eq!(tier.used(), 90, "nothing evicted by a refusal");
         // Unpinned, the oldest entry goes.
-        let evicted = tier.admit("new", 20, &none()).unwrap();
+        let evicted = tier.admit("new", 20, &none()).unwrap().evicted;
         assert_eq!((evicted[0].model.as_str(), evicted[0].bytes, evicted.len()), ("pinned", 30, 1));
     }
 
@@ -317,9 +394,9 @@ mod tests {
     #[test]
     fn a_copy_whose_reservation_was_forgotten_is_given_back() {
         let mut tier = Tier::<u32>::new(100);
-        tier.admit("a", 10, &none()).unwrap();
+        let ticket = tier.admit("a", 10, &none()).unwrap().ticket;
         assert_eq!(tier.forget("a"), None, "no copy yet");
-        assert_eq!(tier.fill("a", 7), Some(7), "the caller drops it");
+        assert_eq!(tier.fill("a", ticket, 7), Some(7), "the caller drops it");
         assert_eq!(tier.used(), 0);
     }
 

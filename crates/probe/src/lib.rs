@@ -128,6 +128,21 @@ pub fn reset_peak() -> Result<(), ProbeError> {
     platform::reset_peak()
 }
 
+/// How far a reading of a process's RSS ([`ProcessMemory::rss`]) or of its high-water mark
+/// ([`ProcessMemory::peak`]) may be from the pages the process holds, in bytes: what a test or a
+/// check of a measured figure allows for the readings themselves.
+///
+/// Linux (6.2 and later) counts a process's resident pages in three per-CPU counters
+/// (anonymous, file and shared memory pages), and each online CPU may hold up to
+/// `percpu_counter_batch` = max(32, 2 × CPUs) pages of each that it has not folded into the
+/// counter's total yet. The high-water mark is taken from the folded totals (when memory is
+/// unmapped, and by [`reset_peak`]), and so was `VmRSS` before Linux 6.16, which sums the CPUs'
+/// shares exactly: either can be off by up to 3 × CPUs × batch pages (768 KiB on 2 CPUs with
+/// 4 KiB pages). 0 elsewhere: macOS reads the task's own totals.
+pub fn rss_counter_slack() -> u64 {
+    platform::rss_counter_slack()
+}
+
 /// Every process this user can see, with its command line. Processes that vanish during the
 /// scan are left out.
 pub fn processes() -> Result<Vec<ProcessEntry>, ProbeError> {
@@ -202,6 +217,9 @@ mod platform {
     }
     pub fn processes(_with_commands: bool) -> Result<Vec<ProcessEntry>, ProbeError> {
         Err(ProbeError::Unsupported("process table"))
+    }
+    pub fn rss_counter_slack() -> u64 {
+        0
     }
 }
 

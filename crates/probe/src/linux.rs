@@ -90,6 +90,23 @@ pub fn reset_peak() -> Result<(), ProbeError> {
     Process::myself().and_then(|p| p.clear_refs(ClearRefs::PeakRSS)).map_err(|e| read_error("/proc/self/clear_refs", e))
 }
 
+/// The number of CPUs in a kernel CPU list ("0-1", "0,2-5"); `None` if it is not one.
+fn cpus_in_list(list: &str) -> Option<u64> {
+    list.trim().split(',').try_fold(0u64, |count, range| {
+        let (first, last) = range.split_once('-').unwrap_or((range, range));
+        Some(count + last.parse::<u64>().ok()?.checked_sub(first.parse::<u64>().ok()?)? + 1)
+    })
+}
+
+pub fn rss_counter_slack() -> u64 {
+    // The kernel's batch follows the online CPUs (`percpu_counter_batch`, set at boot and at
+    // each hotplug), and so does the number of shares a counter is split into.
+    let online = std::fs::read_to_string("/sys/devices/system/cpu/online").ok().and_then(|list| cpus_in_list(&list));
+    let cpus = online.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get() as u64));
+    let batch = 32.max(2 * cpus);
+    3 * cpus * batch * procfs::page_size()
+}
+
 /// The entry of one process, without its command line, and its number of threads; `None` once
 /// it has gone.
 fn tree_entry(process: &Process) -> Option<(ProcessEntry, i64)> {
@@ -195,5 +212,14 @@ mod tests {
         assert!(parse_meminfo("MemTotal: 10 kB\n").unwrap_err().to_string().contains("no SwapTotal line"));
         assert!(parse_meminfo(&MEMINFO.replace("MemTotal:       24684084", "MemTotal:       junk")).is_err());
         assert!(parse_meminfo("").is_err());
+    }
+
+    #[test]
+    fn cpu_lists_count_their_ranges_and_single_cpus() {
+        assert_eq!(cpus_in_list("0-1\n"), Some(2));
+        assert_eq!(cpus_in_list("0"), Some(1));
+        assert_eq!(cpus_in_list("0,2-5,7"), Some(6));
+        assert_eq!(cpus_in_list("3-1"), None);
+        assert_eq!(cpus_in_list(""), None);
     }
 }

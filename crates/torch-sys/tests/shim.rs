@@ -2,8 +2,18 @@
 //! reallocation in place, storage identity, C++ exceptions turned into errors, CUDA queries on a
 //! machine without CUDA.
 
+use std::sync::{Mutex, MutexGuard};
+
 use stageload_torch_sys::*;
 use tch::{nn, nn::Module, Device, Kind, Tensor};
+
+/// One test of this binary reads the process's RSS around a free, and every test allocates:
+/// each takes this first, so that none allocates or frees beside that one.
+static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+
+fn alone() -> MutexGuard<'static, ()> {
+    ONE_AT_A_TIME.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
 
 fn rss_bytes() -> u64 {
     let statm = std::fs::read_to_string("/proc/self/statm").expect("read /proc/self/statm");
@@ -15,6 +25,7 @@ fn rss_bytes() -> u64 {
 
 #[test]
 fn cpu_generator_state_round_trip_survives_a_module_build() {
+    let _alone = alone();
     tch::manual_seed(1234);
     let state = generator_state(GeneratorDevice::Cpu).unwrap();
     assert_eq!(state.len(), 5056, "mt19937 state of the CPU generator");
@@ -36,6 +47,7 @@ fn cpu_generator_state_round_trip_survives_a_module_build() {
 
 #[test]
 fn freeing_a_storage_returns_its_memory_and_reallocating_restores_values() {
+    let _alone = alone();
     const BYTES: i64 = 256 << 20;
     // Deterministic values: this binary's RNG test must be the only user of the CPU generator.
     let tensor = Tensor::arange(BYTES / 4, (Kind::Float, Device::Cpu));
@@ -45,8 +57,12 @@ fn freeing_a_storage_returns_its_memory_and_reallocating_restores_values() {
     let freed = unsafe { free_storage(&tensor, "released by the test") }.unwrap();
     let after = rss_bytes();
     assert_eq!(freed as i64, BYTES);
+    // The storage has a mapping of its own (far above glibc's mmap threshold), every page written
+    // by `arange`, unmapped by the free: RSS falls by all of it, but for what the kernel's per-CPU
+    // counters leave out of each of the two readings.
+    let slack = 2 * stageload_probe::rss_counter_slack();
     let dropped = before.saturating_sub(after);
-    assert!(dropped as f64 >= 0.9 * BYTES as f64, "RSS dropped by {dropped} bytes, expected at least 90% of {BYTES}");
+    assert!(dropped + slack >= BYTES as u64, "RSS dropped by {dropped} bytes of {BYTES} (slack {slack})");
     let info = storage_info(&tensor).unwrap();
     assert!(!info.allocated);
     assert_eq!(info.nbytes, 0);
@@ -72,6 +88,7 @@ fn freeing_a_storage_returns_its_memory_and_reallocating_restores_values() {
 
 #[test]
 fn tensors_sharing_a_storage_have_one_identity() {
+    let _alone = alone();
     let base = Tensor::zeros([8, 8], (Kind::Float, Device::Cpu));
     let row = base.narrow(0, 2, 1);
     let alias = base.shallow_clone();
@@ -95,6 +112,7 @@ fn tensors_sharing_a_storage_have_one_identity() {
 
 #[test]
 fn a_libtorch_exception_becomes_an_error_naming_the_operation() {
+    let _alone = alone();
     let err = set_generator_state(GeneratorDevice::Cpu, &[1, 2, 3]).unwrap_err();
     assert_eq!(err.operation, "set generator state");
     assert!(!err.message.is_empty());
@@ -110,6 +128,7 @@ fn a_libtorch_exception_becomes_an_error_naming_the_operation() {
 
 #[test]
 fn mps_and_async_copies_answer_on_any_machine() {
+    let _alone = alone();
     if !mps_available().unwrap() {
         assert!(mps_empty_cache().unwrap_err().message.contains("MPS is not available"));
     }
@@ -123,6 +142,7 @@ fn mps_and_async_copies_answer_on_any_machine() {
 
 #[test]
 fn giving_back_pinned_memory_without_an_accelerator_is_an_error_naming_why() {
+    let _alone = alone();
     if tch::Cuda::is_available() || mps_available().unwrap() {
         return; // tested with CUDA below; MPS keeps no pinned cache to test here
     }
@@ -133,6 +153,7 @@ fn giving_back_pinned_memory_without_an_accelerator_is_an_error_naming_why() {
 
 #[test]
 fn cuda_queries_answer_not_available_without_cuda() {
+    let _alone = alone();
     let count = cuda_device_count().unwrap();
     if count == 0 {
         for err in [

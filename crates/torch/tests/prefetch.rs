@@ -1,12 +1,15 @@
 //! Prefetch on the CPU: the next stage's models load in a background thread while the current
 //! stage computes; only loads that draw no random number are started, so a seeded run gives the
-//! same numbers with and without prefetch; a failed prefetch surfaces at the `get`.
+//! same numbers with and without prefetch; a failed prefetch surfaces at the `get`; the
+//! prefetches running are listed and can be waited for; closing or dropping the registry gives
+//! up the prefetches that have not begun and waits only for a loader already running.
 
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc;
-use std::sync::Arc;
-use std::time::Duration;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
-use stageload::{EventKind, ListSink, ModelSpec, ReloadFrom, StageError, StagedModels};
+use stageload::{EventKind, ListSink, ModelSpec, ModelState, ReloadFrom, StageError, StagedModels};
 use tch::nn::{Module, VarStore};
 use tch::{Device, Kind, Tensor};
 
@@ -62,24 +65,25 @@ fn registry(
     )
 }
 
-/// A seeded run: noise drawn in every stage, each model called on it. With `prefetches`, each
-/// stage's call waits (10 s at most) for the prefetches begun so far to end in a load, so that
-/// the next stage's `get` finds the model there instead of racing the background thread to it.
-fn run(models: &Arc<StagedModels>, prefetches: Option<&ListSink>) -> Vec<Tensor> {
+/// A seeded run: noise drawn in every stage, each model called on it. With `prefetched`, each
+/// stage waits for the prefetch of the next one (begun by its `enter`) to end, so that the next
+/// stage's `get` finds the model there instead of racing the background thread to it.
+fn run(models: &Arc<StagedModels>, prefetched: bool) -> Vec<Tensor> {
     tch::manual_seed(11);
     let mut outputs = Vec::new();
-    for (stage, model) in [("first", "a"), ("second", "b"), ("third", "a")] {
+    let stages = [("first", "a"), ("second", "b"), ("third", "a")];
+    for (i, (stage, model)) in stages.into_iter().enumerate() {
         models.enter(stage).unwrap();
         let noise = Tensor::randn([4, 64], (Kind::Float, Device::Cpu));
-        let models = models.clone();
-        let model = model.to_string();
-        outputs.push(within("a call", move || models.call(&model, |m: &mut Mlp| m.forward(&noise)).unwrap()));
-        let Some(sink) = prefetches else { continue };
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-        let loaded = || sink.events().into_iter().filter(|e| e.kind.is_load() && e.prefetched).count();
-        while loaded() < sink.of_kind(EventKind::Prefetch).len() && std::time::Instant::now() < deadline {
-            std::thread::sleep(std::time::Duration::from_millis(5));
-        }
+        let (models, model) = (models.clone(), model.to_string());
+        let next = stages.get(i + 1).filter(|_| prefetched).map(|(next, _)| next.to_string());
+        outputs.push(within("a call and the next stage's prefetch", move || {
+            let output = models.call(&model, |m: &mut Mlp| m.forward(&noise)).unwrap();
+            if let Some(next) = next {
+                models.wait_prefetch(&next).unwrap();
+            }
+            output
+        }));
     }
     outputs
 }
@@ -89,9 +93,9 @@ fn a_prefetched_run_gives_the_same_numbers_as_one_without() {
     let _one = one_at_a_time();
     let dir = tempfile::TempDir::new().unwrap();
     let files = files(dir.path());
-    let plain = run(&registry(&files, true, false, Arc::new(ListSink::new())), None);
+    let plain = run(&registry(&files, true, false, Arc::new(ListSink::new())), false);
     let sink = Arc::new(ListSink::new());
-    let prefetched = run(&registry(&files, true, true, sink.clone()), Some(&sink));
+    let prefetched = run(&registry(&files, true, true, sink.clone()), true);
     for (a, b) in plain.iter().zip(&prefetched) {
         assert!(a.equal(b), "prefetch changed a result");
     }
@@ -145,6 +149,12 @@ fn a_failed_prefetch_surfaces_at_the_get_that_needs_the_model() {
     models.enter("first").unwrap();
     std::fs::remove_file(&files[1]).unwrap();
     assert_eq!(models.prefetch("second").unwrap(), ["b"]);
+    {
+        let models = models.clone();
+        within("the failed prefetch", move || models.wait_prefetch("second").unwrap());
+    }
+    assert_eq!(models.state("b").unwrap(), ModelState::Failed, "the prefetch ended, in a failure");
+    assert!(models.prefetching().is_empty());
     models.enter("second").unwrap();
     let err = {
         let models = models.clone();
@@ -195,4 +205,162 @@ fn without_a_budget_declared_working_memory_is_left_free_of_what_the_machine_has
     };
     assert_eq!(prefetched(1 << 20), ["b"], "1 MiB of working memory leaves room on any machine");
     assert!(prefetched(1 << 50).is_empty(), "a petabyte of working memory leaves none");
+}
+
+/// A loader that says when it begins (on `began`), takes `seconds`, then says it finished, and
+/// counts its builds: a model prefetchable from the start (`skip_init`, no checkpoint).
+fn slow(name: &str, seconds: f64, began: mpsc::Sender<String>, builds: Arc<AtomicUsize>) -> ModelSpec {
+    let (name, began) = (name.to_string(), Mutex::new(began));
+    let model = name.clone();
+    ModelSpec::new(name, move |_| {
+        builds.fetch_add(1, Ordering::SeqCst);
+        let _ = began.lock().unwrap().send(model.clone());
+        std::thread::sleep(Duration::from_secs_f64(seconds));
+        Ok(build_mlp(4))
+    })
+    .skip_init(true)
+}
+
+#[test]
+fn a_slow_prefetch_is_listed_while_it_runs_and_waited_for_until_it_ends() {
+    let _one = one_at_a_time();
+    let (began, has_begun) = mpsc::channel();
+    let builds = Arc::new(AtomicUsize::new(0));
+    let sink = Arc::new(ListSink::new());
+    let models = Arc::new(
+        StagedModels::builder()
+            .model(slow("slow", 0.5, began, builds.clone()))
+            .stage("now", Vec::<String>::new())
+            .stage("next", ["slow"])
+            .events(sink.clone())
+            .build()
+            .unwrap(),
+    );
+    models.enter("now").unwrap();
+    models.wait_prefetch("next").unwrap();
+    assert!(models.prefetching().is_empty(), "nothing started yet: waiting returns at once");
+    assert_eq!(models.prefetch("next").unwrap(), ["slow"]);
+    assert_eq!(models.prefetching(), ["slow"], "listed as soon as it is started");
+    has_begun.recv_timeout(Duration::from_secs(60)).expect("the loader begins");
+    assert_eq!(models.prefetching(), ["slow"], "listed while its loader runs");
+    assert_eq!(models.state("slow").unwrap(), ModelState::Loading);
+    {
+        let models = models.clone();
+        within("waiting for the prefetch", move || models.wait_prefetch("next").unwrap());
+    }
+    assert!(models.prefetching().is_empty(), "not listed once it ended");
+    assert_eq!(models.state("slow").unwrap(), ModelState::Resident);
+    let loads = sink.of_kind(EventKind::Load);
+    assert!(loads.len() == 1 && loads[0].prefetched, "its load event came before the wait returned: {loads:?}");
+    assert_eq!(builds.load(Ordering::SeqCst), 1);
+
+    let err = models.wait_prefetch("nowhere").unwrap_err();
+    assert!(
+        matches!(&err, StageError::UnknownStage { stage, known } if stage == "nowhere" && known.len() == 2),
+        "{err}"
+    );
+    assert!(err.to_string().contains("'nowhere'"), "{err}");
+}
+
+/// Two models prefetched for `next`, each with a loader of `seconds`, and the channel saying
+/// which loader began.
+fn two_slow(seconds: f64, builds: &Arc<AtomicUsize>) -> (StagedModels, mpsc::Receiver<String>) {
+    let (began, has_begun) = mpsc::channel();
+    let models = StagedModels::builder()
+        .model(slow("a", seconds, began.clone(), builds.clone()))
+        .model(slow("b", seconds, began, builds.clone()))
+        .stage("now", Vec::<String>::new())
+        .stage("next", ["a", "b"])
+        .build()
+        .unwrap();
+    models.enter("now").unwrap();
+    (models, has_begun)
+}
+
+#[test]
+fn dropping_the_registry_waits_for_the_loader_running_and_cancels_the_prefetch_behind_it() {
+    let _one = one_at_a_time();
+    let builds = Arc::new(AtomicUsize::new(0));
+    let counted = builds.clone();
+    let (dropped_after, later) = within("the drop, and a registry after it", move || {
+        let (models, has_begun) = two_slow(5.0, &counted);
+        assert_eq!(models.prefetch("next").unwrap(), ["a", "b"]);
+        // One build at a time: the first loader holds the build turn, the other prefetch has not
+        // begun (it waits for the turn, or its thread has not got there yet).
+        let first = has_begun.recv_timeout(Duration::from_secs(30)).expect("a loader begins");
+        let started = Instant::now();
+        drop(models);
+        let dropped_after = started.elapsed();
+        assert!(has_begun.try_recv().is_err(), "the other loader never began (the first was {first})");
+        // The process stays sound: a registry made afterwards prefetches and loads.
+        let fresh = Arc::new(AtomicUsize::new(0));
+        let (models, _began) = two_slow(0.0, &fresh);
+        models.prefetch("next").unwrap();
+        models.wait_prefetch("next").unwrap();
+        models.enter("next").unwrap();
+        let y = models.call("a", |m: &mut Mlp| m.forward(&Tensor::ones([1, 4], (Kind::Float, Device::Cpu))));
+        (dropped_after, (y.unwrap().size(), fresh.load(Ordering::SeqCst), models.resident()))
+    });
+    assert_eq!(builds.load(Ordering::SeqCst), 1, "the prefetch that had not begun was cancelled");
+    assert!(
+        dropped_after > Duration::from_secs(3) && dropped_after < Duration::from_secs(8),
+        "the drop waited for the one loader running (5 s), not for both (10 s): {dropped_after:?}"
+    );
+    assert_eq!(later, (vec![1, 4], 2, vec!["a".to_string(), "b".to_string()]));
+}
+
+#[test]
+fn closing_gives_up_at_once_a_prefetch_waiting_behind_a_foreground_build() {
+    let _one = one_at_a_time();
+    let (began, has_begun) = mpsc::channel();
+    let builds = Arc::new(AtomicUsize::new(0));
+    let finished = Arc::new(AtomicBool::new(false));
+    let foreground = {
+        let (began, finished) = (Mutex::new(began), finished.clone());
+        ModelSpec::new("foreground", move |_| {
+            let _ = began.lock().unwrap().send("foreground".to_string());
+            std::thread::sleep(Duration::from_secs(5));
+            finished.store(true, Ordering::SeqCst);
+            Ok(build_mlp(4))
+        })
+    };
+    let (unused, _) = mpsc::channel();
+    let models = Arc::new(
+        StagedModels::builder()
+            .model(foreground)
+            .model(slow("b", 5.0, unused, builds.clone()))
+            .stage("now", ["foreground"])
+            .stage("next", ["b"])
+            .build()
+            .unwrap(),
+    );
+    models.enter("now").unwrap();
+    let user = {
+        let models = models.clone();
+        std::thread::spawn(move || models.load("foreground"))
+    };
+    has_begun.recv_timeout(Duration::from_secs(30)).expect("the foreground build begins");
+    assert_eq!(models.prefetch("next").unwrap(), ["b"]);
+    assert_eq!(models.prefetching(), ["b"], "waiting for the build turn");
+    let (closed_after, state) = {
+        let models = models.clone();
+        within("close and the prefetch's end", move || {
+            let started = Instant::now();
+            models.close().unwrap();
+            models.wait_prefetch("next").unwrap();
+            (started.elapsed(), models.state("b").unwrap())
+        })
+    };
+    assert!(!finished.load(Ordering::SeqCst), "neither close nor the prefetch waited for the foreground loader");
+    assert!(closed_after < Duration::from_secs(2), "the prefetch gave up at once: {closed_after:?}");
+    assert_eq!(state, ModelState::Unloaded, "its slot is as it was before the prefetch");
+    assert_eq!(builds.load(Ordering::SeqCst), 0, "b's loader never ran");
+    assert!(models.prefetching().is_empty());
+    let loaded = within("the foreground build", move || user.join().unwrap());
+    assert!(loaded.is_ok(), "a build begun before close finishes: {loaded:?}");
+    let err = models.load("b").unwrap_err();
+    assert!(matches!(&err, StageError::Closed { model } if model == "b"), "{err}");
+    let started = Instant::now();
+    drop(models);
+    assert!(started.elapsed() < Duration::from_secs(2), "nothing left to wait for: {:?}", started.elapsed());
 }

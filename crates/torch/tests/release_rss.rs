@@ -42,18 +42,33 @@ fn release_returns_memory_and_reload_in_place_brings_it_back_without_drawing() {
     let big = models.get::<Mlp>("big").unwrap();
     let before = big.lock().unwrap().forward(&input(WIDTH));
     let model_bytes = 2 * (WIDTH * WIDTH + WIDTH) * 4;
+    // What RSS must move by: the two weight matrices, each in a mapping of its own (above the
+    // mmap threshold the registry sets), every page written, unmapped by a release and mapped
+    // and filled again by a reload. The biases live in the heap, where the release's trim may
+    // give their pages back or not, and where the registry's own few allocations for a stage
+    // change come from. Allowed: what the kernel's per-CPU counters leave out of each of the
+    // two readings compared.
+    let matrices = 2 * WIDTH * WIDTH * 4;
+    let slack = 2 * stageload_probe::rss_counter_slack() as i64;
 
     let resident = rss_bytes();
     models.enter("other").unwrap();
     let released = rss_bytes();
-    assert!(resident - released >= model_bytes * 9 / 10, "RSS fell by {} of {model_bytes}", resident - released);
+    eprintln!("RSS fell by {} for {matrices} bytes of matrices (slack {slack})", resident - released);
+    assert!(
+        resident - released + slack >= matrices,
+        "RSS fell by {} for {matrices} bytes of matrices (slack {slack})",
+        resident - released
+    );
 
     tch::manual_seed(99);
     let torch_state = stageload_torch_sys::generator_state(stageload_torch_sys::GeneratorDevice::Cpu).unwrap();
     let chacha_next = chacha.lock().clone().gen::<u64>();
     models.enter("use").unwrap();
     let again = models.get::<Mlp>("big").unwrap();
-    assert!(rss_bytes() - released >= model_bytes * 9 / 10, "RSS came back");
+    let back = rss_bytes() - released;
+    eprintln!("RSS came back by {back} for {matrices} bytes of matrices (slack {slack})");
+    assert!(back + slack >= matrices, "RSS came back by {back} for {matrices} bytes of matrices (slack {slack})");
     assert!(!big.is_released(), "the old handle works again: same object");
     assert!(big.lock().unwrap().forward(&input(WIDTH)).equal(&before));
     assert!(again.lock().unwrap().forward(&input(WIDTH)).equal(&before));

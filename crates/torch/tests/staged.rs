@@ -528,3 +528,156 @@ fn a_released_model_that_will_be_rebuilt_drops_its_object_at_once_and_one_refill
     drop(models);
     assert_eq!((rebuilt.load(Ordering::SeqCst), refilled.load(Ordering::SeqCst)), (2, 1), "each object dropped once");
 }
+
+#[test]
+fn state_gives_one_models_state_and_names_an_unknown_one() {
+    let models = two_stage(Arc::new(ListSink::new()));
+    assert_eq!(models.state("encoder").unwrap(), ModelState::Unloaded, "asking never loads");
+    models.enter("encode").unwrap();
+    models.load("encoder").unwrap();
+    assert_eq!(models.state("encoder").unwrap(), ModelState::Resident);
+    models.enter("decode").unwrap();
+    assert_eq!(models.state("encoder").unwrap(), ModelState::Released);
+    for (name, state) in models.states() {
+        assert_eq!(models.state(&name).unwrap(), state, "{name}: the same as states() says");
+    }
+    let err = models.state("ghost").unwrap_err();
+    assert!(matches!(&err, StageError::UnknownModel { name, known } if name == "ghost" && known.len() == 3), "{err}");
+    assert!(err.to_string().contains("'ghost'") && err.to_string().contains("encoder"), "{err}");
+}
+
+/// A model of one `[n]` float tensor (the model object is the tensor itself).
+fn floats(name: &str, n: i64) -> ModelSpec {
+    ModelSpec::new(name, move |_| {
+        let w = Tensor::zeros([n], (Kind::Float, Device::Cpu));
+        Ok(Built::from_tensors(w.shallow_clone(), vec![("w".to_string(), w)]))
+    })
+}
+
+/// A model of a `[n]` head and a backbone of `BACKBONE` floats it shares with the other models
+/// built with it (one storage, counted once).
+fn sharing(name: &str, n: i64) -> ModelSpec {
+    ModelSpec::new(name, move |ctx| {
+        let backbone = ctx.shared("backbone", || {
+            let w = Tensor::zeros([BACKBONE], (Kind::Float, Device::Cpu));
+            Ok((w.shallow_clone(), vec![("w".to_string(), w)]))
+        })?;
+        let head = Tensor::zeros([n], (Kind::Float, Device::Cpu));
+        Ok(Built::from_tensors((backbone, head.shallow_clone()), vec![("head".to_string(), head)]))
+    })
+}
+
+const BACKBONE: i64 = 64;
+
+/// The bytes the models holding storage hold, counted from scratch from `states()` and each
+/// model's own size (`own`), the backbone once when a model sharing it holds storage; checked
+/// against the registry's indexed figures: `resident_bytes()` and `resident()`.
+fn check_index(models: &StagedModels, own: &std::collections::HashMap<String, u64>, what: &str) {
+    let states = models.states();
+    let holding: Vec<&String> = states
+        .iter()
+        .filter(|(_, s)| matches!(s, ModelState::Resident | ModelState::ReleasePending))
+        .map(|(name, _)| name)
+        .collect();
+    let shared = holding.iter().any(|name| name.starts_with('u'));
+    let expected: u64 =
+        holding.iter().map(|name| own[*name]).sum::<u64>() + if shared { BACKBONE as u64 * 4 } else { 0 };
+    assert_eq!(models.resident_bytes(), expected, "{what}: resident bytes against a count over {states:?}");
+    let resident: Vec<String> =
+        states.iter().filter(|(_, s)| *s == ModelState::Resident).map(|(name, _)| name.clone()).collect();
+    assert_eq!(models.resident(), resident, "{what}: resident() against states()");
+}
+
+#[test]
+fn the_indexed_resident_figures_agree_with_a_count_from_scratch_through_every_kind_of_change() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut own = std::collections::HashMap::new();
+    let mut builder = StagedModels::builder();
+    // c*: a checkpoint each (refilled in place, prefetchable); r*: rebuilt; u*: a shared backbone.
+    for i in 0..4 {
+        let (c, r) = (format!("c{i}"), format!("r{i}"));
+        let file = dir.path().join(format!("{c}.safetensors"));
+        stageload::checkpoint::save(&[("w".to_string(), Tensor::ones([20 + i], (Kind::Float, Device::Cpu)))], &file)
+            .unwrap();
+        builder = builder.model(floats(&c, 20 + i).checkpoint([file]).skip_init(true)).model(floats(&r, 10 + i));
+        own.insert(c, 4 * (20 + i) as u64);
+        own.insert(r, 4 * (10 + i) as u64);
+    }
+    for i in 0..2 {
+        builder = builder.model(sharing(&format!("u{i}"), 30 + i));
+        own.insert(format!("u{i}"), 4 * (30 + i) as u64);
+    }
+    let models = builder
+        .stage("one", ["c0", "r0", "u0"])
+        .stage("two", ["c1", "r1", "u1", "c0"])
+        .stage("three", ["c2", "c3", "r3"])
+        .pin_between("r2", Some("two".to_string()), Some("three".to_string()))
+        .build()
+        .unwrap();
+    let call = |names: &[&str]| {
+        for &name in names {
+            if name.starts_with('u') {
+                models.call(name, |m: &mut (stageload::Shared<Tensor>, Tensor)| m.1.numel()).unwrap();
+            } else {
+                models.call(name, |w: &mut Tensor| w.numel()).unwrap();
+            }
+        }
+    };
+    check_index(&models, &own, "built");
+    models.enter("one").unwrap();
+    call(&["c0", "r0", "u0"]);
+    check_index(&models, &own, "stage one loaded");
+    models.enter("two").unwrap();
+    call(&["c1", "r1", "u1", "r2"]);
+    check_index(&models, &own, "stage two: c0 stays, r2 pinned by its span");
+
+    // A release pending while a guard holds the model, carried out when it drops.
+    let r1 = models.get::<Tensor>("r1").unwrap();
+    let guard = r1.lock().unwrap();
+    models.enter("three").unwrap();
+    assert_eq!(models.state("r1").unwrap(), ModelState::ReleasePending);
+    check_index(&models, &own, "r1's release pending");
+    drop(guard);
+    check_index(&models, &own, "r1 released by its guard");
+    assert_eq!(models.state("r2").unwrap(), ModelState::Released, "its span ended at 'three', which does not list it");
+
+    // insert, and insert over it.
+    models
+        .insert("x", Built::from_tensors((), vec![("w".into(), Tensor::zeros([7], (Kind::Float, Device::Cpu)))]))
+        .unwrap();
+    own.insert("x".into(), 28);
+    check_index(&models, &own, "inserted");
+    models
+        .insert("x", Built::from_tensors((), vec![("w".into(), Tensor::zeros([9], (Kind::Float, Device::Cpu)))]))
+        .unwrap();
+    own.insert("x".into(), 36);
+    check_index(&models, &own, "inserted over");
+    // A load outside the stage (a refill in place), a pin across the next stage.
+    models.load("c0").unwrap();
+    models.pin("c0").unwrap();
+    check_index(&models, &own, "c0 loaded outside its stage");
+    models.enter("one").unwrap();
+    check_index(&models, &own, "c0 pinned, x released");
+
+    // remove and take shift the positions of every slot after them.
+    models.remove("r0").unwrap();
+    check_index(&models, &own, "r0 removed");
+    let taken = models.take::<(stageload::Shared<Tensor>, Tensor)>("u0").unwrap();
+    check_index(&models, &own, "u0 taken (its storage is no longer the registry's)");
+    models.remove("x").unwrap();
+    check_index(&models, &own, "x removed");
+
+    // Prefetch: refills and a skip_init build in the background.
+    let prefetched = models.prefetch("three").unwrap();
+    assert_eq!(prefetched, ["c2", "c3"], "the r* builds draw random numbers: not prefetched");
+    models.wait_prefetch("three").unwrap();
+    check_index(&models, &own, "c2 and c3 prefetched");
+    models.enter("three").unwrap();
+    call(&["c2", "c3", "r3"]);
+    check_index(&models, &own, "stage three loaded, c0 pinned");
+
+    models.close().unwrap();
+    check_index(&models, &own, "closed");
+    assert_eq!(models.resident_bytes(), 0, "closing releases every model");
+    assert!(taken.lock().is_ok(), "a taken model is never released by the registry");
+}

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Condvar, Mutex};
 
-use super::decide::{self, SlotState};
+use super::decide;
 use super::error::{Result, StageError};
 use super::placement::Placement;
 use super::registry::{Entry, Inner, ProgressHook, State};
@@ -48,6 +48,8 @@ pub struct StagedModelsBuilder {
     largest_device_model: Option<(String, u64)>,
     #[cfg(test)]
     tier_on_cpu: bool,
+    #[cfg(test)]
+    tier_copy_hook: Option<super::registry::TierCopyHook>,
 }
 
 impl StagedModelsBuilder {
@@ -210,6 +212,17 @@ impl StagedModelsBuilder {
         self
     }
 
+    /// Unit tests: runs before each copy into the host tier (`true`) and back out of it, with the
+    /// state lock let go (to hold a copy there, or fail it).
+    #[cfg(test)]
+    pub(crate) fn tier_copy_hook(
+        mut self,
+        hook: impl Fn(&str, bool) -> Result<(), String> + Send + Sync + 'static,
+    ) -> Self {
+        self.tier_copy_hook = Some(Arc::new(hook));
+        self
+    }
+
     /// Whether [`Self::build`] fixes glibc's mmap threshold so that freed weight- and
     /// activation-sized blocks go back to the OS at once (default on; a process-wide setting).
     pub fn map_large_host_blocks(mut self, on: bool) -> Self {
@@ -225,8 +238,9 @@ impl StagedModelsBuilder {
     /// and of finished stages goes back to the OS.
     pub fn build(self) -> Result<StagedModels> {
         let mut entries: Vec<Entry> = Vec::new();
+        let mut seen: HashSet<String> = HashSet::new();
         for spec in self.specs {
-            if entries.iter().any(|e| e.name == spec.name) {
+            if !seen.insert(spec.name.clone()) {
                 return Err(StageError::DuplicateModel { name: spec.name });
             }
             let (placement, names) = match self.planned_placement.get(&spec.name) {
@@ -255,23 +269,15 @@ impl StagedModelsBuilder {
                     planned_held: streamed.held,
                 })
             });
-            let slot = decide::Slot {
-                state: SlotState::Unloaded,
-                has_loader: true,
-                has_checkpoint: !checkpoint.is_empty(),
-                loads: 0,
-            };
-            entries.push(Entry {
-                name: spec.name,
-                loader: Some(spec.loader),
+            entries.push(Entry::new(
+                spec.name,
+                Some(spec.loader),
                 checkpoint,
                 names,
                 placement,
                 stream,
-                skip_init: spec.skip_init,
-                slot,
-                report: None,
-            });
+                spec.skip_init,
+            ));
         }
         let known: HashSet<&str> = entries.iter().map(|e| e.name.as_str()).collect();
         let unknown: BTreeSet<String> = self
@@ -311,25 +317,15 @@ impl StagedModelsBuilder {
         if self.map_large_host_blocks {
             stageload_torch_sys::map_large_host_blocks();
         }
-        let index = entries.iter().enumerate().map(|(i, e)| (e.name.clone(), i)).collect();
-        let state = State {
-            entries,
-            index,
-            stages,
-            sequence,
-            pinned: self.pinned.into_iter().collect(),
-            spans,
-            current: None,
-            position: None,
-            closed: false,
-            next_ticket: 0,
-            tier: self.host_tier.map(Tier::new),
-        };
+        let pinned = self.pinned.into_iter().collect();
+        let state = State::new(entries, stages, sequence, pinned, spans, self.host_tier.map(Tier::new));
         Ok(StagedModels {
             inner: Arc::new(Inner {
                 state: Mutex::new(state),
                 changed: Condvar::new(),
-                build_lock: Mutex::new(()),
+                building: Mutex::new(false),
+                build_ended: Condvar::new(),
+                cancelled: AtomicBool::new(false),
                 components: Mutex::new(BTreeMap::new()),
                 sink: self.sink,
                 rngs: self.rngs,
@@ -342,8 +338,11 @@ impl StagedModelsBuilder {
                 prefetching: Mutex::new(Vec::new()),
                 out_of_memory: self.out_of_memory,
                 tier_said_cpu: AtomicBool::new(false),
+                untrimmed: Default::default(),
                 #[cfg(test)]
                 tier_on_cpu: self.tier_on_cpu,
+                #[cfg(test)]
+                tier_copy_hook: self.tier_copy_hook,
             }),
         })
     }
@@ -374,6 +373,8 @@ impl StagedModels {
             largest_device_model: None,
             #[cfg(test)]
             tier_on_cpu: false,
+            #[cfg(test)]
+            tier_copy_hook: None,
         }
     }
 }

@@ -1,9 +1,11 @@
 //! Loads: a `get` or a prefetch decides under the state lock ([`super::decide::on_get`]), then
-//! builds, or refills in place from the host tier or the checkpoint, with the lock let go; the
-//! out-of-memory policy's one retry.
+//! builds (one build at a time: the build turn), or refills in place from the host tier or the
+//! checkpoint, with the lock let go; the out-of-memory policy's one retry; a prefetch that gives
+//! up because the registry closes or drops before its build begins.
 
 use std::collections::HashSet;
 use std::path::PathBuf;
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -23,6 +25,7 @@ use crate::rng::PreservedRng;
 use crate::storage::{self, shallow};
 use crate::stream::StreamPlan;
 use crate::sync::lock;
+use stageload_plan::tier::Ticket;
 use stageload_trace::event::{Event, EventKind, LoadReport, ReloadFrom};
 
 /// What a load of one model needs besides its loader, taken from its entry under the lock.
@@ -43,14 +46,25 @@ pub(crate) enum Purpose {
     Prefetch,
 }
 
+/// A build's turn: while it lives, no other build of the registry runs.
+struct BuildTurn<'a>(&'a Inner);
+
+impl Drop for BuildTurn<'_> {
+    fn drop(&mut self) {
+        *lock(&self.0.building) = false;
+        self.0.build_ended.notify_all();
+    }
+}
+
 /// What a load started under the state lock needs once the lock is dropped.
 enum LoadPlan {
     Build {
         reload: bool,
         loader: Arc<Loader>,
     },
-    /// In place, from the host tier's copies (leased) or else the checkpoint.
-    Refill(Arc<Instance>, Option<HostCopies>),
+    /// In place, from the host tier's copies (leased: with the entry's ticket) or else the
+    /// checkpoint.
+    Refill(Arc<Instance>, Option<(Ticket, HostCopies)>),
 }
 
 impl Inner {
@@ -69,8 +83,8 @@ impl Inner {
     /// out-of-memory policy's remedy).
     fn release_unlisted(&self) {
         let mut state = self.state();
-        let positions: Vec<usize> =
-            (0..state.entries.len()).filter(|&p| !state.planned_here(&state.entries[p].name)).collect();
+        let mut positions = state.resident_positions();
+        positions.retain(|&p| !state.planned_here(&state.entries()[p].name));
         let instances: Vec<Arc<Instance>> = positions.into_iter().filter_map(|p| state.request_release(p)).collect();
         drop(state);
         self.release_all(instances);
@@ -79,13 +93,16 @@ impl Inner {
     pub(crate) fn instance_for(self: &Arc<Self>, name: &str, purpose: Purpose) -> Result<Arc<Instance>> {
         let prefetch = purpose == Purpose::Prefetch;
         let mut state = self.state();
-        let (ticket, plan, recipe) = loop {
+        let (ticket, plan, recipe, before) = loop {
             let position = state.position(name)?;
+            if prefetch && self.cancelled() {
+                return Err(StageError::Closed { model: name.to_string() });
+            }
             let planned_here = prefetch || state.planned_here(name);
             let in_tier = state.in_tier(name);
             let ctx = GetContext { closed: state.closed, strict: self.strict, planned_here, in_tier };
-            let entry = &state.entries[position];
-            let plan = match decide::on_get(&entry.slot, ctx) {
+            let entry = &state.entries()[position];
+            let plan = match decide::on_get(entry.slot(), ctx) {
                 GetAction::Use(instance) => return Ok(instance),
                 GetAction::Wait => {
                     state = crate::sync::wait(&self.changed, state);
@@ -96,7 +113,7 @@ impl Inner {
                     if matches!(ctl.mark, ReleaseMark::Requested(_)) {
                         ctl.mark = ReleaseMark::Live;
                         drop(ctl);
-                        state.entries[position].slot.state = SlotState::Resident(Arc::clone(&instance));
+                        state.set_state(position, SlotState::Resident(Arc::clone(&instance)));
                         self.changed.notify_all();
                         return Ok(instance);
                     }
@@ -116,7 +133,8 @@ impl Inner {
                     return Err(StageError::NoLoader { model: name.to_string(), stage })
                 }
                 GetAction::Refill(instance) => {
-                    let copies = state.tier.as_mut().and_then(|tier| tier.lease(name)).map(HostCopies::shallow);
+                    let leased = state.tier.as_mut().and_then(|tier| tier.lease(name));
+                    let copies = leased.map(|(ticket, copies)| (ticket, HostCopies::shallow(copies)));
                     LoadPlan::Refill(instance, copies)
                 }
                 GetAction::Build { reload } => match &entry.loader {
@@ -126,8 +144,9 @@ impl Inner {
             };
             state.next_ticket += 1;
             let ticket = state.next_ticket;
-            let entry = &mut state.entries[position];
-            entry.slot.state = decide::start_load(&entry.slot, ticket);
+            let entry = &state.entries()[position];
+            let before = entry.slot().state.clone();
+            let loading = decide::start_load(entry.slot(), ticket);
             let recipe = Recipe {
                 checkpoint: entry.checkpoint.clone(),
                 names: entry.names.clone(),
@@ -135,7 +154,8 @@ impl Inner {
                 placement: entry.placement,
                 stream: entry.stream.clone(),
             };
-            break (ticket, plan, recipe);
+            state.set_state(position, loading);
+            break (ticket, plan, recipe, before);
         };
         let stage = state.current.clone();
         let outside_stage = !prefetch && !state.planned_here(name);
@@ -144,32 +164,42 @@ impl Inner {
         let started = Instant::now();
         let result = match &plan {
             LoadPlan::Build { loader, .. } => {
-                let _one_build_at_a_time = lock(&self.build_lock);
+                let Some(_one_build_at_a_time) = self.build_turn(prefetch) else {
+                    // The registry closes or drops: a prefetch whose build has not begun gives
+                    // up, and its slot goes back to what it was.
+                    self.give_up(name, ticket, before);
+                    return Err(StageError::Closed { model: name.to_string() });
+                };
                 // A prefetched build draws nothing (skip_init, see decide::on_prefetch): it must
                 // not save and restore the generators the foreground is drawing from.
                 self.build(name, loader, &recipe, self.preserve_rng && !prefetch)
             }
             LoadPlan::Refill(instance, copies) => self
-                .refill(instance, &recipe.checkpoint, &recipe.names, copies.as_ref())
+                .refill(instance, &recipe.checkpoint, &recipe.names, copies.as_ref().map(|(_, copies)| copies))
                 .map(|(bytes, report)| (Arc::clone(instance), bytes, report)),
         };
         let seconds = started.elapsed().as_secs_f64();
 
         let mut state = self.state();
         // A reload from the tier gives its copy up (the weights are on the device again); a
-        // failed one leaves it for the next try.
-        let from_tier = matches!(plan, LoadPlan::Refill(_, Some(_)));
+        // failed one leaves it for the next try. By the lease's ticket: an insert meanwhile
+        // replaced the entry with another instance's, which stays as it is.
+        let leased = match &plan {
+            LoadPlan::Refill(_, Some((ticket, _))) => Some(*ticket),
+            _ => None,
+        };
+        let from_tier = leased.is_some();
         let mut restored = None;
-        if let (true, Some(tier)) = (from_tier, state.tier.as_mut()) {
+        if let (Some(ticket), Some(tier)) = (leased, state.tier.as_mut()) {
             match result {
-                Ok(_) => restored = tier.forget(name),
-                Err(_) => tier.unlease(name),
+                Ok(_) => restored = tier.withdraw(name, ticket),
+                Err(_) => tier.unlease(name, ticket),
             }
         }
         let tier = if from_tier { state.tier_usage() } else { None };
         let position = state.index.get(name).copied();
         let outcome = result.as_ref().map(|(instance, ..)| Arc::clone(instance)).map_err(|e| e.to_string());
-        let finish = decide::on_load_finished(position.map(|p| &state.entries[p].slot), ticket, outcome);
+        let finish = decide::on_load_finished(position.map(|p| state.entries()[p].slot()), ticket, outcome);
         self.changed.notify_all();
         let Finish::Install(installed) = finish else {
             drop(state);
@@ -179,12 +209,14 @@ impl Inner {
                 Err(err) => Err(err),
             };
         };
-        let entry = &mut state.entries[position.expect("a load installs only into a slot that exists")];
-        entry.slot.state = installed;
+        let position = position.expect("a load installs only into a slot that exists");
+        state.set_state(position, installed);
         match result {
             Ok((instance, bytes, report)) => {
-                entry.slot.loads += 1;
-                entry.report = report.clone();
+                state.count_load(position, report.clone());
+                // A prefetch that ends after `close`: nobody will ask for the model, and close
+                // promised its memory back.
+                let after_close = if prefetch && state.closed { state.request_release(position) } else { None };
                 let resident = state.resident_bytes();
                 drop(state);
                 drop(restored);
@@ -207,6 +239,9 @@ impl Inner {
                     tier,
                     ..Event::now(kind)
                 });
+                if let Some(released) = after_close {
+                    self.release_all(vec![released]);
+                }
                 Ok(instance)
             }
             Err(err) => {
@@ -230,6 +265,41 @@ impl Inner {
                 Err(err)
             }
         }
+    }
+
+    /// Whether `close` or dropping the registry asked prefetches that have not begun to give up.
+    pub(crate) fn cancelled(&self) -> bool {
+        self.cancelled.load(Ordering::SeqCst)
+    }
+
+    /// Waits for the build turn (builds run one at a time: the RNG state they preserve is
+    /// process-wide) and takes it until the returned turn drops. A prefetch (`prefetch`) gives up
+    /// instead, with `None`, once the registry closes or drops. Waits on `build_ended` with no
+    /// other lock held.
+    fn build_turn(&self, prefetch: bool) -> Option<BuildTurn<'_>> {
+        let mut building = lock(&self.building);
+        loop {
+            if prefetch && self.cancelled() {
+                return None;
+            }
+            if !*building {
+                *building = true;
+                return Some(BuildTurn(self));
+            }
+            building = crate::sync::wait(&self.build_ended, building);
+        }
+    }
+
+    /// Puts the slot of a load that gave up before it began back as it was `before`, unless an
+    /// insert or a remove took the slot over meanwhile; wakes whoever waits for the load.
+    fn give_up(&self, name: &str, ticket: u64, before: SlotState<Arc<Instance>>) {
+        let mut state = self.state();
+        if let Some(position) = state.index.get(name).copied() {
+            if matches!(state.entries()[position].slot().state, SlotState::Loading { ticket: t, .. } if t == ticket) {
+                state.set_state(position, before);
+            }
+        }
+        self.changed.notify_all();
     }
 
     /// Runs a loader under preserved RNG, catching panics, and fills the model from its
@@ -354,7 +424,8 @@ impl Inner {
         let filled = match copies {
             Some(copies) => {
                 let device = targets.first().map_or(Device::Cpu, |(_, t)| t.device());
-                tier_copy::copy_in(&targets, copies, device)
+                self.before_tier_copy(name, false)
+                    .and_then(|()| tier_copy::copy_in(&targets, copies, device))
                     .map(|()| None)
                     .map_err(|message| StageError::HostTier { model: name.clone(), message })
             }

@@ -59,10 +59,16 @@ pub struct StagedModels {
     inner: Arc<Inner>,
 }
 
-/// Waits for prefetches still running, so that none outlives the registry (or the process's
-/// libtorch, when the registry is dropped at the end of `main`).
+/// Cancels the prefetches that have not begun their load (a thread not yet going, a build
+/// waiting for its turn, a prefetch waiting for another load of its model) and waits for those
+/// already running, so that none outlives the registry (or the process's libtorch, when the
+/// registry is dropped at the end of `main`). Builds run one at a time, so the wait is bounded
+/// by the one loader running when the drop begins (it is not interrupted: a loader is the
+/// user's code), or by a refill in place already reading its checkpoint or copying from the host
+/// tier, whichever takes longest.
 impl Drop for StagedModels {
     fn drop(&mut self) {
+        self.inner.cancel_prefetches();
         let running = std::mem::take(&mut *crate::sync::lock(&self.inner.prefetching));
         for handle in running {
             let _ = handle.join();
@@ -127,14 +133,37 @@ impl StagedModels {
     /// that draw no random number are started (a refill in place from the checkpoint, or a
     /// build with `skip_init`), so seeded runs stay bit-identical; within
     /// [`prefetch_budget`](StagedModelsBuilder::prefetch_budget) if one is set. Returns the
-    /// models started.
+    /// models started; [`prefetching`](Self::prefetching) lists them until their loads end,
+    /// [`wait_prefetch`](Self::wait_prefetch) waits for that.
     pub fn prefetch(&self, stage: &str) -> Result<Vec<String>> {
         self.inner.prefetch(stage)
+    }
+
+    /// The models being prefetched now: from the [`prefetch`](Self::prefetch) (or
+    /// `prefetch_next`'s) that started them until their background load has ended (loaded,
+    /// failed, or given up when the registry closed), in the order they started (never loads).
+    pub fn prefetching(&self) -> Vec<String> {
+        self.inner.prefetching()
+    }
+
+    /// Waits until every prefetch started for `stage` so far has ended (loaded or failed: a
+    /// failure is left to the `get` that needs the model); returns at once when none runs.
+    /// Afterwards the `load`/`reload` events of those prefetches have been emitted. Waits on the
+    /// registry's condition variable, holding no lock. [`StageError::UnknownStage`] for a stage
+    /// the plan does not have.
+    pub fn wait_prefetch(&self, stage: &str) -> Result<()> {
+        self.inner.wait_prefetch(stage)
     }
 
     /// Every model with its state, in definition order (never loads).
     pub fn states(&self) -> Vec<(String, ModelState)> {
         self.inner.states()
+    }
+
+    /// The state of the model `name` (never loads); [`StageError::UnknownModel`] when there is
+    /// none of that name.
+    pub fn state(&self, name: &str) -> Result<ModelState> {
+        self.inner.state().model_state(name)
     }
 
     /// How the last load of `name` met its checkpoint (used, converted, unused, ignored,
@@ -150,9 +179,10 @@ impl StagedModels {
 
     /// Number of models (never loads).
     pub fn len(&self) -> usize {
-        self.inner.state().entries.len()
+        self.inner.state().entries().len()
     }
 
+    /// Whether the registry has no model (never loads).
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
@@ -164,7 +194,7 @@ impl StagedModels {
 
     /// Names of the resident models, in definition order.
     pub fn resident(&self) -> Vec<String> {
-        self.states().into_iter().filter(|(_, s)| *s == ModelState::Resident).map(|(name, _)| name).collect()
+        self.inner.resident()
     }
 
     /// The stage entered last, if any.
@@ -205,7 +235,7 @@ impl StagedModels {
         if !state.index.contains_key(name) {
             return Err(StageError::UnknownModel {
                 name: name.to_string(),
-                known: state.entries.iter().map(|e| e.name.clone()).collect(),
+                known: state.entries().iter().map(|e| e.name.clone()).collect(),
             });
         }
         state.pinned.insert(name.to_string());
@@ -224,7 +254,10 @@ impl StagedModels {
     }
 
     /// Releases every resident model, pinned ones too, and refuses further loads. Emits a `close`
-    /// mark, then one `release` per model.
+    /// mark, then one `release` per model. Returns without waiting for prefetches: those that
+    /// have not begun their load give up, and a loader or refill already running finishes on
+    /// its thread, its model then released at once (dropping the registry waits for it: see
+    /// its `Drop`).
     pub fn close(&self) -> Result<ReleaseStats> {
         Ok(self.inner.close())
     }

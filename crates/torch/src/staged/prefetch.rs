@@ -1,6 +1,10 @@
 //! Prefetch: a stage's models loaded on background threads (on CUDA on a side stream of the
-//! model's device) while the current stage computes, as far as the prefetch budget allows.
+//! model's device) while the current stage computes, as far as the prefetch budget allows; the
+//! prefetches running (listed in the state from their start until their thread ends, waited for
+//! on the `changed` condition variable), and their cancellation when the registry closes or
+//! drops.
 
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use tch::Device;
@@ -8,7 +12,7 @@ use tch::Device;
 use super::decide;
 use super::error::{Result, StageError};
 use super::load::Purpose;
-use super::registry::{released, Entry, Inner};
+use super::registry::{released, Entry, Inner, Prefetching};
 use crate::sync::lock;
 use stageload_trace::event::{Event, EventKind};
 
@@ -32,9 +36,9 @@ impl Inner {
         let mut candidates = Vec::new();
         for name in planned {
             let Some(&position) = state.index.get(name) else { continue };
-            let entry = &state.entries[position];
+            let entry = &state.entries()[position];
             let in_tier = state.in_tier(name);
-            match decide::on_prefetch(&entry.slot, state.closed, entry.skip_init, in_tier) {
+            match decide::on_prefetch(entry.slot(), state.closed, entry.skip_init, in_tier) {
                 Ok(()) => {
                     let known = entry.stream.as_ref().map(|plan| plan.planned_held).or_else(|| instance_bytes(entry));
                     candidates.push((name.clone(), known, entry.checkpoint.clone(), cuda_device(entry)))
@@ -71,28 +75,97 @@ impl Inner {
             }
             started.push((name, bytes, cuda));
         }
-        for (name, bytes, cuda) in &started {
+        // Listed before their threads start, so that `prefetching` names them as soon as this
+        // returns; each thread takes its own off when it ends.
+        let ids: Vec<u64> = {
+            let mut state = self.state();
+            started
+                .iter()
+                .map(|(name, _, _)| {
+                    state.next_ticket += 1;
+                    let id = state.next_ticket;
+                    state.prefetches.push(Prefetching { id, model: name.clone(), stage: stage.to_string() });
+                    id
+                })
+                .collect()
+        };
+        let mut spawned = Vec::with_capacity(started.len());
+        for ((name, bytes, cuda), id) in started.into_iter().zip(ids) {
             self.emit(Event {
                 stage: Some(stage.to_string()),
                 model: Some(name.clone()),
-                bytes: Some(*bytes),
+                bytes: Some(bytes),
                 ..Event::now(EventKind::Prefetch)
             });
-            let (inner, name, cuda) = (Arc::clone(self), name.clone(), *cuda);
-            let handle = std::thread::spawn(move || {
+            let ended = Ended { inner: Arc::clone(self), id };
+            let (inner, model) = (Arc::clone(self), name.clone());
+            let thread = std::thread::Builder::new().name(format!("prefetch {name}")).spawn(move || {
+                let _ended = ended;
+                // Closed or dropped before this thread got going: nothing begun, nothing to do.
+                if inner.cancelled() {
+                    return;
+                }
                 // On CUDA the copies go on a side stream of the model's device (device 0 when
                 // neither the file nor an earlier load says which), beside the foreground's kernels.
                 let _side = (stageload_torch_sys::cuda_device_count().unwrap_or(0) > 0)
                     .then(|| stageload_torch_sys::cuda_side_stream(cuda.unwrap_or(0)).ok())
                     .flatten();
                 // A failure stays in the slot and surfaces at the `get` that needs the model.
-                let _ = inner.instance_for(&name, Purpose::Prefetch);
+                let _ = inner.instance_for(&model, Purpose::Prefetch);
             });
-            let mut running = lock(&self.prefetching);
-            running.retain(|h| !h.is_finished());
-            running.push(handle);
+            // (A thread that could not start dropped its `Ended`, which took its entry off.)
+            match thread {
+                Ok(handle) => {
+                    let mut running = lock(&self.prefetching);
+                    running.retain(|h| !h.is_finished());
+                    running.push(handle);
+                    spawned.push(name);
+                }
+                Err(err) => tracing::warn!(model = name.as_str(), stage, %err, "prefetch not started: no thread"),
+            }
         }
-        Ok(started.into_iter().map(|(name, _, _)| name).collect())
+        Ok(spawned)
+    }
+
+    /// The models being prefetched now, in the order their prefetches started (a model named
+    /// once however many prefetches of it run).
+    pub(crate) fn prefetching(&self) -> Vec<String> {
+        let state = self.state();
+        let mut models: Vec<String> = Vec::new();
+        for prefetch in &state.prefetches {
+            if !models.contains(&prefetch.model) {
+                models.push(prefetch.model.clone());
+            }
+        }
+        models
+    }
+
+    /// Waits until every prefetch started for `stage` has ended (see
+    /// [`super::StagedModels::wait_prefetch`]).
+    pub(crate) fn wait_prefetch(&self, stage: &str) -> Result<()> {
+        let mut state = self.state();
+        if !state.stages.contains_key(stage) {
+            return Err(StageError::UnknownStage {
+                stage: stage.to_string(),
+                known: state.stages.keys().cloned().collect(),
+            });
+        }
+        while state.prefetches.iter().any(|p| p.stage == stage) {
+            state = crate::sync::wait(&self.changed, state);
+        }
+        Ok(())
+    }
+
+    /// Makes prefetches that have not begun their load give up (`close`, and dropping the
+    /// registry): sets the flag, then wakes those waiting for the build turn or for a slot.
+    /// Each check of the flag happens under the lock its waiter waits with, and the lock is taken
+    /// here after the flag is set, so no wake-up is lost.
+    pub(crate) fn cancel_prefetches(&self) {
+        self.cancelled.store(true, Ordering::SeqCst);
+        drop(lock(&self.building));
+        self.build_ended.notify_all();
+        drop(self.state());
+        self.changed.notify_all();
     }
 
     /// The stage after the one entered last, in the plan's sequence.
@@ -100,6 +173,22 @@ impl Inner {
         let state = self.state();
         let position = state.position?;
         state.sequence.get(position + 1).map(|(name, _)| name.clone())
+    }
+}
+
+/// Takes a prefetch off the list when its thread ends (a panic included) and wakes those
+/// waiting for it.
+struct Ended {
+    inner: Arc<Inner>,
+    id: u64,
+}
+
+impl Drop for Ended {
+    fn drop(&mut self) {
+        let mut state = self.inner.state();
+        state.prefetches.retain(|p| p.id != self.id);
+        drop(state);
+        self.inner.changed.notify_all();
     }
 }
 
@@ -131,17 +220,7 @@ mod tests {
     use tch::{Kind, Tensor};
 
     fn entry(placement: Placement, state: SlotState<Arc<Instance>>) -> Entry {
-        Entry {
-            name: "m".into(),
-            loader: None,
-            checkpoint: Vec::new(),
-            names: NameRules::default(),
-            placement,
-            stream: None,
-            skip_init: false,
-            slot: decide::Slot { state, has_loader: false, has_checkpoint: false, loads: 0 },
-            report: None,
-        }
+        Entry::new("m".into(), None, Vec::new(), NameRules::default(), placement, None, false).in_state(state)
     }
 
     #[test]

@@ -10,12 +10,31 @@
 //! model's own lock with `try_lock`; when a user holds the model (this thread or another), the
 //! release is left to that user's guard, which frees the weights when it drops, so `enter` never
 //! blocks and the rest of the registry stays usable. Lock order: an instance's `body` → the
-//! state lock → an instance's `ctl` / `weights`; `build_lock` (builds are serialised because the
-//! RNG state they preserve is process-wide) is taken with no other lock held.
+//! state lock → an instance's `ctl` / `weights`. Builds are serialised (the RNG state they
+//! preserve is process-wide) by the build turn (`Inner::build_turn`): a flag under a lock of its
+//! own, held for a few statements, and waited for on its condition variable with no other lock
+//! held, so that a prefetch waiting for its turn gives up when the registry closes or drops.
+//!
+//! Cost. What a call costs does not grow with the number of models: the slots holding storage
+//! are indexed (`State::holding`, kept by `State::set_state`, the one way a slot's state
+//! changes), so `enter`, a load's resident total and a release's shared-storage check walk the
+//! models resident, not every slot; a stage's occurrences and the pin spans are looked up by
+//! name. Listing calls (`states`, `names`) and `remove` (positions shift) walk every slot.
+//!
+//! Identity. A name is never trusted across a let-go of the state lock; identities are. Whatever
+//! is decided under the lock and finished after it names the instance or reservation it was
+//! about, so that an `insert`, `remove` or `take` meanwhile (the name now another instance's, or
+//! no one's) makes the late finish change nothing: a load installs only into the slot of its own
+//! ticket (`decide::on_load_finished`), a prefetch is such a load; a release settles only the
+//! slot still holding its instance (`Arc::ptr_eq` in `release`); the host tier's entries carry
+//! the ticket `Tier::admit` handed out, and the copy's `fill` or `withdraw` and a reload's
+//! `withdraw` or `unlease` name it (`tier_store`, `load`), so a copy of one instance never lands
+//! in another's entry. A streamed model's residency report (its plan's `held`) comes only from
+//! the instance that runs: a released streamed model is dropped, never run again.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::path::PathBuf;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 use super::decide::{self, ModelState, SlotState};
@@ -46,22 +65,74 @@ pub(crate) struct Entry {
     /// How the pipeline file streams the model (it then has no checkpoint).
     pub(crate) stream: Option<Arc<StreamPlan>>,
     pub(crate) skip_init: bool,
-    pub(crate) slot: decide::Slot<Arc<Instance>>,
+    /// Private: its state changes only through [`State::set_state`], which keeps the index of
+    /// the slots holding storage.
+    slot: decide::Slot<Arc<Instance>>,
     pub(crate) report: Option<LoadReport>,
 }
 
+impl Entry {
+    /// A model's entry, not loaded yet.
+    pub(crate) fn new(
+        name: String,
+        loader: Option<Arc<Loader>>,
+        checkpoint: Vec<PathBuf>,
+        names: NameRules,
+        placement: Placement,
+        stream: Option<Arc<StreamPlan>>,
+        skip_init: bool,
+    ) -> Self {
+        let slot = decide::Slot {
+            state: SlotState::Unloaded,
+            has_loader: loader.is_some(),
+            has_checkpoint: !checkpoint.is_empty(),
+            loads: 0,
+        };
+        Entry { name, loader, checkpoint, names, placement, stream, skip_init, slot, report: None }
+    }
+
+    /// Unit tests: the entry with its slot in `state` (it belongs to no registry's index).
+    #[cfg(test)]
+    pub(crate) fn in_state(mut self, state: SlotState<Arc<Instance>>) -> Self {
+        self.slot.state = state;
+        self
+    }
+
+    /// The slot, to read (see [`State::set_state`] to change its state).
+    pub(crate) fn slot(&self) -> &decide::Slot<Arc<Instance>> {
+        &self.slot
+    }
+}
+
+/// A background load started by `prefetch` and not ended yet.
+pub(crate) struct Prefetching {
+    pub(crate) id: u64,
+    pub(crate) model: String,
+    /// The stage it was started for.
+    pub(crate) stage: String,
+}
+
 pub(crate) struct State {
-    pub(crate) entries: Vec<Entry>,
+    /// Private: slots are added and removed by `State`'s own methods, which keep `index` and
+    /// `holding` in step.
+    entries: Vec<Entry>,
     pub(crate) index: HashMap<String, usize>,
+    /// Positions of the slots holding storage (resident, or released with the release pending:
+    /// [`decide::holds_storage`]), in definition order. Kept by [`State::set_state`].
+    holding: BTreeSet<usize>,
     /// Each stage name's models, as its first occurrence lists them.
     pub(crate) stages: BTreeMap<String, BTreeSet<String>>,
     /// The stages in the order the run enters them (a name may come back), each occurrence with
     /// its own models.
     pub(crate) sequence: Vec<(String, BTreeSet<String>)>,
+    /// Each stage name's occurrences in `sequence`, ascending.
+    occurrences: HashMap<String, Vec<usize>>,
     /// Pins for the whole run (the builder's and `pin`'s).
     pub(crate) pinned: BTreeSet<String>,
     /// Pins over a span of the sequence: (model, from, until).
-    pub(crate) spans: Vec<(String, usize, Option<usize>)>,
+    spans: Vec<(String, usize, Option<usize>)>,
+    /// Each model's spans, as positions in `spans`.
+    spans_of: HashMap<String, Vec<usize>>,
     pub(crate) current: Option<String>,
     /// The occurrence of the sequence entered last.
     pub(crate) position: Option<usize>,
@@ -69,9 +140,96 @@ pub(crate) struct State {
     pub(crate) next_ticket: u64,
     /// Host copies of released device models (`None`: no host tier).
     pub(crate) tier: Option<Tier<HostCopies>>,
+    /// Prefetches started and not ended, in the order they started.
+    pub(crate) prefetches: Vec<Prefetching>,
 }
 
 impl State {
+    /// The state of a registry of `entries` (in definition order) and its plan.
+    pub(crate) fn new(
+        entries: Vec<Entry>,
+        stages: BTreeMap<String, BTreeSet<String>>,
+        sequence: Vec<(String, BTreeSet<String>)>,
+        pinned: BTreeSet<String>,
+        spans: Vec<(String, usize, Option<usize>)>,
+        tier: Option<Tier<HostCopies>>,
+    ) -> Self {
+        let mut occurrences: HashMap<String, Vec<usize>> = HashMap::new();
+        for (i, (stage, _)) in sequence.iter().enumerate() {
+            occurrences.entry(stage.clone()).or_default().push(i);
+        }
+        let mut spans_of: HashMap<String, Vec<usize>> = HashMap::new();
+        for (i, (model, _, _)) in spans.iter().enumerate() {
+            spans_of.entry(model.clone()).or_default().push(i);
+        }
+        let mut state = State {
+            entries,
+            index: HashMap::new(),
+            holding: BTreeSet::new(),
+            stages,
+            sequence,
+            occurrences,
+            pinned,
+            spans,
+            spans_of,
+            current: None,
+            position: None,
+            closed: false,
+            next_ticket: 0,
+            tier,
+            prefetches: Vec::new(),
+        };
+        state.reindex();
+        state
+    }
+
+    /// Every entry, in definition order.
+    pub(crate) fn entries(&self) -> &[Entry] {
+        &self.entries
+    }
+
+    /// Sets the state of the slot at `position`: the one way a slot's state changes, so that
+    /// the index of slots holding storage stays true.
+    pub(crate) fn set_state(&mut self, position: usize, state: SlotState<Arc<Instance>>) {
+        if decide::holds_storage(&state).is_some() {
+            self.holding.insert(position);
+        } else {
+            self.holding.remove(&position);
+        }
+        self.entries[position].slot.state = state;
+    }
+
+    /// Counts a completed load of the slot at `position`, with its checkpoint report.
+    pub(crate) fn count_load(&mut self, position: usize, report: Option<LoadReport>) {
+        let entry = &mut self.entries[position];
+        entry.slot.loads += 1;
+        entry.report = report;
+    }
+
+    /// Rebuilds `index` and `holding` from the entries (positions changed).
+    fn reindex(&mut self) {
+        self.index = self.entries.iter().enumerate().map(|(i, e)| (e.name.clone(), i)).collect();
+        self.holding = self
+            .entries
+            .iter()
+            .enumerate()
+            .filter(|(_, e)| decide::holds_storage(&e.slot.state).is_some())
+            .map(|(i, _)| i)
+            .collect();
+    }
+
+    /// Positions of the resident slots (not those with a release pending), in definition order.
+    pub(crate) fn resident_positions(&self) -> Vec<usize> {
+        let resident = |p: &&usize| matches!(self.entries[**p].slot.state, SlotState::Resident(_));
+        self.holding.iter().filter(resident).copied().collect()
+    }
+
+    /// The model state of `name`.
+    pub(crate) fn model_state(&self, name: &str) -> Result<ModelState> {
+        let position = self.position(name)?;
+        Ok(decide::model_state(&self.entries[position].slot.state))
+    }
+
     pub(super) fn position(&self, name: &str) -> Result<usize> {
         self.index.get(name).copied().ok_or_else(|| StageError::UnknownModel {
             name: name.to_string(),
@@ -79,14 +237,10 @@ impl State {
         })
     }
 
-    pub(super) fn entry_mut(&mut self, name: &str) -> Option<&mut Entry> {
-        self.index.get(name).copied().map(|i| &mut self.entries[i])
-    }
-
     pub(super) fn planned_here(&self, name: &str) -> bool {
         match (&self.current, self.position) {
             (None, _) => true,
-            (Some(_), Some(index)) => self.pinned_at(index).contains(name) || self.sequence[index].1.contains(name),
+            (Some(_), Some(index)) => self.is_pinned_at(name, index) || self.sequence[index].1.contains(name),
             (Some(stage), None) => {
                 self.pinned.contains(name) || self.stages.get(stage).is_some_and(|m| m.contains(name))
             }
@@ -109,21 +263,34 @@ impl State {
 
     /// The models pinned at occurrence `index`: the whole run's and the spans holding there.
     pub(super) fn pinned_at(&self, index: usize) -> BTreeSet<String> {
-        let spans = self.spans.iter().filter(|(_, from, until)| index >= *from && until.is_none_or(|u| index < u));
+        let spans = self.spans.iter().filter(|(_, from, until)| covers(*from, *until, index));
         self.pinned.iter().cloned().chain(spans.map(|(model, _, _)| model.clone())).collect()
+    }
+
+    /// Whether `name` is pinned at occurrence `index` (for the whole run, or by a span holding
+    /// there): its own pins only are looked at.
+    pub(super) fn is_pinned_at(&self, name: &str, index: usize) -> bool {
+        self.pinned.contains(name)
+            || self.spans_of.get(name).is_some_and(|spans| {
+                spans.iter().any(|&s| {
+                    let (_, from, until) = self.spans[s];
+                    covers(from, until, index)
+                })
+            })
     }
 
     /// The occurrence `stage` names when entered now: the next one after the current position,
     /// else (a run that starts over, or enters out of order) its first.
     pub(super) fn occurrence(&self, stage: &str) -> Option<usize> {
         let next = self.position.map_or(0, |p| p + 1);
-        let after = self.sequence.iter().skip(next).position(|(s, _)| s == stage).map(|i| next + i);
-        after.or_else(|| self.sequence.iter().position(|(s, _)| s == stage))
+        let occurrences = self.occurrences.get(stage)?;
+        let after = occurrences.partition_point(|&i| i < next);
+        occurrences.get(after).or_else(|| occurrences.first()).copied()
     }
 
     /// Instances whose storages are live (resident, or released with the release pending).
-    pub(super) fn holding(&self) -> impl Iterator<Item = &Arc<Instance>> {
-        self.entries.iter().filter_map(|e| decide::holds_storage(&e.slot.state))
+    pub(super) fn holding(&self) -> impl Iterator<Item = &Arc<Instance>> + '_ {
+        self.holding.iter().filter_map(|&p| decide::holds_storage(&self.entries[p].slot.state))
     }
 
     /// Bytes of the instances holding storage, a storage two of them share counted once; a
@@ -132,7 +299,8 @@ impl State {
     pub(super) fn resident_bytes(&self) -> u64 {
         let mut seen = HashSet::new();
         let mut total = 0u64;
-        for entry in &self.entries {
+        for &position in &self.holding {
+            let entry = &self.entries[position];
             let Some(instance) = decide::holds_storage(&entry.slot.state) else { continue };
             // 0 until the streamed model reports (a loader that built it some other way).
             let held = entry.stream.as_ref().map_or(0, |plan| plan.held.load(Ordering::Relaxed));
@@ -143,33 +311,56 @@ impl State {
         total
     }
 
+    /// Forgets the slot at `position` and its pin; the positions after it shift down, so the
+    /// indexes are rebuilt (the one call here that walks every slot).
     pub(super) fn remove_entry(&mut self, position: usize) -> Entry {
         let entry = self.entries.remove(position);
         self.pinned.remove(&entry.name);
-        self.index = self.entries.iter().enumerate().map(|(i, e)| (e.name.clone(), i)).collect();
+        self.reindex();
         entry
+    }
+
+    /// Appends `entry` and returns its position.
+    fn push_entry(&mut self, entry: Entry) -> usize {
+        let position = self.entries.len();
+        self.index.insert(entry.name.clone(), position);
+        let state = entry.slot.state.clone();
+        self.entries.push(entry);
+        self.set_state(position, state);
+        position
     }
 
     /// Marks `instance` for release at the current stage; the caller carries the release out
     /// with the state lock dropped.
     pub(super) fn request_release(&mut self, position: usize) -> Option<Arc<Instance>> {
         let stage = self.current.clone();
-        let entry = &mut self.entries[position];
-        let SlotState::Resident(instance) = &entry.slot.state else {
+        let SlotState::Resident(instance) = &self.entries[position].slot.state else {
             return None;
         };
         let instance = Arc::clone(instance);
         lock(&instance.ctl).mark = ReleaseMark::Requested(stage.clone());
-        entry.slot.state = SlotState::Released { stage, instance: Arc::clone(&instance), pending: true };
+        self.set_state(position, SlotState::Released { stage, instance: Arc::clone(&instance), pending: true });
         Some(instance)
     }
+}
+
+/// Whether a span from occurrence `from` until `until` (exclusive; `None`: to the end) holds at
+/// occurrence `index`.
+fn covers(from: usize, until: Option<usize>, index: usize) -> bool {
+    index >= from && until.is_none_or(|u| index < u)
 }
 
 /// The registry's shared inside; [`super::StagedModels`] is its face.
 pub(crate) struct Inner {
     pub(crate) state: Mutex<State>,
     pub(crate) changed: Condvar,
-    pub(crate) build_lock: Mutex<()>,
+    /// Whether a build runs now (builds take turns: see [`Inner::build_turn`]).
+    pub(crate) building: Mutex<bool>,
+    /// Signalled when a build's turn ends, and when the registry closes or drops.
+    pub(crate) build_ended: Condvar,
+    /// Set by `close` and by dropping the registry: prefetches that have not begun their load
+    /// give up.
+    pub(crate) cancelled: AtomicBool,
     pub(crate) components: SharedComponents,
     pub(crate) sink: Option<Arc<dyn EventSink>>,
     pub(crate) rngs: Vec<Arc<dyn RngSnapshot>>,
@@ -185,14 +376,24 @@ pub(crate) struct Inner {
     pub(crate) stage_working: std::collections::BTreeMap<String, u64>,
     /// What a load that runs out of memory does.
     pub(crate) out_of_memory: decide::OutOfMemory,
-    /// Background loads still running (joined when the registry is dropped).
+    /// Background loads' threads (joined when the registry is dropped).
     pub(crate) prefetching: Mutex<Vec<std::thread::JoinHandle<()>>>,
     /// The host tier said once that it does not hold CPU models.
-    pub(crate) tier_said_cpu: std::sync::atomic::AtomicBool,
+    pub(crate) tier_said_cpu: AtomicBool,
+    /// Bytes releases freed since the host heap was last trimmed (see [`super::release`]).
+    pub(crate) untrimmed: AtomicU64,
     /// Unit tests: the host tier holds CPU models too (no device here to test it with).
     #[cfg(test)]
     pub(crate) tier_on_cpu: bool,
+    /// Unit tests: runs before each copy into the host tier (see `tier_store`).
+    #[cfg(test)]
+    pub(crate) tier_copy_hook: Option<TierCopyHook>,
 }
+
+/// Unit tests: what runs before a copy into the host tier (`true`) or out of it, given the
+/// model's name.
+#[cfg(test)]
+pub(crate) type TierCopyHook = Arc<dyn Fn(&str, bool) -> Result<(), String> + Send + Sync>;
 
 impl Inner {
     pub(crate) fn state(&self) -> MutexGuard<'_, State> {
@@ -215,15 +416,13 @@ impl Inner {
             });
         };
         let planned = state.sequence[index].1.clone();
-        let pinned = state.pinned_at(index);
         state.current = Some(stage.to_string());
         state.position = Some(index);
-        let resident_names: Vec<&str> = state
-            .entries
-            .iter()
-            .filter(|e| matches!(e.slot.state, SlotState::Resident(_)))
-            .map(|e| e.name.as_str())
-            .collect();
+        let resident_names: Vec<&str> =
+            state.resident_positions().into_iter().map(|p| state.entries[p].name.as_str()).collect();
+        // The pins of the resident models only: what the decision looks at.
+        let pinned: BTreeSet<String> =
+            resident_names.iter().filter(|n| state.is_pinned_at(n, index)).map(|n| n.to_string()).collect();
         let leaving = decide::leaving(resident_names, &planned, &pinned);
         let resident = state.resident_bytes();
         let positions: Vec<usize> = leaving.iter().filter_map(|n| state.index.get(n).copied()).collect();
@@ -238,12 +437,13 @@ impl Inner {
         let mut state = self.state();
         let stage = state.current.clone();
         let resident = state.resident_bytes();
-        let positions: Vec<usize> = (0..state.entries.len()).collect();
+        let positions = state.resident_positions();
         let instances: Vec<Arc<Instance>> = positions.into_iter().filter_map(|p| state.request_release(p)).collect();
         state.current = None;
         state.closed = true;
         let copies = state.tier.as_mut().map(Tier::clear).unwrap_or_default();
         drop(state);
+        self.cancel_prefetches();
         tier_copy::drop_giving_back(copies);
         // A `close` mark first, so a trace does not read these releases as the tail of the last
         // stage's entry.
@@ -256,43 +456,31 @@ impl Inner {
         let instance = Instance::new(name, built, Arc::downgrade(self))?;
         let mut state = self.state();
         let stale = state.tier.as_mut().and_then(|tier| tier.forget(name));
-        let old = match state.index.get(name).copied() {
+        let (position, old) = match state.index.get(name).copied() {
             Some(position) => {
                 let old = state.request_release(position);
                 let entry = &mut state.entries[position];
-                entry.slot = decide::Slot {
-                    state: SlotState::Resident(instance),
-                    has_loader: false,
-                    has_checkpoint: false,
-                    loads: 1,
-                };
                 entry.loader = None;
                 entry.checkpoint.clear();
-                entry.report = None;
-                old
+                (position, old)
             }
             None => {
-                let position = state.entries.len();
-                state.index.insert(name.to_string(), position);
-                state.entries.push(Entry {
-                    name: name.to_string(),
-                    loader: None,
-                    checkpoint: Vec::new(),
-                    names: NameRules::default(),
-                    placement: Placement::default(),
-                    stream: None,
-                    skip_init: false,
-                    slot: decide::Slot {
-                        state: SlotState::Resident(instance),
-                        has_loader: false,
-                        has_checkpoint: false,
-                        loads: 1,
-                    },
-                    report: None,
-                });
-                None
+                let entry = Entry::new(
+                    name.to_string(),
+                    None,
+                    Vec::new(),
+                    NameRules::default(),
+                    Placement::default(),
+                    None,
+                    false,
+                );
+                (state.push_entry(entry), None)
             }
         };
+        let entry = &mut state.entries[position];
+        (entry.slot.has_loader, entry.slot.has_checkpoint, entry.slot.loads) = (false, false, 1);
+        entry.report = None;
+        state.set_state(position, SlotState::Resident(instance));
         self.changed.notify_all();
         drop(state);
         drop(stale);
@@ -327,6 +515,12 @@ impl Inner {
 
     pub(crate) fn states(&self) -> Vec<(String, ModelState)> {
         self.state().entries.iter().map(|e| (e.name.clone(), decide::model_state(&e.slot.state))).collect()
+    }
+
+    /// Names of the resident models, in definition order.
+    pub(crate) fn resident(&self) -> Vec<String> {
+        let state = self.state();
+        state.resident_positions().into_iter().map(|p| state.entries[p].name.clone()).collect()
     }
 
     pub(crate) fn load_report(&self, name: &str) -> Result<Option<LoadReport>> {

@@ -1,8 +1,10 @@
 //! Releases: a released instance's storages freed in place (once the host tier has its copy),
 //! or left to the guard of whoever holds the model; the model object itself dropped when it
-//! will not be refilled in place; the allocators' caches emptied after.
+//! will not be refilled in place; the allocators' caches emptied after, and the host heap
+//! trimmed once releases have freed [`TRIM_AFTER`] bytes since its last trim.
 
 use std::collections::HashSet;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -44,11 +46,14 @@ impl Inner {
         let mut state = self.state();
         let in_tier = state.in_tier(&instance.name);
         let mut comes_back = true;
-        if let Some(entry) = state.entry_mut(&instance.name) {
-            if let SlotState::Released { instance: held, pending, .. } = &mut entry.slot.state {
+        if let Some(position) = state.index.get(&instance.name).copied() {
+            let slot = state.entries()[position].slot();
+            if let SlotState::Released { instance: held, stage, .. } = &slot.state {
                 if Arc::ptr_eq(held, instance) {
-                    *pending = false;
-                    comes_back = decide::refillable(&entry.slot, in_tier);
+                    comes_back = decide::refillable(slot, in_tier);
+                    let settled =
+                        SlotState::Released { stage: stage.clone(), instance: Arc::clone(held), pending: false };
+                    state.set_state(position, settled);
                 }
             }
         }
@@ -62,9 +67,10 @@ impl Inner {
             drop(std::mem::replace(&mut *body, Box::new(())));
         }
         drop(body);
-        if dropped || result.as_ref().is_ok_and(|stats| stats.freed > 0) {
+        let freed = result.as_ref().map_or(0, |stats| stats.freed);
+        if dropped || freed > 0 {
             // Before the event, so that a meter reading at the event sees the memory gone.
-            give_back_caches(dropped);
+            give_back_caches(dropped, self.trim_due(freed));
         }
         let stats = match result {
             Ok(stats) => stats,
@@ -91,6 +97,13 @@ impl Inner {
         Some(stats)
     }
 
+    /// Counts `freed` bytes towards the next trim of the host heap; says whether it is due now
+    /// (and starts the count over).
+    fn trim_due(&self, freed: u64) -> bool {
+        let untrimmed = self.untrimmed.fetch_add(freed, Ordering::Relaxed).saturating_add(freed);
+        untrimmed >= TRIM_AFTER && self.untrimmed.swap(0, Ordering::Relaxed) > 0
+    }
+
     /// Releases `instances` (already marked), adding up what was freed now.
     pub(crate) fn release_all(&self, instances: Vec<Arc<Instance>>) -> ReleaseStats {
         let mut total = ReleaseStats::default();
@@ -104,12 +117,24 @@ impl Inner {
     }
 }
 
+/// Bytes of storage that releases free before the host heap is trimmed again: a release that
+/// frees this much trims at once (as every release did before), smaller ones add up until they
+/// reach it, so less than this waits in the heap for the next trim. A trim (`malloc_trim`) walks
+/// the whole heap, which grows with the number of models: trimming after every release made each
+/// release cost what the registry holds (a run over 4,000 tiny models spent 90 % of its time
+/// there). The same size as the mmap threshold the registry sets
+/// ([`stageload_torch_sys::map_large_host_blocks`]): blocks that large go back to the OS as they
+/// are freed, without a trim.
+pub(crate) const TRIM_AFTER: u64 = stageload_torch_sys::HOST_MMAP_THRESHOLD as u64;
+
 /// Hands what the allocators keep cached after a release back: the host heap's free pages to
-/// the OS, the device caches to their devices, and, when the model object went (`dropped`),
-/// pinned host memory to the OS (not after every release: a copy into the host tier reuses
-/// what a reload from it left cached).
-fn give_back_caches(dropped: bool) {
-    stageload_torch_sys::trim_host_heap();
+/// the OS when `trim` (see [`TRIM_AFTER`]), the device caches to their devices, and, when the
+/// model object went (`dropped`), pinned host memory to the OS (not after every release: a copy
+/// into the host tier reuses what a reload from it left cached).
+fn give_back_caches(dropped: bool, trim: bool) {
+    if trim {
+        stageload_torch_sys::trim_host_heap();
+    }
     let cuda = stageload_torch_sys::cuda_device_count().unwrap_or(0) > 0;
     let mps = stageload_torch_sys::mps_available().unwrap_or(false);
     if cuda {

@@ -26,7 +26,7 @@ impl Inner {
         let still_held = state
             .index
             .get(name)
-            .and_then(|&p| released(&state.entries[p]))
+            .and_then(|&p| released(&state.entries()[p]))
             .is_some_and(|held| std::ptr::eq(held.as_ref(), instance));
         if state.tier.is_none() || state.closed || !still_held {
             return;
@@ -70,8 +70,8 @@ impl Inner {
         let admitted = state.tier.as_mut().map(|tier| tier.admit(name, bytes, &protected));
         let usage = state.tier_usage();
         drop(state);
-        let evicted = match admitted {
-            Some(Ok(evicted)) => evicted,
+        let (ticket, evicted) = match admitted {
+            Some(Ok(admitted)) => (admitted.ticket, admitted.evicted),
             Some(Err(why)) => {
                 return self.tier_event(stage, name, Some(bytes), None, format!("not stored: {why}"), usage)
             }
@@ -80,17 +80,29 @@ impl Inner {
         drop(self.evicted(stage, evicted, usage));
 
         let started = Instant::now();
-        let copied = tier_copy::copy_out(views, device);
+        let copied = self.before_tier_copy(name, true).and_then(|()| tier_copy::copy_out(views, device));
         let mut state = self.state();
         let Some(tier) = state.tier.as_mut() else { return };
         let (note, dropped) = match copied {
-            Ok(copies) => ("stored".to_string(), tier.fill(name, copies)),
-            Err(message) => (format!("not stored: {message}"), tier.forget(name)),
+            // The ticket, not the name: the model may have been replaced (and the new instance
+            // released into a reservation of its own) while the copy ran.
+            Ok(copies) => ("stored".to_string(), tier.fill(name, ticket, copies)),
+            Err(message) => (format!("not stored: {message}"), tier.withdraw(name, ticket)),
         };
         let usage = state.tier_usage();
         drop(state);
         drop(dropped);
         self.tier_event(stage, name, Some(bytes), Some(started.elapsed().as_secs_f64()), note, usage);
+    }
+
+    /// Unit tests: holds or fails a copy into the tier (`into`) or out of it where it races with
+    /// the registry's other calls (the state lock let go); nothing otherwise.
+    pub(super) fn before_tier_copy(&self, _name: &str, _into: bool) -> Result<(), String> {
+        #[cfg(test)]
+        if let Some(hook) = &self.tier_copy_hook {
+            return hook(_name, _into);
+        }
+        Ok(())
     }
 
     /// Whether the host tier holds copies of models on `device`.

@@ -247,3 +247,166 @@ fn a_streamed_model_is_not_stored_evicts_nothing_and_is_rebuilt_the_same() {
     let note = sink.of_kind(EventKind::Tier).into_iter().filter_map(|e| e.note).find(|n| n.contains("'s'")).unwrap();
     assert!(note.contains("'s' has 3 tensors with no memory now"), "{note}");
 }
+
+/// Copies into and out of the tier held at gates the test opens one by one: the `n`th copy
+/// (counted over both directions) waits for `open(n)` and then fails when `fail(n)` says so.
+struct Gates {
+    started: std::sync::mpsc::Receiver<usize>,
+    open: Vec<std::sync::mpsc::Sender<()>>,
+}
+
+const DEADLINE: std::time::Duration = std::time::Duration::from_secs(20);
+
+/// A registry of one model `m` (seeded random weights, no checkpoint), stages `use` [m] and
+/// `other` [], a tier on the CPU whose first `held` copies wait at gates; `fail(n, into)` says
+/// whether the `n`th copy fails.
+fn gated(held: usize, fail: impl Fn(usize, bool) -> bool + Send + Sync + 'static) -> (Arc<StagedModels>, Gates) {
+    let (started_tx, started) = std::sync::mpsc::channel();
+    let (mut open, mut waits) = (Vec::new(), Vec::new());
+    for _ in 0..held {
+        let (tx, rx) = std::sync::mpsc::channel::<()>();
+        open.push(tx);
+        waits.push(std::sync::Mutex::new(rx));
+    }
+    let count = AtomicUsize::new(0);
+    let started_tx = std::sync::Mutex::new(started_tx);
+    let models = StagedModels::builder()
+        .host_tier(1 << 20)
+        .tier_on_cpu()
+        .tier_copy_hook(move |_, into| {
+            let n = count.fetch_add(1, Ordering::SeqCst);
+            if let Some(wait) = waits.get(n) {
+                let _ = started_tx.lock().unwrap().send(n);
+                wait.lock().unwrap().recv_timeout(DEADLINE).map_err(|_| "the test never opened the gate")?;
+            }
+            if fail(n, into) {
+                return Err(format!("copy {n} failed on purpose"));
+            }
+            Ok(())
+        })
+        .model(random_model("m", 256, Arc::new(AtomicUsize::new(0))))
+        .stage("use", ["m"])
+        .stage("other", Vec::<String>::new())
+        .preserve_rng(false)
+        .build()
+        .unwrap();
+    (Arc::new(models), Gates { started, open })
+}
+
+impl Gates {
+    /// Waits until copy `n` is at its gate.
+    fn reached(&self, n: usize) {
+        assert_eq!(self.started.recv_timeout(DEADLINE), Ok(n), "copy {n} never reached its gate");
+    }
+
+    fn open(&self, n: usize) {
+        self.open[n].send(()).unwrap();
+    }
+}
+
+/// `enter(stage)` on a thread of its own (it blocks while a copy waits at a gate).
+fn enter_on_thread(models: &Arc<StagedModels>, stage: &'static str) -> std::thread::JoinHandle<()> {
+    let models = Arc::clone(models);
+    std::thread::spawn(move || {
+        models.enter(stage).unwrap();
+    })
+}
+
+/// A prebuilt model of `[256]` floats, all `value`.
+fn filled(value: f64) -> (Built, Tensor) {
+    let weight = Tensor::full([256], value, (Kind::Float, Device::Cpu));
+    (Built::from_tensors(weight.shallow_clone(), vec![("weight".to_string(), weight.shallow_clone())]), weight.copy())
+}
+
+#[test]
+fn an_insert_during_a_copy_into_the_tier_never_gets_the_old_instances_weights_back() {
+    // Copy 0 (the old instance's) and copy 1 (the new one's) both wait.
+    let (models, gates) = gated(2, |_, _| false);
+    models.enter("use").unwrap();
+    let old = weight(&models, "m");
+    let leaving = enter_on_thread(&models, "other");
+    gates.reached(0);
+    let (built, new) = filled(3.0);
+    models.insert("m", built).unwrap();
+    let again = enter_on_thread(&models, "other");
+    gates.reached(1);
+    // The old copy finishes first, while the new instance's reservation waits for its own.
+    gates.open(0);
+    leaving.join().unwrap();
+    gates.open(1);
+    again.join().unwrap();
+    models.enter("use").unwrap();
+    let back = weight(&models, "m");
+    assert!(back.equal(&new), "the new instance's weights, bit for bit");
+    assert!(!back.equal(&old));
+}
+
+#[test]
+fn a_failed_copy_of_the_old_instance_leaves_the_new_instances_reservation_alone() {
+    let (models, gates) = gated(2, |n, _| n == 0);
+    models.enter("use").unwrap();
+    models.load("m").unwrap();
+    let leaving = enter_on_thread(&models, "other");
+    gates.reached(0);
+    let (built, new) = filled(5.0);
+    models.insert("m", built).unwrap();
+    let again = enter_on_thread(&models, "other");
+    gates.reached(1);
+    gates.open(0);
+    leaving.join().unwrap();
+    gates.open(1);
+    again.join().unwrap();
+    models.enter("use").unwrap();
+    // An inserted model has no loader: only its own copy in the tier brings it back.
+    assert!(weight(&models, "m").equal(&new));
+}
+
+#[test]
+fn a_reload_from_the_tier_racing_an_insert_does_not_take_the_new_instances_copy() {
+    // Copy 0: the old instance into the tier (free); copy 1: its reload (held); copy 2: the new
+    // instance into the tier (free).
+    let (models, gates) = gated(2, |_, _| false);
+    models.enter("use").unwrap();
+    models.load("m").unwrap();
+    let leaving = enter_on_thread(&models, "other");
+    gates.reached(0);
+    gates.open(0);
+    leaving.join().unwrap();
+    models.enter("use").unwrap();
+    let reload = {
+        let models = Arc::clone(&models);
+        std::thread::spawn(move || models.call("m", |w: &mut Tensor| w.copy()))
+    };
+    gates.reached(1);
+    let (built, new) = filled(7.0);
+    models.insert("m", built).unwrap();
+    models.enter("other").unwrap();
+    gates.open(1);
+    // The reload overtaken by the insert hands back the model now in the slot: the new one,
+    // which comes back from its own copy.
+    let got = reload.join().unwrap().unwrap();
+    assert!(got.equal(&new), "the reload gives the new instance");
+    models.enter("other").unwrap();
+    models.enter("use").unwrap();
+    assert!(weight(&models, "m").equal(&new), "and the new instance's copy is still there");
+}
+
+#[test]
+fn a_remove_during_a_copy_then_a_new_model_of_that_name_gets_only_its_own_weights() {
+    let (models, gates) = gated(2, |_, _| false);
+    models.enter("use").unwrap();
+    models.load("m").unwrap();
+    let leaving = enter_on_thread(&models, "other");
+    gates.reached(0);
+    models.remove("m").unwrap();
+    let (built, new) = filled(9.0);
+    models.insert("m", built).unwrap();
+    let again = enter_on_thread(&models, "other");
+    gates.reached(1);
+    gates.open(0);
+    leaving.join().unwrap();
+    gates.open(1);
+    again.join().unwrap();
+    let back = models.call("m", |w: &mut Tensor| w.copy()).unwrap();
+    assert!(back.equal(&new));
+}
