@@ -46,9 +46,13 @@ pub fn run(args: LibtorchArgs) -> i32 {
     0
 }
 
+/// The largest Cargo config `--cargo-config` reads.
+const MAX_CONFIG: u64 = 1 << 20;
+
 /// Sets `[env] LIBTORCH` in the Cargo config at `path`, keeping everything else in it.
 fn set_env(path: &Path, root: &Path) -> Result<(), String> {
-    let text = match std::fs::read_to_string(path) {
+    // A Cargo config is a few lines; a FIFO or a huge file is refused, not read.
+    let text = match stageload_input::read_text(path, MAX_CONFIG) {
         Ok(text) => text,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => String::new(),
         Err(e) => return Err(e.to_string()),

@@ -60,6 +60,11 @@ pub fn needed_bytes(tensor: &Tensor) -> usize {
     (tensor.storage_offset().max(0) as usize).saturating_add(reach).saturating_mul(tensor.kind().elt_size_in_bytes())
 }
 
+/// Bytes of the storage behind `tensor` while it has memory (0 when freed or unreadable).
+pub fn allocated_bytes(tensor: &Tensor) -> u64 {
+    shim::storage_info(tensor).map_or(0, |info| if info.allocated { info.nbytes as u64 } else { 0 })
+}
+
 /// Total bytes of the distinct storages behind `tensors` (each storage once, whole).
 pub fn storage_bytes(tensors: &[(String, Tensor)]) -> Result<u64, ShimError> {
     Ok(distinct_storages(tensors)?.iter().map(|s| s.nbytes as u64).sum())

@@ -5,7 +5,9 @@
 //! For each count N, in a process of its own (so that no count inherits the heap another one
 //! left), a registry of N tiny models (one 1-element f32 tensor each, a loader and no
 //! checkpoint) in stages of `--per-stage` models (8 by default) is built, warmed up with
-//! `--warmup` runs, then timed over `--rounds` runs. A run enters every stage once, in order,
+//! `--warmup` runs, then timed over `--rounds` runs, or more for small counts: enough runs for
+//! `--min-calls` calls in all, so that a small count is not timed over a few milliseconds only.
+//! A run enters every stage once, in order,
 //! and calls each of its models once: entering a stage releases the previous stage's models, so
 //! every call of a run rebuilds its model (no checkpoint to refill from), and the build is part
 //! of what is timed. Printed: µs per model (the run's time over N), median and range over the
@@ -31,9 +33,12 @@ struct Args {
     /// Untimed runs before the timed ones.
     #[arg(long, default_value_t = 1)]
     warmup: usize,
-    /// Timed runs per count (the median is reported).
+    /// Timed runs per count at least (the median is reported).
     #[arg(long, default_value_t = 3)]
     rounds: usize,
+    /// Calls to time per count at least: a small count gets more runs.
+    #[arg(long, default_value_t = 16_000)]
+    min_calls: usize,
     /// A label for the figures (`before`, `after`, ...), written into the JSON.
     #[arg(long, default_value = "")]
     label: String,
@@ -94,8 +99,8 @@ fn measure(args: &Args, count: usize) -> serde_json::Value {
     for _ in 0..args.warmup {
         run(&models, count, args.per_stage);
     }
-    let per_model: Vec<f64> =
-        (0..args.rounds).map(|_| run(&models, count, args.per_stage) * 1e6 / count as f64).collect();
+    let rounds = args.rounds.max(args.min_calls.div_ceil(count));
+    let per_model: Vec<f64> = (0..rounds).map(|_| run(&models, count, args.per_stage) * 1e6 / count as f64).collect();
     let tenth = |v: f64| (v * 10.0).round() / 10.0;
     serde_json::json!({
         "models": count,
@@ -111,6 +116,7 @@ fn measure_apart(args: &Args, count: usize) -> serde_json::Value {
         .args(["--one", "--models", &count.to_string()])
         .args(["--per-stage", &args.per_stage.to_string()])
         .args(["--warmup", &args.warmup.to_string(), "--rounds", &args.rounds.to_string()])
+        .args(["--min-calls", &args.min_calls.to_string()])
         .output()
         .expect("run the measuring process");
     assert!(out.status.success(), "measuring {count} models failed: {}", String::from_utf8_lossy(&out.stderr));
@@ -130,8 +136,8 @@ fn main() {
     let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0);
     let command = std::env::args().collect::<Vec<_>>().join(" ");
     println!(
-        "{cores} cores; {} models per stage, {} warm-up run(s), {} timed",
-        args.per_stage, args.warmup, args.rounds
+        "{cores} cores; {} models per stage, {} warm-up run(s), {} timed at least ({} calls at least)",
+        args.per_stage, args.warmup, args.rounds, args.min_calls
     );
     println!("| models | stages | µs per model (median) | range |");
     println!("|---|---|---|---|");
@@ -152,6 +158,7 @@ fn main() {
             "per_stage": args.per_stage,
             "warmup": args.warmup,
             "rounds": args.rounds,
+            "min_calls": args.min_calls,
             "rows": rows,
         });
         if let Some(dir) = path.parent() {

@@ -318,23 +318,28 @@ fn filled(value: f64) -> (Built, Tensor) {
     (Built::from_tensors(weight.shallow_clone(), vec![("weight".to_string(), weight.shallow_clone())]), weight.copy())
 }
 
-#[test]
-fn an_insert_during_a_copy_into_the_tier_never_gets_the_old_instances_weights_back() {
-    // Copy 0 (the old instance's) and copy 1 (the new one's) both wait.
-    let (models, gates) = gated(2, |_, _| false);
-    models.enter("use").unwrap();
-    let old = weight(&models, "m");
-    let leaving = enter_on_thread(&models, "other");
+/// The race on purpose: `m`, resident in `use`, is released into the tier (copy 0, held at its
+/// gate); meanwhile `replace` puts a new `m` in its place, which is released in turn (copy 1,
+/// held); then the old copy finishes first, while the new reservation still waits for its own.
+fn replace_during_a_copy(models: &Arc<StagedModels>, gates: &Gates, replace: impl FnOnce()) {
+    let leaving = enter_on_thread(models, "other");
     gates.reached(0);
-    let (built, new) = filled(3.0);
-    models.insert("m", built).unwrap();
-    let again = enter_on_thread(&models, "other");
+    replace();
+    let again = enter_on_thread(models, "other");
     gates.reached(1);
-    // The old copy finishes first, while the new instance's reservation waits for its own.
     gates.open(0);
     leaving.join().unwrap();
     gates.open(1);
     again.join().unwrap();
+}
+
+#[test]
+fn an_insert_during_a_copy_into_the_tier_never_gets_the_old_instances_weights_back() {
+    let (models, gates) = gated(2, |_, _| false);
+    models.enter("use").unwrap();
+    let old = weight(&models, "m");
+    let (built, new) = filled(3.0);
+    replace_during_a_copy(&models, &gates, || models.insert("m", built).unwrap());
     models.enter("use").unwrap();
     let back = weight(&models, "m");
     assert!(back.equal(&new), "the new instance's weights, bit for bit");
@@ -346,16 +351,8 @@ fn a_failed_copy_of_the_old_instance_leaves_the_new_instances_reservation_alone(
     let (models, gates) = gated(2, |n, _| n == 0);
     models.enter("use").unwrap();
     models.load("m").unwrap();
-    let leaving = enter_on_thread(&models, "other");
-    gates.reached(0);
     let (built, new) = filled(5.0);
-    models.insert("m", built).unwrap();
-    let again = enter_on_thread(&models, "other");
-    gates.reached(1);
-    gates.open(0);
-    leaving.join().unwrap();
-    gates.open(1);
-    again.join().unwrap();
+    replace_during_a_copy(&models, &gates, || models.insert("m", built).unwrap());
     models.enter("use").unwrap();
     // An inserted model has no loader: only its own copy in the tier brings it back.
     assert!(weight(&models, "m").equal(&new));
@@ -363,8 +360,8 @@ fn a_failed_copy_of_the_old_instance_leaves_the_new_instances_reservation_alone(
 
 #[test]
 fn a_reload_from_the_tier_racing_an_insert_does_not_take_the_new_instances_copy() {
-    // Copy 0: the old instance into the tier (free); copy 1: its reload (held); copy 2: the new
-    // instance into the tier (free).
+    // Copy 0: the old instance into the tier (opened at once); copy 1: its reload (held); copy
+    // 2: the new instance into the tier (no gate).
     let (models, gates) = gated(2, |_, _| false);
     models.enter("use").unwrap();
     models.load("m").unwrap();
@@ -396,17 +393,11 @@ fn a_remove_during_a_copy_then_a_new_model_of_that_name_gets_only_its_own_weight
     let (models, gates) = gated(2, |_, _| false);
     models.enter("use").unwrap();
     models.load("m").unwrap();
-    let leaving = enter_on_thread(&models, "other");
-    gates.reached(0);
-    models.remove("m").unwrap();
     let (built, new) = filled(9.0);
-    models.insert("m", built).unwrap();
-    let again = enter_on_thread(&models, "other");
-    gates.reached(1);
-    gates.open(0);
-    leaving.join().unwrap();
-    gates.open(1);
-    again.join().unwrap();
+    replace_during_a_copy(&models, &gates, || {
+        models.remove("m").unwrap();
+        models.insert("m", built).unwrap();
+    });
     let back = models.call("m", |w: &mut Tensor| w.copy()).unwrap();
     assert!(back.equal(&new));
 }

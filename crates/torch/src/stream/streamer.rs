@@ -531,17 +531,17 @@ impl StreamedModel {
     /// failed), from their storages.
     pub fn pinned_bytes(&self) -> u64 {
         let copies = self.host.iter().flatten().flatten();
-        copies.fold(0u64, |sum, t| sum.saturating_add(storage_bytes(t)))
+        copies.fold(0u64, |sum, t| sum.saturating_add(storage::allocated_bytes(t)))
     }
 
     /// [`held_bytes`](Self::held_bytes) less the block being refilled ahead, whose storages its
     /// refill thread owns until joined: read without touching them.
     pub(super) fn held_outside_ahead(&self) -> u64 {
         let ahead = self.ahead.as_ref().map(|a| a.block);
-        let slots = self.slots.iter().map(|(buffer, _)| storage_bytes(buffer));
+        let slots = self.slots.iter().map(|(buffer, _)| storage::allocated_bytes(buffer));
         let blocks = self.blocks.iter().enumerate().filter(|(i, b)| b.slot.is_none() && Some(*i) != ahead);
         let storages = self.fixed.iter().chain(blocks.flat_map(|(_, b)| &b.storages));
-        storages.map(|s| storage_bytes(&s.tensor)).chain(slots).fold(0u64, u64::saturating_add)
+        storages.map(|s| storage::allocated_bytes(&s.tensor)).chain(slots).fold(0u64, u64::saturating_add)
     }
 
     /// Keeps at most `resident` blocks resident, and none hot, from the next step on (to stream
@@ -654,11 +654,6 @@ pub(super) fn torch<'a>(
     operation: &'static str,
 ) -> impl FnOnce(stageload_torch_sys::ShimError) -> StreamError + 'a {
     move |source| StreamError::Torch { model: model.to_string(), operation, source }
-}
-
-/// Bytes of the storage behind `tensor` when it has memory (0 when freed or unreadable).
-fn storage_bytes(tensor: &Tensor) -> u64 {
-    stageload_torch_sys::storage_info(tensor).map_or(0, |info| if info.allocated { info.nbytes as u64 } else { 0 })
 }
 
 /// The checkpoint entry of each tensor (`None`: no entry), checked under `rules`: a strict
