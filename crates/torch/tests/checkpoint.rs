@@ -307,3 +307,41 @@ fn a_file_truncated_after_it_was_opened_is_an_error_not_a_crash() {
     let message = err.to_string();
     assert!(message.contains("shrinks.safetensors") && message.contains("reading tensor 'big'"), "{message}");
 }
+
+#[test]
+fn a_load_stops_at_the_first_piece_that_finds_its_stop_flag_set() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    // 48 MiB in pieces of 16 MiB, one converted entry (f32 → f64, the sequential path) beside.
+    let big = sample(Kind::Float, &[12, 1 << 20]);
+    let small = sample(Kind::Float, &[4, 4]);
+    let (_folder, path) = tmp("stop.safetensors");
+    save(&[named("big", &big), named("small", &small)], &path).unwrap();
+    let targets = || {
+        vec![named("big", &big.zeros_like()), ("small".to_string(), Tensor::zeros([4, 4], (Kind::Double, Device::Cpu)))]
+    };
+    let stop = Arc::new(AtomicBool::new(false));
+    let checkpoint = Checkpoint::open(&[&path]).unwrap().stop_when(stop.clone());
+
+    let whole = targets();
+    checkpoint.load_into(&whole, |_| {}).unwrap();
+    assert!(whole[0].1.equal(&big) && whole[1].1.equal(&small.to_kind(Kind::Double)), "unset: loads as without it");
+
+    // Set by the first progress report: what is read afterwards is at most the pieces already
+    // taken by the other readers, never the whole file.
+    let stopped = targets();
+    let mut reports = 0;
+    let err = checkpoint
+        .load_into(&stopped, |_| {
+            reports += 1;
+            stop.store(true, Ordering::SeqCst);
+        })
+        .unwrap_err();
+    assert!(matches!(&err, CheckpointError::Stopped { files } if files == &[path.clone()]), "{err}");
+    assert!(err.to_string().contains("stopped"), "{err}");
+    assert_eq!(reports, 1, "no report after the stop");
+    assert!(
+        stopped[1].1.equal(&Tensor::zeros([4, 4], (Kind::Double, Device::Cpu))),
+        "the converted entry was not copied"
+    );
+}

@@ -364,3 +364,92 @@ fn closing_gives_up_at_once_a_prefetch_waiting_behind_a_foreground_build() {
     drop(models);
     assert!(started.elapsed() < Duration::from_secs(2), "nothing left to wait for: {:?}", started.elapsed());
 }
+
+/// How a test lets go of the registry.
+#[derive(Clone, Copy, PartialEq)]
+enum End {
+    Close,
+    Drop,
+}
+
+/// Model `b` released with its checkpoint, then prefetched (a refill in place); each progress
+/// report of that refill sleeps `piece` seconds, so the copy is in flight when the registry
+/// closes or drops. Returns how long the close (with the prefetch's end) or the drop took, the
+/// progress reports the refill made, b's state after a close, and the refill's reload events.
+fn end_during_a_refill(end: End, piece: Duration) -> (Duration, usize, Option<ModelState>, usize) {
+    let dir = tempfile::tempdir().unwrap();
+    let files = files(dir.path());
+    let armed = Arc::new(AtomicBool::new(false));
+    let reports = Arc::new(AtomicUsize::new(0));
+    let (began, refilling) = mpsc::channel();
+    let sink = Arc::new(ListSink::default());
+    let models = {
+        let (armed, reports, began) = (armed.clone(), reports.clone(), Mutex::new(began));
+        StagedModels::builder()
+            .model(ModelSpec::new("b", |_| Ok(build_mlp(64))).checkpoint([&files[1]]).skip_init(true))
+            .stage("first", Vec::<String>::new())
+            .stage("second", ["b"])
+            .events(sink.clone())
+            .progress(move |model, _| {
+                if model == "b" && armed.load(Ordering::SeqCst) {
+                    reports.fetch_add(1, Ordering::SeqCst);
+                    let _ = began.lock().unwrap().send(());
+                    std::thread::sleep(piece);
+                }
+            })
+            .build()
+            .unwrap()
+    };
+    models.enter("second").unwrap();
+    models.load("b").unwrap();
+    models.enter("first").unwrap();
+    assert_eq!(models.state("b").unwrap(), ModelState::Released);
+    armed.store(true, Ordering::SeqCst);
+    assert_eq!(models.prefetch("second").unwrap(), ["b"]);
+    refilling.recv_timeout(Duration::from_secs(30)).expect("the refill reports its first piece");
+    let started = Instant::now();
+    let state = match end {
+        End::Close => {
+            models.close().unwrap();
+            models.wait_prefetch("second").unwrap();
+            let state = models.state("b").unwrap();
+            drop(models);
+            Some(state)
+        }
+        End::Drop => {
+            drop(models);
+            None
+        }
+    };
+    let took = started.elapsed();
+    let reloads = sink.of_kind(EventKind::Reload).len();
+    (took, reports.load(Ordering::SeqCst), state, reloads)
+}
+
+#[test]
+fn closing_or_dropping_the_registry_stops_a_prefetched_refill_at_the_piece_in_flight() {
+    let _one = one_at_a_time();
+    let piece = Duration::from_millis(1500);
+    for end in [End::Close, End::Drop] {
+        let (took, reports, state, reloads) = within("a refill stopped by close or drop", move || {
+            let ended = end_during_a_refill(end, piece);
+            // The process stays sound: a registry made afterwards loads from the same file.
+            let dir = tempfile::tempdir().unwrap();
+            let files = files(dir.path());
+            let sink = Arc::new(ListSink::default());
+            let models = registry(&files, true, true, sink);
+            models.enter("second").unwrap();
+            let y = models.call("b", |m: &mut Mlp| m.forward(&Tensor::ones([1, 64], (Kind::Float, Device::Cpu))));
+            assert_eq!(y.unwrap().size(), [1, 64]);
+            ended
+        });
+        // Every piece of the refill reports (the caller's thread reads some, then reports once
+        // more at the end): a copy that ran on would report at least twice.
+        assert_eq!(reports, 1, "the copy stopped after the piece in flight");
+        assert!(took < piece + Duration::from_secs(1), "waited only for that piece ({piece:?}): {took:?}");
+        assert_eq!(reloads, 0, "the refill did not finish");
+        if end == End::Close {
+            assert_eq!(state, Some(ModelState::Released), "b is released as it was before the prefetch");
+        }
+    }
+}

@@ -133,6 +133,9 @@ impl Checkpoint {
                 Err(err)
             };
             for (j, (i, piece)) in work.iter().enumerate() {
+                if let Err(stopped) = self.go_on() {
+                    return stop(stopped);
+                }
                 let outcome = {
                     let mut flow = lock(&flow);
                     loop {

@@ -325,7 +325,7 @@ impl StagedModelsBuilder {
                 changed: Condvar::new(),
                 building: Mutex::new(false),
                 build_ended: Condvar::new(),
-                cancelled: AtomicBool::new(false),
+                cancelled: Arc::new(AtomicBool::new(false)),
                 components: Mutex::new(BTreeMap::new()),
                 sink: self.sink,
                 rngs: self.rngs,

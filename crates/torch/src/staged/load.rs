@@ -19,7 +19,7 @@ use super::registry::Inner;
 use super::release::released_message;
 use super::spec::{BuildContext, Loader};
 use super::tier_copy::{self, HostCopies};
-use crate::checkpoint::Checkpoint;
+use crate::checkpoint::{Checkpoint, CheckpointError};
 use crate::names::NameRules;
 use crate::rng::PreservedRng;
 use crate::storage::{self, shallow};
@@ -175,9 +175,15 @@ impl Inner {
                 self.build(name, loader, &recipe, self.preserve_rng && !prefetch)
             }
             LoadPlan::Refill(instance, copies) => self
-                .refill(instance, &recipe.checkpoint, &recipe.names, copies.as_ref().map(|(_, copies)| copies))
+                .refill(instance, &recipe, copies.as_ref().map(|(_, copies)| copies), prefetch)
                 .map(|(bytes, report)| (Arc::clone(instance), bytes, report)),
         };
+        if prefetch && matches!(result, Err(StageError::Closed { .. })) {
+            // The registry closed or dropped during the prefetch's checkpoint copy, which stopped
+            // between pieces: the slot goes back to what it was (a refill freed its storages again).
+            self.give_up(name, ticket, before);
+            return result.map(|(instance, ..)| instance);
+        }
         let seconds = started.elapsed().as_secs_f64();
 
         let mut state = self.state();
@@ -359,7 +365,7 @@ impl Inner {
                 .clone()
                 .filled_elsewhere(shared.iter().filter(|(_, _, fresh)| !fresh).map(|(n, _, _)| n.clone()))
                 .strict(names.strict || *skip_init);
-            report = Some(self.load_checkpoint(name, checkpoint, &targets, &names)?);
+            report = Some(self.load_checkpoint(name, checkpoint, &targets, &names, false)?);
         }
         // Shared components another model already built are not loaded again: not counted.
         let reused: Vec<(String, Tensor)> =
@@ -375,15 +381,25 @@ impl Inner {
         Ok((instance, bytes, report))
     }
 
+    /// Fills `targets` from the model's checkpoint `files`. `stoppable`: the copy stops between
+    /// pieces once the registry closes or drops, with [`StageError::Closed`] (a prefetch's refill:
+    /// a build's copy runs to its end, since the build may have made shared components).
     fn load_checkpoint(
         &self,
         model: &str,
         files: &[PathBuf],
         targets: &[(String, Tensor)],
         names: &NameRules,
+        stoppable: bool,
     ) -> Result<LoadReport> {
-        let wrap = |source| StageError::Checkpoint { model: model.to_string(), source: Box::new(source) };
-        let checkpoint = Checkpoint::open(files).map_err(wrap)?;
+        let wrap = |source| match source {
+            CheckpointError::Stopped { .. } => StageError::Closed { model: model.to_string() },
+            source => StageError::Checkpoint { model: model.to_string(), source: Box::new(source) },
+        };
+        let mut checkpoint = Checkpoint::open(files).map_err(wrap)?;
+        if stoppable {
+            checkpoint = checkpoint.stop_when(Arc::clone(&self.cancelled));
+        }
         let report = checkpoint
             .load_named(targets, names, |progress| {
                 if let Some(hook) = &self.progress {
@@ -398,14 +414,15 @@ impl Inner {
     }
 
     /// Brings a released instance back in place: reallocates its freed storages and refills
-    /// them from its host tier `copies` when it has them, else from the checkpoint. On failure
-    /// the instance stays released as it was.
+    /// them from its host tier `copies` when it has them, else from the checkpoint (a
+    /// `prefetch`'s copy stops between pieces when the registry closes). On failure the instance
+    /// stays released as it was.
     fn refill(
         &self,
         instance: &Arc<Instance>,
-        checkpoint: &[PathBuf],
-        names: &NameRules,
+        recipe: &Recipe,
         copies: Option<&HostCopies>,
+        prefetch: bool,
     ) -> Result<(u64, Option<LoadReport>)> {
         let name = &instance.name;
         let torch = |source| StageError::Torch { model: name.clone(), source };
@@ -429,7 +446,7 @@ impl Inner {
                     .map(|()| None)
                     .map_err(|message| StageError::HostTier { model: name.clone(), message })
             }
-            None => self.load_checkpoint(name, checkpoint, &targets, names).map(Some),
+            None => self.load_checkpoint(name, &recipe.checkpoint, &targets, &recipe.names, prefetch).map(Some),
         };
         let report = match filled {
             Ok(report) => report,

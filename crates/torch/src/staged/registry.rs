@@ -359,8 +359,8 @@ pub(crate) struct Inner {
     /// Signalled when a build's turn ends, and when the registry closes or drops.
     pub(crate) build_ended: Condvar,
     /// Set by `close` and by dropping the registry: prefetches that have not begun their load
-    /// give up.
-    pub(crate) cancelled: AtomicBool,
+    /// give up, and a prefetch's checkpoint copy stops at its next piece.
+    pub(crate) cancelled: Arc<AtomicBool>,
     pub(crate) components: SharedComponents,
     pub(crate) sink: Option<Arc<dyn EventSink>>,
     pub(crate) rngs: Vec<Arc<dyn RngSnapshot>>,
