@@ -337,7 +337,7 @@ fn a_load_stops_at_the_first_piece_that_finds_its_stop_flag_set() {
             stop.store(true, Ordering::SeqCst);
         })
         .unwrap_err();
-    assert!(matches!(&err, CheckpointError::Stopped { files } if files == &[path.clone()]), "{err}");
+    assert!(matches!(&err, CheckpointError::Stopped { files } if files == std::slice::from_ref(&path)), "{err}");
     assert!(err.to_string().contains("stopped"), "{err}");
     assert_eq!(reports, 1, "no report after the stop");
     assert!(
