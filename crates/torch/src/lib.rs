@@ -10,6 +10,8 @@
 //! - [`device_copy`]: checkpoint entries into CUDA tensors through a ring of pinned buffers.
 //! - [`stream`]: models bigger than their memory budget: a resident prefix of blocks, the rest
 //!   refilled in place from the checkpoint before they run and freed after.
+//! - [`script`]: TorchScript modules as models (`ModelSpec::torchscript`), their parameters
+//!   and buffers as their tensors.
 //! - [`storage`]: release and reallocation of a model's storages through the shim.
 //! - [`sync`]: the one shared-handle type and lock helper.
 //! - [`hook`]: enter a stage when a module or closure you do not own is called.
@@ -25,6 +27,7 @@ pub mod latents;
 pub mod meter;
 pub mod names;
 pub mod rng;
+pub mod script;
 pub mod staged;
 pub mod storage;
 pub mod stream;

@@ -355,13 +355,34 @@ impl Checkpoint {
         rules: &NameRules,
         progress: impl FnMut(Progress),
     ) -> Result<NamedLoad, CheckpointError> {
+        let (renamed, report) = self.meet(targets, rules)?;
+        self.copy_all(&renamed, progress)?;
+        Ok(report)
+    }
+
+    /// The checks of [`load_named`](Self::load_named) (names under `rules`, shapes, dtypes,
+    /// allocated targets), from the headers alone: nothing is read or copied. For a model whose
+    /// weights came from elsewhere (a TorchScript file) and that this checkpoint refills later.
+    pub fn check_named(&self, targets: &[(String, Tensor)], rules: &NameRules) -> Result<NamedLoad, CheckpointError> {
+        let (renamed, report) = self.meet(targets, rules)?;
+        self.check(&renamed)?;
+        Ok(report)
+    }
+
+    /// Meets the targets' names with the files' under `rules`: each matched target under the
+    /// name of the entry that fills it, and the report of what matched (strict: a mismatch is
+    /// an error).
+    fn meet(
+        &self,
+        targets: &[(String, Tensor)],
+        rules: &NameRules,
+    ) -> Result<(Vec<(String, Tensor)>, NamedLoad), CheckpointError> {
         let tensors: Vec<&str> = targets.iter().map(|(n, _)| n.as_str()).collect();
         let found = match_names(self.entries.keys().map(String::as_str), &tensors, rules)
             .map_err(|source| CheckpointError::Collision { files: self.files.clone(), source })?;
         if rules.strict && (!found.missing.is_empty() || !found.unused.is_empty()) {
             return Err(CheckpointError::Names { files: self.files.clone(), mismatch: NameMismatch::new(&found) });
         }
-        // Each target under the name of the entry that fills it.
         let renamed: Vec<(String, Tensor)> = targets
             .iter()
             .filter_map(|(n, t)| found.pairs.get(n).map(|entry| (entry.clone(), t.shallow_clone())))
@@ -373,14 +394,14 @@ impl Checkpoint {
                 (from != t.kind()).then(|| format!("{entry}: {from:?} -> {:?}", t.kind()))
             })
             .collect();
-        self.copy_all(&renamed, progress)?;
-        Ok(NamedLoad {
+        let report = NamedLoad {
             used: renamed.len(),
             converted,
             unused: found.unused,
             ignored: found.ignored,
             missing: found.missing,
-        })
+        };
+        Ok((renamed, report))
     }
 
     /// Reads each piece straight into its target, on up to [`MAX_THREADS`] threads, the caller's

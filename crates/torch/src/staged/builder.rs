@@ -269,15 +269,7 @@ impl StagedModelsBuilder {
                     planned_held: streamed.held,
                 })
             });
-            entries.push(Entry::new(
-                spec.name,
-                Some(spec.loader),
-                checkpoint,
-                names,
-                placement,
-                stream,
-                spec.skip_init,
-            ));
+            entries.push(Entry::new(spec.name, Some(spec.loader), checkpoint, names, placement, stream, spec.init));
         }
         let known: HashSet<&str> = entries.iter().map(|e| e.name.as_str()).collect();
         let unknown: BTreeSet<String> = self

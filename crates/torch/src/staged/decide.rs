@@ -213,14 +213,14 @@ pub enum PrefetchSkip {
 
 /// Decides whether a prefetch starts loading `slot` in the background. Only loads that draw no
 /// random number qualify: a refill in place from the checkpoint or the host tier (`in_tier`), or
-/// a build without initialisation (`skip_init`).
-pub fn on_prefetch<I>(slot: &Slot<I>, closed: bool, skip_init: bool, in_tier: bool) -> Result<(), PrefetchSkip> {
+/// a build that draws nothing (`skip_init`, a TorchScript load: `draws_nothing`).
+pub fn on_prefetch<I>(slot: &Slot<I>, closed: bool, draws_nothing: bool, in_tier: bool) -> Result<(), PrefetchSkip> {
     match &slot.state {
         SlotState::Resident(_) | SlotState::Released { pending: true, .. } => Err(PrefetchSkip::Resident),
         SlotState::Loading { .. } => Err(PrefetchSkip::InFlight),
         _ if closed => Err(PrefetchSkip::Closed),
         SlotState::Released { .. } | SlotState::Failed { instance: Some(_), .. } if refillable(slot, in_tier) => Ok(()),
-        _ if slot.has_loader && skip_init => Ok(()),
+        _ if slot.has_loader && draws_nothing => Ok(()),
         _ if slot.has_loader => Err(PrefetchSkip::DrawsRandomNumbers),
         _ => Err(PrefetchSkip::NoLoader),
     }

@@ -17,7 +17,7 @@ use super::instance::{Instance, ReleaseMark};
 use super::placement::Placement;
 use super::registry::Inner;
 use super::release::released_message;
-use super::spec::{BuildContext, Loader};
+use super::spec::{BuildContext, Init, Loader};
 use super::tier_copy::{self, HostCopies};
 use crate::checkpoint::{Checkpoint, CheckpointError};
 use crate::names::NameRules;
@@ -32,9 +32,22 @@ use stageload_trace::event::{Event, EventKind, LoadReport, ReloadFrom};
 pub(crate) struct Recipe {
     checkpoint: Vec<PathBuf>,
     names: NameRules,
-    skip_init: bool,
+    init: Init,
     placement: Placement,
     stream: Option<Arc<StreamPlan>>,
+}
+
+/// How a load meets the model's checkpoint.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Fill {
+    /// Copies every entry into the model.
+    Whole,
+    /// Copies, and stops between pieces once the registry closes or drops, with
+    /// [`StageError::Closed`] (a prefetch's refill; a build's copy runs to its end, since the
+    /// build may have made shared components).
+    StopOnClose,
+    /// Checks names, shapes and dtypes against the model, copies nothing (a deserialised model).
+    CheckOnly,
 }
 
 /// Why a load runs.
@@ -150,7 +163,7 @@ impl Inner {
             let recipe = Recipe {
                 checkpoint: entry.checkpoint.clone(),
                 names: entry.names.clone(),
-                skip_init: entry.skip_init,
+                init: entry.init,
                 placement: entry.placement,
                 stream: entry.stream.clone(),
             };
@@ -317,7 +330,7 @@ impl Inner {
         recipe: &Recipe,
         preserve_rng: bool,
     ) -> Result<(Arc<Instance>, u64, Option<LoadReport>)> {
-        let Recipe { checkpoint, names, skip_init, placement, stream } = recipe;
+        let Recipe { checkpoint, names, init, placement, stream } = recipe;
         let _rng = if preserve_rng { Some(PreservedRng::save(&self.rngs).map_err(StageError::Rng)?) } else { None };
         let context = BuildContext {
             components: &self.components,
@@ -328,7 +341,7 @@ impl Inner {
             stream_taken: Default::default(),
         };
         let run = || {
-            if *skip_init {
+            if *init == Init::Skipped {
                 stageload_torch_sys::without_init(|| loader(&context))
             } else {
                 loader(&context)
@@ -364,8 +377,11 @@ impl Inner {
             let names = names
                 .clone()
                 .filled_elsewhere(shared.iter().filter(|(_, _, fresh)| !fresh).map(|(n, _, _)| n.clone()))
-                .strict(names.strict || *skip_init);
-            report = Some(self.load_checkpoint(name, checkpoint, &targets, &names, false)?);
+                .strict(names.strict || *init == Init::Skipped);
+            // The file a deserialised model came from holds its weights: its checkpoint is only
+            // checked now (it refills the model after a release).
+            let fill = if *init == Init::Deserialized { Fill::CheckOnly } else { Fill::Whole };
+            report = Some(self.load_checkpoint(name, checkpoint, &targets, &names, fill)?);
         }
         // Shared components another model already built are not loaded again: not counted.
         let reused: Vec<(String, Tensor)> =
@@ -381,32 +397,32 @@ impl Inner {
         Ok((instance, bytes, report))
     }
 
-    /// Fills `targets` from the model's checkpoint `files`. `stoppable`: the copy stops between
-    /// pieces once the registry closes or drops, with [`StageError::Closed`] (a prefetch's refill:
-    /// a build's copy runs to its end, since the build may have made shared components).
+    /// Meets `targets` with the model's checkpoint `files` as `fill` says.
     fn load_checkpoint(
         &self,
         model: &str,
         files: &[PathBuf],
         targets: &[(String, Tensor)],
         names: &NameRules,
-        stoppable: bool,
+        fill: Fill,
     ) -> Result<LoadReport> {
         let wrap = |source| match source {
             CheckpointError::Stopped { .. } => StageError::Closed { model: model.to_string() },
             source => StageError::Checkpoint { model: model.to_string(), source: Box::new(source) },
         };
         let mut checkpoint = Checkpoint::open(files).map_err(wrap)?;
-        if stoppable {
+        if fill == Fill::StopOnClose {
             checkpoint = checkpoint.stop_when(Arc::clone(&self.cancelled));
         }
-        let report = checkpoint
-            .load_named(targets, names, |progress| {
+        let report = match fill {
+            Fill::CheckOnly => checkpoint.check_named(targets, names),
+            Fill::Whole | Fill::StopOnClose => checkpoint.load_named(targets, names, |progress| {
                 if let Some(hook) = &self.progress {
                     hook(model, progress)
                 }
-            })
-            .map_err(wrap)?;
+            }),
+        }
+        .map_err(wrap)?;
         if !report.unused.is_empty() || !report.missing.is_empty() {
             tracing::warn!(model, unused = ?report.unused, missing = ?report.missing, "checkpoint and model names differ (lenient load)");
         }
@@ -446,7 +462,15 @@ impl Inner {
                     .map(|()| None)
                     .map_err(|message| StageError::HostTier { model: name.clone(), message })
             }
-            None => self.load_checkpoint(name, &recipe.checkpoint, &targets, &recipe.names, prefetch).map(Some),
+            None => self
+                .load_checkpoint(
+                    name,
+                    &recipe.checkpoint,
+                    &targets,
+                    &recipe.names,
+                    if prefetch { Fill::StopOnClose } else { Fill::Whole },
+                )
+                .map(Some),
         };
         let report = match filled {
             Ok(report) => report,

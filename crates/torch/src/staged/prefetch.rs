@@ -38,7 +38,7 @@ impl Inner {
             let Some(&position) = state.index.get(name) else { continue };
             let entry = &state.entries()[position];
             let in_tier = state.in_tier(name);
-            match decide::on_prefetch(entry.slot(), state.closed, entry.skip_init, in_tier) {
+            match decide::on_prefetch(entry.slot(), state.closed, entry.init.draws_nothing(), in_tier) {
                 Ok(()) => {
                     let known = entry.stream.as_ref().map(|plan| plan.planned_held).or_else(|| instance_bytes(entry));
                     candidates.push((name.clone(), known, entry.checkpoint.clone(), cuda_device(entry)))
@@ -215,12 +215,12 @@ mod tests {
     use crate::staged::decide::SlotState;
     use crate::staged::instance::Instance;
     use crate::staged::placement::Placement;
-    use crate::staged::spec::Built;
+    use crate::staged::spec::{Built, Init};
     use crate::NameRules;
     use tch::{Kind, Tensor};
 
     fn entry(placement: Placement, state: SlotState<Arc<Instance>>) -> Entry {
-        Entry::new("m".into(), None, Vec::new(), NameRules::default(), placement, None, false).in_state(state)
+        Entry::new("m".into(), None, Vec::new(), NameRules::default(), placement, None, Init::Loader).in_state(state)
     }
 
     #[test]

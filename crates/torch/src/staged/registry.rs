@@ -41,7 +41,7 @@ use super::decide::{self, ModelState, SlotState};
 use super::error::{Result, StageError};
 use super::instance::{Handle, Instance, ReleaseMark};
 use super::placement::Placement;
-use super::spec::{Built, Loader, SharedComponents};
+use super::spec::{Built, Init, Loader, SharedComponents};
 use super::tier_copy::{self, HostCopies};
 use crate::checkpoint::Progress;
 use crate::names::NameRules;
@@ -64,7 +64,7 @@ pub(crate) struct Entry {
     pub(crate) placement: Placement,
     /// How the pipeline file streams the model (it then has no checkpoint).
     pub(crate) stream: Option<Arc<StreamPlan>>,
-    pub(crate) skip_init: bool,
+    pub(crate) init: Init,
     /// Private: its state changes only through [`State::set_state`], which keeps the index of
     /// the slots holding storage.
     slot: decide::Slot<Arc<Instance>>,
@@ -80,7 +80,7 @@ impl Entry {
         names: NameRules,
         placement: Placement,
         stream: Option<Arc<StreamPlan>>,
-        skip_init: bool,
+        init: Init,
     ) -> Self {
         let slot = decide::Slot {
             state: SlotState::Unloaded,
@@ -88,7 +88,7 @@ impl Entry {
             has_checkpoint: !checkpoint.is_empty(),
             loads: 0,
         };
-        Entry { name, loader, checkpoint, names, placement, stream, skip_init, slot, report: None }
+        Entry { name, loader, checkpoint, names, placement, stream, init, slot, report: None }
     }
 
     /// Unit tests: the entry with its slot in `state` (it belongs to no registry's index).
@@ -472,7 +472,7 @@ impl Inner {
                     NameRules::default(),
                     Placement::default(),
                     None,
-                    false,
+                    Init::Loader,
                 );
                 (state.push_entry(entry), None)
             }

@@ -130,7 +130,29 @@ pub struct ModelSpec {
     pub(crate) loader: Arc<Loader>,
     pub(crate) checkpoint: Vec<PathBuf>,
     pub(crate) names: NameRules,
-    pub(crate) skip_init: bool,
+    pub(crate) init: Init,
+}
+
+/// Where a model's weights come from at a build.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Init {
+    /// The loader initialises them (drawing random numbers, under preserved RNG); a declared
+    /// checkpoint fills them afterwards.
+    Loader,
+    /// [`ModelSpec::skip_init`]: built without initial values; the checkpoint writes every
+    /// weight (strict).
+    Skipped,
+    /// Read from a file by the loader ([`ModelSpec::torchscript`]): nothing is drawn, and a
+    /// declared checkpoint is only checked against the model after a build (it refills the
+    /// model after a release).
+    Deserialized,
+}
+
+impl Init {
+    /// Whether a build draws no random number (so it may be prefetched).
+    pub(crate) fn draws_nothing(self) -> bool {
+        self != Init::Loader
+    }
 }
 
 impl ModelSpec {
@@ -145,8 +167,27 @@ impl ModelSpec {
             loader: Arc::new(loader),
             checkpoint: Vec::new(),
             names: NameRules::default(),
-            skip_init: false,
+            init: Init::Loader,
         }
+    }
+
+    /// A TorchScript module, the file `torch.jit.save` (or `torch.jit.trace(...).save`) wrote,
+    /// loaded on the model's device in evaluation mode; its parameters and buffers are its
+    /// tensors. Called as `models.call(name, |m: &mut tch::CModule| m.forward_ts(&[x]))`. A load
+    /// draws no random number, so it may be prefetched. Without a checkpoint a released module
+    /// is loaded from the file again; with one ([`checkpoint`](Self::checkpoint), the module's own
+    /// tensor names, [`NameRules`] apply) it is checked against the module at each load and
+    /// refills the module in place after a release. Errors name the file: one that is not
+    /// TorchScript or is truncated ([`crate::script::ScriptError`], inside
+    /// [`StageError::LoaderFailed`](crate::StageError::LoaderFailed)).
+    pub fn torchscript(name: impl Into<String>, path: impl Into<PathBuf>) -> Self {
+        let path: PathBuf = path.into();
+        let mut spec = ModelSpec::new(name, move |ctx| {
+            let (module, tensors) = crate::script::load(&path, ctx.device().unwrap_or(tch::Device::Cpu))?;
+            Ok(Built::from_tensors(module, tensors))
+        });
+        spec.init = Init::Deserialized;
+        spec
     }
 
     /// The model's name.
@@ -179,7 +220,7 @@ impl ModelSpec {
     /// fills: the registry then refuses a lenient load that leaves a tensor missing. Nothing is
     /// drawn from any generator.
     pub fn skip_init(mut self, on: bool) -> Self {
-        self.skip_init = on;
+        self.init = if on { Init::Skipped } else { Init::Loader };
         self
     }
 }

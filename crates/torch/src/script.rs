@@ -1,0 +1,49 @@
+//! TorchScript modules as models: a `tch::CModule` read from a file that `torch.jit.save` (or
+//! `torch.jit.trace(...).save`) wrote, loaded on its model's device, whose parameters and
+//! buffers are the tensors the registry releases and refills in place.
+//!
+//! [`ModelSpec::torchscript`](crate::ModelSpec::torchscript) makes such a model; this module
+//! owns reading the file and listing the module's tensors. A TorchScript load deserialises: it
+//! draws no random number, so the registry may prefetch it, and the file's own weights are the
+//! first load's. A checkpoint declared beside it (safetensors under the module's own tensor
+//! names, [`NameRules`](crate::NameRules) apply) is checked against the module at each build
+//! (names, shapes, dtypes: headers only) and refills it after a release.
+
+use std::path::{Path, PathBuf};
+
+use tch::{CModule, Device, Tensor};
+
+/// Why a TorchScript module could not be loaded. Each variant names the file.
+#[derive(Debug, thiserror::Error)]
+pub enum ScriptError {
+    #[error("cannot open TorchScript module {path}: {source}")]
+    Open { path: PathBuf, source: std::io::Error },
+    #[error(
+        "{path} is not a TorchScript module libtorch can load ({message}); write it with torch.jit.save or torch.jit.trace(...).save (a state dict or a pickled model is not one), and whole (it may be truncated)"
+    )]
+    Load { path: PathBuf, message: String },
+    #[error("TorchScript module {path}: cannot list its tensors: {message}")]
+    Tensors { path: PathBuf, message: String },
+}
+
+/// Loads the module at `path` on `device`, in evaluation mode, with its tensors (see
+/// [`module_tensors`]). The path must be a regular file (a FIFO or a folder is refused before
+/// libtorch opens it).
+pub fn load(path: &Path, device: Device) -> Result<(CModule, Vec<(String, Tensor)>), ScriptError> {
+    drop(stageload_input::open_regular(path).map_err(|source| ScriptError::Open { path: path.into(), source })?);
+    let load = |message: String| ScriptError::Load { path: path.into(), message };
+    let mut module = CModule::load_on_device(path, device).map_err(|e| load(e.to_string()))?;
+    module.f_set_eval().map_err(|e| load(e.to_string()))?;
+    let tensors = module_tensors(&module).map_err(|message| ScriptError::Tensors { path: path.into(), message })?;
+    Ok((module, tensors))
+}
+
+/// Every parameter and buffer of a module and its submodules, with its dotted name, sorted by
+/// name: each shares its storage with the module, so freeing or refilling it frees or refills
+/// the module's own.
+pub fn module_tensors(module: &CModule) -> Result<Vec<(String, Tensor)>, String> {
+    let mut tensors = module.named_parameters().map_err(|e| e.to_string())?;
+    tensors.extend(stageload_torch_sys::module_buffers(module).map_err(|e| e.to_string())?);
+    tensors.sort_by(|a, b| a.0.cmp(&b.0));
+    Ok(tensors)
+}
