@@ -39,6 +39,9 @@ pub enum EventKind {
     /// budget; `note` says which (`stored`, `evicted`, `not stored: …`, `budget`), `tier` the
     /// tier's budget and usage after it.
     Tier,
+    /// A model's weights were written to the registry's snapshot folder at its first release
+    /// (`note`: `written: PATH`), or could not be (`not written: …`, the model is rebuilt).
+    Snapshot,
 }
 
 impl EventKind {
@@ -54,6 +57,7 @@ impl EventKind {
             EventKind::Prefetch => "prefetch",
             EventKind::Residency => "residency",
             EventKind::Tier => "tier",
+            EventKind::Snapshot => "snapshot",
         }
     }
 
@@ -73,6 +77,8 @@ pub enum ReloadFrom {
     Rebuilt,
     /// The same object, storages reallocated and refilled from its copy in the host tier.
     HostTier,
+    /// The same object, storages reallocated and refilled from the registry's snapshot of it.
+    Snapshot,
 }
 
 /// The host tier after an event: its byte budget and the bytes its copies hold.
@@ -249,6 +255,7 @@ impl fmt::Display for Event {
             Some(ReloadFrom::InPlace) => details.push("in place".to_string()),
             Some(ReloadFrom::Rebuilt) => details.push("rebuilt".to_string()),
             Some(ReloadFrom::HostTier) => details.push("from the host tier".to_string()),
+            Some(ReloadFrom::Snapshot) => details.push("from its snapshot".to_string()),
             None => {}
         }
         if let Some(tier) = self.tier {

@@ -47,6 +47,14 @@ pub struct StageWindow {
 pub struct Loads {
     pub count: usize,
     pub reloads: usize,
+    /// Reloads refilled from the registry's snapshot of the model (`snapshot_dir`).
+    #[serde(default)]
+    pub from_snapshot: usize,
+    /// Snapshots written, and releases whose snapshot could not be written (each with why).
+    #[serde(default)]
+    pub snapshots_written: usize,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub snapshots_not_written: Vec<String>,
     pub bytes: u64,
     pub seconds: f64,
     /// bytes / seconds, in 10^9 bytes per second.
@@ -305,9 +313,20 @@ pub fn summarize(trace: &Trace) -> Summary {
     let loaded: Vec<&&EventRecord> = events.iter().filter(|e| e.kind.is_load()).collect();
     let (bytes, seconds) =
         (loaded.iter().filter_map(|e| e.bytes).sum::<u64>(), loaded.iter().filter_map(|e| e.seconds).sum::<f64>());
+    let snapshot_notes: Vec<(&str, &str)> = events
+        .iter()
+        .filter(|e| e.kind == EventKind::Snapshot)
+        .map(|e| (e.model.as_deref().unwrap_or("?"), e.note.as_deref().unwrap_or("")))
+        .collect();
     let loads = Loads {
         count: loaded.len(),
         reloads: loaded.iter().filter(|e| e.kind == EventKind::Reload).count(),
+        from_snapshot: loaded.iter().filter(|e| e.from == Some(ReloadFrom::Snapshot)).count(),
+        snapshots_written: snapshot_notes.iter().filter(|(_, note)| note.starts_with("written")).count(),
+        snapshots_not_written: snapshot_notes
+            .iter()
+            .filter_map(|(model, note)| Some(format!("{model}: {}", note.strip_prefix("not written: ")?)))
+            .collect(),
         bytes,
         seconds: millis(seconds),
         gb_per_s: if seconds > 0.0 { bytes as f64 / seconds / 1e9 } else { 0.0 },

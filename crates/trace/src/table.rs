@@ -81,6 +81,14 @@ pub fn render(summary: &Summary, path: &std::path::Path) -> String {
             );
         }
     }
+    let loads = &summary.loads;
+    if loads.snapshots_written > 0 || !loads.snapshots_not_written.is_empty() {
+        out +=
+            &format!("snapshots: {} written, {} reload(s) from them\n", loads.snapshots_written, loads.from_snapshot);
+        for reason in &loads.snapshots_not_written {
+            out += &format!("  not written: {reason}\n");
+        }
+    }
     if let Some(tier) = &summary.host_tier {
         out += &format!(
             "host tier: budget {}, held at most {}; {} stored, {} evicted, {} reload(s) from it ({} at {:.2} GB/s)\n",

@@ -1,5 +1,7 @@
 //! Writing named tensors to a safetensors file: how the examples and tests make real checkpoints.
 
+use std::borrow::Cow;
+use std::cell::RefCell;
 use std::collections::HashMap;
 use std::path::Path;
 
@@ -8,7 +10,9 @@ use tch::{Device, Tensor};
 use super::{dtype_of, CheckpointError};
 
 /// Writes named tensors to a safetensors file (CPU copies, contiguous), e.g. a model's
-/// variables. Used by the examples and tests to make real checkpoints.
+/// variables. Each tensor's bytes are made as the file reaches it and dropped once written, so
+/// a save holds at most one tensor's copy beside the tensors (a release that snapshots a model
+/// does not double it). Written under a temporary name and renamed: the file is always whole.
 pub fn save<P: AsRef<Path>>(tensors: &[(String, Tensor)], path: P) -> Result<(), CheckpointError> {
     save_with_metadata(tensors, None, path)
 }
@@ -21,24 +25,61 @@ pub fn save_with_metadata<P: AsRef<Path>>(
 ) -> Result<(), CheckpointError> {
     let path = path.as_ref();
     let invalid = |reason: String| CheckpointError::Invalid { path: path.to_path_buf(), reason };
-    let mut owned = Vec::with_capacity(tensors.len());
+    let failed = RefCell::new(None);
+    let mut views = Vec::with_capacity(tensors.len());
     for (name, tensor) in tensors {
-        let cpu = tensor.to_device(Device::Cpu).contiguous();
-        let dtype = dtype_of(cpu.kind())
-            .ok_or_else(|| invalid(format!("tensor '{name}' has unsupported kind {:?}", cpu.kind())))?;
-        let mut bytes = vec![0u8; cpu.numel() * cpu.kind().elt_size_in_bytes()];
-        cpu.f_copy_data_u8(&mut bytes, cpu.numel()).map_err(|e| invalid(format!("reading tensor '{name}': {e}")))?;
-        let shape: Vec<usize> = cpu.size().iter().map(|&d| d as usize).collect();
-        owned.push((name.clone(), dtype, shape, bytes));
+        let dtype = dtype_of(tensor.kind())
+            .ok_or_else(|| invalid(format!("tensor '{name}' has unsupported kind {:?}", tensor.kind())))?;
+        let shape = tensor.size().iter().map(|&d| d as usize).collect();
+        views.push((name.clone(), Lazy { name, tensor, dtype, shape, failed: &failed }));
     }
-    let views = owned
-        .iter()
-        .map(|(name, dtype, shape, bytes)| {
-            safetensors::tensor::TensorView::new(*dtype, shape.clone(), bytes).map(|v| (name.clone(), v))
-        })
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| invalid(e.to_string()))?;
     let tmp = path.with_extension("safetensors.partial");
-    safetensors::serialize_to_file(views, metadata, &tmp).map_err(|e| invalid(e.to_string()))?;
+    let written = safetensors::serialize_to_file(views, metadata, &tmp).map_err(|e| invalid(e.to_string()));
+    let written = match failed.into_inner() {
+        Some(reason) => Err(invalid(reason)),
+        None => written,
+    };
+    if let Err(err) = written {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(err);
+    }
     std::fs::rename(&tmp, path).map_err(|source| CheckpointError::Write { path: path.to_path_buf(), source })
+}
+
+/// A tensor whose bytes are read when the writer reaches it. A read that fails (a device copy)
+/// gives zeros of the right length and leaves its reason in `failed`: the save then fails and
+/// removes the file.
+struct Lazy<'a> {
+    name: &'a str,
+    tensor: &'a Tensor,
+    dtype: safetensors::Dtype,
+    shape: Vec<usize>,
+    failed: &'a RefCell<Option<String>>,
+}
+
+impl safetensors::View for Lazy<'_> {
+    fn dtype(&self) -> safetensors::Dtype {
+        self.dtype
+    }
+
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+
+    fn data(&self) -> Cow<'_, [u8]> {
+        let mut bytes = vec![0u8; self.data_len()];
+        let read = self
+            .tensor
+            .f_to_device(Device::Cpu)
+            .and_then(|cpu| cpu.f_contiguous())
+            .and_then(|cpu| cpu.f_copy_data_u8(&mut bytes, cpu.numel()));
+        if let Err(e) = read {
+            self.failed.borrow_mut().get_or_insert(format!("reading tensor '{}': {e}", self.name));
+        }
+        Cow::Owned(bytes)
+    }
+
+    fn data_len(&self) -> usize {
+        self.tensor.numel() * self.tensor.kind().elt_size_in_bytes()
+    }
 }

@@ -10,6 +10,7 @@ use super::decide;
 use super::error::{Result, StageError};
 use super::placement::Placement;
 use super::registry::{Entry, Inner, ProgressHook, State};
+use super::snapshot::Snapshots;
 use super::spec::ModelSpec;
 use super::StagedModels;
 use crate::checkpoint::Progress;
@@ -44,6 +45,7 @@ pub struct StagedModelsBuilder {
     stage_working: BTreeMap<String, u64>,
     out_of_memory: decide::OutOfMemory,
     host_tier: Option<u64>,
+    snapshot_dir: Option<PathBuf>,
     /// The pipeline file's largest model on a device, as its plan sizes it.
     largest_device_model: Option<(String, u64)>,
     #[cfg(test)]
@@ -205,6 +207,20 @@ impl StagedModelsBuilder {
         self
     }
 
+    /// A folder for snapshots: the first release of a model that has no checkpoint and no copy
+    /// in the host tier writes its weights there once as safetensors, and its later reloads come
+    /// back in place from that file (no loader call, no random number drawn: it may be
+    /// prefetched; `reload` events say `from: snapshot`) instead of rebuilding it. Free space is
+    /// checked first (the write must leave 1 GiB free); a write that cannot be made leaves the
+    /// model to be rebuilt, and its `snapshot` event says why. The files are the registry's
+    /// own: removed at `close` and when it drops; those of a process that was killed are removed
+    /// by the next registry that opens the folder, never a live one's. [`build`](Self::build)
+    /// makes the folder, or fails naming it ([`StageError::SnapshotDir`]).
+    pub fn snapshot_dir(mut self, dir: impl Into<PathBuf>) -> Self {
+        self.snapshot_dir = Some(dir.into());
+        self
+    }
+
     /// Unit tests: the host tier holds CPU models as it would device models.
     #[cfg(test)]
     pub(crate) fn tier_on_cpu(mut self) -> Self {
@@ -309,6 +325,12 @@ impl StagedModelsBuilder {
         if self.map_large_host_blocks {
             stageload_torch_sys::map_large_host_blocks();
         }
+        let snapshots = match &self.snapshot_dir {
+            Some(dir) => {
+                Some(Snapshots::open(dir).map_err(|message| StageError::SnapshotDir { path: dir.clone(), message })?)
+            }
+            None => None,
+        };
         let pinned = self.pinned.into_iter().collect();
         let state = State::new(entries, stages, sequence, pinned, spans, self.host_tier.map(Tier::new));
         Ok(StagedModels {
@@ -330,6 +352,7 @@ impl StagedModelsBuilder {
                 prefetching: Mutex::new(Vec::new()),
                 out_of_memory: self.out_of_memory,
                 tier_said_cpu: AtomicBool::new(false),
+                snapshots,
                 untrimmed: Default::default(),
                 #[cfg(test)]
                 tier_on_cpu: self.tier_on_cpu,
@@ -362,6 +385,7 @@ impl StagedModels {
             stage_working: BTreeMap::new(),
             out_of_memory: decide::OutOfMemory::Fail,
             host_tier: None,
+            snapshot_dir: None,
             largest_device_model: None,
             #[cfg(test)]
             tier_on_cpu: false,

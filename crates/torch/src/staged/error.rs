@@ -20,6 +20,8 @@ pub enum StageError {
     PinSpan { model: String, message: String },
     #[error("the plan names models that have no loader: {}", .names.join(", "))]
     PlanWithoutLoader { names: Vec<String> },
+    #[error("{message}; name a folder this process can write to, or leave snapshot_dir out")]
+    SnapshotDir { path: std::path::PathBuf, message: String },
     #[error("model '{name}' is defined twice")]
     DuplicateModel { name: String },
     #[error("'{model}' was released{} and its weights are gone. Get the model from the StagedModels registry again instead of keeping a handle to it.", at_stage(.stage))]

@@ -33,6 +33,7 @@ pub(crate) struct Recipe {
     checkpoint: Vec<PathBuf>,
     names: NameRules,
     init: Init,
+    from_snapshot: bool,
     placement: Placement,
     stream: Option<Arc<StreamPlan>>,
 }
@@ -164,6 +165,7 @@ impl Inner {
                 checkpoint: entry.checkpoint.clone(),
                 names: entry.names.clone(),
                 init: entry.init,
+                from_snapshot: entry.from_snapshot,
                 placement: entry.placement,
                 stream: entry.stream.clone(),
             };
@@ -243,6 +245,9 @@ impl Inner {
                     LoadPlan::Build { reload: false, .. } => (EventKind::Load, None),
                     LoadPlan::Build { reload: true, .. } => (EventKind::Reload, Some(ReloadFrom::Rebuilt)),
                     LoadPlan::Refill(_, Some(_)) => (EventKind::Reload, Some(ReloadFrom::HostTier)),
+                    LoadPlan::Refill(_, None) if recipe.from_snapshot => {
+                        (EventKind::Reload, Some(ReloadFrom::Snapshot))
+                    }
                     LoadPlan::Refill(_, None) => (EventKind::Reload, Some(ReloadFrom::InPlace)),
                 };
                 self.emit(Event {
@@ -330,7 +335,7 @@ impl Inner {
         recipe: &Recipe,
         preserve_rng: bool,
     ) -> Result<(Arc<Instance>, u64, Option<LoadReport>)> {
-        let Recipe { checkpoint, names, init, placement, stream } = recipe;
+        let Recipe { checkpoint, names, init, placement, stream, .. } = recipe;
         let _rng = if preserve_rng { Some(PreservedRng::save(&self.rngs).map_err(StageError::Rng)?) } else { None };
         let context = BuildContext {
             components: &self.components,

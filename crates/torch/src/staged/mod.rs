@@ -35,6 +35,7 @@ mod placement;
 mod prefetch;
 mod registry;
 mod release;
+pub mod snapshot;
 pub mod spec;
 mod tier_copy;
 mod tier_store;

@@ -65,6 +65,8 @@ pub(crate) struct Entry {
     /// How the pipeline file streams the model (it then has no checkpoint).
     pub(crate) stream: Option<Arc<StreamPlan>>,
     pub(crate) init: Init,
+    /// Its checkpoint is the registry's snapshot of it (see [`super::snapshot`]).
+    pub(crate) from_snapshot: bool,
     /// Private: its state changes only through [`State::set_state`], which keeps the index of
     /// the slots holding storage.
     slot: decide::Slot<Arc<Instance>>,
@@ -88,7 +90,16 @@ impl Entry {
             has_checkpoint: !checkpoint.is_empty(),
             loads: 0,
         };
-        Entry { name, loader, checkpoint, names, placement, stream, init, slot, report: None }
+        Entry { name, loader, checkpoint, names, placement, stream, init, from_snapshot: false, slot, report: None }
+    }
+
+    /// Its weights are in the snapshot at `path` now: later reloads refill it in place from
+    /// there, under the file's own names.
+    pub(crate) fn refill_from_snapshot(&mut self, path: PathBuf) {
+        self.checkpoint = vec![path];
+        self.names = NameRules::default();
+        self.from_snapshot = true;
+        self.slot.has_checkpoint = true;
     }
 
     /// Unit tests: the entry with its slot in `state` (it belongs to no registry's index).
@@ -186,6 +197,12 @@ impl State {
     /// Every entry, in definition order.
     pub(crate) fn entries(&self) -> &[Entry] {
         &self.entries
+    }
+
+    /// One entry to change what it loads from (its slot changes only through
+    /// [`State::set_state`]).
+    pub(crate) fn entry_mut(&mut self, position: usize) -> &mut Entry {
+        &mut self.entries[position]
     }
 
     /// Sets the state of the slot at `position`: the one way a slot's state changes, so that
@@ -380,6 +397,8 @@ pub(crate) struct Inner {
     pub(crate) prefetching: Mutex<Vec<std::thread::JoinHandle<()>>>,
     /// The host tier said once that it does not hold CPU models.
     pub(crate) tier_said_cpu: AtomicBool,
+    /// The snapshot folder's files, when the builder named one.
+    pub(crate) snapshots: Option<super::snapshot::Snapshots>,
     /// Bytes releases freed since the host heap was last trimmed (see [`super::release`]).
     pub(crate) untrimmed: AtomicU64,
     /// Unit tests: the host tier holds CPU models too (no device here to test it with).
@@ -448,7 +467,11 @@ impl Inner {
         // A `close` mark first, so a trace does not read these releases as the tail of the last
         // stage's entry.
         self.emit(Event { stage, note: Some("close".into()), resident: Some(resident), ..Event::now(EventKind::Mark) });
-        self.release_all(instances)
+        let stats = self.release_all(instances);
+        if let Some(snapshots) = &self.snapshots {
+            snapshots.remove_all();
+        }
+        stats
     }
 
     /// Registers a built model under `name`, replacing (and releasing) what was there.
@@ -462,6 +485,7 @@ impl Inner {
                 let entry = &mut state.entries[position];
                 entry.loader = None;
                 entry.checkpoint.clear();
+                entry.from_snapshot = false;
                 (position, old)
             }
             None => {

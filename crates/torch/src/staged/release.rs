@@ -34,6 +34,7 @@ impl Inner {
         drop(ctl);
 
         self.store_in_tier(instance, &stage);
+        self.snapshot_before_release(instance, &stage);
         let started = Instant::now();
         let keep: HashSet<u64> =
             self.state().holding().filter(|i| !Arc::ptr_eq(i, instance)).flat_map(|i| i.storage_ids()).collect();

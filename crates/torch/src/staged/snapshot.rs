@@ -1,0 +1,205 @@
+//! Snapshots: the weights of a model that has no checkpoint (and no copy in the host tier),
+//! written once as safetensors into the registry's snapshot folder at its first release, so that
+//! its later reloads come back in place from that file (no loader call, no random draw) instead
+//! of a rebuild.
+//!
+//! The files are the registry's own. Each registry holds an exclusive `flock` on a lock file of
+//! its own in the folder for its whole life (`stageload-<pid>-<n>.lock`) and names its snapshots
+//! after it (`stageload-<pid>-<n>-<k>.safetensors`). They go at `close` and when the registry
+//! drops. A registry opening the folder removes the files of every lock that it can lock: their
+//! owner is gone (killed, crashed); a live owner's lock cannot be taken, so its files stay. The
+//! lock is the kernel's, so a reused pid changes nothing.
+//!
+//! Free space is checked before a write: the snapshot and [`KEEP_FREE`] beside it must fit in
+//! what the file system has for unprivileged users. A write that cannot be made leaves the model
+//! to be rebuilt as before; the registry says why in a `snapshot` event.
+
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+use std::time::Instant;
+
+use nix::fcntl::{Flock, FlockArg};
+use tch::Tensor;
+
+use super::instance::Instance;
+use super::registry::{released, Inner, State};
+use crate::sync::lock;
+use stageload_trace::event::{Event, EventKind};
+
+/// What a write leaves free on the snapshot folder's file system, for everything else on the
+/// machine (a shared machine's other users, the trace, the OS).
+pub const KEEP_FREE: u64 = 1 << 30;
+
+/// Registries of this process so far: each gets a name of its own in a shared folder.
+static REGISTRIES: AtomicU64 = AtomicU64::new(0);
+
+/// One registry's snapshot folder and the files it wrote there.
+pub(crate) struct Snapshots {
+    dir: PathBuf,
+    /// `stageload-<pid>-<n>`: the lock file's stem and every snapshot's prefix.
+    stem: String,
+    /// Held for the registry's life: the sign to other processes that its files are live.
+    _lock: Flock<File>,
+    written: Mutex<Vec<PathBuf>>,
+    next: AtomicU64,
+}
+
+impl Snapshots {
+    /// Makes the folder if needed, removes what dead owners left in it, and takes a lock file of
+    /// this registry's own.
+    pub(crate) fn open(dir: &Path) -> Result<Self, String> {
+        let fail = |what: &str, e: &dyn std::fmt::Display| format!("snapshot folder {}: {what}: {e}", dir.display());
+        std::fs::create_dir_all(dir).map_err(|e| fail("cannot create it", &e))?;
+        remove_stale(dir);
+        let stem = format!("stageload-{}-{}", std::process::id(), REGISTRIES.fetch_add(1, Ordering::Relaxed));
+        let path = dir.join(format!("{stem}.lock"));
+        let file = File::create(&path).map_err(|e| fail("cannot create its lock file", &e))?;
+        let lock = Flock::lock(file, FlockArg::LockExclusiveNonblock)
+            .map_err(|(_, e)| fail("cannot lock its lock file", &e))?;
+        Ok(Snapshots {
+            dir: dir.to_path_buf(),
+            stem,
+            _lock: lock,
+            written: Mutex::new(Vec::new()),
+            next: AtomicU64::new(0),
+        })
+    }
+
+    /// Writes `tensors` (`bytes` of data) as a new snapshot file and returns its path; a file
+    /// that would not leave [`KEEP_FREE`] bytes free is not begun.
+    pub(crate) fn write(&self, model: &str, tensors: &[(String, Tensor)], bytes: u64) -> Result<PathBuf, String> {
+        let free = free_bytes(&self.dir)?;
+        if bytes.saturating_add(KEEP_FREE) > free {
+            return Err(format!(
+                "{} has {} free, and the snapshot of {} would leave less than {} free",
+                self.dir.display(),
+                stageload_units::format_bytes(free),
+                stageload_units::format_bytes(bytes),
+                stageload_units::format_bytes(KEEP_FREE),
+            ));
+        }
+        let k = self.next.fetch_add(1, Ordering::Relaxed);
+        let path = self.dir.join(format!("{}-{k}.safetensors", self.stem));
+        let metadata = std::collections::HashMap::from([("model".to_string(), model.to_string())]);
+        // Written under a temporary name and renamed by `save`: a snapshot file is always whole.
+        crate::checkpoint::save_with_metadata(tensors, Some(metadata), &path).map_err(|e| e.to_string())?;
+        lock(&self.written).push(path.clone());
+        Ok(path)
+    }
+
+    /// Removes one snapshot that no model uses.
+    fn forget(&self, path: &Path) {
+        lock(&self.written).retain(|p| p != path);
+        let _ = std::fs::remove_file(path);
+    }
+
+    /// Removes every snapshot this registry wrote (at close, and when it drops).
+    pub(crate) fn remove_all(&self) {
+        for path in lock(&self.written).drain(..) {
+            if let Err(err) = std::fs::remove_file(&path) {
+                tracing::warn!(path = %path.display(), %err, "could not remove a snapshot");
+            }
+        }
+    }
+}
+
+impl Drop for Snapshots {
+    fn drop(&mut self) {
+        self.remove_all();
+        let _ = std::fs::remove_file(self.dir.join(format!("{}.lock", self.stem)));
+    }
+}
+
+/// Bytes an unprivileged process may still write on the file system of `dir`.
+fn free_bytes(dir: &Path) -> Result<u64, String> {
+    let stat =
+        nix::sys::statvfs::statvfs(dir).map_err(|e| format!("cannot read the free space of {}: {e}", dir.display()))?;
+    Ok((stat.blocks_available() as u64).saturating_mul(stat.fragment_size() as u64))
+}
+
+/// Removes the files of every lock in `dir` that can be locked (its owner is gone), the lock
+/// file last. Failures are logged and skipped: what stays is removed by a later registry.
+fn remove_stale(dir: &Path) {
+    let Ok(entries) = std::fs::read_dir(dir) else { return };
+    for entry in entries.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let Some(stem) = name.strip_suffix(".lock").filter(|s| s.starts_with("stageload-")) else { continue };
+        let Ok(file) = File::open(entry.path()) else { continue };
+        // A live owner holds it: its files stay.
+        let Ok(_gone) = Flock::lock(file, FlockArg::LockExclusiveNonblock) else { continue };
+        let owned = format!("{stem}-");
+        for file in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+            if file.file_name().to_string_lossy().starts_with(&owned) {
+                if let Err(err) = std::fs::remove_file(file.path()) {
+                    tracing::warn!(path = %file.path().display(), %err, "could not remove a dead registry's snapshot");
+                }
+            }
+        }
+        let _ = std::fs::remove_file(entry.path());
+    }
+}
+
+impl Inner {
+    /// Before a release frees a model that has no checkpoint, no copy in the host tier and is
+    /// not streamed: writes its weights as a snapshot and makes that file its checkpoint, so
+    /// that it comes back in place. Runs under the instance's body lock (nobody uses the model),
+    /// with the state lock taken only to decide and to record; says what it did in a `snapshot`
+    /// event.
+    pub(super) fn snapshot_before_release(&self, instance: &Instance, stage: &Option<String>) {
+        let Some(snapshots) = &self.snapshots else { return };
+        let name = instance.name.as_str();
+        let wanted = |state: &State| {
+            !state.closed
+                && !state.in_tier(name)
+                && state.index.get(name).is_some_and(|&p| {
+                    let entry = &state.entries()[p];
+                    entry.checkpoint.is_empty()
+                        && entry.stream.is_none()
+                        && released(entry).is_some_and(|held| std::ptr::eq(held.as_ref(), instance))
+                })
+        };
+        if !wanted(&self.state()) {
+            return;
+        }
+        let started = Instant::now();
+        let weights = lock(&instance.weights);
+        let bytes: u64 = weights.tensors.iter().map(|(_, t)| (t.numel() * t.kind().elt_size_in_bytes()) as u64).sum();
+        let unallocated = weights
+            .tensors
+            .iter()
+            .filter(|(_, t)| t.numel() > 0 && !stageload_torch_sys::storage_info(t).is_ok_and(|i| i.allocated))
+            .count();
+        let written = if unallocated > 0 {
+            Err(format!("{unallocated} of its tensors have no memory now"))
+        } else {
+            snapshots.write(name, &weights.tensors, bytes)
+        };
+        drop(weights);
+        let note = match written {
+            Ok(path) => {
+                let mut state = self.state();
+                if wanted(&state) {
+                    let position = state.index[name];
+                    state.entry_mut(position).refill_from_snapshot(path.clone());
+                    format!("written: {}", path.display())
+                } else {
+                    // Replaced or removed meanwhile: the file is nobody's.
+                    drop(state);
+                    snapshots.forget(&path);
+                    "not written: the model was replaced meanwhile".to_string()
+                }
+            }
+            Err(reason) => format!("not written: {reason}; '{name}' is rebuilt when needed"),
+        };
+        self.emit(Event {
+            stage: stage.clone(),
+            model: Some(name.to_string()),
+            bytes: Some(bytes),
+            seconds: Some(started.elapsed().as_secs_f64()),
+            note: Some(note),
+            ..Event::now(EventKind::Snapshot)
+        });
+    }
+}
