@@ -71,7 +71,7 @@ impl Snapshots {
     /// that would not leave [`KEEP_FREE`] bytes free is not begun.
     pub(crate) fn write(&self, model: &str, tensors: &[(String, Tensor)], bytes: u64) -> Result<PathBuf, String> {
         let free = free_bytes(&self.dir)?;
-        if bytes.saturating_add(KEEP_FREE) > free {
+        if !leaves_enough(free, bytes) {
             return Err(format!(
                 "{} has {} free, and the snapshot of {} would leave less than {} free",
                 self.dir.display(),
@@ -110,6 +110,11 @@ impl Drop for Snapshots {
         self.remove_all();
         let _ = std::fs::remove_file(self.dir.join(format!("{}.lock", self.stem)));
     }
+}
+
+/// Whether writing `bytes` where `free` bytes are free leaves [`KEEP_FREE`] of them.
+fn leaves_enough(free: u64, bytes: u64) -> bool {
+    bytes.checked_add(KEEP_FREE).is_some_and(|needed| needed <= free)
 }
 
 /// Bytes an unprivileged process may still write on the file system of `dir`.
@@ -201,5 +206,18 @@ impl Inner {
             note: Some(note),
             ..Event::now(EventKind::Snapshot)
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_snapshot_is_written_only_when_it_leaves_a_gibibyte_free() {
+        assert!(leaves_enough(KEEP_FREE + 100, 100));
+        assert!(!leaves_enough(KEEP_FREE + 99, 100));
+        assert!(!leaves_enough(KEEP_FREE - 1, 0));
+        assert!(!leaves_enough(u64::MAX, u64::MAX), "no wrapping");
     }
 }
