@@ -9,6 +9,9 @@
 //! - [`sampler`]: the flow sampler and its step schedule.
 //! - [`progress`]: a progress bar for checkpoint loads.
 //! - [`logging`]: the `tracing` subscriber every binary installs (`RUST_LOG`, stderr).
+//! - [`stable_diffusion`]: Stable Diffusion over the TorchScript export of
+//!   `scripts/reference/sd_export.py` (text encoder, UNet with DDIM, VAE decoder) in three stages,
+//!   and its comparison against diffusers.
 
 pub mod args;
 pub mod ddim;
@@ -17,6 +20,7 @@ pub mod models;
 pub mod progress;
 pub mod run;
 pub mod sampler;
+pub mod stable_diffusion;
 pub mod weights;
 
 pub use args::{CommonArgs, Mode};

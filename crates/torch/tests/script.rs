@@ -254,3 +254,36 @@ fn a_bad_torchscript_file_or_checkpoint_is_a_typed_error_naming_the_model_and_th
     );
     assert!(err.to_string().contains("reshaped.safetensors"), "{err}");
 }
+
+#[test]
+fn the_first_load_takes_the_files_weights_and_a_reload_the_checkpoints_even_with_skip_init() {
+    let _one = one_at_a_time();
+    let fixtures = fixtures();
+    // A checkpoint whose `scale` is 3× the module's: which one the model holds shows which was read.
+    let mut tensors = Tensor::read_safetensors(fixtures.path("m.safetensors")).unwrap();
+    for (name, t) in tensors.iter_mut() {
+        if name == "scale" {
+            *t = &*t * 3.0;
+        }
+    }
+    let tripled = tempfile::Builder::new().suffix(".safetensors").tempfile().unwrap();
+    stageload::checkpoint::save(&tensors, tripled.path()).unwrap();
+    let models = StagedModels::builder()
+        .model(ModelSpec::torchscript("m", fixtures.path("m.pt")).checkpoint([tripled.path()]).skip_init(true))
+        .stage("run", ["m"])
+        .stage("other", Vec::<String>::new())
+        .build()
+        .unwrap();
+    models.enter("run").unwrap();
+    let (x, y) = fixtures.io();
+    assert!(
+        forward(&models, "m", &x).unwrap().equal(&y),
+        "the first load is the file's: the checkpoint was checked, not copied"
+    );
+    models.enter("other").unwrap();
+    models.enter("run").unwrap();
+    assert!(
+        forward(&models, "m", &x).unwrap().allclose(&(&y * 3.0), 1e-5, 1e-6, false),
+        "the reload is the checkpoint's"
+    );
+}

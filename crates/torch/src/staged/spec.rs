@@ -219,8 +219,15 @@ impl ModelSpec {
     /// the checkpoint writes every weight. Only for models whose every tensor the checkpoint
     /// fills: the registry then refuses a lenient load that leaves a tensor missing. Nothing is
     /// drawn from any generator.
+    ///
+    /// A [`torchscript`](Self::torchscript) model has no initialisation to skip: it stays as it
+    /// is (its file's weights, its checkpoint checked, not copied).
     pub fn skip_init(mut self, on: bool) -> Self {
-        self.init = if on { Init::Skipped } else { Init::Loader };
+        self.init = match (self.init, on) {
+            (Init::Deserialized, _) => Init::Deserialized,
+            (_, true) => Init::Skipped,
+            (_, false) => Init::Loader,
+        };
         self
     }
 }
