@@ -7,6 +7,7 @@ IN holds `steps` (int64: the inference step counts) and, for each count n and st
 `n{n}.noise.{i}` and `n{n}.sample.{i}` (f32). OUT holds `alphas_cumprod` (f32) and, for each n,
 `n{n}.timesteps` (int64, descending), `n{n}.prev.{i}` = step(noise_i, t_i, sample_i).prev_sample
 and `n{n}.chained.{i}`: the chain started from sample_0, each step's output the next one's sample."""
+import os
 import sys
 
 import torch
@@ -22,18 +23,10 @@ except ImportError as error:
         f"or install it by hand: {sys.executable} -m pip install diffusers==0.42.1"
     )
 
-# Stable Diffusion 1.5's scheduler/scheduler_config.json, read as DDIM.
-CONFIG = dict(
-    num_train_timesteps=1000,
-    beta_start=0.00085,
-    beta_end=0.012,
-    beta_schedule="scaled_linear",
-    clip_sample=False,
-    set_alpha_to_one=False,
-    steps_offset=1,
-    prediction_type="epsilon",
-    timestep_spacing="leading",
-)
+# Stable Diffusion 1.5's scheduler/scheduler_config.json, read as DDIM (the export's own).
+sys.dont_write_bytecode = True
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from sd_export import SCHEDULER as CONFIG  # noqa: E402
 
 source, out = sys.argv[1], sys.argv[2]
 inputs = load_file(source)

@@ -500,11 +500,10 @@ pub fn run_reference(
         ("latents", cpu(&generated.latents)),
     ];
     Tensor::write_safetensors(&named, &inputs).map_err(|e| format!("writing {}: {e}", inputs.display()))?;
-    let stdout = File::create(&log).map_err(|e| format!("creating {}: {e}", log.display()))?;
-    let stderr = stdout.try_clone().map_err(|e| format!("{}: {e}", log.display()))?;
     let script = reference_script();
     let started = Instant::now();
-    let mut child = Command::new(python)
+    let mut command = Command::new(python);
+    command
         .arg(&script)
         .arg("--components")
         .arg(export.dir())
@@ -512,36 +511,8 @@ pub fn run_reference(
         .arg(&inputs)
         .args(["--steps", &sampling.steps.to_string(), "--guidance", &sampling.guidance.to_string()])
         .arg("--out")
-        .arg(&output)
-        .env("HF_HUB_OFFLINE", "1")
-        .stdout(stdout)
-        .stderr(stderr)
-        .spawn()
-        .map_err(|e| format!("could not start {} {}: {e}", python.display(), script.display()))?;
-    let read_log = || std::fs::read_to_string(&log).unwrap_or_default();
-    let status = loop {
-        match child.try_wait() {
-            Ok(Some(status)) => break status,
-            Ok(None) if started.elapsed() < deadline => std::thread::sleep(Duration::from_millis(50)),
-            Ok(None) => {
-                let pid = child.id();
-                // Child::kill sends SIGKILL to this child's pid (never by name).
-                let _ = child.kill();
-                let _ = child.wait();
-                return Err(format!(
-                    "{} (pid {pid}) ran past {} s and was killed; its output:\n{}",
-                    script.display(),
-                    deadline.as_secs(),
-                    read_log()
-                )
-                .into());
-            }
-            Err(e) => return Err(format!("waiting for {}: {e}", script.display()).into()),
-        }
-    };
-    if !status.success() {
-        return Err(format!("{} failed ({status}):\n{}", script.display(), read_log()).into());
-    }
+        .arg(&output);
+    run_script(command, &script.display().to_string(), &log, deadline)?;
     let seconds = started.elapsed().as_secs_f64();
     let tensors = Tensor::read_safetensors(&output).map_err(|e| format!("reading {}: {e}", output.display()))?;
     let take = |name: &str| {
@@ -560,7 +531,7 @@ pub fn run_reference(
         negative_embeds: take("negative_embeds")?,
         final_latents: take("final_latents")?,
         timesteps,
-        log: read_log(),
+        log: std::fs::read_to_string(&log).unwrap_or_default(),
         seconds,
     })
 }
@@ -637,4 +608,41 @@ impl fmt::Display for Comparison {
         writeln!(f, "final_latents    {}", self.final_latents)?;
         write!(f, "timesteps        {}", if self.timesteps_equal { "equal" } else { "DIFFER" })
     }
+}
+
+/// Runs `command` (a reference script, `what`) offline with its output into `log`, within
+/// `deadline`: one that runs past it is killed by its own pid. An error carries the log.
+pub fn run_script(mut command: Command, what: &str, log: &Path, deadline: Duration) -> Result<(), String> {
+    let stdout = File::create(log).map_err(|e| format!("creating {}: {e}", log.display()))?;
+    let stderr = stdout.try_clone().map_err(|e| format!("{}: {e}", log.display()))?;
+    let started = Instant::now();
+    let mut child = command
+        .env("HF_HUB_OFFLINE", "1")
+        .stdout(stdout)
+        .stderr(stderr)
+        .spawn()
+        .map_err(|e| format!("could not start {what}: {e}"))?;
+    let read_log = || std::fs::read_to_string(log).unwrap_or_default();
+    let status = loop {
+        match child.try_wait() {
+            Ok(Some(status)) => break status,
+            Ok(None) if started.elapsed() < deadline => std::thread::sleep(Duration::from_millis(50)),
+            Ok(None) => {
+                let pid = child.id();
+                // Child::kill sends SIGKILL to this child's pid (never by name).
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(format!(
+                    "{what} (pid {pid}) ran past {} s and was killed; its output:\n{}",
+                    deadline.as_secs(),
+                    read_log()
+                ));
+            }
+            Err(e) => return Err(format!("waiting for {what}: {e}")),
+        }
+    };
+    if !status.success() {
+        return Err(format!("{what} failed ({status}):\n{}", read_log()));
+    }
+    Ok(())
 }

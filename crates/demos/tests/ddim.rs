@@ -6,8 +6,7 @@
 //! the tests fail and say what to run.
 
 use std::collections::HashMap;
-use std::fs::File;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::Command;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -63,41 +62,16 @@ fn run_reference(inputs: &HashMap<String, Tensor>) -> Result<HashMap<String, Ten
     Tensor::write_safetensors(&named, &input).map_err(|e| format!("writing {}: {e}", input.display()))?;
 
     let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../scripts/reference/ddim_reference.py");
-    let stdout = File::create(&log).map_err(|e| format!("creating {}: {e}", log.display()))?;
-    let stderr = stdout.try_clone().map_err(|e| format!("{}: {e}", log.display()))?;
-    let mut child = Command::new(&python)
-        .arg(&script)
-        .arg(&input)
-        .arg(&output)
-        .env("HF_HUB_OFFLINE", "1")
-        .stdout(stdout)
-        .stderr(stderr)
-        .spawn()
-        .map_err(|e| format!("could not start STAGELOAD_PYTHON={python}: {e}"))?;
-    let read_log = |log: &Path| std::fs::read_to_string(log).unwrap_or_default();
     let started = Instant::now();
-    let status = loop {
-        match child.try_wait() {
-            Ok(Some(status)) => break status,
-            Ok(None) if started.elapsed() < DEADLINE => std::thread::sleep(Duration::from_millis(50)),
-            Ok(None) => {
-                let pid = child.id();
-                let _ = child.kill();
-                let _ = child.wait();
-                return Err(format!(
-                    "the reference (pid {pid}) ran past {} s and was killed; its output:\n{}",
-                    DEADLINE.as_secs(),
-                    read_log(&log)
-                ));
-            }
-            Err(e) => return Err(format!("waiting for the reference: {e}")),
-        }
-    };
-    if !status.success() {
-        return Err(format!("the reference failed ({status}):\n{}", read_log(&log)));
-    }
+    let mut command = Command::new(&python);
+    command.arg(&script).arg(&input).arg(&output);
+    stageload_demos::stable_diffusion::run_script(command, "the reference", &log, DEADLINE)?;
     let tensors = Tensor::read_safetensors(&output).map_err(|e| format!("reading {}: {e}", output.display()))?;
-    eprintln!("{} in {:.1} s", read_log(&log).trim(), started.elapsed().as_secs_f64());
+    eprintln!(
+        "{} in {:.1} s",
+        std::fs::read_to_string(&log).unwrap_or_default().trim(),
+        started.elapsed().as_secs_f64()
+    );
     Ok(tensors.into_iter().collect())
 }
 
