@@ -11,7 +11,6 @@
 //! on tensors is computed here on float32 tensors, the per-step alphas included (0-d tensors
 //! selected from `alphas_cumprod`, never `f64`s read out of them).
 
-use std::fmt;
 
 use tch::{Device, Kind, Tensor};
 
@@ -42,34 +41,20 @@ impl DdimConfig {
 }
 
 /// Why a scheduler could not be built.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum DdimError {
     /// `inference_steps` is not in `1..=train_steps`.
+    #[error(
+        "inference_steps = {steps} is out of range: DDIM runs at least 1 and at most train_steps = {train_steps} steps; pass a step count in 1..={train_steps}"
+    )]
     InferenceSteps { steps: i64, train_steps: i64 },
     /// `steps_offset` moves a timestep of the schedule outside `0..train_steps`, where the
     /// training schedule has no alpha.
+    #[error(
+        "inference_steps = {steps} with steps_offset = {steps_offset} puts timestep {timestep} outside 0..{train_steps}, where the training schedule has no alpha; use fewer inference steps or a smaller steps_offset"
+    )]
     Timestep { timestep: i64, steps: i64, steps_offset: i64, train_steps: i64 },
 }
-
-impl fmt::Display for DdimError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match *self {
-            DdimError::InferenceSteps { steps, train_steps } => write!(
-                f,
-                "inference_steps = {steps} is out of range: DDIM runs at least 1 and at most train_steps = \
-                 {train_steps} steps; pass a step count in 1..={train_steps}"
-            ),
-            DdimError::Timestep { timestep, steps, steps_offset, train_steps } => write!(
-                f,
-                "inference_steps = {steps} with steps_offset = {steps_offset} puts timestep {timestep} outside \
-                 0..{train_steps}, where the training schedule has no alpha; use fewer inference steps or a \
-                 smaller steps_offset"
-            ),
-        }
-    }
-}
-
-impl std::error::Error for DdimError {}
 
 /// A DDIM scheduler set to a number of inference steps (diffusers' `DDIMScheduler` after
 /// `set_timesteps`). Its tensors live on the CPU; [`Ddim::step`] takes samples on any device.

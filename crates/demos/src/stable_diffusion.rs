@@ -35,42 +35,18 @@ pub const MODELS: [&str; 3] = ["text_encoder", "unet", "vae_decoder"];
 pub const STAGES: [(&str, &str); 3] = [("encode", "text_encoder"), ("denoise", "unet"), ("decode", "vae_decoder")];
 
 /// Why an export could not be read or is not one this pipeline runs. Each variant names the file.
-#[derive(Debug)]
+#[derive(Debug, thiserror::Error)]
 pub enum ExportError {
     /// `config.json` (or a file it names) cannot be read.
+    #[error("cannot read {}: {source}; export the components with scripts/reference/sd_export.py --size small|sd15 --out DIR", path.display())]
     Read { path: PathBuf, source: std::io::Error },
     /// `config.json` is not the JSON `sd_export.py` writes.
+    #[error("{} is not the config.json scripts/reference/sd_export.py writes: {source}", path.display())]
     Parse { path: PathBuf, source: serde_json::Error },
     /// `config.json` describes something this pipeline does not run (another scheduler, token
     /// ids of the wrong length, sizes that do not agree).
+    #[error("{}: {message}", path.display())]
     Unsupported { path: PathBuf, message: String },
-}
-
-impl fmt::Display for ExportError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            ExportError::Read { path, source } => write!(
-                f,
-                "cannot read {}: {source}; export the components with scripts/reference/sd_export.py --size \
-                 small|sd15 --out DIR",
-                path.display()
-            ),
-            ExportError::Parse { path, source } => {
-                write!(f, "{} is not the config.json scripts/reference/sd_export.py writes: {source}", path.display())
-            }
-            ExportError::Unsupported { path, message } => write!(f, "{}: {message}", path.display()),
-        }
-    }
-}
-
-impl std::error::Error for ExportError {
-    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        match self {
-            ExportError::Read { source, .. } => Some(source),
-            ExportError::Parse { source, .. } => Some(source),
-            ExportError::Unsupported { .. } => None,
-        }
-    }
 }
 
 /// The fields of an export's `config.json` the pipeline reads.

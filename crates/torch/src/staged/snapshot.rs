@@ -128,21 +128,20 @@ fn free_bytes(dir: &Path) -> Result<u64, String> {
 /// file last. Failures are logged and skipped: what stays is removed by a later registry.
 fn remove_stale(dir: &Path) {
     let Ok(entries) = std::fs::read_dir(dir) else { return };
-    for entry in entries.flatten() {
-        let name = entry.file_name().to_string_lossy().into_owned();
-        let Some(stem) = name.strip_suffix(".lock").filter(|s| s.starts_with("stageload-")) else { continue };
-        let Ok(file) = File::open(entry.path()) else { continue };
+    let names: Vec<String> = entries.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect();
+    for stem in names.iter().filter_map(|n| n.strip_suffix(".lock")).filter(|s| s.starts_with("stageload-")) {
+        let lock_path = dir.join(format!("{stem}.lock"));
+        let Ok(file) = File::open(&lock_path) else { continue };
         // A live owner holds it: its files stay.
         let Ok(_gone) = Flock::lock(file, FlockArg::LockExclusiveNonblock) else { continue };
         let owned = format!("{stem}-");
-        for file in std::fs::read_dir(dir).into_iter().flatten().flatten() {
-            if file.file_name().to_string_lossy().starts_with(&owned) {
-                if let Err(err) = std::fs::remove_file(file.path()) {
-                    tracing::warn!(path = %file.path().display(), %err, "could not remove a dead registry's snapshot");
-                }
+        for name in names.iter().filter(|n| n.starts_with(&owned)) {
+            let path = dir.join(name);
+            if let Err(err) = std::fs::remove_file(&path) {
+                tracing::warn!(path = %path.display(), %err, "could not remove a dead registry's snapshot");
             }
         }
-        let _ = std::fs::remove_file(entry.path());
+        let _ = std::fs::remove_file(&lock_path);
     }
 }
 
