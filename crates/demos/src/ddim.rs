@@ -11,7 +11,6 @@
 //! on tensors is computed here on float32 tensors, the per-step alphas included (0-d tensors
 //! selected from `alphas_cumprod`, never `f64`s read out of them).
 
-
 use tch::{Device, Kind, Tensor};
 
 /// The scheduler's configuration: the fields of diffusers' `DDIMScheduler` config that vary
