@@ -39,12 +39,14 @@ impl DemoSpec {
             host_tier: host_tier.map(|bytes| bytes.to_string()),
             memory: None,
             device_memory: None,
+            snapshot_dir: None,
             models: self
                 .models
                 .iter()
                 .map(|m| ModelEntry {
                     name: m.name().to_string(),
                     files: m.checkpoint_files().to_vec(),
+                    weights: None,
                     device: meter::device_name(device),
                     dtype: None,
                     ignore: Vec::new(),

@@ -108,6 +108,17 @@ pub struct StagePlan {
     /// Of `reloaded`, those that come back from the host tier (nothing read from disk).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub from_tier: Vec<String>,
+    /// Of `reloaded`, models without a checkpoint that come back from their snapshot (read from
+    /// the pipeline's `snapshot_dir`, counted in `read`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub from_snapshot: Vec<String>,
+    /// Of `reloaded`, models without a checkpoint that their loaders build again (no tier copy,
+    /// no snapshot).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub rebuilt: Vec<String>,
+    /// Of `released`, models without a checkpoint whose snapshot is written as they go.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub snapshots: Vec<String>,
     /// Host bytes the tier's copies hold once the stage's releases are stored (counted in
     /// `need`; absent without a tier).
     #[serde(default, skip_serializing_if = "is_zero")]
@@ -239,8 +250,9 @@ pub(crate) fn bytes_on(models: &[&Model], placement: Placement) -> u64 {
     let on = models.iter().filter(|m| m.placement == placement);
     let whole =
         on.clone().filter(|m| m.streamed.is_none()).flat_map(|m| &m.parts).filter(|part| seen.insert(&part.file));
+    let built = on.clone().filter(|m| m.built()).map(|m| m.bytes);
     let streamed = on.filter_map(|m| m.streamed.as_ref().map(|s| s.held));
-    total(whole.map(|part| part.bytes).chain(streamed))
+    total(whole.map(|part| part.bytes).chain(built).chain(streamed))
 }
 
 /// Bytes read to load `loading` while `resident` are held: files already held are not read again.
@@ -261,6 +273,9 @@ pub fn plan(pipeline: &Pipeline, budget: Budget, device_budget: Option<Budget>) 
     let mut stages = Vec::new();
     let reserve = |need: u64| pipeline.reserve.map_or(need, |r| r.on(need));
     let mut tier = pipeline.host_tier.map(Tier::<()>::new);
+    // Models without a checkpoint whose snapshot is written, as the registry writes them.
+    let mut snapshotted: Vec<String> = Vec::new();
+    let built = |name: &String| pipeline.model(name).is_some_and(Model::built);
     for (index, stage) in pipeline.stages.iter().enumerate() {
         let pinned = pipeline.pinned_at(index);
         let keep = |name: &String| stage.models.contains(name) || pinned.contains(&name);
@@ -282,8 +297,21 @@ pub fn plan(pipeline: &Pipeline, budget: Budget, device_budget: Option<Budget>) 
             }
             None => (Vec::new(), 0),
         };
+        // As the registry: a release that leaves no tier copy writes the model's snapshot once.
+        let in_tier = |name: &String| tier.as_ref().is_some_and(|tier| tier.ready(name));
+        let snapshots: Vec<String> = match pipeline.snapshot_dir {
+            Some(_) => {
+                released.iter().filter(|n| built(n) && !in_tier(n) && !snapshotted.contains(n)).cloned().collect()
+            }
+            None => Vec::new(),
+        };
+        snapshotted.extend(snapshots.iter().cloned());
+        let not_in_tier = reloaded.iter().filter(|name| !from_tier.contains(name) && built(name));
+        let (from_snapshot, rebuilt): (Vec<String>, Vec<String>) =
+            not_in_tier.cloned().partition(|name| snapshotted.contains(name));
         let from_disk: Vec<String> = loaded.iter().filter(|name| !from_tier.contains(name)).cloned().collect();
-        let read = read_for(&models_of(&from_disk), &models_of(&resident));
+        let snapshot_reads = total(models_of(&from_snapshot).iter().map(|m| m.bytes));
+        let read = read_for(&models_of(&from_disk), &models_of(&resident)).saturating_add(snapshot_reads);
         resident.extend(loaded.iter().cloned());
         ever_loaded.extend(loaded.iter().filter(|name| !ever_loaded.contains(name)).cloned().collect::<Vec<_>>());
         let resident_models = models_of(&resident);
@@ -304,6 +332,9 @@ pub fn plan(pipeline: &Pipeline, budget: Budget, device_budget: Option<Budget>) 
             reloaded,
             released,
             from_tier,
+            from_snapshot,
+            rebuilt,
+            snapshots,
             tier: tier_bytes,
             weights,
             need,
@@ -379,13 +410,15 @@ impl Plan {
             self.stages.len()
         );
         for model in &self.models {
+            let holds = match model.built() {
+                true => "built by its loader (no checkpoint: size as declared)".to_string(),
+                false => format!("{} tensor(s) in {} file(s)", model.tensors, model.files.len()),
+            };
             out += &format!(
-                "  model {:<20} {:>11} on {:<6} {} tensor(s) in {} file(s){}\n",
+                "  model {:<20} {:>11} on {:<6} {holds}{}\n",
                 model.name,
                 format_bytes(model.bytes),
                 model.device,
-                model.tensors,
-                model.files.len(),
                 model.dtype.as_ref().map_or(String::new(), |d| format!(", loaded as {d}"))
             );
         }
@@ -452,16 +485,22 @@ impl Plan {
                     };
                 }
             }
-            out += &format!(
-                "  at entry: releases {}; loads {} (reads {}{})\n",
-                list(&stage.released),
-                list(&stage.loaded),
-                format_bytes(stage.read),
-                if stage.reloaded.is_empty() {
+            let some = |what: &str, names: &[String]| {
+                if names.is_empty() {
                     String::new()
                 } else {
-                    format!(", reloads {}", stage.reloaded.join(", "))
+                    format!("{what}{}", names.join(", "))
                 }
+            };
+            out += &format!(
+                "  at entry: releases {}{}; loads {} (reads {}{}{}{})\n",
+                list(&stage.released),
+                some(", writing the snapshot of ", &stage.snapshots),
+                list(&stage.loaded),
+                format_bytes(stage.read),
+                some(", reloads ", &stage.reloaded),
+                some("; from its snapshot: ", &stage.from_snapshot),
+                some("; rebuilt by its loader: ", &stage.rebuilt)
             );
         }
         let source = match self.budget.source {

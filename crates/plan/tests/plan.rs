@@ -197,6 +197,74 @@ fn the_staged_plan_counts_kept_models_once_and_reloads_again() {
     }
 }
 
+const SAMPLER: u64 = 300 * KIB;
+
+/// `stages("")` with a model no checkpoint holds (`sampler`, 300K as declared, and `extra` in its
+/// entry) used by `encode` and `again`, and `head` on top.
+fn with_built_model(name: &str, head: &str, extra: &str) -> Pipeline {
+    let text = stages(&format!("\n[[models]]\nname = \"sampler\"\nweights = \"300K\"\n{extra}"))
+        .replace("models = [\"backbone\", \"encoder\"]", "models = [\"backbone\", \"encoder\", \"sampler\"]")
+        .replace("name = \"again\"\nmodels = [\"encoder\"]", "name = \"again\"\nmodels = [\"encoder\", \"sampler\"]");
+    Pipeline::load(&fixture(name, &format!("{head}{text}"))).unwrap()
+}
+
+#[test]
+fn a_model_without_a_checkpoint_reloads_from_its_snapshot_once_the_file_gives_a_snapshot_dir() {
+    let pipeline = with_built_model("snapshot", "snapshot_dir = \"snapshots\"\n", "");
+    let folder = pipeline.path.parent().unwrap();
+    assert_eq!(
+        pipeline.snapshot_dir.as_deref(),
+        Some(folder.join("snapshots").as_path()),
+        "taken from the file's folder"
+    );
+    let sampler = pipeline.model("sampler").unwrap();
+    assert!(sampler.built() && sampler.files.is_empty());
+    assert_eq!((sampler.bytes, sampler.file_bytes), (SAMPLER, 0));
+    let plan = plan(&pipeline, Budget::given(64 * MIB), None);
+    let stage = |name: &str| plan.stages.iter().find(|s| s.name == name).unwrap();
+    // Its first load is a build: counted in the weights, nothing read.
+    assert_eq!((stage("encode").weights, stage("encode").read), (BACKBONE + ENCODER + SAMPLER, BACKBONE + ENCODER));
+    // `both` releases it: its snapshot is written as it goes.
+    assert_eq!((names(&stage("both").released), names(&stage("both").snapshots)), (vec!["sampler"], vec!["sampler"]));
+    // `again` reloads it from the snapshot, read like a checkpoint; the encoder from its file.
+    let again = stage("again");
+    assert_eq!((names(&again.reloaded), names(&again.from_snapshot)), (vec!["encoder", "sampler"], vec!["sampler"]));
+    assert!(again.rebuilt.is_empty() && again.snapshots.is_empty());
+    assert_eq!(again.read, ENCODER + SAMPLER);
+    assert_eq!(plan.eager.weights, BACKBONE + ENCODER + DECODER + SAMPLER);
+    assert_eq!(plan.eager.read, BACKBONE + ENCODER + DECODER, "eager builds it: nothing read");
+    let text = plan.render();
+    for expected in [
+        "model sampler",
+        "built by its loader (no checkpoint: size as declared)",
+        "releases sampler, writing the snapshot of sampler;",
+        "reloads encoder, sampler; from its snapshot: sampler)",
+    ] {
+        assert!(text.contains(expected), "{expected} missing:\n{text}");
+    }
+}
+
+#[test]
+fn without_a_snapshot_dir_a_model_without_a_checkpoint_is_rebuilt_and_reads_nothing() {
+    let plan = plan(&with_built_model("rebuilt", "", ""), Budget::given(64 * MIB), None);
+    let again = plan.stages.iter().find(|s| s.name == "again").unwrap();
+    assert_eq!((names(&again.rebuilt), again.read), (vec!["sampler"], ENCODER));
+    assert!(again.from_snapshot.is_empty() && plan.stages.iter().all(|s| s.snapshots.is_empty()));
+    assert!(plan.render().contains("reloads encoder, sampler; rebuilt by its loader: sampler)"), "{}", plan.render());
+}
+
+#[test]
+fn a_device_model_without_a_checkpoint_that_the_host_tier_holds_writes_no_snapshot() {
+    let head = "snapshot_dir = \"snapshots\"\nhost_tier = \"1M\"\n";
+    let plan = plan(&with_built_model("tier-snapshot", head, "device = \"cuda:0\"\n"), Budget::given(64 * MIB), None);
+    let stage = |name: &str| plan.stages.iter().find(|s| s.name == name).unwrap();
+    assert_eq!((stage("both").tier, stage("both").snapshots.len()), (SAMPLER, 0), "the tier holds it instead");
+    let again = stage("again");
+    assert_eq!(names(&again.from_tier), ["sampler"]);
+    assert!(again.from_snapshot.is_empty() && again.rebuilt.is_empty());
+    assert_eq!(again.read, ENCODER);
+}
+
 #[test]
 fn verdict_boundaries() {
     let budget = Budget { total: 100, available: 60, source: BudgetSource::Machine };
@@ -315,7 +383,22 @@ fn bad_pipeline_files_name_what_is_wrong() {
             stages("") + "\n[[stages]]\nname = \"x\"\nmodels = [\"vae\"]\n",
             "stage 'x' names unknown model 'vae'",
         ),
-        ("no-files", stages("\n[[models]]\nname = \"empty\"\nfiles = []\n"), "model 'empty' has no files"),
+        (
+            "no-files",
+            stages("\n[[models]]\nname = \"empty\"\nfiles = []\n"),
+            "model 'empty' has no files: give its safetensors checkpoint(s), or, for a model its loader builds, its size (weights = \"300M\")",
+        ),
+        (
+            "files-and-weights",
+            stages("").replace("name = \"encoder\"", "name = \"encoder\"\nweights = \"1M\""),
+            "model 'encoder': files and weights together",
+        ),
+        ("bad-weights", stages("\n[[models]]\nname = \"built\"\nweights = \"heavy\"\n"), "model 'built': weights: not a size"),
+        (
+            "stream-without-files",
+            stages("\n[[models]]\nname = \"built\"\nweights = \"1M\"\nstream = { blocks = [\"b.*\"], budget = \"1M\" }\n"),
+            "model 'built': stream needs files",
+        ),
         (
             "bad-dtype",
             stages("").replace("name = \"encoder\"", "name = \"encoder\"\ndtype = \"f12\""),

@@ -102,6 +102,52 @@ fn a_model_without_a_checkpoint_comes_back_in_place_from_its_snapshot_with_no_bu
 }
 
 #[test]
+fn a_pipeline_files_snapshot_dir_gives_the_reloads_its_plan_names() {
+    let _one = one_at_a_time();
+    let folder = tempfile::tempdir().unwrap();
+    let bytes = 2 * (32 * 32 + 32) * 4;
+    let file = folder.path().join("pipeline.toml");
+    let text = format!(
+        "snapshot_dir = \"snapshots\"\n\
+         [[models]]\nname = \"m\"\nweights = \"{bytes}\"\n\
+         [[stages]]\nname = \"run\"\nmodels = [\"m\"]\n[[stages]]\nname = \"other\"\n[[stages]]\nname = \"run\"\nmodels = [\"m\"]\n"
+    );
+    std::fs::write(&file, text).unwrap();
+    let pipeline = stageload::Pipeline::load(&file).unwrap();
+    let plan = stageload_plan::plan(&pipeline, stageload_plan::Budget::given(1 << 30), None);
+    assert_eq!(plan.stages[1].snapshots, ["m"]);
+    assert_eq!((plan.stages[2].from_snapshot.clone(), plan.stages[2].read), (vec!["m".to_string()], bytes));
+
+    let (builds, sink) = (Arc::new(AtomicUsize::new(0)), Arc::new(ListSink::new()));
+    let counted = builds.clone();
+    let models = StagedModels::builder()
+        .pipeline(&pipeline)
+        .model(ModelSpec::new("m", move |_| {
+            counted.fetch_add(1, Ordering::SeqCst);
+            Ok(build_mlp(32))
+        }))
+        .events(sink.clone())
+        .build()
+        .unwrap();
+    models.enter("run").unwrap();
+    let first = forward(&models);
+    models.enter("other").unwrap();
+    let written = sink.of_kind(EventKind::Snapshot);
+    assert_eq!(written.len(), 1, "{written:?}");
+    assert_eq!(written[0].bytes, Some(bytes), "the plan's declared weights are the model's");
+    let note = written[0].note.clone().unwrap();
+    assert!(note.starts_with(&format!("written: {}", folder.path().join("snapshots").display())), "{note}");
+    models.enter("run").unwrap();
+    assert!(forward(&models).equal(&first));
+    assert_eq!(builds.load(Ordering::SeqCst), 1, "no loader call");
+    let reloads = sink.of_kind(EventKind::Reload);
+    assert_eq!((reloads.len(), reloads[0].from), (1, Some(ReloadFrom::Snapshot)));
+    assert_eq!(reloads[0].bytes, Some(bytes), "read what the plan reads");
+    models.close().unwrap();
+    assert!(snapshots(&folder.path().join("snapshots")).is_empty());
+}
+
+#[test]
 fn a_snapshot_that_cannot_be_written_leaves_the_model_to_be_rebuilt_and_says_why() {
     let _one = one_at_a_time();
     let parent = tempfile::tempdir().unwrap();

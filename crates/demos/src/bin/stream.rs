@@ -130,10 +130,12 @@ fn description(file: &std::path::Path, args: &Args) -> PipelineFile {
         host_tier: None,
         memory: None,
         device_memory: None,
+        snapshot_dir: None,
         pins: Vec::new(),
         models: vec![ModelEntry {
             name: MODEL.to_string(),
             files: vec![file.to_path_buf()],
+            weights: None,
             device: stageload::meter::device_name(args.device),
             dtype: None,
             ignore: Vec::new(),

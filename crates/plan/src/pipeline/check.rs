@@ -125,11 +125,31 @@ impl Pipeline {
             if !names.insert(entry.name.clone()) {
                 return Err(invalid(format!("model '{}' is described twice", entry.name)));
             }
-            if entry.files.is_empty() {
-                return Err(invalid(format!(
-                    "model '{}' has no files: give its safetensors checkpoint(s)",
-                    entry.name
-                )));
+            let declared = entry
+                .weights
+                .as_deref()
+                .map(|text| parse_size(text).map_err(|e| invalid(format!("model '{}': weights: {e}", entry.name))))
+                .transpose()?;
+            match (entry.files.is_empty(), declared.is_some(), entry.stream.is_some()) {
+                (true, false, _) => {
+                    return Err(invalid(format!(
+                        "model '{}' has no files: give its safetensors checkpoint(s), or, for a model its loader builds, its size (weights = \"300M\")",
+                        entry.name
+                    )))
+                }
+                (false, true, _) => {
+                    return Err(invalid(format!(
+                        "model '{}': files and weights together: its checkpoints' headers give its size; leave weights out",
+                        entry.name
+                    )))
+                }
+                (true, true, true) => {
+                    return Err(invalid(format!(
+                        "model '{}': stream needs files: its blocks are read from its checkpoint",
+                        entry.name
+                    )))
+                }
+                _ => {}
             }
             let placement = DeviceName::parse(&entry.device).map(DeviceName::placement).ok_or_else(|| {
                 invalid(format!("model '{}': unknown device '{}' (cpu, cuda, cuda:N or mps)", entry.name, entry.device))
@@ -174,7 +194,7 @@ impl Pipeline {
                     float_elements: sizes.float_elements,
                 });
             }
-            let bytes = total(parts.iter().map(|p| p.bytes));
+            let bytes = declared.unwrap_or_else(|| total(parts.iter().map(|p| p.bytes)));
             let file_bytes = total(parts.iter().map(|p| p.file_bytes));
             let tensors = entries.len();
             let streamed = match &entry.stream {
@@ -263,6 +283,7 @@ impl Pipeline {
             value.as_deref().map(|text| parse_size(text).map_err(|e| invalid(format!("{field}: {e}")))).transpose()
         };
         let (memory, device_memory) = (memory("memory", &file.memory)?, memory("device_memory", &file.device_memory)?);
+        let snapshot_dir = file.snapshot_dir.map(|dir| folder.join(dir));
         let mut pipeline = Pipeline {
             path: path.to_path_buf(),
             models,
@@ -273,6 +294,7 @@ impl Pipeline {
             host_tier,
             memory,
             device_memory,
+            snapshot_dir,
         };
         pipeline.derive_budgets(undecided).map_err(invalid)?;
         Ok(pipeline)

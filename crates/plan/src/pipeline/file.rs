@@ -9,6 +9,7 @@
 //! host_tier = "8G"                           # released device models' weights kept in host memory
 //! memory = "24G"                             # the run's host memory and device memory, from which
 //! device_memory = "80G"                      # a streamed model without a budget takes the rest
+//! snapshot_dir = "snapshots"                 # models without a checkpoint reload from a snapshot
 //!
 //! [[pins]]                                   # resident from a stage until another begins
 //! models = ["extractor"]
@@ -25,6 +26,10 @@
 //! files = ["weights/denoiser-1.safetensors", "weights/denoiser-2.safetensors"]
 //! dtype = "bf16"                             # float entries loaded as (default: as stored)
 //! ignore = ["pooler.*"]                      # entries the model does not load (globs)
+//!
+//! [[models]]
+//! name = "sampler"                           # no checkpoint: built by its loader
+//! weights = "300M"                           # its weights' size, as loaded (what the plan counts)
 //!
 //! [[models]]
 //! name = "flow"                              # bigger than its budget: blocks streamed
@@ -48,8 +53,14 @@ use serde::{Deserialize, Serialize};
 #[serde(deny_unknown_fields)]
 pub struct ModelEntry {
     pub name: String,
-    /// Safetensors files, relative to the pipeline file's folder unless absolute.
+    /// Safetensors files, relative to the pipeline file's folder unless absolute. None: the
+    /// model is built by its loader (and `weights` gives its size).
+    #[serde(default)]
     pub files: Vec<PathBuf>,
+    /// A model without files: its weights' size as loaded (a size: `300M`), what the plan
+    /// counts for it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub weights: Option<String>,
     /// `cpu` (default), `cuda`, `cuda:N` or `mps`.
     #[serde(default = "cpu")]
     pub device: String,
@@ -141,6 +152,11 @@ pub struct PipelineFile {
     /// device budget when `--device-memory` is not given.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub device_memory: Option<String>,
+    /// A folder for snapshots (relative to this file's folder unless absolute): a model without
+    /// files writes its weights there at its first release and reloads from them
+    /// (`StagedModelsBuilder::snapshot_dir`); without it, such a model is rebuilt.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub snapshot_dir: Option<PathBuf>,
     /// Models resident over a span of stages.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub pins: Vec<PinEntry>,

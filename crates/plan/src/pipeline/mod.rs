@@ -118,6 +118,7 @@ pub struct Part {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Model {
     pub name: String,
+    /// Its checkpoints; none: built by its loader, `bytes` as the file declares them.
     pub files: Vec<PathBuf>,
     pub device: String,
     pub placement: Placement,
@@ -142,6 +143,12 @@ impl Model {
     /// Bytes the model holds when resident: its weights, or a streamed model's most.
     pub fn held(&self) -> u64 {
         self.streamed.as_ref().map_or(self.bytes, |s| s.held)
+    }
+
+    /// Whether its loader builds it (no checkpoint): released, it is rebuilt, or reloaded from
+    /// a snapshot once one is written.
+    pub fn built(&self) -> bool {
+        self.files.is_empty()
     }
 
     /// Whether the host tier holds the model's copy when it is released: a device model's,
@@ -240,6 +247,9 @@ pub struct Pipeline {
     pub memory: Option<u64>,
     #[serde(default)]
     pub device_memory: Option<u64>,
+    /// Where models without a checkpoint write their snapshots (resolved from the file's folder).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub snapshot_dir: Option<PathBuf>,
 }
 
 impl Pipeline {

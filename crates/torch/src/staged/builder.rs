@@ -55,10 +55,10 @@ pub struct StagedModelsBuilder {
 }
 
 impl StagedModelsBuilder {
-    /// Takes the stages (in order, repeats included), the pins (for the run and for spans) and
-    /// each model's checkpoint files, device, dtype and ignored entries from a pipeline
-    /// description, the file `stageload plan` checked, so the plan that was checked is the plan
-    /// that runs. Loaders still come from [`model`](Self::model): a model of the file without
+    /// Takes the stages (in order, repeats included), the pins (for the run and for spans),
+    /// each model's checkpoint files, device, dtype and ignored entries, the host tier and the
+    /// snapshot folder from a pipeline description, the file `stageload plan` checked, so the
+    /// plan that was checked is the plan that runs. Loaders still come from [`model`](Self::model): a model of the file without
     /// one is a [`StageError::PlanWithoutLoader`] at [`build`](Self::build). A `ModelSpec` that
     /// declares no checkpoint gets the file's. A loader builds on [`BuildContext::device`]; the
     /// registry converts its float tensors to the file's dtype before loading, and refuses a
@@ -68,6 +68,9 @@ impl StagedModelsBuilder {
     pub fn pipeline(mut self, pipeline: &stageload_plan::Pipeline) -> Self {
         if let Some(bytes) = pipeline.host_tier {
             self = self.host_tier(bytes);
+        }
+        if let Some(dir) = &pipeline.snapshot_dir {
+            self = self.snapshot_dir(dir.clone());
         }
         self.largest_device_model = TierPlan::of(pipeline, 0).largest;
         for stage in &pipeline.stages {
