@@ -564,7 +564,30 @@ pub struct Comparison {
     pub timesteps_equal: bool,
 }
 
+/// The largest difference from diffusers allowed, as a fraction of the reference's value range.
+pub const TOLERANCE: f64 = 1e-5;
+
 impl Comparison {
+    /// What is not as diffusers has it: timesteps that differ, and each tensor whose largest
+    /// difference is over [`TOLERANCE`] of its range. Empty: the run matches.
+    pub fn failures(&self) -> Vec<String> {
+        let mut failures = Vec::new();
+        if !self.timesteps_equal {
+            failures.push("the timesteps differ".to_string());
+        }
+        for (what, difference) in [
+            ("image", self.image),
+            ("embeds", self.embeds),
+            ("negative embeds", self.negative_embeds),
+            ("final latents", self.final_latents),
+        ] {
+            if difference.relative() > TOLERANCE {
+                failures.push(format!("{what}: largest difference {difference}, over {TOLERANCE:e} of the range"));
+            }
+        }
+        failures
+    }
+
     pub fn of(generated: &Generated, reference: &Reference) -> Result<Comparison, BoxError> {
         Ok(Comparison {
             image: Difference::of("image", &generated.image, &reference.image)?,

@@ -45,7 +45,9 @@ pub fn pieces(elements: usize, element_bytes: usize, window: usize) -> Vec<Piece
 /// targets are, copying back), and the caller's stream is free to run kernels meanwhile.
 pub(crate) fn copy_on_side_stream(pairs: &[(&Tensor, &Tensor)], index: usize) -> Result<(), ShimError> {
     let _side = stageload_torch_sys::cuda_side_stream(index)?;
+    let _watched = crate::copy_watch::copying(pairs.iter().flat_map(|(dst, src)| [*dst, *src]));
     for (dst, src) in pairs {
+        crate::copy_watch::piece();
         stageload_torch_sys::copy_async(dst, src)?;
     }
     stageload_torch_sys::CudaEvent::record(index)?.synchronize()

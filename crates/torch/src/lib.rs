@@ -7,6 +7,7 @@
 //!   the noise a seeded run draws.
 //! - [`checkpoint`]: safetensors files mapped and copied once into the model's storage.
 //! - [`names`]: how a checkpoint's entry names meet a model's (rename, ignore, strictness).
+//! - [`copy_watch`]: a test mode that slows every copy and watches the storages copies use.
 //! - [`device_copy`]: checkpoint entries into CUDA tensors through a ring of pinned buffers.
 //! - [`stream`]: models bigger than their memory budget: a resident prefix of blocks, the rest
 //!   refilled in place from the checkpoint before they run and freed after.
@@ -21,6 +22,7 @@
 //! - [`meter`]: a run's memory and events as a JSONL trace (the meter of `stageload-trace`).
 
 pub mod checkpoint;
+pub mod copy_watch;
 pub mod device_copy;
 pub mod hook;
 pub mod latents;

@@ -86,6 +86,7 @@ pub unsafe fn release(
         if keep.contains(&storage.id) {
             stats.kept += storage.nbytes as u64;
         } else if shim::storage_info(&storage.tensor)?.allocated {
+            crate::copy_watch::check_free(storage.id, "freed");
             // SAFETY: this function's own precondition.
             stats.freed += unsafe { shim::free_storage(&storage.tensor, message) }? as u64;
         }
@@ -104,6 +105,7 @@ pub unsafe fn reallocate(storages: &[StorageRecord]) -> Result<HashSet<u64>, Shi
     let mut reallocated = HashSet::new();
     for storage in storages {
         if storage.nbytes > 0 && !shim::storage_info(&storage.tensor)?.allocated {
+            crate::copy_watch::check_free(storage.id, "given new memory");
             // SAFETY: this function's own precondition.
             unsafe { shim::realloc_storage(&storage.tensor, storage.nbytes) }?;
             reallocated.insert(storage.id);
@@ -140,6 +142,7 @@ pub unsafe fn attach(storages: &[StorageRecord], base: *mut u8, offsets: &[usize
     let mut attached = HashSet::new();
     for (storage, &offset) in storages.iter().zip(offsets) {
         if storage.nbytes > 0 && !shim::storage_info(&storage.tensor)?.allocated {
+            crate::copy_watch::check_free(storage.id, "given a slot's memory");
             // SAFETY: `offset + nbytes` lies inside the buffer (the layout) and this function's
             // own precondition covers the rest.
             unsafe { shim::attach_storage(&storage.tensor, base.add(offset), storage.nbytes) }?;
@@ -156,6 +159,7 @@ pub unsafe fn attach(storages: &[StorageRecord], base: *mut u8, offsets: &[usize
 /// As [`release`].
 pub unsafe fn free_ids(storages: &[StorageRecord], ids: &HashSet<u64>, message: &str) -> Result<(), ShimError> {
     for storage in storages.iter().filter(|s| ids.contains(&s.id)) {
+        crate::copy_watch::check_free(storage.id, "freed after a failed refill");
         // SAFETY: this function's own precondition.
         unsafe { shim::free_storage(&storage.tensor, message) }?;
     }

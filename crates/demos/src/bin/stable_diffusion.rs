@@ -18,7 +18,7 @@ use clap::{CommandFactory, FromArgMatches, Parser};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use stageload::{BoxError, SharedRng};
-use stageload_demos::stable_diffusion::{generate, run_reference, Comparison, Export, Sampling};
+use stageload_demos::stable_diffusion::{generate, run_reference, Comparison, Export, Sampling, TOLERANCE};
 use stageload_demos::weights::cache_root;
 use stageload_demos::{CommonArgs, DemoRun, Mode};
 
@@ -173,7 +173,15 @@ fn run(args: &Args) -> Result<(), BoxError> {
         }
         println!("diffusers ran in {:.1} s; largest differences, Rust against diffusers:", reference.seconds);
         println!("{comparison}");
+        let image = &generated.image;
+        let inside = image.gt(0.0).logical_and(&image.lt(1.0)).sum(tch::Kind::Int64).int64_value(&[]);
+        println!("{inside} of {} pixels inside (0, 1): the clamp does not hide a difference there", image.numel());
         std::fs::remove_dir_all(&folder).map_err(|e| format!("removing {}: {e}", folder.display()))?;
+        let failures = comparison.failures();
+        if !failures.is_empty() {
+            return Err(format!("the run does not match diffusers: {}", failures.join("; ")).into());
+        }
+        println!("matches diffusers (every largest difference within {:e} of its range)", TOLERANCE);
     }
     Ok(())
 }

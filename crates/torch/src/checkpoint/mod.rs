@@ -293,6 +293,7 @@ impl Checkpoint {
         mut progress: impl FnMut(Progress),
     ) -> Result<u64, CheckpointError> {
         let plan = self.check(targets)?;
+        let _watched = crate::copy_watch::copying(targets.iter().map(|(_, t)| t));
         let total: u64 = targets.iter().map(|(_, t)| (t.numel() * t.kind().elt_size_in_bytes()) as u64).sum();
         let done = AtomicU64::new(0);
         // Targets whose memory overlaps another's (tied weights) are copied one after the other,
@@ -427,6 +428,7 @@ impl Checkpoint {
                     (Ok(()), None) => return,
                     (Ok(()), Some(job)) => self.handles[job.entry.file]
                         .read_exact_at(job.memory, job.offset)
+                        .inspect(|()| crate::copy_watch::piece())
                         .map(|()| job.memory.len() as u64)
                         .map_err(|source| self.read_error(job.name, job.entry, source)),
                 };
@@ -478,6 +480,7 @@ impl Checkpoint {
         for first in (0..rows).step_by(step) {
             let count = step.min(rows - first);
             buffer.resize(count * row_bytes, 0);
+            crate::copy_watch::piece();
             let file = &self.handles[entry.file];
             file.read_exact_at(buffer, entry.start + (first * row_bytes) as u64)
                 .map_err(|source| self.read_error(name, entry, source))?;

@@ -149,6 +149,7 @@ impl Checkpoint {
                     return stop(err);
                 }
                 let (name, target, entry) = *items[*i];
+                crate::copy_watch::piece();
                 if let Err(err) = self.issue_copy(ring, index, name, target, entry, *piece, j % n) {
                     return stop(err);
                 }

@@ -226,6 +226,32 @@ pub fn on_prefetch<I>(slot: &Slot<I>, closed: bool, draws_nothing: bool, in_tier
     }
 }
 
+/// Where a prefetch is headed: the position in the stage sequence when it started (`None`
+/// before any stage), the occurrence it loads for, and how many stages had been entered then.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Trip {
+    pub from: Option<usize>,
+    pub target: usize,
+    pub entered: u64,
+}
+
+/// Whether a prefetch on `trip` has been overtaken now that the run is at position `now` after
+/// `entered` stage entries: the model is not planned in the current stage, and a stage entered
+/// since the prefetch began lies off the way to its target (the target itself, beyond it, back
+/// before the start, or the start again). Such a load is not begun, and one that ends is
+/// released at once: nothing on the way needs it, and the current stage's plan does not count it.
+pub fn prefetch_overtaken(trip: Trip, now: Option<usize>, entered: u64, planned_here: bool) -> bool {
+    if planned_here || entered == trip.entered {
+        return false;
+    }
+    let on_the_way = match (trip.from, now) {
+        (_, None) => true,
+        (None, Some(now)) => now < trip.target,
+        (Some(from), Some(now)) => from < now && now < trip.target,
+    };
+    !on_the_way
+}
+
 /// What the registry does when a load runs out of device memory.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum OutOfMemory {
@@ -272,6 +298,58 @@ pub fn model_state<I>(state: &SlotState<I>) -> ModelState {
         SlotState::Released { pending: true, .. } => ModelState::ReleasePending,
         SlotState::Released { .. } => ModelState::Released,
         SlotState::Failed { .. } => ModelState::Failed,
+    }
+}
+
+#[cfg(test)]
+mod prefetch_tests {
+    use super::{prefetch_overtaken, Trip};
+
+    /// A prefetch begun at position 0 (after one entry) for the occurrence at 2.
+    const TRIP: Trip = Trip { from: Some(0), target: 2, entered: 1 };
+
+    #[test]
+    fn a_prefetch_is_not_overtaken_before_any_stage_is_entered_after_it_began() {
+        assert!(!prefetch_overtaken(TRIP, Some(0), 1, false));
+    }
+
+    #[test]
+    fn a_stage_on_the_way_to_the_target_leaves_the_prefetch_running() {
+        assert!(!prefetch_overtaken(TRIP, Some(1), 2, false));
+    }
+
+    #[test]
+    fn the_target_or_any_stage_that_plans_the_model_wants_it() {
+        assert!(!prefetch_overtaken(TRIP, Some(2), 2, true));
+        assert!(!prefetch_overtaken(TRIP, Some(5), 4, true));
+    }
+
+    #[test]
+    fn a_stage_at_or_beyond_the_target_that_does_not_plan_it_overtakes_the_prefetch() {
+        assert!(prefetch_overtaken(TRIP, Some(2), 2, false));
+        assert!(prefetch_overtaken(TRIP, Some(3), 2, false));
+    }
+
+    #[test]
+    fn going_back_to_the_start_or_before_it_overtakes_the_prefetch() {
+        assert!(prefetch_overtaken(TRIP, Some(0), 3, false), "the start entered again");
+        let later = Trip { from: Some(3), target: 5, entered: 4 };
+        assert!(prefetch_overtaken(later, Some(1), 5, false));
+    }
+
+    #[test]
+    fn a_prefetch_back_to_an_earlier_stage_is_overtaken_by_any_other_stage() {
+        // Its target comes before its start (a stage entered again out of sequence).
+        let back = Trip { from: Some(4), target: 1, entered: 5 };
+        assert!(!prefetch_overtaken(back, Some(4), 5, false));
+        assert!(prefetch_overtaken(back, Some(3), 6, false));
+    }
+
+    #[test]
+    fn a_prefetch_begun_before_the_first_stage_is_on_its_way_until_the_target() {
+        let first = Trip { from: None, target: 1, entered: 0 };
+        assert!(!prefetch_overtaken(first, Some(0), 1, false));
+        assert!(prefetch_overtaken(first, Some(1), 1, false));
     }
 }
 

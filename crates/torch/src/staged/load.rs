@@ -56,8 +56,8 @@ enum Fill {
 pub(crate) enum Purpose {
     /// A `get` (or `load`) of the current stage.
     Use,
-    /// A background load for a stage about to begin.
-    Prefetch,
+    /// A background load for a stage about to begin, on its way there.
+    Prefetch(decide::Trip),
 }
 
 /// A build's turn: while it lives, no other build of the registry runs.
@@ -105,12 +105,16 @@ impl Inner {
     }
 
     pub(crate) fn instance_for(self: &Arc<Self>, name: &str, purpose: Purpose) -> Result<Arc<Instance>> {
-        let prefetch = purpose == Purpose::Prefetch;
+        let prefetch = matches!(purpose, Purpose::Prefetch(_));
         let mut state = self.state();
         let (ticket, plan, recipe, before) = loop {
             let position = state.position(name)?;
-            if prefetch && self.cancelled() {
-                return Err(StageError::Closed { model: name.to_string() });
+            if let Purpose::Prefetch(trip) = purpose {
+                // Closed or dropped, or overtaken by the stages entered since it was asked for:
+                // nothing begun (its thread drops this error; the slot is as it was).
+                if self.cancelled() || state.overtaken(name, trip) {
+                    return Err(StageError::Closed { model: name.to_string() });
+                }
             }
             let planned_here = prefetch || state.planned_here(name);
             let in_tier = state.in_tier(name);
@@ -235,9 +239,14 @@ impl Inner {
         match result {
             Ok((instance, bytes, report)) => {
                 state.count_load(position, report.clone());
-                // A prefetch that ends after `close`: nobody will ask for the model, and close
-                // promised its memory back.
-                let after_close = if prefetch && state.closed { state.request_release(position) } else { None };
+                // A prefetch that ends after `close` (nobody will ask for the model, and close
+                // promised its memory back) or overtaken by the stages entered meanwhile (the
+                // current stage's plan does not count it): released at once.
+                let overtaken = match purpose {
+                    Purpose::Prefetch(trip) => state.closed || state.overtaken(name, trip),
+                    Purpose::Use => false,
+                };
+                let after_close = if overtaken { state.request_release(position) } else { None };
                 let resident = state.resident_bytes();
                 drop(state);
                 drop(restored);
@@ -264,6 +273,7 @@ impl Inner {
                     ..Event::now(kind)
                 });
                 if let Some(released) = after_close {
+                    tracing::debug!(model = name, "prefetch ended after close or overtaken: released at once");
                     self.release_all(vec![released]);
                 }
                 Ok(instance)

@@ -27,6 +27,7 @@ impl Inner {
                 known: state.stages.keys().cloned().collect(),
             });
         };
+        let trip = decide::Trip { from: state.position, target: index, entered: state.entered };
         let planned = &state.sequence[index].1;
         let resident = state.resident_bytes();
         let working = state.current.as_ref().and_then(|s| self.stage_working.get(s)).copied().unwrap_or(0);
@@ -111,7 +112,7 @@ impl Inner {
                     .then(|| stageload_torch_sys::cuda_side_stream(cuda.unwrap_or(0)).ok())
                     .flatten();
                 // A failure stays in the slot and surfaces at the `get` that needs the model.
-                let _ = inner.instance_for(&model, Purpose::Prefetch);
+                let _ = inner.instance_for(&model, Purpose::Prefetch(trip));
             });
             // (A thread that could not start dropped its `Ended`, which took its entry off.)
             match thread {

@@ -147,6 +147,8 @@ pub(crate) struct State {
     pub(crate) current: Option<String>,
     /// The occurrence of the sequence entered last.
     pub(crate) position: Option<usize>,
+    /// How many times a stage has been entered.
+    pub(crate) entered: u64,
     pub(crate) closed: bool,
     pub(crate) next_ticket: u64,
     /// Host copies of released device models (`None`: no host tier).
@@ -185,6 +187,7 @@ impl State {
             spans_of,
             current: None,
             position: None,
+            entered: 0,
             closed: false,
             next_ticket: 0,
             tier,
@@ -262,6 +265,12 @@ impl State {
                 self.pinned.contains(name) || self.stages.get(stage).is_some_and(|m| m.contains(name))
             }
         }
+    }
+
+    /// Whether a prefetch of `name` on `trip` has been overtaken by the stages entered since
+    /// ([`decide::prefetch_overtaken`]).
+    pub(super) fn overtaken(&self, name: &str, trip: decide::Trip) -> bool {
+        decide::prefetch_overtaken(trip, self.position, self.entered, self.planned_here(name))
     }
 
     /// The models pinned now: at the occurrence entered last, else for the whole run.
@@ -437,6 +446,7 @@ impl Inner {
         let planned = state.sequence[index].1.clone();
         state.current = Some(stage.to_string());
         state.position = Some(index);
+        state.entered += 1;
         let resident_names: Vec<&str> =
             state.resident_positions().into_iter().map(|p| state.entries[p].name.as_str()).collect();
         // The pins of the resident models only: what the decision looks at.

@@ -160,7 +160,9 @@ fn copy_all(pairs: &[(&Tensor, &Tensor)], device: Device, pinned: bool) -> Resul
             crate::device_copy::copy_on_side_stream(pairs, index).map_err(|e| e.to_string())
         }
         _ => {
+            let _watched = crate::copy_watch::copying(pairs.iter().flat_map(|(dst, src)| [*dst, *src]));
             for (dst, src) in pairs {
+                crate::copy_watch::piece();
                 let mut dst = dst.shallow_clone();
                 dst.f_copy_(src).map_err(|e| e.to_string())?;
             }

@@ -401,3 +401,60 @@ fn a_remove_during_a_copy_then_a_new_model_of_that_name_gets_only_its_own_weight
     let back = models.call("m", |w: &mut Tensor| w.copy()).unwrap();
     assert!(back.equal(&new));
 }
+
+/// The wait before every copy piece in the slow-copy run below.
+const SLOW: std::time::Duration = std::time::Duration::from_millis(20);
+
+#[test]
+#[ignore = "the process of slow_host_tier_copies_change_no_output_and_free_nothing_a_copy_uses, which starts it"]
+fn host_tier_copies_run_slowly_in_a_process_of_their_own() {
+    // Process-wide: only this process, which runs this test alone, has it.
+    crate::copy_watch::slow_copies(SLOW);
+    let (models, sink, builds) = registry([4096, 4096, 4096], 1 << 20);
+    models.enter("sa").unwrap();
+    let a = weight(&models, "a");
+    let started = std::time::Instant::now();
+    models.enter("sb").unwrap();
+    assert!(started.elapsed() >= SLOW, "a's copy into the tier waited: the mode is on");
+    let b = weight(&models, "b");
+    // a comes back from the tier in the background, slowly, while a stage that does not list
+    // it stores b and overtakes the prefetch.
+    assert_eq!(models.prefetch("sa").unwrap(), ["a"]);
+    models.enter("sc").unwrap();
+    let c = weight(&models, "c");
+    for (stage, model, before) in [("sa", "a", &a), ("sb", "b", &b), ("sc", "c", &c)] {
+        models.enter(stage).unwrap();
+        assert!(weight(&models, model).equal(before), "{model}: the copy back differs");
+    }
+    assert_eq!(builds.iter().map(|b| b.load(Ordering::SeqCst)).collect::<Vec<_>>(), [1, 1, 1], "no rebuild");
+    assert!(sink.of_kind(EventKind::Reload).iter().all(|e| e.from == Some(ReloadFrom::HostTier)));
+    models.close().unwrap();
+    assert_eq!(crate::copy_watch::violations(), Vec::<String>::new());
+}
+
+#[test]
+fn slow_host_tier_copies_change_no_output_and_free_nothing_a_copy_uses() {
+    let name = "staged::tier_tests::host_tier_copies_run_slowly_in_a_process_of_their_own";
+    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([name, "--exact", "--ignored", "--test-threads=1"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if std::time::Instant::now() > deadline {
+            // By its pid: the child this test started.
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("the slow host-tier run did not end within 60 s");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    let output = child.wait_with_output().unwrap();
+    let (stdout, stderr) = (String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
+    assert!(status.success() && stdout.contains("1 passed"), "{stdout}\n{stderr}");
+}
