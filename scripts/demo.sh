@@ -6,6 +6,8 @@
 # per-stage peaks (median and spread), the latents compared against eager's own variation, the
 # plan checked against the machine, the side-by-side summary of the first runs, and the charts.
 # Extra arguments go to every cascade run (for example --scale 0.1 for a quick run, --device cpu).
+# Then block streaming (scripts/stream-demo.sh) and Stable Diffusion 1.5 at its published
+# component sizes against diffusers (scripts/sd-demo.sh; its export, 7.7 GB, is made once).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 eval "$(scripts/setup-libtorch.sh)"
@@ -41,5 +43,9 @@ fi
 # Block streaming: the cascade's largest model under a budget below its size.
 echo "== block streaming (scripts/stream-demo.sh)"
 scripts/stream-demo.sh "$out/stream" || status=1
+# A pipeline written by others: Stable Diffusion 1.5's components (diffusers, transformers) at
+# their published sizes, staged, and checked against diffusers itself.
+echo "== Stable Diffusion 1.5 against diffusers (scripts/sd-demo.sh)"
+scripts/sd-demo.sh "$out/stable-diffusion" || status=1
 echo "everything is in $out/ (summary.txt: the aggregated comparison)"
 exit "$status"
