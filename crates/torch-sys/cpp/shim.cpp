@@ -20,6 +20,11 @@
 #include <torch/torch.h>
 #include <torch/version.h>
 
+#include <dlfcn.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cerrno>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
@@ -263,6 +268,53 @@ char* sl_pin_memory(const at::Tensor* t, at::Tensor** out) {
   return guarded([&] {
     TORCH_CHECK(t != nullptr && t->defined() && out != nullptr, "undefined tensor");
     *out = new at::Tensor(t->pin_memory());
+  });
+}
+
+// Host memory of exactly `bytes` rounded up to whole pages: an anonymous mapping of its own (not
+// libtorch's caching host allocator, which rounds every block up to a power of two), page-locked
+// for CUDA with `pin` by cudaHostRegister, looked up in the CUDA runtime the process has loaded
+// (libtorch_cuda's); an error, with the mapping undone, where there is none or it refuses. The
+// tensor (uint8, [bytes]) unregisters and unmaps the memory when its storage goes. `*mapped` is
+// the size of the mapping.
+char* sl_host_buffer(int64_t bytes, int pin, at::Tensor** out, int64_t* mapped) {
+  return guarded([&] {
+    TORCH_CHECK(bytes > 0 && out != nullptr && mapped != nullptr, "host buffer of ", bytes, " bytes");
+    const int64_t page = sysconf(_SC_PAGESIZE);
+    TORCH_CHECK(page > 0 && bytes <= INT64_MAX - page, "host buffer of ", bytes, " bytes: too large");
+    const size_t size = static_cast<size_t>((bytes + page - 1) / page * page);
+    void* memory = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    TORCH_CHECK(memory != MAP_FAILED, "mapping ", size, " bytes of host memory: ", std::strerror(errno));
+    using Register = int (*)(void*, size_t, unsigned int);
+    using Unregister = int (*)(void*);
+    using ErrorString = const char* (*)(int);
+    Unregister unregister = nullptr;
+    if (pin != 0) {
+      auto do_register = reinterpret_cast<Register>(dlsym(RTLD_DEFAULT, "cudaHostRegister"));
+      unregister = reinterpret_cast<Unregister>(dlsym(RTLD_DEFAULT, "cudaHostUnregister"));
+      if (do_register == nullptr || unregister == nullptr) {
+        munmap(memory, size);
+        TORCH_CHECK(false, "no CUDA runtime in this process to page-lock host memory with");
+      }
+      const int code = do_register(memory, size, 0);  // cudaHostRegisterDefault
+      if (code != 0) {
+        auto describe = reinterpret_cast<ErrorString>(dlsym(RTLD_DEFAULT, "cudaGetErrorString"));
+        munmap(memory, size);
+        TORCH_CHECK(false, "cudaHostRegister of ", size, " bytes failed: ",
+                    describe != nullptr ? describe(code) : "CUDA error", " (", code, ")");
+      }
+    }
+    auto release = [size, unregister](void* p) {
+      if (unregister != nullptr) unregister(p);
+      munmap(p, size);
+    };
+    try {
+      *out = new at::Tensor(at::from_blob(memory, {bytes}, release, at::TensorOptions().dtype(at::kByte)));
+    } catch (...) {
+      release(memory);
+      throw;
+    }
+    *mapped = static_cast<int64_t>(size);
   });
 }
 

@@ -65,6 +65,7 @@ mod ffi {
         pub fn sl_copy_async(dst: *const C_tensor, src: *const C_tensor) -> *mut c_char;
         pub fn sl_pin_memory(t: *const C_tensor, out: *mut *mut C_tensor) -> *mut c_char;
         pub fn sl_empty_pinned_cache() -> *mut c_char;
+        pub fn sl_host_buffer(bytes: i64, pin: c_int, out: *mut *mut C_tensor, mapped: *mut i64) -> *mut c_char;
         pub fn sl_cuda_event_record(index: c_int, out: *mut *mut std::ffi::c_void) -> *mut c_char;
         pub fn sl_event_synchronize(event: *mut std::ffi::c_void) -> *mut c_char;
         pub fn sl_event_free(event: *mut std::ffi::c_void);
@@ -372,6 +373,25 @@ pub fn pin_memory(tensor: &Tensor) -> ShimResult<Tensor> {
     // SAFETY: on success the shim wrote a fresh `new at::Tensor`, which the returned `Tensor`
     // owns alone and frees with `delete` (tch's `at_free`) when dropped.
     Ok(unsafe { Tensor::from_ptr(out) })
+}
+
+/// Host memory of `bytes` bytes as a uint8 tensor, in a mapping of its own of `bytes` rounded up
+/// to whole pages (returned beside it: what the machine gives), not from libtorch's caching host
+/// allocator, which rounds each block up to a power of two. With `pin`, page-locked for CUDA
+/// (registered with the CUDA runtime libtorch loaded), or an error saying why not (no CUDA
+/// runtime here, or the driver refused); the memory is unregistered and unmapped when the
+/// tensor's storage goes.
+pub fn host_buffer(bytes: usize, pin: bool) -> ShimResult<(Tensor, u64)> {
+    let bytes = i64::try_from(bytes)
+        .map_err(|_| ShimError { operation: "map host memory", message: format!("{bytes} bytes: too large") })?;
+    let (mut out, mut mapped) = (std::ptr::null_mut(), 0i64);
+    // SAFETY: both out-pointers are valid for a write; the shim checks the size.
+    let err = unsafe { ffi::sl_host_buffer(bytes, c_int::from(pin), &mut out, &mut mapped) };
+    check("map host memory", err)?;
+    // SAFETY: on success the shim wrote a fresh `new at::Tensor`, which the returned `Tensor`
+    // owns alone and frees with `delete` (tch's `at_free`) when dropped; its storage's deleter
+    // unmaps the memory.
+    Ok((unsafe { Tensor::from_ptr(out) }, mapped.unsigned_abs()))
 }
 
 /// Gives the pinned host memory libtorch's host allocator keeps cached for the accelerator

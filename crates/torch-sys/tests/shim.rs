@@ -183,3 +183,45 @@ fn cuda_queries_answer_not_available_without_cuda() {
     }
     assert_eq!(tch::Cuda::device_count() as usize, count, "shim and tch agree");
 }
+
+#[test]
+fn a_host_buffer_maps_exactly_its_pages_and_gives_them_back_when_its_tensor_goes() {
+    let _alone = alone();
+    const BYTES: usize = (64 << 20) + 1;
+    // SAFETY: sysconf has no preconditions.
+    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) } as u64;
+    let slack = 2 * stageload_probe::rss_counter_slack();
+    // The fill below is this process's first op for some test orders: its thread pool starts
+    // here, outside the measurement.
+    let _ = Tensor::zeros([1 << 20], (Kind::Uint8, Device::Cpu)).fill_(1);
+    let before = rss_bytes();
+    let (buffer, mapped) = host_buffer(BYTES, false).unwrap();
+    assert_eq!(mapped, (BYTES as u64).div_ceil(page) * page, "whole pages, no power of two");
+    assert_eq!((buffer.size(), buffer.kind(), buffer.device()), (vec![BYTES as i64], Kind::Uint8, Device::Cpu));
+    let _ = buffer.shallow_clone().fill_(7);
+    let grown = rss_bytes().saturating_sub(before);
+    assert!(grown + slack >= mapped && grown <= mapped + slack, "RSS grew by {grown} for a mapping of {mapped}");
+    assert_eq!(buffer.sum(Kind::Int64).int64_value(&[]), 7 * BYTES as i64);
+    // (After the sum, whose own allocations stay in both readings.)
+    let filled = rss_bytes();
+    drop(buffer);
+    let dropped = filled.saturating_sub(rss_bytes());
+    assert!(dropped + slack >= mapped, "RSS fell by {dropped} of {mapped}: the mapping is gone with the tensor");
+    assert!(host_buffer(0, false).is_err(), "an empty buffer is refused");
+    assert!(host_buffer(usize::MAX, false).unwrap_err().message.contains("too large"));
+}
+
+#[test]
+fn pinning_a_host_buffer_without_a_gpu_is_an_error_saying_why() {
+    let _alone = alone();
+    match (cuda_device_count().unwrap(), host_buffer(1 << 20, true)) {
+        // No CUDA runtime loaded (a CPU libtorch), or one with no driver or device behind it.
+        (0, Err(err)) => {
+            assert_eq!(err.operation, "map host memory");
+            let why = ["no CUDA runtime in this process", "cudaHostRegister of 1048576 bytes failed: "];
+            assert!(why.iter().any(|w| err.message.contains(w)), "{err}");
+        }
+        (0, Ok(_)) => panic!("host memory pinned on a machine without CUDA"),
+        (_, result) => assert!(result.unwrap().0.is_pinned(Device::Cuda(0)), "registered memory is pinned for CUDA"),
+    }
+}
