@@ -28,6 +28,7 @@ pub mod hook;
 pub mod latents;
 pub mod meter;
 pub mod names;
+mod pinned;
 pub mod rng;
 pub mod script;
 pub mod staged;

@@ -46,6 +46,7 @@ pub struct StagedModelsBuilder {
     out_of_memory: decide::OutOfMemory,
     host_tier: Option<u64>,
     snapshot_dir: Option<PathBuf>,
+    host_memory: Arc<dyn crate::pinned::HostMemory>,
     /// The pipeline file's largest model on a device, as its plan sizes it.
     largest_device_model: Option<(String, u64)>,
     #[cfg(test)]
@@ -224,6 +225,13 @@ impl StagedModelsBuilder {
         self
     }
 
+    /// Unit tests: where host copies' memory comes from (a fake that counts it).
+    #[cfg(test)]
+    pub(crate) fn host_memory(mut self, memory: Arc<dyn crate::pinned::HostMemory>) -> Self {
+        self.host_memory = memory;
+        self
+    }
+
     /// Unit tests: the host tier holds CPU models as it would device models.
     #[cfg(test)]
     pub(crate) fn tier_on_cpu(mut self) -> Self {
@@ -356,6 +364,7 @@ impl StagedModelsBuilder {
                 out_of_memory: self.out_of_memory,
                 tier_said_cpu: AtomicBool::new(false),
                 snapshots,
+                host_memory: self.host_memory,
                 untrimmed: Default::default(),
                 #[cfg(test)]
                 tier_on_cpu: self.tier_on_cpu,
@@ -389,6 +398,7 @@ impl StagedModels {
             out_of_memory: decide::OutOfMemory::Fail,
             host_tier: None,
             snapshot_dir: None,
+            host_memory: Arc::new(crate::pinned::Mapped),
             largest_device_model: None,
             #[cfg(test)]
             tier_on_cpu: false,

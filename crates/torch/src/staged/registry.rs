@@ -42,7 +42,7 @@ use super::error::{Result, StageError};
 use super::instance::{Handle, Instance, ReleaseMark};
 use super::placement::Placement;
 use super::spec::{Built, Init, Loader, SharedComponents};
-use super::tier_copy::{self, HostCopies};
+use super::tier_copy::HostCopies;
 use crate::checkpoint::Progress;
 use crate::names::NameRules;
 use crate::rng::RngSnapshot;
@@ -406,6 +406,8 @@ pub(crate) struct Inner {
     pub(crate) prefetching: Mutex<Vec<std::thread::JoinHandle<()>>>,
     /// The host tier said once that it does not hold CPU models.
     pub(crate) tier_said_cpu: AtomicBool,
+    /// Where host copies' memory comes from (the host tier's).
+    pub(crate) host_memory: Arc<dyn crate::pinned::HostMemory>,
     /// The snapshot folder's files, when the builder named one.
     pub(crate) snapshots: Option<super::snapshot::Snapshots>,
     /// Bytes releases freed since the host heap was last trimmed (see [`super::release`]).
@@ -473,7 +475,8 @@ impl Inner {
         let copies = state.tier.as_mut().map(Tier::clear).unwrap_or_default();
         drop(state);
         self.cancel_prefetches();
-        tier_copy::drop_giving_back(copies);
+        // Their buffers go back to the machine as they drop.
+        drop(copies);
         // A `close` mark first, so a trace does not read these releases as the tail of the last
         // stage's entry.
         self.emit(Event { stage, note: Some("close".into()), resident: Some(resident), ..Event::now(EventKind::Mark) });

@@ -1,18 +1,21 @@
 //! The host tier's copies: a device model's weights out to host memory before a release frees
 //! them, and back into its reallocated storages when it reloads.
 //!
-//! Host copies are pinned (page-locked) when the driver allows it (libtorch's caching
-//! host allocator keeps freed pinned blocks for the next copy, so pinning is paid once per
-//! size), else pageable, said once per process. On CUDA both directions run on a side stream of
+//! A model's host copies are carved from one buffer of [`crate::pinned`], page-locked when the
+//! driver allows it, else pageable (said once per process); the tier books that buffer's bytes,
+//! what the machine gives it, and it goes back when the copies are evicted or the tier closes
+//! (and the last reload reading them has ended). On CUDA both directions run on a side stream of
 //! the model's device and end at a recorded event; the copy out first waits for the work the
 //! model's device already has queued. Tensors that view the same bytes (tied weights) are copied
 //! once.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 
 use stageload_torch_sys as shim;
 use tch::{Device, Tensor};
+
+use crate::pinned::{self, HostMemory, HostSet};
 
 /// A model's tensors as distinct views (tensors that view the same bytes, tied weights, once)
 /// and, per tensor name, its view: computed once per release, sized before the tier admits
@@ -52,41 +55,42 @@ impl Views {
         self.unallocated
     }
 
-    /// Host bytes a copy takes.
+    /// Host bytes a copy takes from the machine: its buffer, in whole pages.
     pub(crate) fn bytes(&self) -> u64 {
-        self.views.iter().map(tensor_bytes).sum()
+        pinned::booked(&self.views.iter().map(tensor_bytes).collect::<Vec<_>>())
     }
 }
 
-/// A model's weights in host memory: each distinct view once, and which view each name has.
-#[derive(Debug)]
+/// A model's weights in host memory: each distinct view once, carved from one buffer, and which
+/// view each name has.
 pub(crate) struct HostCopies {
-    hosts: Vec<Tensor>,
-    names: HashMap<String, usize>,
-    pinned: bool,
+    hosts: HostSet,
+    names: Arc<HashMap<String, usize>>,
 }
 
 impl HostCopies {
-    /// The same copies, shared (for a reload that runs with the registry's lock let go).
+    /// The same copies, shared (for a reload that runs with the registry's lock let go): the
+    /// buffer goes back when the last of them goes.
     pub(crate) fn shallow(&self) -> HostCopies {
-        HostCopies {
-            hosts: self.hosts.iter().map(Tensor::shallow_clone).collect(),
-            names: self.names.clone(),
-            pinned: self.pinned,
-        }
+        HostCopies { hosts: self.hosts.shallow(), names: Arc::clone(&self.names) }
+    }
+
+    /// Bytes the buffer took from the machine.
+    #[cfg(test)]
+    pub(crate) fn bytes(&self) -> u64 {
+        self.hosts.bytes()
     }
 }
 
-/// Drops `copies` and gives the pinned memory they leave in libtorch's host allocator cache back
-/// to the OS (after a shrunk budget or a close; an eviction that makes room just drops, keeping
-/// the cache for the copy that follows). A failure is logged: the memory stays cached.
-pub(crate) fn drop_giving_back(copies: Vec<HostCopies>) {
-    let pinned = copies.iter().any(|c| c.pinned);
-    drop(copies);
-    if pinned {
-        if let Err(err) = stageload_torch_sys::empty_pinned_cache() {
-            tracing::warn!("host tier: pinned memory stays cached: {err}");
-        }
+impl std::fmt::Debug for HostCopies {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "HostCopies({} tensors, {} bytes, pinned {})",
+            self.names.len(),
+            self.hosts.bytes(),
+            self.hosts.pinned()
+        )
     }
 }
 
@@ -103,38 +107,19 @@ fn tensor_bytes(tensor: &Tensor) -> u64 {
     (tensor.numel() as u64).saturating_mul(tensor.kind().elt_size_in_bytes() as u64)
 }
 
-static SAID_PAGEABLE: AtomicBool = AtomicBool::new(false);
-
-/// A host tensor shaped like `like`, pinned for `device` when the driver allows it.
-fn host_like(like: &Tensor, device: Device, pin: bool) -> Result<(Tensor, bool), tch::TchError> {
-    if pin && device != Device::Cpu {
-        match crate::device_copy::pinned_empty(&like.size(), like.kind()) {
-            Ok(pinned) => return Ok((pinned, true)),
-            Err(err) => {
-                if !SAID_PAGEABLE.swap(true, Ordering::Relaxed) {
-                    tracing::warn!(%err, "host tier: pinning host memory failed; copies use pageable memory (slower)");
-                }
-            }
-        }
-    }
-    Ok((Tensor::f_empty(like.size(), (like.kind(), Device::Cpu))?, false))
-}
-
-/// Copies `views` (a model's weights on `device`) into host memory.
-pub(crate) fn copy_out(views: Views, device: Device) -> Result<HostCopies, String> {
+/// Copies `views` (a model's weights on `device`) into host memory from `memory`, pinned for a
+/// device.
+pub(crate) fn copy_out(views: Views, device: Device, memory: &Arc<dyn HostMemory>) -> Result<HostCopies, String> {
     let Views { views, names, .. } = views;
-    let mut hosts = Vec::with_capacity(views.len());
-    let mut pinned = true;
-    for view in &views {
-        let (host, pinned_here) =
-            host_like(view, device, pinned).map_err(|e| format!("allocating host memory: {e}"))?;
-        pinned &= pinned_here;
-        hosts.push(host);
+    let shapes: Vec<(Vec<i64>, tch::Kind)> = views.iter().map(|v| (v.size(), v.kind())).collect();
+    let hosts = match device {
+        Device::Cpu => pinned::carve(memory, &shapes, false),
+        _ => pinned::carve_pinned_or_pageable(memory, &shapes),
     }
-    // Copies already pinned stay valid if a later one fell back; all go the same way below.
-    let pairs: Vec<(&Tensor, &Tensor)> = hosts.iter().zip(&views).collect();
-    copy_all(&pairs, device, pinned).map_err(|e| format!("copying to host memory: {e}"))?;
-    Ok(HostCopies { hosts, names, pinned })
+    .map_err(|e| format!("allocating host memory: {e}"))?;
+    let pairs: Vec<(&Tensor, &Tensor)> = hosts.tensors.iter().zip(&views).collect();
+    copy_all(&pairs, device, hosts.pinned()).map_err(|e| format!("copying to host memory: {e}"))?;
+    Ok(HostCopies { hosts, names: Arc::new(names) })
 }
 
 /// Copies `copies` back into `targets` (tensors of the model on `device`, their storages
@@ -143,9 +128,9 @@ pub(crate) fn copy_in(targets: &[(String, Tensor)], copies: &HostCopies, device:
     let mut pairs = Vec::with_capacity(targets.len());
     for (name, target) in targets {
         let host = copies.names.get(name).ok_or_else(|| format!("the host tier has no copy of tensor '{name}'"))?;
-        pairs.push((target, &copies.hosts[*host]));
+        pairs.push((target, &copies.hosts.tensors[*host]));
     }
-    copy_all(&pairs, device, copies.pinned).map_err(|e| format!("copying from host memory: {e}"))
+    copy_all(&pairs, device, copies.hosts.pinned()).map_err(|e| format!("copying from host memory: {e}"))
 }
 
 /// `dst.copy_(src)` for every pair; on CUDA with pinned host memory, asynchronous on a side
@@ -184,11 +169,14 @@ mod tests {
         let tensors = vec![("w".to_string(), w.shallow_clone()), ("tied".to_string(), tied), ("b".to_string(), b)];
         let before: Vec<Tensor> = tensors.iter().map(|(_, t)| t.copy()).collect();
         let views = Views::of(&tensors).unwrap();
-        assert_eq!(views.bytes(), 64 * 32 * 4 + 32 * 2, "the tied view counted once");
+        assert_eq!(views.bytes(), pinned::booked(&[64 * 32 * 4, 32 * 2]), "the tied view counted once");
 
-        let copies = copy_out(views, Device::Cpu).unwrap();
-        assert_eq!(copies.hosts.len(), 2, "one copy of the tied view");
-        assert!(!copies.pinned, "no driver here: pageable copies");
+        let memory: Arc<dyn HostMemory> = Arc::new(pinned::Mapped);
+        let booked = views.bytes();
+        let copies = copy_out(views, Device::Cpu, &memory).unwrap();
+        assert_eq!(copies.hosts.tensors.len(), 2, "one copy of the tied view");
+        assert_eq!(copies.bytes(), booked, "the buffer takes what was booked");
+        assert!(!copies.hosts.pinned(), "a CPU model's copies are not pinned");
         let storages = crate::storage::distinct_storages(&tensors).unwrap();
         // SAFETY: these tensors are this test's alone and unused until refilled below.
         unsafe { crate::storage::release(&storages, &Default::default(), "released by the test") }.unwrap();
@@ -203,20 +191,11 @@ mod tests {
     #[test]
     fn a_target_without_a_copy_is_an_error_naming_the_tensor() {
         let tensors = vec![("w".to_string(), Tensor::zeros([4], (Kind::Float, Device::Cpu)))];
-        let copies = copy_out(Views::of(&tensors).unwrap(), Device::Cpu).unwrap();
+        let memory: Arc<dyn HostMemory> = Arc::new(pinned::Mapped);
+        let copies = copy_out(Views::of(&tensors).unwrap(), Device::Cpu, &memory).unwrap();
         let other = vec![("v".to_string(), Tensor::zeros([4], (Kind::Float, Device::Cpu)))];
         let err = copy_in(&other, &copies, Device::Cpu).unwrap_err();
         assert!(err.contains("no copy of tensor 'v'"), "{err}");
-    }
-
-    #[test]
-    fn host_memory_that_cannot_be_pinned_falls_back_to_pageable() {
-        let like = Tensor::zeros([8], (Kind::Float, Device::Cpu));
-        let (host, pinned) = host_like(&like, Device::Cuda(0), true).unwrap();
-        let gpu = shim::cuda_device_count().unwrap_or(0) > 0;
-        assert_eq!(pinned, gpu, "pinned exactly when a CUDA driver is there");
-        assert_eq!(host.size(), [8]);
-        assert!(!host_like(&like, Device::Cuda(0), false).unwrap().1, "not pinned once a pin failed");
     }
 
     #[test]

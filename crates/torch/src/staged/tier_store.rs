@@ -80,7 +80,8 @@ impl Inner {
         drop(self.evicted(stage, evicted, usage));
 
         let started = Instant::now();
-        let copied = self.before_tier_copy(name, true).and_then(|()| tier_copy::copy_out(views, device));
+        let copied =
+            self.before_tier_copy(name, true).and_then(|()| tier_copy::copy_out(views, device, &self.host_memory));
         let mut state = self.state();
         let Some(tier) = state.tier.as_mut() else { return };
         let (note, dropped) = match copied {
@@ -164,7 +165,7 @@ impl Inner {
         })?;
         let usage = state.tier_usage();
         drop(state);
-        tier_copy::drop_giving_back(self.evicted(&stage, evicted, usage));
+        drop(self.evicted(&stage, evicted, usage));
         self.emit(Event { stage, note: Some("budget".into()), tier: usage, ..Event::now(EventKind::Tier) });
         Ok(())
     }

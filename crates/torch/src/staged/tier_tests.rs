@@ -61,7 +61,8 @@ fn a_released_model_comes_back_from_the_host_tier_bit_identical_without_being_re
     assert_eq!(builds[0].load(Ordering::SeqCst), 1, "no rebuild (it has no checkpoint: it would have been)");
     let reload = sink.of_kind(EventKind::Reload).into_iter().find(|e| e.model.as_deref() == Some("a")).unwrap();
     assert_eq!(reload.from, Some(ReloadFrom::HostTier));
-    assert_eq!(reload.tier.unwrap().used, 32, "a's copy given up, b's stored meanwhile");
+    // b's 32 bytes take a page of their own.
+    assert_eq!(reload.tier.unwrap().used, crate::pinned::booked(&[32]), "a's copy given up, b's stored meanwhile");
     assert_eq!(tier_notes(&sink), [("a".into(), "stored".into()), ("b".into(), "stored".into())]);
 }
 
@@ -457,4 +458,38 @@ fn slow_host_tier_copies_change_no_output_and_free_nothing_a_copy_uses() {
     let output = child.wait_with_output().unwrap();
     let (stdout, stderr) = (String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
     assert!(status.success() && stdout.contains("1 passed"), "{stdout}\n{stderr}");
+}
+
+#[test]
+fn what_the_tier_books_is_what_its_memory_gives_out_and_eviction_and_close_give_it_back() {
+    let counting = Arc::new(crate::pinned::fake::Counting::default());
+    let sink = Arc::new(ListSink::new());
+    let builds = [(); 3].map(|_| Arc::new(AtomicUsize::new(0)));
+    // In pages: a takes 1, b (three pages and 4 bytes) 4, c 2; the tier has room for 6.
+    let page = crate::pinned::booked(&[4]);
+    let floats = |bytes: u64| (bytes / 4) as i64;
+    let sizes = [floats(page), floats(3 * page + 4), floats(2 * page)];
+    let mut builder = StagedModels::builder()
+        .host_tier(6 * page + 100)
+        .tier_on_cpu()
+        .host_memory(counting.clone())
+        .events(sink.clone())
+        .preserve_rng(false);
+    for ((name, n), count) in ["a", "b", "c"].into_iter().zip(sizes).zip(&builds) {
+        builder = builder.model(random_model(name, n, Arc::clone(count))).stage(format!("s{name}"), [name]);
+    }
+    let models = builder.build().unwrap();
+    let out = || counting.out.load(Ordering::SeqCst);
+    for (stage, used) in [("sa", 0), ("sb", page), ("sc", page + 4 * page)] {
+        models.enter(stage).unwrap();
+        models.get::<Tensor>(&stage[1..]).unwrap();
+        assert_eq!((models.host_tier().unwrap().used, out()), (used, used), "after entering {stage}");
+    }
+    // Storing c evicts a (the least recently released): its buffer goes back.
+    models.enter("sa").unwrap();
+    let usage = models.host_tier().unwrap();
+    assert_eq!((usage.used, out()), (6 * page, 6 * page), "b and c");
+    assert_eq!(counting.takes.load(Ordering::SeqCst), 3, "one buffer per stored copy");
+    models.close().unwrap();
+    assert_eq!(out(), 0, "close gives every buffer back");
 }

@@ -193,7 +193,7 @@ impl StreamedModel {
         let storages = shallow(&block.storages);
         let checkpoint = Arc::clone(&self.checkpoint);
         let host: Option<Vec<Tensor>> =
-            self.host.as_ref().map(|copies| copies[index].iter().map(Tensor::shallow_clone).collect());
+            self.host.as_ref().map(|copies| copies.block(index).iter().map(Tensor::shallow_clone).collect());
         let device = self.device;
         let uncached = self.uncached;
         Ok(move || {
@@ -279,20 +279,41 @@ impl StreamedModel {
     }
 }
 
-/// Every block's tensors read once from the checkpoint into pinned host memory.
-pub(super) fn pinned_copies(blocks: &[Block], checkpoint: &Checkpoint) -> Result<Vec<Vec<Tensor>>, String> {
-    let mut copies = Vec::with_capacity(blocks.len());
-    let mut targets = Vec::new();
+/// Every block's tensors, read once from the checkpoint into one pinned host buffer
+/// ([`crate::pinned`]: exactly its pages).
+pub(super) struct HostBlocks {
+    set: crate::pinned::HostSet,
+    /// Block `i`'s tensors are `set.tensors[ranges[i]]`.
+    ranges: Vec<std::ops::Range<usize>>,
+}
+
+impl HostBlocks {
+    pub(super) fn block(&self, index: usize) -> &[Tensor] {
+        &self.set.tensors[self.ranges[index].clone()]
+    }
+
+    /// Bytes pinned for them.
+    pub(super) fn bytes(&self) -> u64 {
+        self.set.bytes()
+    }
+}
+
+/// Every block's tensors read once from the checkpoint into pinned host memory (an error, not
+/// pageable memory, when it cannot be pinned: refills then read the checkpoint).
+pub(super) fn pinned_copies(blocks: &[Block], checkpoint: &Checkpoint) -> Result<HostBlocks, String> {
+    let shapes: Vec<(Vec<i64>, tch::Kind)> =
+        blocks.iter().flat_map(|b| &b.targets).map(|(_, t)| (t.size(), t.kind())).collect();
+    let memory: Arc<dyn crate::pinned::HostMemory> = Arc::new(crate::pinned::Mapped);
+    let set = crate::pinned::carve(&memory, &shapes, true).map_err(|e| format!("pinning host memory: {e}"))?;
+    let mut ranges = Vec::with_capacity(blocks.len());
+    let mut targets = Vec::with_capacity(set.tensors.len());
+    let mut hosts = set.tensors.iter();
     for block in blocks {
-        let mut mine = Vec::with_capacity(block.targets.len());
-        for (entry, tensor) in &block.targets {
-            let host = crate::device_copy::pinned_empty(&tensor.size(), tensor.kind())
-                .map_err(|e| format!("pinning host memory: {e}"))?;
+        ranges.push(targets.len()..targets.len() + block.targets.len());
+        for ((entry, _), host) in block.targets.iter().zip(hosts.by_ref()) {
             targets.push((entry.clone(), host.shallow_clone()));
-            mine.push(host);
         }
-        copies.push(mine);
     }
     checkpoint.load_into(&targets, |_| {}).map_err(|e| e.to_string())?;
-    Ok(copies)
+    Ok(HostBlocks { set, ranges })
 }

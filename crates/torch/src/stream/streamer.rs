@@ -131,7 +131,7 @@ pub struct StreamedModel {
     /// CUDA: every block's tensors in pinned host memory (the model's host tier), read from the
     /// checkpoint once at set-up; refills copy from them on a side stream. `None`: refills read
     /// the checkpoint (the CPU, or pinning failed).
-    pub(super) host: Option<Vec<Vec<Tensor>>>,
+    pub(super) host: Option<super::refill::HostBlocks>,
     /// CPU: the two buffers the streamed blocks are read into, faulted in once and reused, so
     /// that a refill runs at the page cache's speed instead of the page faults' of fresh memory;
     /// with the block each one holds. Sized by the split ([`Sizes::slot`]): a buffer the split
@@ -528,10 +528,9 @@ impl StreamedModel {
     }
 
     /// Bytes of host memory pinned for the blocks' copies (CUDA; 0 on the CPU or when pinning
-    /// failed), from their storages.
+    /// failed): their buffer, in whole pages.
     pub fn pinned_bytes(&self) -> u64 {
-        let copies = self.host.iter().flatten().flatten();
-        copies.fold(0u64, |sum, t| sum.saturating_add(storage::allocated_bytes(t)))
+        self.host.as_ref().map_or(0, |copies| copies.bytes())
     }
 
     /// [`held_bytes`](Self::held_bytes) less the block being refilled ahead, whose storages its

@@ -1,0 +1,244 @@
+//! Host memory for copies bound to a device, at its exact size: one buffer per set of copies (a
+//! model's in the host tier, a streamed model's blocks), carved into tensors, from a mapping of
+//! its own (`stageload_torch_sys::host_buffer`: whole pages, page-locked by `cudaHostRegister`)
+//! instead of libtorch's caching host allocator, which rounds every block up to a power of two
+//! (2.25 GiB asked, 4 GiB pinned, others measured on torch 2.13). What a set books
+//! ([`booked`]) is what the machine gives it, and it goes back when the last tensor carved from
+//! it goes. Where memory cannot be pinned the buffer is pageable, said once per process.
+//!
+//! The allocator is behind [`HostMemory`] so that the tier's accounting is tested against a
+//! fake that counts what is taken and given back ([`Mapped`] is the real one).
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use tch::{Kind, Tensor};
+
+/// Alignment of each tensor in a buffer: the storage alignment of the block slots
+/// ([`crate::storage::ALIGNMENT`]), enough for every dtype.
+const ALIGNMENT: u64 = crate::storage::ALIGNMENT as u64;
+
+/// Where host memory for copies comes from.
+pub(crate) trait HostMemory: Send + Sync {
+    /// A uint8 tensor of `bytes` bytes, page-locked when `pin` (an error saying why it cannot
+    /// be), and the bytes it takes from the machine.
+    fn take(&self, bytes: usize, pin: bool) -> Result<(Tensor, u64), String>;
+
+    /// A buffer that took `bytes` is gone (its last tensor dropped).
+    fn given_back(&self, _bytes: u64) {}
+}
+
+/// The real allocator: a mapping of its own per buffer.
+pub(crate) struct Mapped;
+
+impl HostMemory for Mapped {
+    fn take(&self, bytes: usize, pin: bool) -> Result<(Tensor, u64), String> {
+        stageload_torch_sys::host_buffer(bytes, pin).map_err(|e| e.message)
+    }
+}
+
+/// The page size, for [`booked`].
+fn page_size() -> u64 {
+    nix::unistd::sysconf(nix::unistd::SysconfVar::PAGE_SIZE).ok().flatten().map_or(4096, |p| p.max(1) as u64)
+}
+
+/// Where each of tensors of `sizes` bytes starts in one buffer (each at a multiple of
+/// [`ALIGNMENT`]), and the buffer's bytes (at least 1).
+fn layout(sizes: &[u64]) -> (Vec<u64>, u64) {
+    let mut offsets = Vec::with_capacity(sizes.len());
+    let mut end = 0u64;
+    for &bytes in sizes {
+        offsets.push(end);
+        end = end.saturating_add(bytes.div_ceil(ALIGNMENT).saturating_mul(ALIGNMENT));
+    }
+    (offsets, end.max(1))
+}
+
+/// Bytes a set of copies of `sizes` bytes takes from the machine: its buffer in whole pages.
+pub(crate) fn booked(sizes: &[u64]) -> u64 {
+    let page = page_size();
+    layout(sizes).1.div_ceil(page).saturating_mul(page)
+}
+
+/// Tensors carved from one buffer (they hold its memory), and what the buffer took.
+pub(crate) struct HostSet {
+    /// Declared first: dropped before the last `buffer` reports the memory given back.
+    pub(crate) tensors: Vec<Tensor>,
+    buffer: Arc<Buffer>,
+}
+
+impl HostSet {
+    /// The same tensors and buffer, shared: the memory goes back when the last of them goes.
+    pub(crate) fn shallow(&self) -> HostSet {
+        HostSet { tensors: self.tensors.iter().map(Tensor::shallow_clone).collect(), buffer: Arc::clone(&self.buffer) }
+    }
+
+    /// Whether the memory is page-locked.
+    pub(crate) fn pinned(&self) -> bool {
+        self.buffer.pinned
+    }
+
+    /// Bytes the buffer took from the machine.
+    pub(crate) fn bytes(&self) -> u64 {
+        self.buffer.bytes
+    }
+}
+
+/// What a buffer took, told to its allocator when the last set sharing it goes.
+struct Buffer {
+    bytes: u64,
+    pinned: bool,
+    memory: Arc<dyn HostMemory>,
+}
+
+impl Drop for Buffer {
+    fn drop(&mut self) {
+        self.memory.given_back(self.bytes);
+    }
+}
+
+static SAID_PAGEABLE: AtomicBool = AtomicBool::new(false);
+
+/// Host tensors of `shapes` (contiguous) carved from one page-locked buffer of `memory`, or, where
+/// memory cannot be pinned, a pageable one (said once per process).
+pub(crate) fn carve_pinned_or_pageable(
+    memory: &Arc<dyn HostMemory>,
+    shapes: &[(Vec<i64>, Kind)],
+) -> Result<HostSet, String> {
+    carve(memory, shapes, true).or_else(|why| {
+        if !SAID_PAGEABLE.swap(true, Ordering::Relaxed) {
+            tracing::warn!(%why, "pinning host memory failed; host copies use pageable memory (slower copies)");
+        }
+        carve(memory, shapes, false)
+    })
+}
+
+/// Host tensors of `shapes` (contiguous) carved from one buffer of `memory`, page-locked when
+/// `pin` (an error saying why where it cannot be).
+pub(crate) fn carve(memory: &Arc<dyn HostMemory>, shapes: &[(Vec<i64>, Kind)], pin: bool) -> Result<HostSet, String> {
+    let sizes: Vec<u64> = shapes
+        .iter()
+        .map(|(shape, kind)| {
+            let elements = shape.iter().try_fold(1u64, |n, &d| n.checked_mul(u64::try_from(d).ok()?));
+            elements.and_then(|n| n.checked_mul(kind.elt_size_in_bytes() as u64))
+        })
+        .collect::<Option<_>>()
+        .ok_or_else(|| "a tensor's size overflows".to_string())?;
+    let (offsets, total) = layout(&sizes);
+    let total = usize::try_from(total).map_err(|_| format!("{total} bytes of host memory"))?;
+    let (tensor, bytes) = memory.take(total, pin)?;
+    let buffer = Arc::new(Buffer { bytes, pinned: pin, memory: Arc::clone(memory) });
+    let tensors = shapes
+        .iter()
+        .zip(offsets.iter().zip(&sizes))
+        .map(|((shape, kind), (&offset, &size))| {
+            tensor.f_narrow(0, offset as i64, size as i64)?.f_view_dtype(*kind)?.f_view(shape.as_slice())
+        })
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| format!("carving host tensors: {e}"))?;
+    Ok(HostSet { tensors, buffer })
+}
+
+#[cfg(test)]
+pub(crate) mod fake {
+    //! A [`HostMemory`] that hands out real pageable buffers and counts what is out.
+    use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+
+    use tch::Tensor;
+
+    use super::HostMemory;
+
+    #[derive(Default)]
+    pub(crate) struct Counting {
+        /// Refuse to pin (as a machine without a driver does).
+        pub(crate) refuse_pin: bool,
+        pub(crate) out: AtomicU64,
+        pub(crate) takes: AtomicUsize,
+        pub(crate) pinned_asks: AtomicUsize,
+    }
+
+    impl HostMemory for Counting {
+        fn take(&self, bytes: usize, pin: bool) -> Result<(Tensor, u64), String> {
+            if pin {
+                self.pinned_asks.fetch_add(1, Ordering::SeqCst);
+                if self.refuse_pin {
+                    return Err("refused by the fake".into());
+                }
+            }
+            let (tensor, mapped) = stageload_torch_sys::host_buffer(bytes, false).map_err(|e| e.message)?;
+            self.out.fetch_add(mapped, Ordering::SeqCst);
+            self.takes.fetch_add(1, Ordering::SeqCst);
+            Ok((tensor, mapped))
+        }
+
+        fn given_back(&self, bytes: u64) {
+            self.out.fetch_sub(bytes, Ordering::SeqCst);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::Ordering;
+    use std::sync::Arc;
+
+    use tch::{Device, Kind, Tensor};
+
+    use super::{booked, carve, carve_pinned_or_pageable, fake::Counting, HostMemory, Mapped};
+
+    #[test]
+    fn tensors_are_carved_aligned_from_one_buffer_of_whole_pages() {
+        let memory: Arc<dyn HostMemory> = Arc::new(Mapped);
+        let shapes = vec![(vec![3, 5], Kind::Float), (vec![7], Kind::BFloat16), (vec![0], Kind::Int64)];
+        let set = carve(&memory, &shapes, false).unwrap();
+        assert!(!set.pinned());
+        // 60 bytes, then 14 at offset 64, then none at 128: one page.
+        assert_eq!(set.bytes(), booked(&[60, 14, 0]));
+        assert_eq!(
+            booked(&[60, 14, 0]),
+            nix::unistd::sysconf(nix::unistd::SysconfVar::PAGE_SIZE).unwrap().unwrap() as u64
+        );
+        let got: Vec<(Vec<i64>, Kind)> = set.tensors.iter().map(|t| (t.size(), t.kind())).collect();
+        assert_eq!(got, shapes);
+        let base = set.tensors[0].data_ptr() as usize;
+        assert_eq!(set.tensors[1].data_ptr() as usize - base, 64);
+        // Writable, and each its own bytes.
+        let _ = set.tensors[0].shallow_clone().fill_(1.5);
+        let _ = set.tensors[1].shallow_clone().fill_(-2.0);
+        assert!(set.tensors[0].equal(&Tensor::full([3, 5], 1.5, (Kind::Float, Device::Cpu))));
+        assert!(set.tensors[1].equal(&Tensor::full([7], -2.0, (Kind::BFloat16, Device::Cpu))));
+    }
+
+    #[test]
+    fn memory_asked_pinned_is_pinned_where_a_cuda_driver_is_and_pageable_elsewhere() {
+        let memory: Arc<dyn HostMemory> = Arc::new(Mapped);
+        let set = carve_pinned_or_pageable(&memory, &[(vec![8], Kind::Float)]).unwrap();
+        let gpu = stageload_torch_sys::cuda_device_count().unwrap_or(0) > 0;
+        assert_eq!(set.pinned(), gpu);
+        assert_eq!(set.tensors[0].size(), [8]);
+    }
+
+    #[test]
+    fn a_buffer_is_given_back_when_its_last_tensor_goes_not_before() {
+        let counting = Arc::new(Counting::default());
+        let memory: Arc<dyn HostMemory> = counting.clone();
+        let set = carve(&memory, &[(vec![1000], Kind::Float)], false).unwrap();
+        assert_eq!(counting.out.load(Ordering::SeqCst), set.bytes());
+        drop(set);
+        assert_eq!(counting.out.load(Ordering::SeqCst), 0);
+    }
+
+    #[test]
+    fn memory_that_cannot_be_pinned_falls_back_to_pageable_and_is_booked_the_same() {
+        let counting = Arc::new(Counting { refuse_pin: true, ..Default::default() });
+        let memory: Arc<dyn HostMemory> = counting.clone();
+        let refused = carve(&memory, &[(vec![1000], Kind::Float)], true).err().unwrap();
+        assert!(refused.contains("refused by the fake"), "{refused}");
+        let set = carve_pinned_or_pageable(&memory, &[(vec![1000], Kind::Float)]).unwrap();
+        assert!(!set.pinned());
+        // Two asks for pinned memory refused (the strict carve's and the fallback's), one
+        // pageable buffer taken.
+        assert_eq!((counting.pinned_asks.load(Ordering::SeqCst), counting.takes.load(Ordering::SeqCst)), (2, 1));
+        assert_eq!(set.bytes(), booked(&[4000]));
+    }
+}
