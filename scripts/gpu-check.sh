@@ -2,8 +2,9 @@
 # The project's GPU checks, in one call of a few minutes on the GPU machine. That machine has no
 # cargo: build here first, against its libtorch, with the device kit (../shared/device-kit):
 #
-#   ../shared/device-kit/build.sh build -p stageload-demos --bin gpu_check --bin cascade --bin stream
+#   ../shared/device-kit/build.sh build -p stageload-demos --bin gpu_check --bin cascade --bin stream --bin stable_diffusion
 #   ../shared/device-kit/build.sh build -p stageload-cli --bin stageload
+#   cp -r ~/.cache/stageload/sd-small target/device-kit/sd-small     # the small Stable Diffusion export (11 MB)
 #
 # then, on the GPU machine, from the repository root with target/device-kit carried along:
 #
@@ -16,10 +17,14 @@
 # compares their latents, and writes the summary and chart of the eager, staged and prefetch
 # traces; then block streaming on cuda:0 (the stream demo: texture_flow at scale 2 whole, under a
 # 500 MiB budget, and with half its blocks streamed; same latent, step times; and a router's
-# access with a hot set against the same route whole). Files:
+# access with a hot set against the same route whole; and a compute-bound model, 4096 tokens, with
+# 2 of its 12 blocks resident: 83 % streamed, against whole); then the checkpoint -> CUDA load
+# under other ring shapes (STAGELOAD_RING: buffers, window, readers) against the same run's pinned
+# limit; then the small Stable Diffusion (TorchScript, traced on the CPU) on cuda:0 eager, staged
+# and prefetch, latents compared. Files:
 # gpu-check.json, log.txt, latents.txt, summary.txt, summary-tier.txt, memory.svg,
 # cascade-{eager,staged,prefetch,tier}.jsonl, stream-*.json, stream-ratios.json (step time
-# streamed / whole, refill GB/s / the pinned limit of this run).
+# streamed / whole, refill GB/s / the pinned limit of this run), ring-*.json, sd-latents.txt.
 set -uo pipefail
 root=$(pwd)
 kit=$root/target/device-kit
@@ -82,7 +87,38 @@ for mode in experts-whole experts-hot; do
     run bin/stream --device cuda --scale 2 --tokens 1024 --cache "$scratch/weights" "${flags[@]}" \
         --result "$out/stream-$mode.json" || status=1
 done
-for pair in whole:budget whole:half experts-whole:experts-hot; do
+# #30 part 4: compute-bound (4096 tokens), whole against 2 of 12 blocks resident.
+for mode in compute-whole compute-streamed; do
+    flags=(--tokens 4096)
+    [ "$mode" = compute-streamed ] && flags+=(--budget 8GiB --resident-at-most 2)
+    step "stream $mode"
+    run bin/stream --device cuda --scale 2 --cache "$scratch/weights" "${flags[@]}" \
+        --result "$out/stream-$mode.json" || status=1
+done
+# #30 part 3: the load under other ring shapes, each its own process (the ring is the process's).
+for ring in slots=16 slots=64 window=32M window=64M,slots=16 readers=4 readers=8 readers=32,slots=64; do
+    step "gpu_check --load-only, STAGELOAD_RING=$ring"
+    STAGELOAD_RING=$ring run bin/gpu_check --load-only --out "$scratch/ring" --scratch "$scratch" --gib 4 --rounds 3 \
+        || status=1
+    cp "$scratch/ring/gpu-check.json" "$out/ring-${ring//[=,]/-}.json" 2>/dev/null
+done
+# The TorchScript pipeline on cuda:0 (the export is the CPU's trace: a module that baked a CPU
+# tensor into its graph fails here, and says so).
+for mode in eager staged prefetch; do
+    step "stable_diffusion small $mode on cuda"
+    run bin/stable_diffusion --components "$kit/sd-small" --device cuda --mode $mode \
+        --latents "$scratch/sd-$mode.safetensors" > /dev/null || status=1
+done
+{
+    for mode in eager staged prefetch; do echo "== $mode"; cat "$scratch/sd-$mode.safetensors.sha256" 2>/dev/null; done
+    for mode in staged prefetch; do
+        if cmp -s "$scratch/sd-eager.safetensors.sha256" "$scratch/sd-$mode.safetensors.sha256"; then
+            echo "sd $mode: latents identical to eager"
+        else echo "sd $mode: latents DIFFER from eager (or missing)"; fi
+    done
+} > "$out/sd-latents.txt"
+tail -2 "$out/sd-latents.txt" | tee -a "$log"
+for pair in whole:budget whole:half experts-whole:experts-hot compute-whole:compute-streamed; do
     reference=${pair%%:*} mode=${pair#*:}
     if [ "$(grep '"fingerprint"' "$out/stream-$reference.json")" = "$(grep '"fingerprint"' "$out/stream-$mode.json")" ]; then
         echo "stream $mode: latent identical to $reference" | tee -a "$log"
@@ -97,15 +133,19 @@ out = pathlib.Path(sys.argv[1])
 pinned = json.loads((out / "gpu-check.json").read_text())["pinned_h2d_gb_per_s"]
 whole = json.loads((out / "stream-whole.json").read_text())
 ratios = {"pinned_h2d_gb_per_s": pinned}
-for mode in ("budget", "half"):
+for mode, against in (("budget", whole), ("half", whole), ("compute-streamed", json.loads((out / "stream-compute-whole.json").read_text()))):
     run = json.loads((out / f"stream-{mode}.json").read_text())
     refill = run["bytes_refilled"] / run["refill_seconds"] / 1e9 if run["refill_seconds"] > 0 else None
     ratios[mode] = {
-        "step_over_whole": run["seconds_per_step"] / whole["seconds_per_step"],
+        "step_over_whole": run["seconds_per_step"] / against["seconds_per_step"],
         "refill_gb_per_s": refill,
         "refill_over_pinned": refill / pinned if refill else None,
         "residency": run["residency"],
     }
+for ring in sorted(out.glob("ring-*.json")):
+    r = json.loads(ring.read_text())
+    ratios[ring.stem] = {"ring": r["ring"], "to_cuda_gb_per_s": r["stageload_to_cuda_gb_per_s"],
+                         "over_pinned": r["stageload_over_pinned_limit"]}
 (out / "stream-ratios.json").write_text(json.dumps(ratios, indent=2))
 print(json.dumps(ratios, indent=2))
 PY

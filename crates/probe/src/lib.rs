@@ -91,6 +91,10 @@ pub struct ProcessMemory {
     pub peak: Option<u64>,
     /// macOS physical footprint (`ri_phys_footprint`), what Activity Monitor shows; None on Linux.
     pub footprint: Option<u64>,
+    /// Locked memory (`VmLck`: mlock'd pages) and pinned memory (`VmPin`: pages pinned by
+    /// drivers that account for them); Linux only.
+    pub locked: Option<u64>,
+    pub pinned: Option<u64>,
 }
 
 /// One line of the process table.

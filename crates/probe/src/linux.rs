@@ -83,6 +83,8 @@ pub fn process_memory(pid: i32) -> Result<ProcessMemory, ProbeError> {
         swap: kib(status.vmswap),
         peak: kib(status.vmhwm),
         footprint: None,
+        locked: kib(status.vmlck),
+        pinned: kib(status.vmpin),
     })
 }
 

@@ -74,6 +74,8 @@ pub fn process_memory(pid: i32) -> Result<ProcessMemory, ProbeError> {
         swap: None,
         peak: Some(info.ri_lifetime_max_phys_footprint),
         footprint: Some(info.ri_phys_footprint),
+        locked: None,
+        pinned: None,
     })
 }
 

@@ -18,13 +18,67 @@ use tch::{Device, Kind, Tensor};
 
 use crate::sync::lock;
 
-/// Bytes of one pinned buffer (and of the largest piece).
+/// Bytes of one pinned buffer (and of the largest piece) by default, and of the CPU path's pieces.
 pub const WINDOW: usize = 16 << 20;
-/// Pinned buffers in the ring: two per CPU (at most 16 CPUs), so that every CPU reads a piece
+
+/// The ring's shape: its pinned buffers, the bytes of each (the largest piece), and the reader
+/// threads. By default two buffers per CPU (at most 16 CPUs), so that every CPU reads a piece
 /// into one half while the GPU copies the other half out (512 MiB pinned on the 16-core H200
-/// machine, 64 MiB on 2 cores).
-pub fn slots() -> usize {
-    2 * std::thread::available_parallelism().map_or(1, |n| n.get()).clamp(2, 16)
+/// machine, 64 MiB on 2 cores), of [`WINDOW`] bytes, one reader per CPU. For measuring what the
+/// pipeline waits on, `STAGELOAD_RING="slots=N,window=SIZE,readers=N"` (any of the three) sets
+/// it for the process, read once.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RingShape {
+    pub slots: usize,
+    pub window: usize,
+    pub readers: usize,
+}
+
+impl RingShape {
+    /// The default for a machine of `cpus` CPUs.
+    pub fn default_for(cpus: usize) -> RingShape {
+        RingShape { slots: 2 * cpus.clamp(2, 16), window: WINDOW, readers: cpus.max(1) }
+    }
+
+    /// `default` changed by `text` (`slots=N,window=SIZE,readers=N`, any of them, any order).
+    pub fn parse(text: &str, default: RingShape) -> Result<RingShape, String> {
+        let mut shape = default;
+        for part in text.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+            let (key, value) = part.split_once('=').ok_or_else(|| format!("'{part}' is not key=value"))?;
+            let count = || value.trim().parse::<usize>().ok().filter(|&n| n > 0);
+            match key.trim() {
+                "slots" => shape.slots = count().ok_or_else(|| format!("slots: '{value}' is not a count above 0"))?,
+                "readers" => {
+                    shape.readers = count().ok_or_else(|| format!("readers: '{value}' is not a count above 0"))?
+                }
+                "window" => {
+                    let bytes = stageload_units::parse_size(value).map_err(|e| format!("window: {e}"))?;
+                    shape.window = usize::try_from(bytes)
+                        .ok()
+                        .filter(|&b| (4096..=1 << 30).contains(&b))
+                        .ok_or_else(|| format!("window: {value} is not from 4 KiB to 1 GiB"))?;
+                }
+                other => return Err(format!("unknown key '{other}' (slots, window, readers)")),
+            }
+        }
+        Ok(shape)
+    }
+
+    /// The process's shape: `STAGELOAD_RING` over the default, read once (a value that does not
+    /// parse is said once and the default used).
+    pub fn get() -> RingShape {
+        static SHAPE: OnceLock<RingShape> = OnceLock::new();
+        *SHAPE.get_or_init(|| {
+            let default = RingShape::default_for(std::thread::available_parallelism().map_or(1, |n| n.get()));
+            match std::env::var("STAGELOAD_RING") {
+                Ok(text) => RingShape::parse(&text, default).unwrap_or_else(|why| {
+                    tracing::warn!(%why, "STAGELOAD_RING ignored: the default ring is used");
+                    default
+                }),
+                Err(_) => default,
+            }
+        })
+    }
 }
 
 /// One piece of an entry: `count` elements from element `first`.
@@ -75,11 +129,11 @@ pub(crate) fn with_ring<R>(f: impl FnOnce(&mut Ring) -> R) -> Result<R, String> 
     let cell = RING.get_or_init(|| Mutex::new(None));
     let mut ring = lock(cell);
     if ring.is_none() {
-        let count = slots();
+        let RingShape { slots: count, window, .. } = RingShape::get();
         let mut slots = Vec::with_capacity(count);
         for _ in 0..count {
-            let slot = pinned_empty(&[WINDOW as i64], Kind::Uint8)
-                .map_err(|e| format!("pinning {} MiB of host memory: {e}", (count * WINDOW) >> 20))?;
+            let slot = pinned_empty(&[window as i64], Kind::Uint8)
+                .map_err(|e| format!("pinning {} MiB of host memory: {e}", (count * window) >> 20))?;
             slots.push(slot);
         }
         *ring = Some(Ring { slots, staging: Vec::new() });
@@ -93,7 +147,7 @@ impl Ring {
         if let Some(position) = self.staging.iter().position(|(i, _)| *i == index) {
             return Ok(&self.staging[position].1);
         }
-        let buffer = Tensor::f_empty([WINDOW as i64], (Kind::Uint8, Device::Cuda(index)))?;
+        let buffer = Tensor::f_empty([RingShape::get().window as i64], (Kind::Uint8, Device::Cuda(index)))?;
         self.staging.push((index, buffer));
         Ok(&self.staging.last().expect("pushed").1)
     }
@@ -102,6 +156,29 @@ impl Ring {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_ring_shape_changes_only_what_its_text_names_and_refuses_what_it_cannot_use() {
+        let default = RingShape::default_for(16);
+        assert_eq!(default, RingShape { slots: 32, window: WINDOW, readers: 16 });
+        assert_eq!(RingShape::default_for(1).slots, 4, "two per CPU, at least two CPUs' worth");
+        assert_eq!(RingShape::parse("", default), Ok(default));
+        assert_eq!(
+            RingShape::parse("window=32M, slots=8", default),
+            Ok(RingShape { slots: 8, window: 32 << 20, readers: 16 })
+        );
+        assert_eq!(RingShape::parse("readers=4", default).unwrap().readers, 4);
+        for (text, why) in [
+            ("slots=0", "slots: '0' is not a count above 0"),
+            ("window=1K", "window: 1K is not from 4 KiB to 1 GiB"),
+            ("window=2G", "not from 4 KiB to 1 GiB"),
+            ("speed=fast", "unknown key 'speed'"),
+            ("slots", "'slots' is not key=value"),
+        ] {
+            let err = RingShape::parse(text, default).unwrap_err();
+            assert!(err.contains(why), "{text}: {err}");
+        }
+    }
 
     #[test]
     fn an_entry_is_cut_into_window_sized_pieces_on_element_boundaries() {

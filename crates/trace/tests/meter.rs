@@ -114,7 +114,15 @@ struct Flaky {
 
 impl MeterReadings for Flaky {
     fn process(&mut self) -> Result<ProcessMemory, ProbeError> {
-        Ok(ProcessMemory { rss: 1 << 20, rss_anon: None, swap: None, peak: Some(1 << 20), footprint: None })
+        Ok(ProcessMemory {
+            rss: 1 << 20,
+            rss_anon: None,
+            swap: None,
+            peak: Some(1 << 20),
+            footprint: None,
+            locked: None,
+            pinned: None,
+        })
     }
     fn system(&mut self) -> Result<SystemMemory, ProbeError> {
         self.calls += 1;

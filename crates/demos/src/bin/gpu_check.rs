@@ -48,6 +48,10 @@ struct Args {
     /// The peers' script (crates/demos/python/bench_device.py).
     #[arg(long, default_value = "crates/demos/python/bench_device.py")]
     peer: PathBuf,
+    /// Only the speed of checkpoint → CUDA and the copy limits (no correctness checks, no
+    /// peers): for comparing ring shapes (STAGELOAD_RING) in one run.
+    #[arg(long)]
+    load_only: bool,
 }
 
 const SIDE: i64 = 8192;
@@ -196,7 +200,11 @@ fn tier_checks(device: Device) -> Result<BTreeMap<String, serde_json::Value>, Bo
     models.enter("run")?;
     let y = tch::no_grad(|| models.call("net", |m: &mut Net| m.0.forward(&x)))?;
     let resident = cuda_memory(0)?;
+    // What the kernel counts of the store: resident set, locked and pinned pages, before and after.
+    let memory = || stageload_probe::process_memory(std::process::id() as i32);
+    let before_store = memory()?;
     models.enter("other")?;
+    let after_store = memory()?;
     let released = cuda_memory(0)?;
     let held = models.host_tier().map_or(0, |t| t.used);
     models.enter("run")?;
@@ -227,6 +235,16 @@ fn tier_checks(device: Device) -> Result<BTreeMap<String, serde_json::Value>, Bo
     );
     r.insert("tier_identical_after_reload".into(), again.equal(&y).into());
     r.insert("tier_held_bytes".into(), held.into());
+    // #30 part 2: what the store took as the kernel counts it, against what the tier booked
+    // (goal 0.98-1.02): the resident set's growth, and VmLck / VmPin where the driver counts them.
+    let grew = |f: fn(&stageload_probe::ProcessMemory) -> Option<u64>| {
+        f(&after_store).zip(f(&before_store)).map(|(a, b)| a.saturating_sub(b))
+    };
+    let rss_growth = after_store.rss.saturating_sub(before_store.rss);
+    r.insert("tier_store_rss_growth_bytes".into(), rss_growth.into());
+    r.insert("tier_store_rss_growth_over_booked".into(), (rss_growth as f64 / held.max(1) as f64).into());
+    r.insert("tier_store_vmlck_growth_bytes".into(), grew(|m| m.locked).into());
+    r.insert("tier_store_vmpin_growth_bytes".into(), grew(|m| m.pinned).into());
     r.insert(
         "tier_shrink_gives_pinned_memory_back".into(),
         (before.saturating_sub(after) >= held_again * 9 / 10).into(),
@@ -344,6 +362,34 @@ fn checks(
     }
 }
 
+/// The CUDA paths checked: the pinned ring against the CPU path (same kind, and f16 converted
+/// to f32 on the device), then the registry, the host tier and a streamed model in the registry.
+fn correctness(
+    file: &Checkpoint,
+    on_cuda: &[(String, Tensor)],
+    half: &Path,
+    scratch: &Path,
+    device: Device,
+    result: &mut BTreeMap<String, serde_json::Value>,
+) -> Result<(), BoxError> {
+    let on_cpu = targets(file, None, Device::Cpu);
+    file.load_into(on_cuda, |_| {})?;
+    file.load_into(&on_cpu, |_| {})?;
+    result.insert("cuda_load_equals_cpu_load".into(), all_equal(on_cuda, &on_cpu).into());
+    drop(on_cpu);
+    let halves = Checkpoint::open(&[half])?;
+    let converted_cuda = targets(&halves, Some(Kind::Float), device);
+    let converted_cpu = targets(&halves, Some(Kind::Float), Device::Cpu);
+    halves.load_into(&converted_cuda, |_| {})?;
+    halves.load_into(&converted_cpu, |_| {})?;
+    result.insert("f16_to_f32_on_device_equals_cpu".into(), all_equal(&converted_cuda, &converted_cpu).into());
+    drop((converted_cuda, converted_cpu));
+    checks(result, "registry", || registry_checks(scratch, device));
+    checks(result, "tier", || tier_checks(device));
+    checks(result, "streamed_registry", || streamed_registry_checks(scratch, device));
+    Ok(())
+}
+
 fn main() -> Result<(), BoxError> {
     stageload_demos::logging::init();
     let args = Args::parse();
@@ -363,24 +409,16 @@ fn main() -> Result<(), BoxError> {
     println!("checkpoints written in {:.1} s", started.elapsed().as_secs_f64());
 
     let mut result: BTreeMap<String, serde_json::Value> = BTreeMap::new();
-    // Correctness: pinned ring vs the CPU path, same kind and converted.
+    let shape = stageload::device_copy::RingShape::get();
+    result.insert(
+        "ring".into(),
+        format!("slots={},window={},readers={}", shape.slots, shape.window, shape.readers).into(),
+    );
     let file = Checkpoint::open(&[&big])?;
     let on_cuda = targets(&file, None, device);
-    let on_cpu = targets(&file, None, Device::Cpu);
-    file.load_into(&on_cuda, |_| {})?;
-    file.load_into(&on_cpu, |_| {})?;
-    result.insert("cuda_load_equals_cpu_load".into(), all_equal(&on_cuda, &on_cpu).into());
-    drop(on_cpu);
-    let halves = Checkpoint::open(&[&half])?;
-    let converted_cuda = targets(&halves, Some(Kind::Float), device);
-    let converted_cpu = targets(&halves, Some(Kind::Float), Device::Cpu);
-    halves.load_into(&converted_cuda, |_| {})?;
-    halves.load_into(&converted_cpu, |_| {})?;
-    result.insert("f16_to_f32_on_device_equals_cpu".into(), all_equal(&converted_cuda, &converted_cpu).into());
-    drop((converted_cuda, converted_cpu));
-    checks(&mut result, "registry", || registry_checks(&scratch, device));
-    checks(&mut result, "tier", || tier_checks(device));
-    checks(&mut result, "streamed_registry", || streamed_registry_checks(&scratch, device));
+    if !args.load_only {
+        correctness(&file, &on_cuda, &half, &scratch, device, &mut result)?;
+    }
 
     // Speed: checkpoint → CUDA (targets allocated once), then the peers, alternating.
     let bytes = std::fs::metadata(&big)?.len() as f64;
@@ -395,13 +433,15 @@ fn main() -> Result<(), BoxError> {
     drop(on_cuda);
     let _ = stageload_torch_sys::cuda_empty_cache();
     let (pinned, pageable) = copy_limits(args.rounds, device);
-    let python = Command::new(&args.python).arg(&args.peer).arg(&big).arg(args.rounds.to_string()).output();
-    let peers: serde_json::Value = match python {
-        Ok(out) if out.status.success() => {
-            serde_json::from_slice(&out.stdout).unwrap_or_else(|e| format!("unreadable: {e}").into())
-        }
-        Ok(out) => format!("failed: {}", String::from_utf8_lossy(&out.stderr)).into(),
-        Err(e) => format!("not run: {e}").into(),
+    let peers: serde_json::Value = match args.load_only {
+        true => "not run (--load-only)".into(),
+        false => match Command::new(&args.python).arg(&args.peer).arg(&big).arg(args.rounds.to_string()).output() {
+            Ok(out) if out.status.success() => {
+                serde_json::from_slice(&out.stdout).unwrap_or_else(|e| format!("unreadable: {e}").into())
+            }
+            Ok(out) => format!("failed: {}", String::from_utf8_lossy(&out.stderr)).into(),
+            Err(e) => format!("not run: {e}").into(),
+        },
     };
     let stageload_rate = median(stageload_rates.clone());
     result.insert("checkpoint_gib".into(), args.gib.into());

@@ -72,9 +72,13 @@ impl Checkpoint {
             .iter()
             .enumerate()
             .flat_map(|(i, (_, target, entry))| {
-                device_copy::pieces(target.numel(), entry.kind.elt_size_in_bytes(), device_copy::WINDOW)
-                    .into_iter()
-                    .map(move |p| (i, p))
+                device_copy::pieces(
+                    target.numel(),
+                    entry.kind.elt_size_in_bytes(),
+                    device_copy::RingShape::get().window,
+                )
+                .into_iter()
+                .map(move |p| (i, p))
             })
             .collect();
         let slots: Vec<usize> = ring.slots.iter().map(|t| t.data_ptr() as usize).collect();
@@ -95,7 +99,7 @@ impl Checkpoint {
         });
         let changed = Condvar::new();
         let next = AtomicUsize::new(0);
-        let workers = std::thread::available_parallelism().map_or(1, |c| c.get()).min(n).min(reads.len()).max(1);
+        let workers = device_copy::RingShape::get().readers.min(n).min(reads.len()).max(1);
         let result = std::thread::scope(|scope| {
             for _ in 0..workers {
                 scope.spawn(|| loop {
@@ -114,9 +118,10 @@ impl Checkpoint {
                     let outcome = match fence.map(|f| f.synchronize()) {
                         Some(Err(e)) => Err(self.stream_error(name, entry, e)),
                         _ => {
-                            // SAFETY: the slot is a pinned buffer of WINDOW bytes that the ring owns;
-                            // length ≤ WINDOW; the copy that last read it is done (its event above),
-                            // and no other piece uses this slot until this one's copy is issued.
+                            // SAFETY: the slot is a pinned buffer of the ring's window that the ring
+                            // owns; length ≤ the window (the pieces' size); the copy that last read
+                            // it is done (its event above), and no other piece uses this slot until
+                            // this one's copy is issued.
                             let memory = unsafe { std::slice::from_raw_parts_mut(slots[j % n] as *mut u8, length) };
                             self.handles[entry.file]
                                 .read_exact_at(memory, offset)
