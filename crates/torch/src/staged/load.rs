@@ -246,7 +246,7 @@ impl Inner {
                     Purpose::Prefetch(trip) => state.closed || state.overtaken(name, trip),
                     Purpose::Use => false,
                 };
-                let after_close = if overtaken { state.request_release(position) } else { None };
+                let give_back = if overtaken { state.request_release(position) } else { None };
                 let resident = state.resident_bytes();
                 drop(state);
                 drop(restored);
@@ -272,7 +272,7 @@ impl Inner {
                     tier,
                     ..Event::now(kind)
                 });
-                if let Some(released) = after_close {
+                if let Some(released) = give_back {
                     tracing::debug!(model = name, "prefetch ended after close or overtaken: released at once");
                     self.release_all(vec![released]);
                 }
