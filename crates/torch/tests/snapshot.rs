@@ -184,11 +184,14 @@ const CHILD_DIR: &str = "STAGELOAD_SNAPSHOT_CHILD_DIR";
 fn a_registry_that_writes_a_snapshot_and_waits_to_be_killed() {
     // Asked for by a run of the ignored tests: only the test that starts it gives it a folder.
     let Ok(dir) = std::env::var(CHILD_DIR) else { return };
-    let models = registry(Path::new(&dir), Arc::new(AtomicUsize::new(0)), Arc::new(ListSink::new()));
+    let sink = Arc::new(ListSink::new());
+    let models = registry(Path::new(&dir), Arc::new(AtomicUsize::new(0)), sink.clone());
     models.enter("run").unwrap();
     let _ = forward(&models);
     models.enter("other").unwrap();
-    println!("written");
+    // A snapshot that could not be written (a full disk) ends this process, saying why.
+    let note = sink.of_kind(EventKind::Snapshot).pop().and_then(|e| e.note).unwrap_or_default();
+    assert!(note.starts_with("written: "), "the child's snapshot: {note}");
     // Until the parent kills it (or 120 s, so a lost child does not linger).
     std::thread::sleep(Duration::from_secs(120));
 }
@@ -197,11 +200,13 @@ fn a_registry_that_writes_a_snapshot_and_waits_to_be_killed() {
 fn a_killed_processs_snapshots_are_removed_by_the_next_registry_and_a_live_ones_stay() {
     let _one = one_at_a_time();
     let dir = tempfile::tempdir().unwrap();
+    // The child's output, outside the folder it writes into.
+    let output = tempfile::NamedTempFile::new().unwrap();
     let mut child = Command::new(std::env::current_exe().unwrap())
         .args(["a_registry_that_writes_a_snapshot_and_waits_to_be_killed", "--exact", "--ignored", "--nocapture"])
         .env(CHILD_DIR, dir.path())
         .stdout(Stdio::null())
-        .stderr(Stdio::null())
+        .stderr(output.reopen().unwrap())
         .spawn()
         .unwrap();
     let deadline = Instant::now() + Duration::from_secs(60);
@@ -209,7 +214,8 @@ fn a_killed_processs_snapshots_are_removed_by_the_next_registry_and_a_live_ones_
         if Instant::now() > deadline || child.try_wait().unwrap().is_some() {
             let _ = child.kill();
             let _ = child.wait();
-            panic!("the child wrote no snapshot within 60 s: {:?}", files(dir.path()));
+            let said = std::fs::read_to_string(output.path()).unwrap_or_default();
+            panic!("the child wrote no snapshot within 60 s: {:?}\n{said}", files(dir.path()));
         }
         std::thread::sleep(Duration::from_millis(20));
     }
