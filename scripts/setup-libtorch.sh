@@ -9,6 +9,8 @@
 set -euo pipefail
 
 TORCH_VERSION=2.13.0
+# The peer the checkpoint load benchmark measures against: its newest release when pinned.
+SAFETENSORS_VERSION=0.8.0
 cache_root=${STAGELOAD_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/stageload}
 venv="$cache_root/torch-$TORCH_VERSION"
 
@@ -38,13 +40,22 @@ if [[ ! -x "$venv/bin/python" ]] || ! "$venv/bin/python" -c "import torch, sys; 
     if [[ ! -x "$venv/bin/python" ]]; then
         "$python" -m venv "$venv" >&2
     fi
-    if ! "$venv/bin/python" -m pip install --disable-pip-version-check -q "torch==$TORCH_VERSION" safetensors numpy >&2; then
+    if ! "$venv/bin/python" -m pip install --disable-pip-version-check -q "torch==$TORCH_VERSION" "safetensors==$SAFETENSORS_VERSION" numpy >&2; then
         log "could not install torch==$TORCH_VERSION from the Python package registry."
         log "Without network access, install it by hand: '$venv/bin/python -m pip install torch==$TORCH_VERSION' from a local wheel,"
         log "or download libtorch $TORCH_VERSION and set LIBTORCH to its folder."
         exit 1
     fi
     flock -u 9
+fi
+
+# (importlib.metadata answers without importing it)
+if ! "$venv/bin/python" -c "import sys, importlib.metadata as m; sys.exit(m.version('safetensors') != '$SAFETENSORS_VERSION')" 2>/dev/null; then
+    log "installing safetensors==$SAFETENSORS_VERSION into $venv (the load benchmark's peer)"
+    if ! "$venv/bin/python" -m pip install --disable-pip-version-check -q "safetensors==$SAFETENSORS_VERSION" >&2; then
+        log "could not install safetensors==$SAFETENSORS_VERSION from the Python package registry; the load benchmark and some tests need it."
+        exit 1
+    fi
 fi
 
 echo "export LIBTORCH_USE_PYTORCH=1"

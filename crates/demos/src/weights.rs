@@ -25,9 +25,8 @@ pub fn cache_root() -> PathBuf {
 /// Drops `path`'s pages from the page cache (`posix_fadvise(DONTNEED)`): its next read comes
 /// from the disk, as on a cold start.
 pub fn drop_page_cache(path: &Path) -> std::io::Result<()> {
-    use std::os::fd::AsRawFd;
     let file = std::fs::File::open(path)?;
-    nix::fcntl::posix_fadvise(file.as_raw_fd(), 0, 0, nix::fcntl::PosixFadviseAdvice::POSIX_FADV_DONTNEED)
+    nix::fcntl::posix_fadvise(&file, 0, 0, nix::fcntl::PosixFadviseAdvice::POSIX_FADV_DONTNEED)
         .map_err(std::io::Error::from)
 }
 

@@ -212,19 +212,21 @@ impl Checkpoint {
     pub fn drop_cached<'a>(&self, names: impl IntoIterator<Item = &'a str>) -> Result<(), CheckpointError> {
         #[cfg(any(target_os = "linux", target_os = "android", target_os = "freebsd"))]
         for entry_name in names {
-            use std::os::fd::AsRawFd;
             let Some(entry) = self.entries.get(entry_name) else { continue };
             let (Ok(start), Ok(len)) = (i64::try_from(entry.start), i64::try_from(entry.end - entry.start)) else {
                 continue;
             };
-            let fd = self.handles[entry.file].as_raw_fd();
-            nix::fcntl::posix_fadvise(fd, start, len, nix::fcntl::PosixFadviseAdvice::POSIX_FADV_DONTNEED).map_err(
-                |errno| CheckpointError::Uncache {
-                    tensor: entry_name.to_string(),
-                    path: self.files[entry.file].clone(),
-                    source: errno.into(),
-                },
-            )?;
+            nix::fcntl::posix_fadvise(
+                &self.handles[entry.file],
+                start,
+                len,
+                nix::fcntl::PosixFadviseAdvice::POSIX_FADV_DONTNEED,
+            )
+            .map_err(|errno| CheckpointError::Uncache {
+                tensor: entry_name.to_string(),
+                path: self.files[entry.file].clone(),
+                source: errno.into(),
+            })?;
         }
         #[cfg(not(any(target_os = "linux", target_os = "android", target_os = "freebsd")))]
         drop(names.into_iter());
