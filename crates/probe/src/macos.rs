@@ -31,7 +31,7 @@ fn sysctl<T: Copy>(name: &CStr) -> Result<T, ProbeError> {
 }
 
 pub fn system_memory() -> Result<SystemMemory, ProbeError> {
-    let mut system = System::new();
+    let mut system = System::new().map_err(|e| read_error("sysinfo", e))?;
     system.refresh_memory_specifics(MemoryRefreshKind::nothing().with_ram().with_swap());
     let total = system.total_memory();
     if total == 0 {
@@ -60,7 +60,7 @@ pub fn process_memory(pid: i32) -> Result<ProcessMemory, ProbeError> {
     }
     // SAFETY: the call succeeded and filled the structure.
     let info = unsafe { info.assume_init() };
-    let mut system = System::new();
+    let mut system = System::new().map_err(|e| read_error("sysinfo", e))?;
     let target = Pid::from_u32(u32::try_from(pid).map_err(|_| read_error("sysinfo", format!("pid {pid}")))?);
     system.refresh_processes_specifics(
         ProcessesToUpdate::Some(&[target]),
@@ -84,7 +84,7 @@ pub fn reset_peak() -> Result<(), ProbeError> {
 }
 
 pub fn processes(with_commands: bool) -> Result<Vec<ProcessEntry>, ProbeError> {
-    let mut system = System::new();
+    let mut system = System::new().map_err(|e| read_error("sysinfo", e))?;
     let commands = if with_commands { UpdateKind::OnlyIfNotSet } else { UpdateKind::Never };
     system.refresh_processes_specifics(ProcessesToUpdate::All, true, ProcessRefreshKind::nothing().with_cmd(commands));
     let as_i32 = |pid: Pid| i32::try_from(pid.as_u32()).ok();
