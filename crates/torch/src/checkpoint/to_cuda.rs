@@ -118,10 +118,8 @@ impl Checkpoint {
                     let outcome = match fence.map(|f| f.synchronize()) {
                         Some(Err(e)) => Err(self.stream_error(name, entry, e)),
                         _ => {
-                            // SAFETY: the slot is a pinned buffer of the ring's window that the ring
-                            // owns; length ≤ the window (the pieces' size); the copy that last read
-                            // it is done (its event above), and no other piece uses this slot until
-                            // this one's copy is issued.
+                            // SAFETY: a ring slot of `window` bytes, length ≤ window; its last copy is
+                            // done (event above); no other piece uses it until this one's copy is issued.
                             let memory = unsafe { std::slice::from_raw_parts_mut(slots[j % n] as *mut u8, length) };
                             self.handles[entry.file]
                                 .read_exact_at(memory, offset)
