@@ -14,10 +14,6 @@ use std::sync::Arc;
 
 use tch::{Kind, Tensor};
 
-/// Alignment of each tensor in a buffer: the storage alignment of the block slots
-/// ([`crate::storage::ALIGNMENT`]), enough for every dtype.
-const ALIGNMENT: u64 = crate::storage::ALIGNMENT as u64;
-
 /// Where host memory for copies comes from.
 pub(crate) trait HostMemory: Send + Sync {
     /// A uint8 tensor of `bytes` bytes, page-locked when `pin` (an error saying why it cannot
@@ -42,16 +38,12 @@ fn page_size() -> u64 {
     nix::unistd::sysconf(nix::unistd::SysconfVar::PAGE_SIZE).ok().flatten().map_or(4096, |p| p.max(1) as u64)
 }
 
-/// Where each of tensors of `sizes` bytes starts in one buffer (each at a multiple of
-/// [`ALIGNMENT`]), and the buffer's bytes (at least 1).
+/// Where each tensor of `sizes` bytes starts in one buffer (aligned as the block slots are:
+/// [`crate::storage::aligned_offsets`]), and the buffer's bytes (at least 1).
 fn layout(sizes: &[u64]) -> (Vec<u64>, u64) {
-    let mut offsets = Vec::with_capacity(sizes.len());
-    let mut end = 0u64;
-    for &bytes in sizes {
-        offsets.push(end);
-        end = end.saturating_add(bytes.div_ceil(ALIGNMENT).saturating_mul(ALIGNMENT));
-    }
-    (offsets, end.max(1))
+    let (offsets, end) =
+        crate::storage::aligned_offsets(sizes.iter().map(|&b| usize::try_from(b).unwrap_or(usize::MAX)));
+    (offsets.into_iter().map(|o| o as u64).collect(), (end as u64).max(1))
 }
 
 /// Bytes a set of copies of `sizes` bytes takes from the machine: its buffer in whole pages.

@@ -118,11 +118,17 @@ pub unsafe fn reallocate(storages: &[StorageRecord]) -> Result<HashSet<u64>, Shi
 /// [`ALIGNMENT`]; and the buffer's size ([`stageload_plan::split::block_bytes`], the size the
 /// split counts the block for).
 pub fn layout(storages: &[StorageRecord]) -> (Vec<usize>, usize) {
-    let mut offsets = Vec::with_capacity(storages.len());
+    aligned_offsets(storages.iter().map(|s| s.nbytes))
+}
+
+/// Where each of pieces of `sizes` bytes starts in one buffer, in order, each at a multiple of
+/// [`ALIGNMENT`]; and the buffer's size.
+pub(crate) fn aligned_offsets(sizes: impl IntoIterator<Item = usize>) -> (Vec<usize>, usize) {
+    let mut offsets = Vec::new();
     let mut end = 0usize;
-    for storage in storages {
+    for bytes in sizes {
         offsets.push(end);
-        end = end.saturating_add(storage.nbytes.div_ceil(ALIGNMENT).saturating_mul(ALIGNMENT));
+        end = end.saturating_add(bytes.div_ceil(ALIGNMENT).saturating_mul(ALIGNMENT));
     }
     (offsets, end)
 }
