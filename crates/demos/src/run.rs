@@ -40,6 +40,7 @@ impl DemoSpec {
             memory: None,
             device_memory: None,
             snapshot_dir: None,
+            snapshot_keep_free: None,
             models: self
                 .models
                 .iter()

@@ -210,8 +210,9 @@ fn with_built_model(name: &str, head: &str, extra: &str) -> Pipeline {
 
 #[test]
 fn a_model_without_a_checkpoint_reloads_from_its_snapshot_once_the_file_gives_a_snapshot_dir() {
-    let pipeline = with_built_model("snapshot", "snapshot_dir = \"snapshots\"\n", "");
+    let pipeline = with_built_model("snapshot", "snapshot_dir = \"snapshots\"\nsnapshot_keep_free = \"2G\"\n", "");
     let folder = pipeline.path.parent().unwrap();
+    assert_eq!(pipeline.snapshot_keep_free, Some(2 << 30));
     assert_eq!(
         pipeline.snapshot_dir.as_deref(),
         Some(folder.join("snapshots").as_path()),
@@ -394,6 +395,16 @@ fn bad_pipeline_files_name_what_is_wrong() {
             "model 'encoder': files and weights together",
         ),
         ("bad-weights", stages("\n[[models]]\nname = \"built\"\nweights = \"heavy\"\n"), "model 'built': weights: not a size"),
+        (
+            "bad-keep-free",
+            "snapshot_dir = \"s\"\nsnapshot_keep_free = \"most\"\n".to_string() + &stages(""),
+            "snapshot_keep_free: not a size",
+        ),
+        (
+            "keep-free-without-dir",
+            "snapshot_keep_free = \"1G\"\n".to_string() + &stages(""),
+            "snapshot_keep_free is set but snapshot_dir is not",
+        ),
         (
             "stream-without-files",
             stages("\n[[models]]\nname = \"built\"\nweights = \"1M\"\nstream = { blocks = [\"b.*\"], budget = \"1M\" }\n"),

@@ -23,8 +23,14 @@ fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
 }
 
 /// `m` (a randomly initialised MLP, no checkpoint; its builds counted) in stage `run`, and an
-/// empty stage `other`, with snapshots in `dir`.
+/// empty stage `other`, with snapshots in `dir`. Its snapshot is 8.2 KiB; what a write leaves
+/// free for the machine is not what these tests check (the last one below does), so they keep
+/// nothing free beyond the file and pass on a nearly full disk.
 fn registry(dir: &Path, builds: Arc<AtomicUsize>, sink: Arc<ListSink>) -> StagedModels {
+    registry_keeping(dir, 0, builds, sink)
+}
+
+fn registry_keeping(dir: &Path, keep_free: u64, builds: Arc<AtomicUsize>, sink: Arc<ListSink>) -> StagedModels {
     StagedModels::builder()
         .model(ModelSpec::new("m", move |_| {
             builds.fetch_add(1, Ordering::SeqCst);
@@ -33,6 +39,7 @@ fn registry(dir: &Path, builds: Arc<AtomicUsize>, sink: Arc<ListSink>) -> Staged
         .stage("run", ["m"])
         .stage("other", Vec::<String>::new())
         .snapshot_dir(dir)
+        .snapshot_keep_free(keep_free)
         .events(sink)
         .build()
         .unwrap()
@@ -108,7 +115,7 @@ fn a_pipeline_files_snapshot_dir_gives_the_reloads_its_plan_names() {
     let bytes = 2 * (32 * 32 + 32) * 4;
     let file = folder.path().join("pipeline.toml");
     let text = format!(
-        "snapshot_dir = \"snapshots\"\n\
+        "snapshot_dir = \"snapshots\"\nsnapshot_keep_free = \"0\"\n\
          [[models]]\nname = \"m\"\nweights = \"{bytes}\"\n\
          [[stages]]\nname = \"run\"\nmodels = [\"m\"]\n[[stages]]\nname = \"other\"\n[[stages]]\nname = \"run\"\nmodels = [\"m\"]\n"
     );
@@ -164,6 +171,30 @@ fn a_snapshot_that_cannot_be_written_leaves_the_model_to_be_rebuilt_and_says_why
     assert!(note.starts_with("not written: ") && note.contains("'m' is rebuilt when needed"), "{note}");
     models.enter("run").unwrap();
     assert!(forward(&models).equal(&first), "rebuilt under preserved RNG: the same weights");
+    assert_eq!(builds.load(Ordering::SeqCst), 2);
+    assert_eq!(sink.of_kind(EventKind::Reload)[0].from, Some(ReloadFrom::Rebuilt));
+}
+
+#[test]
+fn a_snapshot_that_would_leave_less_than_the_keep_free_bytes_is_not_begun() {
+    let _one = one_at_a_time();
+    let dir = tempfile::tempdir().unwrap();
+    let (builds, sink) = (Arc::new(AtomicUsize::new(0)), Arc::new(ListSink::new()));
+    // More than any file system has: the real free-space reading says no.
+    let models = registry_keeping(dir.path(), u64::MAX / 2, builds.clone(), sink.clone());
+    models.enter("run").unwrap();
+    let first = forward(&models);
+    models.enter("other").unwrap();
+    let note = sink.of_kind(EventKind::Snapshot)[0].note.clone().unwrap();
+    assert!(note.starts_with(&format!("not written: {} has ", dir.path().display())), "{note}");
+    assert!(
+        note.contains("and the snapshot of 8.2 KiB would leave less than")
+            && note.ends_with("'m' is rebuilt when needed"),
+        "{note}"
+    );
+    assert!(snapshots(dir.path()).is_empty(), "nothing begun: {:?}", files(dir.path()));
+    models.enter("run").unwrap();
+    assert!(forward(&models).equal(&first));
     assert_eq!(builds.load(Ordering::SeqCst), 2);
     assert_eq!(sink.of_kind(EventKind::Reload)[0].from, Some(ReloadFrom::Rebuilt));
 }

@@ -131,6 +131,7 @@ fn description(file: &std::path::Path, args: &Args) -> PipelineFile {
         memory: None,
         device_memory: None,
         snapshot_dir: None,
+        snapshot_keep_free: None,
         pins: Vec::new(),
         models: vec![ModelEntry {
             name: MODEL.to_string(),

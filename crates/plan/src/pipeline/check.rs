@@ -282,7 +282,11 @@ impl Pipeline {
         let memory = |field: &str, value: &Option<String>| -> Result<Option<u64>, PipelineError> {
             value.as_deref().map(|text| parse_size(text).map_err(|e| invalid(format!("{field}: {e}")))).transpose()
         };
+        let snapshot_keep_free = memory("snapshot_keep_free", &file.snapshot_keep_free)?;
         let (memory, device_memory) = (memory("memory", &file.memory)?, memory("device_memory", &file.device_memory)?);
+        if snapshot_keep_free.is_some() && file.snapshot_dir.is_none() {
+            return Err(invalid("snapshot_keep_free is set but snapshot_dir is not: name the snapshot folder, or remove snapshot_keep_free".to_string()));
+        }
         let snapshot_dir = file.snapshot_dir.map(|dir| folder.join(dir));
         let mut pipeline = Pipeline {
             path: path.to_path_buf(),
@@ -295,6 +299,7 @@ impl Pipeline {
             memory,
             device_memory,
             snapshot_dir,
+            snapshot_keep_free,
         };
         pipeline.derive_budgets(undecided).map_err(invalid)?;
         Ok(pipeline)

@@ -10,6 +10,7 @@
 //! memory = "24G"                             # the run's host memory and device memory, from which
 //! device_memory = "80G"                      # a streamed model without a budget takes the rest
 //! snapshot_dir = "snapshots"                 # models without a checkpoint reload from a snapshot
+//! snapshot_keep_free = "4G"                  # what a snapshot write leaves free (default 1G)
 //!
 //! [[pins]]                                   # resident from a stage until another begins
 //! models = ["extractor"]
@@ -157,6 +158,9 @@ pub struct PipelineFile {
     /// (`StagedModelsBuilder::snapshot_dir`); without it, such a model is rebuilt.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub snapshot_dir: Option<PathBuf>,
+    /// What every snapshot write leaves free on the folder's file system (a size; default 1G).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub snapshot_keep_free: Option<String>,
     /// Models resident over a span of stages.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub pins: Vec<PinEntry>,

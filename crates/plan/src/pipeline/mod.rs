@@ -250,6 +250,9 @@ pub struct Pipeline {
     /// Where models without a checkpoint write their snapshots (resolved from the file's folder).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub snapshot_dir: Option<PathBuf>,
+    /// What a snapshot write leaves free there, bytes (the registry's default when absent).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub snapshot_keep_free: Option<u64>,
 }
 
 impl Pipeline {

@@ -46,6 +46,7 @@ pub struct StagedModelsBuilder {
     out_of_memory: decide::OutOfMemory,
     host_tier: Option<u64>,
     snapshot_dir: Option<PathBuf>,
+    snapshot_keep_free: u64,
     host_memory: Arc<dyn crate::pinned::HostMemory>,
     /// The pipeline file's largest model on a device, as its plan sizes it.
     largest_device_model: Option<(String, u64)>,
@@ -72,6 +73,9 @@ impl StagedModelsBuilder {
         }
         if let Some(dir) = &pipeline.snapshot_dir {
             self = self.snapshot_dir(dir.clone());
+        }
+        if let Some(bytes) = pipeline.snapshot_keep_free {
+            self = self.snapshot_keep_free(bytes);
         }
         self.largest_device_model = TierPlan::of(pipeline, 0).largest;
         for stage in &pipeline.stages {
@@ -215,13 +219,22 @@ impl StagedModelsBuilder {
     /// in the host tier writes its weights there once as safetensors, and its later reloads come
     /// back in place from that file (no loader call, no random number drawn: it may be
     /// prefetched; `reload` events say `from: snapshot`) instead of rebuilding it. Free space is
-    /// checked first (the write must leave 1 GiB free); a write that cannot be made leaves the
+    /// checked first (the write must leave [`snapshot_keep_free`](Self::snapshot_keep_free)
+    /// bytes free, 1 GiB unless set); a write that cannot be made leaves the
     /// model to be rebuilt, and its `snapshot` event says why. The files are the registry's
     /// own: removed at `close` and when it drops; those of a process that was killed are removed
     /// by the next registry that opens the folder, never a live one's. [`build`](Self::build)
     /// makes the folder, or fails naming it ([`StageError::SnapshotDir`]).
     pub fn snapshot_dir(mut self, dir: impl Into<PathBuf>) -> Self {
         self.snapshot_dir = Some(dir.into());
+        self
+    }
+
+    /// Bytes every snapshot write leaves free on its folder's file system, for the machine's
+    /// other users ([`KEEP_FREE`](super::snapshot::KEEP_FREE), 1 GiB, unless set): a write that
+    /// would leave less is not begun and the model is rebuilt when needed.
+    pub fn snapshot_keep_free(mut self, bytes: u64) -> Self {
+        self.snapshot_keep_free = bytes;
         self
     }
 
@@ -337,9 +350,10 @@ impl StagedModelsBuilder {
             stageload_torch_sys::map_large_host_blocks();
         }
         let snapshots = match &self.snapshot_dir {
-            Some(dir) => {
-                Some(Snapshots::open(dir).map_err(|message| StageError::SnapshotDir { path: dir.clone(), message })?)
-            }
+            Some(dir) => Some(
+                Snapshots::open(dir, self.snapshot_keep_free)
+                    .map_err(|message| StageError::SnapshotDir { path: dir.clone(), message })?,
+            ),
             None => None,
         };
         let pinned = self.pinned.into_iter().collect();
@@ -398,6 +412,7 @@ impl StagedModels {
             out_of_memory: decide::OutOfMemory::Fail,
             host_tier: None,
             snapshot_dir: None,
+            snapshot_keep_free: super::snapshot::KEEP_FREE,
             host_memory: Arc::new(crate::pinned::Mapped),
             largest_device_model: None,
             #[cfg(test)]

@@ -10,8 +10,9 @@
 //! owner is gone (killed, crashed); a live owner's lock cannot be taken, so its files stay. The
 //! lock is the kernel's, so a reused pid changes nothing.
 //!
-//! Free space is checked before a write: the snapshot and [`KEEP_FREE`] beside it must fit in
-//! what the file system has for unprivileged users. A write that cannot be made leaves the model
+//! Free space is checked before a write: the snapshot and the registry's keep-free bytes beside
+//! it ([`KEEP_FREE`] unless the builder says otherwise) must fit in what the file system has for
+//! unprivileged users. A write that cannot be made leaves the model
 //! to be rebuilt as before; the registry says why in a `snapshot` event.
 
 use std::fs::File;
@@ -28,8 +29,8 @@ use super::registry::{released, Inner, State};
 use crate::sync::lock;
 use stageload_trace::event::{Event, EventKind};
 
-/// What a write leaves free on the snapshot folder's file system, for everything else on the
-/// machine (a shared machine's other users, the trace, the OS).
+/// What a write leaves free on the snapshot folder's file system by default, for everything
+/// else on the machine (a shared machine's other users, the trace, the OS).
 pub const KEEP_FREE: u64 = 1 << 30;
 
 /// Registries of this process so far: each gets a name of its own in a shared folder.
@@ -42,14 +43,16 @@ pub(crate) struct Snapshots {
     stem: String,
     /// Held for the registry's life: the sign to other processes that its files are live.
     _lock: Flock<File>,
+    /// Bytes every write leaves free on the folder's file system.
+    keep_free: u64,
     written: Mutex<Vec<PathBuf>>,
     next: AtomicU64,
 }
 
 impl Snapshots {
     /// Makes the folder if needed, removes what dead owners left in it, and takes a lock file of
-    /// this registry's own.
-    pub(crate) fn open(dir: &Path) -> Result<Self, String> {
+    /// this registry's own; its writes leave `keep_free` bytes free.
+    pub(crate) fn open(dir: &Path, keep_free: u64) -> Result<Self, String> {
         let fail = |what: &str, e: &dyn std::fmt::Display| format!("snapshot folder {}: {what}: {e}", dir.display());
         std::fs::create_dir_all(dir).map_err(|e| fail("cannot create it", &e))?;
         remove_stale(dir);
@@ -62,22 +65,23 @@ impl Snapshots {
             dir: dir.to_path_buf(),
             stem,
             _lock: lock,
+            keep_free,
             written: Mutex::new(Vec::new()),
             next: AtomicU64::new(0),
         })
     }
 
     /// Writes `tensors` (`bytes` of data) as a new snapshot file and returns its path; a file
-    /// that would not leave [`KEEP_FREE`] bytes free is not begun.
+    /// that would not leave the keep-free bytes free is not begun.
     pub(crate) fn write(&self, model: &str, tensors: &[(String, Tensor)], bytes: u64) -> Result<PathBuf, String> {
         let free = free_bytes(&self.dir)?;
-        if !leaves_enough(free, bytes) {
+        if !leaves_enough(free, bytes, self.keep_free) {
             return Err(format!(
                 "{} has {} free, and the snapshot of {} would leave less than {} free",
                 self.dir.display(),
                 stageload_units::format_bytes(free),
                 stageload_units::format_bytes(bytes),
-                stageload_units::format_bytes(KEEP_FREE),
+                stageload_units::format_bytes(self.keep_free),
             ));
         }
         let k = self.next.fetch_add(1, Ordering::Relaxed);
@@ -112,9 +116,9 @@ impl Drop for Snapshots {
     }
 }
 
-/// Whether writing `bytes` where `free` bytes are free leaves [`KEEP_FREE`] of them.
-fn leaves_enough(free: u64, bytes: u64) -> bool {
-    bytes.checked_add(KEEP_FREE).is_some_and(|needed| needed <= free)
+/// Whether writing `bytes` where `free` bytes are free leaves `keep_free` of them.
+fn leaves_enough(free: u64, bytes: u64, keep_free: u64) -> bool {
+    bytes.checked_add(keep_free).is_some_and(|needed| needed <= free)
 }
 
 /// Bytes an unprivileged process may still write on the file system of `dir`.
@@ -213,10 +217,11 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_snapshot_is_written_only_when_it_leaves_a_gibibyte_free() {
-        assert!(leaves_enough(KEEP_FREE + 100, 100));
-        assert!(!leaves_enough(KEEP_FREE + 99, 100));
-        assert!(!leaves_enough(KEEP_FREE - 1, 0));
-        assert!(!leaves_enough(u64::MAX, u64::MAX), "no wrapping");
+    fn a_snapshot_is_written_only_when_it_leaves_the_keep_free_bytes_free() {
+        assert!(leaves_enough(KEEP_FREE + 100, 100, KEEP_FREE));
+        assert!(!leaves_enough(KEEP_FREE + 99, 100, KEEP_FREE));
+        assert!(!leaves_enough(KEEP_FREE - 1, 0, KEEP_FREE));
+        assert!(leaves_enough(100, 100, 0), "nothing kept: the file alone must fit");
+        assert!(!leaves_enough(u64::MAX, u64::MAX, KEEP_FREE), "no wrapping");
     }
 }
