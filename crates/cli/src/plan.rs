@@ -1,10 +1,12 @@
 //! `stageload plan FILE`: reads a pipeline description and its checkpoints' headers, and says
-//! stage by stage whether the pipeline fits this machine, staged and eager.
+//! stage by stage whether the pipeline fits this machine, staged and eager; with `--request`,
+//! what one run asks a scheduler for.
 
 use std::path::PathBuf;
 
-use clap::Args;
+use clap::{Args, ValueEnum};
 use stageload_plan::measured::{check, render_checks, Measured};
+use stageload_plan::request::{Mode, Request};
 use stageload_plan::{plan, Budget, Pipeline};
 use stageload_trace::read_trace;
 
@@ -14,9 +16,22 @@ use crate::out;
 /// Exit codes of `stageload plan`.
 const EXIT_CODES: &str = "\
 Exit codes: 0 every stage fits (now, or once other processes free memory), and with --check the
-run matches the plan; 1 a stage does not fit, or --check finds a stage off; 2 bad input (missing
-or invalid file, unknown model, dtype or device, truncated checkpoint, a trace of another
-pipeline).";
+run matches the plan; 1 a stage does not fit (with --request: nothing is printed but why), or
+--check finds a stage off; 2 bad input (missing or invalid file, unknown model, dtype or device,
+truncated checkpoint, a trace of another pipeline).";
+
+/// How `--request` spells one run's request.
+#[derive(Clone, Copy, ValueEnum)]
+enum Format {
+    /// The request's numbers (bytes) as JSON
+    Json,
+    /// Ray task options as JSON: memory (bytes), num_cpus, num_gpus, resources.device_memory_mib
+    Ray,
+    /// #SBATCH lines: --mem, --cpus-per-task, --gres=gpu:N
+    Slurm,
+    /// A container's resources block: requests = the need, limits = the need plus the reserve
+    Kubernetes,
+}
 
 /// Know before a run whether a staged pipeline fits: per stage, what is resident, loaded and
 /// released, what it needs, and a verdict; the same for loading every model at once.
@@ -42,6 +57,13 @@ pub struct PlanArgs {
     /// Compare the plan with this recorded run, stage by stage: weights exactly, peak within 5 %
     #[arg(long, value_name = "RUN.jsonl")]
     check: Option<PathBuf>,
+    /// Print what one run asks a scheduler for instead of the plan: host memory (the largest
+    /// stage need plus the reserve), device memory, GPUs, CPUs (the file's `cpus`)
+    #[arg(long, value_name = "FORMAT", conflicts_with_all = ["json", "check"])]
+    request: Option<Format>,
+    /// With --request: the request of an eager run (every model loaded up front)
+    #[arg(long, requires = "request")]
+    eager: bool,
 }
 
 /// Says `error` and gives exit code 2.
@@ -85,6 +107,24 @@ pub fn run(args: PlanArgs) -> i32 {
         Ok(checks) => checks,
         Err(error) => return bad(error),
     };
+    if let Some(format) = args.request {
+        let mode = if args.eager { Mode::Eager } else { Mode::Staged };
+        return match Request::of(&pipeline, &plan, mode) {
+            Ok(request) => {
+                out::line(&match format {
+                    Format::Json => serde_json::to_string_pretty(&request).expect("a request is plain data"),
+                    Format::Ray => request.ray(),
+                    Format::Slurm => request.slurm(),
+                    Format::Kubernetes => request.kubernetes(),
+                });
+                0
+            }
+            Err(no_fit) => {
+                eprintln!("stageload plan: {}: {no_fit}", args.file.display());
+                1
+            }
+        };
+    }
     if args.json {
         out::line(&serde_json::to_string_pretty(&plan).expect("a plan is plain data"));
     } else {

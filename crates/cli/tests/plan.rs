@@ -219,3 +219,103 @@ fn a_stage_that_does_not_fit_says_what_would_make_it_fit() {
     assert!(text.contains("unpin encoder here (kept, not used by this stage): saves 1.0 MiB, enough alone"), "{text}");
     assert!(text.contains("load decoder as bf16 (dtype = \"bf16\"): saves 512.0 KiB, enough alone"), "{text}");
 }
+
+/// The fixture with a reserve, working memory, CPUs and the decoder on cuda:1.
+fn scheduled(name: &str) -> Fixture {
+    let path = pipeline(name);
+    let text = std::fs::read_to_string(&path.path).unwrap();
+    let text = format!(
+        "reserve = \"10%\"\ncpus = 2\n{}",
+        text.replace("files = [\"decoder.safetensors\"]", "files = [\"decoder.safetensors\"]\ndevice = \"cuda:1\"")
+            .replace("models = [\"encoder\"]", "models = [\"encoder\"]\nworking = \"3M\"")
+    );
+    std::fs::write(&path.path, text).unwrap();
+    path
+}
+
+#[test]
+fn a_request_is_the_plans_peak_need_with_its_reserve_in_each_schedulers_words() {
+    let path = scheduled("request");
+    let file = path.to_str().unwrap();
+    let (output, text) = plan(&[file, "--json", "--memory", "1G", "--device-memory", "1G"]);
+    assert_eq!(output.status.code(), Some(0), "{text}");
+    let planned: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
+    let request_of = |args: &[&str]| {
+        let (output, text) = plan(&[&[file, "--memory", "1G", "--device-memory", "1G", "--request"], args].concat());
+        assert_eq!(output.status.code(), Some(0), "{text}");
+        String::from_utf8(output.stdout).unwrap()
+    };
+    let json: serde_json::Value = serde_json::from_str(&request_of(&["json"])).unwrap();
+    // encode: 1 MiB of weights and 3 MiB working, 10 % on top; decode: its 1 MiB on the device.
+    let (need, device_need) = (4u64 << 20, 1u64 << 20);
+    assert_eq!(json["memory"], planned["peak_need"]);
+    assert_eq!(json["memory"], need + need / 10);
+    assert_eq!(json["expected"], need);
+    assert_eq!(json["device_memory"], planned["device_peak_need"]);
+    assert_eq!(json["device_memory"], device_need + device_need / 10);
+    assert_eq!(json["stage"], "encode");
+    assert_eq!(json["gpus"], serde_json::json!([1]));
+    assert_eq!(json["cpus"], 2);
+    let ray: serde_json::Value = serde_json::from_str(&request_of(&["ray"])).unwrap();
+    assert_eq!(
+        ray,
+        serde_json::json!({ "memory": need + need / 10, "num_cpus": 2, "num_gpus": 1, "resources": { "device_memory_mib": 2 } })
+    );
+    let mib = |bytes: u64| bytes.div_ceil(1 << 20);
+    let slurm = request_of(&["slurm"]);
+    assert!(
+        slurm.starts_with(&format!(
+            "#SBATCH --mem={}M\n#SBATCH --cpus-per-task=2\n#SBATCH --gres=gpu:1\n",
+            mib(need + need / 10)
+        )),
+        "{slurm}"
+    );
+    let kubernetes = request_of(&["kubernetes"]);
+    assert!(
+        kubernetes.contains(&format!(
+            "requests:\n    memory: 4Mi\n    cpu: \"2\"\n    nvidia.com/gpu: 1\n  limits:\n    memory: {}Mi\n",
+            mib(need + need / 10)
+        )),
+        "{kubernetes}"
+    );
+    // Eager: both models' weights and the largest working memory.
+    let eager: serde_json::Value = serde_json::from_str(&request_of(&["json", "--eager"])).unwrap();
+    assert_eq!(eager["memory"], planned["eager"]["need"]);
+    assert_eq!(eager["mode"], "eager");
+}
+
+#[test]
+fn a_plan_that_fits_no_machine_prints_why_instead_of_a_request() {
+    let path = scheduled("no-fit");
+    let file = path.to_str().unwrap();
+    let (output, text) = plan(&[file, "--memory", "2M", "--request", "ray"]);
+    assert_eq!(output.status.code(), Some(1), "{text}");
+    assert!(output.stdout.is_empty(), "{text}");
+    assert!(
+        text.contains(
+            "the plan does not fit: stage 'encode' needs 4.4 MiB of host memory (--memory), over 2.0 MiB by 2.4 MiB"
+        ),
+        "{text}"
+    );
+    let (output, text) = plan(&[file, "--memory", "1G", "--device-memory", "1M", "--request", "slurm"]);
+    assert_eq!(output.status.code(), Some(1), "{text}");
+    assert!(
+        text.contains("stage 'decode' needs 1.1 MiB of device memory (--device-memory, or the file's device_memory)"),
+        "{text}"
+    );
+    // 1.5 MiB holds the two 1 MiB host models staged, not eager.
+    let host_only = pipeline("no-fit-eager");
+    let host_file = host_only.to_str().unwrap();
+    let (output, text) = plan(&[host_file, "--memory", "1536K", "--request", "json", "--eager"]);
+    assert_eq!(output.status.code(), Some(1), "{text}");
+    assert!(
+        text.contains("stage 'encode' needs 2.0 MiB of host memory (--memory), over 1.5 MiB by 512.0 KiB"),
+        "{text}"
+    );
+    assert_eq!(plan(&[host_file, "--memory", "1536K", "--request", "json"]).0.status.code(), Some(0));
+    // --eager without --request, --request with --json: usage errors.
+    for args in [&[file, "--eager"][..], &[file, "--request", "ray", "--json"], &[file, "--request", "yaml"]] {
+        let (output, text) = plan(args);
+        assert_eq!(output.status.code(), Some(2), "{args:?}: {text}");
+    }
+}

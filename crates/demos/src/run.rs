@@ -41,6 +41,7 @@ impl DemoSpec {
             device_memory: None,
             snapshot_dir: None,
             snapshot_keep_free: None,
+            cpus: None,
             models: self
                 .models
                 .iter()

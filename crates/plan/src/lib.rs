@@ -11,6 +11,7 @@
 //! - [`measured`]: working memory from a recorded run, and a plan checked against a run.
 //! - [`plan`](mod@plan): stage by stage residency, loads, releases, reloads, bytes read, and a verdict
 //!   per stage against this machine's budget, staged and eager.
+//! - [`request`]: what one run asks a scheduler for (Ray, Slurm, Kubernetes), from its plan.
 
 pub mod blocks;
 pub mod hot;
@@ -18,6 +19,7 @@ pub mod leftover;
 pub mod measured;
 pub mod pipeline;
 pub mod plan;
+pub mod request;
 pub mod split;
 pub mod tier;
 

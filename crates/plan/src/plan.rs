@@ -37,6 +37,17 @@ pub struct Budget {
     pub source: BudgetSource,
 }
 
+impl BudgetSource {
+    /// `this machine`, `this cgroup's limit`, `--memory`: as the plan names its budget.
+    pub fn describe(self) -> &'static str {
+        match self {
+            BudgetSource::Machine => "this machine",
+            BudgetSource::Cgroup => "this cgroup's limit",
+            BudgetSource::Flag => "--memory",
+        }
+    }
+}
+
 impl Budget {
     /// This machine's budget now: the cgroup limit inside a limited cgroup, else the machine.
     pub fn of_this_machine() -> Result<Budget, stageload_probe::ProbeError> {
@@ -123,12 +134,20 @@ pub struct StagePlan {
     /// `need`; absent without a tier).
     #[serde(default, skip_serializing_if = "is_zero")]
     pub tier: u64,
-    /// Host bytes of the resident weights, and with the stage's working memory.
+    /// Host bytes of the resident weights, and with the stage's working memory (and the tier's
+    /// copies, and a streamed CUDA model's pinned block copies) plus the pipeline's reserve.
     pub weights: u64,
     pub need: u64,
     /// The same on the device.
     pub device_weights: u64,
     pub device_need: u64,
+    /// `need` and `device_need` before the reserve is added: what the stage is expected to
+    /// use, where `need` is what it may use (a scheduler's request and limit,
+    /// [`crate::request`]).
+    #[serde(default)]
+    pub need_before_reserve: u64,
+    #[serde(default)]
+    pub device_need_before_reserve: u64,
     /// Bytes read from disk by the stage's loads.
     pub read: u64,
     pub verdict: Verdict,
@@ -206,9 +225,15 @@ fn remedy(
 pub struct EagerPlan {
     pub weights: u64,
     pub device_weights: u64,
-    /// The largest need over the stages: every weight plus the stage's working memory.
+    /// The largest need over the stages: every weight plus the stage's working memory, plus the
+    /// pipeline's reserve.
     pub need: u64,
     pub device_need: u64,
+    /// `need` and `device_need` before the reserve is added.
+    #[serde(default)]
+    pub need_before_reserve: u64,
+    #[serde(default)]
+    pub device_need_before_reserve: u64,
     pub peak_stage: String,
     pub read: u64,
     pub verdict: Verdict,
@@ -262,9 +287,15 @@ fn read_for(loading: &[&Model], resident: &[&Model]) -> u64 {
     total(loading.iter().flat_map(|m| &m.parts).filter(|part| held.insert(&part.file)).map(|part| part.file_bytes))
 }
 
+/// The stage with the largest `need` (host or device), the earliest on a tie: the plan's peak,
+/// and the stage a request names ([`crate::request`]).
+pub fn peak(stages: &[StagePlan], need: impl Fn(&StagePlan) -> u64) -> Option<&StagePlan> {
+    // `max_by_key` keeps the last of equal keys, hence `rev`.
+    stages.iter().rev().max_by_key(|s| need(s))
+}
+
 /// Plans `pipeline` against `budget` (and `device_budget` for models on a GPU).
 pub fn plan(pipeline: &Pipeline, budget: Budget, device_budget: Option<Budget>) -> Plan {
-    // Ties for a peak go to the earliest stage (`max_by_key` keeps the last, hence `rev`).
     // A pipeline from `Pipeline::load` names only its own models; unknown names count nothing.
     let models_of =
         |names: &[String]| -> Vec<&Model> { names.iter().filter_map(|name| pipeline.model(name)).collect() };
@@ -320,10 +351,9 @@ pub fn plan(pipeline: &Pipeline, budget: Budget, device_budget: Option<Budget>) 
         // A streamed model on CUDA keeps every block's pinned copy in host memory: like the
         // tier's copies, host memory the stage needs beside its weights.
         let pinned_copies = total(resident_models.iter().filter_map(|m| m.streamed.as_ref().map(|s| s.host_copies)));
-        let (need, device_need) = (
-            reserve(total([weights, tier_bytes, pinned_copies, stage.working])),
-            reserve(device_weights.saturating_add(stage.device_working)),
-        );
+        let need_before_reserve = total([weights, tier_bytes, pinned_copies, stage.working]);
+        let device_need_before_reserve = device_weights.saturating_add(stage.device_working);
+        let (need, device_need) = (reserve(need_before_reserve), reserve(device_need_before_reserve));
         stages.push(StagePlan {
             name: stage.name.clone(),
             resident: resident.clone(),
@@ -340,6 +370,8 @@ pub fn plan(pipeline: &Pipeline, budget: Budget, device_budget: Option<Budget>) 
             need,
             device_weights,
             device_need,
+            need_before_reserve,
+            device_need_before_reserve,
             verdict: Verdict::of(need, Some(&budget)),
             device_verdict: Verdict::of(device_need, device_budget.as_ref()),
             remedy: None,
@@ -347,8 +379,7 @@ pub fn plan(pipeline: &Pipeline, budget: Budget, device_budget: Option<Budget>) 
         let planned = stages.len() - 1;
         stages[planned].remedy = remedy(pipeline, index, &stages[planned], &budget, device_budget.as_ref());
     }
-    let (peak_stage, peak_need) =
-        stages.iter().rev().max_by_key(|s| s.need).map_or((String::new(), 0), |s| (s.name.clone(), s.need));
+    let (peak_stage, peak_need) = peak(&stages, |s| s.need).map_or((String::new(), 0), |s| (s.name.clone(), s.need));
     let all: Vec<&Model> = pipeline.models.iter().collect();
     let (all_host, all_device) = (bytes_on(&all, Placement::Host), bytes_on(&all, Placement::Device));
     let (eager_stage, eager_working) = pipeline
@@ -357,14 +388,17 @@ pub fn plan(pipeline: &Pipeline, budget: Budget, device_budget: Option<Budget>) 
         .rev()
         .max_by_key(|s| s.working)
         .map_or((String::new(), 0), |s| (s.name.clone(), s.working));
-    let eager_need = reserve(all_host.saturating_add(eager_working));
-    let eager_device_need =
-        reserve(all_device.saturating_add(pipeline.stages.iter().map(|s| s.device_working).max().unwrap_or(0)));
+    let eager_before_reserve = all_host.saturating_add(eager_working);
+    let eager_device_before_reserve =
+        all_device.saturating_add(pipeline.stages.iter().map(|s| s.device_working).max().unwrap_or(0));
+    let (eager_need, eager_device_need) = (reserve(eager_before_reserve), reserve(eager_device_before_reserve));
     let eager = EagerPlan {
         weights: all_host,
         device_weights: all_device,
         need: eager_need,
         device_need: eager_device_need,
+        need_before_reserve: eager_before_reserve,
+        device_need_before_reserve: eager_device_before_reserve,
         peak_stage: eager_stage,
         read: read_for(&all, &[]),
         verdict: Verdict::of(eager_need, Some(&budget)),
@@ -379,7 +413,7 @@ pub fn plan(pipeline: &Pipeline, budget: Budget, device_budget: Option<Budget>) 
         device_budget,
         peak_stage,
         peak_need,
-        device_peak_need: stages.iter().map(|s| s.device_need).max().unwrap_or(0),
+        device_peak_need: peak(&stages, |s| s.device_need).map_or(0, |s| s.device_need),
         read: total(stages.iter().map(|s| s.read)),
         fits: stages.iter().all(|s| s.verdict.fits() && s.device_verdict.fits())
             && host_tier.as_ref().is_none_or(TierPlan::fits),
@@ -503,11 +537,7 @@ impl Plan {
                 some("; rebuilt by its loader: ", &stage.rebuilt)
             );
         }
-        let source = match self.budget.source {
-            BudgetSource::Machine => "this machine",
-            BudgetSource::Cgroup => "this cgroup's limit",
-            BudgetSource::Flag => "--memory",
-        };
+        let source = self.budget.source.describe();
         out += &format!(
             "\npeak stage: {} needs {}\nread from disk over the run: {} (eager: {})\nbudget ({source}): {} total, {} available",
             self.peak_stage,

@@ -132,6 +132,7 @@ fn description(file: &std::path::Path, args: &Args) -> PipelineFile {
         device_memory: None,
         snapshot_dir: None,
         snapshot_keep_free: None,
+        cpus: None,
         pins: Vec::new(),
         models: vec![ModelEntry {
             name: MODEL.to_string(),

@@ -287,6 +287,11 @@ impl Pipeline {
         if snapshot_keep_free.is_some() && file.snapshot_dir.is_none() {
             return Err(invalid("snapshot_keep_free is set but snapshot_dir is not: name the snapshot folder, or remove snapshot_keep_free".to_string()));
         }
+        if file.cpus == Some(0) {
+            return Err(invalid(
+                "cpus = 0: a run needs at least one CPU; give cpus = N (N >= 1), or leave it out".into(),
+            ));
+        }
         let snapshot_dir = file.snapshot_dir.map(|dir| folder.join(dir));
         let mut pipeline = Pipeline {
             path: path.to_path_buf(),
@@ -300,6 +305,7 @@ impl Pipeline {
             device_memory,
             snapshot_dir,
             snapshot_keep_free,
+            cpus: file.cpus,
         };
         pipeline.derive_budgets(undecided).map_err(invalid)?;
         Ok(pipeline)

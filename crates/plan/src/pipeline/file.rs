@@ -11,6 +11,7 @@
 //! device_memory = "80G"                      # a streamed model without a budget takes the rest
 //! snapshot_dir = "snapshots"                 # models without a checkpoint reload from a snapshot
 //! snapshot_keep_free = "4G"                  # what a snapshot write leaves free (default 1G)
+//! cpus = 4                                   # CPUs one run asks a scheduler for (`plan --request`)
 //!
 //! [[pins]]                                   # resident from a stage until another begins
 //! models = ["extractor"]
@@ -161,6 +162,10 @@ pub struct PipelineFile {
     /// What every snapshot write leaves free on the folder's file system (a size; default 1G).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub snapshot_keep_free: Option<String>,
+    /// CPUs one run asks a scheduler for (`stageload plan --request`; at least 1). None: the
+    /// request names no CPUs and the scheduler's default holds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpus: Option<u32>,
     /// Models resident over a span of stages.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub pins: Vec<PinEntry>,

@@ -89,6 +89,17 @@ impl DeviceName {
     }
 }
 
+/// `cpu`, `cuda:N` (plain `cuda` is `cuda:0`), `mps`.
+impl std::fmt::Display for DeviceName {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            DeviceName::Cpu => write!(f, "cpu"),
+            DeviceName::Cuda(index) => write!(f, "cuda:{index}"),
+            DeviceName::Mps => write!(f, "mps"),
+        }
+    }
+}
+
 /// Where a model's weights live while it is resident.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -253,6 +264,9 @@ pub struct Pipeline {
     /// What a snapshot write leaves free there, bytes (the registry's default when absent).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub snapshot_keep_free: Option<u64>,
+    /// CPUs one run asks a scheduler for (at least 1), when the file says.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpus: Option<u32>,
 }
 
 impl Pipeline {
