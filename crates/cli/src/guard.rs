@@ -8,11 +8,17 @@ use std::time::Duration;
 use clap::Args;
 use regex::Regex;
 use stageload_guard::config::{defaults, ranges, within};
-use stageload_guard::{exit, run_guarded, GuardConfig, GuardLog, Signals, SystemClock, SystemReadings};
+use stageload_guard::{
+    exit, run_guarded, GuardConfig, GuardLog, Outcome, Readings, Signals, SystemClock, SystemReadings,
+};
+use stageload_plan::request::Mode;
 use stageload_units::format_gb;
 
 use crate::args::{duration, size};
 use crate::out;
+
+mod held;
+use held::{Held, TraceTail};
 
 const EXIT_CODES: &str = "\
 Exit codes:
@@ -25,13 +31,24 @@ Exit codes:
   126      the command was found but cannot be executed
   127      the command was not found
   2        bad usage: an invalid flag, a duration out of its range, flags that contradict
-           each other, or no command after --
+           each other, or no command after --; with --plan also a pipeline file that does not
+           load, or a plan that does not fit this machine
+
+--plan FILE holds a job a scheduler already admitted to its plan: --max-memory is the plan's
+largest stage need plus its reserve (the numbers of `stageload plan FILE --request json`; with
+--eager those of the eager run), and on CUDA the device need plus reserve is a device limit,
+read from the trace the command writes (--trace). It skips the rules that only make sense on a
+shared desktop: --wait-free (0), --busy and --quiet-for (none), and --kill-free (0: a
+machine-wide low-memory rule on a scheduler's node would stop whichever job it watches, not the
+one over its plan); the swap budget and --swap-limit stay. Giving --plan with --max-memory,
+--wait-free, --kill-free, --busy or --quiet-for is refused. A run over its plan is stopped (exit
+3) and the log says by how much and in which stage (from --trace: the last stage begun).
 
 Sizes: 8G, 512M, 1.5GiB (binary), 2GB (decimal), 100 (bytes). Durations: 250ms, 90s, 30m, 2h.";
 
 /// Start COMMAND only when there is memory for it, in its own process group; stop the group
 /// when swap grows past the budget, available memory stays too low, or the command passes
-/// --max-memory.
+/// --max-memory (or, with --plan, its plan's limits).
 #[derive(Args)]
 #[command(after_help = EXIT_CODES)]
 pub struct GuardArgs {
@@ -40,9 +57,25 @@ pub struct GuardArgs {
     /// Also write every decision, with the readings behind it, as JSON lines to FILE
     #[arg(long, value_name = "FILE")]
     pub log: Option<PathBuf>,
-    /// Only say whether the command would start now, and if not, why (exit 0 or 4)
+    /// Only say whether the command would start now, and if not, why (exit 0 or 4); with
+    /// --plan also the limits the plan sets
     #[arg(long)]
     check: bool,
+    /// Hold the command to this pipeline file's plan, for a job a scheduler already admitted:
+    /// --max-memory is the plan's largest stage need plus its reserve (as `stageload plan
+    /// --request` says), and with --trace on CUDA the device need plus reserve is a device limit.
+    /// Skips --wait-free (0), --busy, --quiet-for and --kill-free (0: a machine-wide low-memory
+    /// stop on a shared node would stop whichever job it watches); keeps the swap budget. Exit 2
+    /// when the file does not load or the plan does not fit this machine
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["max_memory", "wait_free", "kill_free", "busy", "quiet_for"])]
+    plan: Option<PathBuf>,
+    /// With --plan: hold the command to the eager request (every model loaded up front)
+    #[arg(long, requires = "plan")]
+    eager: bool,
+    /// With --plan: the trace the command writes (a stageload JSONL trace, read as it grows):
+    /// the stage a run over its plan was in, and on CUDA its device memory
+    #[arg(long, value_name = "FILE", requires = "plan")]
+    trace: Option<PathBuf>,
     /// The command and its arguments, after --
     #[arg(last = true, value_name = "COMMAND")]
     command: Vec<OsString>,
@@ -98,6 +131,8 @@ impl GuardFlags {
             poll: self.poll,
             grace: self.grace,
             max_memory: self.max_memory,
+            max_device_memory: None,
+            limits_from: None,
         };
         config.check().map(|()| config)
     }
@@ -135,21 +170,57 @@ pub fn run(args: GuardArgs) -> i32 {
         eprintln!("stageload guard: guard needs a command after -- (for example: stageload guard -- python run.py)");
         return exit::USAGE;
     }
-    let config = match args.flags.config() {
+    let mut config = match args.flags.config() {
         Ok(config) => config,
         Err(error) => {
             eprintln!("stageload guard: {error}");
             return exit::USAGE;
         }
     };
+    let mode = if args.eager { Mode::Eager } else { Mode::Staged };
+    let held = match args.plan.as_deref().map(|file| Held::load(file, mode, args.trace.as_deref())).transpose() {
+        Ok(held) => held,
+        Err(error) => {
+            eprintln!("stageload guard: {error}");
+            return exit::USAGE;
+        }
+    };
+    if let Some(held) = &held {
+        held.hold(&mut config);
+    }
     let (mut log, signals) = match log_and_signals("guard", args.log.as_deref(), !args.check) {
         Ok(both) => both,
         Err(code) => return code,
     };
     if args.check {
+        if let Some(from) = &config.limits_from {
+            out::line(from);
+        }
         return check(&config, &mut log);
     }
-    let outcome = run_guarded(&args.command, &config, &mut SystemReadings, &mut SystemClock::new(), &mut log, &signals);
+    // Made before the command starts: a trace already there is a previous run's.
+    let mut tail = held.as_ref().and_then(|held| held.trace.as_deref()).map(TraceTail::new);
+    let readings: &mut dyn Readings = match tail.as_mut() {
+        Some(tail) => tail,
+        None => &mut SystemReadings,
+    };
+    let outcome = run_guarded(&args.command, &config, readings, &mut SystemClock::new(), &mut log, &signals);
+    if let Some(held) = &held {
+        if let Outcome::Stopped(stop) = &outcome {
+            if let Some(over) = held.over_plan(stop, tail.as_mut()) {
+                log.record("over_plan", &over.message(), None, over.detail());
+            }
+        }
+        if let (Some(tail), Some(_)) = (&tail, config.max_device_memory) {
+            if tail.never_read_device() {
+                let message = format!(
+                    "the trace {} carried no device reading: the device limit was never checked",
+                    tail.path().display()
+                );
+                log.note("device_unread", &message, None);
+            }
+        }
+    }
     outcome.exit_code()
 }
 

@@ -359,3 +359,231 @@ fn at_a_terminal_the_command_reads_it_and_gets_ctrl_c() {
     assert_eq!(code, 130, "{text}");
     assert!(text.contains("guard: exit 130"), "{text}");
 }
+
+const MIB: u64 = 1 << 20;
+
+/// A pipeline file in `dir`: `encoder` (1 MiB, on the host) for stage `encode`, then `denoiser`
+/// (1 MiB, on `denoiser_device`) for stage `denoise`; each stage has 64 MiB of host working
+/// memory, so the plan's limit is 65 MiB: above an interpreter's own memory, under what the
+/// tests' commands allocate. `extra`: more top-level lines and the denoise stage's own.
+fn plan_file(dir: &std::path::Path, denoiser_device: &str, extra: &str, denoise_extra: &str) -> std::path::PathBuf {
+    use safetensors::tensor::TensorView;
+    let data = vec![0u8; MIB as usize];
+    for model in ["encoder", "denoiser"] {
+        let view = TensorView::new(safetensors::Dtype::F32, vec![512, 512], &data).unwrap();
+        safetensors::serialize_to_file([("w", view)], None, &dir.join(format!("{model}.safetensors"))).unwrap();
+    }
+    let path = dir.join("pipeline.toml");
+    std::fs::write(
+        &path,
+        format!(
+            "{extra}\n[[models]]\nname = \"encoder\"\nfiles = [\"encoder.safetensors\"]\n\n\
+             [[models]]\nname = \"denoiser\"\nfiles = [\"denoiser.safetensors\"]\ndevice = \"{denoiser_device}\"\n\n\
+             [[stages]]\nname = \"encode\"\nmodels = [\"encoder\"]\nworking = \"64M\"\n\n\
+             [[stages]]\nname = \"denoise\"\nmodels = [\"denoiser\"]\nworking = \"64M\"\n{denoise_extra}\n"
+        ),
+    )
+    .unwrap();
+    path
+}
+
+/// Trace lines as a stageload run writes them: a header, then `lines`.
+fn trace_lines(lines: &[&str]) -> String {
+    let header = "{\"type\":\"header\",\"schema\":2,\"utc\":\"x\",\"pid\":1,\"host\":\"h\",\"os\":\"linux\",\
+                  \"total_memory\":1,\"device\":\"cpu\",\"command\":[],\"interval\":0.25,\"meta\":{}}";
+    let mut text = format!("{header}\n");
+    for line in lines {
+        text += line;
+        text += "\n";
+    }
+    text
+}
+
+fn stage_event(t: f64, stage: &str) -> String {
+    format!("{{\"type\":\"event\",\"t\":{t},\"kind\":\"stage\",\"stage\":\"{stage}\",\"resident\":0}}")
+}
+
+fn log_records(path: &std::path::Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(path).unwrap().lines().map(|line| serde_json::from_str(line).unwrap()).collect()
+}
+
+#[test]
+fn a_run_over_its_plan_is_stopped_and_the_log_says_by_how_much_in_which_stage() {
+    let folder = scratch("over-plan");
+    let dir = folder.path();
+    let pipeline = plan_file(dir, "cpu", "", "");
+    let (log, trace) = (dir.join("guard.jsonl"), dir.join("run.jsonl"));
+    // The command writes its trace (encode, then denoise, then a half-written last line, as a
+    // run killed mid-write leaves it), then holds 256 MiB: over the plan's 65 MiB.
+    let text = trace_lines(&[&stage_event(0.0, "encode"), &stage_event(0.5, "denoise")])
+        + "{\"type\":\"sample\",\"t\":0.7,\"rs";
+    let program =
+        "import sys, time\nopen(sys.argv[1], 'w').write(sys.argv[2])\nheld = b'x' * (256 << 20)\ntime.sleep(30)\n";
+    let args = [
+        "--plan",
+        pipeline.to_str().unwrap(),
+        "--trace",
+        trace.to_str().unwrap(),
+        "--grace",
+        "1s",
+        "--log",
+        log.to_str().unwrap(),
+        "--",
+        "python3",
+        "-c",
+        program,
+        trace.to_str().unwrap(),
+        &text,
+    ];
+    let output = run(&args);
+    let text = stderr(&output);
+    assert_eq!(output.status.code(), Some(3), "{text}");
+    assert!(
+        text.contains(&format!("held to plan {}: at most 65.0 MiB (the need of stage '", pipeline.display())),
+        "{text}"
+    );
+    assert!(!text.contains("available twice"), "no low-memory rule under a plan: {text}");
+    assert!(text.contains("> --max-memory 65.0 MiB"), "{text}");
+    let records = log_records(&log);
+    let events: Vec<&str> = records.iter().map(|r| r["event"].as_str().unwrap()).collect();
+    assert_eq!(events.first(), Some(&"start"), "admitted at once: {events:?}");
+    assert_eq!(records[0]["detail"]["max_memory"], 65 * MIB);
+    let over = records.iter().find(|r| r["event"] == "over_plan").unwrap_or_else(|| panic!("{records:?}"));
+    let detail = &over["detail"];
+    assert_eq!(detail["stage"], "denoise", "{over}");
+    assert_eq!(detail["memory"], "host", "{over}");
+    assert_eq!(detail["limit"], 65 * MIB, "{over}");
+    assert_eq!(detail["stage_need"], 65 * MIB, "{over}");
+    let (used, by) = (detail["used"].as_u64().unwrap(), detail["over"].as_u64().unwrap());
+    assert!(used > 65 * MIB && by == used - 65 * MIB, "{over}");
+    let message = over["message"].as_str().unwrap();
+    assert!(message.starts_with("over its plan by ") && message.contains("in stage 'denoise'"), "{message}");
+}
+
+#[test]
+fn without_a_trace_a_run_over_its_plan_is_in_an_unknown_stage() {
+    let folder = scratch("over-plan-no-trace");
+    let dir = folder.path();
+    let pipeline = plan_file(dir, "cpu", "", "");
+    let log = dir.join("guard.jsonl");
+    let program = "import time\nheld = b'x' * (256 << 20)\ntime.sleep(30)\n";
+    let args = [
+        "--plan",
+        pipeline.to_str().unwrap(),
+        "--grace",
+        "1s",
+        "--log",
+        log.to_str().unwrap(),
+        "--",
+        "python3",
+        "-c",
+        program,
+    ];
+    let output = run(&args);
+    assert_eq!(output.status.code(), Some(3), "{}", stderr(&output));
+    let records = log_records(&log);
+    let over = records.iter().find(|r| r["event"] == "over_plan").unwrap_or_else(|| panic!("{records:?}"));
+    assert_eq!(over["detail"]["stage"], serde_json::Value::Null, "{over}");
+    assert!(over["message"].as_str().unwrap().contains("unknown stage (no --trace: give --trace FILE"), "{over}");
+}
+
+#[test]
+fn device_memory_over_the_plan_read_from_the_trace_stops_the_run() {
+    let folder = scratch("over-plan-device");
+    let dir = folder.path();
+    // The denoiser on CUDA: 1 MiB of weights and 16 MiB of device working memory, a 17 MiB limit.
+    let pipeline = plan_file(dir, "cuda", "device_memory = \"1G\"", "device_working = \"16M\"");
+    let (log, trace) = (dir.join("guard.jsonl"), dir.join("run.jsonl"));
+    let sample =
+        |t: f64, mib: u64| format!("{{\"type\":\"sample\",\"t\":{t},\"rss\":1,\"device_allocated\":{}}}", mib * MIB);
+    let within = trace_lines(&[&stage_event(0.0, "denoise"), &sample(0.1, 10)]);
+    let over = sample(0.5, 100) + "\n";
+    // Within the plan for a few polls, then over it; its host memory stays within.
+    let program = "import sys, time\nf = open(sys.argv[1], 'w')\nf.write(sys.argv[2]); f.flush()\ntime.sleep(0.5)\n\
+                   f.write(sys.argv[3]); f.flush()\ntime.sleep(30)\n";
+    let args = [
+        "--plan",
+        pipeline.to_str().unwrap(),
+        "--trace",
+        trace.to_str().unwrap(),
+        "--grace",
+        "1s",
+        "--log",
+        log.to_str().unwrap(),
+        "--",
+        "python3",
+        "-c",
+        program,
+        trace.to_str().unwrap(),
+        &within,
+        &over,
+    ];
+    let started = Instant::now();
+    let output = run(&args);
+    let text = stderr(&output);
+    assert_eq!(output.status.code(), Some(3), "{text}");
+    assert!(started.elapsed() >= Duration::from_millis(500), "not stopped before it went over");
+    assert!(text.contains("device memory at most 17.0 MiB (read from the trace)"), "{text}");
+    assert!(text.contains("command's device memory 100.0 MiB > its limit 17.0 MiB"), "{text}");
+    let records = log_records(&log);
+    let over = records.iter().find(|r| r["event"] == "over_plan").unwrap_or_else(|| panic!("{records:?}"));
+    let detail = &over["detail"];
+    assert_eq!((&detail["memory"], &detail["stage"]), (&"device".into(), &"denoise".into()), "{over}");
+    assert_eq!((detail["used"].as_u64(), detail["over"].as_u64()), (Some(100 * MIB), Some(83 * MIB)), "{over}");
+    assert_eq!(detail["stage_need"], 17 * MIB, "{over}");
+}
+
+#[test]
+fn under_a_plan_a_run_within_it_starts_at_once_and_desktop_rules_cannot_be_given() {
+    let folder = scratch("within-plan");
+    let dir = folder.path();
+    let pipeline = plan_file(dir, "cpu", "", "");
+    let file = pipeline.to_str().unwrap();
+    let output = run(&["--plan", file, "--", "sh", "-c", "exit 0"]);
+    assert_eq!(output.status.code(), Some(0), "{}", stderr(&output));
+    for (flag, value) in
+        [("--wait-free", "10"), ("--kill-free", "5"), ("--max-memory", "1G"), ("--busy", "x"), ("--quiet-for", "1s")]
+    {
+        let output = run(&["--plan", file, flag, value, "--", "true"]);
+        let text = stderr(&output);
+        assert_eq!(output.status.code(), Some(2), "{flag}: {text}");
+        assert!(text.contains("'--plan <FILE>' cannot be used with") && text.contains(flag), "{flag}: {text}");
+    }
+    // One look: it would start (admission rules are skipped), with the plan's limits.
+    let output = run(&["--plan", file, "--check"]);
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert_eq!(output.status.code(), Some(0), "{stdout}{}", stderr(&output));
+    assert!(
+        stdout.contains("held to plan") && stdout.contains("at most 65.0 MiB") && stdout.contains("would start now"),
+        "{stdout}"
+    );
+    // Eager: both models' weights with the larger working memory.
+    let output = run(&["--plan", file, "--eager", "--check"]);
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(stdout.contains("at most 66.0 MiB") && stdout.contains("eager: every model loaded up front"), "{stdout}");
+}
+
+#[test]
+fn eager_and_trace_need_a_plan() {
+    for flags in [&["--eager"][..], &["--trace", "run.jsonl"][..]] {
+        let output = run(&[flags, &["--", "true"]].concat());
+        let text = stderr(&output);
+        assert_eq!(output.status.code(), Some(2), "{flags:?}: {text}");
+        assert!(text.contains("required arguments were not provided") && text.contains("--plan <FILE>"), "{text}");
+    }
+}
+
+#[test]
+fn a_plan_that_does_not_load_is_refused_at_start_naming_the_file() {
+    let folder = scratch("bad-plan");
+    let dir = folder.path();
+    let pipeline = plan_file(dir, "cpu", "", "");
+    std::fs::remove_file(dir.join("encoder.safetensors")).unwrap();
+    let marker = dir.join("started");
+    let started = Instant::now();
+    let output = run(&["--plan", pipeline.to_str().unwrap(), "--", "touch", marker.to_str().unwrap()]);
+    let text = stderr(&output);
+    assert_eq!(output.status.code(), Some(2), "{text}");
+    assert!(text.contains(&format!("--plan {}", pipeline.display())) && text.contains("encoder.safetensors"), "{text}");
+    assert!(!marker.exists() && started.elapsed() < Duration::from_secs(5), "refused before starting anything");
+}

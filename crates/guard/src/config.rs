@@ -58,6 +58,12 @@ pub struct GuardConfig {
     pub grace: Duration,
     /// Stop the command when its own memory (RSS + swap over its members) passes this.
     pub max_memory: Option<u64>,
+    /// Stop the command when its device memory, as [`crate::Readings::command_device_memory`]
+    /// reports it, passes this (`stageload guard --plan --trace` on CUDA).
+    pub max_device_memory: Option<u64>,
+    /// Where the limits come from, for the start line (`held to plan pipeline.toml: ...`);
+    /// `None`: the flags.
+    pub limits_from: Option<String>,
 }
 
 fn default_duration(text: &str) -> Duration {
@@ -78,6 +84,8 @@ impl Default for GuardConfig {
             poll: default_duration(defaults::POLL),
             grace: default_duration(defaults::GRACE),
             max_memory: None,
+            max_device_memory: None,
+            limits_from: None,
         }
     }
 }

@@ -141,6 +141,8 @@ pub enum Stop {
     LowMemory { percent: f64, kill_free: f64 },
     /// The command's own memory (RSS + swap over its members) passed `--max-memory`.
     MaxMemory { used: u64, max: u64 },
+    /// The command's device memory passed its limit (the plan's device need and reserve).
+    MaxDeviceMemory { used: u64, max: u64 },
 }
 
 impl fmt::Display for Stop {
@@ -154,6 +156,9 @@ impl fmt::Display for Stop {
             }
             Stop::MaxMemory { used, max } => {
                 write!(f, "command uses {} > --max-memory {}", format_bytes(*used), format_bytes(*max))
+            }
+            Stop::MaxDeviceMemory { used, max } => {
+                write!(f, "command's device memory {} > its limit {}", format_bytes(*used), format_bytes(*max))
             }
         }
     }
@@ -193,6 +198,7 @@ pub struct Watch {
     swap_limit: Option<u64>,
     kill_free: f64,
     max_memory: Option<u64>,
+    max_device_memory: Option<u64>,
     stall_after: Duration,
     /// Swap used when the command started (or when swap devices last changed).
     baseline: u64,
@@ -211,6 +217,7 @@ impl Watch {
             swap_limit: config.swap_limit,
             kill_free: config.kill_free,
             max_memory: config.max_memory,
+            max_device_memory: config.max_device_memory,
             stall_after: config.poll.saturating_mul(5).max(Duration::from_secs(1)),
             baseline: at_start.swap_used,
             carried: 0,
@@ -226,13 +233,15 @@ impl Watch {
         self.swap_limit.map_or(budgeted, |limit| budgeted.min(limit))
     }
 
-    /// One sample: system memory (or why it could not be read) and the command's own memory
-    /// (`None` when not measured or unknown). Returns the stop decision, if any, and notices.
+    /// One sample: system memory (or why it could not be read), the command's own memory and
+    /// its device memory (each `None` when not measured, unknown or, for the device, nothing
+    /// new). Returns the stop decision, if any, and notices.
     pub fn observe(
         &mut self,
         now: Duration,
         memory: Result<&SystemMemory, &ProbeError>,
         command_memory: Option<u64>,
+        command_device_memory: Option<u64>,
     ) -> (Option<Stop>, Vec<Notice>) {
         let mut notices = Vec::new();
         if let Some(last) = self.last_sample_at.replace(now) {
@@ -244,6 +253,11 @@ impl Watch {
         if let (Some(max), Some(used)) = (self.max_memory, command_memory) {
             if used > max {
                 return (Some(Stop::MaxMemory { used, max }), notices);
+            }
+        }
+        if let (Some(max), Some(used)) = (self.max_device_memory, command_device_memory) {
+            if used > max {
+                return (Some(Stop::MaxDeviceMemory { used, max }), notices);
             }
         }
         let memory = match memory {
@@ -396,9 +410,9 @@ mod tests {
         let mut watch = Watch::new(&config, &memory(90, 1));
         assert_eq!(watch.stop_above(), 9 * GIB);
         for (t, swap) in [(0.1, 1), (0.2, 2), (0.3, 9)] {
-            assert_eq!(watch.observe(secs(t), Ok(&memory(90, swap)), None).0, None);
+            assert_eq!(watch.observe(secs(t), Ok(&memory(90, swap)), None, None).0, None);
         }
-        let (stop, _) = watch.observe(secs(0.4), Ok(&memory(90, 10)), None);
+        let (stop, _) = watch.observe(secs(0.4), Ok(&memory(90, 10)), None, None);
         assert_eq!(stop.unwrap().to_string(), "swap 10.0 GB > 9.0 GB");
         // --swap-limit caps the budget.
         let capped = Watch::new(&GuardConfig { swap_limit: Some(5 * GIB), ..config }, &memory(90, 1));
@@ -416,7 +430,7 @@ mod tests {
             [(1, Some(5)), (2, Some(50)), (3, Some(5)), (4, Some(50)), (5, Some(5)), (6, None), (7, Some(9))]
         {
             let sample = reading.map(|pct| memory(pct, 0));
-            let (stop, notices) = watch.observe(secs(t as f64 * 0.1), sample.as_ref().ok_or(&error), None);
+            let (stop, notices) = watch.observe(secs(t as f64 * 0.1), sample.as_ref().ok_or(&error), None, None);
             if reading.is_none() {
                 assert!(matches!(notices[0], Notice::Unknown(_)));
             }
@@ -430,11 +444,11 @@ mod tests {
     #[test]
     fn a_change_of_swap_devices_rebases_the_budget_and_keeps_the_growth() {
         let mut watch = Watch::new(&GuardConfig::default(), &memory(90, 4));
-        assert_eq!(watch.observe(secs(0.1), Ok(&memory(90, 6)), None).0, None);
+        assert_eq!(watch.observe(secs(0.1), Ok(&memory(90, 6)), None, None).0, None);
         // swapoff moves 5 GB back to RAM and shrinks the total: no stop, growth of 2 GB kept.
         let mut after = memory(90, 1);
         after.swap_total = 32 * GIB;
-        let (stop, notices) = watch.observe(secs(0.2), Ok(&after), None);
+        let (stop, notices) = watch.observe(secs(0.2), Ok(&after), None, None);
         assert!(stop.is_none() && matches!(notices[0], Notice::SwapRebased { .. }), "{notices:?}");
         assert_eq!(watch.stop_above(), 7 * GIB, "new level 1 GB + budget 8 GB - 2 GB already grown");
     }
@@ -443,9 +457,32 @@ mod tests {
     fn max_memory_and_stalls() {
         let config = GuardConfig { max_memory: Some(GIB), ..GuardConfig::default() };
         let mut watch = Watch::new(&config, &memory(90, 0));
-        assert_eq!(watch.observe(secs(0.1), Ok(&memory(90, 0)), Some(GIB / 2)).0, None);
-        let (stop, notices) = watch.observe(secs(9.0), Ok(&memory(90, 0)), Some(2 * GIB));
+        assert_eq!(watch.observe(secs(0.1), Ok(&memory(90, 0)), Some(GIB / 2), None).0, None);
+        let (stop, notices) = watch.observe(secs(9.0), Ok(&memory(90, 0)), Some(2 * GIB), None);
         assert_eq!(stop, Some(Stop::MaxMemory { used: 2 * GIB, max: GIB }));
         assert!(matches!(notices[0], Notice::Stalled { .. }), "{notices:?}");
+    }
+
+    #[test]
+    fn device_memory_over_its_limit_stops_the_command_and_no_reading_never_does() {
+        let config = GuardConfig { max_device_memory: Some(10 * GIB), ..GuardConfig::default() };
+        let mut watch = Watch::new(&config, &memory(90, 0));
+        // Scripted readings: nothing new, under, at the limit, nothing new, over.
+        let script = [None, Some(9 * GIB), Some(10 * GIB), None, Some(10 * GIB + 1)];
+        let stops: Vec<Option<Stop>> = script
+            .iter()
+            .enumerate()
+            .map(|(t, &device)| watch.observe(secs(t as f64 * 0.1), Ok(&memory(90, 0)), None, device).0)
+            .collect();
+        assert_eq!(stops[..4], [None, None, None, None]);
+        let stop = stops[4].clone().unwrap();
+        assert_eq!(stop, Stop::MaxDeviceMemory { used: 10 * GIB + 1, max: 10 * GIB });
+        assert_eq!(stop.to_string(), "command's device memory 10.0 GiB > its limit 10.0 GiB");
+    }
+
+    #[test]
+    fn a_device_reading_without_a_device_limit_is_ignored() {
+        let mut watch = Watch::new(&GuardConfig::default(), &memory(90, 0));
+        assert_eq!(watch.observe(secs(0.1), Ok(&memory(90, 0)), None, Some(u64::MAX)).0, None);
     }
 }

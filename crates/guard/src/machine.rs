@@ -23,6 +23,13 @@ pub trait Readings {
     fn process_memory(&mut self, pid: i32) -> Result<ProcessMemory, ProbeError> {
         stageload_probe::process_memory(pid)
     }
+    /// The command's device memory, where something reports it (`stageload guard --trace`
+    /// reads it from the trace the command writes): the most reported since the last call,
+    /// `None` when nothing new was. Read every poll when `max_device_memory` is set; the
+    /// machine itself has no such reading.
+    fn command_device_memory(&mut self) -> Option<u64> {
+        None
+    }
 }
 
 /// The real machine.

@@ -4,7 +4,8 @@ use crate::decide::Stop;
 
 /// Exit codes of `stageload guard`, besides the command's own and 128 + N for a signal N.
 pub mod exit {
-    /// The guard stopped the command (swap, low memory or `--max-memory`).
+    /// The guard stopped the command (swap, low memory, `--max-memory`, or the device limit of
+    /// `--plan`).
     pub const STOPPED: i32 = 3;
     /// No room within `--start-timeout`, or `--check` says it would not start now.
     pub const NO_ROOM: i32 = 4;

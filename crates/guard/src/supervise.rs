@@ -27,7 +27,7 @@ use nix::sys::signal::{kill, killpg, SigSet, SigmaskHow, Signal};
 use nix::sys::wait::{waitpid, WaitPidFlag, WaitStatus};
 use nix::unistd::{getpgrp, tcgetpgrp, tcsetpgrp, Pid};
 use serde_json::json;
-use stageload_probe::ProcessEntry;
+use stageload_probe::{ProcessEntry, SystemMemory};
 use stageload_units::{format_bytes, format_gb};
 
 use crate::admit::{sleep_until, wait_for_room, Admitted};
@@ -70,16 +70,13 @@ pub fn run_guarded_with_env(
         }
     };
     let watch = Watch::new(config, &at_start);
-    let mut message = format!(
-        "start, swap {}, stop above {} or under {:.0}% available twice",
-        format_gb(at_start.swap_used),
-        format_gb(watch.stop_above()),
-        config.kill_free
-    );
-    if let Some(max) = config.max_memory {
-        message += &format!(", or when the command passes {}", format_bytes(max));
-    }
-    log.note("start", &message, Some(&at_start));
+    let message = start_message(config, &at_start, watch.stop_above());
+    let limits = json!({
+        "max_memory": config.max_memory,
+        "max_device_memory": config.max_device_memory,
+        "limits_from": config.limits_from,
+    });
+    log.record("start", &message, Some(&at_start), limits);
     let job = match Job::spawn(command, env) {
         Ok(job) => job,
         Err((code, reason)) => {
@@ -93,6 +90,25 @@ pub fn run_guarded_with_env(
     let outcome = run.watch(watch);
     run.job.reap(run.log, run.clock);
     outcome
+}
+
+/// The start line: where the limits come from (a plan), then what stops the command.
+fn start_message(config: &GuardConfig, at_start: &SystemMemory, stop_above: u64) -> String {
+    let mut message = String::from("start, ");
+    if let Some(from) = &config.limits_from {
+        message += &format!("{from}; ");
+    }
+    message += &format!("swap {}, stop above {}", format_gb(at_start.swap_used), format_gb(stop_above));
+    if config.kill_free > 0.0 {
+        message += &format!(" or under {:.0}% available twice", config.kill_free);
+    }
+    if let Some(max) = config.max_memory {
+        message += &format!(", or when the command passes {}", format_bytes(max));
+    }
+    if let Some(max) = config.max_device_memory {
+        message += &format!(", or when its device memory passes {}", format_bytes(max));
+    }
+    message
 }
 
 /// What watching and stopping a started command work with.
@@ -162,8 +178,9 @@ impl Run<'_> {
             }
             let memory = self.readings.memory();
             let command_memory = self.config.max_memory.map(|_| self.job.memory(self.readings));
+            let device_memory = self.config.max_device_memory.and_then(|_| self.readings.command_device_memory());
             let now = self.clock.now().saturating_sub(started);
-            let (stop, notices) = watch.observe(now, memory.as_ref(), command_memory);
+            let (stop, notices) = watch.observe(now, memory.as_ref(), command_memory, device_memory);
             for notice in notices {
                 let text = notice.to_string();
                 // A failing reading is logged once per distinct error, not every poll.
@@ -180,7 +197,12 @@ impl Run<'_> {
             }
             if let Some(stop) = stop {
                 let message = format!("killing pid {} and its group ({stop})", self.job.leader);
-                self.log.record("stop", &message, memory.as_ref().ok(), json!({ "command_memory": command_memory }));
+                self.log.record(
+                    "stop",
+                    &message,
+                    memory.as_ref().ok(),
+                    json!({ "command_memory": command_memory, "command_device_memory": device_memory }),
+                );
                 self.stop();
                 return Outcome::Stopped(stop);
             }

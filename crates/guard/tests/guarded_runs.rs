@@ -283,3 +283,40 @@ fn max_memory_stops_a_command_that_allocates_past_it() {
     assert!(has(&lines, "--max-memory"), "{lines:?}");
     assert!(elapsed < Duration::from_secs(20), "{elapsed:?}");
 }
+
+/// The machine's readings, real, plus the command's device memory from a script (one per
+/// call, then nothing new): what `stageload guard --trace` reads from a trace.
+struct DeviceScript(Vec<Option<u64>>);
+
+impl Readings for DeviceScript {
+    fn memory(&mut self) -> Result<SystemMemory, ProbeError> {
+        Ok(memory(90, 0))
+    }
+    fn command_device_memory(&mut self) -> Option<u64> {
+        if self.0.is_empty() {
+            None
+        } else {
+            self.0.remove(0)
+        }
+    }
+}
+
+#[test]
+fn a_device_reading_over_the_device_limit_stops_the_command() {
+    let _alone = one_guard();
+    let config = GuardConfig { max_device_memory: Some(GIB), ..config() };
+    let script = DeviceScript(vec![None, Some(GIB / 2), None, Some(GIB), Some(2 * GIB)]);
+    let (outcome, lines, elapsed) = guard(&sh("exec sleep 30"), &config, &mut { script });
+    assert_eq!(outcome, Outcome::Stopped(Stop::MaxDeviceMemory { used: 2 * GIB, max: GIB }), "{lines:?}");
+    assert!(has(&lines, "or when its device memory passes 1.0 GiB"), "{lines:?}");
+    assert!(has(&lines, "command's device memory 2.0 GiB > its limit 1.0 GiB"), "{lines:?}");
+    assert!(elapsed < Duration::from_secs(10), "{elapsed:?}");
+}
+
+#[test]
+fn without_a_device_limit_device_readings_are_not_asked_for() {
+    let _alone = one_guard();
+    // A reading far over anything: with no limit set it is never read, and the command ends itself.
+    let (outcome, lines, _) = guard(&sh("sleep 0.3"), &config(), &mut DeviceScript(vec![Some(u64::MAX); 100]));
+    assert_eq!(outcome, Outcome::Exited(0), "{lines:?}");
+}

@@ -46,8 +46,8 @@ pub struct Request {
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 #[error(
     "the plan does not fit: stage '{stage}' needs {} of {where_}, over {} by {}; \
-     give --memory (or --device-memory) the largest node's memory the scheduler can place the job on, \
-     or make the stage smaller (`stageload plan` lists what would)",
+     a run needs a larger machine (`stageload plan --memory SIZE --device-memory SIZE` plans for \
+     the largest node a scheduler can place it on) or a smaller stage (`stageload plan` lists what would)",
     format_bytes(*.need), format_bytes(*.total), format_bytes(*.by)
 )]
 pub struct DoesNotFit {

@@ -571,11 +571,13 @@ fn the_json_schema_is_stable() {
         keys(&json["stages"][0]),
         [
             "device_need",
+            "device_need_before_reserve",
             "device_verdict",
             "device_weights",
             "loaded",
             "name",
             "need",
+            "need_before_reserve",
             "read",
             "released",
             "reloaded",
@@ -586,7 +588,18 @@ fn the_json_schema_is_stable() {
     );
     assert_eq!(
         keys(&json["eager"]),
-        ["device_need", "device_verdict", "device_weights", "need", "peak_stage", "read", "verdict", "weights"]
+        [
+            "device_need",
+            "device_need_before_reserve",
+            "device_verdict",
+            "device_weights",
+            "need",
+            "need_before_reserve",
+            "peak_stage",
+            "read",
+            "verdict",
+            "weights"
+        ]
     );
     assert_eq!(
         keys(&json["models"][0]),
