@@ -23,13 +23,15 @@ if rustup target add aarch64-apple-darwin >/dev/null 2>&1; then
 else
     echo "test.sh: rustup could not install aarch64-apple-darwin here: the macOS compile check did not run" >&2
 fi
-cargo test "${torch_free[@]}" "$@"
+cargo test --no-fail-fast "${torch_free[@]}" "$@"
 $only_torch_free && exit 0
 
 eval "$(scripts/setup-libtorch.sh)"
 # The published checkpoint the MiniLM test runs, and its reference implementation.
 eval "$(scripts/setup-reference.sh)"
+# Ray, the scheduler the many-jobs test submits cascade jobs to.
+eval "$(scripts/setup-ray.sh)"
 cargo clippy --workspace --all-targets -- -D warnings
 excluded=()
 for flag in "${torch_free[@]}"; do [[ $flag == -p ]] || excluded+=(--exclude "$flag"); done
-cargo test --workspace "${excluded[@]}" "$@"
+cargo test --no-fail-fast --workspace "${excluded[@]}" "$@"
