@@ -112,7 +112,8 @@ pub struct GuardFlags {
     /// Time between SIGTERM and SIGKILL when stopping the command (at most 1h)
     #[arg(long, value_name = "DUR", default_value = defaults::GRACE, value_parser = |t: &str| ranged(t, ranges::GRACE))]
     grace: Duration,
-    /// Stop the command when its own memory (RSS + swap over its processes) passes SIZE
+    /// Stop the command when its own memory (resident memory less file pages, which the kernel
+    /// reclaims, plus swap, over its processes) passes SIZE
     #[arg(long, value_name = "SIZE", value_parser = size)]
     max_memory: Option<u64>,
 }

@@ -56,7 +56,8 @@ pub struct GuardConfig {
     pub poll: Duration,
     /// Time between SIGTERM and SIGKILL when stopping the command.
     pub grace: Duration,
-    /// Stop the command when its own memory (RSS + swap over its members) passes this.
+    /// Stop the command when its own memory (resident less file pages, plus swap, over its
+    /// members: [`stageload_probe::ProcessMemory::held`]) passes this.
     pub max_memory: Option<u64>,
     /// Stop the command when its device memory, as [`crate::Readings::command_device_memory`]
     /// reports it, passes this (`stageload guard --plan --trace` on CUDA).

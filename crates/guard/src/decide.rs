@@ -139,7 +139,8 @@ pub enum Stop {
     Swap { used: u64, stop_above: u64 },
     /// Available memory under `--kill-free` for two samples in a row.
     LowMemory { percent: f64, kill_free: f64 },
-    /// The command's own memory (RSS + swap over its members) passed `--max-memory`.
+    /// The command's own memory (resident less file pages, plus swap, over its members) passed
+    /// `--max-memory`.
     MaxMemory { used: u64, max: u64 },
     /// The command's device memory passed its limit (the plan's device need and reserve).
     MaxDeviceMemory { used: u64, max: u64 },

@@ -324,12 +324,13 @@ impl Job {
         self.members.clone()
     }
 
-    /// The command's memory: RSS + swap summed over its live members.
+    /// The command's memory: what its live members hold ([`stageload_probe::ProcessMemory::held`]:
+    /// resident memory less file pages, plus swap), summed.
     fn memory(&mut self, readings: &mut dyn Readings) -> u64 {
         self.members(readings)
             .iter()
             .filter_map(|member| readings.process_memory(member.pid).ok())
-            .map(|m| m.rss.saturating_add(m.swap.unwrap_or(0)))
+            .map(|m| m.held())
             .fold(0, u64::saturating_add)
     }
 

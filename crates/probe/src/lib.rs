@@ -84,6 +84,8 @@ pub struct ProcessMemory {
     pub rss: u64,
     /// Resident anonymous memory (`RssAnon`), the process's own heap; Linux only.
     pub rss_anon: Option<u64>,
+    /// Resident file pages (`RssFile`): shared libraries' code and data, mapped files; Linux only.
+    pub rss_file: Option<u64>,
     /// Swapped-out private memory (`VmSwap`); Linux only.
     pub swap: Option<u64>,
     /// High-water mark of the resident set (`VmHWM`), resettable with [`reset_peak`]; macOS:
@@ -95,6 +97,16 @@ pub struct ProcessMemory {
     /// drivers that account for them); Linux only.
     pub locked: Option<u64>,
     pub pinned: Option<u64>,
+}
+
+impl ProcessMemory {
+    /// What the process holds that the kernel cannot take back from it: its resident set less
+    /// its file pages (clean copies of shared libraries and mapped files, which the kernel drops
+    /// under pressure and a cgroup limit reclaims before it kills), plus its swap. The RSS where
+    /// file pages are not counted apart (macOS).
+    pub fn held(&self) -> u64 {
+        self.rss.saturating_sub(self.rss_file.unwrap_or(0)).saturating_add(self.swap.unwrap_or(0))
+    }
 }
 
 /// One line of the process table.
@@ -233,6 +245,24 @@ mod tests {
 
     fn entry(pid: i32, ppid: i32) -> ProcessEntry {
         ProcessEntry { pid, ppid, pgid: pid, zombie: false, cmdline: format!("p{pid}") }
+    }
+
+    #[test]
+    fn what_a_process_holds_is_its_resident_memory_less_file_pages_plus_swap() {
+        let memory = |rss_file: Option<u64>, swap: Option<u64>| ProcessMemory {
+            rss: 500,
+            rss_anon: Some(300),
+            rss_file,
+            swap,
+            peak: None,
+            footprint: None,
+            locked: None,
+            pinned: None,
+        };
+        assert_eq!(memory(Some(200), Some(40)).held(), 340);
+        // Where file pages are not counted apart (macOS), the resident set.
+        assert_eq!(memory(None, None).held(), 500);
+        assert_eq!(memory(Some(u64::MAX), Some(u64::MAX)).held(), u64::MAX);
     }
 
     #[test]

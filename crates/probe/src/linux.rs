@@ -80,6 +80,7 @@ pub fn process_memory(pid: i32) -> Result<ProcessMemory, ProbeError> {
         // A zombie has no VmRSS line: it holds nothing.
         rss: kib(status.vmrss).unwrap_or(0),
         rss_anon: kib(status.rssanon),
+        rss_file: kib(status.rssfile),
         swap: kib(status.vmswap),
         peak: kib(status.vmhwm),
         footprint: None,

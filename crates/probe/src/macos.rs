@@ -71,6 +71,7 @@ pub fn process_memory(pid: i32) -> Result<ProcessMemory, ProbeError> {
     Ok(ProcessMemory {
         rss,
         rss_anon: None,
+        rss_file: None,
         swap: None,
         peak: Some(info.ri_lifetime_max_phys_footprint),
         footprint: Some(info.ri_phys_footprint),

@@ -117,6 +117,7 @@ impl MeterReadings for Flaky {
         Ok(ProcessMemory {
             rss: 1 << 20,
             rss_anon: None,
+            rss_file: None,
             swap: None,
             peak: Some(1 << 20),
             footprint: None,
