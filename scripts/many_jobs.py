@@ -93,11 +93,15 @@ class Cluster:
             self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         (folder / "ray.pid").write_text(str(self.process.pid))
         deadline = time.monotonic() + 120
-        while "Ray runtime started" not in self.log.read_text():
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                sys.exit(f"many_jobs: the Ray head did not start within 120 s:\n{self.log.read_text()}")
-            time.sleep(0.2)
+        try:
+            while "Ray runtime started" not in self.log.read_text():
+                if self.process.poll() is not None or time.monotonic() > deadline:
+                    sys.exit(f"many_jobs: the Ray head did not start within 120 s:\n{self.log.read_text()}")
+                time.sleep(0.2)
+        except BaseException:
+            # Not started, or a signal while waiting: the caller has no cluster to stop.
+            self.stop()
+            raise
 
     def stop(self):
         """SIGTERM to the head (it drains and stops its processes), then SIGKILL to its group."""
@@ -167,11 +171,13 @@ def main():
     if node_memory >= machine_memory():
         sys.exit(f"many_jobs: a node memory of {node_memory} bytes is not smaller than this machine's {machine_memory()}")
 
-    cluster = Cluster(args.ray, out / "ray", args.jobs, node_memory)
     results = {"command": " ".join(sys.argv), "jobs": args.jobs, "scale": args.scale, "node_memory": node_memory,
                "requests": requests, "modes": {}}
     failures = []
+    cluster = None
     try:
+        # Inside `try`: a SIGTERM while the head starts still stops it.
+        cluster = Cluster(args.ray, out / "ray", args.jobs, node_memory)
         ray.init(address=cluster.address, log_to_driver=False, configure_logging=False)
         for mode, flags in (("eager", ["--eager"]), ("staged", [])):
             began = time.time()
@@ -210,7 +216,8 @@ def main():
     finally:
         if ray.is_initialized():
             ray.shutdown()
-        cluster.stop()
+        if cluster is not None:
+            cluster.stop()
     results["failures"] = failures
     (out / "many-jobs.json").write_text(json.dumps(results, indent=1, default=str))
     write_table(out / "many-jobs.md", results)

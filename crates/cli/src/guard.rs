@@ -208,7 +208,7 @@ pub fn run(args: GuardArgs) -> i32 {
     let outcome = run_guarded(&args.command, &config, readings, &mut SystemClock::new(), &mut log, &signals);
     if let Some(held) = &held {
         if let Outcome::Stopped(stop) = &outcome {
-            if let Some(over) = held.over_plan(stop, tail.as_mut()) {
+            if let Some(over) = held.over_plan(stop, tail.as_ref()) {
                 log.record("over_plan", &over.message(), None, over.detail());
             }
         }

@@ -59,7 +59,10 @@ pub struct PlanArgs {
     check: Option<PathBuf>,
     /// Print what one run asks a scheduler for instead of the plan: host memory (the largest
     /// stage need plus the reserve), device memory, GPUs, CPUs (the file's `cpus`)
-    #[arg(long, value_name = "FORMAT", conflicts_with_all = ["json", "check"])]
+    /// (not with --from-trace: write the measured working memory into the file, `stageload
+    /// summary RUN --write-working FILE`, so `stageload guard --plan FILE` holds the run to the
+    /// same numbers)
+    #[arg(long, value_name = "FORMAT", conflicts_with_all = ["json", "check", "from_trace"])]
     request: Option<Format>,
     /// With --request: the request of an eager run (every model loaded up front)
     #[arg(long, requires = "request")]

@@ -254,18 +254,19 @@ fn a_request_is_the_plans_peak_need_with_its_reserve_in_each_schedulers_words() 
     assert_eq!(json["device_memory"], planned["device_peak_need"]);
     assert_eq!(json["device_memory"], device_need + device_need / 10);
     assert_eq!(json["stage"], "encode");
-    assert_eq!(json["gpus"], serde_json::json!([1]));
+    // A scheduler numbers a job's GPUs from 0: cuda:1 needs two.
+    assert_eq!(json["gpus"], 2);
     assert_eq!(json["cpus"], 2);
     let ray: serde_json::Value = serde_json::from_str(&request_of(&["ray"])).unwrap();
     assert_eq!(
         ray,
-        serde_json::json!({ "memory": need + need / 10, "num_cpus": 2, "num_gpus": 1, "resources": { "device_memory_mib": 2 } })
+        serde_json::json!({ "memory": need + need / 10, "num_cpus": 2, "num_gpus": 2, "resources": { "device_memory_mib": 2 } })
     );
     let mib = |bytes: u64| bytes.div_ceil(1 << 20);
     let slurm = request_of(&["slurm"]);
     assert!(
         slurm.starts_with(&format!(
-            "#SBATCH --mem={}M\n#SBATCH --cpus-per-task=2\n#SBATCH --gres=gpu:1\n",
+            "#SBATCH --mem={}M\n#SBATCH --cpus-per-task=2\n#SBATCH --gres=gpu:2\n",
             mib(need + need / 10)
         )),
         "{slurm}"
@@ -273,7 +274,7 @@ fn a_request_is_the_plans_peak_need_with_its_reserve_in_each_schedulers_words() 
     let kubernetes = request_of(&["kubernetes"]);
     assert!(
         kubernetes.contains(&format!(
-            "requests:\n    memory: 4Mi\n    cpu: \"2\"\n    nvidia.com/gpu: 1\n  limits:\n    memory: {}Mi\n",
+            "requests:\n    memory: 4Mi\n    cpu: \"2\"\n    nvidia.com/gpu: 2\n  limits:\n    memory: {}Mi\n",
             mib(need + need / 10)
         )),
         "{kubernetes}"
@@ -313,8 +314,14 @@ fn a_plan_that_fits_no_machine_prints_why_instead_of_a_request() {
         "{text}"
     );
     assert_eq!(plan(&[host_file, "--memory", "1536K", "--request", "json"]).0.status.code(), Some(0));
-    // --eager without --request, --request with --json: usage errors.
-    for args in [&[file, "--eager"][..], &[file, "--request", "ray", "--json"], &[file, "--request", "yaml"]] {
+    // Usage errors: --eager without --request; --request with --json, or with --from-trace (guard
+    // --plan reads the file alone: the measured working memory goes into it).
+    for args in [
+        &[file, "--eager"][..],
+        &[file, "--request", "ray", "--json"],
+        &[file, "--request", "yaml"],
+        &[file, "--request", "ray", "--from-trace", file],
+    ] {
         let (output, text) = plan(args);
         assert_eq!(output.status.code(), Some(2), "{args:?}: {text}");
     }

@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use nix::sys::signal::{kill, killpg, Signal};
+use nix::sys::signal::{killpg, Signal};
 use nix::unistd::Pid;
 
 fn checkout() -> PathBuf {
@@ -30,9 +30,11 @@ fn stageload() -> PathBuf {
     Path::new(env!("CARGO_BIN_EXE_cascade")).with_file_name("stageload")
 }
 
-/// Whether `pid` is still a process (not yet reaped counts as gone for a group leader of ours).
-fn alive(pid: i32) -> bool {
-    kill(Pid::from_raw(pid), None).is_ok()
+/// Whether any live process of the group `pgid` is left (a zombie waiting for its reaper holds
+/// nothing and runs nothing).
+fn group_alive(pgid: i32) -> bool {
+    let table = stageload_probe::process_tree().expect("read the process table");
+    table.iter().any(|entry| entry.pgid == pgid && !entry.zombie)
 }
 
 #[test]
@@ -66,14 +68,21 @@ fn three_jobs_a_mode_on_a_local_ray_cluster_stay_within_their_requests_and_give_
             break Some(status);
         }
         if Instant::now() > deadline {
+            // SIGTERM first: the driver stops its cluster on the way out; SIGKILL if it is late.
+            let _ = killpg(Pid::from_raw(leader), Signal::SIGTERM);
+            let grace = Instant::now() + Duration::from_secs(60);
+            while child.try_wait().unwrap().is_none() && Instant::now() < grace {
+                std::thread::sleep(Duration::from_millis(200));
+            }
             let _ = killpg(Pid::from_raw(leader), Signal::SIGKILL);
             break None;
         }
         std::thread::sleep(Duration::from_millis(200));
     };
-    // The cluster the driver started: gone, or killed here (its group, by the pid it wrote).
+    // The cluster the driver started: its whole process group (head, GCS, raylet, workers and
+    // the guards they ran; the head leads it) gone, or killed here by the pid it wrote.
     let ray = std::fs::read_to_string(out.join("ray/ray.pid")).ok().and_then(|p| p.trim().parse::<i32>().ok());
-    let ray_left = ray.filter(|&pid| alive(pid));
+    let ray_left = ray.filter(|&pid| group_alive(pid));
     if let Some(pid) = ray_left {
         let _ = killpg(Pid::from_raw(pid), Signal::SIGKILL);
     }
@@ -101,7 +110,8 @@ fn three_jobs_a_mode_on_a_local_ray_cluster_stay_within_their_requests_and_give_
         }
         at_once.push(m["most_at_once"].as_u64().unwrap());
     }
-    let (eager, staged) = (results["requests"]["eager"]["memory"].as_u64(), results["requests"]["staged"]["memory"].as_u64());
+    let (eager, staged) =
+        (results["requests"]["eager"]["memory"].as_u64(), results["requests"]["staged"]["memory"].as_u64());
     assert!(staged < eager, "the staged plan requests less than the eager one: {staged:?} {eager:?}");
     assert!(at_once[0] >= 1 && at_once[1] >= at_once[0], "jobs at once, eager then staged: {at_once:?}");
 }

@@ -25,8 +25,8 @@ pub trait Readings {
     }
     /// The command's device memory, where something reports it (`stageload guard --trace`
     /// reads it from the trace the command writes): the most reported since the last call,
-    /// `None` when nothing new was. Read every poll when `max_device_memory` is set; the
-    /// machine itself has no such reading.
+    /// `None` when nothing new was. Asked every poll of the watch (the reading counts only
+    /// with `max_device_memory`); the machine itself has no such reading.
     fn command_device_memory(&mut self) -> Option<u64> {
         None
     }

@@ -178,7 +178,9 @@ impl Run<'_> {
             }
             let memory = self.readings.memory();
             let command_memory = self.config.max_memory.map(|_| self.job.memory(self.readings));
-            let device_memory = self.config.max_device_memory.and_then(|_| self.readings.command_device_memory());
+            // Asked every poll, limit or not: a reader that follows the command's trace keeps up
+            // with it, so a stop names the stage the command was in when it was stopped.
+            let device_memory = self.readings.command_device_memory();
             let now = self.clock.now().saturating_sub(started);
             let (stop, notices) = watch.observe(now, memory.as_ref(), command_memory, device_memory);
             for notice in notices {

@@ -8,14 +8,14 @@
 //! before the reserve: a Kubernetes request. Device memory is the plan's largest device need, over
 //! all the pipeline's devices together.
 
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 use stageload_units::format_bytes;
 
 use crate::pipeline::{DeviceName, Pipeline, Placement};
 use crate::plan::{peak, Budget, Plan, Verdict};
 
 /// What one run loads: stage by stage (the plan's staged run) or every model up front.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Mode {
     Staged,
@@ -23,7 +23,7 @@ pub enum Mode {
 }
 
 /// What one run of a pipeline asks a scheduler for.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Request {
     pub mode: Mode,
     /// The stage whose need is the request (the plan's peak stage in this mode).
@@ -32,8 +32,10 @@ pub struct Request {
     pub memory: u64,
     /// Host bytes it is expected to use: the same need before the reserve.
     pub expected: u64,
-    /// CUDA devices the pipeline's models are on (`num_gpus`, `--gres=gpu:N`).
-    pub gpus: Vec<usize>,
+    /// GPUs one run asks for (`num_gpus`, `--gres=gpu:N`): the highest CUDA index the
+    /// pipeline's models name, plus one. A scheduler numbers the GPUs it gives a job from 0, so a
+    /// model on `cuda:1` needs two.
+    pub gpus: usize,
     /// Device bytes the run may use over all its devices, and before the reserve.
     pub device_memory: u64,
     pub device_expected: u64,
@@ -84,14 +86,13 @@ impl Request {
                     refuse(&s.name, &s.verdict, s.need, Some(&plan.budget), &host)?;
                     refuse(&s.name, &s.device_verdict, s.device_need, plan.device_budget.as_ref(), device)?;
                 }
-                let host_peak = peak(&plan.stages, |s| s.need);
-                let device_peak = peak(&plan.stages, |s| s.device_need);
+                let (host, device) = (peak(&plan.stages, |s| s.need), peak(&plan.stages, |s| s.device_need));
                 (
-                    plan.peak_stage.clone(),
-                    plan.peak_need,
-                    host_peak.map_or(0, |s| s.need_before_reserve),
-                    plan.device_peak_need,
-                    device_peak.map_or(0, |s| s.device_need_before_reserve),
+                    host.map_or_else(String::new, |s| s.name.clone()),
+                    host.map_or(0, |s| s.need),
+                    host.map_or(0, |s| s.need_before_reserve),
+                    device.map_or(0, |s| s.device_need),
+                    device.map_or(0, |s| s.device_need_before_reserve),
                 )
             }
             Mode::Eager => {
@@ -108,17 +109,16 @@ impl Request {
                 (stage, eager.need, eager.need_before_reserve, eager.device_need, eager.device_need_before_reserve)
             }
         };
-        let mut gpus: Vec<usize> = pipeline
+        let gpus = pipeline
             .models
             .iter()
             .filter(|m| m.placement == Placement::Device)
             .filter_map(|m| match DeviceName::parse(&m.device) {
-                Some(DeviceName::Cuda(index)) => Some(index),
+                Some(DeviceName::Cuda(index)) => index.checked_add(1),
                 _ => None,
             })
-            .collect();
-        gpus.sort_unstable();
-        gpus.dedup();
+            .max()
+            .unwrap_or(0);
         Ok(Request { mode, stage, memory, expected, gpus, device_memory, device_expected, cpus: pipeline.cpus })
     }
 
@@ -131,8 +131,8 @@ impl Request {
         if let Some(cpus) = self.cpus {
             options.insert("num_cpus".into(), cpus.into());
         }
-        if !self.gpus.is_empty() {
-            options.insert("num_gpus".into(), self.gpus.len().into());
+        if self.gpus > 0 {
+            options.insert("num_gpus".into(), self.gpus.into());
         }
         if self.device_memory > 0 {
             options.insert("resources".into(), serde_json::json!({ "device_memory_mib": mib(self.device_memory) }));
@@ -147,8 +147,8 @@ impl Request {
         if let Some(cpus) = self.cpus {
             lines.push(format!("#SBATCH --cpus-per-task={cpus}"));
         }
-        if !self.gpus.is_empty() {
-            lines.push(format!("#SBATCH --gres=gpu:{}", self.gpus.len()));
+        if self.gpus > 0 {
+            lines.push(format!("#SBATCH --gres=gpu:{}", self.gpus));
         }
         if self.device_memory > 0 {
             lines.push(format!(
@@ -167,8 +167,8 @@ impl Request {
         if let Some(cpus) = self.cpus {
             requests.push(format!("    cpu: \"{cpus}\""));
         }
-        if !self.gpus.is_empty() {
-            let gpus = format!("    nvidia.com/gpu: {}", self.gpus.len());
+        if self.gpus > 0 {
+            let gpus = format!("    nvidia.com/gpu: {}", self.gpus);
             requests.push(gpus.clone());
             limits.push(gpus);
         }
@@ -198,7 +198,7 @@ mod tests {
             stage: "denoise".into(),
             memory: (1 << 30) + 1,
             expected: 900 << 20,
-            gpus: vec![0],
+            gpus: 1,
             device_memory: 10 << 30,
             device_expected: 9 << 30,
             cpus: Some(4),
@@ -213,7 +213,7 @@ mod tests {
             serde_json::json!({ "memory": (1u64 << 30) + 1, "num_cpus": 4, "num_gpus": 1,
                                 "resources": { "device_memory_mib": 10240 } })
         );
-        let host_only = Request { gpus: vec![], device_memory: 0, cpus: None, ..request() };
+        let host_only = Request { gpus: 0, device_memory: 0, cpus: None, ..request() };
         assert_eq!(host_only.ray(), format!("{{\"memory\":{}}}", (1u64 << 30) + 1));
     }
 

@@ -235,13 +235,11 @@ impl Held {
         config.limits_from = Some(limits_from(&self.file, &self.request, self.device_limit()));
     }
 
-    /// The over-plan record for `stop`, the stage taken from `tail` (read to its end first).
-    pub fn over_plan(&self, stop: &Stop, tail: Option<&mut TraceTail>) -> Option<OverPlan> {
+    /// The over-plan record for `stop`, the stage taken from `tail` as the watch's last poll
+    /// read it, at the stop (what the command writes while it is stopped is not its stage).
+    pub fn over_plan(&self, stop: &Stop, tail: Option<&TraceTail>) -> Option<OverPlan> {
         let stage = match tail {
-            Some(tail) => {
-                tail.finish();
-                tail.stage_at()
-            }
+            Some(tail) => tail.stage_at(),
             None => StageAt::Unknown("no --trace: give --trace FILE, the trace the command writes".to_string()),
         };
         let mode = self.request.mode;
@@ -407,16 +405,6 @@ impl TraceTail {
         }
     }
 
-    /// The last look, after the command stopped: what was appended, and a last line written
-    /// without its newline when it is a whole record (a half-written one is skipped).
-    pub fn finish(&mut self) {
-        self.poll();
-        let rest = std::mem::take(&mut self.partial);
-        if !self.discarding {
-            self.apply_line(&rest);
-        }
-    }
-
     /// The stage in progress, as far as the trace read so far says.
     pub fn stage_at(&self) -> StageAt {
         match (&self.problem, self.records) {
@@ -575,22 +563,6 @@ mod tests {
         assert_eq!(tail.command_device_memory(), Some(42));
         assert_eq!(tail.stage_at(), in_stage("denoise", 1, false), "the broken line is skipped");
         assert_eq!(tail.command_device_memory(), None, "nothing appended");
-    }
-
-    #[test]
-    fn the_last_look_takes_a_last_line_without_its_newline_when_it_is_whole() {
-        let folder = tempfile::tempdir().unwrap();
-        let path = folder.path().join("run.jsonl");
-        let mut tail = TraceTail::new(&path);
-        let last = line(&stage("decode"));
-        append(&path, &format!("{}{}", line(&stage("denoise")), last.trim_end()));
-        tail.poll();
-        assert_eq!(tail.stage_at(), in_stage("denoise", 1, false));
-        tail.finish();
-        assert_eq!(tail.stage_at(), in_stage("decode", 1, false));
-        append(&path, "{\"type\":\"event\",\"t\":3,\"kind\":\"sta");
-        tail.finish();
-        assert_eq!(tail.stage_at(), in_stage("decode", 1, false), "a half-written last line is skipped");
     }
 
     #[test]

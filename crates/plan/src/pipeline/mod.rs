@@ -89,17 +89,6 @@ impl DeviceName {
     }
 }
 
-/// `cpu`, `cuda:N` (plain `cuda` is `cuda:0`), `mps`.
-impl std::fmt::Display for DeviceName {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            DeviceName::Cpu => write!(f, "cpu"),
-            DeviceName::Cuda(index) => write!(f, "cuda:{index}"),
-            DeviceName::Mps => write!(f, "mps"),
-        }
-    }
-}
-
 /// Where a model's weights live while it is resident.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
