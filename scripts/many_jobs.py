@@ -185,7 +185,7 @@ def main():
             for i in range(args.jobs):
                 trace, latents = out / f"{mode}-{i}.jsonl", out / f"{mode}-{i}.safetensors"
                 command = [str(c) for c in [
-                    stageload, "guard", "--plan", pipeline, *flags, "--trace", trace, "--log", out / f"{mode}-{i}.guard.jsonl",
+                    stageload, "guard", "--plan", pipeline, *flags, "--trace", trace, "--log", out / f"{mode}-{i}.guard.ndjson",
                     "--", cascade, "--mode", mode, *common, "--trace", trace, "--latents", latents,
                 ]]
                 pending.append(job.options(**requests[mode]).remote(command, str(trace), str(latents)))
