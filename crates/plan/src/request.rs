@@ -65,7 +65,7 @@ impl Request {
     /// The request of one run of `pipeline` as `plan` sizes it, or why no machine of the plan's
     /// budget holds it.
     pub fn of(pipeline: &Pipeline, plan: &Plan, mode: Mode) -> Result<Request, DoesNotFit> {
-        // A device budget is always given: by --device-memory or the file's device_memory.
+        // A device budget is the user's: --device-memory or the file's device_memory, never this machine.
         let host = format!("host memory ({})", plan.budget.source.describe());
         let device = "device memory (--device-memory, or the file's device_memory)";
         let refuse = |stage: &str, verdict: &Verdict, need: u64, budget: Option<&Budget>, where_: &str| match (
