@@ -403,6 +403,24 @@ fn stage_event(t: f64, stage: &str) -> String {
     format!("{{\"type\":\"event\",\"t\":{t},\"kind\":\"stage\",\"stage\":\"{stage}\",\"resident\":0}}")
 }
 
+/// `guard --plan PLAN [--trace TRACE] --grace 1s --log LOG -- python3 -c PROGRAM ARGS...`: a
+/// Python program held to a plan.
+fn held_python(
+    plan: &std::path::Path,
+    trace: Option<&std::path::Path>,
+    log: &std::path::Path,
+    program: &str,
+    program_args: &[&str],
+) -> Output {
+    let mut args = vec!["--plan", plan.to_str().unwrap()];
+    if let Some(trace) = trace {
+        args.extend(["--trace", trace.to_str().unwrap()]);
+    }
+    args.extend(["--grace", "1s", "--log", log.to_str().unwrap(), "--", "python3", "-c", program]);
+    args.extend(program_args);
+    run(&args)
+}
+
 fn log_records(path: &std::path::Path) -> Vec<serde_json::Value> {
     std::fs::read_to_string(path).unwrap().lines().map(|line| serde_json::from_str(line).unwrap()).collect()
 }
@@ -419,23 +437,7 @@ fn a_run_over_its_plan_is_stopped_and_the_log_says_by_how_much_in_which_stage() 
         + "{\"type\":\"sample\",\"t\":0.7,\"rs";
     let program =
         "import sys, time\nopen(sys.argv[1], 'w').write(sys.argv[2])\nheld = b'x' * (256 << 20)\ntime.sleep(30)\n";
-    let args = [
-        "--plan",
-        pipeline.to_str().unwrap(),
-        "--trace",
-        trace.to_str().unwrap(),
-        "--grace",
-        "1s",
-        "--log",
-        log.to_str().unwrap(),
-        "--",
-        "python3",
-        "-c",
-        program,
-        trace.to_str().unwrap(),
-        &text,
-    ];
-    let output = run(&args);
+    let output = held_python(&pipeline, Some(&trace), &log, program, &[trace.to_str().unwrap(), &text]);
     let text = stderr(&output);
     assert_eq!(output.status.code(), Some(3), "{text}");
     assert!(
@@ -467,19 +469,7 @@ fn without_a_trace_a_run_over_its_plan_is_in_an_unknown_stage() {
     let pipeline = plan_file(dir, "cpu", "", "");
     let log = dir.join("guard.jsonl");
     let program = "import time\nheld = b'x' * (256 << 20)\ntime.sleep(30)\n";
-    let args = [
-        "--plan",
-        pipeline.to_str().unwrap(),
-        "--grace",
-        "1s",
-        "--log",
-        log.to_str().unwrap(),
-        "--",
-        "python3",
-        "-c",
-        program,
-    ];
-    let output = run(&args);
+    let output = held_python(&pipeline, None, &log, program, &[]);
     assert_eq!(output.status.code(), Some(3), "{}", stderr(&output));
     let records = log_records(&log);
     let over = records.iter().find(|r| r["event"] == "over_plan").unwrap_or_else(|| panic!("{records:?}"));
@@ -501,25 +491,8 @@ fn device_memory_over_the_plan_read_from_the_trace_stops_the_run() {
     // Within the plan for a few polls, then over it; its host memory stays within.
     let program = "import sys, time\nf = open(sys.argv[1], 'w')\nf.write(sys.argv[2]); f.flush()\ntime.sleep(0.5)\n\
                    f.write(sys.argv[3]); f.flush()\ntime.sleep(30)\n";
-    let args = [
-        "--plan",
-        pipeline.to_str().unwrap(),
-        "--trace",
-        trace.to_str().unwrap(),
-        "--grace",
-        "1s",
-        "--log",
-        log.to_str().unwrap(),
-        "--",
-        "python3",
-        "-c",
-        program,
-        trace.to_str().unwrap(),
-        &within,
-        &over,
-    ];
     let started = Instant::now();
-    let output = run(&args);
+    let output = held_python(&pipeline, Some(&trace), &log, program, &[trace.to_str().unwrap(), &within, &over]);
     let text = stderr(&output);
     assert_eq!(output.status.code(), Some(3), "{text}");
     assert!(started.elapsed() >= Duration::from_millis(500), "not stopped before it went over");
