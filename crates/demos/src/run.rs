@@ -30,7 +30,7 @@ pub struct DemoSpec {
 
 impl DemoSpec {
     /// Writes the pipeline description `stageload plan` reads (models with their checkpoint
-    /// files, stages, pins) to `path`.
+    /// files, stages, pins) to `path`, replacing it in one rename.
     pub fn write_description(&self, path: &Path, device: Device, host_tier: Option<u64>) -> Result<(), BoxError> {
         let description = PipelineFile {
             pinned: self.pinned.clone(),
@@ -66,7 +66,13 @@ impl DemoSpec {
                 })
                 .collect(),
         };
-        std::fs::write(path, toml::to_string(&description)?)?;
+        // Whole or not at all: runs sharing a cache folder (many jobs at once) rewrite the same
+        // file, and one must never read another's half-written copy. A temporary file beside it,
+        // renamed over it.
+        let folder = path.parent().unwrap_or(Path::new("."));
+        let mut file = tempfile::NamedTempFile::new_in(folder)?;
+        std::io::Write::write_all(&mut file, toml::to_string(&description)?.as_bytes())?;
+        file.persist(path).map_err(|error| error.error)?;
         Ok(())
     }
 }
