@@ -3,4 +3,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 eval "$(scripts/setup-libtorch.sh)"
-cargo run --release -p stageload-demos --bin bench_load -- "$@"
+cargo run --release -p stageload-bench --bin bench_load -- "$@"

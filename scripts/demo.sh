@@ -12,11 +12,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 eval "$(scripts/setup-libtorch.sh)"
 out="${DEMO_OUT:-target/demo}"
-cargo build -p stageload-demos --bin cascade
+cargo build --example cascade
 cargo build -p stageload-cli --bin stageload
 mkdir -p "$out"
 stageload=target/debug/stageload
-cascade=target/debug/cascade
+cascade=target/debug/examples/cascade
 echo "== stageload ab: eager, staged, prefetch, twice each, alternating, under the guard"
 set +e
 "$stageload" ab --wait-free 25 --start-timeout 10m --runs 2 --names eager,staged,prefetch \

@@ -2,7 +2,7 @@
 # The project's GPU checks, in one call of a few minutes on the GPU machine. That machine has no
 # cargo: build here first, against its libtorch, with the device kit (../shared/device-kit):
 #
-#   ../shared/device-kit/build.sh build -p stageload-demos --bin gpu_check --bin cascade --bin stream --bin stable_diffusion
+#   ../shared/device-kit/build.sh build -p stageload-bench --bin gpu_check --example cascade --example stream --example stable_diffusion
 #   ../shared/device-kit/build.sh build -p stageload-cli --bin stageload
 #   cp -r ~/.cache/stageload/sd-small target/device-kit/sd-small     # the small Stable Diffusion export (11 MB)
 #
@@ -10,7 +10,7 @@
 #
 #   scripts/gpu-check.sh            # results in $OUT (or target/gpu-check)
 #
-# It runs: gpu_check (crates/demos) (the CUDA paths checked, checkpoint -> CUDA against Python's
+# It runs: gpu_check (crates/bench) (the CUDA paths checked, checkpoint -> CUDA against Python's
 # safetensors and the pinned/pageable copy limits on one 4 GiB file), then the cascade demo on
 # cuda:0 eager, staged, staged with prefetch, staged with a 4 GiB host tier (the released models
 # come back from pinned host memory), and staged without RNG preservation (the control),
@@ -39,7 +39,7 @@ status=0
 
 "$kit/run.sh" true 2>&1 | tee -a "$log"   # the GPU and the torch version
 step gpu_check
-run bin/gpu_check --out "$out" --scratch "$scratch" --gib 4 --rounds 5 --peer "$root/crates/demos/python/bench_device.py" || status=1
+run bin/gpu_check --out "$out" --scratch "$scratch" --gib 4 --rounds 5 --peer "$root/crates/bench/python/bench_device.py" || status=1
 
 for mode in eager staged prefetch tier control; do
     case $mode in

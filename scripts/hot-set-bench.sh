@@ -20,8 +20,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 eval "$(scripts/setup-libtorch.sh)"
 out="${1:-target/hot-set-bench}"
-cargo build -p stageload-demos --bin stream
-stream=target/debug/stream
+cargo build --example stream
+stream=target/debug/examples/stream
 common=(--device cpu --route experts --steps 24 --tokens 128)
 arms=(resident resident-mapped hot no-hot prefix)
 flags() { # arm, source

@@ -10,10 +10,10 @@ cd "$(dirname "$0")/.."
 eval "$(scripts/setup-libtorch.sh)"
 eval "$(scripts/setup-ray.sh)"
 out="${1:-traces/many-jobs}"
-cargo build -p stageload-demos --bin cascade
+cargo build --example cascade
 cargo build -p stageload-cli --bin stageload
 rm -rf "$out"
-"$STAGELOAD_RAY_PYTHON" scripts/many_jobs.py --stageload target/debug/stageload --cascade target/debug/cascade \
+"$STAGELOAD_RAY_PYTHON" scripts/many_jobs.py --stageload target/debug/stageload --cascade target/debug/examples/cascade \
     --jobs "${JOBS:-8}" --scale "${SCALE:-0.25}" --out "$out"
 for format in slurm kubernetes; do
     target/debug/stageload plan --request "$format" "$out/jobs.toml" > "$out/request.$format"

@@ -15,7 +15,7 @@ working memory each stage needs (written into the jobs' pipeline file with `stag
 (every job: mode, start, end, exit, peak, request, latents equal) and OUT/many-jobs.md, and exits 1
 when a job failed, was stopped, went above its request, or changed a latent.
 
-    python scripts/many_jobs.py --stageload target/debug/stageload --cascade target/debug/cascade \
+    python scripts/many_jobs.py --stageload target/debug/stageload --cascade target/debug/examples/cascade \
         --jobs 6 --scale 0.25 --out traces/many-jobs
 """
 

@@ -12,10 +12,10 @@ cd "$(dirname "$0")/.."
 eval "$(scripts/setup-libtorch.sh)"
 out="${1:-target/prefetch-bench}"
 shift || true
-cargo build -p stageload-demos --bin cascade
+cargo build --example cascade
 cargo build -p stageload-cli --bin stageload
 stageload=target/debug/stageload
-cascade=target/debug/cascade
+cascade=target/debug/examples/cascade
 status=0
 for cache in warm cold; do
     flags=()

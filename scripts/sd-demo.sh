@@ -16,11 +16,11 @@ out="${1:-target/demo/stable-diffusion}"
 components="$(dirname "$STAGELOAD_SD_SMALL")/sd-sd15"
 echo "== the published-size export in $components (made once)"
 "$STAGELOAD_PYTHON" scripts/reference/sd_export.py --size sd15 --out "$components"
-cargo build -p stageload-demos --bin stable_diffusion
+cargo build --example stable_diffusion
 cargo build -p stageload-cli --bin stageload
 mkdir -p "$out"
 stageload=target/debug/stageload
-sd=(target/debug/stable_diffusion --components "$components")
+sd=(target/debug/examples/stable_diffusion --components "$components")
 echo "== stageload ab: eager, staged, prefetch, one run each, under the guard"
 set +e
 "$stageload" ab --wait-free 25 --start-timeout 10m --runs 1 --names eager,staged,prefetch \

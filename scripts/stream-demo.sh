@@ -12,11 +12,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 eval "$(scripts/setup-libtorch.sh)"
 out="${1:-target/demo/stream}"
-cargo build -p stageload-demos --bin stream
+cargo build --example stream
 cargo build -p stageload-cli --bin stageload
 mkdir -p "$out"
 stageload=target/debug/stageload
-stream=target/debug/stream
+stream=target/debug/examples/stream
 big=(--device cpu --scale 2 --tokens 256)
 {
 echo "== texture_flow at scale 2, loaded whole (no guard)"

@@ -1,5 +1,5 @@
 """Reference DDIM steps by diffusers' DDIMScheduler with Stable Diffusion 1.5's scheduler
-configuration (CPU, float32, eta = 0), for crates/demos/tests/ddim.rs.
+configuration (CPU, float32, eta = 0), for tests/ddim.rs.
 
     python ddim_reference.py IN.safetensors OUT.safetensors
 

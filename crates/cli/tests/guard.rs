@@ -8,9 +8,7 @@ use std::time::{Duration, Instant};
 use nix::sys::signal::{kill, SigHandler, Signal};
 use nix::unistd::Pid;
 
-#[path = "../../guard/tests/support/pids.rs"]
-mod pids;
-use pids::{read_pid, running};
+use stageload_test_support::pids::{read_pid, running};
 
 const STAGELOAD: &str = env!("CARGO_BIN_EXE_stageload");
 

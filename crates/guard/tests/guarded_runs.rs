@@ -14,9 +14,7 @@ use stageload_guard::{run_guarded, Clock, GuardConfig, GuardLog, Outcome, Readin
 use stageload_probe::{ProbeError, ProcessEntry, SystemMemory};
 use stageload_units::GIB;
 
-#[path = "support/pids.rs"]
-mod pids;
-use pids::{read_pid, running};
+use stageload_test_support::pids::{read_pid, running};
 
 static ONE_GUARD: Mutex<()> = Mutex::new(());
 

@@ -1,0 +1,31 @@
+//! What the examples share (`examples/` at the workspace root: `cascade`, `text_to_image`,
+//! `stream`, `minilm`, `stable_diffusion`; the measuring tools of `crates/bench` use it too), one
+//! concern per module.
+//!
+//! - [`models`]: the transformer the demo pipelines are made of, its shapes and its loader.
+//! - [`weights`]: checkpoints written once from a seed and cached.
+//! - [`args`]: the command line the demo pipelines share (mode, scale, device, trace, ...).
+//! - [`run`]: a demo run: the registry for its mode, the meter, residency checks at every call,
+//!   latent fingerprints, and the JSON result tests read.
+//! - [`sampler`]: the flow sampler and its step schedule.
+//! - [`progress`]: a progress bar for checkpoint loads.
+//! - [`logging`]: the `tracing` subscriber every binary installs (`RUST_LOG`, stderr).
+//! - [`stable_diffusion`]: Stable Diffusion over the TorchScript export of
+//!   `scripts/reference/sd_export.py` (text encoder, UNet with DDIM, VAE decoder) in three stages,
+//!   and its comparison against diffusers.
+
+pub mod args;
+pub mod ddim;
+pub mod logging;
+pub mod models;
+pub mod progress;
+pub mod run;
+pub mod sampler;
+pub mod stable_diffusion;
+pub mod weights;
+
+pub use args::{CommonArgs, Mode};
+pub use models::{tokens_at, width_at, ModelShape, Transformer, CHANNELS};
+pub use run::{DemoRun, DemoSpec};
+pub use sampler::{sample_flow, schedule};
+pub use weights::{cached, cached_checkpoint};

@@ -1,0 +1,647 @@
+//! Stable Diffusion over the TorchScript export of `scripts/reference/sd_export.py`: the CLIP text
+//! encoder, the UNet run for N DDIM steps with classifier-free guidance, and the VAE decoder, as
+//! three registry models in three stages (`encode` [text_encoder], `denoise` [unet], `decode`
+//! [vae_decoder]), eager, staged, or staged with the next stage prefetched. This file owns
+//! reading an export (`config.json` and its files, checked), the models and stages, the pipeline
+//! run (the operations diffusers' `StableDiffusionPipeline` does, in its order, so that the
+//! image matches it), and running and comparing against diffusers itself
+//! (`scripts/reference/sd_reference.py`). `examples/stable_diffusion.rs` is its command line;
+//! `tests/stable_diffusion.rs` checks it at the small size.
+//!
+//! The run, as diffusers does it: conditioning = cat([negative, positive]) from the text encoder
+//! on the config's token ids (int64 [1, 77]); x = latents * init_noise_sigma; for each DDIM
+//! timestep t: unet(cat([x, x]), t as a 0-d int64 tensor, conditioning) split in two (uncond,
+//! text), eps = uncond + G * (text - uncond), x = DDIM step; image = vae_decoder(x /
+//! scaling_factor), then (image * 0.5 + 0.5).clamp(0, 1). The initial latents are torch's CPU
+//! generator's `randn` after `manual_seed(seed)`.
+
+use std::fmt;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde::Deserialize;
+use stageload::{BoxError, EventSink, ModelSpec, StagedModels};
+use tch::{CModule, Device, Kind, Tensor};
+
+use crate::ddim::{Ddim, DdimConfig};
+use crate::run::{DemoRun, DemoSpec};
+
+/// The three models, in the order the pipeline runs them.
+pub const MODELS: [&str; 3] = ["text_encoder", "unet", "vae_decoder"];
+/// The stages, each with its one model (`MODELS` in the same order).
+pub const STAGES: [(&str, &str); 3] = [("encode", "text_encoder"), ("denoise", "unet"), ("decode", "vae_decoder")];
+
+/// Why an export could not be read or is not one this pipeline runs. Each variant names the file.
+#[derive(Debug, thiserror::Error)]
+pub enum ExportError {
+    /// `config.json` (or a file it names) cannot be read.
+    #[error("cannot read {}: {source}; export the components with scripts/reference/sd_export.py --size small|sd15 --out DIR", path.display())]
+    Read { path: PathBuf, source: std::io::Error },
+    /// `config.json` is not the JSON `sd_export.py` writes.
+    #[error("{} is not the config.json scripts/reference/sd_export.py writes: {source}", path.display())]
+    Parse { path: PathBuf, source: serde_json::Error },
+    /// `config.json` describes something this pipeline does not run (another scheduler, token
+    /// ids of the wrong length, sizes that do not agree).
+    #[error("{}: {message}", path.display())]
+    Unsupported { path: PathBuf, message: String },
+}
+
+/// The fields of an export's `config.json` the pipeline reads.
+#[derive(Debug, Clone, Deserialize)]
+pub struct ExportConfig {
+    /// `small` or `sd15`.
+    pub size: String,
+    /// Tokens per prompt (77).
+    pub seq_len: usize,
+    /// Latent height and width.
+    pub latent_size: [i64; 2],
+    pub latent_channels: i64,
+    /// Image pixels per latent, along each side.
+    pub vae_scale_factor: i64,
+    /// Image height and width.
+    pub image_size: [i64; 2],
+    /// The VAE's `scaling_factor`: latents are divided by it before decoding.
+    pub vae_scaling_factor: f64,
+    pub scheduler: SchedulerEntry,
+    pub token_ids: TokenIds,
+    pub components: Components,
+}
+
+/// `config.json`'s `scheduler`.
+#[derive(Debug, Clone, Deserialize)]
+pub struct SchedulerEntry {
+    /// The scheduler's class (`diffusers.DDIMScheduler`).
+    pub cls: String,
+    pub config: SchedulerConfig,
+}
+
+/// The scheduler's configuration as diffusers writes it.
+#[derive(Debug, Clone, Deserialize)]
+pub struct SchedulerConfig {
+    pub num_train_timesteps: i64,
+    pub beta_start: f64,
+    pub beta_end: f64,
+    pub beta_schedule: String,
+    pub clip_sample: bool,
+    pub set_alpha_to_one: bool,
+    pub steps_offset: i64,
+    pub prediction_type: String,
+    pub timestep_spacing: String,
+}
+
+/// The tokenizer's output for the prompt and for the empty prompt (the export has no tokenizer).
+#[derive(Debug, Clone, Deserialize)]
+pub struct TokenIds {
+    pub prompt: Vec<i64>,
+    pub empty: Vec<i64>,
+}
+
+/// The three components' files.
+#[derive(Debug, Clone, Deserialize)]
+pub struct Components {
+    pub text_encoder: ComponentFiles,
+    pub unet: ComponentFiles,
+    pub vae_decoder: ComponentFiles,
+}
+
+/// A component's TorchScript file and its safetensors checkpoint (the traced module's names),
+/// relative to the export's folder.
+#[derive(Debug, Clone, Deserialize)]
+pub struct ComponentFiles {
+    pub file: String,
+    pub weights: String,
+}
+
+/// An export read and checked: its folder and its `config.json`.
+#[derive(Debug, Clone)]
+pub struct Export {
+    dir: PathBuf,
+    config: ExportConfig,
+}
+
+impl Export {
+    /// Reads `dir/config.json` and checks that the pipeline runs it: a DDIM scheduler this crate
+    /// reproduces, token ids of `seq_len`, sizes that agree, and every component file present.
+    pub fn open(dir: impl Into<PathBuf>) -> Result<Export, ExportError> {
+        let dir = dir.into();
+        let path = dir.join("config.json");
+        let text = std::fs::read_to_string(&path).map_err(|source| ExportError::Read { path: path.clone(), source })?;
+        let config: ExportConfig =
+            serde_json::from_str(&text).map_err(|source| ExportError::Parse { path: path.clone(), source })?;
+        let export = Export { dir, config };
+        export.check().map_err(|message| ExportError::Unsupported { path: path.clone(), message })?;
+        for (model, files) in export.component_files() {
+            for file in [&files.file, &files.weights] {
+                let file = export.dir.join(file);
+                std::fs::metadata(&file).map_err(|source| ExportError::Read { path: file.clone(), source })?;
+                if !file.is_file() {
+                    let message = format!("{model}'s {} is not a regular file", file.display());
+                    return Err(ExportError::Unsupported { path, message });
+                }
+            }
+        }
+        Ok(export)
+    }
+
+    fn check(&self) -> Result<(), String> {
+        let c = &self.config;
+        for (what, ids) in [("prompt", &c.token_ids.prompt), ("empty", &c.token_ids.empty)] {
+            if ids.len() != c.seq_len {
+                return Err(format!("token_ids.{what} has {} ids, seq_len is {}", ids.len(), c.seq_len));
+            }
+        }
+        let [h, w] = c.latent_size;
+        if h <= 0 || w <= 0 || c.latent_channels <= 0 {
+            return Err(format!(
+                "latent_size {:?} with {} channels is not a latent shape",
+                c.latent_size, c.latent_channels
+            ));
+        }
+        if [h * c.vae_scale_factor, w * c.vae_scale_factor] != c.image_size {
+            return Err(format!(
+                "latent_size {:?} times vae_scale_factor {} is not image_size {:?}",
+                c.latent_size, c.vae_scale_factor, c.image_size
+            ));
+        }
+        if !(c.vae_scaling_factor.is_finite() && c.vae_scaling_factor > 0.0) {
+            return Err(format!("vae_scaling_factor {} is not a positive number", c.vae_scaling_factor));
+        }
+        let s = &c.scheduler.config;
+        let expected = [
+            ("cls", c.scheduler.cls.as_str(), "diffusers.DDIMScheduler"),
+            ("beta_schedule", s.beta_schedule.as_str(), "scaled_linear"),
+            ("prediction_type", s.prediction_type.as_str(), "epsilon"),
+            ("timestep_spacing", s.timestep_spacing.as_str(), "leading"),
+        ];
+        for (field, found, wanted) in expected {
+            if found != wanted {
+                return Err(format!(
+                    "scheduler {field} is '{found}'; this pipeline reproduces DDIM with {field} = '{wanted}' only"
+                ));
+            }
+        }
+        if s.clip_sample {
+            return Err("scheduler clip_sample is true; this pipeline reproduces DDIM without clipping only".into());
+        }
+        Ok(())
+    }
+
+    /// The export's folder.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Its `config.json`.
+    pub fn config(&self) -> &ExportConfig {
+        &self.config
+    }
+
+    /// Each model with its files, in the order of [`MODELS`].
+    pub fn component_files(&self) -> [(&'static str, &ComponentFiles); 3] {
+        let c = &self.config.components;
+        [(MODELS[0], &c.text_encoder), (MODELS[1], &c.unet), (MODELS[2], &c.vae_decoder)]
+    }
+
+    /// The scheduler `config.json` describes.
+    pub fn ddim_config(&self) -> DdimConfig {
+        let s = &self.config.scheduler.config;
+        DdimConfig {
+            train_steps: s.num_train_timesteps,
+            beta_start: s.beta_start,
+            beta_end: s.beta_end,
+            steps_offset: s.steps_offset,
+            set_alpha_to_one: s.set_alpha_to_one,
+        }
+    }
+
+    /// The three models: each its TorchScript file, with its safetensors as the checkpoint that
+    /// refills it after a release.
+    pub fn model_specs(&self) -> Vec<ModelSpec> {
+        self.component_files()
+            .into_iter()
+            .map(|(name, files)| {
+                ModelSpec::torchscript(name, self.dir.join(&files.file)).checkpoint([self.dir.join(&files.weights)])
+            })
+            .collect()
+    }
+
+    /// The pipeline as a demo run takes it (`DemoRun::build`): models and stages, nothing pinned.
+    pub fn demo_spec(&self) -> DemoSpec {
+        DemoSpec {
+            name: "stable_diffusion",
+            models: self.model_specs(),
+            stages: STAGES.iter().map(|(stage, model)| (stage.to_string(), vec![model.to_string()])).collect(),
+            pinned: Vec::new(),
+            pins: Vec::new(),
+        }
+    }
+
+    /// A registry of the three models on the CPU for `loading`, its events to `events`. Eager:
+    /// every model pinned and loaded now, so nothing is ever released. (The command line places
+    /// models on other devices through `DemoRun`'s pipeline file.)
+    pub fn registry(&self, loading: Loading, events: Option<Arc<dyn EventSink>>) -> Result<StagedModels, BoxError> {
+        let mut builder = StagedModels::builder().prefetch_next(loading == Loading::Prefetch);
+        if let Some(sink) = events {
+            builder = builder.events(sink);
+        }
+        for spec in self.model_specs() {
+            builder = builder.model(spec);
+        }
+        for (stage, model) in STAGES {
+            builder = builder.stage(stage, [model]);
+        }
+        if loading == Loading::Eager {
+            for model in MODELS {
+                builder = builder.pin(model);
+            }
+        }
+        let models = builder.build()?;
+        if loading == Loading::Eager {
+            for model in MODELS {
+                models.load(model)?;
+            }
+        }
+        Ok(models)
+    }
+
+    /// The initial latents of `seed`: `tch::manual_seed(seed)`, then `randn` from torch's CPU
+    /// generator, [1, channels, h, w] float32 (as `torch.manual_seed(seed); torch.randn(...)`).
+    pub fn initial_latents(&self, seed: i64) -> Tensor {
+        let [h, w] = self.config.latent_size;
+        tch::manual_seed(seed);
+        Tensor::randn([1, self.config.latent_channels, h, w], (Kind::Float, Device::Cpu))
+    }
+}
+
+/// How the registry loads the models.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Loading {
+    /// Every model loaded up front and kept.
+    Eager,
+    /// Each stage's model loaded when the stage calls it; the others released when a stage
+    /// begins.
+    Staged,
+    /// Staged, and each stage's entry starts loading the next stage's model in the background.
+    Prefetch,
+}
+
+impl Loading {
+    /// `eager`, `staged` or `prefetch`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Loading::Eager => "eager",
+            Loading::Staged => "staged",
+            Loading::Prefetch => "prefetch",
+        }
+    }
+}
+
+/// What the pipeline runs on: stages to enter and models to call (a registry, or a demo run with
+/// its meter and checks). Tests wrap one to watch every call.
+pub trait StageRunner {
+    /// Enters `stage` (releasing what it does not list).
+    fn enter(&self, stage: &str) -> Result<(), BoxError>;
+    /// Calls `f` on the model `model`, loaded if needed.
+    fn call<M: 'static, R>(&self, model: &str, f: impl FnOnce(&mut M) -> R) -> Result<R, BoxError>;
+}
+
+impl StageRunner for StagedModels {
+    fn enter(&self, stage: &str) -> Result<(), BoxError> {
+        StagedModels::enter(self, stage)?;
+        Ok(())
+    }
+
+    fn call<M: 'static, R>(&self, model: &str, f: impl FnOnce(&mut M) -> R) -> Result<R, BoxError> {
+        Ok(StagedModels::call(self, model, f)?)
+    }
+}
+
+impl StageRunner for DemoRun {
+    fn enter(&self, stage: &str) -> Result<(), BoxError> {
+        DemoRun::enter(self, stage)
+    }
+
+    fn call<M: 'static, R>(&self, model: &str, f: impl FnOnce(&mut M) -> R) -> Result<R, BoxError> {
+        DemoRun::call(self, model, f)
+    }
+}
+
+/// Runs the TorchScript model `model` on `inputs`; a failing forward is an error naming it.
+fn forward(runner: &impl StageRunner, model: &str, inputs: &[Tensor]) -> Result<Tensor, BoxError> {
+    let output = runner.call(model, |m: &mut CModule| m.forward_ts(inputs))?;
+    output.map_err(|e| format!("{model}: forward failed: {e}").into())
+}
+
+/// What a run of the pipeline gives.
+#[derive(Debug)]
+pub struct Generated {
+    /// The initial latents it was given, [1, 4, h, w].
+    pub latents: Tensor,
+    /// The text encoder's output on the prompt's ids, [1, 77, hidden].
+    pub embeds: Tensor,
+    /// The same on the empty prompt's ids.
+    pub negative_embeds: Tensor,
+    /// The latents after the last DDIM step, before decoding.
+    pub final_latents: Tensor,
+    /// The image, [1, 3, H, W] in [0, 1].
+    pub image: Tensor,
+    /// The DDIM timesteps run, descending.
+    pub timesteps: Vec<i64>,
+}
+
+/// The sampler's settings.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Sampling {
+    /// DDIM steps.
+    pub steps: i64,
+    /// Classifier-free guidance scale (above 1; diffusers skips guidance at 1 or below).
+    pub guidance: f64,
+}
+
+/// Runs the pipeline from `latents` (on the device the models live on): enters `encode`,
+/// `denoise` and `decode` in turn on `runner` and calls each stage's model there (see the module
+/// docs for the operations). Runs without gradients.
+pub fn generate(
+    runner: &impl StageRunner,
+    export: &Export,
+    latents: &Tensor,
+    sampling: Sampling,
+) -> Result<Generated, BoxError> {
+    if sampling.guidance <= 1.0 || !sampling.guidance.is_finite() {
+        return Err(format!(
+            "guidance {} is not above 1: diffusers runs no classifier-free guidance then, and this pipeline \
+             reproduces it with guidance only",
+            sampling.guidance
+        )
+        .into());
+    }
+    let _no_grad = tch::no_grad_guard();
+    let config = export.config();
+    let device = latents.device();
+    let [h, w] = config.latent_size;
+    let expected = [1, config.latent_channels, h, w];
+    if latents.size() != expected || latents.kind() != Kind::Float {
+        return Err(format!(
+            "the initial latents are {:?} {:?}; {} wants float32 {expected:?}",
+            latents.kind(),
+            latents.size(),
+            export.dir().display()
+        )
+        .into());
+    }
+    let ddim = Ddim::new(export.ddim_config(), sampling.steps)?;
+    let ids = |ids: &[i64]| Tensor::from_slice(ids).view([1, -1]).to_device(device);
+
+    runner.enter("encode")?;
+    let embeds = forward(runner, "text_encoder", &[ids(&config.token_ids.prompt)])?;
+    let negative_embeds = forward(runner, "text_encoder", &[ids(&config.token_ids.empty)])?;
+    let seq = config.seq_len as i64;
+    if embeds.dim() != 3 || embeds.size()[..2] != [1, seq] {
+        return Err(format!("text_encoder gave {:?}, not [1, {seq}, hidden]", embeds.size()).into());
+    }
+    let conditioning = Tensor::cat(&[&negative_embeds, &embeds], 0);
+
+    runner.enter("denoise")?;
+    let mut x = latents * ddim.init_noise_sigma();
+    for &t in ddim.timesteps() {
+        let input = Tensor::cat(&[&x, &x], 0);
+        let timestep = Tensor::scalar_tensor(t as f64, (Kind::Int64, device));
+        let noise = forward(runner, "unet", &[input, timestep, conditioning.shallow_clone()])?;
+        if noise.size() != [2, config.latent_channels, h, w] {
+            return Err(
+                format!("unet gave {:?} at timestep {t}, not [2, {}, {h}, {w}]", noise.size(), expected[1]).into()
+            );
+        }
+        let halves = noise.chunk(2, 0);
+        let (uncond, text) = (&halves[0], &halves[1]);
+        let eps = uncond + (text - uncond) * sampling.guidance;
+        x = ddim.step(&eps, t, &x);
+    }
+
+    runner.enter("decode")?;
+    let decoded = forward(runner, "vae_decoder", &[&x / config.vae_scaling_factor])?;
+    let image = (decoded * 0.5 + 0.5).clamp(0.0, 1.0);
+    Ok(Generated {
+        latents: latents.shallow_clone(),
+        embeds,
+        negative_embeds,
+        final_latents: x,
+        image,
+        timesteps: ddim.timesteps().to_vec(),
+    })
+}
+
+/// `scripts/reference/sd_reference.py` in this checkout.
+pub fn reference_script() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../scripts/reference/sd_reference.py")
+}
+
+/// What diffusers' `StableDiffusionPipeline` gave on the same weights and inputs.
+#[derive(Debug)]
+pub struct Reference {
+    pub image: Tensor,
+    pub embeds: Tensor,
+    pub negative_embeds: Tensor,
+    pub final_latents: Tensor,
+    pub timesteps: Vec<i64>,
+    /// The script's output (its JSON summary and its log).
+    pub log: String,
+    /// How long the script ran.
+    pub seconds: f64,
+}
+
+/// Runs `sd_reference.py` with `python` on `export`, given `generated`'s embeddings and initial
+/// latents, in `folder` (its inputs, output and log go there), and reads what it wrote. Past
+/// `deadline` the script is killed (by its pid) and that is the error.
+pub fn run_reference(
+    python: &Path,
+    export: &Export,
+    generated: &Generated,
+    sampling: Sampling,
+    folder: &Path,
+    deadline: Duration,
+) -> Result<Reference, BoxError> {
+    let (inputs, output, log) = (
+        folder.join("sd-inputs.safetensors"),
+        folder.join("sd-reference.safetensors"),
+        folder.join("sd-reference.log"),
+    );
+    let cpu = |t: &Tensor| t.to_device(Device::Cpu).contiguous();
+    let named = [
+        ("prompt_embeds", cpu(&generated.embeds)),
+        ("negative_prompt_embeds", cpu(&generated.negative_embeds)),
+        ("latents", cpu(&generated.latents)),
+    ];
+    Tensor::write_safetensors(&named, &inputs).map_err(|e| format!("writing {}: {e}", inputs.display()))?;
+    let script = reference_script();
+    let started = Instant::now();
+    let mut command = Command::new(python);
+    command
+        .arg(&script)
+        .arg("--components")
+        .arg(export.dir())
+        .arg("--inputs")
+        .arg(&inputs)
+        .args(["--steps", &sampling.steps.to_string(), "--guidance", &sampling.guidance.to_string()])
+        .arg("--out")
+        .arg(&output);
+    run_script(command, &script.display().to_string(), &log, deadline)?;
+    let seconds = started.elapsed().as_secs_f64();
+    let tensors = Tensor::read_safetensors(&output).map_err(|e| format!("reading {}: {e}", output.display()))?;
+    let take = |name: &str| {
+        tensors
+            .iter()
+            .position(|(n, _)| n == name)
+            .map(|i| tensors[i].1.shallow_clone())
+            .ok_or_else(|| format!("{} holds no {name}", output.display()))
+    };
+    let timesteps = take("timesteps")?;
+    let timesteps = Vec::<i64>::try_from(&timesteps.to_kind(Kind::Int64).flatten(0, -1))
+        .map_err(|e| format!("{}: timesteps: {e}", output.display()))?;
+    Ok(Reference {
+        image: take("image")?,
+        embeds: take("embeds")?,
+        negative_embeds: take("negative_embeds")?,
+        final_latents: take("final_latents")?,
+        timesteps,
+        log: std::fs::read_to_string(&log).unwrap_or_default(),
+        seconds,
+    })
+}
+
+/// The largest difference between two tensors, and the reference's value range.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Difference {
+    /// max |rust - reference|.
+    pub largest: f64,
+    /// max - min of the reference.
+    pub range: f64,
+}
+
+impl Difference {
+    /// `rust` against `reference` (shapes must agree).
+    pub fn of(what: &str, rust: &Tensor, reference: &Tensor) -> Result<Difference, BoxError> {
+        let (rust, reference) = (rust.to_device(Device::Cpu).to_kind(Kind::Double), reference.to_kind(Kind::Double));
+        if rust.size() != reference.size() {
+            return Err(format!(
+                "{what}: Rust's shape {:?} against the reference's {:?}",
+                rust.size(),
+                reference.size()
+            )
+            .into());
+        }
+        let largest = (&rust - &reference).abs().max().double_value(&[]);
+        let range = (reference.max() - reference.min()).double_value(&[]);
+        Ok(Difference { largest, range })
+    }
+
+    /// The largest difference as a fraction of the range.
+    pub fn relative(&self) -> f64 {
+        if self.range > 0.0 {
+            self.largest / self.range
+        } else {
+            self.largest
+        }
+    }
+}
+
+impl fmt::Display for Difference {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:.3e} ({:.3e} of the range {:.4})", self.largest, self.relative(), self.range)
+    }
+}
+
+/// A run against the reference.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Comparison {
+    pub image: Difference,
+    pub embeds: Difference,
+    pub negative_embeds: Difference,
+    pub final_latents: Difference,
+    pub timesteps_equal: bool,
+}
+
+/// The largest difference from diffusers allowed, as a fraction of the reference's value range.
+pub const TOLERANCE: f64 = 1e-5;
+
+impl Comparison {
+    /// What is not as diffusers has it: timesteps that differ, and each tensor whose largest
+    /// difference is over [`TOLERANCE`] of its range. Empty: the run matches.
+    pub fn failures(&self) -> Vec<String> {
+        let mut failures = Vec::new();
+        if !self.timesteps_equal {
+            failures.push("the timesteps differ".to_string());
+        }
+        for (what, difference) in [
+            ("image", self.image),
+            ("embeds", self.embeds),
+            ("negative embeds", self.negative_embeds),
+            ("final latents", self.final_latents),
+        ] {
+            if difference.relative() > TOLERANCE {
+                failures.push(format!("{what}: largest difference {difference}, over {TOLERANCE:e} of the range"));
+            }
+        }
+        failures
+    }
+
+    pub fn of(generated: &Generated, reference: &Reference) -> Result<Comparison, BoxError> {
+        Ok(Comparison {
+            image: Difference::of("image", &generated.image, &reference.image)?,
+            embeds: Difference::of("embeds", &generated.embeds, &reference.embeds)?,
+            negative_embeds: Difference::of("negative_embeds", &generated.negative_embeds, &reference.negative_embeds)?,
+            final_latents: Difference::of("final_latents", &generated.final_latents, &reference.final_latents)?,
+            timesteps_equal: generated.timesteps == reference.timesteps,
+        })
+    }
+}
+
+impl fmt::Display for Comparison {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(f, "image            {}", self.image)?;
+        writeln!(f, "embeds           {}", self.embeds)?;
+        writeln!(f, "negative_embeds  {}", self.negative_embeds)?;
+        writeln!(f, "final_latents    {}", self.final_latents)?;
+        write!(f, "timesteps        {}", if self.timesteps_equal { "equal" } else { "DIFFER" })
+    }
+}
+
+/// Runs `command` (a reference script, `what`) offline with its output into `log`, within
+/// `deadline`: one that runs past it is killed by its own pid. An error carries the log.
+pub fn run_script(mut command: Command, what: &str, log: &Path, deadline: Duration) -> Result<(), String> {
+    let stdout = File::create(log).map_err(|e| format!("creating {}: {e}", log.display()))?;
+    let stderr = stdout.try_clone().map_err(|e| format!("{}: {e}", log.display()))?;
+    let started = Instant::now();
+    let mut child = command
+        .env("HF_HUB_OFFLINE", "1")
+        .stdout(stdout)
+        .stderr(stderr)
+        .spawn()
+        .map_err(|e| format!("could not start {what}: {e}"))?;
+    let read_log = || std::fs::read_to_string(log).unwrap_or_default();
+    let status = loop {
+        match child.try_wait() {
+            Ok(Some(status)) => break status,
+            Ok(None) if started.elapsed() < deadline => std::thread::sleep(Duration::from_millis(50)),
+            Ok(None) => {
+                let pid = child.id();
+                // Child::kill sends SIGKILL to this child's pid (never by name).
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(format!(
+                    "{what} (pid {pid}) ran past {} s and was killed; its output:\n{}",
+                    deadline.as_secs(),
+                    read_log()
+                ));
+            }
+            Err(e) => return Err(format!("waiting for {what}: {e}")),
+        }
+    };
+    if !status.success() {
+        return Err(format!("{what} failed ({status}):\n{}", read_log()));
+    }
+    Ok(())
+}

@@ -1,0 +1,51 @@
+//! What the tests that run libtorch in their own process share: a small real tch model, the
+//! process's RSS, and the one lock on torch's global generator.
+
+use stageload::Built;
+use std::sync::{Mutex, MutexGuard};
+use tch::nn::{self, Module, VarStore};
+
+use tch::{Device, Kind, Tensor};
+
+/// One test at a time draws from torch's global CPU generator: every test of a binary that
+/// seeds it, builds a model with random initialisation or draws a random tensor holds this for
+/// its whole run, so that no other test's draw lands between its seed and its own draws.
+pub fn generator() -> MutexGuard<'static, ()> {
+    static GENERATOR: Mutex<()> = Mutex::new(());
+    GENERATOR.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+#[derive(Debug)]
+pub struct Mlp {
+    pub l1: nn::Linear,
+    pub l2: nn::Linear,
+}
+
+impl Module for Mlp {
+    fn forward(&self, xs: &Tensor) -> Tensor {
+        xs.apply(&self.l1).relu().apply(&self.l2)
+    }
+}
+
+pub fn mlp(vs: &VarStore, width: i64) -> Mlp {
+    let root = vs.root();
+    Mlp {
+        l1: nn::linear(&root / "l1", width, width, Default::default()),
+        l2: nn::linear(&root / "l2", width, width, Default::default()),
+    }
+}
+
+pub fn build_mlp(width: i64) -> Built {
+    let vs = VarStore::new(Device::Cpu);
+    let model = mlp(&vs, width);
+    Built::new(model, &vs)
+}
+
+pub fn input(width: i64) -> Tensor {
+    Tensor::ones([2, width], (Kind::Float, Device::Cpu))
+}
+
+/// The process's resident set size, in bytes.
+pub fn rss_bytes() -> i64 {
+    stageload_probe::process_memory(std::process::id() as i32).expect("read this process's memory").rss as i64
+}

@@ -1,0 +1,104 @@
+//! The fixed mmap threshold that `StagedModelsBuilder::build` sets, against glibc's default,
+//! each in a process of its own (the setting is process-wide, and glibc serves a request from
+//! the free blocks of its heap before it maps new memory, whatever the threshold): weight-sized
+//! tensors freed between tensors that stay alive are kept by the heap by default and go back to
+//! the OS with it.
+#![cfg(all(target_os = "linux", target_env = "gnu"))]
+
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use stageload::StagedModels;
+use tch::{Device, Kind, Tensor};
+
+use stageload_test_support::torch as support;
+use support::rss_bytes;
+
+const BLOCK: i64 = 4 << 20;
+const BLOCKS: usize = 32;
+const KEEPER: i64 = 64 << 10;
+
+/// Which threshold [`one_round_of_large_blocks_freed_between_live_ones`] runs with.
+const MODE: &str = "STAGELOAD_HOST_MEMORY_MODE";
+
+/// Allocates `BLOCKS` written 4 MiB tensors, each followed by a small tensor that stays alive,
+/// frees the large ones, and returns how many of their bytes the process still holds: their
+/// bytes less what RSS fell by when they were freed (the small ones are returned, alive).
+fn bytes_kept_after_freeing() -> (i64, Vec<Tensor>) {
+    let (mut large, mut keepers) = (Vec::new(), Vec::new());
+    for _ in 0..BLOCKS {
+        large.push(Tensor::full([BLOCK / 4], 1.0, (Kind::Float, Device::Cpu)));
+        keepers.push(Tensor::full([KEEPER / 4], 1.0, (Kind::Float, Device::Cpu)));
+    }
+    let before = rss_bytes();
+    drop(large);
+    (BLOCK * BLOCKS as i64 - (before - rss_bytes()), keepers)
+}
+
+/// The bytes kept by one round run in a fresh process: this binary again, on the round alone.
+fn kept_in_a_process_of_its_own(mode: &str) -> i64 {
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args(["one_round_of_large_blocks_freed_between_live_ones", "--exact", "--ignored", "--nocapture"])
+        .env(MODE, mode)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // A round takes about a second; a child that hangs is stopped, by its own pid.
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while child.try_wait().unwrap().is_none() {
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("the {mode} round ran past 120 s");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let out = child.wait_with_output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "the {mode} round failed:\n{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    stdout
+        .lines()
+        .find_map(|line| line.strip_prefix("kept ")?.parse().ok())
+        .unwrap_or_else(|| panic!("the {mode} round printed no count:\n{stdout}"))
+}
+
+#[test]
+#[ignore = "one round of freed_large_blocks_go_back_to_the_os_once_a_registry_is_built, which runs it in a process of its own"]
+fn one_round_of_large_blocks_freed_between_live_ones() {
+    match std::env::var(MODE).as_deref() {
+        // glibc's default: freeing one mapped block raises the threshold above it, so the blocks
+        // that follow come from the heap and stay there when freed.
+        Ok("default") => {
+            drop(Tensor::full([BLOCK / 4], 1.0, (Kind::Float, Device::Cpu)));
+            StagedModels::builder().map_large_host_blocks(false).build().unwrap();
+        }
+        Ok("fixed") => {
+            StagedModels::builder().build().unwrap();
+        }
+        // Asked for by a run of the ignored tests: only a process of its own measures anything.
+        Err(_) => return,
+        Ok(other) => panic!("{MODE} is {other:?}, not default or fixed"),
+    }
+    let (kept, _keepers) = bytes_kept_after_freeing();
+    println!("kept {kept}");
+}
+
+#[test]
+fn freed_large_blocks_go_back_to_the_os_once_a_registry_is_built() {
+    let total = BLOCK * BLOCKS as i64;
+    // Nothing else runs in a round's process between the two readings of its count, so they
+    // differ from the pages freed only by what the kernel's per-CPU counters leave out of each.
+    // A block served by a mapping of its own goes back whole, with the page its header shares
+    // (so `kept` is then below 0); a block in the heap between two live tensors stays whole.
+    let slack = 2 * stageload_probe::rss_counter_slack() as i64;
+    let kept_by_default = kept_in_a_process_of_its_own("default");
+    eprintln!("glibc's default: {kept_by_default} of {total} bytes kept");
+    assert!(
+        kept_by_default + slack >= total,
+        "control: glibc's default keeps them ({kept_by_default} of {total} bytes kept, slack {slack})"
+    );
+    let kept = kept_in_a_process_of_its_own("fixed");
+    eprintln!("fixed threshold: {kept} of {total} bytes kept");
+    assert!(kept <= slack, "{kept} of {total} bytes still held after freeing (slack {slack})");
+}

@@ -1,0 +1,448 @@
+//! Prefetch on the CPU: the next stage's models load in a background thread while the current
+//! stage computes; only loads that draw no random number are started, so a seeded run gives the
+//! same numbers with and without prefetch; a failed prefetch surfaces at the `get`; the
+//! prefetches running are listed and can be waited for; closing or dropping the registry gives
+//! up the prefetches that have not begun and waits only for a loader already running.
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use stageload::{EventKind, ListSink, ModelSpec, ModelState, ReloadFrom, StageError, StagedModels};
+use tch::nn::{Module, VarStore};
+use tch::{Device, Kind, Tensor};
+
+use stageload_test_support::torch as support;
+use support::{build_mlp, mlp, Mlp};
+
+fn within<T: Send + 'static>(what: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
+    let (done, finished) = mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = done.send(f());
+    });
+    finished.recv_timeout(Duration::from_secs(60)).unwrap_or_else(|_| panic!("{what}: not done after 60 s (a hang)"))
+}
+
+/// Checkpoints of two width-64 MLPs in `dir`.
+fn files(dir: &std::path::Path) -> [std::path::PathBuf; 2] {
+    ["a", "b"].map(|name| {
+        let vs = VarStore::new(Device::Cpu);
+        let _ = mlp(&vs, 64);
+        let path = dir.join(format!("{name}.safetensors"));
+        stageload::checkpoint::save(&vs.variables().into_iter().collect::<Vec<_>>(), &path).unwrap();
+        path
+    })
+}
+
+fn registry(
+    files: &[std::path::PathBuf; 2],
+    skip_init: bool,
+    prefetch_next: bool,
+    sink: Arc<ListSink>,
+) -> Arc<StagedModels> {
+    let spec = |name: &str, file: &std::path::PathBuf| {
+        ModelSpec::new(name, |_| Ok(build_mlp(64))).checkpoint([file]).skip_init(skip_init)
+    };
+    Arc::new(
+        StagedModels::builder()
+            .model(spec("a", &files[0]))
+            .model(spec("b", &files[1]))
+            .stage("first", ["a"])
+            .stage("second", ["b"])
+            .stage("third", ["a"])
+            .prefetch_next(prefetch_next)
+            .events(sink)
+            .build()
+            .unwrap(),
+    )
+}
+
+/// A seeded run: noise drawn in every stage, each model called on it. With `prefetched`, each
+/// stage waits for the prefetch of the next one (begun by its `enter`) to end, so that the next
+/// stage's `get` finds the model there instead of racing the background thread to it.
+fn run(models: &Arc<StagedModels>, prefetched: bool) -> Vec<Tensor> {
+    tch::manual_seed(11);
+    let mut outputs = Vec::new();
+    let stages = [("first", "a"), ("second", "b"), ("third", "a")];
+    for (i, (stage, model)) in stages.into_iter().enumerate() {
+        models.enter(stage).unwrap();
+        let noise = Tensor::randn([4, 64], (Kind::Float, Device::Cpu));
+        let (models, model) = (models.clone(), model.to_string());
+        let next = stages.get(i + 1).filter(|_| prefetched).map(|(next, _)| next.to_string());
+        outputs.push(within("a call and the next stage's prefetch", move || {
+            let output = models.call(&model, |m: &mut Mlp| m.forward(&noise)).unwrap();
+            if let Some(next) = next {
+                models.wait_prefetch(&next).unwrap();
+            }
+            output
+        }));
+    }
+    outputs
+}
+
+#[test]
+fn a_prefetched_run_gives_the_same_numbers_as_one_without() {
+    let _one = support::generator();
+    let dir = tempfile::TempDir::new().unwrap();
+    let files = files(dir.path());
+    let plain = run(&registry(&files, true, false, Arc::new(ListSink::new())), false);
+    let sink = Arc::new(ListSink::new());
+    let prefetched = run(&registry(&files, true, true, sink.clone()), true);
+    for (a, b) in plain.iter().zip(&prefetched) {
+        assert!(a.equal(b), "prefetch changed a result");
+    }
+    let prefetches = sink.of_kind(EventKind::Prefetch);
+    let names: Vec<(Option<String>, Option<String>)> =
+        prefetches.iter().map(|e| (e.stage.clone(), e.model.clone())).collect();
+    assert_eq!(names, [(Some("second".into()), Some("b".into())), (Some("third".into()), Some("a".into()))]);
+    let loads: Vec<_> = sink.events().into_iter().filter(|e| e.kind.is_load() && e.prefetched).collect();
+    assert_eq!(loads.len(), 2, "both prefetches ended in a load: {loads:?}");
+    assert_eq!(loads[1].from, Some(ReloadFrom::InPlace), "a's return is a refill in place");
+}
+
+#[test]
+fn builds_that_draw_random_numbers_are_not_prefetched() {
+    let _one = support::generator();
+    let dir = tempfile::TempDir::new().unwrap();
+    let files = files(dir.path());
+    let models = registry(&files, false, false, Arc::new(ListSink::new()));
+    assert!(models.prefetch("second").unwrap().is_empty(), "b's first build runs its initialisation");
+    models.enter("second").unwrap();
+    models.load("b").unwrap();
+    models.enter("first").unwrap();
+    assert_eq!(models.prefetch("second").unwrap(), ["b"], "released with a checkpoint: a refill draws nothing");
+    let err = models.prefetch("nowhere").unwrap_err();
+    assert!(matches!(&err, StageError::UnknownStage { known, .. } if known.len() == 3), "{err}");
+}
+
+#[test]
+fn a_prefetch_over_its_budget_is_not_started() {
+    let _one = support::generator();
+    let dir = tempfile::TempDir::new().unwrap();
+    let files = files(dir.path());
+    let models = StagedModels::builder()
+        .model(ModelSpec::new("b", |_| Ok(build_mlp(64))).checkpoint([&files[1]]).skip_init(true))
+        .stage("second", ["b"])
+        .prefetch_budget(1024)
+        .build()
+        .unwrap();
+    assert!(models.prefetch("second").unwrap().is_empty(), "33 KiB of weights do not fit in 1 KiB");
+}
+
+#[test]
+fn a_failed_prefetch_surfaces_at_the_get_that_needs_the_model() {
+    let _one = support::generator();
+    let dir = tempfile::TempDir::new().unwrap();
+    let files = files(dir.path());
+    let sink = Arc::new(ListSink::new());
+    let models = registry(&files, true, false, sink.clone());
+    models.enter("second").unwrap();
+    models.load("b").unwrap();
+    models.enter("first").unwrap();
+    std::fs::remove_file(&files[1]).unwrap();
+    assert_eq!(models.prefetch("second").unwrap(), ["b"]);
+    {
+        let models = models.clone();
+        within("the failed prefetch", move || models.wait_prefetch("second").unwrap());
+    }
+    assert_eq!(models.state("b").unwrap(), ModelState::Failed, "the prefetch ended, in a failure");
+    assert!(models.prefetching().is_empty());
+    models.enter("second").unwrap();
+    let err = {
+        let models = models.clone();
+        within("the get after a failed prefetch", move || models.get::<Mlp>("b").err().unwrap())
+    };
+    assert!(matches!(err, StageError::Checkpoint { .. }) && err.to_string().contains("b.safetensors"), "{err}");
+    assert!(!sink.of_kind(EventKind::Error).is_empty());
+}
+
+#[test]
+fn a_prefetch_leaves_the_current_stages_working_memory_free() {
+    let _one = support::generator();
+    let dir = tempfile::TempDir::new().unwrap();
+    let files = files(dir.path());
+    let with_working = |working: Option<u64>| {
+        let mut builder = StagedModels::builder()
+            .model(ModelSpec::new("b", |_| Ok(build_mlp(64))).checkpoint([&files[1]]).skip_init(true))
+            .stage("first", Vec::<String>::new())
+            .stage("second", ["b"])
+            .prefetch_budget(200 << 10);
+        if let Some(bytes) = working {
+            builder = builder.stage_working("first", bytes);
+        }
+        let models = builder.build().unwrap();
+        models.enter("first").unwrap();
+        models.prefetch("second").unwrap()
+    };
+    assert_eq!(with_working(None), ["b"], "33 KiB of weights fit in 200 KiB");
+    assert_eq!(with_working(Some(100 << 10)), ["b"], "beside 100 KiB of working memory too");
+    assert!(with_working(Some(180 << 10)).is_empty(), "not beside 180 KiB of working memory");
+}
+
+#[test]
+fn without_a_budget_declared_working_memory_is_left_free_of_what_the_machine_has() {
+    let _one = support::generator();
+    let dir = tempfile::TempDir::new().unwrap();
+    let files = files(dir.path());
+    let prefetched = |working: u64| {
+        let models = StagedModels::builder()
+            .model(ModelSpec::new("b", |_| Ok(build_mlp(64))).checkpoint([&files[1]]).skip_init(true))
+            .stage("first", Vec::<String>::new())
+            .stage("second", ["b"])
+            .stage_working("first", working)
+            .build()
+            .unwrap();
+        models.enter("first").unwrap();
+        models.prefetch("second").unwrap()
+    };
+    assert_eq!(prefetched(1 << 20), ["b"], "1 MiB of working memory leaves room on any machine");
+    assert!(prefetched(1 << 50).is_empty(), "a petabyte of working memory leaves none");
+}
+
+/// A loader that says when it begins (on `began`), takes `seconds`, then says it finished, and
+/// counts its builds: a model prefetchable from the start (`skip_init`, no checkpoint).
+fn slow(name: &str, seconds: f64, began: mpsc::Sender<String>, builds: Arc<AtomicUsize>) -> ModelSpec {
+    let (name, began) = (name.to_string(), Mutex::new(began));
+    let model = name.clone();
+    ModelSpec::new(name, move |_| {
+        builds.fetch_add(1, Ordering::SeqCst);
+        let _ = began.lock().unwrap().send(model.clone());
+        std::thread::sleep(Duration::from_secs_f64(seconds));
+        Ok(build_mlp(4))
+    })
+    .skip_init(true)
+}
+
+#[test]
+fn a_slow_prefetch_is_listed_while_it_runs_and_waited_for_until_it_ends() {
+    let _one = support::generator();
+    let (began, has_begun) = mpsc::channel();
+    let builds = Arc::new(AtomicUsize::new(0));
+    let sink = Arc::new(ListSink::new());
+    let models = Arc::new(
+        StagedModels::builder()
+            .model(slow("slow", 0.5, began, builds.clone()))
+            .stage("now", Vec::<String>::new())
+            .stage("next", ["slow"])
+            .events(sink.clone())
+            .build()
+            .unwrap(),
+    );
+    models.enter("now").unwrap();
+    models.wait_prefetch("next").unwrap();
+    assert!(models.prefetching().is_empty(), "nothing started yet: waiting returns at once");
+    assert_eq!(models.prefetch("next").unwrap(), ["slow"]);
+    assert_eq!(models.prefetching(), ["slow"], "listed as soon as it is started");
+    has_begun.recv_timeout(Duration::from_secs(60)).expect("the loader begins");
+    assert_eq!(models.prefetching(), ["slow"], "listed while its loader runs");
+    assert_eq!(models.state("slow").unwrap(), ModelState::Loading);
+    {
+        let models = models.clone();
+        within("waiting for the prefetch", move || models.wait_prefetch("next").unwrap());
+    }
+    assert!(models.prefetching().is_empty(), "not listed once it ended");
+    assert_eq!(models.state("slow").unwrap(), ModelState::Resident);
+    let loads = sink.of_kind(EventKind::Load);
+    assert!(loads.len() == 1 && loads[0].prefetched, "its load event came before the wait returned: {loads:?}");
+    assert_eq!(builds.load(Ordering::SeqCst), 1);
+
+    let err = models.wait_prefetch("nowhere").unwrap_err();
+    assert!(
+        matches!(&err, StageError::UnknownStage { stage, known } if stage == "nowhere" && known.len() == 2),
+        "{err}"
+    );
+    assert!(err.to_string().contains("'nowhere'"), "{err}");
+}
+
+/// Two models prefetched for `next`, each with a loader of `seconds`, and the channel saying
+/// which loader began.
+fn two_slow(seconds: f64, builds: &Arc<AtomicUsize>) -> (StagedModels, mpsc::Receiver<String>) {
+    let (began, has_begun) = mpsc::channel();
+    let models = StagedModels::builder()
+        .model(slow("a", seconds, began.clone(), builds.clone()))
+        .model(slow("b", seconds, began, builds.clone()))
+        .stage("now", Vec::<String>::new())
+        .stage("next", ["a", "b"])
+        .build()
+        .unwrap();
+    models.enter("now").unwrap();
+    (models, has_begun)
+}
+
+#[test]
+fn dropping_the_registry_waits_for_the_loader_running_and_cancels_the_prefetch_behind_it() {
+    let _one = support::generator();
+    let builds = Arc::new(AtomicUsize::new(0));
+    let counted = builds.clone();
+    let (dropped_after, later) = within("the drop, and a registry after it", move || {
+        let (models, has_begun) = two_slow(5.0, &counted);
+        assert_eq!(models.prefetch("next").unwrap(), ["a", "b"]);
+        // One build at a time: the first loader holds the build turn, the other prefetch has not
+        // begun (it waits for the turn, or its thread has not got there yet).
+        let first = has_begun.recv_timeout(Duration::from_secs(30)).expect("a loader begins");
+        let started = Instant::now();
+        drop(models);
+        let dropped_after = started.elapsed();
+        assert!(has_begun.try_recv().is_err(), "the other loader never began (the first was {first})");
+        // The process stays sound: a registry made afterwards prefetches and loads.
+        let fresh = Arc::new(AtomicUsize::new(0));
+        let (models, _began) = two_slow(0.0, &fresh);
+        models.prefetch("next").unwrap();
+        models.wait_prefetch("next").unwrap();
+        models.enter("next").unwrap();
+        let y = models.call("a", |m: &mut Mlp| m.forward(&Tensor::ones([1, 4], (Kind::Float, Device::Cpu))));
+        (dropped_after, (y.unwrap().size(), fresh.load(Ordering::SeqCst), models.resident()))
+    });
+    assert_eq!(builds.load(Ordering::SeqCst), 1, "the prefetch that had not begun was cancelled");
+    assert!(
+        dropped_after > Duration::from_secs(3) && dropped_after < Duration::from_secs(8),
+        "the drop waited for the one loader running (5 s), not for both (10 s): {dropped_after:?}"
+    );
+    assert_eq!(later, (vec![1, 4], 2, vec!["a".to_string(), "b".to_string()]));
+}
+
+#[test]
+fn closing_gives_up_at_once_a_prefetch_waiting_behind_a_foreground_build() {
+    let _one = support::generator();
+    let (began, has_begun) = mpsc::channel();
+    let builds = Arc::new(AtomicUsize::new(0));
+    let finished = Arc::new(AtomicBool::new(false));
+    let foreground = {
+        let (began, finished) = (Mutex::new(began), finished.clone());
+        ModelSpec::new("foreground", move |_| {
+            let _ = began.lock().unwrap().send("foreground".to_string());
+            std::thread::sleep(Duration::from_secs(5));
+            finished.store(true, Ordering::SeqCst);
+            Ok(build_mlp(4))
+        })
+    };
+    let (unused, _) = mpsc::channel();
+    let models = Arc::new(
+        StagedModels::builder()
+            .model(foreground)
+            .model(slow("b", 5.0, unused, builds.clone()))
+            .stage("now", ["foreground"])
+            .stage("next", ["b"])
+            .build()
+            .unwrap(),
+    );
+    models.enter("now").unwrap();
+    let user = {
+        let models = models.clone();
+        std::thread::spawn(move || models.load("foreground"))
+    };
+    has_begun.recv_timeout(Duration::from_secs(30)).expect("the foreground build begins");
+    assert_eq!(models.prefetch("next").unwrap(), ["b"]);
+    assert_eq!(models.prefetching(), ["b"], "waiting for the build turn");
+    let (closed_after, state) = {
+        let models = models.clone();
+        within("close and the prefetch's end", move || {
+            let started = Instant::now();
+            models.close().unwrap();
+            models.wait_prefetch("next").unwrap();
+            (started.elapsed(), models.state("b").unwrap())
+        })
+    };
+    assert!(!finished.load(Ordering::SeqCst), "neither close nor the prefetch waited for the foreground loader");
+    assert!(closed_after < Duration::from_secs(2), "the prefetch gave up at once: {closed_after:?}");
+    assert_eq!(state, ModelState::Unloaded, "its slot is as it was before the prefetch");
+    assert_eq!(builds.load(Ordering::SeqCst), 0, "b's loader never ran");
+    assert!(models.prefetching().is_empty());
+    let loaded = within("the foreground build", move || user.join().unwrap());
+    assert!(loaded.is_ok(), "a build begun before close finishes: {loaded:?}");
+    let err = models.load("b").unwrap_err();
+    assert!(matches!(&err, StageError::Closed { model } if model == "b"), "{err}");
+    let started = Instant::now();
+    drop(models);
+    assert!(started.elapsed() < Duration::from_secs(2), "nothing left to wait for: {:?}", started.elapsed());
+}
+
+/// How a test lets go of the registry.
+#[derive(Clone, Copy, PartialEq)]
+enum End {
+    Close,
+    Drop,
+}
+
+/// Model `b` released with its checkpoint, then prefetched (a refill in place); each progress
+/// report of that refill sleeps `piece` seconds, so the copy is in flight when the registry
+/// closes or drops. Returns how long the close (with the prefetch's end) or the drop took, the
+/// progress reports the refill made, b's state after a close, and the refill's reload events.
+fn end_during_a_refill(end: End, piece: Duration) -> (Duration, usize, Option<ModelState>, usize) {
+    let dir = tempfile::tempdir().unwrap();
+    let files = files(dir.path());
+    let armed = Arc::new(AtomicBool::new(false));
+    let reports = Arc::new(AtomicUsize::new(0));
+    let (began, refilling) = mpsc::channel();
+    let sink = Arc::new(ListSink::default());
+    let models = {
+        let (armed, reports, began) = (armed.clone(), reports.clone(), Mutex::new(began));
+        StagedModels::builder()
+            .model(ModelSpec::new("b", |_| Ok(build_mlp(64))).checkpoint([&files[1]]).skip_init(true))
+            .stage("first", Vec::<String>::new())
+            .stage("second", ["b"])
+            .events(sink.clone())
+            .progress(move |model, _| {
+                if model == "b" && armed.load(Ordering::SeqCst) {
+                    reports.fetch_add(1, Ordering::SeqCst);
+                    let _ = began.lock().unwrap().send(());
+                    std::thread::sleep(piece);
+                }
+            })
+            .build()
+            .unwrap()
+    };
+    models.enter("second").unwrap();
+    models.load("b").unwrap();
+    models.enter("first").unwrap();
+    assert_eq!(models.state("b").unwrap(), ModelState::Released);
+    armed.store(true, Ordering::SeqCst);
+    assert_eq!(models.prefetch("second").unwrap(), ["b"]);
+    refilling.recv_timeout(Duration::from_secs(30)).expect("the refill reports its first piece");
+    let started = Instant::now();
+    let state = match end {
+        End::Close => {
+            models.close().unwrap();
+            models.wait_prefetch("second").unwrap();
+            let state = models.state("b").unwrap();
+            drop(models);
+            Some(state)
+        }
+        End::Drop => {
+            drop(models);
+            None
+        }
+    };
+    let took = started.elapsed();
+    let reloads = sink.of_kind(EventKind::Reload).len();
+    (took, reports.load(Ordering::SeqCst), state, reloads)
+}
+
+#[test]
+fn closing_or_dropping_the_registry_stops_a_prefetched_refill_at_the_piece_in_flight() {
+    let _one = support::generator();
+    let piece = Duration::from_millis(1500);
+    for end in [End::Close, End::Drop] {
+        let (took, reports, state, reloads) = within("a refill stopped by close or drop", move || {
+            let ended = end_during_a_refill(end, piece);
+            // The process stays sound: a registry made afterwards loads from the same file.
+            let dir = tempfile::tempdir().unwrap();
+            let files = files(dir.path());
+            let sink = Arc::new(ListSink::default());
+            let models = registry(&files, true, true, sink);
+            models.enter("second").unwrap();
+            let y = models.call("b", |m: &mut Mlp| m.forward(&Tensor::ones([1, 64], (Kind::Float, Device::Cpu))));
+            assert_eq!(y.unwrap().size(), [1, 64]);
+            ended
+        });
+        // Every piece of the refill reports (the caller's thread reads some, then reports once
+        // more at the end): a copy that ran on would report at least twice.
+        assert_eq!(reports, 1, "the copy stopped after the piece in flight");
+        assert!(took < piece + Duration::from_secs(1), "waited only for that piece ({piece:?}): {took:?}");
+        assert_eq!(reloads, 0, "the refill did not finish");
+        if end == End::Close {
+            assert_eq!(state, Some(ModelState::Released), "b is released as it was before the prefetch");
+        }
+    }
+}

@@ -1,0 +1,104 @@
+//! The stream demo as a user runs it: the cascade's largest model loaded whole, then streamed
+//! under a budget below its size with the working memory the whole runs measured, in separate
+//! processes. The latent must match bit for bit, the streamed model's storages must hold no more
+//! than the budget leaves beside that working memory, and the process's RSS must grow by no more
+//! than the budget after set-up, within what the working memory's measurement does not cover. A
+//! budget under one block is refused naming both sizes.
+
+use std::path::Path;
+use std::process::Command;
+use std::time::Duration;
+
+use stageload_test_support::build::example;
+
+const MIB: u64 = 1 << 20;
+
+/// Runs the demo with `args`; its `--result` JSON.
+fn run(cache: &Path, result: &Path, args: &[&str]) -> serde_json::Value {
+    let mut child = Command::new(example("stream"))
+        .args(["--device", "cpu", "--scale", "0.25", "--tokens", "64", "--steps", "2", "--cache"])
+        .arg(cache)
+        .arg("--result")
+        .arg(result)
+        .args(args)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(300);
+    while child.try_wait().unwrap().is_none() {
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("the stream demo ran past 300 s");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_str(&std::fs::read_to_string(result).unwrap()).unwrap()
+}
+
+#[test]
+fn the_largest_model_streamed_under_a_budget_below_its_size_gives_the_same_latent() {
+    let folder = tempfile::TempDir::new().unwrap();
+    let (cache, result) = (folder.path().join("cache"), folder.path().join("result.json"));
+    let grown = |r: &serde_json::Value| r["peak_rss"].as_u64().unwrap() - r["base_rss"].as_u64().unwrap();
+    // The first run writes the checkpoint into the cache; the two after it measure.
+    run(&cache, &result, &[]);
+    let wholes = [run(&cache, &result, &[]), run(&cache, &result, &[])];
+    let model = wholes[0]["model_bytes"].as_u64().unwrap();
+    assert!(model > 140 * MIB, "texture_flow at scale 0.25 is about 150 MiB: {}", wholes[0]);
+    // The working memory, as the demo's `--working` says to measure it: a resident run's growth
+    // over set-up less the model (libtorch's first-use buffers included), the larger of two.
+    let workings: Vec<u64> =
+        wholes.iter().map(|w| grown(w).checked_sub(model).expect("the whole run holds the model")).collect();
+    let working = *workings.iter().max().unwrap();
+    let budget = 60 * MIB;
+    let streamed = run(&cache, &result, &["--budget", "60MiB", "--working", &working.to_string()]);
+    assert_eq!(streamed["fingerprint"], wholes[0]["fingerprint"], "{streamed}");
+    let resident = streamed["resident_blocks"].as_u64().unwrap();
+    assert!(resident < 12 && streamed["bytes_refilled"].as_u64().unwrap() > 0, "{streamed}");
+    // The weights' share of the budget, by the storages themselves: exact.
+    let held = streamed["most_held"].as_u64().unwrap();
+    assert!(
+        held <= budget - working,
+        "held {held} at a block boundary, over the budget less the working memory; {streamed}"
+    );
+    // The process: what the budget covers, plus what the resident runs' working memory does not
+    // cover: its run-to-run spread (libtorch's and glibc's per-thread buffers), and the refill
+    // thread's stack, which the resident run has no thread for (Rust's default: 2 MiB).
+    let spread = workings.iter().max().unwrap() - workings.iter().min().unwrap();
+    let allowance = spread + 2 * MIB;
+    assert!(
+        grown(&streamed) <= budget + allowance,
+        "streamed: {} MiB over set-up against a budget of 60 MiB + {} KiB; {streamed}",
+        grown(&streamed) / MIB,
+        allowance >> 10
+    );
+}
+
+#[test]
+fn a_budget_under_one_block_is_refused_with_both_sizes() {
+    let folder = tempfile::TempDir::new().unwrap();
+    let out = Command::new(example("stream"))
+        .args(["--device", "cpu", "--scale", "0.25", "--budget", "4MiB", "--cache"])
+        .arg(folder.path())
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    // The run's pipeline file refuses it before anything is built.
+    assert!(stderr.contains("model 'texture_flow': stream: a budget of 4.0 MiB"), "{stderr}");
+    assert!(stderr.contains("one block 12."), "the block's size: {stderr}");
+}
+
+#[test]
+fn flags_out_of_range_are_refused_naming_the_flag() {
+    for (flag, value) in [("--tokens", "0"), ("--steps", "0"), ("--scale", "0"), ("--budget", "lots")] {
+        let out = Command::new(example("stream")).args(["--device", "cpu", flag, value]).output().unwrap();
+        assert_eq!(out.status.code(), Some(2), "{flag} {value}");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains(flag), "{flag} {value}: {stderr}");
+    }
+}

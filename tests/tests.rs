@@ -1,0 +1,33 @@
+//! The integration tests of `stageload`, one binary of modules (as ripgrep's `tests/tests.rs`).
+//! A test with process-wide state has a binary of its own (`host_memory`, `metered`,
+//! `release_rss`, `rng`, `slow_copies`; each module doc says why).
+//!
+//! Every test here that runs libtorch in this process and draws from torch's global generator
+//! (seeding it, building a model with random initialisation, drawing a tensor) holds
+//! [`stageload_test_support::torch::generator`] for its whole run. Tests that run an example
+//! start it as a user would, in its own process (`stageload_test_support::build::example`).
+//!
+//! - The registry: `staged`, `threads`, `prefetch`, `names`, `snapshot`, `pipeline_file`,
+//!   `host_tier`, `script` (TorchScript), `stream` (block streaming), `checkpoint` (I/O).
+//! - The examples run as users run them: `readme_example` (two_models), `determinism` (cascade
+//!   and text_to_image, staged against eager), `stream_demo`, `minilm` (a published checkpoint
+//!   against its reference implementation), `stable_diffusion` and `ddim` (against diffusers),
+//!   `many_jobs` (cascade jobs on a local Ray cluster).
+
+mod checkpoint;
+mod ddim;
+mod determinism;
+mod host_tier;
+mod many_jobs;
+mod minilm;
+mod names;
+mod pipeline_file;
+mod prefetch;
+mod readme_example;
+mod script;
+mod snapshot;
+mod stable_diffusion;
+mod staged;
+mod stream;
+mod stream_demo;
+mod threads;
