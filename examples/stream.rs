@@ -4,7 +4,7 @@
 //! must match bit for bit.
 //!
 //!     cargo run --example stream -- --budget 200MiB --trace stream.jsonl
-//!     stageload guard --max-memory 450MiB -- target/debug/stream --budget 200MiB
+//!     stageload guard --max-memory 450MiB -- target/debug/examples/stream --budget 200MiB
 //!
 //! It prints the residency line, the latent's fingerprint, the process's peak RSS and how much
 //! of it came after set-up (the model's weights and working memory), and what streaming moved.

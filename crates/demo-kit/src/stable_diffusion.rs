@@ -1,7 +1,7 @@
 //! Stable Diffusion over the TorchScript export of `scripts/reference/sd_export.py`: the CLIP text
 //! encoder, the UNet run for N DDIM steps with classifier-free guidance, and the VAE decoder, as
-//! three registry models in three stages (`encode` [text_encoder], `denoise` [unet], `decode`
-//! [vae_decoder]), eager, staged, or staged with the next stage prefetched. This file owns
+//! three registry models in three stages (`encode`: `text_encoder`, `denoise`: `unet`, `decode`:
+//! `vae_decoder`), eager, staged, or staged with the next stage prefetched. This file owns
 //! reading an export (`config.json` and its files, checked), the models and stages, the pipeline
 //! run (the operations diffusers' `StableDiffusionPipeline` does, in its order, so that the
 //! image matches it), and running and comparing against diffusers itself

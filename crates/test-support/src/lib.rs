@@ -2,7 +2,7 @@
 //!
 //! - [`pids`]: the pid a test command wrote, and whether a pid still runs.
 //! - [`build`]: a binary or example of this workspace built now (never stale) for a test to run.
-//! - [`torch`] (feature `torch`): a small real tch model, the process's RSS, and the one lock on
+//! - `torch` (feature `torch`): a small real tch model, the process's RSS, and the one lock on
 //!   torch's global generator that every test drawing from it takes.
 
 pub mod build;

@@ -2,7 +2,7 @@
 //!
 //! A host→device copy from pageable memory runs at 5.5–8 GB/s on the H200 machine; from pinned
 //! memory at 55 GB/s, and pinning costs ~0.8 s per GiB. So the process pins one ring of
-//! [`slots`] buffers of [`WINDOW`] bytes once (on the first CUDA load) and reuses it. Each entry
+//! [`RingShape::slots`] buffers of [`WINDOW`] bytes once (on the first CUDA load) and reuses it. Each entry
 //! is cut into pieces of at most one buffer ([`pieces`]), and the loader
 //! ([`crate::checkpoint`]) runs them as a pipeline: reader threads `pread` piece `j` into buffer
 //! `j % slots` once the CUDA event recorded after the copy that last read that buffer has

@@ -4,9 +4,11 @@
 //! reload in place from its checkpoint against the project's own checkpoint load of that file
 //! into fresh tensors (`Checkpoint::load_into`), in one process, warm page cache.
 //!
-//!     eval "$(scripts/setup-libtorch.sh)"
-//!     cargo run --release -p stageload-bench --bin bench_script -- --components ~/.cache/stageload/sd-sd15 \
-//!         --json traces/stable-diffusion/load.json
+//! ```text
+//! eval "$(scripts/setup-libtorch.sh)"
+//! cargo run --release -p stageload-bench --bin bench_script -- --components ~/.cache/stageload/sd-sd15 \
+//!     --json traces/stable-diffusion/load.json
+//! ```
 //!
 //! Rounds alternate the Rust and the Python processes (`scripts/reference/sd_reference.py
 //! --time-jit-load`), so that a machine busy with other work slows both alike; the median of
