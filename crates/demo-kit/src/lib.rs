@@ -2,6 +2,8 @@
 //! `stream`, `minilm`, `stable_diffusion`; the measuring tools of `crates/bench` use it too), one
 //! concern per module.
 //!
+//! - [`demos`]: the examples' programs, one module each; every file in `examples/` is a `main`
+//!   that calls one.
 //! - [`models`]: the transformer the demo pipelines are made of, its shapes and its loader.
 //! - [`weights`]: checkpoints written once from a seed and cached.
 //! - [`args`]: the command line the demo pipelines share (mode, scale, device, trace, ...).
@@ -16,6 +18,7 @@
 
 pub mod args;
 pub mod ddim;
+pub mod demos;
 pub mod logging;
 pub mod models;
 pub mod progress;
