@@ -15,6 +15,8 @@
 //!   and buffers as their tensors.
 //! - [`storage`]: release and reallocation of a model's storages through the shim.
 //! - [`sync`]: the one shared-handle type and lock helper.
+//! - `error` (private): what the registry's and the streamer's errors share: a caught panic's
+//!   text, and whether a libtorch message is an out-of-memory.
 //! - [`hook`]: enter a stage when a module or closure you do not own is called.
 //! - [`latents`]: a run's latents recorded at stage ends: fingerprints, and the tensors in a file
 //!   for comparing runs by size.
@@ -24,6 +26,7 @@
 pub mod checkpoint;
 pub mod copy_watch;
 pub mod device_copy;
+mod error;
 pub mod hook;
 pub mod latents;
 pub mod meter;

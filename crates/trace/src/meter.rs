@@ -273,21 +273,21 @@ impl Meter {
             Arc::new(Shared { origin, writer: Mutex::new(writer), stop: Mutex::new(false), wake: Condvar::new() });
         let background = shared.clone();
         let interval = options.interval;
-        let thread = std::thread::Builder::new().name("stageload-meter".into()).spawn(move || {
-            let mut stop = crate::sync::lock(&background.stop);
-            loop {
-                // Returns at once when finish() has already asked to stop.
-                let (guard, _) = background
-                    .wake
-                    .wait_timeout_while(stop, interval, |stopped| !*stopped)
-                    .unwrap_or_else(|e| e.into_inner());
-                stop = guard;
-                if *stop {
-                    return;
-                }
-                let t = millis(background.origin.elapsed().as_secs_f64());
-                background.lock().sample(t);
+        let thread = std::thread::Builder::new().name("stageload-meter".into()).spawn(move || loop {
+            // Returns at once when finish() has already asked to stop, also while this thread
+            // was sampling (the flag is looked at before waiting).
+            let stop = crate::sync::lock(&background.stop);
+            let (stop, _) = background
+                .wake
+                .wait_timeout_while(stop, interval, |stopped| !*stopped)
+                .unwrap_or_else(|e| e.into_inner());
+            if *stop {
+                return;
             }
+            // The flag's lock is let go before the sample's I/O: `finish` never waits for a write.
+            drop(stop);
+            let t = millis(background.origin.elapsed().as_secs_f64());
+            background.lock().sample(t);
         })?;
         Ok(Meter { shared, thread: Mutex::new(Some(thread)) })
     }
@@ -342,7 +342,9 @@ impl Meter {
     pub fn finish(&self) {
         *crate::sync::lock(&self.shared.stop) = true;
         self.shared.wake.notify_all();
-        if let Some(thread) = crate::sync::lock(&self.thread).take() {
+        // Taken out of its lock first: the join waits for the thread's last sample, not the lock.
+        let thread = crate::sync::lock(&self.thread).take();
+        if let Some(thread) = thread {
             let _ = thread.join();
         }
         let t = self.t(Instant::now());

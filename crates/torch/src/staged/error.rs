@@ -67,11 +67,3 @@ fn at_stage(stage: &Option<String>) -> String {
 }
 
 pub(crate) type Result<T, E = StageError> = std::result::Result<T, E>;
-
-pub(crate) fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
-    panic
-        .downcast_ref::<&str>()
-        .map(|s| s.to_string())
-        .or_else(|| panic.downcast_ref::<String>().cloned())
-        .unwrap_or_else(|| "a panic with a non-string payload".to_string())
-}

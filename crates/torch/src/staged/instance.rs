@@ -3,9 +3,11 @@
 //!
 //! An instance has three locks, taken in this order and never the other way: `body` (the model
 //! itself; held by a user for as long as a guard lives), then the registry's state lock, then
-//! `ctl` or `weights` (bookkeeping, held for a few statements). A release never waits for
-//! `body`: it tries it, and when a user holds it the release is left to that user's guard,
-//! which frees the storages as it drops (see `registry.rs`).
+//! `ctl` or `weights` (bookkeeping, held for a few statements); `registry.rs` gives the whole
+//! order. A release never waits for `body`: it tries it, and when a user holds it the release
+//! is left to that user's guard, which frees the storages as it drops and hands the release
+//! back through [`Registry`]. The release mark in `ctl` is the registry's to write, derived
+//! from the slot's state (see `decide.rs`).
 
 use std::any::{Any, TypeId};
 use std::marker::PhantomData;
@@ -14,34 +16,24 @@ use std::thread::ThreadId;
 
 use tch::Tensor;
 
+use super::decide::ReleaseMark;
 use super::error::{Result, StageError};
-use super::registry::Inner;
 use super::spec::Built;
 use crate::storage::{self, StorageRecord};
 use crate::sync::lock;
 
-/// Where an instance stands with respect to its last release.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum ReleaseMark {
-    /// Usable.
-    Live,
-    /// Released when `stage` was entered, storages not freed yet: a guard still holds the model
-    /// (the guard frees them when it drops), or the releasing thread is about to.
-    Requested(Option<String>),
-    /// Released at `stage`; storages freed (or being freed).
-    Freed(Option<String>),
-}
-
-impl ReleaseMark {
-    pub(crate) fn stage(&self) -> Option<Option<String>> {
-        match self {
-            ReleaseMark::Live => None,
-            ReleaseMark::Requested(stage) | ReleaseMark::Freed(stage) => Some(stage.clone()),
-        }
-    }
+/// What an instance needs of the registry that made it: a release that found the model locked
+/// is left to whoever unlocks it, who hands it back here. The registry (`registry.rs`)
+/// implements it, so this file names no registry type and the registry's files depend on this
+/// one, not the other way.
+pub(crate) trait Registry: Send + Sync {
+    /// Carries out the release of `instance` that was left to the thread unlocking it.
+    fn release_left_to_unlock(&self, instance: &Arc<Instance>);
 }
 
 pub(crate) struct Ctl {
+    /// Written by the registry only: derived from the state the instance's slot takes
+    /// (`State::set_state`), and a release's claim ([`ReleaseMark::claim`]).
     pub(crate) mark: ReleaseMark,
     holder: Option<ThreadId>,
 }
@@ -63,11 +55,11 @@ pub(crate) struct Instance {
     pub(crate) weights: Mutex<Weights>,
     pub(crate) ctl: Mutex<Ctl>,
     /// The registry, for a guard that must carry out a release left to it.
-    pub(crate) registry: Weak<Inner>,
+    pub(crate) registry: Weak<dyn Registry>,
 }
 
 impl Instance {
-    pub(crate) fn new(name: &str, built: Built, registry: Weak<Inner>) -> Result<Arc<Self>> {
+    pub(crate) fn new(name: &str, built: Built, registry: Weak<dyn Registry>) -> Result<Arc<Self>> {
         let Built { model, type_id, type_name, tensors } = built;
         let storages = storage::distinct_storages(&tensors)
             .map_err(|source| StageError::Torch { model: name.to_string(), source })?;
@@ -107,7 +99,7 @@ impl Instance {
         let requested = matches!(lock(&self.ctl).mark, ReleaseMark::Requested(_));
         if requested {
             if let Some(registry) = self.registry.upgrade() {
-                registry.release_instance(self);
+                registry.release_left_to_unlock(self);
             }
         }
     }

@@ -1,4 +1,4 @@
-//! Loads: a `get` or a prefetch decides under the state lock ([`super::decide::on_get`]), then
+//! Loads: a `get` or a prefetch decides under the state lock ([`super::decide::Slot::get`]), then
 //! builds (one build at a time: the build turn), or refills in place from the host tier or the
 //! checkpoint, with the lock let go; the out-of-memory policy's one retry; a prefetch that gives
 //! up because the registry closes or drops before its build begins.
@@ -11,15 +11,17 @@ use std::time::Instant;
 
 use tch::{Device, Tensor};
 
+use super::decide::ReleaseMark;
 use super::decide::{self, Finish, GetAction, GetContext, Refusal, SlotState};
-use super::error::{panic_message, Result, StageError};
-use super::instance::{Instance, ReleaseMark};
+use super::error::{Result, StageError};
+use super::instance::Instance;
 use super::placement::Placement;
 use super::registry::Inner;
 use super::release::released_message;
 use super::spec::{BuildContext, Init, Loader};
 use super::tier_copy::{self, HostCopies};
 use crate::checkpoint::{Checkpoint, CheckpointError};
+use crate::error::{is_out_of_memory, panic_message};
 use crate::names::NameRules;
 use crate::rng::PreservedRng;
 use crate::storage::{self, shallow};
@@ -82,7 +84,7 @@ enum LoadPlan {
 }
 
 impl Inner {
-    /// The instance of `name`, loaded or brought back if needed (see [`decide::on_get`]).
+    /// The instance of `name`, loaded or brought back if needed (see [`decide::Slot::get`]).
     pub(crate) fn instance(self: &Arc<Self>, name: &str) -> Result<Arc<Instance>> {
         match self.instance_for(name, Purpose::Use) {
             Err(StageError::OutOfMemory { .. }) if decide::retry_out_of_memory(self.out_of_memory, false) => {
@@ -120,23 +122,22 @@ impl Inner {
             let in_tier = state.in_tier(name);
             let ctx = GetContext { closed: state.closed, strict: self.strict, planned_here, in_tier };
             let entry = &state.entries()[position];
-            let plan = match decide::on_get(entry.slot(), ctx) {
+            let plan = match entry.slot().get(ctx) {
                 GetAction::Use(instance) => return Ok(instance),
                 GetAction::Wait => {
                     state = crate::sync::wait(&self.changed, state);
                     continue;
                 }
                 GetAction::Revive(instance) => {
-                    let mut ctl = lock(&instance.ctl);
-                    if matches!(ctl.mark, ReleaseMark::Requested(_)) {
-                        ctl.mark = ReleaseMark::Live;
-                        drop(ctl);
-                        state.set_state(position, SlotState::Resident(Arc::clone(&instance)));
+                    // The release's claim takes the state lock too, so it cannot begin between
+                    // this look at the mark and the revival.
+                    let freeing = !matches!(instance.mark(), ReleaseMark::Requested(_));
+                    if let Some(resident) = entry.slot().revive(freeing) {
+                        state.set_state(position, resident);
                         self.changed.notify_all();
                         return Ok(instance);
                     }
                     // Its storages are being freed right now: wait for that to finish.
-                    drop(ctl);
                     state = crate::sync::wait(&self.changed, state);
                     continue;
                 }
@@ -164,7 +165,7 @@ impl Inner {
             let ticket = state.next_ticket;
             let entry = &state.entries()[position];
             let before = entry.slot().state.clone();
-            let loading = decide::start_load(entry.slot(), ticket);
+            let loading = entry.slot().start_load(ticket);
             let recipe = Recipe {
                 checkpoint: entry.checkpoint.clone(),
                 names: entry.names.clone(),
@@ -189,7 +190,7 @@ impl Inner {
                     self.give_up(name, ticket, before);
                     return Err(StageError::Closed { model: name.to_string() });
                 };
-                // A prefetched build draws nothing (skip_init, see decide::on_prefetch): it must
+                // A prefetched build draws nothing (skip_init, see decide::Slot::prefetch): it must
                 // not save and restore the generators the foreground is drawing from.
                 self.build(name, loader, &recipe, self.preserve_rng && !prefetch)
             }
@@ -224,7 +225,7 @@ impl Inner {
         let tier = if from_tier { state.tier_usage() } else { None };
         let position = state.index.get(name).copied();
         let outcome = result.as_ref().map(|(instance, ..)| Arc::clone(instance)).map_err(|e| e.to_string());
-        let finish = decide::on_load_finished(position.map(|p| state.entries()[p].slot()), ticket, outcome);
+        let finish = position.map_or(Finish::Discard, |p| state.entries()[p].slot().finish_load(ticket, outcome));
         self.changed.notify_all();
         let Finish::Install(installed) = finish else {
             drop(state);
@@ -282,7 +283,7 @@ impl Inner {
                 drop(state);
                 let err = match err {
                     StageError::OutOfMemory { .. } => err,
-                    other if decide::is_out_of_memory(&other.to_string()) => StageError::OutOfMemory {
+                    other if is_out_of_memory(&other.to_string()) => StageError::OutOfMemory {
                         model: name.to_string(),
                         stage: stage.clone(),
                         message: other.to_string(),
@@ -329,8 +330,8 @@ impl Inner {
     fn give_up(&self, name: &str, ticket: u64, before: SlotState<Arc<Instance>>) {
         let mut state = self.state();
         if let Some(position) = state.index.get(name).copied() {
-            if matches!(state.entries()[position].slot().state, SlotState::Loading { ticket: t, .. } if t == ticket) {
-                state.set_state(position, before);
+            if let Some(back) = state.entries()[position].slot().give_up(ticket, before) {
+                state.set_state(position, back);
             }
         }
         self.changed.notify_all();
@@ -407,7 +408,7 @@ impl Inner {
             .map(|r| r.id)
             .collect();
         built.tensors.extend(shared.into_iter().map(|(n, t, _)| (n, t)));
-        let instance = Instance::new(name, built, Arc::downgrade(self))?;
+        let instance = Instance::new(name, built, Arc::<Inner>::downgrade(self))?;
         let bytes = instance.storage_sizes.iter().filter(|(id, _)| !reused.contains(id)).map(|(_, bytes)| bytes).sum();
         Ok((instance, bytes, report))
     }
@@ -498,8 +499,8 @@ impl Inner {
             }
         };
         let bytes = weights.storages.iter().filter(|s| reallocated.contains(&s.id)).map(|s| s.nbytes as u64).sum();
+        // Live again once the slot installs it as resident (`State::set_state`).
         drop(weights);
-        lock(&instance.ctl).mark = ReleaseMark::Live;
         drop(body);
         Ok((bytes, report))
     }

@@ -50,8 +50,9 @@ pub use error::{BoxError, StageError};
 pub use instance::{Handle, ModelGuard};
 pub use spec::{named_tensors, BuildContext, Built, ModelSpec};
 
+use crate::error::{is_out_of_memory, panic_message};
 use crate::storage::ReleaseStats;
-use error::{panic_message, Result};
+use error::Result;
 use registry::Inner;
 use stageload_trace::event::{Event, EventKind, LoadReport};
 
@@ -93,7 +94,7 @@ impl StagedModels {
         let mut guard = handle.lock()?;
         std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(&mut guard))).map_err(|panic| {
             let message = panic_message(&*panic);
-            if decide::is_out_of_memory(&message) {
+            if is_out_of_memory(&message) {
                 StageError::OutOfMemory { model: name.to_string(), stage: self.current_stage(), message }
             } else {
                 StageError::CallPanicked { model: name.to_string(), message }

@@ -12,7 +12,7 @@ use tch::Device;
 use super::decide;
 use super::error::{Result, StageError};
 use super::load::Purpose;
-use super::registry::{released, Entry, Inner, Prefetching};
+use super::registry::{Entry, Inner, Prefetching};
 use crate::sync::lock;
 use stageload_trace::event::{Event, EventKind};
 
@@ -39,7 +39,7 @@ impl Inner {
             let Some(&position) = state.index.get(name) else { continue };
             let entry = &state.entries()[position];
             let in_tier = state.in_tier(name);
-            match decide::on_prefetch(entry.slot(), state.closed, entry.init.draws_nothing(), in_tier) {
+            match entry.slot().prefetch(state.closed, entry.init.draws_nothing(), in_tier) {
                 Ok(()) => {
                     let known = entry.stream.as_ref().map(|plan| plan.planned_held).or_else(|| instance_bytes(entry));
                     candidates.push((name.clone(), known, entry.checkpoint.clone(), cuda_device(entry)))
@@ -195,13 +195,13 @@ impl Drop for Ended {
 
 /// The bytes of the released instance a load of `entry` would bring back, if it has one.
 fn instance_bytes(entry: &Entry) -> Option<u64> {
-    Some(released(entry)?.storage_sizes.iter().map(|(_, bytes)| bytes).sum())
+    Some(entry.released()?.storage_sizes.iter().map(|(_, bytes)| bytes).sum())
 }
 
 /// The CUDA device a model lives on: the pipeline file's, else that of its released weights.
 fn cuda_device(entry: &Entry) -> Option<usize> {
     let device = entry.placement.device.or_else(|| {
-        let weights = lock(&released(entry)?.weights);
+        let weights = lock(&entry.released()?.weights);
         weights.tensors.first().map(|(_, t)| t.device())
     })?;
     match device {
@@ -233,7 +233,7 @@ mod tests {
         // Without a file, a released model's own weights say where it lives (the CPU here).
         let weights = Tensor::zeros([2], (Kind::Float, Device::Cpu));
         let built = Built::from_tensors((), vec![("w".to_string(), weights)]);
-        let instance = Instance::new("m", built, std::sync::Weak::new()).unwrap();
+        let instance = Instance::new("m", built, std::sync::Weak::<Inner>::new()).unwrap();
         let released = SlotState::Released { instance, stage: None, pending: false };
         assert_eq!(cuda_device(&entry(Placement::default(), released)), None);
     }

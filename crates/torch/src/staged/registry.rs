@@ -2,18 +2,34 @@
 //! `close`, carried out as [`super::decide`] says. Loads are [`super::load`]'s, releases
 //! [`super::release`]'s, background loads [`super::prefetch`]'s.
 //!
-//! Locking. The state lock (`Inner::state`) guards the slots, stages, pins and the host tier's
-//! bookkeeping (its copies run with the lock let go, see [`super::tier_store`]); it is held for
-//! bookkeeping only, never while a model is built, read from disk, freed, or in use, and never
-//! while waiting for another thread: a `get` of a model another thread is loading waits on the
-//! `changed` condition variable, which gives the lock up while it waits. A release takes the
-//! model's own lock with `try_lock`; when a user holds the model (this thread or another), the
-//! release is left to that user's guard, which frees the weights when it drops, so `enter` never
-//! blocks and the rest of the registry stays usable. Lock order: an instance's `body` → the
-//! state lock → an instance's `ctl` / `weights`. Builds are serialised (the RNG state they
-//! preserve is process-wide) by the build turn (`Inner::build_turn`): a flag under a lock of its
-//! own, held for a few statements, and waited for on its condition variable with no other lock
-//! held, so that a prefetch waiting for its turn gives up when the registry closes or drops.
+//! Locking. Every lock the registry takes, in the one order they nest (none is waited for while
+//! a later one is held; a condition variable is waited on with no lock held but its own):
+//!
+//! 1. The build turn (`Inner::building`): builds take turns, since the RNG state they preserve
+//!    is process-wide. It is a flag, set for a whole build (the loader's run and the checkpoint
+//!    fill after it) under a lock of its own that is held for a few statements; a build waits
+//!    for the flag on `build_ended` with no other lock held, so that a prefetch waiting for its
+//!    turn gives up when the registry closes or drops. A loader must therefore not ask its own
+//!    registry for a model that needs building (it would wait for the turn it holds): a model
+//!    a loader needs is built in that loader, or shared through [`super::BuildContext::shared`].
+//! 2. An instance's `body` (the model itself): held by a user's guard for as long as it lives,
+//!    and by a refill or a release while they reallocate or free its storages. The registry
+//!    never waits for it while holding another lock: a release tries it (`try_lock`, under the
+//!    state lock) and, when a user holds the model (this thread or another), leaves the release
+//!    to that user's guard, which frees the weights when it drops; so `enter` never blocks and
+//!    the rest of the registry stays usable.
+//! 3. The shared components (`Inner::components`, [`super::BuildContext::shared`]): held across
+//!    a component's build, inside a model's build turn, with nothing else of the registry held.
+//! 4. The state lock (`Inner::state`): the slots, stages, pins and the host tier's bookkeeping
+//!    (its copies run with the lock let go, see [`super::tier_store`]). Held for bookkeeping
+//!    only, never while a model is built, read from disk, freed, or in use; a `get` of a model
+//!    another thread is loading waits on the `changed` condition variable, which gives the lock
+//!    up while it waits. The decisions of [`super::decide`] are made under it, a release's
+//!    claim too ([`decide::ReleaseMark::claim`]), so a revival and a release never both win.
+//! 5. Leaves, held for a few statements with nothing taken under them: an instance's `ctl`
+//!    (its release mark and holder) and `weights` (its tensors and storages), the prefetch
+//!    threads' list (`Inner::prefetching`), the snapshot list, a generator of
+//!    [`crate::rng`] (its state saved and restored around a build).
 //!
 //! Cost. What a call costs does not grow with the number of models: the slots holding storage
 //! are indexed (`State::holding`, kept by `State::set_state`, the one way a slot's state
@@ -25,7 +41,7 @@
 //! is decided under the lock and finished after it names the instance or reservation it was
 //! about, so that an `insert`, `remove` or `take` meanwhile (the name now another instance's, or
 //! no one's) makes the late finish change nothing: a load installs only into the slot of its own
-//! ticket (`decide::on_load_finished`), a prefetch is such a load; a release settles only the
+//! ticket (`decide::Slot::finish_load`), a prefetch is such a load; a release settles only the
 //! slot still holding its instance (`Arc::ptr_eq` in `release`); the host tier's entries carry
 //! the ticket `Tier::admit` handed out, and the copy's `fill` or `withdraw` and a reload's
 //! `withdraw` or `unlease` name it (`tier_store`, `load`), so a copy of one instance never lands
@@ -39,7 +55,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 use super::decide::{self, ModelState, SlotState};
 use super::error::{Result, StageError};
-use super::instance::{Handle, Instance, ReleaseMark};
+use super::instance::{self, Handle, Instance};
 use super::placement::Placement;
 use super::spec::{Built, Init, Loader, SharedComponents};
 use super::tier_copy::HostCopies;
@@ -113,6 +129,11 @@ impl Entry {
     pub(crate) fn slot(&self) -> &decide::Slot<Arc<Instance>> {
         &self.slot
     }
+
+    /// The instance a released (or failed) slot keeps for a refill in place.
+    pub(crate) fn released(&self) -> Option<&Arc<Instance>> {
+        self.slot.state.released_instance()
+    }
 }
 
 /// A background load started by `prefetch` and not ended yet.
@@ -129,7 +150,7 @@ pub(crate) struct State {
     entries: Vec<Entry>,
     pub(crate) index: HashMap<String, usize>,
     /// Positions of the slots holding storage (resident, or released with the release pending:
-    /// [`decide::holds_storage`]), in definition order. Kept by [`State::set_state`].
+    /// [`SlotState::holds_storage`]), in definition order. Kept by [`State::set_state`].
     holding: BTreeSet<usize>,
     /// Each stage name's models, as its first occurrence lists them.
     pub(crate) stages: BTreeMap<String, BTreeSet<String>>,
@@ -209,12 +230,16 @@ impl State {
     }
 
     /// Sets the state of the slot at `position`: the one way a slot's state changes, so that
-    /// the index of slots holding storage stays true.
+    /// the index of slots holding storage stays true and the instance's release mark is the
+    /// one the state gives it ([`SlotState::mark`]).
     pub(crate) fn set_state(&mut self, position: usize, state: SlotState<Arc<Instance>>) {
-        if decide::holds_storage(&state).is_some() {
+        if state.holds_storage().is_some() {
             self.holding.insert(position);
         } else {
             self.holding.remove(&position);
+        }
+        if let Some((instance, mark)) = state.mark() {
+            lock(&instance.ctl).mark = mark;
         }
         self.entries[position].slot.state = state;
     }
@@ -233,7 +258,7 @@ impl State {
             .entries
             .iter()
             .enumerate()
-            .filter(|(_, e)| decide::holds_storage(&e.slot.state).is_some())
+            .filter(|(_, e)| e.slot.state.holds_storage().is_some())
             .map(|(i, _)| i)
             .collect();
     }
@@ -247,7 +272,7 @@ impl State {
     /// The model state of `name`.
     pub(crate) fn model_state(&self, name: &str) -> Result<ModelState> {
         let position = self.position(name)?;
-        Ok(decide::model_state(&self.entries[position].slot.state))
+        Ok(self.entries[position].slot.state.model_state())
     }
 
     pub(super) fn position(&self, name: &str) -> Result<usize> {
@@ -316,7 +341,7 @@ impl State {
 
     /// Instances whose storages are live (resident, or released with the release pending).
     pub(super) fn holding(&self) -> impl Iterator<Item = &Arc<Instance>> + '_ {
-        self.holding.iter().filter_map(|&p| decide::holds_storage(&self.entries[p].slot.state))
+        self.holding.iter().filter_map(|&p| self.entries[p].slot.state.holds_storage())
     }
 
     /// Bytes of the instances holding storage, a storage two of them share counted once; a
@@ -327,7 +352,7 @@ impl State {
         let mut total = 0u64;
         for &position in &self.holding {
             let entry = &self.entries[position];
-            let Some(instance) = decide::holds_storage(&entry.slot.state) else { continue };
+            let Some(instance) = entry.slot.state.holds_storage() else { continue };
             // 0 until the streamed model reports (a loader that built it some other way).
             let held = entry.stream.as_ref().map_or(0, |plan| plan.held.load(Ordering::Relaxed));
             let fresh = instance.storage_sizes.iter().filter(|(id, _)| seen.insert(*id));
@@ -356,17 +381,27 @@ impl State {
         position
     }
 
-    /// Marks `instance` for release at the current stage; the caller carries the release out
-    /// with the state lock dropped.
+    /// Requests the release of the resident model at `position` at the current stage
+    /// ([`decide::Slot::request_release`]); the caller carries the release out with the state
+    /// lock dropped.
     pub(super) fn request_release(&mut self, position: usize) -> Option<Arc<Instance>> {
-        let stage = self.current.clone();
-        let SlotState::Resident(instance) = &self.entries[position].slot.state else {
-            return None;
-        };
-        let instance = Arc::clone(instance);
-        lock(&instance.ctl).mark = ReleaseMark::Requested(stage.clone());
-        self.set_state(position, SlotState::Released { stage, instance: Arc::clone(&instance), pending: true });
+        let (instance, released) = self.entries[position].slot.request_release(self.current.clone())?;
+        self.set_state(position, released);
         Some(instance)
+    }
+
+    /// Registers `instance` as the model at `position` ([`decide::Slot::inserted`]): it keeps
+    /// no loader, checkpoint or load report of what was there.
+    fn install_inserted(&mut self, position: usize, instance: Arc<Instance>) {
+        let entry = &mut self.entries[position];
+        entry.loader = None;
+        entry.checkpoint.clear();
+        entry.from_snapshot = false;
+        entry.report = None;
+        let slot = decide::Slot::inserted(instance);
+        let state = slot.state.clone();
+        entry.slot = slot;
+        self.set_state(position, state);
     }
 }
 
@@ -489,18 +524,11 @@ impl Inner {
 
     /// Registers a built model under `name`, replacing (and releasing) what was there.
     pub(crate) fn insert(self: &Arc<Self>, name: &str, built: Built) -> Result<()> {
-        let instance = Instance::new(name, built, Arc::downgrade(self))?;
+        let instance = Instance::new(name, built, Arc::<Inner>::downgrade(self))?;
         let mut state = self.state();
         let stale = state.tier.as_mut().and_then(|tier| tier.forget(name));
         let (position, old) = match state.index.get(name).copied() {
-            Some(position) => {
-                let old = state.request_release(position);
-                let entry = &mut state.entries[position];
-                entry.loader = None;
-                entry.checkpoint.clear();
-                entry.from_snapshot = false;
-                (position, old)
-            }
+            Some(position) => (position, state.request_release(position)),
             None => {
                 let entry = Entry::new(
                     name.to_string(),
@@ -514,10 +542,7 @@ impl Inner {
                 (state.push_entry(entry), None)
             }
         };
-        let entry = &mut state.entries[position];
-        (entry.slot.has_loader, entry.slot.has_checkpoint, entry.slot.loads) = (false, false, 1);
-        entry.report = None;
-        state.set_state(position, SlotState::Resident(instance));
+        state.install_inserted(position, instance);
         self.changed.notify_all();
         drop(state);
         drop(stale);
@@ -551,7 +576,7 @@ impl Inner {
     }
 
     pub(crate) fn states(&self) -> Vec<(String, ModelState)> {
-        self.state().entries.iter().map(|e| (e.name.clone(), decide::model_state(&e.slot.state))).collect()
+        self.state().entries.iter().map(|e| (e.name.clone(), e.slot.state.model_state())).collect()
     }
 
     /// Names of the resident models, in definition order.
@@ -575,11 +600,8 @@ impl Inner {
     }
 }
 
-/// The instance a released (or failed) slot keeps for a refill in place.
-pub(super) fn released(entry: &Entry) -> Option<&Arc<Instance>> {
-    match &entry.slot.state {
-        SlotState::Released { instance, .. } => Some(instance),
-        SlotState::Failed { instance, .. } => instance.as_ref(),
-        _ => None,
+impl instance::Registry for Inner {
+    fn release_left_to_unlock(&self, instance: &Arc<Instance>) {
+        self.release_instance(instance);
     }
 }

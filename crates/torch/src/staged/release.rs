@@ -8,9 +8,9 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
 
-use super::decide::{self, SlotState};
+use super::decide::{self, ReleaseMark};
 use super::error::StageError;
-use super::instance::{Instance, ReleaseMark};
+use super::instance::Instance;
 use super::registry::Inner;
 use crate::storage::{self, ReleaseStats};
 use crate::sync::lock;
@@ -21,17 +21,22 @@ impl Inner {
     /// module docs). Returns what was freed, or `None` when the release was left to a guard or
     /// the model was taken back meanwhile.
     pub(crate) fn release_instance(&self, instance: &Arc<Instance>) -> Option<ReleaseStats> {
+        // The claim is made under the state lock, under which a `get` decides to revive a model
+        // whose release is pending: either the revival or the free happens, never both.
+        let state = self.state();
         let mut ctl = lock(&instance.ctl);
-        let ReleaseMark::Requested(stage) = ctl.mark.clone() else {
+        if !matches!(ctl.mark, ReleaseMark::Requested(_)) {
             return None;
-        };
+        }
+        // Tried, never waited for: the state lock is held.
         let body = instance.try_body();
         if decide::on_release(body.is_some()) == decide::ReleaseWhen::WhenUnlocked {
             return None;
         }
         let mut body = body?;
-        ctl.mark = ReleaseMark::Freed(stage.clone());
+        let stage = ctl.mark.claim()?;
         drop(ctl);
+        drop(state);
 
         self.store_in_tier(instance, &stage);
         self.snapshot_before_release(instance, &stage);
@@ -48,14 +53,9 @@ impl Inner {
         let in_tier = state.in_tier(&instance.name);
         let mut comes_back = true;
         if let Some(position) = state.index.get(&instance.name).copied() {
-            let slot = state.entries()[position].slot();
-            if let SlotState::Released { instance: held, stage, .. } = &slot.state {
-                if Arc::ptr_eq(held, instance) {
-                    comes_back = decide::refillable(slot, in_tier);
-                    let settled =
-                        SlotState::Released { stage: stage.clone(), instance: Arc::clone(held), pending: false };
-                    state.set_state(position, settled);
-                }
+            if let Some(settled) = state.entries()[position].slot().finish_release(instance, in_tier) {
+                comes_back = settled.comes_back;
+                state.set_state(position, settled.state);
             }
         }
         let resident = state.resident_bytes();

@@ -25,7 +25,7 @@ use nix::fcntl::{Flock, FlockArg};
 use tch::Tensor;
 
 use super::instance::Instance;
-use super::registry::{released, Inner, State};
+use super::registry::{Inner, State};
 use crate::sync::lock;
 use stageload_trace::event::{Event, EventKind};
 
@@ -165,7 +165,7 @@ impl Inner {
                     let entry = &state.entries()[p];
                     entry.checkpoint.is_empty()
                         && entry.stream.is_none()
-                        && released(entry).is_some_and(|held| std::ptr::eq(held.as_ref(), instance))
+                        && entry.released().is_some_and(|held| std::ptr::eq(held.as_ref(), instance))
                 })
         };
         if !wanted(&self.state()) {

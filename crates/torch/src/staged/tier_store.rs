@@ -9,7 +9,7 @@ use tch::Device;
 
 use super::error::{Result, StageError};
 use super::instance::Instance;
-use super::registry::{released, Inner};
+use super::registry::Inner;
 use super::tier_copy::{self, HostCopies};
 use crate::sync::lock;
 use stageload_plan::tier::{Evicted, Tier};
@@ -26,7 +26,7 @@ impl Inner {
         let still_held = state
             .index
             .get(name)
-            .and_then(|&p| released(&state.entries()[p]))
+            .and_then(|&p| state.entries()[p].released())
             .is_some_and(|held| std::ptr::eq(held.as_ref(), instance));
         if state.tier.is_none() || state.closed || !still_held {
             return;

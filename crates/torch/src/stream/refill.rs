@@ -13,7 +13,7 @@ use tch::{Device, Tensor};
 use super::streamer::{torch, StreamedModel};
 use super::StreamError;
 use crate::checkpoint::Checkpoint;
-use crate::staged::error::panic_message;
+use crate::error::panic_message;
 use crate::storage::{self, StorageRecord};
 
 /// One block's tensors, as the checkpoint names them, and its storages.

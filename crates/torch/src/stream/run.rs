@@ -14,8 +14,7 @@ use super::split::{evict, govern, refit, relieve, Refit};
 use super::step::Step;
 use super::streamer::StreamedModel;
 use super::StreamError;
-use crate::staged::decide::is_out_of_memory;
-use crate::staged::error::panic_message;
+use crate::error::{is_out_of_memory, panic_message};
 
 impl StreamedModel {
     /// Runs one step of the forward: `f` calls [`Step::block`] before each block. On an
