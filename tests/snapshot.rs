@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use stageload::{EventKind, ListSink, ModelSpec, ReloadFrom, StagedModels};
+use stageload::{Action, EventKind, ListSink, ModelSpec, ReloadFrom, StagedModels};
 use tch::nn::Module;
 use tch::{Device, Kind, Tensor};
 
@@ -70,6 +70,7 @@ fn a_model_without_a_checkpoint_comes_back_in_place_from_its_snapshot_with_no_bu
     assert_eq!(written.len(), 1, "{written:?}");
     let note = written[0].note.clone().unwrap();
     assert!(note.starts_with("written: "), "{note}");
+    assert_eq!(written[0].action, Some(Action::Written), "typed, for readers");
     assert_eq!(written[0].bytes, Some(2 * (32 * 32 + 32) * 4));
     let file = PathBuf::from(note.trim_start_matches("written: "));
     assert_eq!(snapshots(dir.path()), [file.file_name().unwrap().to_string_lossy()]);
@@ -163,6 +164,7 @@ fn a_snapshot_that_cannot_be_written_leaves_the_model_to_be_rebuilt_and_says_why
     let events = sink.of_kind(EventKind::Snapshot);
     let note = events[0].note.clone().unwrap();
     assert!(note.starts_with("not written: ") && note.contains("'m' is rebuilt when needed"), "{note}");
+    assert_eq!(events[0].action, Some(Action::NotWritten));
     models.enter("run").unwrap();
     assert!(forward(&models).equal(&first), "rebuilt under preserved RNG: the same weights");
     assert_eq!(builds.load(Ordering::SeqCst), 2);

@@ -260,11 +260,16 @@ fn a_shared_backbone_is_built_once_and_freed_after_its_last_user() {
 #[test]
 fn close_releases_pinned_models_and_refuses_later_loads() {
     let _generator = support::generator();
-    let models = two_stage(Arc::new(ListSink::new()));
+    let sink = Arc::new(ListSink::new());
+    let models = two_stage(sink.clone());
     models.pin("helper").unwrap();
     let helper = models.get::<Mlp>("helper").unwrap();
     models.close().unwrap();
     assert!(helper.lock().is_err());
+    let events = sink.events();
+    let close = events.iter().position(|e| e.action == Some(stageload::Action::Close)).expect("a close mark");
+    assert_eq!(events[close].kind, EventKind::Mark);
+    assert!(events[close + 1..].iter().any(|e| e.kind == EventKind::Release), "the releases come after the mark");
     let err = models.get::<Mlp>("encoder").err().unwrap();
     assert!(matches!(err, StageError::Closed { .. }) && err.to_string().contains("'encoder'"), "{err}");
     assert!(models.pin("ghost").is_err());

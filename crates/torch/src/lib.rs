@@ -48,5 +48,5 @@ pub use staged::{
 /// The pipeline description `stageload plan` checks; feed it to [`StagedModels::builder`]'s `pipeline`.
 pub use stageload_plan::Pipeline;
 /// Typed events (they live in the torch-free trace crate, so traces read the same fields).
-pub use stageload_trace::event::{Event, EventKind, EventSink, ListSink, LoadReport, ReloadFrom, TierUsage};
+pub use stageload_trace::event::{Action, Event, EventKind, EventSink, ListSink, LoadReport, ReloadFrom, TierUsage};
 pub use sync::Shared;

@@ -36,11 +36,11 @@ pub enum EventKind {
     /// `residency` has the numbers, `note` the one-line report.
     Residency,
     /// The host tier stored, evicted or did not store a model's weights, or changed its
-    /// budget; `note` says which (`stored`, `evicted`, `not stored: …`, `budget`), `tier` the
+    /// budget: `action` says which, `note` says it in words (why, when not stored), `tier` the
     /// tier's budget and usage after it.
     Tier,
-    /// A model's weights were written to the registry's snapshot folder at its first release
-    /// (`note`: `written: PATH`), or could not be (`not written: …`, the model is rebuilt).
+    /// A model's weights were written to the registry's snapshot folder at its first release,
+    /// or could not be (the model is rebuilt): `action` says which, `note` the path or why.
     Snapshot,
 }
 
@@ -79,6 +79,29 @@ pub enum ReloadFrom {
     HostTier,
     /// The same object, storages reallocated and refilled from the registry's snapshot of it.
     Snapshot,
+}
+
+/// What a `tier` or `snapshot` event did, or that a `mark` is the registry's `close`: typed, so
+/// that readers never match `note`'s words. Traces written before it existed say it in `note`
+/// only; [`Event::upgrade_action_note`] reads that in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Action {
+    /// The host tier stored the model's weights.
+    Stored,
+    /// The host tier evicted them to make room.
+    Evicted,
+    /// The host tier did not store them; `note` says why.
+    NotStored,
+    /// The host tier's budget was set.
+    Budget,
+    /// The snapshot was written; `note` names the file.
+    Written,
+    /// The snapshot could not be written; `note` says why.
+    NotWritten,
+    /// The registry closed: the releases after this mark are the close's, not the tail of the
+    /// last stage's entry.
+    Close,
 }
 
 /// The host tier after an event: its byte budget and the bytes its copies hold.
@@ -205,12 +228,35 @@ pub struct Event {
     /// Tier events, and reloads from the tier: the host tier's budget and usage after it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tier: Option<TierUsage>,
+    /// Tier and snapshot events, and the `close` mark: what happened.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub action: Option<Action>,
 }
 
 impl Event {
     /// An event of `kind` ending now, with no other fields.
     pub fn now(kind: EventKind) -> Self {
         Event { at: Some(Instant::now()), kind, ..Event::default() }
+    }
+
+    /// Reads the action of a trace written before events carried it from the words its `note`
+    /// began with (`stored`, `evicted`, `not stored: …`, `budget`; `written: …`,
+    /// `not written: …`; a mark's `close`). The note stays as it was.
+    pub(crate) fn upgrade_action_note(&mut self) {
+        if self.action.is_some() {
+            return;
+        }
+        let note = self.note.as_deref().unwrap_or_default();
+        self.action = match self.kind {
+            EventKind::Tier if note == "stored" => Some(Action::Stored),
+            EventKind::Tier if note == "evicted" => Some(Action::Evicted),
+            EventKind::Tier if note == "budget" => Some(Action::Budget),
+            EventKind::Tier if note.starts_with("not stored") => Some(Action::NotStored),
+            EventKind::Snapshot if note.starts_with("written: ") => Some(Action::Written),
+            EventKind::Snapshot if note.starts_with("not written: ") => Some(Action::NotWritten),
+            EventKind::Mark if note == "close" => Some(Action::Close),
+            _ => None,
+        };
     }
 
     /// Reads the free-text notes of schema-1 traces (`in_place`, `rebuilt`, `outside_stage`,
@@ -354,6 +400,32 @@ mod tests {
         let mut mark = Event { kind: EventKind::Mark, note: Some("in_place".into()), ..Event::default() };
         mark.upgrade_v1_note();
         assert_eq!(mark.note.as_deref(), Some("in_place"), "a mark's label is left alone");
+    }
+
+    #[test]
+    fn a_trace_written_before_actions_were_typed_gets_them_from_its_notes() {
+        let upgraded = |kind: EventKind, note: &str| {
+            let mut event = Event { kind, note: Some(note.into()), ..Event::default() };
+            event.upgrade_action_note();
+            assert_eq!(event.note.as_deref(), Some(note), "the note stays");
+            event.action
+        };
+        assert_eq!(upgraded(EventKind::Tier, "stored"), Some(Action::Stored));
+        assert_eq!(upgraded(EventKind::Tier, "evicted"), Some(Action::Evicted));
+        assert_eq!(upgraded(EventKind::Tier, "budget"), Some(Action::Budget));
+        assert_eq!(upgraded(EventKind::Tier, "not stored: too big"), Some(Action::NotStored));
+        assert_eq!(upgraded(EventKind::Snapshot, "written: /tmp/s/m.safetensors"), Some(Action::Written));
+        assert_eq!(upgraded(EventKind::Snapshot, "not written: disk full"), Some(Action::NotWritten));
+        assert_eq!(upgraded(EventKind::Mark, "close"), Some(Action::Close));
+        assert_eq!(upgraded(EventKind::Mark, "stored"), None, "a user's mark is a label, whatever it says");
+        let mut typed = Event {
+            kind: EventKind::Tier,
+            note: Some("evicted".into()),
+            action: Some(Action::Stored),
+            ..Event::default()
+        };
+        typed.upgrade_action_note();
+        assert_eq!(typed.action, Some(Action::Stored), "a typed action is never overwritten");
     }
 
     #[test]

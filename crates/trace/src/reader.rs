@@ -94,11 +94,13 @@ pub fn read_trace(path: impl AsRef<Path>) -> Result<Trace, TraceError> {
         if header.schema > SCHEMA_VERSION {
             return Err(TraceError::Schema { path: path.to_path_buf(), found: header.schema });
         }
-        if header.schema < 2 {
-            for record in &mut records {
-                if let Record::Event(event) = record {
+        let v1 = header.schema < 2;
+        for record in &mut records {
+            if let Record::Event(event) = record {
+                if v1 {
                     event.upgrade_v1_note();
                 }
+                event.upgrade_action_note();
             }
         }
     }

@@ -17,7 +17,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::event::{EventKind, ReloadFrom, Residency};
+use crate::event::{Action, EventKind, ReloadFrom, Residency};
 use crate::reader::Trace;
 use crate::record::{millis, EventRecord, Header, PeakRecord, Record, Sample};
 
@@ -131,6 +131,13 @@ pub struct HostTier {
     pub reload_gb_per_s: f64,
 }
 
+/// Why a `not stored` or `not written` event happened: its note, less the words that say what
+/// happened (the action says that).
+fn reason<'a>(event: &'a EventRecord, said: &str) -> &'a str {
+    let note = event.note.as_deref().unwrap_or_default();
+    note.strip_prefix(said).unwrap_or(note)
+}
+
 /// The host tier's activity; `None` when the trace has no tier event.
 fn host_tier(events: &[&EventRecord]) -> Option<HostTier> {
     let mut tier = HostTier::default();
@@ -143,12 +150,12 @@ fn host_tier(events: &[&EventRecord]) -> Option<HostTier> {
             tier.budget = usage.budget;
             tier.peak_used = tier.peak_used.max(usage.used);
         }
-        match (event.kind, event.note.as_deref()) {
-            (EventKind::Tier, Some("stored")) => tier.stored += 1,
-            (EventKind::Tier, Some("evicted")) => tier.evicted += 1,
-            (EventKind::Tier, Some(note)) if note.starts_with("not stored") => {
+        match (event.kind, event.action) {
+            (EventKind::Tier, Some(Action::Stored)) => tier.stored += 1,
+            (EventKind::Tier, Some(Action::Evicted)) => tier.evicted += 1,
+            (EventKind::Tier, Some(Action::NotStored)) => {
                 let model = event.model.as_deref().unwrap_or("?");
-                tier.not_stored.push(format!("{model}: {}", note.trim_start_matches("not stored: ")));
+                tier.not_stored.push(format!("{model}: {}", reason(event, "not stored: ")));
             }
             (EventKind::Reload, _) if event.from == Some(ReloadFrom::HostTier) => {
                 tier.reloads += 1;
@@ -313,19 +320,16 @@ pub fn summarize(trace: &Trace) -> Summary {
     let loaded: Vec<&&EventRecord> = events.iter().filter(|e| e.kind.is_load()).collect();
     let (bytes, seconds) =
         (loaded.iter().filter_map(|e| e.bytes).sum::<u64>(), loaded.iter().filter_map(|e| e.seconds).sum::<f64>());
-    let snapshot_notes: Vec<(&str, &str)> = events
-        .iter()
-        .filter(|e| e.kind == EventKind::Snapshot)
-        .map(|e| (e.model.as_deref().unwrap_or("?"), e.note.as_deref().unwrap_or("")))
-        .collect();
+    let snapshots: Vec<&&EventRecord> = events.iter().filter(|e| e.kind == EventKind::Snapshot).collect();
     let loads = Loads {
         count: loaded.len(),
         reloads: loaded.iter().filter(|e| e.kind == EventKind::Reload).count(),
         from_snapshot: loaded.iter().filter(|e| e.from == Some(ReloadFrom::Snapshot)).count(),
-        snapshots_written: snapshot_notes.iter().filter(|(_, note)| note.starts_with("written")).count(),
-        snapshots_not_written: snapshot_notes
+        snapshots_written: snapshots.iter().filter(|e| e.action == Some(Action::Written)).count(),
+        snapshots_not_written: snapshots
             .iter()
-            .filter_map(|(model, note)| Some(format!("{model}: {}", note.strip_prefix("not written: ")?)))
+            .filter(|e| e.action == Some(Action::NotWritten))
+            .map(|e| format!("{}: {}", e.model.as_deref().unwrap_or("?"), reason(e, "not written: ")))
             .collect(),
         bytes,
         seconds: millis(seconds),

@@ -491,12 +491,13 @@ fn a_streamed_model_shows_its_last_split_every_reason_it_changed_and_what_it_mov
 
 #[test]
 fn the_host_tier_shows_its_budget_peak_stores_evictions_and_reloads_from_it() {
-    use stageload_trace::event::TierUsage;
-    let tier = |t: f64, model: &str, note: &str, used: u64| {
+    use stageload_trace::event::{Action, TierUsage};
+    let tier = |t: f64, model: &str, action: Action, note: &str, used: u64| {
         let mut record = event(t, EventKind::Tier, Some("decode"));
         if let Record::Event(e) = &mut record {
             e.model = Some(model.into());
             e.note = Some(note.into());
+            e.action = Some(action);
             e.tier = Some(TierUsage { budget: 2 * GIB, used });
         }
         record
@@ -510,10 +511,16 @@ fn the_host_tier_shows_its_budget_peak_stores_evictions_and_reloads_from_it() {
     }
     let summary = summary_of(vec![
         sample(0.0, 100 * MIB),
-        tier(1.0, "encoder", "stored", GIB),
-        tier(2.0, "encoder", "evicted", 0),
-        tier(2.1, "decoder", "stored", 2 * GIB),
-        tier(2.2, "vae", "not stored: its 3.0 GiB are more than the host tier's budget of 2.0 GiB", 2 * GIB),
+        tier(1.0, "encoder", Action::Stored, "stored", GIB),
+        tier(2.0, "encoder", Action::Evicted, "evicted", 0),
+        tier(2.1, "decoder", Action::Stored, "stored", 2 * GIB),
+        tier(
+            2.2,
+            "vae",
+            Action::NotStored,
+            "not stored: its 3.0 GiB are more than the host tier's budget of 2.0 GiB",
+            2 * GIB,
+        ),
         reload,
         sample(4.0, 100 * MIB),
     ]);

@@ -217,7 +217,7 @@ fn tier_checks(device: Device) -> Result<BTreeMap<String, serde_json::Value>, Bo
     models.set_host_tier_budget(0)?;
     let after = rss()?;
     let tier = sink.of_kind(EventKind::Tier);
-    let stored = tier.iter().find(|e| e.note.as_deref() == Some("stored"));
+    let stored = tier.iter().find(|e| e.action == Some(stageload::Action::Stored));
     let reload = sink.of_kind(EventKind::Reload).pop();
     let rate = |bytes: Option<u64>, seconds: Option<f64>| match (bytes, seconds) {
         (Some(bytes), Some(seconds)) if seconds > 0.0 => bytes as f64 / seconds / 1e9,

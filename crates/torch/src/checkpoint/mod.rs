@@ -41,7 +41,7 @@ mod kinds;
 mod save;
 mod to_cuda;
 
-use crate::names::{match_names, Collision, NameMismatch, NameRules};
+use crate::names::{match_names, Collision, NameMatch, NameMismatch, NameRules};
 use crate::sync::lock;
 pub(crate) use kinds::is_float;
 pub use kinds::{converts, device_holds, dtype_of, kind_of};
@@ -372,6 +372,18 @@ impl Checkpoint {
         Ok(report)
     }
 
+    /// Pairs a model's tensor `names` with the files' entries under `rules`; a strict model's
+    /// mismatch is refused with both sides' names. The one matcher of checkpoint loads and of
+    /// streamed models' set-up ([`crate::stream`]).
+    pub(crate) fn match_entries(&self, names: &[&str], rules: &NameRules) -> Result<NameMatch, CheckpointError> {
+        let found = match_names(self.entries.keys().map(String::as_str), names, rules)
+            .map_err(|source| CheckpointError::Collision { files: self.files.clone(), source })?;
+        if rules.strict && (!found.missing.is_empty() || !found.unused.is_empty()) {
+            return Err(CheckpointError::Names { files: self.files.clone(), mismatch: NameMismatch::new(&found) });
+        }
+        Ok(found)
+    }
+
     /// Meets the targets' names with the files' under `rules`: each matched target under the
     /// name of the entry that fills it, and the report of what matched (strict: a mismatch is
     /// an error).
@@ -381,11 +393,7 @@ impl Checkpoint {
         rules: &NameRules,
     ) -> Result<(Vec<(String, Tensor)>, NamedLoad), CheckpointError> {
         let tensors: Vec<&str> = targets.iter().map(|(n, _)| n.as_str()).collect();
-        let found = match_names(self.entries.keys().map(String::as_str), &tensors, rules)
-            .map_err(|source| CheckpointError::Collision { files: self.files.clone(), source })?;
-        if rules.strict && (!found.missing.is_empty() || !found.unused.is_empty()) {
-            return Err(CheckpointError::Names { files: self.files.clone(), mismatch: NameMismatch::new(&found) });
-        }
+        let found = self.match_entries(&tensors, rules)?;
         let renamed: Vec<(String, Tensor)> = targets
             .iter()
             .filter_map(|(n, t)| found.pairs.get(n).map(|entry| (entry.clone(), t.shallow_clone())))

@@ -66,7 +66,7 @@ use crate::storage::ReleaseStats;
 use crate::stream::StreamPlan;
 use crate::sync::lock;
 use stageload_plan::tier::Tier;
-use stageload_trace::event::{Event, EventKind, EventSink, LoadReport, TierUsage};
+use stageload_trace::event::{Action, Event, EventKind, EventSink, LoadReport, TierUsage};
 
 /// Told how far a checkpoint load has come: the model and bytes done of the total.
 pub(crate) type ProgressHook = dyn Fn(&str, Progress) + Send + Sync;
@@ -514,7 +514,13 @@ impl Inner {
         drop(copies);
         // A `close` mark first, so a trace does not read these releases as the tail of the last
         // stage's entry.
-        self.emit(Event { stage, note: Some("close".into()), resident: Some(resident), ..Event::now(EventKind::Mark) });
+        self.emit(Event {
+            stage,
+            note: Some("close".into()),
+            resident: Some(resident),
+            action: Some(Action::Close),
+            ..Event::now(EventKind::Mark)
+        });
         let stats = self.release_all(instances);
         if let Some(snapshots) = &self.snapshots {
             snapshots.remove_all();

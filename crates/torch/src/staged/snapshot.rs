@@ -27,7 +27,7 @@ use tch::Tensor;
 use super::instance::Instance;
 use super::registry::{Inner, State};
 use crate::sync::lock;
-use stageload_trace::event::{Event, EventKind};
+use stageload_trace::event::{Action, Event, EventKind};
 
 /// What a write leaves free on the snapshot folder's file system by default, for everything
 /// else on the machine (a shared machine's other users, the trace, the OS).
@@ -185,21 +185,21 @@ impl Inner {
             snapshots.write(name, &weights.tensors, bytes)
         };
         drop(weights);
-        let note = match written {
+        let (action, note) = match written {
             Ok(path) => {
                 let mut state = self.state();
                 if wanted(&state) {
                     let position = state.index[name];
                     state.entry_mut(position).refill_from_snapshot(path.clone());
-                    format!("written: {}", path.display())
+                    (Action::Written, format!("written: {}", path.display()))
                 } else {
                     // Replaced or removed meanwhile: the file is nobody's.
                     drop(state);
                     snapshots.forget(&path);
-                    "not written: the model was replaced meanwhile".to_string()
+                    (Action::NotWritten, "not written: the model was replaced meanwhile".to_string())
                 }
             }
-            Err(reason) => format!("not written: {reason}; '{name}' is rebuilt when needed"),
+            Err(reason) => (Action::NotWritten, format!("not written: {reason}; '{name}' is rebuilt when needed")),
         };
         self.emit(Event {
             stage: stage.clone(),
@@ -207,6 +207,7 @@ impl Inner {
             bytes: Some(bytes),
             seconds: Some(started.elapsed().as_secs_f64()),
             note: Some(note),
+            action: Some(action),
             ..Event::now(EventKind::Snapshot)
         });
     }

@@ -13,7 +13,7 @@ use super::registry::Inner;
 use super::tier_copy::{self, HostCopies};
 use crate::sync::lock;
 use stageload_plan::tier::{Evicted, Tier};
-use stageload_trace::event::{Event, EventKind, TierUsage};
+use stageload_trace::event::{Action, Event, EventKind, TierUsage};
 
 impl Inner {
     /// Copies a device model's weights into the host tier before its release frees them, when
@@ -42,7 +42,7 @@ impl Inner {
                 let note = format!(
                     "not stored: '{name}' lives on the CPU, where its weights are host memory already; the host tier holds device models"
                 );
-                self.tier_event(stage, name, None, None, note, usage);
+                self.tier_event(stage, name, None, None, Action::NotStored, note, usage);
             }
             return;
         }
@@ -62,7 +62,15 @@ impl Inner {
             Err(why) => {
                 let usage = state.tier_usage();
                 drop(state);
-                return self.tier_event(stage, name, None, None, format!("not stored: {why}"), usage);
+                return self.tier_event(
+                    stage,
+                    name,
+                    None,
+                    None,
+                    Action::NotStored,
+                    format!("not stored: {why}"),
+                    usage,
+                );
             }
         };
         let bytes = views.bytes();
@@ -73,7 +81,15 @@ impl Inner {
         let (ticket, evicted) = match admitted {
             Some(Ok(admitted)) => (admitted.ticket, admitted.evicted),
             Some(Err(why)) => {
-                return self.tier_event(stage, name, Some(bytes), None, format!("not stored: {why}"), usage)
+                return self.tier_event(
+                    stage,
+                    name,
+                    Some(bytes),
+                    None,
+                    Action::NotStored,
+                    format!("not stored: {why}"),
+                    usage,
+                )
             }
             None => return,
         };
@@ -84,16 +100,16 @@ impl Inner {
             self.before_tier_copy(name, true).and_then(|()| tier_copy::copy_out(views, device, &self.host_memory));
         let mut state = self.state();
         let Some(tier) = state.tier.as_mut() else { return };
-        let (note, dropped) = match copied {
+        let (action, note, dropped) = match copied {
             // The ticket, not the name: the model may have been replaced (and the new instance
             // released into a reservation of its own) while the copy ran.
-            Ok(copies) => ("stored".to_string(), tier.fill(name, ticket, copies)),
-            Err(message) => (format!("not stored: {message}"), tier.withdraw(name, ticket)),
+            Ok(copies) => (Action::Stored, "stored".to_string(), tier.fill(name, ticket, copies)),
+            Err(message) => (Action::NotStored, format!("not stored: {message}"), tier.withdraw(name, ticket)),
         };
         let usage = state.tier_usage();
         drop(state);
         drop(dropped);
-        self.tier_event(stage, name, Some(bytes), Some(started.elapsed().as_secs_f64()), note, usage);
+        self.tier_event(stage, name, Some(bytes), Some(started.elapsed().as_secs_f64()), action, note, usage);
     }
 
     /// Unit tests: holds or fails a copy into the tier (`into`) or out of it where it races with
@@ -125,7 +141,7 @@ impl Inner {
         let mut copies = Vec::with_capacity(evicted.len());
         for Evicted { model, bytes, copies: copy } in evicted {
             copies.extend(copy);
-            self.tier_event(stage, &model, Some(bytes), None, "evicted".to_string(), usage);
+            self.tier_event(stage, &model, Some(bytes), None, Action::Evicted, "evicted".to_string(), usage);
         }
         copies
     }
@@ -136,6 +152,7 @@ impl Inner {
         model: &str,
         bytes: Option<u64>,
         seconds: Option<f64>,
+        action: Action,
         note: String,
         tier: Option<TierUsage>,
     ) {
@@ -146,6 +163,7 @@ impl Inner {
             seconds,
             note: Some(note),
             tier,
+            action: Some(action),
             ..Event::now(EventKind::Tier)
         });
     }
@@ -166,7 +184,13 @@ impl Inner {
         let usage = state.tier_usage();
         drop(state);
         drop(self.evicted(&stage, evicted, usage));
-        self.emit(Event { stage, note: Some("budget".into()), tier: usage, ..Event::now(EventKind::Tier) });
+        self.emit(Event {
+            stage,
+            note: Some("budget".into()),
+            tier: usage,
+            action: Some(Action::Budget),
+            ..Event::now(EventKind::Tier)
+        });
         Ok(())
     }
 

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use tch::{Device, Kind, Tensor};
 
 use super::{Built, ModelSpec, StageError, StagedModels, StagedModelsBuilder};
-use stageload_trace::event::{Event, EventKind, ListSink, ReloadFrom};
+use stageload_trace::event::{Action, Event, EventKind, ListSink, ReloadFrom};
 
 /// A model of one random `[n]` float tensor, no checkpoint, counting its builds.
 fn random_model(name: &str, n: i64, builds: Arc<AtomicUsize>) -> ModelSpec {
@@ -37,12 +37,8 @@ fn weight(models: &StagedModels, name: &str) -> Tensor {
     models.call(name, |w: &mut Tensor| w.copy()).unwrap()
 }
 
-fn tier_notes(sink: &ListSink) -> Vec<(String, String)> {
-    sink.of_kind(EventKind::Tier)
-        .into_iter()
-        .filter_map(|e: Event| Some((e.model?, e.note?)))
-        .map(|(model, note)| (model, note.split(':').next().unwrap_or_default().to_string()))
-        .collect()
+fn tier_actions(sink: &ListSink) -> Vec<(String, Action)> {
+    sink.of_kind(EventKind::Tier).into_iter().filter_map(|e: Event| Some((e.model?, e.action?))).collect()
 }
 
 #[test]
@@ -63,7 +59,7 @@ fn a_released_model_comes_back_from_the_host_tier_bit_identical_without_being_re
     assert_eq!(reload.from, Some(ReloadFrom::HostTier));
     // b's 32 bytes take a page of their own.
     assert_eq!(reload.tier.unwrap().used, crate::pinned::booked(&[32]), "a's copy given up, b's stored meanwhile");
-    assert_eq!(tier_notes(&sink), [("a".into(), "stored".into()), ("b".into(), "stored".into())]);
+    assert_eq!(tier_actions(&sink), [("a".into(), Action::Stored), ("b".into(), Action::Stored)]);
 }
 
 #[test]
@@ -75,14 +71,14 @@ fn the_least_recently_released_copy_is_evicted_and_its_model_rebuilt() {
         models.get::<Tensor>(&stage[1..]).unwrap();
     }
     // Entering sc stored b (a and b in); entering sa again stored c and evicted a.
-    let notes = tier_notes(&sink);
+    let actions = tier_actions(&sink);
     assert_eq!(
-        notes[..4],
+        actions[..4],
         [
-            ("a".into(), "stored".into()),
-            ("b".into(), "stored".into()),
-            ("a".into(), "evicted".into()),
-            ("c".into(), "stored".into())
+            ("a".into(), Action::Stored),
+            ("b".into(), Action::Stored),
+            ("a".into(), Action::Evicted),
+            ("c".into(), Action::Stored)
         ]
     );
     assert_eq!(builds[0].load(Ordering::SeqCst), 2, "a rebuilt: its copy was evicted");
@@ -120,7 +116,7 @@ fn shrinking_the_budget_evicts_what_it_can_and_refuses_below_a_pinned_models_cop
     models.set_host_tier_budget(5000).unwrap();
     let usage = models.host_tier().unwrap();
     assert_eq!((usage.budget, usage.used), (5000, 4096), "a evicted, b (pinned) kept");
-    assert!(tier_notes(&sink).contains(&("a".into(), "evicted".into())));
+    assert!(tier_actions(&sink).contains(&("a".into(), Action::Evicted)));
 }
 
 #[test]
@@ -131,7 +127,7 @@ fn closing_does_not_copy_models_into_the_tier_and_empties_it() {
     models.enter("sb").unwrap();
     models.get::<Tensor>("b").unwrap();
     models.close().unwrap();
-    assert_eq!(tier_notes(&sink), [("a".into(), "stored".into())], "b released by close, not stored");
+    assert_eq!(tier_actions(&sink), [("a".into(), Action::Stored)], "b released by close, not stored");
     assert_eq!(models.host_tier().unwrap().used, 0);
 }
 
@@ -162,9 +158,9 @@ fn a_model_in_use_when_its_stage_ends_is_stored_when_its_user_lets_go() {
     let guard = handle.lock().unwrap();
     let before = guard.copy();
     models.enter("sb").unwrap();
-    assert!(tier_notes(&sink).is_empty(), "the release waits for the guard");
+    assert!(tier_actions(&sink).is_empty(), "the release waits for the guard");
     drop(guard);
-    assert_eq!(tier_notes(&sink), [("a".into(), "stored".into())], "stored by the guard's release");
+    assert_eq!(tier_actions(&sink), [("a".into(), Action::Stored)], "stored by the guard's release");
     models.enter("sa").unwrap();
     assert!(weight(&models, "a").equal(&before));
     assert_eq!(builds[0].load(Ordering::SeqCst), 1);
@@ -244,7 +240,7 @@ fn a_streamed_model_is_not_stored_evicts_nothing_and_is_rebuilt_the_same() {
     assert!(forward(&models).equal(&expected), "rebuilt, the same output");
     assert_eq!(s_builds.load(Ordering::SeqCst), 2);
 
-    assert_eq!(tier_notes(&sink)[..2], [("a".into(), "stored".into()), ("s".into(), "not stored".into())]);
+    assert_eq!(tier_actions(&sink)[..2], [("a".into(), Action::Stored), ("s".into(), Action::NotStored)]);
     let note = sink.of_kind(EventKind::Tier).into_iter().filter_map(|e| e.note).find(|n| n.contains("'s'")).unwrap();
     assert!(note.contains("'s' has 3 tensors with no memory now"), "{note}");
 }

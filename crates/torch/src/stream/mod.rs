@@ -47,7 +47,14 @@
 //! decides the next step's split. The resident count and the hot set's room only go down during
 //! a run ([`StreamedModel::reset`] sets them back). Each change is one line in the log and a
 //! `residency` event. [`StreamedModel::uncached`] makes refills read past the page cache.
+//!
+//! Where each part lives: the pure rules in `stageload-plan` ([`blocks`]: names into blocks;
+//! [`split`]: what stays, what streams, when a governor or a step's memory changes that;
+//! [`hot`]: the hot set); `block.rs` what a model is cut into and its host copies;
+//! `streamer.rs` the model's state, set-up and options; `refill.rs` a block's refill and
+//! release; `run.rs` a step and the changes after it; `step.rs` the call at a block boundary.
 
+mod block;
 mod refill;
 mod run;
 mod step;
@@ -93,4 +100,12 @@ pub enum StreamError {
     Setting { model: String, message: String },
     #[error(transparent)]
     Tch(#[from] tch::TchError),
+}
+
+/// A shim failure of `operation` on `model` as a stream error.
+fn torch<'a>(
+    model: &'a str,
+    operation: &'static str,
+) -> impl FnOnce(stageload_torch_sys::ShimError) -> StreamError + 'a {
+    move |source| StreamError::Torch { model: model.to_string(), operation, source }
 }

@@ -5,37 +5,16 @@
 
 use std::collections::HashSet;
 use std::sync::Arc;
-use std::thread::JoinHandle;
 use std::time::Instant;
 
 use tch::{Device, Tensor};
 
-use super::streamer::{torch, StreamedModel};
+use super::block::Ahead;
+use super::streamer::StreamedModel;
+use super::torch;
 use super::StreamError;
-use crate::checkpoint::Checkpoint;
 use crate::error::panic_message;
 use crate::storage::{self, StorageRecord};
-
-/// One block's tensors, as the checkpoint names them, and its storages.
-pub(super) struct Block {
-    pub(super) name: String,
-    /// (checkpoint entry name, tensor).
-    pub(super) targets: Vec<(String, Tensor)>,
-    /// (model tensor name, shape at set-up).
-    pub(super) shapes: Vec<(String, Vec<i64>)>,
-    pub(super) storages: Vec<StorageRecord>,
-    /// Where each storage starts in a slot.
-    pub(super) offsets: Vec<usize>,
-    pub(super) allocated: bool,
-    /// The slot its storages borrow, while they do.
-    pub(super) slot: Option<usize>,
-}
-
-/// A refill running on its own thread.
-pub(super) struct Ahead {
-    pub(super) block: usize,
-    pub(super) thread: JoinHandle<Result<f64, StreamError>>,
-}
 
 fn shallow(storages: &[StorageRecord]) -> Vec<StorageRecord> {
     storages.iter().map(|s| StorageRecord { id: s.id, nbytes: s.nbytes, tensor: s.tensor.shallow_clone() }).collect()
@@ -78,6 +57,29 @@ impl StreamedModel {
             Err(_) => return,
         };
         self.ahead = Some(Ahead { block: index, thread: std::thread::spawn(job) });
+    }
+
+    /// Brings block `index` in for the forward: found hot (counted), or filled by
+    /// [`ensure`](Self::ensure); the hot set notes the use.
+    pub(super) fn bring_in(&mut self, index: usize) -> Result<(), StreamError> {
+        let in_flight = self.ahead.as_ref().map(|a| a.block) == Some(index);
+        if self.hot.holds(index) && self.blocks[index].allocated && !in_flight {
+            self.stats.hot_hits += 1;
+        }
+        self.ensure(index)?;
+        self.hot.used(index);
+        Ok(())
+    }
+
+    /// The block to read ahead while `index` runs, in order: the next streamed block of this
+    /// step (none without look-ahead, in any order, or after the last block). The first one of
+    /// the next step is read when that step begins, so that nothing runs while no step does.
+    pub(super) fn next_in_order(&self, index: usize) -> Option<usize> {
+        if !self.split.look_ahead || self.any_order {
+            return None;
+        }
+        let next = if index + 1 < self.split.resident { self.split.resident } else { index + 1 };
+        (next < self.blocks.len()).then_some(next)
     }
 
     /// Makes block `index` filled: joins its refill ahead, or refills it here.
@@ -277,43 +279,4 @@ impl StreamedModel {
         self.let_go_of_slot(index);
         Ok(())
     }
-}
-
-/// Every block's tensors, read once from the checkpoint into one pinned host buffer
-/// ([`crate::pinned`]: exactly its pages).
-pub(super) struct HostBlocks {
-    set: crate::pinned::HostSet,
-    /// Block `i`'s tensors are `set.tensors[ranges[i]]`.
-    ranges: Vec<std::ops::Range<usize>>,
-}
-
-impl HostBlocks {
-    pub(super) fn block(&self, index: usize) -> &[Tensor] {
-        &self.set.tensors[self.ranges[index].clone()]
-    }
-
-    /// Bytes pinned for them.
-    pub(super) fn bytes(&self) -> u64 {
-        self.set.bytes()
-    }
-}
-
-/// Every block's tensors read once from the checkpoint into pinned host memory (an error, not
-/// pageable memory, when it cannot be pinned: refills then read the checkpoint).
-pub(super) fn pinned_copies(blocks: &[Block], checkpoint: &Checkpoint) -> Result<HostBlocks, String> {
-    let shapes: Vec<(Vec<i64>, tch::Kind)> =
-        blocks.iter().flat_map(|b| &b.targets).map(|(_, t)| (t.size(), t.kind())).collect();
-    let memory: Arc<dyn crate::pinned::HostMemory> = Arc::new(crate::pinned::Mapped);
-    let set = crate::pinned::carve(&memory, &shapes, true).map_err(|e| format!("pinning host memory: {e}"))?;
-    let mut ranges = Vec::with_capacity(blocks.len());
-    let mut targets = Vec::with_capacity(set.tensors.len());
-    let mut hosts = set.tensors.iter();
-    for block in blocks {
-        ranges.push(targets.len()..targets.len() + block.targets.len());
-        for ((entry, _), host) in block.targets.iter().zip(hosts.by_ref()) {
-            targets.push((entry.clone(), host.shallow_clone()));
-        }
-    }
-    checkpoint.load_into(&targets, |_| {}).map_err(|e| e.to_string())?;
-    Ok(HostBlocks { set, ranges })
 }

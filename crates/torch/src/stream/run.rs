@@ -25,7 +25,7 @@ impl StreamedModel {
         loop {
             self.begin()?;
             let base = self.measure_point();
-            let peak = (self.peak)();
+            let peak = self.peak_now();
             let mut step = Step { model: &mut *self, active: None, base, peak, most_held: 0, working: 0 };
             let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(&mut step)));
             let working = step.finish().and_then(|working| self.join_ahead().map(|()| working));
@@ -180,6 +180,11 @@ impl StreamedModel {
         });
         finish(&mut event);
         sink.emit(&event);
+    }
+
+    /// The high-water mark of the memory steps are measured in, now.
+    pub(super) fn peak_now(&mut self) -> Option<u64> {
+        (self.peak)()
     }
 
     /// The reading and the weights held now (the block in flight ahead left out: its refill

@@ -31,24 +31,12 @@ impl Step<'_> {
         if let Some(previous) = self.active.filter(|&p| p != index && model.passes(p)) {
             model.release(previous)?;
         }
-        if model.hot.holds(index)
-            && model.blocks[index].allocated
-            && model.ahead.as_ref().map(|a| a.block) != Some(index)
-        {
-            model.stats.hot_hits += 1;
-        }
-        model.ensure(index)?;
-        model.hot.used(index);
+        model.bring_in(index)?;
         self.active = Some(index);
         self.sample();
         let model = &mut *self.model;
-        if model.split.look_ahead && !model.any_order {
-            // The next streamed block of this step; the first one of the next step is read when
-            // that step begins, so that nothing runs while no step does.
-            let next = if index + 1 < model.split.resident { model.split.resident } else { index + 1 };
-            if next < model.blocks.len() {
-                model.start_ahead(next, Some(index));
-            }
+        if let Some(next) = model.next_in_order(index) {
+            model.start_ahead(next, Some(index));
         }
         model.note_held();
         Ok(())
@@ -60,7 +48,7 @@ impl Step<'_> {
     pub fn prefetch(&mut self, index: usize) -> Result<(), StreamError> {
         let model = &mut *self.model;
         model.check_index(index)?;
-        if model.split.look_ahead && Some(index) != self.active {
+        if model.split().look_ahead && Some(index) != self.active {
             model.start_ahead(index, self.active);
         }
         Ok(())
@@ -68,7 +56,7 @@ impl Step<'_> {
 
     /// How the blocks are held in this step.
     pub fn split(&self) -> Split {
-        self.model.split
+        self.model.split()
     }
 
     /// What the model holds now, from its storages ([`StreamedModel::held_bytes`]): the block
@@ -95,7 +83,7 @@ impl Step<'_> {
     /// weights held, is working memory too.
     fn note_peak(&mut self) {
         let (Some((base_reading, base_held)), Some(before)) = (self.base, self.peak) else { return };
-        match (self.model.peak)() {
+        match self.model.peak_now() {
             Some(after) if after > before => self.note(after, base_reading, self.most_held.max(base_held), base_held),
             _ => {}
         }

@@ -1,6 +1,7 @@
-//! The streamed model: its set-up (blocks, storages, split, the resident part read), its
-//! options and what it reports. Its steps live in [`super::run`], refills in
-//! [`super::refill`], the block boundary in [`super::step`].
+//! The streamed model: its state (every field, in one struct), its set-up in named steps (the
+//! parts of [`super::block`], the split, the host copies, the resident part read), its options
+//! and what it reports. Its steps live in [`super::run`], refills in [`super::refill`], the
+//! block boundary in [`super::step`].
 //!
 //! Nothing here takes a lock: the model is `&mut` for a step, and the only other thread is the
 //! one refilling the block ahead, whose storages nothing else touches until it is joined.
@@ -12,13 +13,13 @@ use std::time::Instant;
 use stageload_trace::event::{Event, EventKind, EventSink};
 use tch::{Device, Tensor};
 
-use super::blocks::{assign, BlockSpec};
+use super::block::{pinned_copies, Ahead, Block, HostBlocks, Parts};
+use super::blocks::BlockSpec;
 use super::hot::HotSet;
-use super::refill::{pinned_copies, Ahead, Block};
 use super::split::{describe, fit_within, Sizes, Split};
-use super::StreamError;
-use crate::checkpoint::{Checkpoint, CheckpointError};
-use crate::names::{match_names, NameMismatch, NameRules};
+use super::{torch, StreamError};
+use crate::checkpoint::Checkpoint;
+use crate::names::NameRules;
 use crate::storage::{self, StorageRecord};
 
 /// What a streamed model has moved so far.
@@ -131,7 +132,7 @@ pub struct StreamedModel {
     /// CUDA: every block's tensors in pinned host memory (the model's host tier), read from the
     /// checkpoint once at set-up; refills copy from them on a side stream. `None`: refills read
     /// the checkpoint (the CPU, or pinning failed).
-    pub(super) host: Option<super::refill::HostBlocks>,
+    pub(super) host: Option<HostBlocks>,
     /// CPU: the two buffers the streamed blocks are read into, faulted in once and reused, so
     /// that a refill runs at the page cache's speed instead of the page faults' of fresh memory;
     /// with the block each one holds. Sized by the split ([`Sizes::slot`]): a buffer the split
@@ -196,7 +197,9 @@ impl StreamedModel {
     }
 
     /// [`Self::new`] with the working memory and the order known before anything is read, so
-    /// set-up reads only the blocks that stay.
+    /// set-up reads only the blocks that stay. Its steps: cut the tensors into parts
+    /// ([`Parts::of`]), fit the split to the budget, pin the blocks' host copies (CUDA), then
+    /// read the resident part ([`Self::fill_resident`]) and size the slots.
     fn set_up(
         name: String,
         tensors: Vec<(String, Tensor)>,
@@ -205,85 +208,15 @@ impl StreamedModel {
         spec: &BlockSpec,
         Fit { budget, working, any_order }: Fit,
     ) -> Result<Self, StreamError> {
-        let model = name.clone();
-        let names: Vec<&str> = tensors.iter().map(|(n, _)| n.as_str()).collect();
-        let layout = assign(spec, &names).map_err(|source| StreamError::Blocks { model: model.clone(), source })?;
-        let entries = entry_names(&checkpoint, &names, rules)
-            .map_err(|source| StreamError::Checkpoint { model: model.clone(), source: Box::new(source) })?;
-        let device = tensors.first().map_or(Device::Cpu, |(_, t)| t.device());
-
-        // Every storage belongs to one group: a block, or the fixed tensors.
-        let mut owners: std::collections::HashMap<u64, String> = std::collections::HashMap::new();
-        let mut claim = |group: &str, members: &[usize]| -> Result<Vec<StorageRecord>, StreamError> {
-            let mut records: Vec<StorageRecord> = Vec::new();
-            for &i in members {
-                let (tensor, t) = (&tensors[i].0, &tensors[i].1);
-                let info = stageload_torch_sys::storage_info(t).map_err(torch(&model, "read storage identities"))?;
-                if let Some(other) = owners.get(&info.id).filter(|owner| *owner != group) {
-                    return Err(StreamError::SharedStorage {
-                        model: model.clone(),
-                        block: group.to_string(),
-                        other: other.clone(),
-                        tensor: tensor.clone(),
-                    });
-                }
-                owners.insert(info.id, group.to_string());
-                // A storage freed before set-up ([`place`]) gets back what its tensors reach.
-                let nbytes = if info.allocated { info.nbytes } else { storage::needed_bytes(t) };
-                match records.iter_mut().find(|r| r.id == info.id) {
-                    Some(record) => record.nbytes = record.nbytes.max(nbytes),
-                    None => records.push(StorageRecord { id: info.id, nbytes, tensor: t.shallow_clone() }),
-                }
-            }
-            Ok(records)
-        };
-        let fixed_storages = claim("the resident tensors", &layout.fixed)?;
-        let mut blocks = Vec::with_capacity(layout.blocks.len());
-        let missing: Vec<String> =
-            (0..names.len()).filter(|&i| entries[i].is_none()).map(|i| names[i].to_string()).collect();
-        if !missing.is_empty() {
-            let source = CheckpointError::Missing { tensors: missing, files: checkpoint.files().to_vec() };
-            return Err(StreamError::Checkpoint { model: model.clone(), source: Box::new(source) });
-        }
-        for (block_name, members) in &layout.blocks {
-            let storages = claim(block_name, members)?;
-            blocks.push(Block {
-                name: block_name.clone(),
-                targets: members
-                    .iter()
-                    .map(|&i| (entries[i].clone().expect("checked above"), tensors[i].1.shallow_clone()))
-                    .collect(),
-                shapes: members.iter().map(|&i| (names[i].to_string(), tensors[i].1.size())).collect(),
-                offsets: storage::layout(&storages).0,
-                storages,
-                allocated: true,
-                slot: None,
-            });
-        }
-        let fixed_bytes = fixed_storages.iter().fold(0u64, |sum, s| sum.saturating_add(s.nbytes as u64));
-        // A block counts as a slot lays it out (`stageload_plan::split::block_bytes`).
-        let sizes = Sizes {
-            fixed: fixed_bytes,
-            blocks: blocks.iter().map(|b| storage::layout(&b.storages).1 as u64).collect(),
-        };
+        let Parts { blocks, fixed, fixed_storages } = Parts::of(&name, &tensors, &checkpoint, rules, spec)?;
+        let sizes = Parts::sizes_of(&fixed_storages, &blocks);
         let split = fit_within(&sizes, budget, working, if any_order { 0 } else { blocks.len() }, true)
-            .map_err(|source| StreamError::Budget { model: model.clone(), source })?;
+            .map_err(|source| StreamError::Budget { model: name.clone(), source })?;
+        let device = tensors.first().map_or(Device::Cpu, |(_, t)| t.device());
         if device == Device::Cpu {
             stageload_torch_sys::map_large_host_blocks();
         }
-        let (reading, peak): (Reading, Reading) = match device {
-            Device::Cuda(index) => (
-                Box::new(move || stageload_torch_sys::cuda_memory(index).ok().map(|m| m.allocated)),
-                Box::new(move || stageload_torch_sys::cuda_memory(index).ok().map(|m| m.peak_allocated)),
-            ),
-            _ => {
-                let pid = std::process::id() as i32;
-                (
-                    Box::new(move || stageload_probe::process_memory(pid).ok().map(|m| m.rss)),
-                    Box::new(move || stageload_probe::process_memory(pid).ok().and_then(|m| m.peak)),
-                )
-            }
-        };
+        let (reading, peak) = readings(device);
         let mut streamed = StreamedModel {
             name,
             device,
@@ -306,51 +239,59 @@ impl StreamedModel {
             stats: StreamStats::default(),
             setup: (0, 0.0),
             slots: Vec::new(),
-            fixed: Vec::new(),
+            fixed: fixed_storages,
             look_ahead: true,
             tensors: Vec::new(),
             host: None,
         };
-        if device.is_cuda() {
-            match pinned_copies(&streamed.blocks, &streamed.checkpoint) {
-                Ok(copies) => streamed.host = Some(copies),
-                Err(reason) => tracing::warn!(
-                    "streamed model '{}': no pinned host copies ({reason}); its blocks are refilled from the checkpoint",
-                    streamed.name
-                ),
-            }
-        }
-        // Streamed blocks go first, so that at no time more than the resident part is filled.
-        for index in split.resident..streamed.blocks.len() {
-            streamed.release(index)?;
-        }
-        let mut initial: Vec<(String, Tensor)> = layout
-            .fixed
-            .iter()
-            .map(|&i| (entries[i].clone().expect("checked above"), tensors[i].1.shallow_clone()))
-            .collect();
-        for block in &streamed.blocks[..split.resident] {
-            initial.extend(storage::shallow(&block.targets));
-        }
-        // Resident storages freed before set-up ([`place`]) get their memory back first.
-        let resident = fixed_storages.iter().chain(streamed.blocks[..split.resident].iter().flat_map(|b| &b.storages));
-        for record in resident {
-            // SAFETY: during set-up no other thread has the model; the load below fills it.
-            unsafe { storage::reallocate(std::slice::from_ref(record)) }
-                .map_err(torch(&streamed.name, "give a resident tensor memory"))?;
-        }
-        let start = Instant::now();
-        let report = streamed
-            .checkpoint
-            .load_into(&initial, |_| {})
-            .map_err(|source| StreamError::Checkpoint { model: streamed.name.clone(), source: Box::new(source) })?;
-        streamed.setup = (report.bytes, start.elapsed().as_secs_f64());
+        streamed.pin_host_copies();
+        streamed.fill_resident(fixed)?;
         streamed.tensors = tensors;
-        streamed.fixed = fixed_storages;
         // The slots now, so that a registry given `tensors()` frees them with the model.
         streamed.fit_slots()?;
         tracing::info!("{}", describe(&streamed.name, &streamed.sizes, split));
         Ok(streamed)
+    }
+
+    /// CUDA: every block's tensors read once into pinned host memory, which refills copy from;
+    /// where pinning fails, refills read the checkpoint (said once, as a warning).
+    fn pin_host_copies(&mut self) {
+        if !self.device.is_cuda() {
+            return;
+        }
+        match pinned_copies(&self.blocks, &self.checkpoint) {
+            Ok(copies) => self.host = Some(copies),
+            Err(reason) => tracing::warn!(
+                "streamed model '{}': no pinned host copies ({reason}); its blocks are refilled from the checkpoint",
+                self.name
+            ),
+        }
+    }
+
+    /// Frees the streamed blocks first, so that at no time more than the resident part is
+    /// filled, then gives the fixed tensors (`fixed`, under their entries' names) and the
+    /// resident prefix memory and reads them from the checkpoint (set-up's load).
+    fn fill_resident(&mut self, fixed: Vec<(String, Tensor)>) -> Result<(), StreamError> {
+        let resident = self.split.resident;
+        for index in resident..self.blocks.len() {
+            self.release(index)?;
+        }
+        let prefix = &self.blocks[..resident];
+        // Resident storages freed before set-up ([`place`]) get their memory back first.
+        for record in self.fixed.iter().chain(prefix.iter().flat_map(|b| &b.storages)) {
+            // SAFETY: during set-up no other thread has the model; the load below fills it.
+            unsafe { storage::reallocate(std::slice::from_ref(record)) }
+                .map_err(torch(&self.name, "give a resident tensor memory"))?;
+        }
+        let initial: Vec<(String, Tensor)> =
+            fixed.into_iter().chain(prefix.iter().flat_map(|b| storage::shallow(&b.targets))).collect();
+        let start = Instant::now();
+        let report = self
+            .checkpoint
+            .load_into(&initial, |_| {})
+            .map_err(|source| StreamError::Checkpoint { model: self.name.clone(), source: Box::new(source) })?;
+        self.setup = (report.bytes, start.elapsed().as_secs_f64());
+        Ok(())
     }
 
     /// Sends to `sink` a `load` event for set-up's load (the resident part), a `residency`
@@ -647,26 +588,20 @@ pub fn place(model: &str, tensors: &[(String, Tensor)], device: Device) -> Resul
     Ok(())
 }
 
-/// A shim failure of `operation` on `model` as a stream error.
-pub(super) fn torch<'a>(
-    model: &'a str,
-    operation: &'static str,
-) -> impl FnOnce(stageload_torch_sys::ShimError) -> StreamError + 'a {
-    move |source| StreamError::Torch { model: model.to_string(), operation, source }
-}
-
-/// The checkpoint entry of each tensor (`None`: no entry), checked under `rules`: a strict
-/// model's mismatch is refused with both sides' names.
-fn entry_names(
-    checkpoint: &Checkpoint,
-    names: &[&str],
-    rules: &NameRules,
-) -> Result<Vec<Option<String>>, CheckpointError> {
-    let files = checkpoint.files().to_vec();
-    let found = match_names(checkpoint.entries().keys().map(String::as_str), names, rules)
-        .map_err(|source| CheckpointError::Collision { files: files.clone(), source })?;
-    if rules.strict && (!found.missing.is_empty() || !found.unused.is_empty()) {
-        return Err(CheckpointError::Names { files, mismatch: NameMismatch::new(&found) });
+/// What a step's working memory is read from on `device`, and its high-water mark: the CUDA
+/// allocator's bytes there, else the process's RSS and VmHWM.
+fn readings(device: Device) -> (Reading, Reading) {
+    match device {
+        Device::Cuda(index) => (
+            Box::new(move || stageload_torch_sys::cuda_memory(index).ok().map(|m| m.allocated)),
+            Box::new(move || stageload_torch_sys::cuda_memory(index).ok().map(|m| m.peak_allocated)),
+        ),
+        _ => {
+            let pid = std::process::id() as i32;
+            (
+                Box::new(move || stageload_probe::process_memory(pid).ok().map(|m| m.rss)),
+                Box::new(move || stageload_probe::process_memory(pid).ok().and_then(|m| m.peak)),
+            )
+        }
     }
-    Ok(names.iter().map(|n| found.pairs.get(*n).cloned()).collect())
 }

@@ -1,0 +1,179 @@
+//! What a streamed model is made of, and set-up's first steps: its tensors cut into blocks
+//! and fixed tensors, every storage owned by one of them, every tensor under its checkpoint
+//! entry's name ([`Parts`]); a block's storages and where they sit in a slot ([`Block`]); the
+//! refill running ahead ([`Ahead`]); and, on CUDA, every block's tensors in pinned host memory
+//! ([`HostBlocks`]). The streamer (`streamer.rs`) owns these once set up; refills
+//! (`refill.rs`) change them.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+use tch::Tensor;
+
+use super::blocks::{assign, BlockSpec};
+use super::split::Sizes;
+use super::{torch, StreamError};
+use crate::checkpoint::{Checkpoint, CheckpointError};
+use crate::names::NameRules;
+use crate::storage::{self, StorageRecord};
+
+/// One block's tensors, as the checkpoint names them, and its storages.
+pub(super) struct Block {
+    pub(super) name: String,
+    /// (checkpoint entry name, tensor).
+    pub(super) targets: Vec<(String, Tensor)>,
+    /// (model tensor name, shape at set-up).
+    pub(super) shapes: Vec<(String, Vec<i64>)>,
+    pub(super) storages: Vec<StorageRecord>,
+    /// Where each storage starts in a slot.
+    pub(super) offsets: Vec<usize>,
+    pub(super) allocated: bool,
+    /// The slot its storages borrow, while they do.
+    pub(super) slot: Option<usize>,
+}
+
+/// A refill running on its own thread.
+pub(super) struct Ahead {
+    pub(super) block: usize,
+    pub(super) thread: JoinHandle<Result<f64, StreamError>>,
+}
+
+/// A model's tensors as set-up cuts them: the blocks, and the fixed tensors (in no block,
+/// always resident) with their storages, each tensor under the name of the checkpoint entry
+/// that fills it.
+pub(super) struct Parts {
+    pub(super) blocks: Vec<Block>,
+    /// (checkpoint entry name, tensor) of each fixed tensor.
+    pub(super) fixed: Vec<(String, Tensor)>,
+    pub(super) fixed_storages: Vec<StorageRecord>,
+}
+
+impl Parts {
+    /// Cuts `tensors` into blocks per `spec`, each paired with its entry of `checkpoint` under
+    /// `rules`. Refused: a tensor the checkpoint does not hold, a spec that does not fit the
+    /// names, a storage two groups share.
+    pub(super) fn of(
+        model: &str,
+        tensors: &[(String, Tensor)],
+        checkpoint: &Checkpoint,
+        rules: &NameRules,
+        spec: &BlockSpec,
+    ) -> Result<Parts, StreamError> {
+        let checkpoint_error = |source| StreamError::Checkpoint { model: model.to_string(), source: Box::new(source) };
+        let names: Vec<&str> = tensors.iter().map(|(n, _)| n.as_str()).collect();
+        let layout = assign(spec, &names).map_err(|source| StreamError::Blocks { model: model.to_string(), source })?;
+        let found = checkpoint.match_entries(&names, rules).map_err(checkpoint_error)?;
+        let missing: Vec<String> =
+            names.iter().filter(|n| !found.pairs.contains_key(**n)).map(|n| n.to_string()).collect();
+        if !missing.is_empty() {
+            return Err(checkpoint_error(CheckpointError::Missing {
+                tensors: missing,
+                files: checkpoint.files().to_vec(),
+            }));
+        }
+        // Every tensor has its entry now.
+        let targets = |members: &[usize]| -> Vec<(String, Tensor)> {
+            members.iter().map(|&i| (found.pairs[names[i]].clone(), tensors[i].1.shallow_clone())).collect()
+        };
+        let mut owners = Owners { model, tensors, owner: HashMap::new() };
+        let fixed_storages = owners.claim("the resident tensors", &layout.fixed)?;
+        let mut blocks = Vec::with_capacity(layout.blocks.len());
+        for (name, members) in &layout.blocks {
+            let storages = owners.claim(name, members)?;
+            blocks.push(Block {
+                name: name.clone(),
+                targets: targets(members),
+                shapes: members.iter().map(|&i| (names[i].to_string(), tensors[i].1.size())).collect(),
+                offsets: storage::layout(&storages).0,
+                storages,
+                allocated: true,
+                slot: None,
+            });
+        }
+        Ok(Parts { blocks, fixed: targets(&layout.fixed), fixed_storages })
+    }
+
+    /// The bytes the split is decided from: the fixed tensors' storages, and each block as a
+    /// slot lays it out (`stageload_plan::split::block_bytes`).
+    pub(super) fn sizes_of(fixed_storages: &[StorageRecord], blocks: &[Block]) -> Sizes {
+        Sizes {
+            fixed: fixed_storages.iter().fold(0u64, |sum, s| sum.saturating_add(s.nbytes as u64)),
+            blocks: blocks.iter().map(|b| storage::layout(&b.storages).1 as u64).collect(),
+        }
+    }
+}
+
+/// Which group (a block, or the fixed tensors) owns each storage seen so far.
+struct Owners<'a> {
+    model: &'a str,
+    tensors: &'a [(String, Tensor)],
+    owner: HashMap<u64, String>,
+}
+
+impl Owners<'_> {
+    /// The distinct storages of the tensors at `members`, now `group`'s: refused when another
+    /// group owns one. A storage freed before set-up ([`super::place`]) counts what its tensors
+    /// reach.
+    fn claim(&mut self, group: &str, members: &[usize]) -> Result<Vec<StorageRecord>, StreamError> {
+        let mut records: Vec<StorageRecord> = Vec::new();
+        for &i in members {
+            let (tensor, t) = (&self.tensors[i].0, &self.tensors[i].1);
+            let info = stageload_torch_sys::storage_info(t).map_err(torch(self.model, "read storage identities"))?;
+            if let Some(other) = self.owner.get(&info.id).filter(|owner| *owner != group) {
+                return Err(StreamError::SharedStorage {
+                    model: self.model.to_string(),
+                    block: group.to_string(),
+                    other: other.clone(),
+                    tensor: tensor.clone(),
+                });
+            }
+            self.owner.insert(info.id, group.to_string());
+            let nbytes = if info.allocated { info.nbytes } else { storage::needed_bytes(t) };
+            match records.iter_mut().find(|r| r.id == info.id) {
+                Some(record) => record.nbytes = record.nbytes.max(nbytes),
+                None => records.push(StorageRecord { id: info.id, nbytes, tensor: t.shallow_clone() }),
+            }
+        }
+        Ok(records)
+    }
+}
+
+/// Every block's tensors, read once from the checkpoint into one pinned host buffer
+/// ([`crate::pinned`]: exactly its pages).
+pub(super) struct HostBlocks {
+    set: crate::pinned::HostSet,
+    /// Block `i`'s tensors are `set.tensors[ranges[i]]`.
+    ranges: Vec<std::ops::Range<usize>>,
+}
+
+impl HostBlocks {
+    pub(super) fn block(&self, index: usize) -> &[Tensor] {
+        &self.set.tensors[self.ranges[index].clone()]
+    }
+
+    /// Bytes pinned for them.
+    pub(super) fn bytes(&self) -> u64 {
+        self.set.bytes()
+    }
+}
+
+/// Every block's tensors read once from the checkpoint into pinned host memory (an error, not
+/// pageable memory, when it cannot be pinned: refills then read the checkpoint).
+pub(super) fn pinned_copies(blocks: &[Block], checkpoint: &Checkpoint) -> Result<HostBlocks, String> {
+    let shapes: Vec<(Vec<i64>, tch::Kind)> =
+        blocks.iter().flat_map(|b| &b.targets).map(|(_, t)| (t.size(), t.kind())).collect();
+    let memory: Arc<dyn crate::pinned::HostMemory> = Arc::new(crate::pinned::Mapped);
+    let set = crate::pinned::carve(&memory, &shapes, true).map_err(|e| format!("pinning host memory: {e}"))?;
+    let mut ranges = Vec::with_capacity(blocks.len());
+    let mut targets = Vec::with_capacity(set.tensors.len());
+    let mut hosts = set.tensors.iter();
+    for block in blocks {
+        ranges.push(targets.len()..targets.len() + block.targets.len());
+        for ((entry, _), host) in block.targets.iter().zip(hosts.by_ref()) {
+            targets.push((entry.clone(), host.shallow_clone()));
+        }
+    }
+    checkpoint.load_into(&targets, |_| {}).map_err(|e| e.to_string())?;
+    Ok(HostBlocks { set, ranges })
+}
