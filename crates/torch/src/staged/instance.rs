@@ -6,8 +6,8 @@
 //! `ctl` or `weights` (bookkeeping, held for a few statements); `registry.rs` gives the whole
 //! order. A release never waits for `body`: it tries it, and when a user holds it the release
 //! is left to that user's guard, which frees the storages as it drops and hands the release
-//! back through the `Registry` trait. The release mark in `ctl` is the registry's to write, derived
-//! from the slot's state (see `decide.rs`).
+//! back through the `Registry` trait. The release mark in `ctl` is the registry's to write,
+//! derived from the slot's state (see `decide.rs`).
 
 use std::any::{Any, TypeId};
 use std::marker::PhantomData;

@@ -39,10 +39,10 @@ impl Inner {
             let usage = state.tier_usage();
             drop(state);
             if !self.tier_said_cpu.swap(true, std::sync::atomic::Ordering::Relaxed) {
-                let note = format!(
-                    "not stored: '{name}' lives on the CPU, where its weights are host memory already; the host tier holds device models"
+                let why = format!(
+                    "'{name}' lives on the CPU, where its weights are host memory already; the host tier holds device models"
                 );
-                self.tier_event(stage, name, None, None, Action::NotStored, note, usage);
+                self.tier_event(stage, name, None, None, not_stored(why), usage);
             }
             return;
         }
@@ -62,15 +62,7 @@ impl Inner {
             Err(why) => {
                 let usage = state.tier_usage();
                 drop(state);
-                return self.tier_event(
-                    stage,
-                    name,
-                    None,
-                    None,
-                    Action::NotStored,
-                    format!("not stored: {why}"),
-                    usage,
-                );
+                return self.tier_event(stage, name, None, None, not_stored(why), usage);
             }
         };
         let bytes = views.bytes();
@@ -80,17 +72,7 @@ impl Inner {
         drop(state);
         let (ticket, evicted) = match admitted {
             Some(Ok(admitted)) => (admitted.ticket, admitted.evicted),
-            Some(Err(why)) => {
-                return self.tier_event(
-                    stage,
-                    name,
-                    Some(bytes),
-                    None,
-                    Action::NotStored,
-                    format!("not stored: {why}"),
-                    usage,
-                )
-            }
+            Some(Err(why)) => return self.tier_event(stage, name, Some(bytes), None, not_stored(why), usage),
             None => return,
         };
         drop(self.evicted(stage, evicted, usage));
@@ -100,16 +82,16 @@ impl Inner {
             self.before_tier_copy(name, true).and_then(|()| tier_copy::copy_out(views, device, &self.host_memory));
         let mut state = self.state();
         let Some(tier) = state.tier.as_mut() else { return };
-        let (action, note, dropped) = match copied {
+        let (what, dropped) = match copied {
             // The ticket, not the name: the model may have been replaced (and the new instance
             // released into a reservation of its own) while the copy ran.
-            Ok(copies) => (Action::Stored, "stored".to_string(), tier.fill(name, ticket, copies)),
-            Err(message) => (Action::NotStored, format!("not stored: {message}"), tier.withdraw(name, ticket)),
+            Ok(copies) => ((Action::Stored, "stored".to_string()), tier.fill(name, ticket, copies)),
+            Err(message) => (not_stored(message), tier.withdraw(name, ticket)),
         };
         let usage = state.tier_usage();
         drop(state);
         drop(dropped);
-        self.tier_event(stage, name, Some(bytes), Some(started.elapsed().as_secs_f64()), action, note, usage);
+        self.tier_event(stage, name, Some(bytes), Some(started.elapsed().as_secs_f64()), what, usage);
     }
 
     /// Unit tests: holds or fails a copy into the tier (`into`) or out of it where it races with
@@ -141,7 +123,7 @@ impl Inner {
         let mut copies = Vec::with_capacity(evicted.len());
         for Evicted { model, bytes, copies: copy } in evicted {
             copies.extend(copy);
-            self.tier_event(stage, &model, Some(bytes), None, Action::Evicted, "evicted".to_string(), usage);
+            self.tier_event(stage, &model, Some(bytes), None, (Action::Evicted, "evicted".to_string()), usage);
         }
         copies
     }
@@ -152,8 +134,7 @@ impl Inner {
         model: &str,
         bytes: Option<u64>,
         seconds: Option<f64>,
-        action: Action,
-        note: String,
+        (action, note): (Action, String),
         tier: Option<TierUsage>,
     ) {
         self.emit(Event {
@@ -197,4 +178,9 @@ impl Inner {
     pub(crate) fn tier_usage(&self) -> Option<TierUsage> {
         self.state().tier_usage()
     }
+}
+
+/// A `tier` event's action and note for a copy the tier does not hold, and why.
+fn not_stored(why: impl std::fmt::Display) -> (Action, String) {
+    (Action::NotStored, format!("not stored: {why}"))
 }
