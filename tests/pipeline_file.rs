@@ -5,6 +5,7 @@
 use stageload_test_support::torch as support;
 
 use stageload::{ModelSpec, StageError, StagedModels};
+use stageload_plan::pipeline::{DeviceName, LoadDtype};
 use support::{input, mlp, Mlp};
 use tch::nn::{Module, VarStore};
 use tch::{Device, Kind, Tensor};
@@ -110,7 +111,7 @@ fn the_files_dtype_converts_float_entries_and_ignored_entries_are_not_loaded() {
     let _generator = support::generator();
     let toml = STAGES.to_string();
     let (_folder, mut pipeline) = pipeline(&toml);
-    pipeline.models[0].dtype = Some("bf16".into());
+    pipeline.models[0].dtype = Some(LoadDtype::BF16);
     let models = registry(&pipeline);
     models.enter("embed").unwrap();
     let kinds: Vec<Kind> = models.get::<Mlp>("encoder").unwrap().tensors().iter().map(|(_, t)| t.kind()).collect();
@@ -125,7 +126,7 @@ fn the_files_dtype_converts_float_entries_and_ignored_entries_are_not_loaded() {
 fn a_model_built_on_another_device_than_the_files_is_refused_by_name() {
     let _generator = support::generator();
     let (_folder, mut pipeline) = pipeline(STAGES);
-    pipeline.models[0].device = "cuda:3".into();
+    pipeline.models[0].device = DeviceName::Cuda(3);
     let models = StagedModels::builder()
         .pipeline(&pipeline)
         .model(ModelSpec::new("encoder", |_| {
@@ -141,7 +142,9 @@ fn a_model_built_on_another_device_than_the_files_is_refused_by_name() {
     let err = models.load("encoder").unwrap_err().to_string();
     assert!(err.contains("model 'encoder'") && err.contains("places it on cuda:3") && err.contains("on cpu"), "{err}");
     let mut bad = pipeline.clone();
-    bad.models[1].dtype = Some("i64".into());
+    // A device that cannot hold the dtype (the file's check refuses it; a pipeline made in code
+    // meets the registry's).
+    (bad.models[1].device, bad.models[1].dtype) = (DeviceName::Mps, Some(LoadDtype::F64));
     let err = StagedModels::builder()
         .pipeline(&bad)
         .model(spec("encoder"))
@@ -150,5 +153,5 @@ fn a_model_built_on_another_device_than_the_files_is_refused_by_name() {
         .build()
         .err()
         .unwrap();
-    assert!(err.to_string().contains("dtype 'i64'") && err.to_string().contains("'decoder'"), "{err}");
+    assert!(err.to_string().contains("mps cannot hold it") && err.to_string().contains("'decoder'"), "{err}");
 }

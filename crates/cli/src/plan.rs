@@ -5,7 +5,7 @@
 use std::path::PathBuf;
 
 use clap::{Args, ValueEnum};
-use stageload_plan::measured::{check, render_checks, Measured};
+use stageload_plan::measured::{check, render_checks, Measured, PlanReport};
 use stageload_plan::request::{Mode, Request};
 use stageload_plan::{plan, Budget, Pipeline};
 use stageload_trace::read_trace;
@@ -106,7 +106,7 @@ pub fn run(args: PlanArgs) -> i32 {
     let device_memory = args.device_memory.or(pipeline.device_memory);
     let mut plan = plan(&pipeline, budget, device_memory.map(Budget::given));
     plan.working_from = source;
-    plan.check = match run.as_ref().map(|run| check(&pipeline, &plan, run)).transpose() {
+    let check = match run.as_ref().map(|run| check(&pipeline, &plan, run)).transpose() {
         Ok(checks) => checks,
         Err(error) => return bad(error),
     };
@@ -128,17 +128,17 @@ pub fn run(args: PlanArgs) -> i32 {
             }
         };
     }
+    let report = PlanReport { plan, check };
     if args.json {
-        out::line(&serde_json::to_string_pretty(&plan).expect("a plan is plain data"));
+        out::line(&serde_json::to_string_pretty(&report).expect("a plan is plain data"));
     } else {
-        out::print(plan.working_from.as_deref().unwrap_or_default());
-        out::print(&plan.render());
-        if let (Some(checks), Some(path)) = (&plan.check, &args.check) {
+        out::print(report.plan.working_from.as_deref().unwrap_or_default());
+        out::print(&report.plan.render());
+        if let (Some(checks), Some(path)) = (&report.check, &args.check) {
             out::print(&format!("\n{}", render_checks(checks, path)));
         }
     }
-    let checked = plan.check.as_ref().is_none_or(|checks| checks.iter().all(|c| c.ok));
-    if plan.fits && checked {
+    if report.ok() {
         0
     } else {
         1

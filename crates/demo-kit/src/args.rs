@@ -97,7 +97,7 @@ pub fn parse_device(text: &str) -> Result<Device, String> {
     if text == "auto" {
         return Ok(Device::cuda_if_available());
     }
-    match stageload::meter::device_from_name(text) {
+    match stageload::device::from_name(text) {
         Some(Device::Cuda(index)) => cuda(index),
         Some(Device::Mps) if !stageload_torch_sys::mps_available().unwrap_or(false) => {
             Err("MPS is not available on this machine; use --device cpu".into())

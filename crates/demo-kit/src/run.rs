@@ -49,7 +49,7 @@ impl DemoSpec {
                     name: m.name().to_string(),
                     files: m.checkpoint_files().to_vec(),
                     weights: None,
-                    device: meter::device_name(device),
+                    device: stageload::device::name(device),
                     dtype: None,
                     ignore: Vec::new(),
                     stream: None,
@@ -137,7 +137,7 @@ impl DemoRun {
             .meta("prefetch", args.prefetch)
             .meta("host_tier", args.host_tier.unwrap_or(0))
             .meta("cold", args.cold)
-            .meta("device", meter::device_name(args.device));
+            .meta("device", stageload::device::name(args.device));
         let meter = Arc::new(meter::start(&trace, args.device, options)?);
         let names: Vec<String> = spec.models.iter().map(|m| m.name().to_string()).collect();
         if args.cold {

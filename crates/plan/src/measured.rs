@@ -137,6 +137,23 @@ pub struct StageCheck {
 /// The relative tolerance of a checked peak against the planned need.
 pub const PEAK_TOLERANCE: f64 = 0.05;
 
+/// A plan as `stageload plan` reports it: the plan, and (with `--check`) the plan against a
+/// recorded run, stage by stage. Its JSON is the plan's with a `check` field beside.
+#[derive(Debug, Clone, Serialize)]
+pub struct PlanReport {
+    #[serde(flatten)]
+    pub plan: Plan,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub check: Option<Vec<StageCheck>>,
+}
+
+impl PlanReport {
+    /// Whether the plan fits and every stage checked (if any) holds.
+    pub fn ok(&self) -> bool {
+        self.plan.fits && self.check.as_ref().is_none_or(|checks| checks.iter().all(|c| c.ok))
+    }
+}
+
 /// Checks `plan` against a run of the same pipeline: per occurrence, the resident weights
 /// exactly, the peak within [`PEAK_TOLERANCE`] of the need (host on a CPU run; device on a
 /// device run).

@@ -113,8 +113,8 @@ impl Request {
             .models
             .iter()
             .filter(|m| m.placement == Placement::Device)
-            .filter_map(|m| match DeviceName::parse(&m.device) {
-                Some(DeviceName::Cuda(index)) => index.checked_add(1),
+            .filter_map(|m| match m.device {
+                DeviceName::Cuda(index) => index.checked_add(1),
                 _ => None,
             })
             .max()

@@ -21,7 +21,9 @@ pub fn checkout() -> PathBuf {
 /// Example `name` of the root package, built with every other example once per test process.
 pub fn example(name: &str) -> PathBuf {
     static EXAMPLES: OnceLock<Result<(), String>> = OnceLock::new();
-    if let Err(e) = EXAMPLES.get_or_init(|| cargo_build(&["--examples"])) {
+    // `-p stageload`: the examples are the root package's, and a plain build at the root builds
+    // the default members (the torch-free crates) and their examples only.
+    if let Err(e) = EXAMPLES.get_or_init(|| cargo_build(&["-p", "stageload", "--examples"])) {
         panic!("{e}");
     }
     profile_dir().join("examples").join(name)

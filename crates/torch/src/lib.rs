@@ -8,6 +8,7 @@
 //! - [`checkpoint`]: safetensors files mapped and copied once into the model's storage.
 //! - [`names`]: how a checkpoint's entry names meet a model's (rename, ignore, strictness).
 //! - [`copy_watch`]: a test mode that slows every copy and watches the storages copies use.
+//! - [`device`]: devices by name, both ways (pipeline files, flags, traces).
 //! - [`device_copy`]: checkpoint entries into CUDA tensors through a ring of pinned buffers.
 //! - [`stream`]: models bigger than their memory budget: a resident prefix of blocks, the rest
 //!   refilled in place from the checkpoint before they run and freed after.
@@ -25,6 +26,7 @@
 
 pub mod checkpoint;
 pub mod copy_watch;
+pub mod device;
 pub mod device_copy;
 mod error;
 pub mod hook;

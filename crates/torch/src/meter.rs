@@ -28,7 +28,7 @@ pub fn trace_path(explicit: Option<PathBuf>) -> Option<PathBuf> {
 /// Starts a meter for a pipeline whose models run on `device`: the header names the device, and
 /// on CUDA every sample carries the allocator's allocated and reserved bytes.
 pub fn start(path: impl AsRef<Path>, device: Device, options: MeterOptions) -> std::io::Result<Meter> {
-    let options = options.device(device_name(device));
+    let options = options.device(crate::device::name(device));
     let options = match device {
         Device::Cuda(index) => {
             // The allocator's statistics exist once CUDA is initialised on that device; the
@@ -50,24 +50,4 @@ pub fn start(path: impl AsRef<Path>, device: Device, options: MeterOptions) -> s
         Device::Mps | Device::Vulkan | Device::Cpu => options,
     };
     Meter::start(path, options)
-}
-
-/// The device a pipeline file or a `--device` flag names (`cpu`, `cuda`, `cuda:N`, `mps`; see
-/// [`stageload_plan::DeviceName`]), the inverse of [`device_name`].
-pub fn device_from_name(text: &str) -> Option<Device> {
-    Some(match stageload_plan::DeviceName::parse(text)? {
-        stageload_plan::DeviceName::Cpu => Device::Cpu,
-        stageload_plan::DeviceName::Cuda(index) => Device::Cuda(index),
-        stageload_plan::DeviceName::Mps => Device::Mps,
-    })
-}
-
-/// A device as traces and pipeline files spell it: `cpu`, `cuda:N`, `mps`, `vulkan`.
-pub fn device_name(device: Device) -> String {
-    match device {
-        Device::Cpu => "cpu".into(),
-        Device::Cuda(index) => format!("cuda:{index}"),
-        Device::Mps => "mps".into(),
-        Device::Vulkan => "vulkan".into(),
-    }
 }

@@ -83,7 +83,7 @@ pub enum ReloadFrom {
 
 /// What a `tier` or `snapshot` event did, or that a `mark` is the registry's `close`: typed, so
 /// that readers never match `note`'s words. Traces written before it existed say it in `note`
-/// only; [`Event::upgrade_action_note`] reads that in.
+/// only; the trace reader reads it in from there.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Action {

@@ -297,7 +297,7 @@ fn streamed_registry_checks(scratch: &Path, device: Device) -> Result<BTreeMap<S
              stream = {{ blocks = [\"blocks.*\"], budget = \"330MiB\", working = \"64MiB\" }}\n\n\
              [[stages]]\nname = \"run\"\nmodels = [\"flow\"]\n\n[[stages]]\nname = \"other\"\nmodels = []\n\n\
              [[stages]]\nname = \"run\"\nmodels = [\"flow\"]\n",
-            stageload::meter::device_name(device)
+            stageload::device::name(device)
         ),
     )?;
     let pipeline = stageload::Pipeline::load(&pipeline_file)?;

@@ -127,7 +127,7 @@ fn description(file: &std::path::Path, args: &Args) -> PipelineFile {
             name: MODEL.to_string(),
             files: vec![file.to_path_buf()],
             weights: None,
-            device: stageload::meter::device_name(args.device),
+            device: stageload::device::name(args.device),
             dtype: None,
             ignore: Vec::new(),
             stream,

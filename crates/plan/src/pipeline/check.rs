@@ -151,11 +151,11 @@ impl Pipeline {
                 }
                 _ => {}
             }
-            let placement = DeviceName::parse(&entry.device).map(DeviceName::placement).ok_or_else(|| {
+            let device = DeviceName::parse(&entry.device).ok_or_else(|| {
                 invalid(format!("model '{}': unknown device '{}' (cpu, cuda, cuda:N or mps)", entry.name, entry.device))
             })?;
-            let loaded_bits = match &entry.dtype {
-                Some(dtype) => Some(LoadDtype::parse(dtype).map(LoadDtype::bits).ok_or_else(|| {
+            let dtype = match &entry.dtype {
+                Some(dtype) => Some(LoadDtype::parse(dtype).ok_or_else(|| {
                     invalid(format!(
                         "model '{}': unknown dtype '{dtype}': float entries load as f16, bf16, f32 or f64 (integer and bool entries keep theirs)",
                         entry.name
@@ -163,7 +163,8 @@ impl Pipeline {
                 })?),
                 None => None,
             };
-            if loaded_bits == Some(64) && entry.device == "mps" {
+            let loaded_bits = dtype.map(LoadDtype::bits);
+            if dtype == Some(LoadDtype::F64) && device == DeviceName::Mps {
                 return Err(invalid(format!(
                     "model '{}': dtype '{}': mps cannot hold float64; choose f32, f16 or bf16",
                     entry.name,
@@ -205,7 +206,7 @@ impl Pipeline {
                     )))
                 }
                 Some(stream) => {
-                    let on_cuda = matches!(DeviceName::parse(&entry.device), Some(DeviceName::Cuda(_)));
+                    let on_cuda = matches!(device, DeviceName::Cuda(_));
                     match &stream.budget {
                         Some(budget) => {
                             let budget = parse_size(budget)
@@ -226,9 +227,9 @@ impl Pipeline {
             models.push(Model {
                 name: entry.name,
                 files,
-                device: entry.device,
-                placement,
-                dtype: entry.dtype,
+                device,
+                placement: device.placement(),
+                dtype,
                 ignore: entry.ignore,
                 tensors,
                 bytes,

@@ -63,8 +63,9 @@ pub struct Streaming {
 }
 
 /// A device as pipeline files (and the demos' `--device`) name it: `cpu`, `cuda` (device 0),
-/// `cuda:N`, `mps`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// `cuda:N`, `mps`. Parsed once, when the file is checked; written as `cpu`, `cuda:N`, `mps`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(into = "String", try_from = "String")]
 pub enum DeviceName {
     Cpu,
     Cuda(usize),
@@ -86,6 +87,29 @@ impl DeviceName {
             DeviceName::Cpu => Placement::Host,
             DeviceName::Cuda(_) | DeviceName::Mps => Placement::Device,
         }
+    }
+}
+
+impl std::fmt::Display for DeviceName {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            DeviceName::Cpu => f.write_str("cpu"),
+            DeviceName::Cuda(index) => write!(f, "cuda:{index}"),
+            DeviceName::Mps => f.write_str("mps"),
+        }
+    }
+}
+
+impl From<DeviceName> for String {
+    fn from(device: DeviceName) -> String {
+        device.to_string()
+    }
+}
+
+impl TryFrom<String> for DeviceName {
+    type Error = String;
+    fn try_from(text: String) -> Result<Self, String> {
+        DeviceName::parse(&text).ok_or_else(|| format!("unknown device '{text}' (cpu, cuda, cuda:N or mps)"))
     }
 }
 
@@ -120,9 +144,10 @@ pub struct Model {
     pub name: String,
     /// Its checkpoints; none: built by its loader, `bytes` as the file declares them.
     pub files: Vec<PathBuf>,
-    pub device: String,
+    pub device: DeviceName,
     pub placement: Placement,
-    pub dtype: Option<String>,
+    /// What its float entries load as; `None`: as stored.
+    pub dtype: Option<LoadDtype>,
     /// Checkpoint entries the model does not load (globs).
     #[serde(default)]
     pub ignore: Vec<String>,
@@ -274,8 +299,10 @@ impl Pipeline {
     }
 }
 
-/// A dtype a model's float entries load as: the ones the registry converts to.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// A dtype a model's float entries load as: the ones the registry converts to. Parsed once,
+/// when the file is checked; written by its short name (`f16`, `bf16`, `f32`, `f64`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(into = "String", try_from = "String")]
 pub enum LoadDtype {
     F16,
     BF16,
@@ -301,6 +328,35 @@ impl LoadDtype {
             LoadDtype::F32 => 32,
             LoadDtype::F64 => 64,
         }
+    }
+
+    /// Its short name.
+    pub fn name(self) -> &'static str {
+        match self {
+            LoadDtype::F16 => "f16",
+            LoadDtype::BF16 => "bf16",
+            LoadDtype::F32 => "f32",
+            LoadDtype::F64 => "f64",
+        }
+    }
+}
+
+impl std::fmt::Display for LoadDtype {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl From<LoadDtype> for String {
+    fn from(dtype: LoadDtype) -> String {
+        dtype.name().to_string()
+    }
+}
+
+impl TryFrom<String> for LoadDtype {
+    type Error = String;
+    fn try_from(text: String) -> Result<Self, String> {
+        LoadDtype::parse(&text).ok_or_else(|| format!("unknown dtype '{text}' (f16, bf16, f32 or f64)"))
     }
 }
 

@@ -16,6 +16,7 @@ use super::StagedModels;
 use crate::checkpoint::Progress;
 use crate::rng::RngSnapshot;
 use crate::stream::StreamPlan;
+use stageload_plan::pipeline::Model;
 use stageload_plan::tier::{Tier, TierPlan};
 use stageload_trace::event::EventSink;
 
@@ -26,18 +27,15 @@ pub struct StagedModelsBuilder {
     pinned: Vec<String>,
     /// Pins over a span: (model, from, until), resolved against the stages at `build`.
     spans: Vec<(String, Option<String>, Option<String>)>,
-    /// What the pipeline file says of each model beyond its files: device, dtype, ignored entries.
-    planned_placement: HashMap<String, (String, Option<String>, Vec<String>)>,
+    /// The pipeline file's models as `stageload plan` checked them (files, device, dtype,
+    /// ignored entries, a streamed model's split), by name: kept as checked, read at `build`.
+    planned: HashMap<String, Model>,
     sink: Option<Arc<dyn EventSink>>,
     rngs: Vec<Arc<dyn RngSnapshot>>,
     preserve_rng: bool,
     strict: bool,
     map_large_host_blocks: bool,
     progress: Option<Arc<ProgressHook>>,
-    planned_checkpoints: HashMap<String, Vec<PathBuf>>,
-    /// The pipeline file's streamed models: their files and split (no checkpoint for the registry).
-    planned_streams: HashMap<String, (Vec<PathBuf>, stageload_plan::pipeline::Streaming)>,
-    planned_models: Vec<String>,
     prefetch_next: bool,
     prefetch_budget: Option<u64>,
     /// Working memory each stage needs beyond its weights (declared, or measured by an earlier
@@ -94,17 +92,7 @@ impl StagedModelsBuilder {
             }
         }
         for model in &pipeline.models {
-            match &model.streamed {
-                Some(streamed) => {
-                    self.planned_streams.insert(model.name.clone(), (model.files.clone(), streamed.clone()));
-                }
-                None => {
-                    self.planned_checkpoints.insert(model.name.clone(), model.files.clone());
-                }
-            }
-            self.planned_models.push(model.name.clone());
-            let placement = (model.device.clone(), model.dtype.clone(), model.ignore.clone());
-            self.planned_placement.insert(model.name.clone(), placement);
+            self.planned.insert(model.name.clone(), model.clone());
         }
         self
     }
@@ -283,32 +271,36 @@ impl StagedModelsBuilder {
             if !seen.insert(spec.name.clone()) {
                 return Err(StageError::DuplicateModel { name: spec.name });
             }
-            let (placement, names) = match self.planned_placement.get(&spec.name) {
-                Some((device, dtype, ignore)) => {
+            let planned = self.planned.get(&spec.name);
+            let (placement, names) = match planned {
+                Some(model) => {
                     let mismatch = |message: String| StageError::PlanMismatch { model: spec.name.clone(), message };
-                    let placement = Placement::from_file(device, dtype.as_deref()).map_err(mismatch)?;
-                    let names = spec.names.clone().ignore(ignore).map_err(|e| mismatch(format!("ignore: {e}")))?;
+                    let placement = Placement::from_file(model.device, model.dtype).map_err(mismatch)?;
+                    let names =
+                        spec.names.clone().ignore(&model.ignore).map_err(|e| mismatch(format!("ignore: {e}")))?;
                     (placement, names)
                 }
                 None => (Placement::default(), spec.names.clone()),
             };
-            let checkpoint = match (spec.checkpoint.is_empty(), self.planned_checkpoints.get(&spec.name)) {
-                (true, Some(planned)) => planned.clone(),
+            // A streamed model has no checkpoint for the registry (it would load it whole).
+            let checkpoint = match planned {
+                Some(model) if spec.checkpoint.is_empty() && model.streamed.is_none() => model.files.clone(),
                 _ => spec.checkpoint,
             };
-            let stream = self.planned_streams.get(&spec.name).map(|(files, streamed)| {
-                Arc::new(StreamPlan {
-                    files: files.clone(),
-                    spec: streamed.spec.clone(),
-                    budget: streamed.budget,
-                    working: streamed.working,
-                    any_order: streamed.any_order,
-                    names: names.clone(),
-                    sink: self.sink.clone(),
-                    held: Default::default(),
-                    planned_held: streamed.held,
-                })
-            });
+            let stream =
+                planned.and_then(|model| Some((&model.files, model.streamed.as_ref()?))).map(|(files, streamed)| {
+                    Arc::new(StreamPlan {
+                        files: files.clone(),
+                        spec: streamed.spec.clone(),
+                        budget: streamed.budget,
+                        working: streamed.working,
+                        any_order: streamed.any_order,
+                        names: names.clone(),
+                        sink: self.sink.clone(),
+                        held: Default::default(),
+                        planned_held: streamed.held,
+                    })
+                });
             entries.push(Entry::new(spec.name, Some(spec.loader), checkpoint, names, placement, stream, spec.init));
         }
         let known: HashSet<&str> = entries.iter().map(|e| e.name.as_str()).collect();
@@ -318,7 +310,7 @@ impl StagedModelsBuilder {
             .flat_map(|(_, m)| m.iter())
             .chain(self.pinned.iter())
             .chain(self.spans.iter().map(|(m, _, _)| m))
-            .chain(self.planned_models.iter())
+            .chain(self.planned.keys())
             .filter(|n| !known.contains(n.as_str()))
             .cloned()
             .collect();
@@ -396,16 +388,13 @@ impl StagedModels {
             stages: Vec::new(),
             pinned: Vec::new(),
             spans: Vec::new(),
-            planned_placement: HashMap::new(),
+            planned: HashMap::new(),
             sink: None,
             rngs: Vec::new(),
             preserve_rng: true,
             strict: false,
             map_large_host_blocks: true,
             progress: None,
-            planned_checkpoints: HashMap::new(),
-            planned_streams: HashMap::new(),
-            planned_models: Vec::new(),
             prefetch_next: false,
             prefetch_budget: None,
             stage_working: BTreeMap::new(),

@@ -4,7 +4,7 @@
 use tch::{Device, Kind, Tensor};
 
 use super::error::{Result, StageError};
-use stageload_plan::pipeline::LoadDtype;
+use stageload_plan::pipeline::{DeviceName, LoadDtype};
 
 /// Where the pipeline file puts a model and in which dtype (both optional).
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
@@ -14,27 +14,19 @@ pub(crate) struct Placement {
 }
 
 impl Placement {
-    /// From the file's `device` (`cpu`, `cuda`, `cuda:N`, `mps`) and `dtype` (a float dtype).
-    pub(crate) fn from_file(device: &str, dtype: Option<&str>) -> std::result::Result<Placement, String> {
-        let device = crate::meter::device_from_name(device)
-            .ok_or_else(|| format!("unknown device '{device}' (cpu, cuda, cuda:N or mps)"))?;
-        let kind = match dtype.map(|name| (name, LoadDtype::parse(name))) {
-            None => None,
-            Some((_, Some(LoadDtype::F16))) => Some(Kind::Half),
-            Some((_, Some(LoadDtype::BF16))) => Some(Kind::BFloat16),
-            Some((_, Some(LoadDtype::F32))) => Some(Kind::Float),
-            Some((_, Some(LoadDtype::F64))) => Some(Kind::Double),
-            Some((other, None)) => {
-                return Err(format!(
-                    "dtype '{}': the registry converts float entries only (f16, bf16, f32, f64)",
-                    other.to_ascii_lowercase()
-                ))
-            }
-        };
+    /// From the checked file's `device` and `dtype`; refused: a dtype the device cannot hold.
+    pub(crate) fn from_file(device: DeviceName, dtype: Option<LoadDtype>) -> std::result::Result<Placement, String> {
+        let device = crate::device::of(device);
+        let kind = dtype.map(|dtype| match dtype {
+            LoadDtype::F16 => Kind::Half,
+            LoadDtype::BF16 => Kind::BFloat16,
+            LoadDtype::F32 => Kind::Float,
+            LoadDtype::F64 => Kind::Double,
+        });
         if let Some(kind) = kind.filter(|&kind| !crate::checkpoint::device_holds(device, kind)) {
             return Err(format!(
                 "dtype {kind:?}: {} cannot hold it; choose f32, f16 or bf16",
-                crate::meter::device_name(device)
+                crate::device::name(device)
             ));
         }
         Ok(Placement { device: Some(device), kind })
@@ -49,8 +41,8 @@ impl Placement {
                 if tensor.device() != device {
                     return Err(mismatch(format!(
                         "the file places it on {}, its loader built '{name}' on {}: build on BuildContext::device() (or change the file)",
-                        crate::meter::device_name(device),
-                        crate::meter::device_name(tensor.device())
+                        crate::device::name(device),
+                        crate::device::name(tensor.device())
                     )));
                 }
             }
@@ -73,14 +65,12 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_files_device_and_dtype_are_read_and_integer_dtypes_refused() {
-        let placement = Placement::from_file("cuda:1", Some("BF16")).unwrap();
+    fn the_files_device_and_dtype_become_the_placement_and_a_dtype_the_device_cannot_hold_is_refused() {
+        let placement = Placement::from_file(DeviceName::Cuda(1), Some(LoadDtype::BF16)).unwrap();
         assert_eq!(placement, Placement { device: Some(Device::Cuda(1)), kind: Some(Kind::BFloat16) });
-        assert_eq!(Placement::from_file("mps", None).unwrap().device, Some(Device::Mps));
-        assert!(Placement::from_file("tpu", None).unwrap_err().contains("unknown device 'tpu'"));
-        assert!(Placement::from_file("cpu", Some("i64")).unwrap_err().contains("float entries only"));
-        let refused = Placement::from_file("mps", Some("f64")).unwrap_err();
+        assert_eq!(Placement::from_file(DeviceName::Mps, None).unwrap().device, Some(Device::Mps));
+        let refused = Placement::from_file(DeviceName::Mps, Some(LoadDtype::F64)).unwrap_err();
         assert!(refused.contains("mps cannot hold it; choose f32"), "{refused}");
-        assert!(Placement::from_file("cuda", Some("f64")).is_ok());
+        assert!(Placement::from_file(DeviceName::Cuda(0), Some(LoadDtype::F64)).is_ok());
     }
 }
