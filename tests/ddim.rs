@@ -49,7 +49,7 @@ fn inputs() -> HashMap<String, Tensor> {
 fn run_reference(inputs: &HashMap<String, Tensor>) -> Result<HashMap<String, Tensor>, String> {
     let python = std::env::var("STAGELOAD_PYTHON").map_err(|_| {
         "STAGELOAD_PYTHON is not set: this test compares against diffusers in the cached Python environment. \
-         Run it through scripts/test.sh, or first: eval \"$(scripts/setup-libtorch.sh)\"; \
+         Run it through cargo xtask test, or first: eval \"$(scripts/setup-libtorch.sh)\"; \
          eval \"$(scripts/setup-reference.sh)\" (which installs diffusers there)"
             .to_string()
     })?;

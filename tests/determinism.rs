@@ -101,7 +101,7 @@ fn cascade_holds_only_the_planned_models_and_reloads_the_shape_decoder_once() {
     let folder = scratch("cascade-plan");
     let dir = folder.path();
     // With a host tier, which on the CPU holds nothing and says so (on CUDA it holds the
-    // released models: scripts/gpu-check.sh).
+    // released models: cargo xtask gpu-check).
     let staged = run("cascade", dir, "staged", &["--mode", "staged", "--check-residency", "--host-tier", "64MiB"]);
     let extractors = ["ss_extractor", "shape512_extractor", "shape1024_extractor", "tex_extractor"];
     let plan: BTreeMap<&str, Vec<&str>> = [

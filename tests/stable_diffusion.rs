@@ -26,7 +26,7 @@ fn required(variable: &str) -> Result<String, String> {
     std::env::var(variable).map_err(|_| {
         format!(
             "{variable} is not set: these tests need the small Stable Diffusion export and diffusers in the cached \
-             Python environment. Run them through scripts/test.sh, or first: eval \"$(scripts/setup-libtorch.sh)\"; \
+             Python environment. Run them through cargo xtask test, or first: eval \"$(scripts/setup-libtorch.sh)\"; \
              eval \"$(scripts/setup-reference.sh)\" (which installs diffusers and exports the small size)"
         )
     })

@@ -1,11 +1,13 @@
 //! What an A/B run found: each run's ending (and the stage it reached), per-stage peaks
-//! aggregated per arm, and each arm's latents against the first arm's, as text and JSON.
+//! aggregated per arm, wall times and the result files' measures (medians and ratios, from
+//! [`crate::results`]), and each arm's latents against the first arm's, as text and JSON.
 
 use serde::Serialize;
 use stageload_trace::{read_trace, summarize, Summary, Trace};
 use stageload_units::format_bytes;
 
 use crate::latents::{compare, render as render_latents, LatentError, LatentFile, LatentReport};
+use crate::results::{self, number, Medians, ResultField};
 use crate::runner::{describe, Arm, RunRecord};
 use stageload_trace::aggregate::{aggregate, Spread, StageSpread};
 
@@ -20,6 +22,8 @@ pub struct RunLine {
     pub reached: Option<String>,
     /// Why its trace could not be read, if it could not.
     pub trace_error: Option<String>,
+    /// Why its result file could not be read, if it wrote one that could not.
+    pub result_error: Option<String>,
 }
 
 /// The whole comparison.
@@ -32,38 +36,13 @@ pub struct AbReport {
     pub latents: Vec<(String, Vec<LatentReport>)>,
     /// Why latents could not be compared, if they could not.
     pub latents_error: Option<String>,
-    /// Per arm, how long its runs took (each trace's first sample to its last).
-    pub wall: Vec<WallTime>,
-    /// Every run exited 0 and every latent is identical or within the reference's variation.
+    /// Per arm, how long its runs took (each trace's first sample to its last, seconds).
+    pub wall: Vec<Medians>,
+    /// Every numeric field of the runs' result files, per arm.
+    pub results: Vec<ResultField>,
+    /// Every run exited 0, every result file it wrote reads, and every latent is identical or
+    /// within the reference's variation.
     pub passed: bool,
-}
-
-/// One arm's run times and their median against the first arm's.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct WallTime {
-    pub arm: String,
-    pub seconds: Vec<f64>,
-    pub median: Option<f64>,
-    /// `median` / the first arm's median.
-    pub ratio: Option<f64>,
-}
-
-/// Each arm's run times (in run order) with medians and ratios to the first arm; the medians
-/// are [`Spread`]s of whole milliseconds (a trace's duration is one already).
-pub fn wall_times(arms: &[String], seconds: &[Vec<f64>]) -> Vec<WallTime> {
-    let median = |values: &[f64]| {
-        let millis = values.iter().map(|s| (s * 1000.0).round().max(0.0) as u64).collect();
-        Spread::of(millis).map(|spread| spread.median as f64 / 1000.0)
-    };
-    let reference = seconds.first().and_then(|s| median(s));
-    arms.iter()
-        .zip(seconds)
-        .map(|(arm, seconds)| {
-            let median = median(seconds);
-            let ratio = median.zip(reference).filter(|(_, r)| *r > 0.0).map(|(m, r)| m / r);
-            WallTime { arm: arm.clone(), seconds: seconds.clone(), median, ratio }
-        })
-        .collect()
 }
 
 /// The traces of the runs that have one, with their summaries, by arm.
@@ -73,8 +52,16 @@ pub type Traces = Vec<Vec<(Trace, Summary)>>;
 pub fn report(arms: &[Arm], records: &[RunRecord]) -> (AbReport, Traces) {
     let mut traces: Traces = vec![Vec::new(); arms.len()];
     let mut runs = Vec::new();
+    let mut objects = vec![Vec::new(); arms.len()];
     for record in records {
-        let (reached, trace_error) = match read_trace(&record.trace) {
+        let result_error = match results::read(&record.files.result) {
+            Ok(object) => {
+                objects[record.arm].extend(object);
+                None
+            }
+            Err(error) => Some(error),
+        };
+        let (reached, trace_error) = match read_trace(&record.files.trace) {
             Ok(trace) => {
                 let summary = summarize(&trace);
                 let reached = summary.stages.last().map(|w| w.stage.clone());
@@ -90,6 +77,7 @@ pub fn report(arms: &[Arm], records: &[RunRecord]) -> (AbReport, Traces) {
             exit: record.exit,
             reached,
             trace_error,
+            result_error,
         });
     }
     let summaries: Vec<Vec<&Summary>> = traces.iter().map(|t| t.iter().map(|(_, s)| s).collect()).collect();
@@ -99,18 +87,24 @@ pub fn report(arms: &[Arm], records: &[RunRecord]) -> (AbReport, Traces) {
         Err(error) => (Vec::new(), Some(error.to_string())),
     };
     let passed = records.iter().all(|r| r.exit == 0)
+        && runs.iter().all(|r| r.result_error.is_none())
         && latents_error.is_none()
         && latents.iter().flat_map(|(_, reports)| reports).all(|r| r.verdict.passes());
     let arms: Vec<String> = arms.iter().map(|a| a.name.clone()).collect();
     let seconds: Vec<Vec<f64>> = traces.iter().map(|t| t.iter().map(|(_, s)| s.duration).collect()).collect();
-    let wall = wall_times(&arms, &seconds);
-    (AbReport { arms, runs, stages, latents, latents_error, wall, passed }, traces)
+    let wall = results::medians(&arms, &seconds);
+    let results = results::fields(&arms, &objects);
+    (AbReport { arms, runs, stages, latents, latents_error, wall, results, passed }, traces)
 }
 
 /// Each later arm's latents files against the first arm's (runs without a file are left out).
 fn compare_latents(arms: &[Arm], records: &[RunRecord]) -> Result<Vec<(String, Vec<LatentReport>)>, LatentError> {
     let files = |arm: usize| -> Result<Vec<LatentFile>, LatentError> {
-        records.iter().filter(|r| r.arm == arm && r.latents.exists()).map(|r| LatentFile::read(&r.latents)).collect()
+        records
+            .iter()
+            .filter(|r| r.arm == arm && r.files.latents.exists())
+            .map(|r| LatentFile::read(&r.files.latents))
+            .collect()
     };
     let reference = files(0)?;
     if reference.is_empty() {
@@ -132,16 +126,18 @@ pub fn render(report: &AbReport) -> String {
     let mut out = String::from("runs (alternating):\n");
     for run in &report.runs {
         let reached = run.reached.as_deref().map_or(String::new(), |s| format!(", last stage {s}"));
-        let trace = run.trace_error.as_deref().map_or(String::new(), |e| format!(" [{e}]"));
-        out += &format!("  {} {}: {}{reached}{trace}\n", run.arm, run.round, run.ending);
+        let errors: String =
+            [&run.trace_error, &run.result_error].into_iter().flatten().map(|e| format!(" [{e}]")).collect();
+        out += &format!("  {} {}: {}{reached}{errors}\n", run.arm, run.round, run.ending);
     }
     out += "\nwall time per run (each trace's first sample to its last), median; ratio = median / the first arm's:\n";
     for wall in &report.wall {
-        let runs: Vec<String> = wall.seconds.iter().map(|s| format!("{s:.1}")).collect();
+        let runs: Vec<String> = wall.values.iter().map(|s| format!("{s:.1}")).collect();
         let median = wall.median.map_or("-".to_string(), |m| format!("{m:.1} s"));
         let ratio = wall.ratio.map_or("-".to_string(), |r| format!("{r:.3}"));
         out += &format!("  {:<14} {median:>9}  ratio {ratio}  (runs: {} s)\n", wall.arm, runs.join(", "));
     }
+    out += &render_results(report);
     out += "\npeak per stage, median (min – max) over the runs; ratio = median / the first arm's median:\n";
     let mut header = format!("  {:<14}", "stage");
     for arm in &report.arms {
@@ -190,18 +186,33 @@ pub fn render(report: &AbReport) -> String {
     out
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn each_arms_wall_time_is_its_median_against_the_first_arms() {
-        let arms = ["eager".to_string(), "staged".to_string(), "none".to_string()];
-        let walls = wall_times(&arms, &[vec![40.0, 42.0], vec![30.0, 31.0, 29.0], vec![]]);
-        assert_eq!(walls[0].median, Some(41.0), "an even count takes the middle two");
-        assert_eq!(walls[1].median, Some(30.0));
-        assert!((walls[1].ratio.unwrap() - 30.0 / 41.0).abs() < 1e-12);
-        assert_eq!((walls[2].median, walls[2].ratio), (None, None), "an arm without traces has no time");
-        assert_eq!(walls[0].ratio, Some(1.0));
+/// The result files' measures: one line per field, each arm's median, then the ratios.
+fn render_results(report: &AbReport) -> String {
+    if report.results.is_empty() {
+        return String::new();
     }
+    let mut out = String::from(
+        "\nresults (each run's ARM-ROUND.json, its numeric fields), median; ratio = median / the first arm's:\n",
+    );
+    let mut header = format!("  {:<20}", "field");
+    for arm in &report.arms {
+        header += &format!(" {arm:>14}");
+    }
+    for arm in report.arms.iter().skip(1) {
+        header += &format!(" {:>14}", format!("{arm}/{}", report.arms[0]));
+    }
+    out += &header;
+    out += "\n";
+    for field in &report.results {
+        let mut line = format!("  {:<20}", field.field);
+        for arm in &field.arms {
+            line += &format!(" {:>14}", arm.median.map_or("-".to_string(), number));
+        }
+        for arm in field.arms.iter().skip(1) {
+            line += &format!(" {:>14}", arm.ratio.map_or("-".to_string(), |r| format!("{r:.3}")));
+        }
+        out += &line;
+        out += "\n";
+    }
+    out
 }

@@ -1,14 +1,15 @@
 //! Alternating runs: round 1 runs every arm once in order, round 2 again, and so on, each run in
 //! its own process under the guard (the same rules as `stageload guard`), each given its own
-//! trace and latents file through `STAGELOAD_TRACE` and `STAGELOAD_LATENTS` so that a pipeline
-//! needs no new flags. A signal to the runner stops the run in progress and the rounds.
+//! trace, latents and result file through `STAGELOAD_TRACE`, `STAGELOAD_LATENTS` and
+//! `STAGELOAD_RESULT` so that a pipeline needs no new flags. A signal to the runner stops the
+//! run in progress and the rounds.
 
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 
 use serde::Serialize;
 use stageload_guard::{run_guarded_with_env, Clock, GuardConfig, GuardLog, Outcome, Readings, Signals};
-use stageload_trace::meter::{LATENTS_ENV, TRACE_ENV};
+use stageload_trace::meter::{LATENTS_ENV, RESULT_ENV, TRACE_ENV};
 
 /// One of the compared commands.
 #[derive(Debug, Clone)]
@@ -25,8 +26,8 @@ pub struct RunRecord {
     pub arm: usize,
     /// 1-based round.
     pub round: usize,
-    pub trace: PathBuf,
-    pub latents: PathBuf,
+    #[serde(flatten)]
+    pub files: RunFiles,
     #[serde(serialize_with = "outcome_text")]
     pub outcome: Outcome,
     pub exit: i32,
@@ -49,10 +50,36 @@ pub fn describe(outcome: &Outcome) -> String {
     }
 }
 
-/// Where run `round` of `arm` writes: `OUT/ARM-ROUND.jsonl` and `.safetensors`.
-pub fn files(out: &Path, arm: &Arm, round: usize) -> (PathBuf, PathBuf) {
-    let stem = out.join(format!("{}-{round}", arm.name));
-    (stem.with_extension("jsonl"), stem.with_extension("safetensors"))
+/// Where one run writes: `OUT/ARM-ROUND.jsonl`, `.safetensors` and `.json`.
+#[derive(Debug, Clone, Serialize)]
+pub struct RunFiles {
+    /// Its trace (`STAGELOAD_TRACE`).
+    pub trace: PathBuf,
+    /// Its latents (`STAGELOAD_LATENTS`).
+    pub latents: PathBuf,
+    /// Its result, a JSON object (`STAGELOAD_RESULT`).
+    pub result: PathBuf,
+}
+
+impl RunFiles {
+    /// The files of run `round` of `arm` in `out`.
+    pub fn of(out: &Path, arm: &Arm, round: usize) -> RunFiles {
+        let stem = out.join(format!("{}-{round}", arm.name));
+        RunFiles {
+            trace: stem.with_extension("jsonl"),
+            latents: stem.with_extension("safetensors"),
+            result: stem.with_extension("json"),
+        }
+    }
+
+    /// What the run is told through its environment.
+    fn env(&self) -> [(OsString, OsString); 3] {
+        [
+            (TRACE_ENV.into(), self.trace.clone().into()),
+            (LATENTS_ENV.into(), self.latents.clone().into()),
+            (RESULT_ENV.into(), self.result.clone().into()),
+        ]
+    }
 }
 
 /// The guard's parts a run needs.
@@ -72,15 +99,15 @@ pub fn run(arms: &[Arm], rounds: usize, out: &Path, guard: &mut Guard<'_>) -> Ve
             if guard.signals.received().is_some() {
                 return records;
             }
-            let (trace, latents) = files(out, arm, round);
+            let files = RunFiles::of(out, arm, round);
             // A file left by an earlier run in the same folder must not pass for this one's.
-            let _ = std::fs::remove_file(&trace);
-            let _ = std::fs::remove_file(&latents);
+            for file in [&files.trace, &files.latents, &files.result] {
+                let _ = std::fs::remove_file(file);
+            }
             guard.log.note("ab", &format!("{} run {round} of {rounds}", arm.name), None);
-            let env = [(OsString::from(TRACE_ENV), trace.clone().into()), (LATENTS_ENV.into(), latents.clone().into())];
             let outcome = run_guarded_with_env(
                 &arm.command,
-                &env,
+                &files.env(),
                 guard.config,
                 guard.readings,
                 guard.clock,
@@ -88,7 +115,7 @@ pub fn run(arms: &[Arm], rounds: usize, out: &Path, guard: &mut Guard<'_>) -> Ve
                 guard.signals,
             );
             let exit = outcome.exit_code();
-            records.push(RunRecord { arm: index, round, trace, latents, outcome, exit });
+            records.push(RunRecord { arm: index, round, files, outcome, exit });
         }
     }
     records

@@ -8,7 +8,7 @@
 //! 2. CPU: the guard watching `sleep` for `--watch-seconds`, without and with `--max-memory`
 //!    (which walks the command's process tree every poll), as CPU seconds per hour of watching.
 //!
-//! Run: `scripts/bench-guard.sh` (writes traces/guard-bench.md and .json).
+//! Run: `cargo xtask bench-guard` (writes traces/guard-bench.md and .json).
 
 use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
@@ -146,7 +146,7 @@ fn main() {
     let machine = stageload_probe::system_memory().map(|m| m.total).unwrap_or(0);
     let table = format!(
         "# stageload guard: reaction and cost\n\n\
-         Command: `{command}` (through `scripts/bench-guard.sh`), default poll 100 ms, grace 1 s, \
+         Command: `{command}` (through `cargo xtask bench-guard`), default poll 100 ms, grace 1 s, \
          {} CPUs, {:.1} GiB.\n\n\
          | measure | value |\n|---|---|\n\
          | child allocation rate (median of {}) | {rate:.2} GB/s |\n\

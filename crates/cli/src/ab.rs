@@ -1,5 +1,5 @@
-//! `stageload ab` (two or more commands run alternately under the guard, their traces aggregated
-//! and their latents compared, all in one folder with charts) and `stageload latents` (latents
+//! `stageload ab` (two or more commands run alternately under the guard, their traces and result
+//! files aggregated and their latents compared, all in one folder with charts) and `stageload latents` (latents
 //! files compared by size).
 
 use std::ffi::OsString;
@@ -15,14 +15,16 @@ use crate::guard::{log_and_signals, GuardFlags};
 use crate::out;
 
 const AB_HELP: &str = "\
-Each run gets STAGELOAD_TRACE and STAGELOAD_LATENTS naming OUT/NAME-ROUND.jsonl and .safetensors
-(the meter and stageload::latents::Latents read them). OUT gets every trace and latents file,
-summary.txt and ab.json (runs, per-stage min / median / max of the exact peak, ratios of medians,
-latents against the first arm's), bars.svg/.png (peak per stage) and memory.svg/.png (the first
-run of each arm over time).
+Each run gets STAGELOAD_TRACE, STAGELOAD_LATENTS and STAGELOAD_RESULT naming OUT/NAME-ROUND.jsonl,
+.safetensors and .json (the meter, stageload::latents::Latents and the demos' --result read them;
+a result file is a JSON object of what the run measured). OUT gets every trace, latents and
+result file, summary.txt and ab.json (runs, wall times, per-stage min / median / max of the exact
+peak, the median of every numeric field of the result files, ratios of medians to the first
+arm's, latents against the first arm's), bars.svg/.png (peak per stage) and memory.svg/.png (the
+first run of each arm over time).
 
-Exit codes: 0 every run exited 0 and every latent is identical or within the first arm's own
-variation; 1 otherwise; 2 bad usage; 128+N the runner got signal N (the run in progress is
+Exit codes: 0 every run exited 0, every result file it wrote is a JSON object, and every latent
+is identical or within the first arm's own variation; 1 otherwise; 2 bad usage; 128+N the runner got signal N (the run in progress is
 stopped first).";
 
 /// Run two or more commands alternately, N times each, each in its own process under the guard,

@@ -1,5 +1,6 @@
 //! `stageload ab` and `stageload latents` with real processes: small Python programs that write
-//! the trace and latents files the runner names in STAGELOAD_TRACE and STAGELOAD_LATENTS.
+//! the trace, latents and result files the runner names in STAGELOAD_TRACE, STAGELOAD_LATENTS and
+//! STAGELOAD_RESULT.
 
 use std::path::Path;
 use std::process::{Command, Output};
@@ -8,7 +9,8 @@ const STAGELOAD: &str = env!("CARGO_BIN_EXE_stageload");
 const ANY_MACHINE: [&str; 4] = ["--wait-free", "0", "--kill-free", "0"];
 
 /// A pipeline stand-in: two stages with peaks `peaks` (MiB), latents `x` written as safetensors,
-/// then, with `allocate`, 400 MiB held (for the guard's --max-memory to stop).
+/// (when asked) a result file with the second peak, its round's share of it and the mode; with `allocate`,
+/// first 400 MiB held (for the guard's --max-memory to stop).
 fn program(mode: &str, peaks: [u64; 2], x: [f32; 2], allocate: bool) -> String {
     format!(
         r#"
@@ -31,6 +33,10 @@ data = struct.pack("<2f", {x0}, {x1})
 header = json.dumps({{"x": {{"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}}}).encode()
 with open(os.environ["STAGELOAD_LATENTS"], "wb") as f:
     f.write(struct.pack("<Q", len(header)) + header + data)
+if "STAGELOAD_RESULT" in os.environ:
+    round = int(os.environ["STAGELOAD_RESULT"].rsplit("-", 1)[1].split(".")[0])
+    with open(os.environ["STAGELOAD_RESULT"], "w") as f:
+        json.dump({{"decode_mib": {p1}, "share": {p1} * round / 10, "mode": "{mode}"}}, f)
 "#,
         p0 = peaks[0],
         p1 = peaks[1],
@@ -73,9 +79,25 @@ fn two_commands_run_alternately_and_are_aggregated_compared_and_charted() {
     assert_eq!(decode["host"][1]["n"], 2);
     assert!((decode["ratio"][1].as_f64().unwrap() - 0.5).abs() < 1e-9, "{decode}");
     assert_eq!(report["latents"][0][1][0]["verdict"]["kind"], "identical", "{report:#}");
-    for file in
-        ["summary.txt", "bars.svg", "bars.png", "memory.svg", "memory.png", "eager-2.jsonl", "staged-1.safetensors"]
-    {
+    let fields: Vec<&str> =
+        report["results"].as_array().unwrap().iter().map(|f| f["field"].as_str().unwrap()).collect();
+    assert_eq!(fields, ["decode_mib", "share"], "the numeric fields of the result files, the mode left out");
+    let share = &report["results"][1]["arms"];
+    assert_eq!(share[0]["values"], serde_json::json!([32.0, 64.0]), "one value per run, in run order");
+    assert_eq!(share[0]["median"], 48.0);
+    assert_eq!(share[1]["median"], 24.0);
+    assert_eq!(share[1]["ratio"], 0.5);
+    assert!(text.contains("decode_mib") && text.contains("staged/eager"), "{text}");
+    for file in [
+        "summary.txt",
+        "bars.svg",
+        "bars.png",
+        "memory.svg",
+        "memory.png",
+        "eager-2.jsonl",
+        "staged-1.safetensors",
+        "staged-2.json",
+    ] {
         assert!(out.join(file).is_file(), "{file} missing");
     }
     assert!(text.contains("verdict: every run finished and every latent matches"), "{text}");
@@ -114,6 +136,23 @@ fn a_run_the_guard_stops_is_reported_at_its_stage_and_a_changed_latent_fails() {
         serde_json::from_str(&std::fs::read_to_string(out.join("ab.json")).unwrap()).unwrap();
     let decode = report["stages"].as_array().unwrap().iter().find(|s| s["stage"] == "decode").unwrap();
     assert_eq!((decode["host"][0]["n"].as_u64(), decode["host"][1]["n"].as_u64()), (Some(2), Some(2)), "{decode}");
+}
+
+#[test]
+fn a_result_file_that_does_not_read_fails_the_comparison_and_is_named() {
+    let folder = tempfile::tempdir().unwrap();
+    let out = folder.path().join("ab");
+    let eager = program("eager", [300, 320], [1.0, 2.0], false);
+    let broken = program("staged", [100, 160], [1.0, 2.0], false)
+        + "open(os.environ['STAGELOAD_RESULT'], 'w').write('{\"seconds\": ')\n";
+    let (output, text) = ab(&out, &[], &[eager, broken]);
+    assert_eq!(output.status.code(), Some(1), "{text}");
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("ab.json")).unwrap()).unwrap();
+    let error = report["runs"][1]["result_error"].as_str().unwrap();
+    assert!(error.contains("staged-1.json") && error.contains("not JSON"), "{error}");
+    assert_eq!(report["runs"][0]["result_error"], serde_json::Value::Null);
+    assert!(text.contains("verdict: FAILED"), "{text}");
 }
 
 #[test]

@@ -55,8 +55,9 @@ pub struct CommonArgs {
     /// (default: $STAGELOAD_LATENTS when set)
     #[arg(long, value_name = "FILE")]
     pub latents: Option<PathBuf>,
-    /// Write what the run did (latent fingerprints, the residency at every checked call) as JSON
-    #[arg(long, value_name = "FILE")]
+    /// Write what the run did (latent fingerprints, the residency at every checked call, the
+    /// pipeline description) as JSON (default: $STAGELOAD_RESULT when set)
+    #[arg(long, value_name = "FILE", env = stageload_trace::meter::RESULT_ENV, hide_env = true)]
     pub result: Option<PathBuf>,
     /// Folder of the cached checkpoints (default: $STAGELOAD_CACHE or ~/.cache/stageload, then demo-weights/)
     #[arg(long)]

@@ -95,6 +95,8 @@ struct RunResult {
     calls: Vec<Call>,
     trace: Option<PathBuf>,
     latents_file: Option<PathBuf>,
+    /// The pipeline description the run wrote (`stageload plan` reads it).
+    description: PathBuf,
 }
 
 /// The registry, the plan it runs, the meter, and the checks and records around every call.
@@ -110,6 +112,8 @@ pub struct DemoRun {
     check_residency: bool,
     latents: Latents,
     result_file: Option<PathBuf>,
+    /// The pipeline description written for the run.
+    description: PathBuf,
     /// Calls checked so far (`call` takes `&self`).
     calls: std::sync::Mutex<Vec<Call>>,
 }
@@ -181,6 +185,7 @@ impl DemoRun {
             calls: std::sync::Mutex::default(),
             check_residency: args.check_residency,
             result_file: args.result.clone(),
+            description,
         })
     }
 
@@ -262,6 +267,7 @@ impl DemoRun {
                 calls: std::mem::take(&mut *stageload::sync::lock(&self.calls)),
                 trace: (!self.temporary_trace).then(|| self.trace.clone()),
                 latents_file: self.latents.file().map(Path::to_path_buf),
+                description: self.description.clone(),
             };
             std::fs::write(path, serde_json::to_string_pretty(&result)?)?;
         }

@@ -384,6 +384,9 @@ impl EventSink for Meter {
 pub const TRACE_ENV: &str = "STAGELOAD_TRACE";
 /// The same for the run's latents file (`stageload::latents::Latents::with_env` reads it).
 pub const LATENTS_ENV: &str = "STAGELOAD_LATENTS";
+/// The same for the run's result file: a JSON object of what the run measured, whose numeric
+/// fields `stageload ab` takes the medians of (the demos' `--result` defaults to it).
+pub const RESULT_ENV: &str = "STAGELOAD_RESULT";
 /// The metadata key under which a latents file lists its latents in the order recorded (one name
 /// per line): `stageload::latents` writes it, `stageload latents` reads it.
 pub const LATENTS_ORDER_KEY: &str = "stageload.latents.order";

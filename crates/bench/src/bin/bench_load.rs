@@ -1,7 +1,7 @@
 //! Checkpoint loading benchmark: stageload's loader against `tch::nn::VarStore::load` and
 //! Python's `safetensors.torch.load_file` + `load_state_dict`, side by side in one run.
 //!
-//!     scripts/bench-load.sh            (= cargo run --release -p stageload-bench --bin bench_load)
+//!     cargo xtask bench-load            (= cargo run --release -p stageload-bench --bin bench_load)
 //!
 //! One checkpoint of about 1.04 GB (f32 linear layers of three sizes) is written once. Each
 //! round loads it with each loader in turn (alternating), with the warm page cache; with
@@ -219,7 +219,7 @@ fn main() {
     );
     let command = std::env::args().collect::<Vec<_>>().join(" ");
     let report = format!(
-        "# Checkpoint load benchmark\n\nCommand: `scripts/bench-load.sh {}` ({command})\n\nModel: {} f32 tensors, {gb:.3} GB, {} cores.\n\n{table}\n{ratios}\n",
+        "# Checkpoint load benchmark\n\nCommand: `cargo xtask bench-load -- {}` ({command})\n\nModel: {} f32 tensors, {gb:.3} GB, {} cores.\n\n{table}\n{ratios}\n",
         std::env::args().skip(1).collect::<Vec<_>>().join(" "),
         targets.len(),
         std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0)

@@ -1,6 +1,6 @@
 //! On a CUDA machine, one run: the library's CUDA paths checked, and checkpoint → CUDA loading
 //! measured beside its peers (Python's safetensors, pinned and pageable host→device copies) on
-//! the same file in the same run. `scripts/gpu-check.sh` runs it through the device kit.
+//! the same file in the same run. `cargo xtask gpu-check` runs it through the device kit.
 //!
 //! Checks (each a named pass/fail in the result): a checkpoint loaded into CUDA tensors through
 //! the pinned ring equals the same file loaded on the CPU, bit for bit; f16 entries converted to

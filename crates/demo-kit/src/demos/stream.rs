@@ -77,9 +77,13 @@ struct Args {
     /// The JSONL trace of the run (with a `residency` event per split)
     #[arg(long)]
     trace: Option<PathBuf>,
-    /// What the run did, as JSON
-    #[arg(long)]
+    /// What the run did, as JSON (default: $STAGELOAD_RESULT when set)
+    #[arg(long, env = stageload_trace::meter::RESULT_ENV, hide_env = true)]
     result: Option<PathBuf>,
+    /// Write the latent (safetensors) to this file and its fingerprint to FILE.sha256 (default:
+    /// $STAGELOAD_LATENTS when set)
+    #[arg(long, value_name = "FILE")]
+    latents: Option<PathBuf>,
     /// Write the pipeline description `stageload plan` reads (the model with its blocks and
     /// budget, one stage) to this file
     #[arg(long)]
@@ -300,7 +304,9 @@ fn run(args: Args) -> Result<(), BoxError> {
         Ok((latent, stats, streamed.map(|s| (s.residency(), s.split().resident))))
     })??;
     let seconds = start.elapsed().as_secs_f64();
-    let fingerprint = stageload::latents::fingerprint(&latent);
+    let mut latents = stageload::latents::Latents::with_env(args.latents.clone());
+    let fingerprint = latents.record("texture", &latent);
+    latents.save()?;
     let peak = rss()?;
     let peak_rss = peak.peak.unwrap_or(peak.rss);
     println!("latent {fingerprint}");

@@ -1,0 +1,146 @@
+//! The tasks' comparisons: `stageload ab` runs of two or more arms, and what a task reads back
+//! from its report (`ab.json`): the verdict and the medians of the runs' result files. The
+//! medians are `stageload ab`'s (crates/ab/src/results.rs); a task only picks them out.
+
+use std::path::{Path, PathBuf};
+
+use serde_json::Value;
+
+use crate::shell::{Error, Log, Shell};
+
+/// One compared command: its name and its words.
+pub struct Arm {
+    /// The arm's name in file names and tables.
+    pub name: String,
+    /// The program and its arguments.
+    pub command: Vec<String>,
+}
+
+impl Arm {
+    /// `program args...` as the arm `name`.
+    pub fn new(name: &str, program: &Path, args: &[String]) -> Arm {
+        let mut command = vec![program.display().to_string()];
+        command.extend(args.iter().cloned());
+        Arm { name: name.to_string(), command }
+    }
+}
+
+/// A comparison to run: its arms, runs of each, folder, and `stageload ab` flags of its own.
+pub struct Comparison<'a> {
+    /// The `stageload` binary.
+    pub stageload: &'a Path,
+    /// Where every file goes.
+    pub out: PathBuf,
+    /// Runs of each arm.
+    pub runs: u16,
+    /// The arms; the first is the reference.
+    pub arms: Vec<Arm>,
+    /// More `stageload ab` flags (the guard's).
+    pub flags: Vec<String>,
+}
+
+/// What `stageload ab` found, read from its `ab.json`.
+pub struct Report {
+    json: Value,
+    /// Whether every run exited 0, its result files read, and every latent matched.
+    pub passed: bool,
+}
+
+impl Comparison<'_> {
+    /// Runs the comparison (output to the terminal and `log`) and reads its report. An `ab` that
+    /// found a difference is a report that did not pass, not an error; one that could not run
+    /// (bad usage, no report written) is an error.
+    pub fn run(&self, shell: &Shell, log: Option<&Log>) -> Result<Report, Error> {
+        let runs = self.runs.to_string();
+        let names: Vec<&str> = self.arms.iter().map(|a| a.name.as_str()).collect();
+        let names = names.join(",");
+        let out = self.out.display().to_string();
+        let mut args = vec!["ab", "--runs", &runs, "--names", &names, "--out", &out];
+        args.extend(self.flags.iter().map(String::as_str));
+        let mut command = shell.cmd(self.stageload, &args);
+        for arm in &self.arms {
+            command.arg("--").args(&arm.command);
+        }
+        let status = shell.status(&mut command, log)?;
+        let json = read_json(&self.out.join("ab.json")).map_err(|e| format!("stageload ab ({status}): {e}"))?;
+        let passed = status.success() && json["passed"] == Value::Bool(true);
+        Ok(Report { json, passed })
+    }
+}
+
+impl Report {
+    /// The median of result field `field` over arm `arm`'s runs.
+    pub fn median(&self, field: &str, arm: &str) -> Option<f64> {
+        self.measure(field, arm, "median")
+    }
+
+    /// That median over the first arm's.
+    pub fn ratio(&self, field: &str, arm: &str) -> Option<f64> {
+        self.measure(field, arm, "ratio")
+    }
+
+    /// The median wall time of arm `arm`'s runs, seconds.
+    pub fn median_wall(&self, arm: &str) -> Option<f64> {
+        Self::of_arm(&self.json["wall"], arm, "median")
+    }
+
+    /// That median over the first arm's.
+    pub fn wall_ratio(&self, arm: &str) -> Option<f64> {
+        Self::of_arm(&self.json["wall"], arm, "ratio")
+    }
+
+    fn measure(&self, field: &str, arm: &str, what: &str) -> Option<f64> {
+        let field = self.json["results"].as_array()?.iter().find(|f| f["field"] == field)?;
+        Self::of_arm(&field["arms"], arm, what)
+    }
+
+    /// `what` of arm `arm` in a list of medians (crates/ab's `Medians`).
+    fn of_arm(medians: &Value, arm: &str, what: &str) -> Option<f64> {
+        medians.as_array()?.iter().find(|a| a["arm"] == arm)?[what].as_f64()
+    }
+
+    /// A string field of the first run's result file of `arm` (`OUT/ARM-1.json`).
+    pub fn first_run(out: &Path, arm: &str, field: &str) -> Result<String, Error> {
+        string_field(&out.join(format!("{arm}-1.json")), field)
+    }
+}
+
+/// The JSON in `path`.
+pub fn read_json(path: &Path) -> Result<Value, Error> {
+    let text = std::fs::read_to_string(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    serde_json::from_str(&text).map_err(|e| format!("{} is not JSON: {e}", path.display()))
+}
+
+/// A string field of the JSON object in `path`.
+pub fn string_field(path: &Path, field: &str) -> Result<String, Error> {
+    read_json(path)?[field].as_str().map(str::to_string).ok_or_else(|| format!("{} has no \"{field}\"", path.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_measure_is_picked_out_of_the_report_by_field_and_arm() {
+        let json = serde_json::json!({"passed": true, "wall": [{"arm": "resident", "median": 4.0, "ratio": 1.0}], "results": [
+            {"field": "seconds", "arms": [
+                {"arm": "resident", "values": [2.0], "median": 2.0, "ratio": 1.0},
+                {"arm": "half", "values": [3.0], "median": 3.0, "ratio": 1.5}]}]});
+        let report = Report { json, passed: true };
+        assert_eq!(report.median("seconds", "half"), Some(3.0));
+        assert_eq!(report.ratio("seconds", "half"), Some(1.5));
+        assert_eq!(report.median("seconds", "prefix"), None);
+        assert_eq!(report.median("refills", "half"), None);
+        assert_eq!((report.median_wall("resident"), report.wall_ratio("half")), (Some(4.0), None));
+    }
+
+    #[test]
+    fn a_first_runs_field_is_read_or_named_missing() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("eager-1.json"), r#"{"description": "/x/cascade.toml"}"#).unwrap();
+        assert_eq!(Report::first_run(dir.path(), "eager", "description").unwrap(), "/x/cascade.toml");
+        let error = Report::first_run(dir.path(), "eager", "fingerprint").unwrap_err();
+        assert!(error.contains("eager-1.json") && error.contains("\"fingerprint\""), "{error}");
+        assert!(Report::first_run(dir.path(), "staged", "description").unwrap_err().contains("staged-1.json"));
+    }
+}

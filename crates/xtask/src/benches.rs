@@ -1,0 +1,169 @@
+//! The benchmarks: each a `stageload ab` comparison (alternating runs, each in its own process
+//! under the guard, medians and ratios from its report) or the benchmark binary that measures
+//! against its peer in one run; results where the README cites them.
+
+use std::path::Path;
+
+use crate::ab::{Arm, Comparison};
+use crate::demos::{build, guard_flags, words, Failures};
+use crate::shell::{check, Error, Log, Setup, Shell};
+
+/// The hot set's arms: name, and the stream example's flags for it.
+const HOT_SET_ARMS: [(&str, &[&str]); 5] = [
+    // The whole model loaded.
+    ("resident", &[]),
+    // The same with the allocator setting a streamed model makes on the CPU (every block of
+    // 1 MiB or more its own mapping, so that freed weights leave the RSS; activations then
+    // page-fault on every call): what streaming costs beyond it.
+    ("resident-mapped", &["--map-large-blocks"]),
+    // Streamed in any order under a 550 MiB budget (two slots, a hot set of about 6 blocks).
+    ("hot", &["--budget", "550MiB", "--working", "150MiB", "--any-order"]),
+    // The same with no hot set.
+    ("no-hot", &["--budget", "550MiB", "--working", "150MiB", "--any-order", "--resident-at-most", "0"]),
+    // The same budget as a resident prefix (blocks 0-5, which the router does not favour).
+    ("prefix", &["--budget", "550MiB", "--working", "150MiB"]),
+];
+
+/// The hot set of a streamed model whose forward runs only some blocks per call (a fixed router
+/// over texture_flow's 12 blocks at scale 1: blocks 0 and 1 every call, one of the last three and
+/// one of the middle seven in turn; `stream --route experts`) on the CPU, the arms of
+/// [`HOT_SET_ARMS`]; once with refills from the page cache, once from the disk (`--cold
+/// --uncached`: the checkpoint's pages dropped before set-up, and each refill drops what it read,
+/// as a model bigger than memory streams). `runs` runs per arm, alternating, under `stageload
+/// ab`, which checks the latents against the resident run's; the hot set must read fewer blocks
+/// than either other streamed arm. Results in `out`: cache/ and disk/, one comparison each.
+pub fn hot_set(shell: &mut Shell, out: &Path, runs: u16) -> Result<(), Error> {
+    shell.set_up(&[Setup::Libtorch])?;
+    let out = shell.folder(out)?;
+    let stageload = build(shell, &["--example", "stream"])?;
+    let stream = shell.target("debug/examples/stream");
+    let log = Log::create(&out.join("bench.log"))?;
+    let mut failures = Failures::default();
+    for source in ["cache", "disk"] {
+        let arms = HOT_SET_ARMS
+            .iter()
+            .map(|(name, flags)| {
+                let mut args = words(&["--device", "cpu", "--route", "experts", "--steps", "24", "--tokens", "128"]);
+                if source == "disk" {
+                    args.push("--cold".into());
+                    if !name.starts_with("resident") {
+                        args.push("--uncached".into());
+                    }
+                }
+                Arm::new(name, &stream, &[args, words(flags)].concat())
+            })
+            .collect();
+        let comparison = Comparison { stageload: &stageload, out: out.join(source), runs, arms, flags: guard_flags() };
+        log.line(&format!("== from the {source}: {runs} run(s) of each arm, alternating"));
+        let report = comparison.run(shell, Some(&log))?;
+        if !report.passed {
+            failures
+                .keep(Err(format!("from the {source}: a run failed or its latent differs from the resident run's")));
+        }
+        log.line(&format!("== from the {source}, medians of {runs} run(s): seconds of the flow; blocks and bytes read; peak RSS over set-up"));
+        let value = |field: &str, arm: &str| report.median(field, arm).unwrap_or(f64::NAN);
+        for (arm, _) in HOT_SET_ARMS {
+            log.line(&format!(
+                "   {arm:<15} {:.2} s ({:.3}x resident); {:.0} of {:.0} block runs read ({:.2} GiB), {:.0} found hot; peak {:.0} MiB",
+                value("seconds", arm),
+                report.ratio("seconds", arm).unwrap_or(f64::NAN),
+                value("refills", arm),
+                value("blocks_run", arm),
+                value("bytes_refilled", arm) / f64::from(1u32 << 30),
+                value("hot_hits", arm),
+                (value("peak_rss", arm) - value("base_rss", arm)) / f64::from(1u32 << 20),
+            ));
+        }
+        for other in ["no-hot", "prefix"] {
+            if value("refills", "hot").partial_cmp(&value("refills", other)) != Some(std::cmp::Ordering::Less) {
+                failures.keep(Err(format!("from the {source}: the hot set read no fewer blocks than {other}")));
+            }
+        }
+    }
+    failures.end()
+}
+
+/// Staged + prefetch wall time against eager and staged, on a warm and on a cold page cache: the
+/// cascade under `stageload ab`, first with the checkpoints in the page cache, then with each run
+/// dropping them first (`--cold`, posix_fadvise DONTNEED: every load reads the disk). Results in
+/// `out`: warm/ and cold/, each one comparison (wall time per run and per arm, ratios to eager,
+/// peaks per stage, latents compared).
+pub fn prefetch(shell: &mut Shell, out: &Path, cascade: &[String]) -> Result<(), Error> {
+    shell.set_up(&[Setup::Libtorch])?;
+    let out = shell.folder(out)?;
+    let stageload = build(shell, &["--example", "cascade"])?;
+    let program = shell.target("debug/examples/cascade");
+    let mut failures = Failures::default();
+    for cache in ["warm", "cold"] {
+        let cold = if cache == "cold" { vec!["--cold".to_string()] } else { Vec::new() };
+        let arm = |name: &str, mode: &[&str]| {
+            Arm::new(name, &program, &[words(mode), cold.clone(), cascade.to_vec()].concat())
+        };
+        let comparison = Comparison {
+            stageload: &stageload,
+            out: out.join(cache),
+            runs: 2,
+            arms: vec![
+                arm("eager", &["--mode", "eager"]),
+                arm("staged", &["--mode", "staged"]),
+                arm("prefetch", &["--mode", "staged", "--prefetch"]),
+            ],
+            flags: guard_flags(),
+        };
+        println!("== {cache} page cache: eager, staged, prefetch, twice each, alternating");
+        let log = Log::create(&out.join(cache).join("ab.log"))?;
+        let report = comparison.run(shell, Some(&log))?;
+        if !report.passed {
+            failures.keep(Err(format!("the {cache} comparison did not pass (see {cache}/summary.txt)")));
+        }
+        for arm in ["eager", "staged", "prefetch"] {
+            let median = report.median_wall(arm).map_or("-".into(), |s| format!("{s:.1} s"));
+            let ratio = report.wall_ratio(arm).map_or("-".into(), |r| format!("{r:.3}"));
+            println!("   {arm:<9} wall {median:>8}, ratio to eager {ratio}");
+        }
+    }
+    failures.end()
+}
+
+/// The checkpoint load benchmark: stageload against tch's VarStore::load and Python's
+/// safetensors, in one run (results in traces/).
+pub fn load(shell: &mut Shell, args: &[String]) -> Result<(), Error> {
+    shell.set_up(&[Setup::Libtorch])?;
+    shell.run(shell.cargo(&["run", "--release", "-p", "stageload-bench", "--bin", "bench_load", "--"]).args(args))
+}
+
+/// `stageload guard`'s benchmark: reaction time and overshoot against a child allocating as fast
+/// as it can, and CPU per hour of watching (traces/guard-bench.md and .json). Torch-free.
+pub fn guard(shell: &Shell, args: &[String]) -> Result<(), Error> {
+    let build = ["build", "--release", "-p", "stageload-cli", "--bin", "stageload", "--example", "bench_guard"];
+    shell.run(&mut shell.cargo(&build))?;
+    let bench = shell.target("release/examples/bench_guard");
+    shell.run(shell.cmd(bench, &[]).args(args))
+}
+
+/// Many jobs under a real scheduler: a local Ray cluster with a node memory resource of two eager
+/// requests, `jobs` cascade jobs eager and then staged, each task's memory from `stageload plan
+/// --request ray` and each run inside `stageload guard --plan` (scripts/many_jobs.py); then the
+/// same requests in Slurm and Kubernetes words. Results in `out` (replaced).
+pub fn many_jobs(shell: &mut Shell, out: &Path, jobs: u32, scale: &str) -> Result<(), Error> {
+    shell.set_up(&[Setup::Libtorch, Setup::Ray])?;
+    let stageload = build(shell, &["--example", "cascade"])?;
+    let out = shell.root().join(out);
+    if out.exists() {
+        std::fs::remove_dir_all(&out).map_err(|e| format!("cannot clear {}: {e}", out.display()))?;
+    }
+    let python = shell.var("STAGELOAD_RAY_PYTHON").ok_or("scripts/setup-ray.sh set no STAGELOAD_RAY_PYTHON")?;
+    let mut driver = shell.cmd(python, &["scripts/many_jobs.py", "--stageload"]);
+    driver.arg(&stageload).arg("--cascade").arg(shell.target("debug/examples/cascade"));
+    driver.args(["--jobs", &jobs.to_string(), "--scale", scale, "--out"]).arg(&out);
+    shell.run(&mut driver)?;
+    for format in ["slurm", "kubernetes"] {
+        let mut request = shell.cmd(&stageload, &["plan", "--request", format]);
+        request.arg(out.join("jobs.toml"));
+        let (status, text) = shell.output(&mut request)?;
+        check(&request, status)?;
+        let file = out.join(format!("request.{format}"));
+        std::fs::write(&file, text).map_err(|e| format!("cannot write {}: {e}", file.display()))?;
+    }
+    Ok(())
+}

@@ -1,0 +1,270 @@
+//! The demos: the README's main job (the cascade under `stageload ab`, its plan checked against
+//! the runs), block streaming (a model bigger than its guard's limit, streamed; step times; the
+//! hot set), and Stable Diffusion 1.5 at its published sizes against diffusers. Each keeps going
+//! after a failed check, so that one run shows every result, and fails at the end.
+
+use std::path::{Path, PathBuf};
+
+use crate::ab::{string_field, Arm, Comparison, Report};
+use crate::benches;
+use crate::shell::{check, Error, Log, Setup, Shell};
+
+/// `stageload ab`'s guard flags for the demos: start when 25 % of memory is free, waiting up to
+/// ten minutes for it.
+pub fn guard_flags() -> Vec<String> {
+    ["--wait-free", "25", "--start-timeout", "10m"].map(String::from).to_vec()
+}
+
+/// Builds `targets` of the library's package (its examples) and `stageload`; returns the
+/// `stageload` binary.
+pub fn build(shell: &Shell, targets: &[&str]) -> Result<PathBuf, Error> {
+    shell.run(&mut shell.cargo(&[&["build", "-p", "stageload"], targets].concat()))?;
+    shell.run(&mut shell.cargo(&["build", "-p", "stageload-cli", "--bin", "stageload"]))?;
+    Ok(shell.target("debug/stageload"))
+}
+
+/// Failures so far, said at the end.
+#[derive(Default)]
+pub struct Failures(Vec<String>);
+
+impl Failures {
+    /// Keeps `result`'s error, if any.
+    pub fn keep(&mut self, result: Result<(), Error>) {
+        if let Err(error) = result {
+            eprintln!("FAILED: {error}");
+            self.0.push(error);
+        }
+    }
+
+    /// `Ok` when nothing failed, else every failure.
+    pub fn end(self) -> Result<(), Error> {
+        match self.0.len() {
+            0 => Ok(()),
+            n => Err(format!("{n} check(s) failed:\n  {}", self.0.join("\n  "))),
+        }
+    }
+}
+
+/// The README's main job (see the module docs); results in `out`.
+pub fn demo(shell: &mut Shell, out: &Path, cascade: &[String]) -> Result<(), Error> {
+    shell.set_up(&[Setup::Libtorch])?;
+    let out = shell.folder(out)?;
+    let stageload = build(shell, &["--example", "cascade"])?;
+    let program = shell.target("debug/examples/cascade");
+    let arm = |name: &str, mode: &[&str]| Arm::new(name, &program, &[words(mode), cascade.to_vec()].concat());
+    let log = Log::create(&out.join("ab.log"))?;
+    log.line("== stageload ab: eager, staged, prefetch, twice each, alternating, under the guard");
+    let mut flags = guard_flags();
+    flags.extend(["--log".to_string(), out.join("guard.jsonl").display().to_string()]);
+    let comparison = Comparison {
+        stageload: &stageload,
+        out: out.clone(),
+        runs: 2,
+        arms: vec![
+            arm("eager", &["--mode", "eager"]),
+            arm("staged", &["--mode", "staged"]),
+            arm("prefetch", &["--mode", "staged", "--prefetch"]),
+        ],
+        flags,
+    };
+    let mut failures = Failures::default();
+    let report = comparison.run(shell, Some(&log))?;
+    if !report.passed {
+        failures
+            .keep(Err(format!("the cascade's comparison did not pass (see {})", out.join("summary.txt").display())));
+    }
+    failures.keep(check_plan(shell, &stageload, &out));
+    for (against, file) in [("staged", "summary-first-runs.txt"), ("prefetch", "summary-first-runs-prefetch.txt")] {
+        let traces = [out.join("eager-1.jsonl"), out.join(format!("{against}-1.jsonl"))];
+        let mut command = shell.cmd(&stageload, &["summary"]);
+        command.args(&traces);
+        failures.keep(save(shell, &mut command, &out.join(file), against == "staged"));
+    }
+    println!("== block streaming (cargo xtask stream-demo)");
+    failures.keep(stream_demo(shell, &out.join("stream")));
+    println!("== Stable Diffusion 1.5 against diffusers (cargo xtask sd-demo)");
+    failures.keep(sd_demo(shell, &out.join("stable-diffusion")));
+    println!("everything is in {}/ (summary.txt: the aggregated comparison)", out.display());
+    failures.end()
+}
+
+/// The plan of the runs' pipeline description (from the eager run's result file) against the
+/// machine, then with the working memory the eager run measured checked against the staged run
+/// stage by stage (resident weights exactly, peak within 5 % of the need).
+fn check_plan(shell: &Shell, stageload: &Path, out: &Path) -> Result<(), Error> {
+    let description = Report::first_run(out, "eager", "description")?;
+    println!("== stageload plan {description}");
+    let mut plan = shell.cmd(stageload, &["plan", &description]);
+    if save(shell, &mut plan, &out.join("plan.txt"), false).is_err() {
+        println!("(the plan says it does not fit; the runs went ahead under the guard)");
+    }
+    println!("== stageload plan --from-trace eager-1.jsonl --check staged-1.jsonl");
+    let mut command = shell.cmd(stageload, &["plan", &description, "--from-trace"]);
+    command.arg(out.join("eager-1.jsonl")).arg("--check").arg(out.join("staged-1.jsonl"));
+    let (status, text) = shell.output(&mut command)?;
+    write(&out.join("plan-check.txt"), &text)?;
+    print!("{}", text.find("plan against").map_or(text.as_str(), |at| &text[at..]));
+    check(&command, status)
+}
+
+/// Runs `command` into `file` (and on the terminal with `show`).
+fn save(shell: &Shell, command: &mut std::process::Command, file: &Path, show: bool) -> Result<(), Error> {
+    let (status, text) = shell.output(command)?;
+    write(file, &text)?;
+    if show {
+        print!("{text}");
+    }
+    check(command, status)
+}
+
+fn write(file: &Path, text: &str) -> Result<(), Error> {
+    std::fs::write(file, text).map_err(|e| format!("cannot write {}: {e}", file.display()))
+}
+
+/// Words for a command line.
+pub fn words(words: &[&str]) -> Vec<String> {
+    words.iter().map(|w| w.to_string()).collect()
+}
+
+/// Block streaming: the cascade's largest model (texture_flow) at scale 2 (1.2 GiB) loaded whole,
+/// then under `stageload guard --max-memory 1GiB` (below its size: the guard must stop it), then
+/// streamed under a 500 MiB budget inside the same guard; the latents must match, and the plan of
+/// the streamed run's pipeline file (with the working memory the whole run measured) must match
+/// the streamed run. Then the step time at scale 1 (1024 tokens, compute-bound) under
+/// `stageload ab`: fully resident, half the blocks streamed, a 400 MiB budget's own split; then
+/// the hot set (`cargo xtask hot-set-bench`). Results in `out`.
+pub fn stream_demo(shell: &mut Shell, out: &Path) -> Result<(), Error> {
+    shell.set_up(&[Setup::Libtorch])?;
+    let out = shell.folder(out)?;
+    let stageload = build(shell, &["--example", "stream"])?;
+    let stream = shell.target("debug/examples/stream");
+    let log = Log::create(&out.join("stream.log"))?;
+    let file = |name: &str| out.join(name).display().to_string();
+    let big = ["--device", "cpu", "--scale", "2", "--tokens", "256"];
+    let mut failures = Failures::default();
+
+    log.line("== texture_flow at scale 2, loaded whole (no guard)");
+    let mut whole = shell.cmd(&stream, &big);
+    whole.args(["--result", &file("whole.json"), "--trace", &file("whole.jsonl")]);
+    let status = shell.status(&mut whole, Some(&log))?;
+    check(&whole, status)?;
+
+    log.line("== the same under stageload guard --max-memory 1GiB (the guard must stop it)");
+    let mut guarded = shell.cmd(&stageload, &["guard", "--max-memory", "1GiB", "--"]);
+    guarded.arg(&stream).args(big);
+    if shell.status(&mut guarded, Some(&log))?.success() {
+        failures.keep(Err("the whole model ran under a limit below its size".into()));
+    }
+
+    log.line("== streamed under a 500 MiB budget, under stageload guard --max-memory 1GiB");
+    let mut streamed = shell.cmd(&stageload, &["guard", "--max-memory", "1GiB", "--log", &file("guard.ndjson"), "--"]);
+    streamed.arg(&stream).args(big).args(["--budget", "500MiB", "--working", "32MiB"]).args([
+        "--result",
+        &file("streamed.json"),
+        "--trace",
+        &file("streamed.jsonl"),
+        "--pipeline",
+        &file("pipeline.toml"),
+    ]);
+    let status = shell.status(&mut streamed, Some(&log))?;
+    failures.keep(check(&streamed, status));
+
+    log.line("== stageload plan of the streamed run's pipeline file against 1 GiB, with the working memory");
+    log.line("   the whole run measured, checked against the streamed run (weights exact, peak within 5 %)");
+    let mut plan = shell.cmd(&stageload, &["plan", &file("pipeline.toml"), "--memory", "1GiB"]);
+    plan.args(["--from-trace", &file("whole.jsonl"), "--check", &file("streamed.jsonl")]);
+    let status = shell.status(&mut plan, Some(&log))?;
+    failures.keep(check(&plan, status));
+    failures.keep(same_latent(&out.join("whole.json"), &out.join("streamed.json"), &log));
+
+    log.line("== step time at scale 1, 1024 tokens: resident, half streamed, a 400 MiB budget (twice each)");
+    let arm = |name: &str, flags: &[&str]| Arm::new(name, &stream, &words(&[&["--device", "cpu"], flags].concat()));
+    let bench = Comparison {
+        stageload: &stageload,
+        out: out.join("bench"),
+        runs: 2,
+        arms: vec![
+            arm("resident", &[]),
+            arm("half", &["--budget", "2GiB", "--resident-at-most", "6"]),
+            arm("budget", &["--budget", "400MiB", "--working", "200MiB"]),
+        ],
+        flags: guard_flags(),
+    };
+    let report = bench.run(shell, Some(&log))?;
+    if !report.passed {
+        failures.keep(Err(format!("the step-time comparison did not pass (see {})", file("bench/summary.txt"))));
+    }
+    let seconds = |arm| report.median("seconds", arm).map_or("-".into(), |s| format!("{s:.2} s"));
+    let ratio = |arm| report.ratio("seconds", arm).map_or("-".into(), |r| format!("{r:.3}x"));
+    log.line(&format!(
+        "seconds of the flow, median of two runs each: resident {}; half streamed {} ({}); 400 MiB budget {} ({})",
+        seconds("resident"),
+        seconds("half"),
+        ratio("half"),
+        seconds("budget"),
+        ratio("budget")
+    ));
+    let mut summary = shell.cmd(&stageload, &["summary", &file("whole.jsonl"), &file("streamed.jsonl")]);
+    let status = shell.status(&mut summary, Some(&log))?;
+    failures.keep(check(&summary, status));
+
+    println!("== the hot set, a forward that runs some blocks per call (cargo xtask hot-set-bench)");
+    failures.keep(benches::hot_set(shell, &out.join("hot-set"), 2));
+    failures.end()
+}
+
+/// The `fingerprint` of two stream results must be the same.
+fn same_latent(reference: &Path, run: &Path, log: &Log) -> Result<(), Error> {
+    let (want, got) = (string_field(reference, "fingerprint")?, string_field(run, "fingerprint")?);
+    if want == got {
+        log.line(&format!("latents identical: {want}"));
+        Ok(())
+    } else {
+        Err(format!("latents differ: {} {want}, {} {got}", reference.display(), run.display()))
+    }
+}
+
+/// Stable Diffusion 1.5 at its published component sizes (seeded random weights: trained ones
+/// cannot be fetched here), exported once into the cache (scripts/reference/sd_export.py: about 8
+/// minutes and 7.7 GB the first time); eager, staged and staged with prefetch, one run each under
+/// `stageload ab` (256x256, 4 DDIM steps, guidance 7.5, CPU); the plan checked against the runs;
+/// then a staged run checked against diffusers' StableDiffusionPipeline on the same weights,
+/// embeddings and initial latents (within 1e-5 of each value range, or it fails). Results in `out`.
+pub fn sd_demo(shell: &mut Shell, out: &Path) -> Result<(), Error> {
+    shell.set_up(&[Setup::Libtorch, Setup::Reference])?;
+    let out = shell.folder(out)?;
+    let small = shell.var("STAGELOAD_SD_SMALL").ok_or("scripts/setup-reference.sh set no STAGELOAD_SD_SMALL")?;
+    let components = Path::new(&small).parent().unwrap_or(Path::new(".")).join("sd-sd15");
+    let python = shell.var("STAGELOAD_PYTHON").ok_or("scripts/setup-libtorch.sh set no STAGELOAD_PYTHON")?;
+    println!("== the published-size export in {} (made once)", components.display());
+    let mut export = shell.cmd(&python, &["scripts/reference/sd_export.py", "--size", "sd15", "--out"]);
+    shell.run(export.arg(&components))?;
+    let stageload = build(shell, &["--example", "stable_diffusion"])?;
+    let sd = shell.target("debug/examples/stable_diffusion");
+    let base = vec!["--components".to_string(), components.display().to_string()];
+    let arm = |name: &str| Arm::new(name, &sd, &[base.clone(), words(&["--mode", name])].concat());
+    let log = Log::create(&out.join("ab.log"))?;
+    log.line("== stageload ab: eager, staged, prefetch, one run each, under the guard");
+    let mut flags = guard_flags();
+    flags.extend(["--log".to_string(), out.join("guard.ndjson").display().to_string()]);
+    let comparison = Comparison {
+        stageload: &stageload,
+        out: out.clone(),
+        runs: 1,
+        arms: vec![arm("eager"), arm("staged"), arm("prefetch")],
+        flags,
+    };
+    let mut failures = Failures::default();
+    if !comparison.run(shell, Some(&log))?.passed {
+        failures.keep(Err(format!(
+            "the Stable Diffusion comparison did not pass (see {})",
+            out.join("summary.txt").display()
+        )));
+    }
+    failures.keep(check_plan(shell, &stageload, &out));
+    println!("== a staged run against diffusers' StableDiffusionPipeline");
+    let mut compare = shell.cmd(&sd, &[]);
+    compare.args(&base).args(["--mode", "staged", "--compare-python"]);
+    failures.keep(save(shell, &mut compare, &out.join("compare.txt"), true));
+    failures.end()
+}
