@@ -16,16 +16,54 @@ use serde::Serialize;
 use stageload_trace::meter::LATENTS_ORDER_KEY as ORDER_KEY;
 use thiserror::Error;
 
+/// Why latents files could not be compared; each names the file (and the latent).
 #[derive(Debug, Error)]
+#[non_exhaustive]
 pub enum LatentError {
+    /// The file could not be read, or is not safetensors.
     #[error("cannot read latents {path}: {message}")]
-    Read { path: PathBuf, message: String },
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// What went wrong.
+        message: String,
+    },
+    /// A latent's dtype or shape differs from the reference's.
     #[error("latent '{latent}': {path} has {found}, the reference {reference} has {expected}")]
-    Mismatch { latent: String, path: PathBuf, reference: PathBuf, found: String, expected: String },
+    Mismatch {
+        /// The latent's name.
+        latent: String,
+        /// The compared file.
+        path: PathBuf,
+        /// The reference file.
+        reference: PathBuf,
+        /// Its dtype and shape in the compared file.
+        found: String,
+        /// Its dtype and shape in the reference.
+        expected: String,
+    },
+    /// The files hold different latents.
     #[error("{path} and the reference {reference} hold different latents: missing {}; extra {}", list(.missing), list(.extra))]
-    Names { path: PathBuf, reference: PathBuf, missing: Vec<String>, extra: Vec<String> },
+    Names {
+        /// The compared file.
+        path: PathBuf,
+        /// The reference file.
+        reference: PathBuf,
+        /// Latents the reference has and the compared file lacks.
+        missing: Vec<String>,
+        /// Latents the compared file has and the reference lacks.
+        extra: Vec<String>,
+    },
+    /// A latent's dtype is not one the comparison reads (floats only).
     #[error("latent '{latent}' in {path} has dtype {dtype:?}, which is not compared")]
-    Dtype { latent: String, path: PathBuf, dtype: Dtype },
+    Dtype {
+        /// The latent's name.
+        latent: String,
+        /// The file.
+        path: PathBuf,
+        /// Its dtype.
+        dtype: Dtype,
+    },
 }
 
 fn list(names: &[String]) -> String {
@@ -47,6 +85,7 @@ struct Latent {
 /// The latents of one run, in the file's order.
 #[derive(Debug, Clone)]
 pub struct LatentFile {
+    /// The file it was read from.
     pub path: PathBuf,
     latents: Vec<(String, Latent)>,
 }
@@ -114,10 +153,13 @@ fn values(latent: &Latent) -> Option<Vec<f64>> {
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
 pub enum Difference {
+    /// Bit for bit the same.
     Identical,
-    /// `max_abs`: the largest |a − b|; `relative`: that over the reference's largest |a|.
+    /// Some values differ.
     Differs {
+        /// The largest |a − b|.
         max_abs: f64,
+        /// `max_abs` over the reference's largest |a|.
         relative: f64,
     },
 }
@@ -141,12 +183,16 @@ pub enum Verdict {
     WithinVariation,
     /// The largest difference is `factor` times the reference's own variation (infinite when
     /// the reference repeats itself exactly).
-    Exceeds { factor: f64 },
+    Exceeds {
+        /// The largest difference over the reference's own variation.
+        factor: f64,
+    },
     /// Differences, and only one reference run to judge them by.
     Differs,
 }
 
 impl Verdict {
+    /// Identical, or within the reference's own variation.
     pub fn passes(&self) -> bool {
         matches!(self, Verdict::Identical | Verdict::WithinVariation)
     }
@@ -155,11 +201,13 @@ impl Verdict {
 /// One latent over every run.
 #[derive(Debug, Clone, Serialize)]
 pub struct LatentReport {
+    /// The latent's name.
     pub name: String,
     /// The largest difference between two reference runs (`None` with one reference run).
     pub reference_variation: Option<Difference>,
     /// Each compared run against the first reference run.
     pub runs: Vec<(PathBuf, Difference)>,
+    /// What the differences say.
     pub verdict: Verdict,
 }
 

@@ -6,6 +6,8 @@
 //! - [`results`]: the runs' result files, and every median and ratio of a comparison.
 //! - [`mod@report`]: all of it as text and JSON.
 
+#![warn(missing_docs)]
+
 pub mod latents;
 pub mod report;
 pub mod results;

@@ -14,9 +14,13 @@ use stageload_trace::aggregate::{aggregate, Spread, StageSpread};
 /// One run as the report lists it.
 #[derive(Debug, Clone, Serialize)]
 pub struct RunLine {
+    /// Its arm's name.
     pub arm: String,
+    /// 1-based round.
     pub round: usize,
+    /// How it ended, in words.
     pub ending: String,
+    /// Its exit code (see `stageload_guard::Outcome::exit_code`).
     pub exit: i32,
     /// The last stage its trace shows (where a stopped run stopped).
     pub reached: Option<String>,
@@ -29,8 +33,11 @@ pub struct RunLine {
 /// The whole comparison.
 #[derive(Debug, Clone, Serialize)]
 pub struct AbReport {
+    /// The arms' names; the first is the reference.
     pub arms: Vec<String>,
+    /// Every run, in the order run.
     pub runs: Vec<RunLine>,
+    /// Per stage, each arm's peaks over its runs.
     pub stages: Vec<StageSpread>,
     /// Per arm after the first: its latents against the first arm's.
     pub latents: Vec<(String, Vec<LatentReport>)>,

@@ -16,6 +16,7 @@ use stageload_trace::meter::{LATENTS_ENV, RESULT_ENV, TRACE_ENV};
 pub struct Arm {
     /// Its name in file names and tables (`eager`, `staged`).
     pub name: String,
+    /// The program and its arguments.
     pub command: Vec<OsString>,
 }
 
@@ -26,10 +27,13 @@ pub struct RunRecord {
     pub arm: usize,
     /// 1-based round.
     pub round: usize,
+    /// What it was told to write.
     #[serde(flatten)]
     pub files: RunFiles,
+    /// How it ended.
     #[serde(serialize_with = "outcome_text")]
     pub outcome: Outcome,
+    /// Its exit code ([`Outcome::exit_code`]).
     pub exit: i32,
 }
 
@@ -84,10 +88,15 @@ impl RunFiles {
 
 /// The guard's parts a run needs.
 pub struct Guard<'a> {
+    /// Its rules (`stageload guard`'s flags).
     pub config: &'a GuardConfig,
+    /// The machine's memory.
     pub readings: &'a mut dyn Readings,
+    /// Time.
     pub clock: &'a mut dyn Clock,
+    /// Where its decisions go.
     pub log: &'a mut GuardLog,
+    /// The signals the runner got.
     pub signals: &'a Signals,
 }
 

@@ -5,8 +5,8 @@
 use std::path::Path;
 
 use crate::ab::{Arm, Comparison};
-use crate::demos::{build, guard_flags, words, Failures};
-use crate::shell::{check, Error, Log, Setup, Shell};
+use crate::demos::{build, guard_flags};
+use crate::shell::{check, words, Error, Failures, Log, Setup, Shell};
 
 /// The hot set's arms: name, and the stream example's flags for it.
 const HOT_SET_ARMS: [(&str, &[&str]); 5] = [

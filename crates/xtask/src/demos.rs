@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 
 use crate::ab::{string_field, Arm, Comparison, Report};
 use crate::benches;
-use crate::shell::{check, Error, Log, Setup, Shell};
+use crate::shell::{check, words, Error, Failures, Log, Setup, Shell};
 
 /// `stageload ab`'s guard flags for the demos: start when 25 % of memory is free, waiting up to
 /// ten minutes for it.
@@ -23,26 +23,14 @@ pub fn build(shell: &Shell, targets: &[&str]) -> Result<PathBuf, Error> {
     Ok(shell.target("debug/stageload"))
 }
 
-/// Failures so far, said at the end.
-#[derive(Default)]
-pub struct Failures(Vec<String>);
-
-impl Failures {
-    /// Keeps `result`'s error, if any.
-    pub fn keep(&mut self, result: Result<(), Error>) {
-        if let Err(error) = result {
-            eprintln!("FAILED: {error}");
-            self.0.push(error);
-        }
+/// Runs example `name` of the library's package with `args`, libtorch set up first.
+pub fn example(shell: &mut Shell, name: &str, release: bool, args: &[String]) -> Result<(), Error> {
+    shell.set_up(&[Setup::Libtorch])?;
+    let mut command = shell.cargo(&["run", "-p", "stageload", "--example", name]);
+    if release {
+        command.arg("--release");
     }
-
-    /// `Ok` when nothing failed, else every failure.
-    pub fn end(self) -> Result<(), Error> {
-        match self.0.len() {
-            0 => Ok(()),
-            n => Err(format!("{n} check(s) failed:\n  {}", self.0.join("\n  "))),
-        }
-    }
+    shell.run(command.arg("--").args(args))
 }
 
 /// The README's main job (see the module docs); results in `out`.
@@ -119,11 +107,6 @@ fn save(shell: &Shell, command: &mut std::process::Command, file: &Path, show: b
 
 fn write(file: &Path, text: &str) -> Result<(), Error> {
     std::fs::write(file, text).map_err(|e| format!("cannot write {}: {e}", file.display()))
-}
-
-/// Words for a command line.
-pub fn words(words: &[&str]) -> Vec<String> {
-    words.iter().map(|w| w.to_string()).collect()
 }
 
 /// Block streaming: the cascade's largest model (texture_flow) at scale 2 (1.2 GiB) loaded whole,

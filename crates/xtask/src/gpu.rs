@@ -26,8 +26,7 @@ use clap::Subcommand;
 use serde_json::{json, Map, Value};
 
 use crate::ab::{read_json, string_field, Arm, Comparison, Report};
-use crate::demos::{words, Failures};
-use crate::shell::{check, Error, Log, Setup, Shell};
+use crate::shell::{check, words, Error, Failures, Log, Setup, Shell};
 
 /// The two halves.
 #[derive(Subcommand)]
@@ -43,16 +42,16 @@ pub enum Step {
 }
 
 /// Runs `step` (see the module docs).
-pub fn gpu_check(shell: &mut Shell, step: Step) -> Result<(), Error> {
+pub fn task(shell: &mut Shell, step: Step) -> Result<(), Error> {
     match step {
         Step::Build { kit } => build(shell, &kit),
         Step::Run => run(shell),
     }
 }
 
-fn build(shell: &Shell, kit: &Path) -> Result<(), Error> {
-    let mut shell_with_sd = Shell::here()?;
-    shell_with_sd.set_up(&[Setup::Libtorch, Setup::Reference])?;
+fn build(shell: &mut Shell, kit: &Path) -> Result<(), Error> {
+    // The small Stable Diffusion export goes along (11 MB); the kit sets up its own torch.
+    shell.set_up(&[Setup::Libtorch, Setup::Reference])?;
     let script = shell.root().join(kit).join("build.sh");
     for targets in [
         &["build", "-p", "stageload-bench", "--bin", "gpu_check"][..],
@@ -62,9 +61,8 @@ fn build(shell: &Shell, kit: &Path) -> Result<(), Error> {
         shell.run(&mut shell.cmd(&script, targets))?;
     }
     let staged = shell.target("device-kit");
-    let small =
-        shell_with_sd.var("STAGELOAD_SD_SMALL").ok_or("scripts/setup-reference.sh set no STAGELOAD_SD_SMALL")?;
-    let mut copy = shell.cmd("cp", &["-r"]);
+    let small = shell.var("STAGELOAD_SD_SMALL").ok_or("scripts/setup-reference.sh set no STAGELOAD_SD_SMALL")?;
+    let mut copy = shell.cmd("cp", &["-rT"]);
     shell.run(copy.arg(&small).arg(staged.join("sd-small")))?;
     shell.run(&mut shell.cargo(&["build", "--release", "-p", "xtask"]))?;
     let mut copy = shell.cmd("cp", &[]);

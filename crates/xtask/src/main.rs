@@ -55,6 +55,19 @@ enum Task {
         #[arg(last = true)]
         cascade: Vec<String>,
     },
+    /// One example of the library (examples/), libtorch set up first: `cargo xtask example
+    /// two_models`. A plain `cargo run --example NAME` at the root looks among the default
+    /// members (the torch-free crates) only; this is `cargo run -p stageload --example NAME`
+    Example {
+        /// two_models, cascade, text_to_image, stream, minilm, stable_diffusion
+        name: String,
+        /// Build with optimisations
+        #[arg(long)]
+        release: bool,
+        /// The example's arguments
+        #[arg(last = true)]
+        args: Vec<String>,
+    },
     /// Block streaming: a model larger than its guard's limit, streamed; step times; the hot set
     StreamDemo {
         #[arg(long, default_value = "target/demo/stream")]
@@ -114,6 +127,7 @@ fn main() -> ExitCode {
     let done = shell::Shell::here().and_then(|mut shell| match cli.task {
         Task::Test { torch_free, args } => lanes::test(&mut shell, torch_free, &args),
         Task::Demo { out, cascade } => demos::demo(&mut shell, &out, &cascade),
+        Task::Example { name, release, args } => demos::example(&mut shell, &name, release, &args),
         Task::StreamDemo { out } => demos::stream_demo(&mut shell, &out),
         Task::SdDemo { out } => demos::sd_demo(&mut shell, &out),
         Task::HotSetBench { out, runs } => benches::hot_set(&mut shell, &out, runs),
@@ -121,7 +135,7 @@ fn main() -> ExitCode {
         Task::BenchLoad { args } => benches::load(&mut shell, &args),
         Task::BenchGuard { args } => benches::guard(&shell, &args),
         Task::ManyJobs { out, jobs, scale } => benches::many_jobs(&mut shell, &out, jobs, &scale),
-        Task::GpuCheck { step } => gpu::gpu_check(&mut shell, step),
+        Task::GpuCheck { step } => gpu::task(&mut shell, step),
     });
     match done {
         Ok(()) => ExitCode::SUCCESS,

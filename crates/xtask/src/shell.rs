@@ -152,6 +152,33 @@ pub fn check(command: &Command, status: ExitStatus) -> Result<(), Error> {
     }
 }
 
+/// Words for a command line.
+pub fn words(words: &[&str]) -> Vec<String> {
+    words.iter().map(|w| w.to_string()).collect()
+}
+
+/// Failures so far, said at the end.
+#[derive(Default)]
+pub struct Failures(Vec<String>);
+
+impl Failures {
+    /// Keeps `result`'s error, if any.
+    pub fn keep(&mut self, result: Result<(), Error>) {
+        if let Err(error) = result {
+            eprintln!("FAILED: {error}");
+            self.0.push(error);
+        }
+    }
+
+    /// `Ok` when nothing failed, else every failure.
+    pub fn end(self) -> Result<(), Error> {
+        match self.0.len() {
+            0 => Ok(()),
+            n => Err(format!("{n} check(s) failed:\n  {}", self.0.join("\n  "))),
+        }
+    }
+}
+
 /// The `NAME=VALUE` pairs of `env -0`'s output.
 fn parse_env(output: &[u8]) -> Vec<(OsString, OsString)> {
     use std::os::unix::ffi::OsStrExt;
@@ -233,6 +260,18 @@ impl Log {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn failures_are_kept_going_and_all_said_at_the_end() {
+        let mut failures = Failures::default();
+        failures.keep(Ok(()));
+        assert_eq!(Failures::default().end(), Ok(()));
+        failures.keep(Err("the plan did not match".into()));
+        failures.keep(Ok(()));
+        failures.keep(Err("latents differ".into()));
+        let said = failures.end().unwrap_err();
+        assert_eq!(said, "2 check(s) failed:\n  the plan did not match\n  latents differ");
+    }
 
     #[test]
     fn the_environment_reads_back_from_env_dash_0() {
