@@ -3,7 +3,8 @@
 //! processes. The latent must match bit for bit, the streamed model's storages must hold no more
 //! than the budget leaves beside that working memory, and the process's RSS must grow by no more
 //! than the budget after set-up, within what the working memory's measurement does not cover. A
-//! budget under one block is refused naming both sizes.
+//! budget under one block is refused naming both sizes. A run told its result and latents files
+//! through the environment, as `stageload ab` tells each run, writes them there.
 
 use std::path::Path;
 use std::process::Command;
@@ -13,18 +14,19 @@ use stageload_test_support::build::example;
 
 const MIB: u64 = 1 << 20;
 
-/// Runs the demo with `args`; its `--result` JSON.
-fn run(cache: &Path, result: &Path, args: &[&str]) -> serde_json::Value {
-    let mut child = Command::new(example("stream"))
+/// The demo on the CPU at scale 0.25 (64 tokens, 2 steps, checkpoints in `cache`) with `args`.
+fn demo(cache: &Path, args: &[&str]) -> Command {
+    let mut command = Command::new(example("stream"));
+    command
         .args(["--device", "cpu", "--scale", "0.25", "--tokens", "64", "--steps", "2", "--cache"])
         .arg(cache)
-        .arg("--result")
-        .arg(result)
-        .args(args)
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
+        .args(args);
+    command
+}
+
+/// Runs `command` to its end within 300 s (killed and failed past that); it must succeed.
+fn finish(command: &mut Command) {
+    let mut child = command.stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped()).spawn().unwrap();
     let deadline = std::time::Instant::now() + Duration::from_secs(300);
     while child.try_wait().unwrap().is_none() {
         if std::time::Instant::now() > deadline {
@@ -35,7 +37,12 @@ fn run(cache: &Path, result: &Path, args: &[&str]) -> serde_json::Value {
         std::thread::sleep(Duration::from_millis(50));
     }
     let out = child.wait_with_output().unwrap();
-    assert!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{command:?}: {}", String::from_utf8_lossy(&out.stderr));
+}
+
+/// Runs the demo with `args`; its `--result` JSON.
+fn run(cache: &Path, result: &Path, args: &[&str]) -> serde_json::Value {
+    finish(demo(cache, args).arg("--result").arg(result));
     serde_json::from_str(&std::fs::read_to_string(result).unwrap()).unwrap()
 }
 
@@ -76,6 +83,25 @@ fn the_largest_model_streamed_under_a_budget_below_its_size_gives_the_same_laten
         grown(&streamed) / MIB,
         allowance >> 10
     );
+}
+
+#[test]
+fn a_run_told_its_files_through_the_environment_writes_its_result_and_latent_there() {
+    // As `stageload ab` tells each run (STAGELOAD_RESULT, STAGELOAD_LATENTS), without flags.
+    let folder = tempfile::TempDir::new().unwrap();
+    let (result, latents) = (folder.path().join("run-1.json"), folder.path().join("run-1.safetensors"));
+    finish(
+        demo(&folder.path().join("cache"), &["--budget", "60MiB"])
+            .env("STAGELOAD_RESULT", &result)
+            .env("STAGELOAD_LATENTS", &latents),
+    );
+    let result: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&result).unwrap()).unwrap();
+    assert!(result["seconds"].as_f64().unwrap() > 0.0 && result["refills"].as_u64().unwrap() > 0, "{result}");
+    let sidecar = std::fs::read_to_string(folder.path().join("run-1.safetensors.sha256")).unwrap();
+    let fingerprint = result["fingerprint"].as_str().unwrap();
+    assert_eq!(sidecar.trim(), format!("texture {fingerprint}"), "the latent file holds the result's latent");
+    let header = std::fs::read(&latents).unwrap();
+    assert!(header.len() > 64 * 64 * 4, "the latent's values are in the file: {} bytes", header.len());
 }
 
 #[test]

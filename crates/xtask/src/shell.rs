@@ -40,6 +40,9 @@ impl Setup {
 pub struct Shell {
     root: PathBuf,
     env: Vec<(OsString, OsString)>,
+    /// The set-up scripts already run (each runs once: a second run would add to `PATH` again,
+    /// and a changed `PATH` rebuilds torch-sys).
+    done: Vec<Setup>,
 }
 
 impl Shell {
@@ -49,7 +52,7 @@ impl Shell {
         let root = cwd.ancestors().find(|dir| dir.join("crates/xtask").is_dir()).ok_or_else(|| {
             format!("{} is not inside the stageload repository (no crates/xtask above it)", cwd.display())
         })?;
-        Ok(Shell { root: root.to_path_buf(), env: Vec::new() })
+        Ok(Shell { root: root.to_path_buf(), env: Vec::new(), done: Vec::new() })
     }
 
     /// The repository's root.
@@ -57,14 +60,19 @@ impl Shell {
         &self.root
     }
 
-    /// Runs the set-up scripts in order (each installs what is missing, once per machine) and
-    /// keeps the environment they leave for every command after.
+    /// Runs the set-up scripts in order that have not run yet (each installs what is missing,
+    /// once per machine) and keeps the environment they leave for every command after.
     pub fn set_up(&mut self, scripts: &[Setup]) -> Result<(), Error> {
+        let scripts: Vec<Setup> = scripts.iter().copied().filter(|s| !self.done.contains(s)).collect();
+        if scripts.is_empty() {
+            return Ok(());
+        }
         let names: Vec<&str> = scripts.iter().map(|s| s.script()).collect();
         let mut command = Command::new("bash");
         command
             .arg("-c")
-            .arg(r#"set -e; for script in "$@"; do eval "$("$script")"; done; env -0"#)
+            // `eval "$(script)"` alone would hide a failing script: the status is eval's.
+            .arg(r#"for script in "$@"; do out=$("$script") || exit 1; eval "$out" || exit 1; done; env -0"#)
             .arg("bash")
             .args(&names)
             .current_dir(&self.root)
@@ -75,6 +83,7 @@ impl Shell {
             return Err(format!("{} failed ({}): see its message above", names.join(" then "), output.status));
         }
         self.env = parse_env(&output.stdout);
+        self.done.extend(scripts);
         Ok(())
     }
 
@@ -274,6 +283,31 @@ mod tests {
     }
 
     #[test]
+    fn each_set_up_script_runs_once_and_its_environment_reaches_every_command() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir(dir.path().join("scripts")).unwrap();
+        let script = dir.path().join("scripts/setup-libtorch.sh");
+        std::fs::write(
+            &script,
+            r#"#!/bin/sh
+echo "export XTASK_TEST_PATH='/venv':\"\${XTASK_TEST_PATH:-}\""
+"#,
+        )
+        .unwrap();
+        let mut permissions = std::fs::metadata(&script).unwrap().permissions();
+        std::os::unix::fs::PermissionsExt::set_mode(&mut permissions, 0o755);
+        std::fs::set_permissions(&script, permissions).unwrap();
+        let mut shell = Shell { root: dir.path().to_path_buf(), env: Vec::new(), done: Vec::new() };
+        shell.set_up(&[Setup::Libtorch]).unwrap();
+        shell.set_up(&[Setup::Libtorch]).unwrap();
+        assert_eq!(shell.var("XTASK_TEST_PATH").unwrap(), "/venv:", "run once, not prepended twice");
+        let (status, out) = shell.output(&mut shell.cmd("sh", &["-c", "echo $XTASK_TEST_PATH"])).unwrap();
+        assert!(status.success() && out == "/venv:\n", "{out}");
+        let error = shell.set_up(&[Setup::Ray]).unwrap_err();
+        assert!(error.contains("scripts/setup-ray.sh failed"), "{error}");
+    }
+
+    #[test]
     fn the_environment_reads_back_from_env_dash_0() {
         let pairs = parse_env(b"PATH=/a:/b\0EMPTY=\0WITH=EQUALS=x\0\0=junk\0");
         let text: Vec<(String, String)> =
@@ -287,7 +321,8 @@ mod tests {
     #[test]
     fn a_failing_command_is_an_error_naming_it_and_a_log_keeps_its_output() {
         let dir = tempfile::tempdir().unwrap();
-        let shell = Shell { root: dir.path().to_path_buf(), env: vec![("GREETING".into(), "hello".into())] };
+        let shell =
+            Shell { root: dir.path().to_path_buf(), env: vec![("GREETING".into(), "hello".into())], done: Vec::new() };
         let log = Log::create(&dir.path().join("log.txt")).unwrap();
         let mut command = shell.cmd("sh", &["-c", "echo $GREETING; echo oops >&2; exit 3"]);
         let status = shell.status(&mut command, Some(&log)).unwrap();
