@@ -43,7 +43,9 @@ pub struct Comparison<'a> {
 pub struct Report {
     json: Value,
     /// Whether every run exited 0, its result files read, and every latent matched.
-    pub passed: bool,
+    passed: bool,
+    /// Its text (`summary.txt`).
+    summary: PathBuf,
 }
 
 impl Comparison<'_> {
@@ -64,11 +66,21 @@ impl Comparison<'_> {
         let status = shell.status(&mut command, log)?;
         let json = read_json(&self.out.join("ab.json")).map_err(|e| format!("stageload ab ({status}): {e}"))?;
         let passed = status.success() && json["passed"] == Value::Bool(true);
-        Ok(Report { json, passed })
+        Ok(Report { json, passed, summary: self.out.join("summary.txt") })
     }
 }
 
 impl Report {
+    /// `Ok` when every run exited 0, its result files read and every latent matched; else an
+    /// error saying that `what` did not pass, and where to look.
+    pub fn verdict(&self, what: &str) -> Result<(), Error> {
+        if self.passed {
+            Ok(())
+        } else {
+            Err(format!("{what}: a run failed or a latent differs (see {})", self.summary.display()))
+        }
+    }
+
     /// The median of result field `field` over arm `arm`'s runs.
     pub fn median(&self, field: &str, arm: &str) -> Option<f64> {
         self.measure(field, arm, "median")
@@ -126,7 +138,11 @@ mod tests {
             {"field": "seconds", "arms": [
                 {"arm": "resident", "values": [2.0], "median": 2.0, "ratio": 1.0},
                 {"arm": "half", "values": [3.0], "median": 3.0, "ratio": 1.5}]}]});
-        let report = Report { json, passed: true };
+        let report = Report { json, passed: false, summary: "out/summary.txt".into() };
+        assert_eq!(
+            report.verdict("the bench").unwrap_err(),
+            "the bench: a run failed or a latent differs (see out/summary.txt)"
+        );
         assert_eq!(report.median("seconds", "half"), Some(3.0));
         assert_eq!(report.ratio("seconds", "half"), Some(1.5));
         assert_eq!(report.median("seconds", "prefix"), None);

@@ -56,10 +56,7 @@ pub fn hot_set(shell: &mut Shell, out: &Path, runs: u16) -> Result<(), Error> {
         let comparison = Comparison { stageload: &stageload, out: out.join(source), runs, arms, flags: guard_flags() };
         log.line(&format!("== from the {source}: {runs} run(s) of each arm, alternating"));
         let report = comparison.run(shell, Some(&log))?;
-        if !report.passed {
-            failures
-                .keep(Err(format!("from the {source}: a run failed or its latent differs from the resident run's")));
-        }
+        failures.keep(report.verdict(&format!("the hot set from the {source}")));
         log.line(&format!("== from the {source}, medians of {runs} run(s): seconds of the flow; blocks and bytes read; peak RSS over set-up"));
         let value = |field: &str, arm: &str| report.median(field, arm).unwrap_or(f64::NAN);
         for (arm, _) in HOT_SET_ARMS {
@@ -113,9 +110,7 @@ pub fn prefetch(shell: &mut Shell, out: &Path, cascade: &[String]) -> Result<(),
         println!("== {cache} page cache: eager, staged, prefetch, twice each, alternating");
         let log = Log::create(&out.join(cache).join("ab.log"))?;
         let report = comparison.run(shell, Some(&log))?;
-        if !report.passed {
-            failures.keep(Err(format!("the {cache} comparison did not pass (see {cache}/summary.txt)")));
-        }
+        failures.keep(report.verdict(&format!("prefetch, {cache} page cache")));
         for arm in ["eager", "staged", "prefetch"] {
             let median = report.median_wall(arm).map_or("-".into(), |s| format!("{s:.1} s"));
             let ratio = report.wall_ratio(arm).map_or("-".into(), |r| format!("{r:.3}"));

@@ -57,10 +57,7 @@ pub fn demo(shell: &mut Shell, out: &Path, cascade: &[String]) -> Result<(), Err
     };
     let mut failures = Failures::default();
     let report = comparison.run(shell, Some(&log))?;
-    if !report.passed {
-        failures
-            .keep(Err(format!("the cascade's comparison did not pass (see {})", out.join("summary.txt").display())));
-    }
+    failures.keep(report.verdict("the cascade"));
     failures.keep(check_plan(shell, &stageload, &out));
     for (against, file) in [("staged", "summary-first-runs.txt"), ("prefetch", "summary-first-runs-prefetch.txt")] {
         let traces = [out.join("eager-1.jsonl"), out.join(format!("{against}-1.jsonl"))];
@@ -174,9 +171,7 @@ pub fn stream_demo(shell: &mut Shell, out: &Path) -> Result<(), Error> {
         flags: guard_flags(),
     };
     let report = bench.run(shell, Some(&log))?;
-    if !report.passed {
-        failures.keep(Err(format!("the step-time comparison did not pass (see {})", file("bench/summary.txt"))));
-    }
+    failures.keep(report.verdict("the step times"));
     let seconds = |arm| report.median("seconds", arm).map_or("-".into(), |s| format!("{s:.2} s"));
     let ratio = |arm| report.ratio("seconds", arm).map_or("-".into(), |r| format!("{r:.3}x"));
     log.line(&format!(
@@ -238,12 +233,7 @@ pub fn sd_demo(shell: &mut Shell, out: &Path) -> Result<(), Error> {
         flags,
     };
     let mut failures = Failures::default();
-    if !comparison.run(shell, Some(&log))?.passed {
-        failures.keep(Err(format!(
-            "the Stable Diffusion comparison did not pass (see {})",
-            out.join("summary.txt").display()
-        )));
-    }
+    failures.keep(comparison.run(shell, Some(&log))?.verdict("Stable Diffusion"));
     failures.keep(check_plan(shell, &stageload, &out));
     println!("== a staged run against diffusers' StableDiffusionPipeline");
     let mut compare = shell.cmd(&sd, &[]);

@@ -182,11 +182,9 @@ fn run(shell: &mut Shell) -> Result<(), Error> {
     };
     let compare = |name: &str, arms: Vec<Arm>, failures: &mut Failures| -> Option<Report> {
         let comparison = Comparison { stageload: &stageload, out: out.join(name), runs: 1, arms, flags: Vec::new() };
-        let report = comparison.run(shell, Some(&log));
-        match report {
-            Ok(report) if report.passed => Some(report),
+        match comparison.run(shell, Some(&log)) {
             Ok(report) => {
-                failures.keep(Err(format!("{name}: a run failed or a latent differs (see {name}/summary.txt)")));
+                failures.keep(report.verdict(name));
                 Some(report)
             }
             Err(error) => {
