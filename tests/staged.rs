@@ -346,21 +346,6 @@ fn a_wrapped_module_enters_its_stage_when_called() {
 }
 
 #[test]
-fn tied_storage_is_counted_once_and_a_second_release_frees_nothing() {
-    let _generator = support::generator();
-    use stageload::storage::{distinct_storages, release, storage_bytes};
-    let weight = Tensor::ones([4, 4], (Kind::Float, Device::Cpu));
-    let tensors = vec![("a".to_string(), weight.shallow_clone()), ("b".to_string(), weight.shallow_clone())];
-    assert_eq!(storage_bytes(&tensors).unwrap(), 64);
-    let storages = distinct_storages(&tensors).unwrap();
-    let keep = std::collections::HashSet::new();
-    // SAFETY: one thread, no op running on these tensors.
-    assert_eq!(unsafe { release(&storages, &keep, "test") }.unwrap().freed, 64);
-    // SAFETY: as above.
-    assert_eq!(unsafe { release(&storages, &keep, "test") }.unwrap().freed, 0);
-}
-
-#[test]
 fn a_replacement_that_shares_weights_keeps_them_and_removal_unpins() {
     let _generator = support::generator();
     let models = two_stage(Arc::new(ListSink::new()));

@@ -501,7 +501,7 @@ fn flow_builder(
     pipeline: &stageload::Pipeline,
     sink: Arc<dyn stageload::EventSink>,
     reading: Arc<std::sync::atomic::AtomicU64>,
-) -> stageload::staged::builder::StagedModelsBuilder {
+) -> stageload::StagedModelsBuilder {
     use stageload::{Built, ModelSpec, StagedModels};
     StagedModels::builder().pipeline(pipeline).events(sink).model(
         ModelSpec::new("flow", move |ctx| {

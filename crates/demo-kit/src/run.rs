@@ -221,7 +221,7 @@ impl DemoRun {
         if !unplanned.is_empty() || !resident.iter().any(|r| r == model) {
             return Err(format!("at {stage}, calling {model}: resident {resident:?}, not planned {unplanned:?}").into());
         }
-        stageload::sync::lock(&self.calls).push(Call { stage, model: model.to_string(), resident });
+        stageload_trace::sync::lock(&self.calls).push(Call { stage, model: model.to_string(), resident });
         Ok(())
     }
 
@@ -259,7 +259,7 @@ impl DemoRun {
             let result = RunResult {
                 mode: self.mode.name().to_string(),
                 latents: self.latents.fingerprints().map(|(n, p)| (n.to_string(), p.to_string())).collect(),
-                calls: std::mem::take(&mut *stageload::sync::lock(&self.calls)),
+                calls: std::mem::take(&mut *stageload_trace::sync::lock(&self.calls)),
                 trace: (!self.temporary_trace).then(|| self.trace.clone()),
                 latents_file: self.latents.file().map(Path::to_path_buf),
             };

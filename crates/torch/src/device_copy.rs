@@ -29,8 +29,11 @@ pub const WINDOW: usize = 16 << 20;
 /// it for the process, read once.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RingShape {
+    /// Pinned host buffers in the ring.
     pub slots: usize,
+    /// Bytes of each buffer (the largest piece of an entry).
     pub window: usize,
+    /// Threads reading pieces from the file.
     pub readers: usize,
 }
 

@@ -17,26 +17,27 @@
 //! its weights into host memory (pinned for the device) when the tier's budget has room, and its
 //! next `get` copies them back in place: no checkpoint read, no rebuild, no random number drawn.
 //!
-//! Files: [`decide`] (the slot state machine, pure), `registry` (carrying its decisions out:
+//! Files (all private; what users need is re-exported here and at the crate root): `decide`
+//! (the slot state machine, pure), `registry` (carrying its decisions out:
 //! the state, stage entry), `load` (builds and refills), `release` (frees in place),
 //! `prefetch` (background loads), `placement` (the pipeline file's device and dtype),
 //! `tier_copy` (the host tier's copies; its budget, leases and evictions are the pure
 //! [`stageload_plan::tier`]),
 //! `tier_store` (the registry storing into it),
-//! [`instance`] (a model object, its handle and guard), [`spec`] (what loaders get and return),
-//! [`builder`], [`error`].
+//! `instance` (a model object, its handle and guard), `spec` (what loaders get and return),
+//! `snapshot` (weights of checkpoint-less models written to a folder), `builder`, `error`.
 
-pub mod builder;
-pub mod decide;
-pub mod error;
-pub mod instance;
+mod builder;
+mod decide;
+mod error;
+mod instance;
 mod load;
 mod placement;
 mod prefetch;
 mod registry;
 mod release;
-pub mod snapshot;
-pub mod spec;
+mod snapshot;
+mod spec;
 mod tier_copy;
 mod tier_store;
 #[cfg(test)]

@@ -31,7 +31,7 @@ use stageload_trace::event::{Action, Event, EventKind};
 
 /// What a write leaves free on the snapshot folder's file system by default, for everything
 /// else on the machine (a shared machine's other users, the trace, the OS).
-pub const KEEP_FREE: u64 = 1 << 30;
+pub(crate) const KEEP_FREE: u64 = 1 << 30;
 
 /// Registries of this process so far: each gets a name of its own in a shared folder.
 static REGISTRIES: AtomicU64 = AtomicU64::new(0);
