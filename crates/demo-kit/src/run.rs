@@ -21,10 +21,15 @@ use crate::progress::progress_bar;
 /// A demo pipeline: its models, stages in order, models pinned for the whole run and pins over a
 /// span of stages.
 pub struct DemoSpec {
+    /// The demo's name (its pipeline and result files).
     pub name: &'static str,
+    /// The models.
     pub models: Vec<ModelSpec>,
+    /// The stages in run order, each with its models.
     pub stages: Vec<(String, Vec<String>)>,
+    /// Models pinned for the whole run.
     pub pinned: Vec<String>,
+    /// Pins over a span of stages.
     pub pins: Vec<PinEntry>,
 }
 
@@ -80,8 +85,11 @@ impl DemoSpec {
 /// One model call as `--check-residency` saw it.
 #[derive(Debug, Clone, Serialize)]
 pub struct Call {
+    /// The stage current at the call.
     pub stage: String,
+    /// The model called.
     pub model: String,
+    /// The models resident then.
     pub resident: Vec<String>,
 }
 
@@ -99,7 +107,9 @@ struct RunResult {
 
 /// The registry, the plan it runs, the meter, and the checks and records around every call.
 pub struct DemoRun {
+    /// The registry.
     pub models: StagedModels,
+    /// Staged or eager.
     pub mode: Mode,
     /// What the run follows: the description (staged), or every model everywhere (eager).
     plan: stageload_plan::Pipeline,
@@ -192,6 +202,7 @@ impl DemoRun {
         Ok(())
     }
 
+    /// Enters `stage` in the registry.
     pub fn enter(&self, stage: &str) -> Result<(), BoxError> {
         self.models.enter(stage)?;
         Ok(())

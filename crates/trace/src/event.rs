@@ -107,7 +107,9 @@ pub enum Action {
 /// The host tier after an event: its byte budget and the bytes its copies hold.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TierUsage {
+    /// The tier's budget, bytes.
     pub budget: u64,
+    /// Bytes its copies hold.
     pub used: u64,
 }
 
@@ -187,7 +189,9 @@ pub struct Event {
     /// When the work ended, seconds since the meter started.
     #[serde(default)]
     pub t: f64,
+    /// What happened.
     pub kind: EventKind,
+    /// The model it happened to, if any.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub model: Option<String>,
     /// The stage current at the time (for `stage`: the stage entered).
@@ -199,6 +203,7 @@ pub struct Event {
     /// How long the work took.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub seconds: Option<f64>,
+    /// When the work began, seconds since the meter started.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub start: Option<f64>,
     /// Reloads: in place from the checkpoint, or rebuilt.
@@ -347,6 +352,7 @@ impl fmt::Display for Event {
 /// Receives events. Implemented by the meter (traces), [`ListSink`], and any closure. Called on
 /// the thread that did the work; it must not call back into the registry.
 pub trait EventSink: Send + Sync {
+    /// Takes one event.
     fn emit(&self, event: &Event);
 }
 
@@ -363,6 +369,7 @@ pub struct ListSink {
 }
 
 impl ListSink {
+    /// An empty list.
     pub fn new() -> Self {
         Self::default()
     }
