@@ -162,11 +162,11 @@ pub struct HostTier {
     pub reload_gb_per_s: f64,
 }
 
-/// Why a `not stored` or `not written` event happened: its note, less the words that say what
-/// happened (the action says that).
-fn reason<'a>(event: &'a EventRecord, said: &str) -> &'a str {
+/// Why a `not stored` or `not written` event happened: what its note says after its action's
+/// words (the action says what happened).
+fn reason(event: &EventRecord) -> &str {
     let note = event.note.as_deref().unwrap_or_default();
-    note.strip_prefix(said).unwrap_or(note)
+    event.action.and_then(|action| action.detail(note)).unwrap_or(note)
 }
 
 /// The host tier's activity; `None` when the trace has no tier event.
@@ -186,7 +186,7 @@ fn host_tier(events: &[&EventRecord]) -> Option<HostTier> {
             (EventKind::Tier, Some(Action::Evicted)) => tier.evicted += 1,
             (EventKind::Tier, Some(Action::NotStored)) => {
                 let model = event.model.as_deref().unwrap_or("?");
-                tier.not_stored.push(format!("{model}: {}", reason(event, "not stored: ")));
+                tier.not_stored.push(format!("{model}: {}", reason(event)));
             }
             (EventKind::Reload, _) if event.from == Some(ReloadFrom::HostTier) => {
                 tier.reloads += 1;
@@ -365,7 +365,7 @@ pub fn summarize(trace: &Trace) -> Summary {
         snapshots_not_written: snapshots
             .iter()
             .filter(|e| e.action == Some(Action::NotWritten))
-            .map(|e| format!("{}: {}", e.model.as_deref().unwrap_or("?"), reason(e, "not written: ")))
+            .map(|e| format!("{}: {}", e.model.as_deref().unwrap_or("?"), reason(e)))
             .collect(),
         bytes,
         seconds: millis(seconds),

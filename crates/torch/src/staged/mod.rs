@@ -260,9 +260,10 @@ impl StagedModels {
     /// mark, then one `release` per model. Returns without waiting for prefetches: those that
     /// have not begun their load give up, and a loader or refill already running finishes on
     /// its thread, its model then released at once (dropping the registry waits for it: see
-    /// its `Drop`).
-    pub fn close(&self) -> Result<ReleaseStats> {
-        Ok(self.inner.close())
+    /// its `Drop`). Returns what was freed now. Cannot fail: a release that fails is reported
+    /// as an `error` event and its bytes are not counted.
+    pub fn close(&self) -> ReleaseStats {
+        self.inner.close()
     }
 
     /// Registers an already-built model with no loader: once released it cannot come back. A

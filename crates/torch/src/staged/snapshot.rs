@@ -185,28 +185,28 @@ impl Inner {
             snapshots.write(name, &weights.tensors, bytes)
         };
         drop(weights);
-        let (action, note) = match written {
+        let (action, detail) = match written {
             Ok(path) => {
                 let mut state = self.state();
                 if wanted(&state) {
                     let position = state.index[name];
                     state.entry_mut(position).refill_from_snapshot(path.clone());
-                    (Action::Written, format!("written: {}", path.display()))
+                    (Action::Written, path.display().to_string())
                 } else {
                     // Replaced or removed meanwhile: the file is nobody's.
                     drop(state);
                     snapshots.forget(&path);
-                    (Action::NotWritten, "not written: the model was replaced meanwhile".to_string())
+                    (Action::NotWritten, "the model was replaced meanwhile".to_string())
                 }
             }
-            Err(reason) => (Action::NotWritten, format!("not written: {reason}; '{name}' is rebuilt when needed")),
+            Err(reason) => (Action::NotWritten, format!("{reason}; '{name}' is rebuilt when needed")),
         };
         self.emit(Event {
             stage: stage.clone(),
             model: Some(name.to_string()),
             bytes: Some(bytes),
             seconds: Some(started.elapsed().as_secs_f64()),
-            note: Some(note),
+            note: Some(action.note(Some(&detail))),
             action: Some(action),
             ..Event::now(EventKind::Snapshot)
         });
