@@ -1,6 +1,6 @@
 //! How a checkpoint's entry names meet a model's tensor names: a rename rule (a prefix the
 //! file's names carry or lack, or a closure), entries to ignore (glob patterns on the file's
-//! names), and strictness. Pure string work, no libtorch: [`match_names`] pairs entries with
+//! names), and strictness. Pure string work, no libtorch: `match_names` pairs entries with
 //! tensors and [`NameMismatch`] explains a mismatch with the names on both sides and the prefix
 //! that would explain it.
 

@@ -30,7 +30,7 @@
 //! ```
 //!
 //! A pipeline file may stream a model (`stream = { blocks, resident, budget, ... }` in its
-//! entry): [`StagedModelsBuilder::pipeline`](crate::staged::builder::StagedModelsBuilder::pipeline) hands that plan to the model's loader
+//! entry): [`StagedModelsBuilder::pipeline`](crate::StagedModelsBuilder::pipeline) hands that plan to the model's loader
 //! ([`crate::BuildContext::stream`]) and [`StreamedModel::planned`] makes the model from it, so
 //! the run keeps the split `stageload plan` counted.
 //!
