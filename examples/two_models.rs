@@ -118,6 +118,6 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         });
         std::fs::write(path, result.to_string())?;
     }
-    models.close()?;
+    models.close();
     Ok(())
 }

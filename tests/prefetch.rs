@@ -339,7 +339,7 @@ fn closing_gives_up_at_once_a_prefetch_waiting_behind_a_foreground_build() {
         let models = models.clone();
         within("close and the prefetch's end", move || {
             let started = Instant::now();
-            models.close().unwrap();
+            models.close();
             models.wait_prefetch("next").unwrap();
             (started.elapsed(), models.state("b").unwrap())
         })
@@ -403,7 +403,7 @@ fn end_during_a_refill(end: End, piece: Duration) -> (Duration, usize, Option<Mo
     let started = Instant::now();
     let state = match end {
         End::Close => {
-            models.close().unwrap();
+            models.close();
             models.wait_prefetch("second").unwrap();
             let state = models.state("b").unwrap();
             drop(models);

@@ -192,7 +192,7 @@ fn prefetches_overtaken_by_a_stage_that_does_not_list_their_model_change_no_outp
             outputs.push(("a", call("a")));
             reload_seconds = started.elapsed().as_secs_f64();
         }
-        models.close().unwrap();
+        models.close();
         (outputs, reload_seconds)
     });
     for (i, (name, got)) in outputs.iter().enumerate() {

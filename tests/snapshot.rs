@@ -97,7 +97,7 @@ fn a_model_without_a_checkpoint_comes_back_in_place_from_its_snapshot_with_no_bu
     assert!(forward(&models).equal(&first));
     assert_eq!(builds.load(Ordering::SeqCst), 1);
 
-    models.close().unwrap();
+    models.close();
     assert!(snapshots(dir.path()).is_empty(), "close removes the snapshots");
     drop(models);
     assert!(files(dir.path()).is_empty(), "dropping removes the registry's lock file too: {:?}", files(dir.path()));
@@ -145,7 +145,7 @@ fn a_pipeline_files_snapshot_dir_gives_the_reloads_its_plan_names() {
     let reloads = sink.of_kind(EventKind::Reload);
     assert_eq!((reloads.len(), reloads[0].from), (1, Some(ReloadFrom::Snapshot)));
     assert_eq!(reloads[0].bytes, Some(bytes), "read what the plan reads");
-    models.close().unwrap();
+    models.close();
     assert!(snapshots(&folder.path().join("snapshots")).is_empty());
 }
 

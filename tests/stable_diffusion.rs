@@ -78,7 +78,7 @@ fn run(export: &Export, loading: Loading) -> Result<Run, BoxError> {
     let watch = Watch { models: &models, calls: Mutex::default() };
     let generated = generate(&watch, export, &latents, SAMPLING)?;
     let events = sink.events();
-    models.close()?;
+    models.close();
     let calls = watch.calls.into_inner().unwrap_or_else(|p| p.into_inner());
     Ok(Run { generated, events, calls, seconds: started.elapsed().as_secs_f64() })
 }

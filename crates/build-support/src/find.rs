@@ -29,7 +29,9 @@ pub enum Source {
 /// A libtorch folder (with `lib/` and `include/`) and where it was found.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Libtorch {
+    /// The folder holding `lib/` and `include/`.
     pub root: PathBuf,
+    /// Where it was found (the shim, `LIBTORCH`, Python torch, the cache).
     pub source: Source,
 }
 

@@ -9,6 +9,8 @@
 //! shim's build script also checks, with [`check_libtorch_version`], that the libtorch found is the
 //! release tch 0.26 is written for.
 
+#![warn(missing_docs)]
+
 use std::path::Path;
 
 mod find;

@@ -41,18 +41,33 @@ impl DdimConfig {
 
 /// Why a scheduler could not be built.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum DdimError {
     /// `inference_steps` is not in `1..=train_steps`.
     #[error(
         "inference_steps = {steps} is out of range: DDIM runs at least 1 and at most train_steps = {train_steps} steps; pass a step count in 1..={train_steps}"
     )]
-    InferenceSteps { steps: i64, train_steps: i64 },
+    InferenceSteps {
+        /// The inference steps asked for.
+        steps: i64,
+        /// The training schedule's steps.
+        train_steps: i64,
+    },
     /// `steps_offset` moves a timestep of the schedule outside `0..train_steps`, where the
     /// training schedule has no alpha.
     #[error(
         "inference_steps = {steps} with steps_offset = {steps_offset} puts timestep {timestep} outside 0..{train_steps}, where the training schedule has no alpha; use fewer inference steps or a smaller steps_offset"
     )]
-    Timestep { timestep: i64, steps: i64, steps_offset: i64, train_steps: i64 },
+    Timestep {
+        /// The timestep outside the schedule.
+        timestep: i64,
+        /// The inference steps asked for.
+        steps: i64,
+        /// The schedule's offset.
+        steps_offset: i64,
+        /// The training schedule's steps.
+        train_steps: i64,
+    },
 }
 
 /// A DDIM scheduler set to a number of inference steps (diffusers' `DDIMScheduler` after

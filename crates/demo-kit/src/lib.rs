@@ -16,6 +16,8 @@
 //!   `scripts/reference/sd_export.py` (text encoder, UNet with DDIM, VAE decoder) in three stages,
 //!   and its comparison against diffusers.
 
+#![warn(missing_docs)]
+
 pub mod args;
 pub mod ddim;
 pub mod demos;

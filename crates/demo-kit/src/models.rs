@@ -22,6 +22,7 @@ pub struct Block {
 }
 
 impl Block {
+    /// A block of `width` features, its variables under `p`.
     pub fn new(p: nn::Path, width: i64) -> Self {
         Block {
             norm1: nn::layer_norm(&p / "norm1", vec![width], Default::default()),
@@ -60,6 +61,7 @@ pub struct Transformer {
 }
 
 impl Transformer {
+    /// A transformer of `shape`, its variables under `p`.
     pub fn new(p: nn::Path, shape: &ModelShape) -> Self {
         Transformer {
             input: nn::linear(&p / "input", shape.input, shape.width, Default::default()),
@@ -143,10 +145,15 @@ pub fn cascade_seed(i: usize) -> i64 {
 /// A model's architecture.
 #[derive(Debug, Clone)]
 pub struct ModelShape {
+    /// The model's name in the pipeline.
     pub name: &'static str,
+    /// Input features.
     pub input: i64,
+    /// Features inside the blocks.
     pub width: i64,
+    /// Number of blocks.
     pub depth: i64,
+    /// Output features.
     pub output: i64,
 }
 

@@ -4,7 +4,7 @@
 pub fn progress_bar() -> impl Fn(&str, stageload::checkpoint::Progress) + Send + Sync {
     let bar: std::sync::Mutex<Option<(String, indicatif::ProgressBar)>> = std::sync::Mutex::new(None);
     move |model, progress| {
-        let mut current = stageload::sync::lock(&bar);
+        let mut current = stageload_trace::sync::lock(&bar);
         if current.as_ref().is_none_or(|(name, _)| name != model) {
             let new = indicatif::ProgressBar::new(progress.total).with_message(format!("loading {model}"));
             new.set_style(

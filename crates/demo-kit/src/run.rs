@@ -21,10 +21,15 @@ use crate::progress::progress_bar;
 /// A demo pipeline: its models, stages in order, models pinned for the whole run and pins over a
 /// span of stages.
 pub struct DemoSpec {
+    /// The demo's name (its pipeline and result files).
     pub name: &'static str,
+    /// The models.
     pub models: Vec<ModelSpec>,
+    /// The stages in run order, each with its models.
     pub stages: Vec<(String, Vec<String>)>,
+    /// Models pinned for the whole run.
     pub pinned: Vec<String>,
+    /// Pins over a span of stages.
     pub pins: Vec<PinEntry>,
 }
 
@@ -80,8 +85,11 @@ impl DemoSpec {
 /// One model call as `--check-residency` saw it.
 #[derive(Debug, Clone, Serialize)]
 pub struct Call {
+    /// The stage current at the call.
     pub stage: String,
+    /// The model called.
     pub model: String,
+    /// The models resident then.
     pub resident: Vec<String>,
 }
 
@@ -101,7 +109,9 @@ struct RunResult {
 
 /// The registry, the plan it runs, the meter, and the checks and records around every call.
 pub struct DemoRun {
+    /// The registry.
     pub models: StagedModels,
+    /// Staged or eager.
     pub mode: Mode,
     /// What the run follows: the description (staged), or every model everywhere (eager).
     plan: stageload_plan::Pipeline,
@@ -197,6 +207,7 @@ impl DemoRun {
         Ok(())
     }
 
+    /// Enters `stage` in the registry.
     pub fn enter(&self, stage: &str) -> Result<(), BoxError> {
         self.models.enter(stage)?;
         Ok(())
@@ -226,7 +237,7 @@ impl DemoRun {
         if !unplanned.is_empty() || !resident.iter().any(|r| r == model) {
             return Err(format!("at {stage}, calling {model}: resident {resident:?}, not planned {unplanned:?}").into());
         }
-        stageload::sync::lock(&self.calls).push(Call { stage, model: model.to_string(), resident });
+        stageload_trace::sync::lock(&self.calls).push(Call { stage, model: model.to_string(), resident });
         Ok(())
     }
 
@@ -238,7 +249,7 @@ impl DemoRun {
 
     /// Closes the registry and the meter, prints each stage's peak, writes the result file.
     pub fn finish(self) -> Result<(), BoxError> {
-        self.models.close()?;
+        self.models.close();
         self.meter.finish();
         let summary = stageload::meter::summarize(&stageload::meter::read_trace(&self.trace)?);
         if !self.temporary_trace {
@@ -264,7 +275,7 @@ impl DemoRun {
             let result = RunResult {
                 mode: self.mode.name().to_string(),
                 latents: self.latents.fingerprints().map(|(n, p)| (n.to_string(), p.to_string())).collect(),
-                calls: std::mem::take(&mut *stageload::sync::lock(&self.calls)),
+                calls: std::mem::take(&mut *stageload_trace::sync::lock(&self.calls)),
                 trace: (!self.temporary_trace).then(|| self.trace.clone()),
                 latents_file: self.latents.file().map(Path::to_path_buf),
                 description: self.description.clone(),

@@ -36,17 +36,33 @@ pub const STAGES: [(&str, &str); 3] = [("encode", "text_encoder"), ("denoise", "
 
 /// Why an export could not be read or is not one this pipeline runs. Each variant names the file.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum ExportError {
     /// `config.json` (or a file it names) cannot be read.
     #[error("cannot read {}: {source}; export the components with scripts/reference/sd_export.py --size small|sd15 --out DIR", path.display())]
-    Read { path: PathBuf, source: std::io::Error },
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// The system's error.
+        source: std::io::Error,
+    },
     /// `config.json` is not the JSON `sd_export.py` writes.
     #[error("{} is not the config.json scripts/reference/sd_export.py writes: {source}", path.display())]
-    Parse { path: PathBuf, source: serde_json::Error },
+    Parse {
+        /// The file.
+        path: PathBuf,
+        /// The JSON parser's error.
+        source: serde_json::Error,
+    },
     /// `config.json` describes something this pipeline does not run (another scheduler, token
     /// ids of the wrong length, sizes that do not agree).
     #[error("{}: {message}", path.display())]
-    Unsupported { path: PathBuf, message: String },
+    Unsupported {
+        /// The file.
+        path: PathBuf,
+        /// What this pipeline does not run.
+        message: String,
+    },
 }
 
 /// The fields of an export's `config.json` the pipeline reads.
@@ -58,6 +74,7 @@ pub struct ExportConfig {
     pub seq_len: usize,
     /// Latent height and width.
     pub latent_size: [i64; 2],
+    /// Channels of a latent.
     pub latent_channels: i64,
     /// Image pixels per latent, along each side.
     pub vae_scale_factor: i64,
@@ -65,8 +82,11 @@ pub struct ExportConfig {
     pub image_size: [i64; 2],
     /// The VAE's `scaling_factor`: latents are divided by it before decoding.
     pub vae_scaling_factor: f64,
+    /// The scheduler.
     pub scheduler: SchedulerEntry,
+    /// The prompts' token ids.
     pub token_ids: TokenIds,
+    /// The components' files.
     pub components: Components,
 }
 
@@ -75,35 +95,50 @@ pub struct ExportConfig {
 pub struct SchedulerEntry {
     /// The scheduler's class (`diffusers.DDIMScheduler`).
     pub cls: String,
+    /// Its configuration.
     pub config: SchedulerConfig,
 }
 
 /// The scheduler's configuration as diffusers writes it.
 #[derive(Debug, Clone, Deserialize)]
 pub struct SchedulerConfig {
+    /// Steps of the training schedule.
     pub num_train_timesteps: i64,
+    /// The first beta of the schedule.
     pub beta_start: f64,
+    /// The last beta of the schedule.
     pub beta_end: f64,
+    /// How betas go from first to last (`scaled_linear`).
     pub beta_schedule: String,
+    /// Whether predicted samples are clipped to [-1, 1].
     pub clip_sample: bool,
+    /// Whether the final cumulative alpha is 1 (else the first step's).
     pub set_alpha_to_one: bool,
+    /// Added to every inference timestep.
     pub steps_offset: i64,
+    /// What the UNet predicts (`epsilon`).
     pub prediction_type: String,
+    /// How inference timesteps are spread (`leading`).
     pub timestep_spacing: String,
 }
 
 /// The tokenizer's output for the prompt and for the empty prompt (the export has no tokenizer).
 #[derive(Debug, Clone, Deserialize)]
 pub struct TokenIds {
+    /// The prompt's ids.
     pub prompt: Vec<i64>,
+    /// The empty prompt's ids (the unconditional input).
     pub empty: Vec<i64>,
 }
 
 /// The three components' files.
 #[derive(Debug, Clone, Deserialize)]
 pub struct Components {
+    /// The CLIP text encoder.
     pub text_encoder: ComponentFiles,
+    /// The UNet.
     pub unet: ComponentFiles,
+    /// The VAE decoder.
     pub vae_decoder: ComponentFiles,
 }
 
@@ -111,7 +146,9 @@ pub struct Components {
 /// relative to the export's folder.
 #[derive(Debug, Clone, Deserialize)]
 pub struct ComponentFiles {
+    /// The TorchScript file.
     pub file: String,
+    /// The safetensors checkpoint.
     pub weights: String,
 }
 
@@ -442,10 +479,15 @@ pub fn reference_script() -> PathBuf {
 /// What diffusers' `StableDiffusionPipeline` gave on the same weights and inputs.
 #[derive(Debug)]
 pub struct Reference {
+    /// The decoded image.
     pub image: Tensor,
+    /// The prompt's text embeddings.
     pub embeds: Tensor,
+    /// The empty prompt's text embeddings.
     pub negative_embeds: Tensor,
+    /// The latents after the last step.
     pub final_latents: Tensor,
+    /// The scheduler's timesteps.
     pub timesteps: Vec<i64>,
     /// The script's output (its JSON summary and its log).
     pub log: String,
@@ -557,10 +599,15 @@ impl fmt::Display for Difference {
 /// A run against the reference.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Comparison {
+    /// Of the decoded images.
     pub image: Difference,
+    /// Of the prompt's embeddings.
     pub embeds: Difference,
+    /// Of the empty prompt's embeddings.
     pub negative_embeds: Difference,
+    /// Of the final latents.
     pub final_latents: Difference,
+    /// Whether the timesteps are the same.
     pub timesteps_equal: bool,
 }
 
@@ -588,6 +635,7 @@ impl Comparison {
         failures
     }
 
+    /// The differences between a run and the reference.
     pub fn of(generated: &Generated, reference: &Reference) -> Result<Comparison, BoxError> {
         Ok(Comparison {
             image: Difference::of("image", &generated.image, &reference.image)?,

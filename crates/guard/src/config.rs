@@ -10,12 +10,19 @@ use stageload_units::{format_gb, parse_duration, parse_size};
 
 /// The defaults, as the CLI shows them in `--help`.
 pub mod defaults {
+    /// `--wait-free`: percent of memory available before the command starts.
     pub const WAIT_FREE: &str = "40";
+    /// `--swap-budget`: swap the command may add over the level at start.
     pub const SWAP_BUDGET: &str = "8G";
+    /// `--kill-free`: percent of memory available under which the command is stopped.
     pub const KILL_FREE: &str = "10";
+    /// `--quiet-for`: how long no `--busy` process must be seen.
     pub const QUIET_FOR: &str = "1m";
+    /// `--start-timeout`: how long the guard waits for admission.
     pub const START_TIMEOUT: &str = "30m";
+    /// `--poll`: time between readings.
     pub const POLL: &str = "100ms";
+    /// `--grace`: time between SIGTERM and SIGKILL at a stop.
     pub const GRACE: &str = "5s";
 }
 
@@ -28,9 +35,13 @@ pub mod ranges {
 
     const MINUTE: u64 = 60;
     const DAY: u64 = 24 * 60 * MINUTE;
+    /// Allowed `--poll` values.
     pub const POLL: RangeInclusive<Duration> = Duration::from_millis(10)..=Duration::from_secs(MINUTE);
+    /// Allowed `--grace` values.
     pub const GRACE: RangeInclusive<Duration> = Duration::ZERO..=Duration::from_secs(60 * MINUTE);
+    /// Allowed `--start-timeout` values.
     pub const START_TIMEOUT: RangeInclusive<Duration> = Duration::ZERO..=Duration::from_secs(7 * DAY);
+    /// Allowed `--quiet-for` values.
     pub const QUIET_FOR: RangeInclusive<Duration> = Duration::ZERO..=Duration::from_secs(DAY);
 }
 

@@ -15,14 +15,31 @@ use crate::config::GuardConfig;
 #[derive(Debug, Clone, PartialEq)]
 pub enum Wait {
     /// Available memory (percent of the machine, or of the cgroup limit) under `--wait-free`.
-    LowMemory { percent: f64, wanted: f64 },
+    LowMemory {
+        /// Percent available now.
+        percent: f64,
+        /// Percent `--wait-free` asks for.
+        wanted: f64,
+    },
     /// Swap already used plus the budget would pass `--swap-limit`.
-    SwapLimit { used: u64, budget: u64, limit: u64 },
+    SwapLimit {
+        /// Swap used now, bytes.
+        used: u64,
+        /// The command's swap budget, bytes.
+        budget: u64,
+        /// `--swap-limit`, bytes.
+        limit: u64,
+    },
     /// Processes matching `--busy` are running (their command lines, at most three, cut to 80
     /// characters).
     Busy(Vec<String>),
     /// No busy process seen for `quiet` of the `needed` `--quiet-for`.
-    Quiet { quiet: Duration, needed: Duration },
+    Quiet {
+        /// How long no busy process has been seen.
+        quiet: Duration,
+        /// How long `--quiet-for` asks for.
+        needed: Duration,
+    },
     /// The memory reading failed: never start blind.
     Unknown(String),
 }
@@ -69,6 +86,7 @@ pub struct Admission {
 }
 
 impl Admission {
+    /// No quiet time seen yet.
     pub fn new() -> Self {
         Admission { quiet_since: None }
     }
@@ -136,14 +154,34 @@ pub fn same_kind(a: &[Wait], b: &[Wait]) -> bool {
 #[derive(Debug, Clone, PartialEq)]
 pub enum Stop {
     /// System swap passed its level at start plus `--swap-budget` (or `--swap-limit`).
-    Swap { used: u64, stop_above: u64 },
+    Swap {
+        /// Swap used now, bytes.
+        used: u64,
+        /// The level it passed, bytes.
+        stop_above: u64,
+    },
     /// Available memory under `--kill-free` for two samples in a row.
-    LowMemory { percent: f64, kill_free: f64 },
+    LowMemory {
+        /// Percent available at the second sample.
+        percent: f64,
+        /// `--kill-free`, percent.
+        kill_free: f64,
+    },
     /// The command's own memory (resident less file pages, plus swap, over its members) passed
     /// `--max-memory`.
-    MaxMemory { used: u64, max: u64 },
+    MaxMemory {
+        /// Bytes the command held.
+        used: u64,
+        /// `--max-memory`, bytes.
+        max: u64,
+    },
     /// The command's device memory passed its limit (the plan's device need and reserve).
-    MaxDeviceMemory { used: u64, max: u64 },
+    MaxDeviceMemory {
+        /// Device bytes the command reported.
+        used: u64,
+        /// Its limit, bytes.
+        max: u64,
+    },
 }
 
 impl fmt::Display for Stop {
@@ -169,10 +207,18 @@ impl fmt::Display for Stop {
 #[derive(Debug, Clone, PartialEq)]
 pub enum Notice {
     /// Swap devices changed (swapon/swapoff, a zram device): the baseline moved with them.
-    SwapRebased { old_total: u64, new_total: u64 },
+    SwapRebased {
+        /// Swap size before, bytes.
+        old_total: u64,
+        /// Swap size now, bytes.
+        new_total: u64,
+    },
     /// The guard did not run for `gap` (suspended, starved): the readings after it are not
     /// read as growth over one poll.
-    Stalled { gap: Duration },
+    Stalled {
+        /// Time between two polls that should have been one poll apart.
+        gap: Duration,
+    },
     /// A reading failed; it neither counts toward nor resets the two-sample rule.
     Unknown(String),
 }

@@ -16,6 +16,8 @@
 //! One guarded command per process at a time: the guard makes its process a child subreaper and
 //! counts every process below it as the command's.
 
+#![warn(missing_docs)]
+
 pub mod admit;
 pub mod config;
 pub mod decide;

@@ -8,6 +8,7 @@ use stageload_probe::{ProbeError, ProcessEntry, ProcessMemory, SystemMemory};
 /// Where the guard gets its readings. The default methods read the real machine; tests replace
 /// some of them with scripted values while the command itself stays real.
 pub trait Readings {
+    /// The machine's memory and swap (or the cgroup's).
     fn memory(&mut self) -> Result<SystemMemory, ProbeError> {
         stageload_probe::system_memory()
     }
@@ -20,6 +21,7 @@ pub trait Readings {
     fn subtree(&mut self, root: i32) -> Result<Vec<ProcessEntry>, ProbeError> {
         stageload_probe::process_subtree(root)
     }
+    /// The memory of process `pid`.
     fn process_memory(&mut self, pid: i32) -> Result<ProcessMemory, ProbeError> {
         stageload_probe::process_memory(pid)
     }
@@ -41,6 +43,7 @@ impl Readings for SystemReadings {}
 pub trait Clock {
     /// Time since the guard began.
     fn now(&self) -> Duration;
+    /// Waits `duration` (a test clock just moves forward by it).
     fn sleep(&mut self, duration: Duration);
 }
 
@@ -48,6 +51,7 @@ pub trait Clock {
 pub struct SystemClock(Instant);
 
 impl SystemClock {
+    /// A clock starting now.
     pub fn new() -> Self {
         SystemClock(Instant::now())
     }

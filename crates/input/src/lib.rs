@@ -7,6 +7,8 @@
 //!   and checked against the file before anything is allocated (`stageload plan` and the
 //!   checkpoint loader both read headers through it).
 
+#![warn(missing_docs)]
+
 pub mod file;
 pub mod header;
 

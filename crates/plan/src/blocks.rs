@@ -50,20 +50,44 @@ pub struct Layout {
 
 /// A block list that does not cover the model's tensors exactly once.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum BlockError {
+    /// No block pattern was given.
     #[error("the block list is empty: name the model's blocks (e.g. \"model.blocks.*\")")]
     NoBlocks,
+    /// A pattern has a `*` before its last segment.
     #[error("block pattern '{pattern}' has a '*' that is not its last segment: write it as 'prefix.*'")]
-    Pattern { pattern: String },
+    Pattern {
+        /// The pattern as given.
+        pattern: String,
+    },
+    /// A block names no tensor of the model.
     #[error("block '{entry}' matches none of the model's tensors (they begin {sample})")]
-    Unmatched { entry: String, sample: String },
+    Unmatched {
+        /// The block as given.
+        entry: String,
+        /// The first few tensor names, to compare with.
+        sample: String,
+    },
+    /// A tensor falls in two blocks (or a block and the resident list).
     #[error("tensor '{tensor}' is in both '{first}' and '{second}': each tensor belongs to one block (or to the resident list)")]
-    Twice { tensor: String, first: String, second: String },
+    Twice {
+        /// The tensor.
+        tensor: String,
+        /// The first block (or list) it falls in.
+        first: String,
+        /// The second.
+        second: String,
+    },
+    /// Tensors that are in no block and not resident.
     #[error(
         "{} tensor(s) are in no block and not resident: {}; add them to a block or to the resident list",
         tensors.len(), list(tensors)
     )]
-    Unassigned { tensors: Vec<String> },
+    Unassigned {
+        /// Their names.
+        tensors: Vec<String>,
+    },
 }
 
 fn list(names: &[String]) -> String {

@@ -11,6 +11,7 @@ use crate::pipeline::{Pipeline, Placement};
 /// What a model's stages leave it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Leftover {
+    /// Bytes the tightest stage holding the model leaves it (all the room when it is in no stage).
     pub bytes: u64,
     /// The stage that leaves the least (`None`: the model is in no stage).
     pub stage: Option<String>,

@@ -13,6 +13,8 @@
 //!   per stage against this machine's budget, staged and eager.
 //! - [`request`]: what one run asks a scheduler for (Ray, Slurm, Kubernetes), from its plan.
 
+#![warn(missing_docs)]
+
 pub mod blocks;
 pub mod hot;
 pub mod leftover;

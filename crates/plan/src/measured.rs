@@ -49,6 +49,7 @@ pub fn match_windows<'a>(
 /// One occurrence's working memory as a run measured it.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 pub struct Working {
+    /// On the host: the RSS peak minus the weights.
     pub host: u64,
     /// On a device run: the device peak minus the weights.
     pub device: Option<u64>,
@@ -57,6 +58,7 @@ pub struct Working {
 /// Working memory per stage occurrence from one run.
 #[derive(Debug, Clone, Serialize)]
 pub struct Measured {
+    /// The trace the run wrote.
     pub trace: PathBuf,
     /// Per occurrence; `None` where the run has no window for it.
     pub working: Vec<Option<Working>>,
@@ -125,10 +127,15 @@ impl Measured {
 /// One occurrence of the plan against the same occurrence of a run.
 #[derive(Debug, Clone, PartialEq, Serialize, serde::Deserialize)]
 pub struct StageCheck {
+    /// The stage's name.
     pub stage: String,
+    /// Bytes of weights the plan has resident in it.
     pub planned_weights: u64,
+    /// Bytes of weights the run had resident (`None`: the run has no window for it).
     pub run_weights: Option<u64>,
+    /// Bytes the plan says the occurrence needs (weights and working memory).
     pub planned_need: u64,
+    /// The run's memory peak in it, bytes.
     pub run_peak: Option<u64>,
     /// The weights match exactly and the peak is within the tolerance of the need.
     pub ok: bool,
@@ -141,8 +148,10 @@ pub const PEAK_TOLERANCE: f64 = 0.05;
 /// recorded run, stage by stage. Its JSON is the plan's with a `check` field beside.
 #[derive(Debug, Clone, Serialize)]
 pub struct PlanReport {
+    /// The plan.
     #[serde(flatten)]
     pub plan: Plan,
+    /// With `--check`: each occurrence against the recorded run.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub check: Option<Vec<StageCheck>>,
 }

@@ -34,8 +34,11 @@ pub enum BudgetSource {
 /// Memory a plan is checked against, bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Budget {
+    /// Memory in all, bytes.
     pub total: u64,
+    /// Memory available now, bytes.
     pub available: u64,
+    /// Where the figures come from.
     pub source: BudgetSource,
 }
 
@@ -71,14 +74,21 @@ pub enum Verdict {
     /// Fits in what is available now.
     Fits,
     /// Fits in the total once other processes free `free` bytes.
-    FitsIfFreed { free: u64 },
+    FitsIfFreed {
+        /// Bytes others must free.
+        free: u64,
+    },
     /// Larger than the total by `by` bytes.
-    DoesNotFit { by: u64 },
+    DoesNotFit {
+        /// Bytes over the total.
+        by: u64,
+    },
     /// Nothing to check against (device memory without `--device-memory`).
     NotChecked,
 }
 
 impl Verdict {
+    /// How `need` bytes meet `budget` (`None`: nothing to check against).
     pub fn of(need: u64, budget: Option<&Budget>) -> Verdict {
         match budget {
             None if need == 0 => Verdict::Fits,
@@ -89,6 +99,7 @@ impl Verdict {
         }
     }
 
+    /// Fits now or once others free memory (or is not checked).
     pub fn fits(&self) -> bool {
         !matches!(self, Verdict::DoesNotFit { .. })
     }
@@ -109,6 +120,7 @@ impl Verdict {
 /// One stage of the staged run.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct StagePlan {
+    /// The stage's name.
     pub name: String,
     /// Models resident during the stage (listed, kept, or pinned).
     pub resident: Vec<String>,
@@ -136,23 +148,28 @@ pub struct StagePlan {
     /// `need`; absent without a tier).
     #[serde(default, skip_serializing_if = "is_zero")]
     pub tier: u64,
-    /// Host bytes of the resident weights, and with the stage's working memory (and the tier's
-    /// copies, and a streamed CUDA model's pinned block copies) plus the pipeline's reserve.
+    /// Host bytes of the resident weights.
     pub weights: u64,
+    /// Host bytes the stage needs: `weights` with its working memory (and the tier's copies,
+    /// and a streamed CUDA model's pinned block copies) plus the pipeline's reserve.
     pub need: u64,
-    /// The same on the device.
+    /// Device bytes of the resident weights.
     pub device_weights: u64,
+    /// Device bytes the stage needs, as `need`.
     pub device_need: u64,
     /// `need` and `device_need` before the reserve is added: what the stage is expected to
     /// use, where `need` is what it may use (a scheduler's request and limit,
     /// [`crate::request`]).
     #[serde(default)]
     pub need_before_reserve: u64,
+    /// `device_need` before the reserve is added.
     #[serde(default)]
     pub device_need_before_reserve: u64,
     /// Bytes read from disk by the stage's loads.
     pub read: u64,
+    /// How `need` meets the host budget.
     pub verdict: Verdict,
+    /// How `device_need` meets the device budget.
     pub device_verdict: Verdict,
     /// What would make the stage fit, when it does not.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -225,38 +242,55 @@ fn remedy(
 /// The same pipeline with every model loaded up front.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct EagerPlan {
+    /// Host bytes of every model's weights.
     pub weights: u64,
+    /// Device bytes of every model's weights.
     pub device_weights: u64,
     /// The largest need over the stages: every weight plus the stage's working memory, plus the
     /// pipeline's reserve.
     pub need: u64,
+    /// The same on the device.
     pub device_need: u64,
     /// `need` and `device_need` before the reserve is added.
     #[serde(default)]
     pub need_before_reserve: u64,
+    /// `device_need` before the reserve is added.
     #[serde(default)]
     pub device_need_before_reserve: u64,
+    /// The stage where the largest need falls.
     pub peak_stage: String,
+    /// Bytes read from disk: every model's checkpoints, once.
     pub read: u64,
+    /// How `need` meets the host budget.
     pub verdict: Verdict,
+    /// How `device_need` meets the device budget.
     pub device_verdict: Verdict,
 }
 
 /// The whole plan; its JSON form is `stageload plan --json`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Plan {
+    /// Version of this JSON form.
     pub schema: u32,
+    /// The pipeline file planned.
     pub pipeline: PathBuf,
+    /// The checked models.
     pub models: Vec<Model>,
+    /// The host memory checked against.
     pub budget: Budget,
+    /// The device memory checked against (`None`: not given).
     pub device_budget: Option<Budget>,
+    /// The staged run, stage by stage.
     pub stages: Vec<StagePlan>,
-    /// The stage with the largest host need, and that need.
+    /// The stage with the largest host need.
     pub peak_stage: String,
+    /// That need, bytes.
     pub peak_need: u64,
+    /// The largest device need over the stages, bytes.
     pub device_peak_need: u64,
     /// Bytes read from disk over the whole staged run, reloads included.
     pub read: u64,
+    /// The same pipeline loaded up front, for comparison.
     pub eager: EagerPlan,
     /// Every stage fits (now, or once other processes free memory) on the host and the device.
     pub fits: bool,

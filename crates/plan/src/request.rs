@@ -18,13 +18,16 @@ use crate::plan::{peak, Budget, Plan, Verdict};
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Mode {
+    /// Stage by stage, as the plan's staged run.
     Staged,
+    /// Every model up front.
     Eager,
 }
 
 /// What one run of a pipeline asks a scheduler for.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Request {
+    /// Staged or eager.
     pub mode: Mode,
     /// The stage whose need is the request (the plan's peak stage in this mode).
     pub stage: String,
@@ -36,8 +39,9 @@ pub struct Request {
     /// pipeline's models name, plus one. A scheduler numbers the GPUs it gives a job from 0, so a
     /// model on `cuda:1` needs two.
     pub gpus: usize,
-    /// Device bytes the run may use over all its devices, and before the reserve.
+    /// Device bytes the run may use over all its devices.
     pub device_memory: u64,
+    /// Device bytes it is expected to use: the same before the reserve.
     pub device_expected: u64,
     /// CPUs, when the pipeline file declares them.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -53,11 +57,15 @@ pub struct Request {
     format_bytes(*.need), format_bytes(*.total), format_bytes(*.by)
 )]
 pub struct DoesNotFit {
+    /// The stage that does not fit.
     pub stage: String,
     /// `host memory` or `device memory`, and the budget's source.
     pub where_: String,
+    /// Bytes it needs.
     pub need: u64,
+    /// Bytes of the budget's total.
     pub total: u64,
+    /// Bytes over.
     pub by: u64,
 }
 

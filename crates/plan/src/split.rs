@@ -134,10 +134,15 @@ pub fn block_bytes(bytes: impl IntoIterator<Item = u64>) -> u64 {
     format_bytes(*budget), format_bytes(*needed), format_bytes(*fixed), format_bytes(*block), format_bytes(*working)
 )]
 pub struct TooSmall {
+    /// The budget, bytes.
     pub budget: u64,
+    /// Bytes a step needs with every block streamed.
     pub needed: u64,
+    /// Bytes of the fixed (always resident) tensors.
     pub fixed: u64,
+    /// Bytes of the largest block.
     pub block: u64,
+    /// Working memory of a step, bytes.
     pub working: u64,
 }
 
@@ -238,7 +243,12 @@ pub enum Refit {
     /// Fewer resident blocks (or no look-ahead) make the next step fit.
     Shrink(Split),
     /// Even with every block streamed the step passes the budget by `over` bytes.
-    Over { split: Split, over: u64 },
+    Over {
+        /// The split with every block streamed.
+        split: Split,
+        /// Bytes over the budget.
+        over: u64,
+    },
 }
 
 /// The split for the next step once a step measured `working` bytes of working memory: never

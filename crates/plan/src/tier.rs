@@ -34,7 +34,9 @@ pub struct Ticket(u64);
 /// A reservation made: its ticket, and the entries evicted to make room (for the caller to drop).
 #[derive(Debug)]
 pub struct Admitted<T> {
+    /// The reservation's ticket.
     pub ticket: Ticket,
+    /// Entries evicted to make room.
     pub evicted: Vec<Evicted<T>>,
 }
 
@@ -62,8 +64,11 @@ pub struct Tier<T> {
 /// An entry evicted to make room: the caller drops its copy with the registry's lock let go.
 #[derive(Debug)]
 pub struct Evicted<T> {
+    /// The model whose copy it was.
     pub model: String,
+    /// Bytes it held.
     pub bytes: u64,
+    /// Its copy (`None`: still being copied in).
     pub copies: Option<T>,
 }
 
@@ -71,9 +76,21 @@ pub struct Evicted<T> {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum NotStored {
     /// Its weights alone are more than the budget.
-    LargerThanBudget { bytes: u64, budget: u64 },
+    LargerThanBudget {
+        /// The model's bytes.
+        bytes: u64,
+        /// The tier's budget, bytes.
+        budget: u64,
+    },
     /// Evicting every unprotected entry would not free enough.
-    NoRoom { bytes: u64, free: u64, evictable: u64 },
+    NoRoom {
+        /// The model's bytes.
+        bytes: u64,
+        /// Bytes free in the tier now.
+        free: u64,
+        /// Bytes eviction could free.
+        evictable: u64,
+    },
     /// The tier has an entry for it already (a copy in flight).
     AlreadyStored,
 }
@@ -100,7 +117,9 @@ impl std::fmt::Display for NotStored {
 /// A budget the tier cannot shrink to: its protected entries alone hold more.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ShrinkRefused {
+    /// The budget asked for, bytes.
     pub asked: u64,
+    /// Bytes the protected entries hold.
     pub protected: u64,
 }
 
@@ -108,6 +127,7 @@ pub struct ShrinkRefused {
 /// than a model it would hold.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TierPlan {
+    /// The tier's budget, bytes.
     pub budget: u64,
     /// The largest model placed on a device, with its bytes there.
     pub largest: Option<(String, u64)>,
@@ -122,16 +142,19 @@ impl TierPlan {
         TierPlan { budget, largest: on_device.max_by_key(|m| m.held()).map(|m| (m.name.clone(), m.held())) }
     }
 
+    /// Whether the budget holds the largest device model.
     pub fn fits(&self) -> bool {
         self.largest.as_ref().is_none_or(|(_, bytes)| *bytes <= self.budget)
     }
 }
 
 impl<T> Tier<T> {
+    /// An empty tier of `budget` bytes.
     pub fn new(budget: u64) -> Self {
         Tier { budget, clock: 0, tickets: 0, slots: BTreeMap::new() }
     }
 
+    /// The budget, bytes.
     pub fn budget(&self) -> u64 {
         self.budget
     }

@@ -78,6 +78,7 @@ fn group_and_ancestors(mount: &Path, leaf: &str, v2: bool, dirs: &mut Vec<GroupD
 /// A control group folder whose memory files may hold a limit.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct GroupDir {
+    /// The folder, e.g. `/sys/fs/cgroup/user.slice`.
     pub path: PathBuf,
     /// cgroup v2 file names (else v1).
     pub v2: bool,

@@ -6,6 +6,8 @@
 //! reading that fails is an error naming the file or call, and callers decide what to do (the
 //! guard treats it as "unknown", the meter records it once).
 
+#![warn(missing_docs)]
+
 pub mod cgroup;
 
 #[cfg(target_os = "linux")]
@@ -24,11 +26,25 @@ pub use cgroup::CgroupMemory;
 
 /// A reading that could not be taken.
 #[derive(Debug, Error, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum ProbeError {
+    /// A source (a `/proc` file, a system call) could not be read.
     #[error("cannot read {source_name}: {message}")]
-    Read { source_name: String, message: String },
+    Read {
+        /// The source, e.g. `/proc/meminfo`.
+        source_name: String,
+        /// The system's reason.
+        message: String,
+    },
+    /// A source was read but its values do not add up.
     #[error("{source_name} is inconsistent: {message}")]
-    Inconsistent { source_name: String, message: String },
+    Inconsistent {
+        /// The source.
+        source_name: String,
+        /// What does not add up.
+        message: String,
+    },
+    /// The reading named does not exist on this platform.
     #[error("{0} is not available on this platform")]
     Unsupported(&'static str),
 }
@@ -73,7 +89,9 @@ impl SystemMemory {
 /// last 10 s, in percent, in which some / all non-idle tasks waited for memory.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct Pressure {
+    /// Percent of the last 10 s in which some task waited.
     pub some_avg10: f64,
+    /// Percent of the last 10 s in which all non-idle tasks waited.
     pub full_avg10: f64,
 }
 
@@ -93,9 +111,9 @@ pub struct ProcessMemory {
     pub peak: Option<u64>,
     /// macOS physical footprint (`ri_phys_footprint`), what Activity Monitor shows; None on Linux.
     pub footprint: Option<u64>,
-    /// Locked memory (`VmLck`: mlock'd pages) and pinned memory (`VmPin`: pages pinned by
-    /// drivers that account for them); Linux only.
+    /// Locked memory (`VmLck`: mlock'd pages); Linux only.
     pub locked: Option<u64>,
+    /// Pinned memory (`VmPin`: pages pinned by drivers that account for them); Linux only.
     pub pinned: Option<u64>,
 }
 
@@ -112,7 +130,9 @@ impl ProcessMemory {
 /// One line of the process table.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ProcessEntry {
+    /// Process id.
     pub pid: i32,
+    /// Parent process id.
     pub ppid: i32,
     /// Process group id.
     pub pgid: i32,

@@ -5,6 +5,8 @@
 //! - `torch` (feature `torch`): a small real tch model, the process's RSS, and the one lock on
 //!   torch's global generator that every test drawing from it takes.
 
+#![warn(missing_docs)]
+
 pub mod build;
 pub mod pids;
 #[cfg(feature = "torch")]

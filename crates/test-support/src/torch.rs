@@ -15,9 +15,12 @@ pub fn generator() -> MutexGuard<'static, ()> {
     GENERATOR.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
+/// Two square linear layers with a ReLU between: the tests' small real model.
 #[derive(Debug)]
 pub struct Mlp {
+    /// The first layer (`l1.weight`, `l1.bias`).
     pub l1: nn::Linear,
+    /// The second layer.
     pub l2: nn::Linear,
 }
 
@@ -27,6 +30,7 @@ impl Module for Mlp {
     }
 }
 
+/// An [`Mlp`] of `width` features, its variables in `vs` (randomly initialised).
 pub fn mlp(vs: &VarStore, width: i64) -> Mlp {
     let root = vs.root();
     Mlp {
@@ -35,12 +39,14 @@ pub fn mlp(vs: &VarStore, width: i64) -> Mlp {
     }
 }
 
+/// A CPU [`Mlp`] of `width` features as a loader returns it.
 pub fn build_mlp(width: i64) -> Built {
     let vs = VarStore::new(Device::Cpu);
     let model = mlp(&vs, width);
     Built::new(model, &vs)
 }
 
+/// A batch of two rows of ones, `width` wide.
 pub fn input(width: i64) -> Tensor {
     Tensor::ones([2, width], (Kind::Float, Device::Cpu))
 }

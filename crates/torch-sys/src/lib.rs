@@ -9,6 +9,8 @@
 //! Everything above this crate (release and reload in place, RNG preservation, CUDA memory in
 //! traces) is built from these few safe functions.
 
+#![warn(missing_docs)]
+
 use std::ffi::{c_char, c_int, CStr};
 use tch::Tensor;
 use torch_sys::C_tensor;

@@ -24,13 +24,16 @@ pub const WINDOW: usize = 16 << 20;
 /// The ring's shape: its pinned buffers, the bytes of each (the largest piece), and the reader
 /// threads. By default two buffers per CPU (at most 16 CPUs), so that every CPU reads a piece
 /// into one half while the GPU copies the other half out (512 MiB pinned on the 16-core H200
-/// machine, 64 MiB on 2 cores), of [`WINDOW`] bytes, one reader per CPU. For measuring what the
+/// machine, 64 MiB on 2 cores), of 16 MiB (`WINDOW`), one reader per CPU. For measuring what the
 /// pipeline waits on, `STAGELOAD_RING="slots=N,window=SIZE,readers=N"` (any of the three) sets
 /// it for the process, read once.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RingShape {
+    /// Pinned host buffers in the ring.
     pub slots: usize,
+    /// Bytes of each buffer (the largest piece of an entry).
     pub window: usize,
+    /// Threads reading pieces from the file.
     pub readers: usize,
 }
 

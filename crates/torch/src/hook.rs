@@ -20,6 +20,7 @@ pub struct EnterOnCall<T> {
 }
 
 impl<T> EnterOnCall<T> {
+    /// Wraps `inner` so that each call enters `stage` of `models` first (unless it is current).
     pub fn new(models: Arc<StagedModels>, stage: impl Into<String>, inner: T) -> Self {
         EnterOnCall { models, stage: stage.into(), end_mark: None, inner }
     }

@@ -1,6 +1,6 @@
 //! How a checkpoint's entry names meet a model's tensor names: a rename rule (a prefix the
 //! file's names carry or lack, or a closure), entries to ignore (glob patterns on the file's
-//! names), and strictness. Pure string work, no libtorch: [`match_names`] pairs entries with
+//! names), and strictness. Pure string work, no libtorch: `match_names` pairs entries with
 //! tensors and [`NameMismatch`] explains a mismatch with the names on both sides and the prefix
 //! that would explain it.
 
@@ -52,6 +52,7 @@ impl Rename {
 /// A model's rules for its checkpoint's names. Default: same names, nothing ignored, strict.
 #[derive(Debug, Clone)]
 pub struct NameRules {
+    /// How file entry names become model tensor names.
     pub rename: Rename,
     ignore: Vec<glob::Pattern>,
     /// Entries another model already filled (a shared component it loaded): skipped, counted
@@ -72,7 +73,9 @@ impl Default for NameRules {
 #[derive(Debug, thiserror::Error)]
 #[error("ignore pattern '{pattern}' is not a valid glob: {reason}")]
 pub struct PatternError {
+    /// The pattern as given.
     pub pattern: String,
+    /// Why `glob` refuses it.
     pub reason: String,
 }
 
@@ -126,11 +129,12 @@ impl NameRules {
 
 /// Which entry fills which tensor.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct NameMatch {
+pub(crate) struct NameMatch {
     /// Model tensor name → file entry name.
     pub pairs: BTreeMap<String, String>,
     /// File entries nothing asked for and no pattern ignores, sorted.
     pub unused: Vec<String>,
+    /// File entries an ignore pattern (or another model's fill) skipped.
     pub ignored: usize,
     /// Model tensors no entry fills, in the model's order.
     pub missing: Vec<String>,
@@ -140,13 +144,16 @@ pub struct NameMatch {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("file entries '{first}' and '{second}' both map to the model's tensor '{tensor}'; change the rename rule or ignore one of them")]
 pub struct Collision {
+    /// The model tensor both map onto.
     pub tensor: String,
+    /// The first entry, in name order.
     pub first: String,
+    /// The second entry.
     pub second: String,
 }
 
 /// Pairs `entries` (the files' names) with `tensors` (the model's) under `rules`.
-pub fn match_names<'a>(
+pub(crate) fn match_names<'a>(
     entries: impl IntoIterator<Item = &'a str>,
     tensors: &[&str],
     rules: &NameRules,
@@ -179,7 +186,9 @@ pub fn match_names<'a>(
 /// without a tensor, a few of each side by side, and the prefix rule that would explain it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct NameMismatch {
+    /// Model tensors no entry fills, in the model's order.
     pub missing: Vec<String>,
+    /// File entries that fill no tensor and no pattern ignores, sorted.
     pub unused: Vec<String>,
     /// `(model tensor, nearest file entry)` for a few missing tensors.
     pub nearest: Vec<(String, String)>,
@@ -190,7 +199,8 @@ pub struct NameMismatch {
 const SHOWN: usize = 3;
 
 impl NameMismatch {
-    pub fn new(found: &NameMatch) -> Self {
+    /// The mismatch of a match that left tensors missing or entries unused.
+    pub(crate) fn new(found: &NameMatch) -> Self {
         let nearest = found
             .missing
             .iter()

@@ -15,15 +15,34 @@ use tch::{CModule, Device, Tensor};
 
 /// Why a TorchScript module could not be loaded. Each variant names the file.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum ScriptError {
+    /// The file cannot be opened, or is not a regular file.
     #[error("cannot open TorchScript module {path}: {source}")]
-    Open { path: PathBuf, source: std::io::Error },
+    Open {
+        /// The module's file.
+        path: PathBuf,
+        /// The system's error.
+        source: std::io::Error,
+    },
+    /// libtorch refused the file as a TorchScript module.
     #[error(
         "{path} is not a TorchScript module libtorch can load ({message}); write it with torch.jit.save or torch.jit.trace(...).save (a state dict or a pickled model is not one), and whole (it may be truncated)"
     )]
-    Load { path: PathBuf, message: String },
+    Load {
+        /// The module's file.
+        path: PathBuf,
+        /// libtorch's message.
+        message: String,
+    },
+    /// The loaded module's parameters and buffers could not be listed.
     #[error("TorchScript module {path}: cannot list its tensors: {message}")]
-    Tensors { path: PathBuf, message: String },
+    Tensors {
+        /// The module's file.
+        path: PathBuf,
+        /// libtorch's message.
+        message: String,
+    },
 }
 
 /// Loads the module at `path` on `device`, in evaluation mode, with its tensors (see

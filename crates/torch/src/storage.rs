@@ -65,11 +65,6 @@ pub fn allocated_bytes(tensor: &Tensor) -> u64 {
     shim::storage_info(tensor).map_or(0, |info| if info.allocated { info.nbytes as u64 } else { 0 })
 }
 
-/// Total bytes of the distinct storages behind `tensors` (each storage once, whole).
-pub fn storage_bytes(tensors: &[(String, Tensor)]) -> Result<u64, ShimError> {
-    Ok(distinct_storages(tensors)?.iter().map(|s| s.nbytes as u64).sum())
-}
-
 /// Frees every storage in `storages` whose id is not in `keep`. Storages already freed count
 /// for nothing. Any later use of their tensors fails with `message`.
 ///
@@ -170,4 +165,23 @@ pub unsafe fn free_ids(storages: &[StorageRecord], ids: &HashSet<u64>, message: 
         unsafe { shim::free_storage(&storage.tensor, message) }?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tch::{Device, Kind};
+
+    #[test]
+    fn tied_storage_is_counted_once_and_a_second_release_frees_nothing() {
+        let weight = Tensor::ones([4, 4], (Kind::Float, Device::Cpu));
+        let tensors = vec![("a".to_string(), weight.shallow_clone()), ("b".to_string(), weight.shallow_clone())];
+        let storages = distinct_storages(&tensors).unwrap();
+        assert_eq!(storages.iter().map(|s| s.nbytes).sum::<usize>(), 64, "one storage behind both names");
+        let keep = HashSet::new();
+        // SAFETY: one thread, no op running on these tensors.
+        assert_eq!(unsafe { release(&storages, &keep, "test") }.unwrap().freed, 64);
+        // SAFETY: as above.
+        assert_eq!(unsafe { release(&storages, &keep, "test") }.unwrap().freed, 0);
+    }
 }

@@ -12,6 +12,7 @@ pub use stageload_trace::sync::{lock, wait};
 pub struct Shared<T>(Arc<Mutex<T>>);
 
 impl<T> Shared<T> {
+    /// `value`, shared from now on.
     pub fn new(value: T) -> Self {
         Shared(Arc::new(Mutex::new(value)))
     }

@@ -9,9 +9,13 @@ use serde::Serialize;
 /// Min, median and max of some values (`n` of them).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 pub struct Spread {
+    /// The smallest value.
     pub min: u64,
+    /// The median.
     pub median: u64,
+    /// The largest value.
     pub max: u64,
+    /// How many values.
     pub n: usize,
 }
 
@@ -32,6 +36,7 @@ impl Spread {
 /// One stage over every run of every arm.
 #[derive(Debug, Clone, Serialize)]
 pub struct StageSpread {
+    /// The stage's name.
     pub stage: String,
     /// Per arm, in the arms' order: the host peak's spread (`None`: no run of it reached the stage).
     pub host: Vec<Option<Spread>>,

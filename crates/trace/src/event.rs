@@ -104,10 +104,44 @@ pub enum Action {
     Close,
 }
 
+impl Action {
+    /// The words every note of this action begins with (`stored`, `not stored`, `written`, ...).
+    pub fn word(self) -> &'static str {
+        match self {
+            Action::Stored => "stored",
+            Action::Evicted => "evicted",
+            Action::NotStored => "not stored",
+            Action::Budget => "budget",
+            Action::Written => "written",
+            Action::NotWritten => "not written",
+            Action::Close => "close",
+        }
+    }
+
+    /// A note of this action: its [`word`](Self::word), then `: detail` when there is one.
+    pub fn note(self, detail: Option<&str>) -> String {
+        match detail {
+            Some(detail) => format!("{}: {detail}", self.word()),
+            None => self.word().to_string(),
+        }
+    }
+
+    /// What a note of this action says after its word (`""` when it is the word alone); `None`
+    /// when the note does not begin with the word.
+    pub fn detail(self, note: &str) -> Option<&str> {
+        match note.strip_prefix(self.word())? {
+            "" => Some(""),
+            rest => rest.strip_prefix(": "),
+        }
+    }
+}
+
 /// The host tier after an event: its byte budget and the bytes its copies hold.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TierUsage {
+    /// The tier's budget, bytes.
     pub budget: u64,
+    /// Bytes its copies hold.
     pub used: u64,
 }
 
@@ -187,7 +221,9 @@ pub struct Event {
     /// When the work ended, seconds since the meter started.
     #[serde(default)]
     pub t: f64,
+    /// What happened.
     pub kind: EventKind,
+    /// The model it happened to, if any.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub model: Option<String>,
     /// The stage current at the time (for `stage`: the stage entered).
@@ -199,6 +235,7 @@ pub struct Event {
     /// How long the work took.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub seconds: Option<f64>,
+    /// When the work began, seconds since the meter started.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub start: Option<f64>,
     /// Reloads: in place from the checkpoint, or rebuilt.
@@ -247,16 +284,13 @@ impl Event {
             return;
         }
         let note = self.note.as_deref().unwrap_or_default();
-        self.action = match self.kind {
-            EventKind::Tier if note == "stored" => Some(Action::Stored),
-            EventKind::Tier if note == "evicted" => Some(Action::Evicted),
-            EventKind::Tier if note == "budget" => Some(Action::Budget),
-            EventKind::Tier if note.starts_with("not stored") => Some(Action::NotStored),
-            EventKind::Snapshot if note.starts_with("written: ") => Some(Action::Written),
-            EventKind::Snapshot if note.starts_with("not written: ") => Some(Action::NotWritten),
-            EventKind::Mark if note == "close" => Some(Action::Close),
-            _ => None,
+        let actions: &[Action] = match self.kind {
+            EventKind::Tier => &[Action::Stored, Action::Evicted, Action::Budget, Action::NotStored],
+            EventKind::Snapshot => &[Action::Written, Action::NotWritten],
+            EventKind::Mark => &[Action::Close],
+            _ => &[],
         };
+        self.action = actions.iter().copied().find(|action| action.detail(note).is_some());
     }
 
     /// Reads the free-text notes of schema-1 traces (`in_place`, `rebuilt`, `outside_stage`,
@@ -347,6 +381,7 @@ impl fmt::Display for Event {
 /// Receives events. Implemented by the meter (traces), [`ListSink`], and any closure. Called on
 /// the thread that did the work; it must not call back into the registry.
 pub trait EventSink: Send + Sync {
+    /// Takes one event.
     fn emit(&self, event: &Event);
 }
 
@@ -363,6 +398,7 @@ pub struct ListSink {
 }
 
 impl ListSink {
+    /// An empty list.
     pub fn new() -> Self {
         Self::default()
     }
@@ -400,6 +436,16 @@ mod tests {
         let mut mark = Event { kind: EventKind::Mark, note: Some("in_place".into()), ..Event::default() };
         mark.upgrade_v1_note();
         assert_eq!(mark.note.as_deref(), Some("in_place"), "a mark's label is left alone");
+    }
+
+    #[test]
+    fn a_note_is_its_actions_words_and_its_detail_reads_back_without_them() {
+        assert_eq!(Action::NotStored.note(Some("too big")), "not stored: too big");
+        assert_eq!(Action::Stored.note(None), "stored");
+        assert_eq!(Action::NotStored.detail("not stored: too big"), Some("too big"));
+        assert_eq!(Action::Stored.detail("stored"), Some(""));
+        assert_eq!(Action::Stored.detail("not stored: too big"), None);
+        assert_eq!(Action::Written.detail("writtenX"), None, "the words end at a colon or the note's end");
     }
 
     #[test]

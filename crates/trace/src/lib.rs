@@ -10,6 +10,8 @@
 //! - [`plot`]: memory over time as SVG or PNG.
 //! - [`sync`]: the one lock helper (poisoning ignored).
 
+#![warn(missing_docs)]
+
 pub mod aggregate;
 pub mod event;
 pub mod meter;

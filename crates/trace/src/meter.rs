@@ -28,7 +28,9 @@ use crate::record::{millis, ErrorRecord, EventRecord, Header, PeakRecord, Record
 /// Device memory from the torch side (CUDA's caching allocator).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct DeviceMemory {
+    /// Bytes allocated to tensors now.
     pub allocated: u64,
+    /// Bytes the caching allocator holds (allocated and cached).
     pub reserved: u64,
     /// The most allocated since the last [`MeterReadings::reset_device_peak`], when the device
     /// keeps that statistic (CUDA does).
@@ -38,12 +40,15 @@ pub struct DeviceMemory {
 /// Where the meter's readings come from. The defaults read this process and this machine;
 /// tests inject failing or scripted ones, the torch side adds the device.
 pub trait MeterReadings: Send {
+    /// This process's memory.
     fn process(&mut self) -> Result<ProcessMemory, ProbeError> {
         stageload_probe::process_memory(std::process::id() as i32)
     }
+    /// The machine's memory and swap.
     fn system(&mut self) -> Result<SystemMemory, ProbeError> {
         stageload_probe::system_memory()
     }
+    /// Memory pressure (PSI), where the kernel reports it.
     fn pressure(&mut self) -> Result<Option<Pressure>, ProbeError> {
         stageload_probe::pressure()
     }
@@ -97,11 +102,13 @@ impl MeterReadings for SystemMeterReadings {
 
 /// How to meter a run.
 pub struct MeterOptions {
+    /// Time between samples.
     pub interval: Duration,
     /// Where the models run, for the header: `cpu`, `cuda:0`, `mps`.
     pub device: String,
     /// The user's fields for the header (mode, seed, ...); kept under `meta`.
     pub meta: Map<String, Value>,
+    /// Where the readings come from.
     pub readings: Box<dyn MeterReadings>,
 }
 
@@ -117,18 +124,22 @@ impl Default for MeterOptions {
 }
 
 impl MeterOptions {
+    /// Sets the time between samples (default 250 ms).
     pub fn interval(mut self, interval: Duration) -> Self {
         self.interval = interval;
         self
     }
+    /// Sets the device the header names.
     pub fn device(mut self, device: impl Into<String>) -> Self {
         self.device = device.into();
         self
     }
+    /// Adds a field to the header's `meta`.
     pub fn meta(mut self, key: impl Into<String>, value: impl Into<Value>) -> Self {
         self.meta.insert(key.into(), value.into());
         self
     }
+    /// Sets where the readings come from.
     pub fn readings(mut self, readings: impl MeterReadings + 'static) -> Self {
         self.readings = Box::new(readings);
         self

@@ -18,12 +18,24 @@ use crate::reader::Trace;
 use crate::record::{Record, Sample};
 use crate::summary::Summary;
 
+/// Why a chart could not be drawn.
 #[derive(Debug, Error)]
+#[non_exhaustive]
 pub enum PlotError {
+    /// The drawing backend failed.
     #[error("cannot draw {path}: {message}")]
-    Draw { path: String, message: String },
+    Draw {
+        /// The chart's file.
+        path: String,
+        /// The backend's message.
+        message: String,
+    },
+    /// The file name ends in neither `.svg` nor `.png`.
     #[error("{path}: give a file ending in .svg or .png")]
-    Format { path: String },
+    Format {
+        /// The file name given.
+        path: String,
+    },
 }
 
 const GB: f64 = (1u64 << 30) as f64;

@@ -13,16 +13,42 @@ use thiserror::Error;
 
 use crate::record::{Record, SCHEMA_VERSION};
 
+/// Why a trace could not be read.
 #[derive(Debug, Error)]
+#[non_exhaustive]
 pub enum TraceError {
+    /// The file could not be read.
     #[error("cannot read trace {path}: {source}")]
-    Read { path: PathBuf, source: std::io::Error },
+    Read {
+        /// The trace file.
+        path: PathBuf,
+        /// The system's error.
+        source: std::io::Error,
+    },
+    /// A line is not a trace record.
     #[error("trace {path}, line {line}: not a trace record ({message})")]
-    Broken { path: PathBuf, line: usize, message: String },
+    Broken {
+        /// The trace file.
+        path: PathBuf,
+        /// The line's number, from 1.
+        line: usize,
+        /// The parser's message.
+        message: String,
+    },
+    /// The trace is of a newer schema than this reader.
     #[error("trace {path} has schema {found}; this stageload reads up to {SCHEMA_VERSION}: update stageload")]
-    Schema { path: PathBuf, found: u32 },
+    Schema {
+        /// The trace file.
+        path: PathBuf,
+        /// Its schema version.
+        found: u32,
+    },
+    /// The file holds no record.
     #[error("trace {path} holds no records")]
-    Empty { path: PathBuf },
+    Empty {
+        /// The trace file.
+        path: PathBuf,
+    },
 }
 
 /// The latest time a record may have, in seconds (about three years): later is a broken clock or
@@ -32,7 +58,9 @@ pub const MAX_T: f64 = 1e8;
 /// The records of one trace, in file order.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Trace {
+    /// The trace file.
     pub path: PathBuf,
+    /// Its records, in file order.
     pub records: Vec<Record>,
     /// The last line was half-written (the run was killed while writing it) and was skipped.
     pub skipped_last_line: bool,

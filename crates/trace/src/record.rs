@@ -23,12 +23,21 @@ pub const SCHEMA_VERSION: u32 = 2;
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum Record {
+    /// The first line: who, where, what.
     Header(Header),
+    /// Readings at one moment.
     Sample(Sample),
+    /// An event of the run.
     Event(EventRecord),
+    /// A stage window's exact peak.
     Peak(PeakRecord),
+    /// A reading that failed.
     Error(ErrorRecord),
-    End { t: f64 },
+    /// The meter stopped.
+    End {
+        /// When, seconds since the meter started.
+        t: f64,
+    },
 }
 
 impl Record {
@@ -48,11 +57,15 @@ impl Record {
 /// Who, where and what: the first line of a trace.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Header {
+    /// The trace format's version ([`SCHEMA_VERSION`] when written).
     pub schema: u32,
     /// Wall-clock start, RFC 3339 UTC to the second.
     pub utc: String,
+    /// The metered process's id.
     pub pid: u32,
+    /// The machine's host name.
     pub host: String,
+    /// The operating system.
     pub os: String,
     /// Physical memory (or the cgroup limit in a limited cgroup), bytes.
     pub total_memory: u64,
@@ -71,6 +84,7 @@ pub struct Header {
 /// failed (an `error` record says so).
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct Sample {
+    /// Seconds since the meter started.
     pub t: f64,
     /// Process resident set (Linux `VmRSS`; macOS physical footprint).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -84,24 +98,28 @@ pub struct Sample {
     /// System memory available (`MemAvailable`, or the cgroup headroom).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub available: Option<u64>,
-    /// System swap used and total.
+    /// System swap used.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub swap_used: Option<u64>,
+    /// System swap size.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub swap_total: Option<u64>,
-    /// The memory-limited cgroup's usage and limit, when the process runs in one.
+    /// The memory-limited cgroup's usage, when the process runs in one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cgroup_usage: Option<u64>,
+    /// That cgroup's limit.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cgroup_limit: Option<u64>,
-    /// Memory pressure, percent of the last 10 s (PSI some / full).
+    /// Memory pressure, percent of the last 10 s in which some task waited (PSI `some`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub psi_some: Option<f64>,
+    /// The same for all non-idle tasks at once (PSI `full`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub psi_full: Option<f64>,
-    /// Device (CUDA) memory allocated by tensors and reserved by the caching allocator.
+    /// Device (CUDA) memory allocated by tensors.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub device_allocated: Option<u64>,
+    /// Device memory reserved by the caching allocator.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub device_reserved: Option<u64>,
 }
@@ -109,8 +127,11 @@ pub struct Sample {
 /// The exact RSS peak of the window of `stage` up to `t`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct PeakRecord {
+    /// The window's end, seconds since the meter started.
     pub t: f64,
+    /// The stage.
     pub stage: String,
+    /// The RSS peak, bytes.
     pub rss: u64,
     /// The device's exact allocated peak in the window (CUDA), when the run uses one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -120,9 +141,11 @@ pub struct PeakRecord {
 /// A reading that failed.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ErrorRecord {
+    /// Seconds since the meter started.
     pub t: f64,
     /// Which reading: `process`, `system`, `pressure`, `device`, `peak`.
     pub source: String,
+    /// The reading's error.
     pub error: String,
 }
 

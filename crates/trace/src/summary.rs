@@ -24,8 +24,11 @@ use crate::record::{millis, EventRecord, Header, PeakRecord, Record, Sample};
 /// One stage window.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct StageWindow {
+    /// The stage entered.
     pub stage: String,
+    /// When it was entered, seconds since the meter started.
     pub start: f64,
+    /// How long the window lasted.
     pub seconds: f64,
     /// The window's peak RSS: exact where the kernel's high-water mark was recorded, else the
     /// largest sample; `None` when nothing was measured inside it.
@@ -45,17 +48,22 @@ pub struct StageWindow {
 /// Loads and reloads.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct Loads {
+    /// Loads and reloads in all.
     pub count: usize,
+    /// Of them, reloads.
     pub reloads: usize,
     /// Reloads refilled from the registry's snapshot of the model (`snapshot_dir`).
     #[serde(default)]
     pub from_snapshot: usize,
-    /// Snapshots written, and releases whose snapshot could not be written (each with why).
+    /// Snapshots written.
     #[serde(default)]
     pub snapshots_written: usize,
+    /// Releases whose snapshot could not be written, each as `model: why`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub snapshots_not_written: Vec<String>,
+    /// Bytes loaded, over every load.
     pub bytes: u64,
+    /// Seconds the loads took, summed.
     pub seconds: f64,
     /// bytes / seconds, in 10^9 bytes per second.
     pub gb_per_s: f64,
@@ -64,46 +72,64 @@ pub struct Loads {
 /// Releases.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct Releases {
+    /// Releases in all.
     pub count: usize,
+    /// Bytes freed.
     pub bytes: u64,
 }
 
 /// System swap at the first sample, its peak and at the last sample.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct Swap {
+    /// At the first sample, bytes.
     pub start: u64,
+    /// The most seen, bytes.
     pub peak: u64,
+    /// At the last sample, bytes.
     pub end: u64,
 }
 
 /// A reading that failed during the run.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ReadingError {
+    /// When, seconds since the meter started.
     pub t: f64,
+    /// Which reading (`process`, `system`, ...).
     pub source: String,
+    /// Its error.
     pub error: String,
 }
 
 /// Everything [`summarize`] finds in a trace.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Summary {
+    /// The trace's header (`None`: the first line was not one).
     pub header: Option<Header>,
     /// The trace has its `end` record (the run was not killed).
     pub complete: bool,
+    /// Seconds from the first sample to the last.
     pub duration: f64,
-    /// The largest RSS seen (samples and exact peaks), and when.
+    /// The largest RSS seen (samples and exact peaks).
     pub peak: u64,
+    /// When it was seen, seconds since the meter started.
     pub peak_t: f64,
+    /// The stage windows, in run order.
     pub stages: Vec<StageWindow>,
+    /// The loads and reloads.
     pub loads: Loads,
+    /// The releases.
     pub releases: Releases,
     /// Models loaded outside the stage that listed them.
     pub outside_stage: Vec<String>,
+    /// System swap over the run.
     pub swap: Option<Swap>,
     /// The process's own swapped-out memory at its peak.
     pub process_swap_peak: Option<u64>,
+    /// The least system memory available in a sample.
     pub min_available: Option<u64>,
+    /// The most device memory allocated by tensors in a sample.
     pub device_allocated_peak: Option<u64>,
+    /// The most device memory the caching allocator reserved in a sample.
     pub device_reserved_peak: Option<u64>,
     /// Streamed models, each with its last split and how many times the split was set.
     #[serde(default)]
@@ -111,6 +137,7 @@ pub struct Summary {
     /// What the host tier did, when the run had one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub host_tier: Option<HostTier>,
+    /// Readings that failed.
     pub errors: Vec<ReadingError>,
 }
 
@@ -121,21 +148,25 @@ pub struct HostTier {
     pub budget: u64,
     /// The most its copies held at once.
     pub peak_used: u64,
-    /// Models stored, evicted, and releases not stored (each with the reason).
+    /// Models stored.
     pub stored: usize,
+    /// Copies evicted.
     pub evicted: usize,
+    /// Releases not stored, each as `model: reason`.
     pub not_stored: Vec<String>,
-    /// Reloads from the tier, their bytes and their copy speed.
+    /// Reloads from the tier.
     pub reloads: usize,
+    /// Their bytes.
     pub reload_bytes: u64,
+    /// Their copy speed, in 10^9 bytes per second.
     pub reload_gb_per_s: f64,
 }
 
-/// Why a `not stored` or `not written` event happened: its note, less the words that say what
-/// happened (the action says that).
-fn reason<'a>(event: &'a EventRecord, said: &str) -> &'a str {
+/// Why a `not stored` or `not written` event happened: what its note says after its action's
+/// words (the action says what happened).
+fn reason(event: &EventRecord) -> &str {
     let note = event.note.as_deref().unwrap_or_default();
-    note.strip_prefix(said).unwrap_or(note)
+    event.action.and_then(|action| action.detail(note)).unwrap_or(note)
 }
 
 /// The host tier's activity; `None` when the trace has no tier event.
@@ -155,7 +186,7 @@ fn host_tier(events: &[&EventRecord]) -> Option<HostTier> {
             (EventKind::Tier, Some(Action::Evicted)) => tier.evicted += 1,
             (EventKind::Tier, Some(Action::NotStored)) => {
                 let model = event.model.as_deref().unwrap_or("?");
-                tier.not_stored.push(format!("{model}: {}", reason(event, "not stored: ")));
+                tier.not_stored.push(format!("{model}: {}", reason(event)));
             }
             (EventKind::Reload, _) if event.from == Some(ReloadFrom::HostTier) => {
                 tier.reloads += 1;
@@ -174,6 +205,7 @@ fn host_tier(events: &[&EventRecord]) -> Option<HostTier> {
 /// A streamed model as its `residency` events left it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Streamed {
+    /// The model's name.
     pub model: String,
     /// The last split.
     pub residency: Residency,
@@ -187,9 +219,13 @@ pub struct Streamed {
 /// Blocks a streamed model refilled and found hot, and the bytes and seconds of the refills.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
 pub struct Moved {
+    /// Blocks refilled.
     pub refills: u64,
+    /// Blocks found hot (no refill needed).
     pub hot_hits: u64,
+    /// Bytes the refills read.
     pub bytes: u64,
+    /// Seconds the refills took.
     pub seconds: f64,
 }
 
@@ -329,7 +365,7 @@ pub fn summarize(trace: &Trace) -> Summary {
         snapshots_not_written: snapshots
             .iter()
             .filter(|e| e.action == Some(Action::NotWritten))
-            .map(|e| format!("{}: {}", e.model.as_deref().unwrap_or("?"), reason(e, "not written: ")))
+            .map(|e| format!("{}: {}", e.model.as_deref().unwrap_or("?"), reason(e)))
             .collect(),
         bytes,
         seconds: millis(seconds),

@@ -140,13 +140,17 @@ pub fn render(summary: &Summary, path: &std::path::Path) -> String {
 /// One stage of [`against_eager`]: what staging should hold and what it held.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct StageCheck {
+    /// The stage.
     pub stage: String,
+    /// Weights resident in the stage in the staged run, bytes.
     pub staged_weights: u64,
     /// Eager peak − eager weights: the stage's working memory plus the process's base.
     pub working: u64,
     /// `staged_weights + working`: the stage's own weights and working memory, nothing else.
     pub expected: u64,
+    /// The staged run's peak in the stage, bytes.
     pub staged_peak: u64,
+    /// The eager run's peak in the stage, bytes.
     pub eager_peak: u64,
     /// `host` (RSS) or `device` (the device's allocated peak): where the weights live.
     pub memory: &'static str,

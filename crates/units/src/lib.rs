@@ -6,6 +6,8 @@
 //! decimal `KB/MB/GB/TB`, and the crates we looked at (bytesize, humantime) give `G`, `GB` and
 //! fractional durations other meanings.
 
+#![warn(missing_docs)]
+
 use std::time::Duration;
 
 use thiserror::Error;
@@ -15,9 +17,12 @@ pub const GIB: u64 = 1 << 30;
 
 /// A value that is not a size or not a duration; the message gives examples of what is.
 #[derive(Debug, Error, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum UnitError {
+    /// Not a size; the text given.
     #[error("not a size: '{0}' (examples: 8G, 512M, 1.5GiB, 2GB)")]
     Size(String),
+    /// Not a duration; the text given.
     #[error("not a duration: '{0}' (examples: 250ms, 90s, 30m, 2h)")]
     Duration(String),
 }

@@ -409,7 +409,7 @@ fn main() -> Result<(), BoxError> {
     println!("checkpoints written in {:.1} s", started.elapsed().as_secs_f64());
 
     let mut result: BTreeMap<String, serde_json::Value> = BTreeMap::new();
-    let shape = stageload::device_copy::RingShape::get();
+    let shape = stageload::checkpoint::RingShape::get();
     result.insert(
         "ring".into(),
         format!("slots={},window={},readers={}", shape.slots, shape.window, shape.readers).into(),

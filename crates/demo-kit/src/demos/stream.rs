@@ -354,7 +354,7 @@ fn run(args: Args) -> Result<(), BoxError> {
         };
         std::fs::write(path, serde_json::to_string_pretty(&outcome)?)?;
     }
-    models.close()?;
+    models.close();
     drop(models);
     if let Some(meter) = meter {
         meter.finish();

@@ -54,6 +54,7 @@ use serde::{Deserialize, Serialize};
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ModelEntry {
+    /// The model's name, as stages and pins list it.
     pub name: String,
     /// Safetensors files, relative to the pipeline file's folder unless absolute. None: the
     /// model is built by its loader (and `weights` gives its size).
@@ -109,7 +110,9 @@ fn cpu() -> String {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct StageEntry {
+    /// The stage's name.
     pub name: String,
+    /// The models the stage uses.
     #[serde(default)]
     pub models: Vec<String>,
     /// Host memory the stage needs beyond its weights (a size: `2G`).
@@ -124,6 +127,7 @@ pub struct StageEntry {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct PinEntry {
+    /// The models kept resident.
     pub models: Vec<String>,
     /// The stage from which they are kept (default: the first).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -169,8 +173,10 @@ pub struct PipelineFile {
     /// Models resident over a span of stages.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub pins: Vec<PinEntry>,
+    /// The models, in definition order.
     #[serde(default)]
     pub models: Vec<ModelEntry>,
+    /// The stages, in run order.
     #[serde(default)]
     pub stages: Vec<StageEntry>,
 }

@@ -18,15 +18,42 @@ pub use file::{ModelEntry, PinEntry, PipelineFile, StageEntry, StreamEntry};
 
 /// Why a pipeline file or one of its checkpoints cannot be planned.
 #[derive(Debug, Error)]
+#[non_exhaustive]
 pub enum PipelineError {
+    /// The file cannot be read.
     #[error("cannot read pipeline file {path}: {message}")]
-    Read { path: PathBuf, message: String },
+    Read {
+        /// The pipeline file.
+        path: PathBuf,
+        /// The system's reason.
+        message: String,
+    },
+    /// The file is not valid TOML or has fields it should not.
     #[error("pipeline file {path} is not valid: {message}")]
-    Syntax { path: PathBuf, message: String },
+    Syntax {
+        /// The pipeline file.
+        path: PathBuf,
+        /// The parser's message.
+        message: String,
+    },
+    /// The file parses but does not make a pipeline (unknown names, bad sizes, a budget that does not fit).
     #[error("pipeline file {path}: {message}")]
-    Invalid { path: PathBuf, message: String },
+    Invalid {
+        /// The pipeline file.
+        path: PathBuf,
+        /// What is wrong and how to fix it.
+        message: String,
+    },
+    /// A model's checkpoint header cannot be read.
     #[error("model '{model}': cannot read checkpoint {file}: {message}")]
-    Checkpoint { model: String, file: PathBuf, message: String },
+    Checkpoint {
+        /// The model.
+        model: String,
+        /// The checkpoint file.
+        file: PathBuf,
+        /// Why.
+        message: String,
+    },
 }
 
 /// How a streamed model holds its blocks under its budget, from its checkpoints' headers.
@@ -35,6 +62,7 @@ pub struct Streaming {
     /// The file's blocks and resident tensors, as the run takes them.
     #[serde(default)]
     pub spec: crate::blocks::BlockSpec,
+    /// Blocks the model is cut into.
     pub blocks: usize,
     /// Blocks kept resident (a prefix).
     pub resident_blocks: usize,
@@ -51,10 +79,12 @@ pub struct Streaming {
     /// `any_order`, as many as the room holds: which ones depends on the forward).
     #[serde(default)]
     pub hot_blocks: usize,
+    /// Bytes the model may hold (its own `budget`, or what its stages leave).
     pub budget: u64,
     /// A budget the file did not give: what its tightest stage leaves (see [`crate::leftover`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub budget_from: Option<String>,
+    /// Bytes a step needs beside the weights.
     pub working: u64,
     /// On CUDA: host bytes of every block's pinned copy, which the streamer reads once at set-up
     /// and refills from (0 elsewhere, where refills read the checkpoint).
@@ -67,12 +97,16 @@ pub struct Streaming {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(into = "String", try_from = "String")]
 pub enum DeviceName {
+    /// The host.
     Cpu,
+    /// CUDA device N.
     Cuda(usize),
+    /// Apple's Metal device.
     Mps,
 }
 
 impl DeviceName {
+    /// `cpu`, `cuda`, `cuda:N` or `mps`; `None` for anything else.
     pub fn parse(text: &str) -> Option<DeviceName> {
         match text {
             "cpu" => Some(DeviceName::Cpu),
@@ -82,6 +116,7 @@ impl DeviceName {
         }
     }
 
+    /// Where weights on this device count: host memory or device memory.
     pub fn placement(self) -> Placement {
         match self {
             DeviceName::Cpu => Placement::Host,
@@ -117,22 +152,25 @@ impl TryFrom<String> for DeviceName {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Placement {
+    /// In host memory (RSS).
     Host,
+    /// In a device's memory.
     Device,
 }
 
 /// One checkpoint file of a model and what it holds.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Part {
+    /// The file, resolved.
     pub file: PathBuf,
     /// Bytes resident once loaded (in the model's `dtype` when given, else as stored).
     pub bytes: u64,
     /// Bytes read from disk to load it.
     pub file_bytes: u64,
-    /// Of `bytes`, those of float entries, and how many elements they hold (what a smaller
-    /// float dtype would shrink).
+    /// Of `bytes`, those of float entries (what a smaller float dtype would shrink).
     #[serde(default)]
     pub float_bytes: u64,
+    /// Elements of the float entries.
     #[serde(default)]
     pub float_elements: u64,
 }
@@ -141,10 +179,13 @@ pub struct Part {
 /// models list (a shared backbone) is held once while any of them is resident, and read once.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Model {
+    /// The model's name.
     pub name: String,
     /// Its checkpoints; none: built by its loader, `bytes` as the file declares them.
     pub files: Vec<PathBuf>,
+    /// The device it loads on.
     pub device: DeviceName,
+    /// Which memory its weights count in (from `device`).
     pub placement: Placement,
     /// What its float entries load as; `None`: as stored.
     pub dtype: Option<LoadDtype>,
@@ -186,9 +227,13 @@ impl Model {
 /// A checked stage.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Stage {
+    /// The stage's name.
     pub name: String,
+    /// The models it uses.
     pub models: Vec<String>,
+    /// Host memory it needs beyond its weights, bytes.
     pub working: u64,
+    /// Device memory it needs beyond its weights, bytes.
     pub device_working: u64,
 }
 
@@ -196,8 +241,11 @@ pub struct Stage {
 /// `None`: to the end).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Pin {
+    /// The models kept resident.
     pub models: Vec<String>,
+    /// Index of the first stage they are kept in.
     pub from: usize,
+    /// Index of the stage whose entry lets them go (`None`: the end).
     pub until: Option<usize>,
 }
 
@@ -212,7 +260,9 @@ impl Pin {
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "kind", content = "value", rename_all = "snake_case")]
 pub enum Reserve {
+    /// A fixed number of bytes.
     Bytes(u64),
+    /// A percent of each need.
     Percent(f64),
 }
 
@@ -253,7 +303,9 @@ impl Reserve {
 /// A checked pipeline: every name resolved, every checkpoint header read.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Pipeline {
+    /// The pipeline file.
     pub path: PathBuf,
+    /// The models, in definition order.
     pub models: Vec<Model>,
     /// The stages in the order the run enters them; a name may come back.
     pub stages: Vec<Stage>,
@@ -262,14 +314,16 @@ pub struct Pipeline {
     /// Models resident over a span of stages.
     #[serde(default)]
     pub pins: Vec<Pin>,
+    /// Headroom added to every stage's need.
     #[serde(default)]
     pub reserve: Option<Reserve>,
     /// The host tier's budget, bytes.
     #[serde(default)]
     pub host_tier: Option<u64>,
-    /// Host and device memory the run is given, bytes.
+    /// Host memory the run is given, bytes.
     #[serde(default)]
     pub memory: Option<u64>,
+    /// Device memory the run is given, bytes.
     #[serde(default)]
     pub device_memory: Option<u64>,
     /// Where models without a checkpoint write their snapshots (resolved from the file's folder).
@@ -284,6 +338,7 @@ pub struct Pipeline {
 }
 
 impl Pipeline {
+    /// The model `name`, if the pipeline has one.
     pub fn model(&self, name: &str) -> Option<&Model> {
         self.models.iter().find(|m| m.name == name)
     }
@@ -304,9 +359,13 @@ impl Pipeline {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(into = "String", try_from = "String")]
 pub enum LoadDtype {
+    /// IEEE half precision.
     F16,
+    /// bfloat16.
     BF16,
+    /// Single precision.
     F32,
+    /// Double precision.
     F64,
 }
 
@@ -322,6 +381,7 @@ impl LoadDtype {
         }
     }
 
+    /// Bits per element.
     pub fn bits(self) -> usize {
         match self {
             LoadDtype::F16 | LoadDtype::BF16 => 16,

@@ -4,7 +4,7 @@ use safetensors::Dtype;
 use tch::{Device, Kind};
 
 /// The tch kind of a safetensors dtype, for the dtypes libtorch has.
-pub fn kind_of(dtype: Dtype) -> Option<Kind> {
+pub(crate) fn kind_of(dtype: Dtype) -> Option<Kind> {
     Some(match dtype {
         Dtype::BOOL => Kind::Bool,
         Dtype::U8 => Kind::Uint8,
@@ -21,7 +21,7 @@ pub fn kind_of(dtype: Dtype) -> Option<Kind> {
 }
 
 /// The safetensors dtype of a tch kind.
-pub fn dtype_of(kind: Kind) -> Option<Dtype> {
+pub(crate) fn dtype_of(kind: Kind) -> Option<Dtype> {
     Some(match kind {
         Kind::Bool => Dtype::BOOL,
         Kind::Uint8 => Dtype::U8,
@@ -44,12 +44,12 @@ pub(crate) fn is_float(kind: Kind) -> bool {
 
 /// Whether a checkpoint entry of kind `from` may be loaded into a tensor of kind `to`: any float
 /// to any float (precision is the model's choice), integers to integers or floats, bool to bool.
-pub fn converts(from: Kind, to: Kind) -> bool {
+pub(crate) fn converts(from: Kind, to: Kind) -> bool {
     from == to || (is_float(from) && is_float(to)) || (!is_float(from) && from != Kind::Bool && to != Kind::Bool)
 }
 
 /// Whether a `device` can hold tensors of `kind`: MPS has no float64.
-pub fn device_holds(device: Device, kind: Kind) -> bool {
+pub(crate) fn device_holds(device: Device, kind: Kind) -> bool {
     !(device == Device::Mps && kind == Kind::Double)
 }
 

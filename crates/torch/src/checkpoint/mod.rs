@@ -9,7 +9,7 @@
 //! benchmark's checkpoint, copying from the file mapped a window at a time measured 10.0 GB/s
 //! against 11.2 for this path, and from one mapping of the whole file 10.7–10.9 against
 //! 11.8–12.4, with the whole file in RSS during the load.) Entries for contiguous CUDA targets go
-//! through the pinned ring of [`crate::device_copy`] (36.7 GB/s on the H200, against 55 for a
+//! through the pinned ring of `device_copy` ([`RingShape`]; 36.7 GB/s on the H200, against 55 for a
 //! pinned copy). Entries that need a dtype conversion on the CPU, go to another device, or land in
 //! strided or overlapping (tied) targets are read a window of rows at a time into one reused buffer
 //! of at most 16 MiB and handed to libtorch's `copy_`, one after the other in the caller's order,
@@ -41,51 +41,165 @@ mod kinds;
 mod save;
 mod to_cuda;
 
+/// The pinned ring's shape for CUDA loads (set for a process by `STAGELOAD_RING`).
+pub use crate::device_copy::RingShape;
 use crate::names::{match_names, Collision, NameMatch, NameMismatch, NameRules};
 use crate::sync::lock;
-pub(crate) use kinds::is_float;
-pub use kinds::{converts, device_holds, dtype_of, kind_of};
+pub(crate) use kinds::{converts, device_holds, dtype_of, is_float, kind_of};
 pub use save::{save, save_with_metadata};
 
 /// Why a checkpoint could not be read or loaded. Each variant names the file and the tensor.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum CheckpointError {
+    /// A file could not be opened or its header read.
     #[error("cannot open checkpoint {path}: {source}")]
-    Open { path: PathBuf, source: std::io::Error },
+    Open {
+        /// The file.
+        path: PathBuf,
+        /// The system's error.
+        source: std::io::Error,
+    },
+    /// A file's header is not valid safetensors (the file may be truncated or corrupt).
     #[error(
         "checkpoint {path} is not a valid safetensors file ({reason}); it may be truncated or corrupt: write it again"
     )]
-    Invalid { path: PathBuf, reason: String },
+    Invalid {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// An entry's dtype has no libtorch kind.
     #[error("tensor '{tensor}' in {path} has dtype {dtype}, which stageload does not load")]
-    UnsupportedDtype { path: PathBuf, tensor: String, dtype: String },
+    UnsupportedDtype {
+        /// The file.
+        path: PathBuf,
+        /// The entry's name.
+        tensor: String,
+        /// The entry's safetensors dtype.
+        dtype: String,
+    },
+    /// Two files hold an entry of the same name.
     #[error("tensor '{tensor}' is in two checkpoint files: {first} and {second}")]
-    DuplicateTensor { tensor: String, first: PathBuf, second: PathBuf },
+    DuplicateTensor {
+        /// The entry's name.
+        tensor: String,
+        /// The file that holds it first.
+        first: PathBuf,
+        /// The other file that holds it.
+        second: PathBuf,
+    },
+    /// Targets have no entry in any of the files.
     #[error("the model's tensor(s) {} are in none of the checkpoint files {}", quoted(tensors), paths(files))]
-    Missing { tensors: Vec<String>, files: Vec<PathBuf> },
+    Missing {
+        /// The targets' names.
+        tensors: Vec<String>,
+        /// The checkpoint's files.
+        files: Vec<PathBuf>,
+    },
+    /// A target's shape differs from its entry's.
     #[error("tensor '{tensor}': the model expects shape {expected:?}, {path} has {found:?}")]
-    Shape { tensor: String, path: PathBuf, expected: Vec<i64>, found: Vec<i64> },
+    Shape {
+        /// The target's name.
+        tensor: String,
+        /// The file holding the entry.
+        path: PathBuf,
+        /// The target's shape.
+        expected: Vec<i64>,
+        /// The entry's shape.
+        found: Vec<i64>,
+    },
+    /// An entry's kind does not convert to its target's without loss.
     #[error(
         "tensor '{tensor}': the model expects {expected:?}, {path} has {found:?}, which does not convert without loss"
     )]
-    Dtype { tensor: String, path: PathBuf, expected: Kind, found: Kind },
+    Dtype {
+        /// The target's name.
+        tensor: String,
+        /// The file holding the entry.
+        path: PathBuf,
+        /// The target's kind.
+        expected: Kind,
+        /// The entry's kind.
+        found: Kind,
+    },
+    /// A target's storage is freed (released and not reallocated).
     #[error("tensor '{tensor}' has no storage to load into (released and not reallocated)")]
-    Unallocated { tensor: String },
+    Unallocated {
+        /// The target's name.
+        tensor: String,
+    },
+    /// libtorch's copy into a target failed.
     #[error("copying tensor '{tensor}' from {path} failed: {source}")]
-    Copy { tensor: String, path: PathBuf, source: tch::TchError },
+    Copy {
+        /// The target's name.
+        tensor: String,
+        /// The file holding the entry.
+        path: PathBuf,
+        /// libtorch's error.
+        source: tch::TchError,
+    },
+    /// Two entries rename to the same target.
     #[error("checkpoint {}: {source}", paths(files))]
-    Collision { files: Vec<PathBuf>, source: Collision },
+    Collision {
+        /// The checkpoint's files.
+        files: Vec<PathBuf>,
+        /// The entries that collide.
+        source: Collision,
+    },
+    /// Under strict name rules, entries and targets do not meet one to one.
     #[error("checkpoint {}: {mismatch}", paths(files))]
-    Names { files: Vec<PathBuf>, mismatch: NameMismatch },
+    Names {
+        /// The checkpoint's files.
+        files: Vec<PathBuf>,
+        /// The names that did not meet, with suggestions.
+        mismatch: NameMismatch,
+    },
+    /// A copy through the pinned ring to a CUDA target failed.
     #[error("copying tensor '{tensor}' from {path} to the GPU failed: {source}")]
-    Stream { tensor: String, path: PathBuf, source: stageload_torch_sys::ShimError },
+    Stream {
+        /// The target's name.
+        tensor: String,
+        /// The file holding the entry.
+        path: PathBuf,
+        /// The shim's error.
+        source: stageload_torch_sys::ShimError,
+    },
+    /// Reading an entry's bytes failed.
     #[error("reading tensor '{tensor}' from {path} failed: {source}")]
-    Read { tensor: String, path: PathBuf, source: std::io::Error },
+    Read {
+        /// The entry's name.
+        tensor: String,
+        /// The file.
+        path: PathBuf,
+        /// The system's error.
+        source: std::io::Error,
+    },
+    /// Dropping an entry's pages from the page cache failed (an uncached load).
     #[error("dropping tensor '{tensor}' of {path} from the page cache failed: {source}")]
-    Uncache { tensor: String, path: PathBuf, source: std::io::Error },
+    Uncache {
+        /// The entry's name.
+        tensor: String,
+        /// The file.
+        path: PathBuf,
+        /// The system's error.
+        source: std::io::Error,
+    },
+    /// Writing a checkpoint file failed.
     #[error("cannot write {path}: {source}")]
-    Write { path: PathBuf, source: std::io::Error },
+    Write {
+        /// The file being written.
+        path: PathBuf,
+        /// The system's error.
+        source: std::io::Error,
+    },
+    /// The load's stop flag ([`Checkpoint::stop_when`]) was set before its end.
     #[error("loading from {} was stopped before its end (the targets are partly written)", paths(files))]
-    Stopped { files: Vec<PathBuf> },
+    Stopped {
+        /// The checkpoint's files.
+        files: Vec<PathBuf>,
+    },
 }
 
 fn quoted(names: &[String]) -> String {
@@ -101,10 +215,13 @@ fn paths(files: &[PathBuf]) -> String {
 pub struct Entry {
     /// Index of its file in [`Checkpoint::files`].
     pub file: usize,
+    /// Its libtorch kind.
     pub kind: Kind,
+    /// Its shape.
     pub shape: Vec<i64>,
-    /// Byte range inside the file.
+    /// First byte of its data inside the file.
     pub start: u64,
+    /// Byte after its last one inside the file.
     pub end: u64,
 }
 
@@ -122,7 +239,9 @@ pub struct LoadReport {
 /// Bytes done out of the total, for progress bars.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Progress {
+    /// Bytes loaded so far.
     pub done: u64,
+    /// Bytes the load copies in all.
     pub total: u64,
 }
 

@@ -105,6 +105,7 @@ impl StagedModelsBuilder {
         self
     }
 
+    /// Defines a model: its name, loader, checkpoint and name rules ([`ModelSpec`]).
     pub fn model(mut self, spec: ModelSpec) -> Self {
         self.specs.push(spec);
         self
@@ -219,8 +220,8 @@ impl StagedModelsBuilder {
     }
 
     /// Bytes every snapshot write leaves free on its folder's file system, for the machine's
-    /// other users ([`KEEP_FREE`](super::snapshot::KEEP_FREE), 1 GiB, unless set): a write that
-    /// would leave less is not begun and the model is rebuilt when needed.
+    /// other users (1 GiB unless set): a write that would leave less is not begun and the model
+    /// is rebuilt when needed.
     pub fn snapshot_keep_free(mut self, bytes: u64) -> Self {
         self.snapshot_keep_free = bytes;
         self
@@ -382,6 +383,8 @@ impl StagedModelsBuilder {
 }
 
 impl StagedModels {
+    /// A builder with no model and no stage: no event sink, generators preserved, not strict,
+    /// no prefetch, no host tier, no snapshot folder.
     pub fn builder() -> StagedModelsBuilder {
         StagedModelsBuilder {
             specs: Vec::new(),

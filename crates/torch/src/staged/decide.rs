@@ -418,12 +418,17 @@ pub fn retry_out_of_memory(policy: OutOfMemory, already_retried: bool) -> bool {
 /// A model's state as users see it ([`super::StagedModels::states`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum ModelState {
+    /// Never loaded yet.
     Unloaded,
+    /// Its loader or refill is running (a `get`, or a prefetch).
     Loading,
+    /// Loaded, its weights in memory.
     Resident,
     /// Released; its weights go when the thread using it lets go.
     ReleasePending,
+    /// Released: its storages freed; a `get` brings it back (refilled, or rebuilt by its loader).
     Released,
+    /// Its last load failed; a `get` tries again.
     Failed,
 }
 

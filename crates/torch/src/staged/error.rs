@@ -9,53 +9,187 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 /// Errors of StagedModels. Each names the model or stage involved and says what to do.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum StageError {
+    /// No model of that name was defined.
     #[error("unknown model '{name}'; known models: {known:?}")]
-    UnknownModel { name: String, known: Vec<String> },
+    UnknownModel {
+        /// The name asked for.
+        name: String,
+        /// The registry's models, in definition order.
+        known: Vec<String>,
+    },
+    /// No stage of that name is in the plan.
     #[error("unknown stage '{stage}'; known stages: {known:?}")]
-    UnknownStage { stage: String, known: Vec<String> },
+    UnknownStage {
+        /// The stage asked for.
+        stage: String,
+        /// The plan's stages.
+        known: Vec<String>,
+    },
+    /// The pipeline file's entry for a model does not fit the model as defined.
     #[error("pipeline file, model '{model}': {message}")]
-    PlanMismatch { model: String, message: String },
+    PlanMismatch {
+        /// The model the file describes.
+        model: String,
+        /// What does not fit.
+        message: String,
+    },
+    /// A pin's `from`/`until` stages do not make a span of the plan.
     #[error("pin of '{model}': {message}")]
-    PinSpan { model: String, message: String },
+    PinSpan {
+        /// The pinned model.
+        model: String,
+        /// Why the span is refused.
+        message: String,
+    },
+    /// The plan lists models that were never given a loader.
     #[error("the plan names models that have no loader: {}", .names.join(", "))]
-    PlanWithoutLoader { names: Vec<String> },
+    PlanWithoutLoader {
+        /// The models without a loader.
+        names: Vec<String>,
+    },
+    /// The snapshot folder cannot be created, locked or written.
     #[error("{message}; name a folder this process can write to, or leave snapshot_dir out")]
-    SnapshotDir { path: std::path::PathBuf, message: String },
+    SnapshotDir {
+        /// The folder given to `snapshot_dir`.
+        path: std::path::PathBuf,
+        /// What failed, with the system's reason.
+        message: String,
+    },
+    /// Two specs share one name.
     #[error("model '{name}' is defined twice")]
-    DuplicateModel { name: String },
+    DuplicateModel {
+        /// The name defined twice.
+        name: String,
+    },
+    /// A handle was used after its model was released.
     #[error("'{model}' was released{} and its weights are gone. Get the model from the StagedModels registry again instead of keeping a handle to it.", at_stage(.stage))]
-    Released { model: String, stage: Option<String> },
+    Released {
+        /// The released model.
+        model: String,
+        /// The stage whose entry released it, if a stage did.
+        stage: Option<String>,
+    },
+    /// A model inserted without a loader was released and cannot be rebuilt.
     #[error("'{model}' was registered without a loader and released{}; it cannot come back. Give it a loader (or a checkpoint) to reload it.", at_stage(.stage))]
-    NoLoader { model: String, stage: Option<String> },
+    NoLoader {
+        /// The model.
+        model: String,
+        /// The stage whose entry released it, if a stage did.
+        stage: Option<String>,
+    },
+    /// A load was asked for after `close`.
     #[error("the registry is closed; '{model}' cannot be loaded any more")]
-    Closed { model: String },
+    Closed {
+        /// The model asked for.
+        model: String,
+    },
+    /// A strict registry was asked for a model the current stage does not list.
     #[error("'{model}' was asked for in stage '{stage}', which does not list it, and the registry is strict; add it to the stage or pin it")]
-    OutsideStage { model: String, stage: String },
+    OutsideStage {
+        /// The model asked for.
+        model: String,
+        /// The current stage.
+        stage: String,
+    },
+    /// The model's loader returned an error.
     #[error("loader of '{model}' failed: {source}")]
-    LoaderFailed { model: String, source: BoxError },
+    LoaderFailed {
+        /// The model being built.
+        model: String,
+        /// The loader's error.
+        source: BoxError,
+    },
+    /// The model's loader panicked (caught; the registry stays usable).
     #[error("loader of '{model}' panicked: {message}")]
-    LoaderPanicked { model: String, message: String },
+    LoaderPanicked {
+        /// The model being built.
+        model: String,
+        /// The panic's text.
+        message: String,
+    },
+    /// The closure given to [`StagedModels::call`](crate::StagedModels::call) panicked.
     #[error("the call on '{model}' panicked: {message} (the model is unlocked and the registry usable)")]
-    CallPanicked { model: String, message: String },
+    CallPanicked {
+        /// The model called.
+        model: String,
+        /// The panic's text.
+        message: String,
+    },
+    /// The model is not of the type asked for.
     #[error("'{model}' holds a {actual}, not the {expected} asked for")]
-    WrongType { model: String, expected: &'static str, actual: &'static str },
+    WrongType {
+        /// The model asked for.
+        model: String,
+        /// The type name asked for.
+        expected: &'static str,
+        /// The type name the model has.
+        actual: &'static str,
+    },
+    /// The thread already holds this model's guard.
     #[error("'{model}' is already locked by this thread; use the ModelGuard you hold instead of locking it again")]
-    LockedTwice { model: String },
+    LockedTwice {
+        /// The model locked twice.
+        model: String,
+    },
+    /// Building, refilling or calling the model ran out of device memory.
     #[error("'{model}' does not fit in the device's memory{}: {message}. Release or unpin models first, stream blocks, or turn on StagedModelsBuilder::on_out_of_memory(OutOfMemory::ReleaseOthersAndRetry)", at_stage(.stage))]
-    OutOfMemory { model: String, stage: Option<String>, message: String },
+    OutOfMemory {
+        /// The model that did not fit.
+        model: String,
+        /// The current stage, if any.
+        stage: Option<String>,
+        /// libtorch's message.
+        message: String,
+    },
+    /// The model's checkpoint could not be read or loaded.
     #[error("checkpoint of '{model}': {source}")]
-    Checkpoint { model: String, source: Box<CheckpointError> },
+    Checkpoint {
+        /// The model being filled.
+        model: String,
+        /// The checkpoint's error.
+        source: Box<CheckpointError>,
+    },
+    /// A storage operation through the shim failed (release, reallocation, copy).
     #[error("'{model}': {source}")]
-    Torch { model: String, source: ShimError },
+    Torch {
+        /// The model whose storages were involved.
+        model: String,
+        /// The shim's error.
+        source: ShimError,
+    },
+    /// Saving or restoring the random generators around a build failed.
     #[error("saving or restoring random generators: {0}")]
     Rng(ShimError),
+    /// A copy into or out of the host tier failed.
     #[error("host tier, model '{model}': {message}")]
-    HostTier { model: String, message: String },
+    HostTier {
+        /// The model being copied.
+        model: String,
+        /// What failed.
+        message: String,
+    },
+    /// A tier model is larger than the host tier's whole budget.
     #[error("host tier budget of {} is smaller than model '{model}' ({} on its device): raise the budget to at least that, or leave the model out of the tier by placing it on the CPU", fmt_bytes(*.budget), fmt_bytes(*.bytes))]
-    HostTierTooSmall { model: String, bytes: u64, budget: u64 },
+    HostTierTooSmall {
+        /// The model.
+        model: String,
+        /// The model's weights in bytes.
+        bytes: u64,
+        /// The tier's budget in bytes.
+        budget: u64,
+    },
+    /// A new host tier budget was refused; the old one stays.
     #[error("host tier budget of {} refused: copies in flight or of pinned models hold {}; the budget stays {}", fmt_bytes(*.asked), fmt_bytes(*.protected), fmt_bytes(*.budget))]
-    HostTierBudget { asked: u64, protected: u64, budget: u64 },
+    HostTierBudget {
+        /// The budget asked for, in bytes.
+        asked: u64,
+        /// Bytes held by copies that cannot be evicted (in flight, or of pinned models).
+        protected: u64,
+        /// The budget kept, in bytes.
+        budget: u64,
+    },
 }
 
 fn fmt_bytes(bytes: u64) -> String {

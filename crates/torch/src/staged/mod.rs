@@ -17,26 +17,27 @@
 //! its weights into host memory (pinned for the device) when the tier's budget has room, and its
 //! next `get` copies them back in place: no checkpoint read, no rebuild, no random number drawn.
 //!
-//! Files: [`decide`] (the slot state machine, pure), `registry` (carrying its decisions out:
+//! Files (all private; what users need is re-exported here and at the crate root): `decide`
+//! (the slot state machine, pure), `registry` (carrying its decisions out:
 //! the state, stage entry), `load` (builds and refills), `release` (frees in place),
 //! `prefetch` (background loads), `placement` (the pipeline file's device and dtype),
 //! `tier_copy` (the host tier's copies; its budget, leases and evictions are the pure
 //! [`stageload_plan::tier`]),
 //! `tier_store` (the registry storing into it),
-//! [`instance`] (a model object, its handle and guard), [`spec`] (what loaders get and return),
-//! [`builder`], [`error`].
+//! `instance` (a model object, its handle and guard), `spec` (what loaders get and return),
+//! `snapshot` (weights of checkpoint-less models written to a folder), `builder`, `error`.
 
-pub mod builder;
-pub mod decide;
-pub mod error;
-pub mod instance;
+mod builder;
+mod decide;
+mod error;
+mod instance;
 mod load;
 mod placement;
 mod prefetch;
 mod registry;
 mod release;
-pub mod snapshot;
-pub mod spec;
+mod snapshot;
+mod spec;
 mod tier_copy;
 mod tier_store;
 #[cfg(test)]
@@ -259,9 +260,10 @@ impl StagedModels {
     /// mark, then one `release` per model. Returns without waiting for prefetches: those that
     /// have not begun their load give up, and a loader or refill already running finishes on
     /// its thread, its model then released at once (dropping the registry waits for it: see
-    /// its `Drop`).
-    pub fn close(&self) -> Result<ReleaseStats> {
-        Ok(self.inner.close())
+    /// its `Drop`). Returns what was freed now. Cannot fail: a release that fails is reported
+    /// as an `error` event and its bytes are not counted.
+    pub fn close(&self) -> ReleaseStats {
+        self.inner.close()
     }
 
     /// Registers an already-built model with no loader: once released it cannot come back. A

@@ -244,6 +244,13 @@ impl State {
         self.entries[position].slot.state = state;
     }
 
+    /// Puts `slot` at `position` whole: its counts, and its state through [`Self::set_state`].
+    fn set_slot(&mut self, position: usize, mut slot: decide::Slot<Arc<Instance>>) {
+        let state = std::mem::replace(&mut slot.state, SlotState::Unloaded);
+        self.entries[position].slot = slot;
+        self.set_state(position, state);
+    }
+
     /// Counts a completed load of the slot at `position`, with its checkpoint report.
     pub(crate) fn count_load(&mut self, position: usize, report: Option<LoadReport>) {
         let entry = &mut self.entries[position];
@@ -398,10 +405,7 @@ impl State {
         entry.checkpoint.clear();
         entry.from_snapshot = false;
         entry.report = None;
-        let slot = decide::Slot::inserted(instance);
-        let state = slot.state.clone();
-        entry.slot = slot;
-        self.set_state(position, state);
+        self.set_slot(position, decide::Slot::inserted(instance));
     }
 }
 
@@ -516,7 +520,7 @@ impl Inner {
         // stage's entry.
         self.emit(Event {
             stage,
-            note: Some("close".into()),
+            note: Some(Action::Close.note(None)),
             resident: Some(resident),
             action: Some(Action::Close),
             ..Event::now(EventKind::Mark)

@@ -31,7 +31,7 @@ use stageload_trace::event::{Action, Event, EventKind};
 
 /// What a write leaves free on the snapshot folder's file system by default, for everything
 /// else on the machine (a shared machine's other users, the trace, the OS).
-pub const KEEP_FREE: u64 = 1 << 30;
+pub(crate) const KEEP_FREE: u64 = 1 << 30;
 
 /// Registries of this process so far: each gets a name of its own in a shared folder.
 static REGISTRIES: AtomicU64 = AtomicU64::new(0);
@@ -185,28 +185,28 @@ impl Inner {
             snapshots.write(name, &weights.tensors, bytes)
         };
         drop(weights);
-        let (action, note) = match written {
+        let (action, detail) = match written {
             Ok(path) => {
                 let mut state = self.state();
                 if wanted(&state) {
                     let position = state.index[name];
                     state.entry_mut(position).refill_from_snapshot(path.clone());
-                    (Action::Written, format!("written: {}", path.display()))
+                    (Action::Written, path.display().to_string())
                 } else {
                     // Replaced or removed meanwhile: the file is nobody's.
                     drop(state);
                     snapshots.forget(&path);
-                    (Action::NotWritten, "not written: the model was replaced meanwhile".to_string())
+                    (Action::NotWritten, "the model was replaced meanwhile".to_string())
                 }
             }
-            Err(reason) => (Action::NotWritten, format!("not written: {reason}; '{name}' is rebuilt when needed")),
+            Err(reason) => (Action::NotWritten, format!("{reason}; '{name}' is rebuilt when needed")),
         };
         self.emit(Event {
             stage: stage.clone(),
             model: Some(name.to_string()),
             bytes: Some(bytes),
             seconds: Some(started.elapsed().as_secs_f64()),
-            note: Some(note),
+            note: Some(action.note(Some(&detail))),
             action: Some(action),
             ..Event::now(EventKind::Snapshot)
         });

@@ -85,7 +85,7 @@ impl Inner {
         let (what, dropped) = match copied {
             // The ticket, not the name: the model may have been replaced (and the new instance
             // released into a reservation of its own) while the copy ran.
-            Ok(copies) => ((Action::Stored, "stored".to_string()), tier.fill(name, ticket, copies)),
+            Ok(copies) => ((Action::Stored, None), tier.fill(name, ticket, copies)),
             Err(message) => (not_stored(message), tier.withdraw(name, ticket)),
         };
         let usage = state.tier_usage();
@@ -123,7 +123,7 @@ impl Inner {
         let mut copies = Vec::with_capacity(evicted.len());
         for Evicted { model, bytes, copies: copy } in evicted {
             copies.extend(copy);
-            self.tier_event(stage, &model, Some(bytes), None, (Action::Evicted, "evicted".to_string()), usage);
+            self.tier_event(stage, &model, Some(bytes), None, (Action::Evicted, None), usage);
         }
         copies
     }
@@ -134,7 +134,7 @@ impl Inner {
         model: &str,
         bytes: Option<u64>,
         seconds: Option<f64>,
-        (action, note): (Action, String),
+        (action, detail): (Action, Option<String>),
         tier: Option<TierUsage>,
     ) {
         self.emit(Event {
@@ -142,7 +142,7 @@ impl Inner {
             model: Some(model.to_string()),
             bytes,
             seconds,
-            note: Some(note),
+            note: Some(action.note(detail.as_deref())),
             tier,
             action: Some(action),
             ..Event::now(EventKind::Tier)
@@ -167,7 +167,7 @@ impl Inner {
         drop(self.evicted(&stage, evicted, usage));
         self.emit(Event {
             stage,
-            note: Some("budget".into()),
+            note: Some(Action::Budget.note(None)),
             tier: usage,
             action: Some(Action::Budget),
             ..Event::now(EventKind::Tier)
@@ -180,7 +180,7 @@ impl Inner {
     }
 }
 
-/// A `tier` event's action and note for a copy the tier does not hold, and why.
-fn not_stored(why: impl std::fmt::Display) -> (Action, String) {
-    (Action::NotStored, format!("not stored: {why}"))
+/// A `tier` event's action and detail for a copy the tier does not hold: why.
+fn not_stored(why: impl std::fmt::Display) -> (Action, Option<String>) {
+    (Action::NotStored, Some(why.to_string()))
 }

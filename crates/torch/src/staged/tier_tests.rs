@@ -126,7 +126,7 @@ fn closing_does_not_copy_models_into_the_tier_and_empties_it() {
     models.get::<Tensor>("a").unwrap();
     models.enter("sb").unwrap();
     models.get::<Tensor>("b").unwrap();
-    models.close().unwrap();
+    models.close();
     assert_eq!(tier_actions(&sink), [("a".into(), Action::Stored)], "b released by close, not stored");
     assert_eq!(models.host_tier().unwrap().used, 0);
 }
@@ -425,7 +425,7 @@ fn host_tier_copies_run_slowly_in_a_process_of_their_own() {
     }
     assert_eq!(builds.iter().map(|b| b.load(Ordering::SeqCst)).collect::<Vec<_>>(), [1, 1, 1], "no rebuild");
     assert!(sink.of_kind(EventKind::Reload).iter().all(|e| e.from == Some(ReloadFrom::HostTier)));
-    models.close().unwrap();
+    models.close();
     assert_eq!(crate::copy_watch::violations(), Vec::<String>::new());
 }
 
@@ -486,6 +486,6 @@ fn what_the_tier_books_is_what_its_memory_gives_out_and_eviction_and_close_give_
     let usage = models.host_tier().unwrap();
     assert_eq!((usage.used, out()), (6 * page, 6 * page), "b and c");
     assert_eq!(counting.takes.load(Ordering::SeqCst), 3, "one buffer per stored copy");
-    models.close().unwrap();
+    models.close();
     assert_eq!(out(), 0, "close gives every buffer back");
 }

@@ -30,7 +30,7 @@
 //! ```
 //!
 //! A pipeline file may stream a model (`stream = { blocks, resident, budget, ... }` in its
-//! entry): [`StagedModelsBuilder::pipeline`](crate::staged::builder::StagedModelsBuilder::pipeline) hands that plan to the model's loader
+//! entry): [`StagedModelsBuilder::pipeline`](crate::StagedModelsBuilder::pipeline) hands that plan to the model's loader
 //! ([`crate::BuildContext::stream`]) and [`StreamedModel::planned`] makes the model from it, so
 //! the run keeps the split `stageload plan` counted.
 //!
@@ -73,31 +73,109 @@ use crate::checkpoint::CheckpointError;
 
 /// Why a streamed model could not be set up or could not run a step. Each names the model.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum StreamError {
+    /// The block list does not cover the model's tensors exactly once.
     #[error("streamed model '{model}': {source}")]
-    Blocks { model: String, source: BlockError },
+    Blocks {
+        /// The streamed model.
+        model: String,
+        /// How the block list fails.
+        source: BlockError,
+    },
+    /// The budget is smaller than a step needs with every block streamed.
     #[error("streamed model '{model}': {source}")]
-    Budget { model: String, source: TooSmall },
+    Budget {
+        /// The streamed model.
+        model: String,
+        /// What the budget is short of.
+        source: TooSmall,
+    },
+    /// The model's checkpoint could not be opened or read.
     #[error("streamed model '{model}': {source}")]
-    Checkpoint { model: String, source: Box<CheckpointError> },
+    Checkpoint {
+        /// The streamed model.
+        model: String,
+        /// The checkpoint's error.
+        source: Box<CheckpointError>,
+    },
+    /// Two blocks share a storage, so neither could be freed alone.
     #[error(
         "streamed model '{model}': block '{block}' and '{other}' share the storage of tensor '{tensor}'; a block must own its storages (untie them, or put both in one block)"
     )]
-    SharedStorage { model: String, block: String, other: String, tensor: String },
+    SharedStorage {
+        /// The streamed model.
+        model: String,
+        /// The block holding the tensor.
+        block: String,
+        /// The other block on the same storage.
+        other: String,
+        /// The tensor whose storage they share.
+        tensor: String,
+    },
+    /// A tensor's shape changed after set-up (the refill would not fit it).
     #[error(
         "streamed model '{model}': tensor '{tensor}' of block '{block}' changed shape from {was:?} to {now:?} since the model was set up; build the model again"
     )]
-    Reshaped { model: String, block: String, tensor: String, was: Vec<i64>, now: Vec<i64> },
+    Reshaped {
+        /// The streamed model.
+        model: String,
+        /// The tensor's block.
+        block: String,
+        /// The tensor.
+        tensor: String,
+        /// Its shape at set-up.
+        was: Vec<i64>,
+        /// Its shape now.
+        now: Vec<i64>,
+    },
+    /// The forward asked for a block index the model does not have.
     #[error("streamed model '{model}' has {blocks} blocks; the forward asked for block {index}")]
-    NoSuchBlock { model: String, index: usize, blocks: usize },
+    NoSuchBlock {
+        /// The streamed model.
+        model: String,
+        /// The index asked for.
+        index: usize,
+        /// How many blocks the model has.
+        blocks: usize,
+    },
+    /// A storage operation through the shim failed.
     #[error("streamed model '{model}': {operation} failed: {source}")]
-    Torch { model: String, operation: &'static str, source: stageload_torch_sys::ShimError },
+    Torch {
+        /// The streamed model.
+        model: String,
+        /// What was being done (free, reallocate, attach, ...).
+        operation: &'static str,
+        /// The shim's error.
+        source: stageload_torch_sys::ShimError,
+    },
+    /// A step ran out of memory even with every block streamed.
     #[error("streamed model '{model}' ran out of memory with every block streamed ({residency}): {message}")]
-    OutOfMemory { model: String, residency: String, message: String },
+    OutOfMemory {
+        /// The streamed model.
+        model: String,
+        /// Which blocks were resident then.
+        residency: String,
+        /// libtorch's message.
+        message: String,
+    },
+    /// A step (the user's closure) panicked.
     #[error("streamed model '{model}': the step failed: {message}")]
-    Step { model: String, message: String },
+    Step {
+        /// The streamed model.
+        model: String,
+        /// The panic's text.
+        message: String,
+    },
+    /// A setting was given a value it cannot use (a governor's threshold, a resident count).
     #[error("streamed model '{model}': {message}")]
-    Setting { model: String, message: String },
+    Setting {
+        /// The streamed model.
+        model: String,
+        /// What is wrong and what to give instead.
+        message: String,
+    },
+    /// A libtorch error from a tensor operation.
     #[error(transparent)]
     Tch(#[from] tch::TchError),
 }

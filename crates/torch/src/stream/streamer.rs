@@ -52,10 +52,15 @@ type Reading = Box<dyn FnMut() -> Option<u64> + Send>;
 /// such a model no checkpoint (it would load it whole); [`StreamedModel::planned`] reads it.
 #[derive(Clone)]
 pub struct StreamPlan {
+    /// The model's checkpoint files.
     pub files: Vec<std::path::PathBuf>,
+    /// How its tensors fall into blocks.
     pub spec: BlockSpec,
+    /// The byte budget its resident part and one step fit in.
     pub budget: u64,
+    /// Bytes a step's working set needs beside the weights.
     pub working: u64,
+    /// Whether the forward runs blocks in any order or only some of them.
     pub any_order: bool,
     /// The model's name rules, the file's ignored entries included.
     pub names: NameRules,
