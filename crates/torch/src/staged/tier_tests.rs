@@ -1,7 +1,7 @@
 //! The host tier inside the registry, run on the CPU: the registry's tier holds device models
 //! only, so these tests switch it on for CPU models ([`StagedModelsBuilder::tier_on_cpu`]); the
 //! copies themselves are the real ones (pageable here, pinned on a GPU machine, where
-//! `scripts/gpu-check.sh` runs the same path on CUDA).
+//! `cargo xtask gpu-check` runs the same path on CUDA).
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
