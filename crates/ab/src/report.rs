@@ -146,15 +146,7 @@ pub fn render(report: &AbReport) -> String {
     }
     out += &render_results(report);
     out += "\npeak per stage, median (min – max) over the runs; ratio = median / the first arm's median:\n";
-    let mut header = format!("  {:<14}", "stage");
-    for arm in &report.arms {
-        header += &format!(" {arm:>34}");
-    }
-    for arm in report.arms.iter().skip(1) {
-        header += &format!(" {:>10}", format!("{arm}/{}", report.arms[0]));
-    }
-    out += &header;
-    out += "\n";
+    out += &header("stage", [14, 34, 10], &report.arms);
     for stage in &report.stages {
         let mut line = format!("  {:<14}", stage.stage);
         for spread in &stage.host {
@@ -193,6 +185,19 @@ pub fn render(report: &AbReport) -> String {
     out
 }
 
+/// A table's header line: `label`, each arm, then each later arm over the first; `widths` are
+/// the label's, a value column's and a ratio column's.
+fn header(label: &str, [label_width, value, ratio]: [usize; 3], arms: &[String]) -> String {
+    let mut line = format!("  {label:<label_width$}");
+    for arm in arms {
+        line += &format!(" {arm:>value$}");
+    }
+    for arm in arms.iter().skip(1) {
+        line += &format!(" {:>ratio$}", format!("{arm}/{}", arms[0]));
+    }
+    line + "\n"
+}
+
 /// The result files' measures: one line per field, each arm's median, then the ratios.
 fn render_results(report: &AbReport) -> String {
     if report.results.is_empty() {
@@ -201,15 +206,7 @@ fn render_results(report: &AbReport) -> String {
     let mut out = String::from(
         "\nresults (each run's ARM-ROUND.json, its numeric fields), median; ratio = median / the first arm's:\n",
     );
-    let mut header = format!("  {:<20}", "field");
-    for arm in &report.arms {
-        header += &format!(" {arm:>14}");
-    }
-    for arm in report.arms.iter().skip(1) {
-        header += &format!(" {:>14}", format!("{arm}/{}", report.arms[0]));
-    }
-    out += &header;
-    out += "\n";
+    out += &header("field", [20, 14, 14], &report.arms);
     for field in &report.results {
         let mut line = format!("  {:<20}", field.field);
         for arm in &field.arms {

@@ -53,7 +53,8 @@ pub fn hot_set(shell: &mut Shell, out: &Path, runs: u16) -> Result<(), Error> {
                 Arm::new(name, &stream, &[args, words(flags)].concat())
             })
             .collect();
-        let comparison = Comparison { stageload: &stageload, out: out.join(source), runs, arms, flags: guard_flags() };
+        let comparison =
+            Comparison { stageload: &stageload, out: out.join(source), runs, arms, flags: guard_flags(None) };
         log.line(&format!("== from the {source}: {runs} run(s) of each arm, alternating"));
         let report = comparison.run(shell, Some(&log))?;
         failures.keep(report.verdict(&format!("the hot set from the {source}")));
@@ -105,7 +106,7 @@ pub fn prefetch(shell: &mut Shell, out: &Path, cascade: &[String]) -> Result<(),
                 arm("staged", &["--mode", "staged"]),
                 arm("prefetch", &["--mode", "staged", "--prefetch"]),
             ],
-            flags: guard_flags(),
+            flags: guard_flags(None),
         };
         println!("== {cache} page cache: eager, staged, prefetch, twice each, alternating");
         let log = Log::create(&out.join(cache).join("ab.log"))?;

@@ -10,9 +10,13 @@ use crate::benches;
 use crate::shell::{check, words, Error, Failures, Log, Setup, Shell};
 
 /// `stageload ab`'s guard flags for the demos: start when 25 % of memory is free, waiting up to
-/// ten minutes for it.
-pub fn guard_flags() -> Vec<String> {
-    ["--wait-free", "25", "--start-timeout", "10m"].map(String::from).to_vec()
+/// ten minutes for it; the guard's decisions also into `log` when given.
+pub fn guard_flags(log: Option<&Path>) -> Vec<String> {
+    let mut flags = words(&["--wait-free", "25", "--start-timeout", "10m"]);
+    if let Some(log) = log {
+        flags.extend(["--log".to_string(), log.display().to_string()]);
+    }
+    flags
 }
 
 /// Builds `targets` of the library's package (its examples) and `stageload`; returns the
@@ -42,8 +46,7 @@ pub fn demo(shell: &mut Shell, out: &Path, cascade: &[String]) -> Result<(), Err
     let arm = |name: &str, mode: &[&str]| Arm::new(name, &program, &[words(mode), cascade.to_vec()].concat());
     let log = Log::create(&out.join("ab.log"))?;
     log.line("== stageload ab: eager, staged, prefetch, twice each, alternating, under the guard");
-    let mut flags = guard_flags();
-    flags.extend(["--log".to_string(), out.join("guard.jsonl").display().to_string()]);
+    let flags = guard_flags(Some(&out.join("guard.jsonl")));
     let comparison = Comparison {
         stageload: &stageload,
         out: out.clone(),
@@ -168,7 +171,7 @@ pub fn stream_demo(shell: &mut Shell, out: &Path) -> Result<(), Error> {
             arm("half", &["--budget", "2GiB", "--resident-at-most", "6"]),
             arm("budget", &["--budget", "400MiB", "--working", "200MiB"]),
         ],
-        flags: guard_flags(),
+        flags: guard_flags(None),
     };
     let report = bench.run(shell, Some(&log))?;
     failures.keep(report.verdict("the step times"));
@@ -223,8 +226,7 @@ pub fn sd_demo(shell: &mut Shell, out: &Path) -> Result<(), Error> {
     let arm = |name: &str| Arm::new(name, &sd, &[base.clone(), words(&["--mode", name])].concat());
     let log = Log::create(&out.join("ab.log"))?;
     log.line("== stageload ab: eager, staged, prefetch, one run each, under the guard");
-    let mut flags = guard_flags();
-    flags.extend(["--log".to_string(), out.join("guard.ndjson").display().to_string()]);
+    let flags = guard_flags(Some(&out.join("guard.ndjson")));
     let comparison = Comparison {
         stageload: &stageload,
         out: out.clone(),
