@@ -94,12 +94,13 @@ pub fn prefetch(shell: &mut Shell, out: &Path, cascade: &[String]) -> Result<(),
     let mut failures = Failures::default();
     for cache in ["warm", "cold"] {
         let cold = if cache == "cold" { vec!["--cold".to_string()] } else { Vec::new() };
+        let folder = shell.folder(&out.join(cache))?;
         let arm = |name: &str, mode: &[&str]| {
             Arm::new(name, &program, &[words(mode), cold.clone(), cascade.to_vec()].concat())
         };
         let comparison = Comparison {
             stageload: &stageload,
-            out: out.join(cache),
+            out: folder.clone(),
             runs: 2,
             arms: vec![
                 arm("eager", &["--mode", "eager"]),
@@ -109,7 +110,7 @@ pub fn prefetch(shell: &mut Shell, out: &Path, cascade: &[String]) -> Result<(),
             flags: guard_flags(None),
         };
         println!("== {cache} page cache: eager, staged, prefetch, twice each, alternating");
-        let log = Log::create(&out.join(cache).join("ab.log"))?;
+        let log = Log::create(&folder.join("ab.log"))?;
         let report = comparison.run(shell, Some(&log))?;
         failures.keep(report.verdict(&format!("prefetch, {cache} page cache")));
         for arm in ["eager", "staged", "prefetch"] {
