@@ -2,12 +2,14 @@
 //! (`STAGELOAD_RESULT`, `OUT/ARM-ROUND.json`) to write a JSON object of what it measured; every
 //! top-level number in it is gathered per arm, its median taken and set against the first arm's
 //! median. The wall times of the runs go through the same [`medians`], so the benchmarks' medians
-//! and ratios all come from here.
+//! and ratios all come from here (the median itself is `stageload_trace::aggregate::median`, which
+//! the measuring binaries use too).
 
 use std::path::Path;
 
 use serde::Serialize;
 use serde_json::{Map, Value};
+pub use stageload_trace::aggregate::median;
 
 /// One arm's values of one measure, in run order, their median and its ratio to the first arm's.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -29,18 +31,6 @@ pub struct ResultField {
     pub field: String,
     /// Per arm, in the arms' order.
     pub arms: Vec<Medians>,
-}
-
-/// The median of `values`: `None` for none, the mean of the middle two for an even count.
-pub fn median(values: &[f64]) -> Option<f64> {
-    let mut sorted = values.to_vec();
-    sorted.sort_by(f64::total_cmp);
-    let n = sorted.len();
-    match n {
-        0 => None,
-        n if n % 2 == 1 => Some(sorted[n / 2]),
-        n => Some((sorted[n / 2 - 1] + sorted[n / 2]) / 2.0),
-    }
 }
 
 /// Each arm's values (`values[arm]`) with their median and its ratio to the first arm's.

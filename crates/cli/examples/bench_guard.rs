@@ -115,9 +115,9 @@ fn cpu_per_hour(extra: &[&str], seconds: u64) -> f64 {
     (children_cpu() - before) / seconds as f64 * 3600.0
 }
 
-fn median(mut values: Vec<f64>) -> f64 {
-    values.sort_by(f64::total_cmp);
-    values[values.len() / 2]
+/// The median of `values` (the project's one median; NaN for none).
+fn median(values: Vec<f64>) -> f64 {
+    stageload_trace::aggregate::median(&values).unwrap_or(f64::NAN)
 }
 
 fn main() {

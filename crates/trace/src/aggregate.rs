@@ -33,6 +33,19 @@ impl Spread {
     }
 }
 
+/// The median of `values`: `None` for none, the mean of the middle two for an even count. Every
+/// median the project reports (`stageload ab`'s results and wall times, the benchmarks') is this.
+pub fn median(values: &[f64]) -> Option<f64> {
+    let mut sorted = values.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    let n = sorted.len();
+    match n {
+        0 => None,
+        n if n % 2 == 1 => Some(sorted[n / 2]),
+        n => Some((sorted[n / 2 - 1] + sorted[n / 2]) / 2.0),
+    }
+}
+
 /// One stage over every run of every arm.
 #[derive(Debug, Clone, Serialize)]
 pub struct StageSpread {
@@ -86,6 +99,14 @@ pub fn aggregate(arms: &[Vec<&Summary>]) -> Vec<StageSpread> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_median_takes_the_middle_value_or_the_mean_of_the_middle_two() {
+        assert_eq!(median(&[]), None);
+        assert_eq!(median(&[3.0, 1.0, 2.0]), Some(2.0));
+        assert_eq!(median(&[4.0, 1.0, 2.0, 3.0]), Some(2.5), "an even count takes the middle two");
+        assert_eq!(median(&[f64::NAN, 1.0, 2.0]), Some(2.0), "a NaN sorts last instead of panicking");
+    }
 
     #[test]
     fn the_median_of_an_even_count_is_the_mean_of_the_middle_two_without_overflow() {

@@ -116,9 +116,9 @@ fn python_runs(args: &Args, runs: usize) -> Vec<Measure> {
         .collect()
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    v[v.len() / 2]
+/// The median of `values` (the project's one median; NaN for none).
+fn median(values: Vec<f64>) -> f64 {
+    stageload_trace::aggregate::median(&values).unwrap_or(f64::NAN)
 }
 
 fn main() {

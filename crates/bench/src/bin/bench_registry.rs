@@ -88,9 +88,9 @@ fn run(models: &StagedModels, count: usize, per_stage: usize) -> f64 {
     started.elapsed().as_secs_f64()
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    v[v.len() / 2]
+/// The median of `values` (the project's one median; NaN for none).
+fn median(values: Vec<f64>) -> f64 {
+    stageload_trace::aggregate::median(&values).unwrap_or(f64::NAN)
 }
 
 /// Measures `count` models in this process: the figures as JSON.

@@ -101,9 +101,9 @@ fn python_round(components: &Path) -> Result<Value, BoxError> {
     Ok(summary["jit_load"].clone())
 }
 
-fn median(mut values: Vec<f64>) -> f64 {
-    values.sort_by(f64::total_cmp);
-    values[values.len() / 2]
+/// The median of `values` (the project's one median; NaN for none).
+fn median(values: Vec<f64>) -> f64 {
+    stageload_trace::aggregate::median(&values).unwrap_or(f64::NAN)
 }
 
 /// A module's reload in place (GB/s, from its `reload` event) and the checkpoint load of the

@@ -81,9 +81,9 @@ fn all_equal(a: &[(String, Tensor)], b: &[(String, Tensor)]) -> bool {
     a.iter().zip(b).all(|((_, x), (_, y))| x.to_device(Device::Cpu).equal(&y.to_device(Device::Cpu)))
 }
 
-fn median(mut values: Vec<f64>) -> f64 {
-    values.sort_by(f64::total_cmp);
-    values.get(values.len() / 2).copied().unwrap_or(f64::NAN)
+/// The median of `values` (the project's one median; NaN for none).
+fn median(values: Vec<f64>) -> f64 {
+    stageload_trace::aggregate::median(&values).unwrap_or(f64::NAN)
 }
 
 /// GB/s of host→device copies of 1 GiB from pinned and from pageable memory.

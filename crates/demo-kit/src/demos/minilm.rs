@@ -169,9 +169,9 @@ fn max_abs(a: &Tensor, b: &Tensor) -> f64 {
     (a - b).abs().max().double_value(&[])
 }
 
-fn median(mut values: Vec<f64>) -> f64 {
-    values.sort_by(f64::total_cmp);
-    values[values.len() / 2]
+/// The median of `values` (the project's one median; NaN for none).
+fn median(values: Vec<f64>) -> f64 {
+    stageload_trace::aggregate::median(&values).unwrap_or(f64::NAN)
 }
 
 /// The example's `main`: parses the command line and runs.
