@@ -5,7 +5,7 @@
 use std::path::Path;
 
 use crate::ab::{Arm, Comparison};
-use crate::demos::{build, guard_flags};
+use crate::demos::{build, cascade_arms, guard_flags};
 use crate::shell::{check, words, Error, Failures, Log, Setup, Shell};
 
 /// The hot set's arms: name, and the stream example's flags for it.
@@ -90,23 +90,16 @@ pub fn prefetch(shell: &mut Shell, out: &Path, cascade: &[String]) -> Result<(),
     shell.set_up(&[Setup::Libtorch])?;
     let out = shell.folder(out)?;
     let stageload = build(shell, &["--example", "cascade"])?;
-    let program = shell.target("debug/examples/cascade");
     let mut failures = Failures::default();
     for cache in ["warm", "cold"] {
-        let cold = if cache == "cold" { vec!["--cold".to_string()] } else { Vec::new() };
         let folder = shell.folder(&out.join(cache))?;
-        let arm = |name: &str, mode: &[&str]| {
-            Arm::new(name, &program, &[words(mode), cold.clone(), cascade.to_vec()].concat())
-        };
+        let mut extra = if cache == "cold" { vec!["--cold".to_string()] } else { Vec::new() };
+        extra.extend(cascade.iter().cloned());
         let comparison = Comparison {
             stageload: &stageload,
             out: folder.clone(),
             runs: 2,
-            arms: vec![
-                arm("eager", &["--mode", "eager"]),
-                arm("staged", &["--mode", "staged"]),
-                arm("prefetch", &["--mode", "staged", "--prefetch"]),
-            ],
+            arms: cascade_arms(shell, &extra),
             flags: guard_flags(None),
         };
         println!("== {cache} page cache: eager, staged, prefetch, twice each, alternating");

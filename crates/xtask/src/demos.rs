@@ -37,27 +37,27 @@ pub fn example(shell: &mut Shell, name: &str, release: bool, args: &[String]) ->
     shell.run(command.arg("--").args(args))
 }
 
+/// The cascade eager, staged, and staged with prefetch, each with `extra` arguments.
+pub fn cascade_arms(shell: &Shell, extra: &[String]) -> Vec<Arm> {
+    let program = shell.target("debug/examples/cascade");
+    let arm = |name: &str, mode: &[&str]| Arm::new(name, &program, &[words(mode), extra.to_vec()].concat());
+    vec![
+        arm("eager", &["--mode", "eager"]),
+        arm("staged", &["--mode", "staged"]),
+        arm("prefetch", &["--mode", "staged", "--prefetch"]),
+    ]
+}
+
 /// The README's main job (see the module docs); results in `out`.
 pub fn demo(shell: &mut Shell, out: &Path, cascade: &[String]) -> Result<(), Error> {
     shell.set_up(&[Setup::Libtorch])?;
     let out = shell.folder(out)?;
     let stageload = build(shell, &["--example", "cascade"])?;
-    let program = shell.target("debug/examples/cascade");
-    let arm = |name: &str, mode: &[&str]| Arm::new(name, &program, &[words(mode), cascade.to_vec()].concat());
     let log = Log::create(&out.join("ab.log"))?;
     log.line("== stageload ab: eager, staged, prefetch, twice each, alternating, under the guard");
     let flags = guard_flags(Some(&out.join("guard.jsonl")));
-    let comparison = Comparison {
-        stageload: &stageload,
-        out: out.clone(),
-        runs: 2,
-        arms: vec![
-            arm("eager", &["--mode", "eager"]),
-            arm("staged", &["--mode", "staged"]),
-            arm("prefetch", &["--mode", "staged", "--prefetch"]),
-        ],
-        flags,
-    };
+    let comparison =
+        Comparison { stageload: &stageload, out: out.clone(), runs: 2, arms: cascade_arms(shell, cascade), flags };
     let mut failures = Failures::default();
     let report = comparison.run(shell, Some(&log))?;
     failures.keep(report.verdict("the cascade"));
