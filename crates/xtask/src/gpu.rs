@@ -172,8 +172,7 @@ fn run(shell: &mut Shell) -> Result<(), Error> {
                 &["--load-only", "--out", &ring_out, "--scratch", &scratch_text, "--gib", "4", "--rounds", "3"],
             );
             step(load.env("STAGELOAD_RING", ring));
-            let kept = out.join(format!("ring-{}.json", ring.replace(['=', ','], "-")));
-            let _ = std::fs::copy(scratch.join("ring/gpu-check.json"), kept);
+            let _ = std::fs::copy(scratch.join("ring/gpu-check.json"), ring_file(&out, ring));
         }
     }
 
@@ -196,7 +195,7 @@ fn run(shell: &mut Shell) -> Result<(), Error> {
     let cache = ["--cache", weights.as_str()];
     let cascade = CASCADE.iter().map(|(name, flags)| device_arm(name, "bin/cascade", &[&cache[..], flags].concat()));
     compare("cascade", cascade.collect(), &mut failures);
-    failures.keep(control_differs(shell, &log, &on_device, &out, &cache));
+    failures.keep(control_differs(shell, &log, on_device("bin/cascade", &cache), &stageload, &out));
     let mut ratios = Map::new();
     let pinned = number_field(&out.join("gpu-check.json"), "pinned_h2d_gb_per_s");
     ratios.insert("pinned_h2d_gb_per_s".into(), pinned.map_or(Value::Null, Value::from));
@@ -214,7 +213,7 @@ fn run(shell: &mut Shell) -> Result<(), Error> {
         .map(|mode| device_arm(mode, "bin/stable_diffusion", &["--components", &sd, "--mode", mode]));
     compare("sd", sd_arms.into(), &mut failures);
     for ring in RINGS {
-        let file = out.join(format!("ring-{}.json", ring.replace(['=', ','], "-")));
+        let file = ring_file(&out, ring);
         let field = |name| number_field(&file, name).map_or(Value::Null, Value::from);
         ratios.insert(
             format!("ring-{ring}"),
@@ -228,29 +227,31 @@ fn run(shell: &mut Shell) -> Result<(), Error> {
     failures.end()
 }
 
-/// The control: staged without RNG preservation on cuda:0 must give latents that differ from
-/// eager's (`stageload latents` exits 1 on a difference).
+/// The control: staged without RNG preservation on cuda:0 (`cascade`, its cache given) must give
+/// latents that differ from eager's (`stageload latents` exits 1 on a difference).
 fn control_differs(
     shell: &Shell,
     log: &Log,
-    on_device: &dyn Fn(&str, &[&str]) -> std::process::Command,
+    mut cascade: std::process::Command,
+    stageload: &Path,
     out: &Path,
-    cache: &[&str],
 ) -> Result<(), Error> {
     let latents = out.join("control.safetensors").display().to_string();
-    let mut control = on_device(
-        "bin/cascade",
-        &[&["--device", "cuda", "--mode", "staged", "--no-preserve-rng", "--latents", &latents], cache].concat(),
-    );
-    let status = shell.status(&mut control, Some(log))?;
-    check(&control, status)?;
-    let mut compare = shell.cmd(shell.target("device-kit/bin/stageload"), &["latents"]);
+    cascade.args(["--device", "cuda", "--mode", "staged", "--no-preserve-rng", "--latents", &latents]);
+    let status = shell.status(&mut cascade, Some(log))?;
+    check(&cascade, status)?;
+    let mut compare = shell.cmd(stageload, &["latents"]);
     compare.arg(out.join("cascade/eager-1.safetensors")).args(["--against", &latents, "--name", "eager"]);
     match shell.status(&mut compare, Some(log))?.code() {
         Some(1) => Ok(()),
         Some(0) => Err("the control (no RNG preservation) gave eager's latents: the check cannot tell".into()),
         _ => Err("the control's latents could not be compared with eager's".into()),
     }
+}
+
+/// Where the load under ring shape `ring` keeps its result.
+fn ring_file(out: &Path, ring: &str) -> PathBuf {
+    out.join(format!("ring-{}.json", ring.replace(['=', ','], "-")))
 }
 
 /// One streamed arm against its model whole: step time over whole's, refill rate and its ratio
