@@ -1,0 +1,420 @@
+//! A newcomer's check of the front door (issue 45): `README.md` stays under its line budget, every
+//! relative link in it and in the guide (`docs/*.md`) leads to a file or folder of the checkout,
+//! and every `cargo xtask TASK` and `stageload COMMAND` they show is one that exists.
+//!
+//! The tasks and commands are read from the clap definitions, as text: the `#[derive(Parser)]`
+//! struct of `crates/xtask/src` and of `crates/cli/src`, its `#[command(subcommand)]` field's
+//! enum, and that enum's variants in kebab case (clap's default), a `#[command(name = ...)]` or
+//! alias on a variant taken as written. Commands are looked for in code only (inline code spans
+//! and fenced `sh` blocks), where a word after `stageload` is a command and not prose; links in
+//! the prose only.
+//!
+//! Torch-free: it reads files and runs nothing, though it is a test of the `stageload` package.
+
+use std::collections::BTreeSet;
+use std::fs;
+use std::path::{Component, Path, PathBuf};
+
+/// The most lines `README.md` may have.
+const README_BUDGET: usize = 300;
+
+/// The languages of fenced blocks whose lines are commands.
+const SHELL: [&str; 4] = ["sh", "bash", "shell", "console"];
+
+fn checkout() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// `README.md` and every `docs/*.md`, as (path relative to the checkout, text).
+fn documents() -> Vec<(PathBuf, String)> {
+    let root = checkout();
+    let mut paths = vec![PathBuf::from("README.md")];
+    let mut guide: Vec<PathBuf> = fs::read_dir(root.join("docs"))
+        .expect("docs/ (the guide) is missing")
+        .map(|entry| entry.unwrap().path())
+        .filter(|path| path.extension().is_some_and(|ext| ext == "md"))
+        .map(|path| path.strip_prefix(&root).unwrap().to_path_buf())
+        .collect();
+    guide.sort();
+    assert!(guide.contains(&PathBuf::from("docs/README.md")), "docs/README.md (the guide's index) is missing");
+    paths.extend(guide);
+    paths
+        .into_iter()
+        .map(|path| {
+            let text = fs::read_to_string(root.join(&path)).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+            (path, text)
+        })
+        .collect()
+}
+
+/// A markdown text split into its prose (code spans and fenced blocks blanked out) and the code
+/// that may name commands: each inline span, and each line of a fenced block marked as shell
+/// (`sh`, `bash`, `shell`, `console`); a block of another language or none (a folder tree, say)
+/// is read as neither.
+struct Split {
+    prose: String,
+    code: Vec<String>,
+}
+
+fn split(text: &str) -> Split {
+    let mut prose = String::new();
+    let mut code = Vec::new();
+    let mut fence: Option<(String, bool)> = None;
+    let mut paragraph = Vec::new();
+    for line in text.lines() {
+        let trimmed = line.trim_start();
+        let marker: String = trimmed.chars().take_while(|&c| c == '`' || c == '~').collect();
+        match &fence {
+            Some((open, _)) if trimmed.starts_with(open.as_str()) && trimmed.trim_end() == marker => fence = None,
+            Some((_, shell)) => {
+                if *shell {
+                    code.push(line.to_string());
+                }
+            }
+            None if marker.len() >= 3 && marker.chars().all(|c| c == marker.chars().next().unwrap()) => {
+                flush(&mut paragraph, &mut prose, &mut code);
+                let language = trimmed[marker.len()..].split_whitespace().next().unwrap_or("");
+                fence = Some((marker, SHELL.contains(&language)));
+            }
+            None if trimmed.is_empty() => flush(&mut paragraph, &mut prose, &mut code),
+            None => paragraph.push(line.to_string()),
+        }
+    }
+    flush(&mut paragraph, &mut prose, &mut code);
+    Split { prose, code }
+}
+
+/// One paragraph of prose: its inline code spans (which may run over lines) go to `code`, the
+/// rest to `prose`.
+fn flush(paragraph: &mut Vec<String>, prose: &mut String, code: &mut Vec<String>) {
+    let text = paragraph.join("\n");
+    paragraph.clear();
+    let mut rest = text.as_str();
+    while let Some(start) = rest.find('`') {
+        let ticks = rest[start..].chars().take_while(|&c| c == '`').count();
+        let after = &rest[start + ticks..];
+        let closing = find_run(after, ticks);
+        prose.push_str(&rest[..start]);
+        match closing {
+            Some(end) => {
+                code.push(after[..end].replace('\n', " "));
+                prose.push(' ');
+                rest = &after[end + ticks..];
+            }
+            None => {
+                // An unmatched run of backticks is literal text.
+                prose.push_str(&rest[start..start + ticks]);
+                rest = after;
+            }
+        }
+    }
+    prose.push_str(rest);
+    prose.push('\n');
+}
+
+/// Where a run of exactly `ticks` backticks begins in `text`.
+fn find_run(text: &str, ticks: usize) -> Option<usize> {
+    let bytes = text.as_bytes();
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'`' {
+            let run = bytes[i..].iter().take_while(|&&b| b == b'`').count();
+            if run == ticks {
+                return Some(i);
+            }
+            i += run;
+        } else {
+            i += 1;
+        }
+    }
+    None
+}
+
+/// The targets of the inline links and images (`[text](target)`, `![alt](target)`) and of the
+/// reference definitions (`[name]: target`) in `prose`.
+fn link_targets(prose: &str) -> Vec<String> {
+    let mut targets = Vec::new();
+    let mut rest = prose;
+    while let Some(at) = rest.find("](") {
+        let after = &rest[at + 2..];
+        let end = after.find(')').unwrap_or(after.len());
+        let target = after[..end].split_whitespace().next().unwrap_or("");
+        targets.push(target.trim_start_matches('<').trim_end_matches('>').to_string());
+        rest = &after[end..];
+    }
+    for line in prose.lines() {
+        let line = line.trim_start();
+        if let Some(close) = line.strip_prefix('[').and_then(|l| l.find("]:")) {
+            let target = line[close + 3..].split_whitespace().next().unwrap_or("");
+            targets.push(target.trim_start_matches('<').trim_end_matches('>').to_string());
+        }
+    }
+    targets
+}
+
+/// The path a relative link points at, `#fragment` stripped; `None` for web links, mail and
+/// links within the page.
+fn relative_path(target: &str) -> Option<&str> {
+    let external = ["http://", "https://", "mailto:"].iter().any(|scheme| target.starts_with(scheme));
+    let path = target.split('#').next().unwrap_or("");
+    (!external && !path.is_empty()).then_some(path)
+}
+
+/// `base/target` with `.` and `..` worked out, or `None` when it climbs out of the checkout.
+fn resolve(base: &Path, target: &str) -> Option<PathBuf> {
+    let joined = base.join(target);
+    let mut parts: Vec<Component> = Vec::new();
+    for component in joined.components() {
+        match component {
+            Component::CurDir => {}
+            Component::RootDir | Component::Prefix(_) => return None,
+            Component::ParentDir => {
+                parts.pop()?;
+            }
+            other => parts.push(other),
+        }
+    }
+    Some(parts.iter().collect())
+}
+
+/// The word after `first second` in `code` (`cargo xtask demo` → `demo`), for each time the pair
+/// is followed by a word: options (`--help`) and other text are no command.
+fn named_after(code: &str, first: &str, second: Option<&str>) -> Vec<String> {
+    let words: Vec<&str> = code.split_whitespace().collect();
+    let width = if second.is_some() { 2 } else { 1 };
+    let mut named = Vec::new();
+    for (i, word) in words.iter().enumerate() {
+        if *word != first || second.is_some_and(|s| words.get(i + 1) != Some(&s)) {
+            continue;
+        }
+        if let Some(next) = words.get(i + width) {
+            let command = next.trim_end_matches([',', ';', ')', '.', ':']);
+            let first_char = command.chars().next().unwrap_or(' ');
+            if first_char.is_ascii_lowercase() && command.chars().all(|c| c.is_ascii_alphanumeric() || c == '-') {
+                named.push(command.to_string());
+            }
+        }
+    }
+    named
+}
+
+/// `HotSetBench` → `hot-set-bench`, as clap names a subcommand by default.
+fn kebab(ident: &str) -> String {
+    let mut out = String::new();
+    for (i, c) in ident.chars().enumerate() {
+        if c.is_ascii_uppercase() {
+            if i > 0 {
+                out.push('-');
+            }
+            out.push(c.to_ascii_lowercase());
+        } else if c == '_' {
+            out.push('-');
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+/// The quoted values of `key = "..."` in an attribute.
+fn attribute_values(attribute: &str, keys: &[&str]) -> Vec<String> {
+    let mut values = Vec::new();
+    for part in attribute.split(',') {
+        let Some((key, value)) = part.split_once('=') else { continue };
+        let key = key.trim().trim_start_matches("#[command(");
+        if keys.contains(&key) {
+            if let Some(value) = value.trim().strip_prefix('"').and_then(|v| v.split('"').next()) {
+                values.push(value.to_string());
+            }
+        }
+    }
+    values
+}
+
+/// The subcommands of the enum `name` declared in `source`, or `None` when `source` does not
+/// declare it.
+fn enum_subcommands(source: &str, name: &str) -> Option<BTreeSet<String>> {
+    let start = source.find(&format!("enum {name} {{")).or_else(|| source.find(&format!("enum {name}{{")))?;
+    let body = &source[start + source[start..].find('{')?..];
+    let mut names = BTreeSet::new();
+    let mut renamed = None;
+    let mut depth = 0usize;
+    for line in body.lines() {
+        let line = line.trim();
+        if line.starts_with("//") {
+            continue;
+        }
+        if depth == 1 {
+            if line.starts_with("#[command(") {
+                renamed = attribute_values(line, &["name"]).pop().or(renamed);
+                names.extend(attribute_values(line, &["alias", "visible_alias"]));
+            } else if line.starts_with(|c: char| c.is_ascii_uppercase()) {
+                let ident: String = line.chars().take_while(|c| c.is_ascii_alphanumeric() || *c == '_').collect();
+                names.insert(renamed.take().unwrap_or_else(|| kebab(&ident)));
+            }
+        }
+        for c in line.chars() {
+            match c {
+                '{' => depth += 1,
+                '}' => depth -= 1,
+                _ => {}
+            }
+        }
+        if depth == 0 {
+            break;
+        }
+    }
+    Some(names)
+}
+
+/// The top-level subcommands of the binary whose sources are in `src`: the enum of the
+/// `#[command(subcommand)]` field of its `#[derive(Parser)]` struct, plus clap's own `help`.
+fn subcommands(src: &str) -> BTreeSet<String> {
+    let mut sources = Vec::new();
+    let mut folders = vec![checkout().join(src)];
+    while let Some(folder) = folders.pop() {
+        for entry in fs::read_dir(&folder).unwrap_or_else(|e| panic!("{}: {e}", folder.display())) {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                folders.push(path);
+            } else if path.extension().is_some_and(|ext| ext == "rs") {
+                sources.push(fs::read_to_string(&path).unwrap());
+            }
+        }
+    }
+    // The struct after a `#[derive(Parser)]`, up to its closing brace, that has a subcommand field.
+    let field = sources
+        .iter()
+        .flat_map(|source| source.match_indices("#[derive(Parser)]").map(move |(at, _)| &source[at..]))
+        .map(|parser| &parser[..parser.find("\n}").unwrap_or(parser.len())])
+        .find_map(|parser| parser.find("#[command(subcommand)]").map(|at| &parser[at..]))
+        .unwrap_or_else(|| panic!("{src}: no #[derive(Parser)] struct with a #[command(subcommand)] field"));
+    let declaration = field
+        .lines()
+        .skip(1)
+        .map(str::trim)
+        .find(|line| !line.is_empty() && !line.starts_with("//") && !line.starts_with("#["))
+        .unwrap_or_default();
+    let type_name = declaration
+        .split_once(':')
+        .map(|(_, ty)| ty.trim().trim_end_matches(',').trim())
+        .map(|ty| ty.strip_prefix("Option<").and_then(|t| t.strip_suffix('>')).unwrap_or(ty))
+        .unwrap_or_else(|| panic!("{src}: cannot read the subcommand field `{declaration}`"));
+    let mut names = sources
+        .iter()
+        .find_map(|source| enum_subcommands(source, type_name))
+        .unwrap_or_else(|| panic!("{src}: enum {type_name} not found"));
+    names.insert("help".to_string());
+    names
+}
+
+/// Every `first [second] WORD` the documents show in their code, as (document, word).
+fn named_in_documents(first: &str, second: Option<&str>) -> Vec<(PathBuf, String)> {
+    let mut named = Vec::new();
+    for (path, text) in documents() {
+        for code in split(&text).code {
+            named.extend(named_after(&code, first, second).into_iter().map(|word| (path.clone(), word)));
+        }
+    }
+    named
+}
+
+fn unknown_commands(first: &str, second: Option<&str>, src: &str) -> (usize, Vec<String>) {
+    let known = subcommands(src);
+    let named = named_in_documents(first, second);
+    let shown = [Some(first), second].into_iter().flatten().collect::<Vec<_>>().join(" ");
+    let unknown = named
+        .iter()
+        .filter(|(_, word)| !known.contains(word))
+        .map(|(path, word)| format!("{}: `{shown} {word}` (known: {known:?})", path.display()))
+        .collect();
+    (named.len(), unknown)
+}
+
+#[test]
+fn the_readme_stays_under_its_line_budget() {
+    let readme = fs::read_to_string(checkout().join("README.md")).unwrap();
+    let lines = readme.lines().count();
+    assert!(
+        lines <= README_BUDGET,
+        "README.md has {lines} lines, over its budget of {README_BUDGET}: move the depth to docs/"
+    );
+}
+
+#[test]
+fn every_relative_link_in_the_readme_and_the_guide_resolves() {
+    let root = checkout();
+    let mut checked = 0;
+    let mut broken = Vec::new();
+    for (path, text) in documents() {
+        let base = path.parent().unwrap_or(Path::new(""));
+        for target in link_targets(&split(&text).prose) {
+            let Some(relative) = relative_path(&target) else { continue };
+            checked += 1;
+            match resolve(base, relative) {
+                Some(resolved) if root.join(&resolved).exists() => {}
+                Some(resolved) => {
+                    broken.push(format!("{}: `{target}` ({} does not exist)", path.display(), resolved.display()))
+                }
+                None => broken.push(format!("{}: `{target}` leads out of the checkout", path.display())),
+            }
+        }
+    }
+    assert!(checked > 0, "no relative link found: the link reader is broken");
+    assert!(broken.is_empty(), "links that do not resolve:\n{}", broken.join("\n"));
+}
+
+#[test]
+fn every_cargo_xtask_task_the_docs_name_exists() {
+    let (named, unknown) = unknown_commands("cargo", Some("xtask"), "crates/xtask/src");
+    assert!(named > 0, "no `cargo xtask TASK` found in README.md or docs/: the reader is broken");
+    assert!(unknown.is_empty(), "tasks that do not exist:\n{}", unknown.join("\n"));
+}
+
+#[test]
+fn every_stageload_command_the_docs_name_exists() {
+    let (named, unknown) = unknown_commands("stageload", None, "crates/cli/src");
+    assert!(named > 0, "no `stageload COMMAND` found in README.md or docs/: the reader is broken");
+    assert!(unknown.is_empty(), "commands that do not exist:\n{}", unknown.join("\n"));
+}
+
+#[test]
+fn the_task_and_command_lists_are_read_from_the_clap_definitions() {
+    let tasks = subcommands("crates/xtask/src");
+    for task in ["test", "demo", "example", "stream-demo", "hot-set-bench", "gpu-check"] {
+        assert!(tasks.contains(task), "`cargo xtask {task}` not read from the clap definitions: {tasks:?}");
+    }
+    assert!(!tasks.contains("build"), "a nested subcommand was read as a task: {tasks:?}");
+    let commands = subcommands("crates/cli/src");
+    for command in ["guard", "plan", "summary", "plot", "ab", "latents", "libtorch"] {
+        assert!(commands.contains(command), "`stageload {command}` not read from the clap definitions: {commands:?}");
+    }
+}
+
+#[test]
+fn code_links_and_commands_are_told_apart() {
+    let text = "See [the guide](docs/README.md#top) and [the web](https://example.com), `stageload plan\n\
+                pipeline.toml` and ``a `[x](no.md)` b``.\n\n```sh\nstageload guard -- [y](nor.md)\ncargo xtask \
+                demo -- --scale 0.1\n```\n\n[ref]: traces/\nstageload is not a command here.\n\n```\nas stageload \
+                prints them\n```\n";
+    let parts = split(text);
+    assert_eq!(link_targets(&parts.prose), ["docs/README.md#top", "https://example.com", "traces/"]);
+    let commands: Vec<String> = parts.code.iter().flat_map(|code| named_after(code, "stageload", None)).collect();
+    assert_eq!(commands, ["plan", "guard"]);
+    let tasks: Vec<String> = parts.code.iter().flat_map(|code| named_after(code, "cargo", Some("xtask"))).collect();
+    assert_eq!(tasks, ["demo"]);
+    assert_eq!(named_after("cargo xtask --help", "cargo", Some("xtask")), Vec::<String>::new());
+    assert_eq!(relative_path("docs/README.md#top"), Some("docs/README.md"));
+    assert_eq!(relative_path("#top"), None);
+    assert_eq!(resolve(Path::new("docs"), "../traces/gpu/"), Some(PathBuf::from("traces/gpu")));
+    assert_eq!(resolve(Path::new(""), "../elsewhere.md"), None);
+}
+
+#[test]
+fn clap_variants_are_read_in_kebab_case_or_as_renamed() {
+    let source = "enum Task {\n    /// Runs { braces } in a doc\n    Test { fast: bool },\n    HotSetBench {\n        \
+                  out: PathBuf,\n    },\n    #[command(name = \"gpu\", alias = \"g\")]\n    GpuCheck(Args),\n    Ab,\n}\n\
+                  enum Other {\n    Build,\n}\n";
+    let names = enum_subcommands(source, "Task").unwrap();
+    assert_eq!(names, ["ab", "g", "gpu", "hot-set-bench", "test"].map(String::from).into_iter().collect());
+}
