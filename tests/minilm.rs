@@ -53,11 +53,9 @@ fn minilm_matches_its_reference_and_reloads_in_place_bit_for_bit() {
         "{mismatch}"
     );
     assert_eq!(r["prefixed_identical"], true);
-    // Skipping initialisation draws nothing and makes the first load faster.
+    // Skipping initialisation runs no initialiser: it draws nothing. (What that saves in time is
+    // the example's to measure, `first_load_seconds_*` in its result; no test compares two times.)
     assert_eq!(r["skip_init_draws_nothing"], true);
-    let (skip, with) =
-        (r["first_load_seconds_skip_init"].as_f64().unwrap(), r["first_load_seconds_with_init"].as_f64().unwrap());
-    assert!(skip < with, "skip-init {skip:.3} s against {with:.3} s");
     let events = r["events"].as_array().unwrap();
     assert!(
         events
