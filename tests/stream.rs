@@ -380,6 +380,58 @@ fn tied_storage_across_blocks_is_refused() {
     assert!(err.to_string().contains("'blocks.1.fc1.weight'"), "{err}");
 }
 
+/// Ties each block's second weight to its first (`fc2.weight = fc1.weight`), as a module whose
+/// layers share a weight is; returns its tensors as libtorch lists them: both names, one storage.
+fn tie(vs: &VarStore, net: &mut Net) -> Vec<(String, Tensor)> {
+    for (fc1, fc2) in &mut net.blocks {
+        fc2.ws = fc1.ws.shallow_clone();
+    }
+    let mut tensors = stageload::named_tensors(vs);
+    for (name, tensor) in tensors.iter_mut() {
+        let block = name.strip_prefix("blocks.").and_then(|rest| rest.strip_suffix(".fc2.weight"));
+        if let Some(i) = block.and_then(|i| i.parse::<usize>().ok()) {
+            *tensor = net.blocks[i].0.ws.shallow_clone();
+        }
+    }
+    tensors
+}
+
+#[test]
+fn a_weight_tied_inside_a_block_needs_one_entry_and_streams_bit_identical() {
+    let _one = support::generator();
+    let dir = tempfile::tempdir().unwrap();
+    tch::manual_seed(7);
+    let vs = VarStore::new(Device::Cpu);
+    let mut net = Net::new(&vs);
+    let tensors = tie(&vs, &mut net);
+    // The checkpoint as safetensors' save_model writes a tied model: the shared weight once.
+    let file = dir.path().join("tied.safetensors");
+    let entries: Vec<(String, Tensor)> = tensors
+        .iter()
+        .filter(|(n, _)| !n.ends_with("fc2.weight"))
+        .map(|(n, t)| (n.clone(), t.shallow_clone()))
+        .collect();
+    stageload::checkpoint::save(&entries, &file).unwrap();
+    tch::manual_seed(11);
+    let inputs: Vec<Tensor> = (0..2).map(|_| Tensor::randn([16, WIDTH], (Kind::Float, Device::Cpu))).collect();
+    let expected: Vec<Tensor> = inputs.iter().map(|x| tch::no_grad(|| net.forward(x))).collect();
+
+    let vs = VarStore::new(Device::Cpu);
+    let mut net = stageload_torch_sys::without_fills(|| Net::new(&vs));
+    let tensors = tie(&vs, &mut net);
+    let checkpoint = Checkpoint::open(&[&file]).unwrap();
+    let mut model =
+        StreamedModel::new("net", tensors, checkpoint, &NameRules::default(), &spec(), budget_for(0)).unwrap();
+    model.reading(|| None);
+    for (x, expected) in inputs.iter().zip(&expected) {
+        let y = tch::no_grad(|| model.run(|step| net.forward_streamed(x, step))).unwrap();
+        assert!(y.equal(expected), "every block streamed through its one entry, bit for bit");
+    }
+    assert!(model.stats().refills >= DEPTH as u64, "the blocks were refilled: {:?}", model.stats());
+    let storage = |t: &Tensor| stageload_torch_sys::storage_info(t).unwrap().id;
+    assert_eq!(storage(&net.blocks[3].0.ws), storage(&net.blocks[3].1.ws), "still one storage");
+}
+
 /// A streamed model as a registry holds it: the forward's modules and their streamer.
 struct StreamedNet {
     net: Net,

@@ -8,7 +8,8 @@
 //! start it as a user would, in its own process (`stageload_test_support::build::example`).
 //!
 //! - The registry: `staged`, `threads`, `prefetch`, `names`, `snapshot`, `pipeline_file`,
-//!   `host_tier`, `script` (TorchScript), `stream` (block streaming), `checkpoint` (I/O).
+//!   `host_tier`, `script` (TorchScript), `every_tensor` (modules exported the ordinary way: tied
+//!   weights, buffers a checkpoint lacks), `stream` (block streaming), `checkpoint` (I/O).
 //! - The examples run as users run them: `readme_example` (two_models), `determinism` (cascade
 //!   and text_to_image, staged against eager), `stream_demo`, `minilm` (a published checkpoint
 //!   against its reference implementation), `stable_diffusion` and `ddim` (against diffusers),
@@ -17,6 +18,7 @@
 mod checkpoint;
 mod ddim;
 mod determinism;
+mod every_tensor;
 mod host_tier;
 mod many_jobs;
 mod minilm;

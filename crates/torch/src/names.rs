@@ -61,11 +61,20 @@ pub struct NameRules {
     /// Strict: any file entry that fills no tensor (and is not ignored), or any model tensor no
     /// entry fills, is an error. Lenient: loads what matches and reports the rest.
     pub strict: bool,
+    /// Every model tensor must be filled, whatever `strict` says (a refill in place: a tensor
+    /// left unfilled would hold whatever its new memory held).
+    pub(crate) complete: bool,
 }
 
 impl Default for NameRules {
     fn default() -> Self {
-        NameRules { rename: Rename::Same, ignore: Vec::new(), filled_elsewhere: HashSet::new(), strict: true }
+        NameRules {
+            rename: Rename::Same,
+            ignore: Vec::new(),
+            filled_elsewhere: HashSet::new(),
+            strict: true,
+            complete: false,
+        }
     }
 }
 
@@ -122,6 +131,12 @@ impl NameRules {
         self
     }
 
+    /// Every model tensor must be filled, whatever the strictness: a refill in place.
+    pub(crate) fn complete(mut self) -> Self {
+        self.complete = true;
+        self
+    }
+
     fn ignores(&self, entry: &str) -> bool {
         self.filled_elsewhere.contains(entry) || self.ignore.iter().any(|p| p.matches(entry))
     }
@@ -138,6 +153,9 @@ pub(crate) struct NameMatch {
     pub ignored: usize,
     /// Model tensors no entry fills, in the model's order.
     pub missing: Vec<String>,
+    /// Model tensors that need no entry: alias → the tensor whose entry fills their storage
+    /// (tied weights). Found by the checkpoint, which sees storages; none from `match_names`.
+    pub aliases: BTreeMap<String, String>,
 }
 
 /// Two file entries that the rename maps onto one model tensor.

@@ -4,7 +4,7 @@
 //! may share one storage (tied weights, views, a backbone two models hold): storages are
 //! identified through the shim and counted, freed and reallocated once each.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 
 use stageload_torch_sys::{self as shim, ShimError};
 use tch::Tensor;
@@ -58,6 +58,83 @@ pub fn needed_bytes(tensor: &Tensor) -> usize {
         .map(|(&size, stride)| ((size - 1).max(0) as usize).saturating_mul(stride.unsigned_abs() as usize))
         .fold(1usize, usize::saturating_add);
     (tensor.storage_offset().max(0) as usize).saturating_add(reach).saturating_mul(tensor.kind().elt_size_in_bytes())
+}
+
+/// Where a tensor's bytes lie in its storage, to tell whether filling one tensor fills another.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Span {
+    storage: u64,
+    /// First byte it reaches, from the storage's start.
+    start: usize,
+    /// Byte after the last one it reaches ([`needed_bytes`]).
+    end: usize,
+    /// Every byte of `start..end` is one of its elements (contiguous): filling it fills them all.
+    dense: bool,
+    /// Sizes, strides and dtype: the same view when equal and at the same `start`.
+    view: (Vec<i64>, Vec<i64>, tch::Kind),
+}
+
+impl Span {
+    fn of(tensor: &Tensor) -> Result<Span, ShimError> {
+        let storage = shim::storage_info(tensor)?.id;
+        let start = (tensor.storage_offset().max(0) as usize).saturating_mul(tensor.kind().elt_size_in_bytes());
+        Ok(Span {
+            storage,
+            start,
+            end: needed_bytes(tensor),
+            dense: tensor.is_contiguous(),
+            view: (tensor.size(), tensor.stride(), tensor.kind()),
+        })
+    }
+
+    /// Whether filling this tensor writes every byte `other` reaches: the same view of the same
+    /// storage (tied weights), or a dense tensor whose bytes hold all of `other`'s.
+    fn covers(&self, other: &Span) -> bool {
+        self.storage == other.storage
+            && ((self.start == other.start && self.view == other.view)
+                || (self.dense && self.start <= other.start && other.end <= self.end))
+    }
+}
+
+/// For each of `tensors` that is not `filled`, the index of a filled one whose filling writes
+/// every byte it reaches (its storage is filled through another name: tied weights, a view of a
+/// filled weight); `None` for the filled ones, empty ones and the rest.
+pub(crate) fn filled_through(tensors: &[&Tensor], filled: &[bool]) -> Result<Vec<Option<usize>>, ShimError> {
+    let spans = tensors.iter().map(|t| Span::of(t)).collect::<Result<Vec<_>, _>>()?;
+    let mut by_storage: HashMap<u64, Vec<usize>> = HashMap::new();
+    for (i, span) in spans.iter().enumerate().filter(|(i, _)| filled[*i]) {
+        by_storage.entry(span.storage).or_default().push(i);
+    }
+    Ok(spans
+        .iter()
+        .enumerate()
+        .map(|(i, span)| {
+            if filled[i] || tensors[i].numel() == 0 {
+                return None;
+            }
+            by_storage.get(&span.storage)?.iter().copied().find(|&j| spans[j].covers(span))
+        })
+        .collect())
+}
+
+/// The fewest of `tensors` whose filling fills them all, in their order: each tensor unless
+/// another one chosen covers it (tied weights once). What a model's own copy of its weights
+/// (a snapshot) writes.
+pub(crate) fn covering(tensors: &[(String, Tensor)]) -> Result<Vec<usize>, ShimError> {
+    let spans = tensors.iter().map(|(_, t)| Span::of(t)).collect::<Result<Vec<_>, _>>()?;
+    // Larger dense spans first, so that a whole weight is chosen before a view into it.
+    let mut order: Vec<usize> = (0..tensors.len()).collect();
+    order.sort_by_key(|&i| (std::cmp::Reverse(spans[i].dense), std::cmp::Reverse(spans[i].end - spans[i].start), i));
+    let mut chosen: HashMap<u64, Vec<usize>> = HashMap::new();
+    for i in order {
+        let on_storage = chosen.entry(spans[i].storage).or_default();
+        if !on_storage.iter().any(|&j| spans[j].covers(&spans[i])) {
+            on_storage.push(i);
+        }
+    }
+    let mut chosen: Vec<usize> = chosen.into_values().flatten().collect();
+    chosen.sort_unstable();
+    Ok(chosen)
 }
 
 /// Bytes of the storage behind `tensor` while it has memory (0 when freed or unreadable).
@@ -171,6 +248,40 @@ pub unsafe fn free_ids(storages: &[StorageRecord], ids: &HashSet<u64>, message: 
 mod tests {
     use super::*;
     use tch::{Device, Kind};
+
+    #[test]
+    fn a_tensor_is_filled_through_another_only_when_that_one_writes_every_byte_it_reaches() {
+        let w = Tensor::arange(24, (Kind::Float, Device::Cpu)).reshape([4, 6]);
+        let rows = w.narrow(0, 1, 2);
+        let transposed = w.tr();
+        let other = Tensor::zeros([4, 6], (Kind::Float, Device::Cpu));
+        let tensors = [&w, &w.shallow_clone(), &rows, &transposed, &other];
+        let through = filled_through(&tensors, &[true, false, false, false, false]).unwrap();
+        assert_eq!(
+            through,
+            [None, Some(0), Some(0), Some(0), None],
+            "tied, a row view, a transpose; not another storage"
+        );
+
+        // A strided tensor fills only its own elements: a view of other bytes is not filled by it.
+        let columns = w.narrow(1, 0, 3);
+        let tensors = [&columns, &w.narrow(1, 3, 3), &columns.shallow_clone()];
+        let through = filled_through(&tensors, &[true, false, false]).unwrap();
+        assert_eq!(through, [None, None, Some(0)], "only the same view is filled through a strided one");
+    }
+
+    #[test]
+    fn the_covering_set_is_each_storage_once_through_its_widest_dense_tensor() {
+        let w = Tensor::zeros([4, 6], (Kind::Float, Device::Cpu));
+        let b = Tensor::zeros([6], (Kind::Float, Device::Cpu));
+        let tensors = vec![
+            ("head".to_string(), w.narrow(0, 0, 2)),
+            ("embedding".to_string(), w.shallow_clone()),
+            ("tied".to_string(), w.shallow_clone()),
+            ("bias".to_string(), b),
+        ];
+        assert_eq!(covering(&tensors).unwrap(), [1, 3], "the whole weight once, and the bias");
+    }
 
     #[test]
     fn tied_storage_is_counted_once_and_a_second_release_frees_nothing() {

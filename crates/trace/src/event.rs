@@ -5,6 +5,7 @@
 //! the [`crate::Meter`] is a sink and writes the same struct as a trace line. Readers (summary,
 //! plot) use its typed fields, never the free text of `note`.
 
+use std::collections::BTreeMap;
 use std::fmt;
 use std::sync::Mutex;
 use std::time::Instant;
@@ -197,9 +198,14 @@ pub struct LoadReport {
     #[serde(default, skip_serializing_if = "is_zero")]
     pub ignored: usize,
     /// Model tensors no file entry filled (an error when the model loads strictly; otherwise
-    /// they keep what the loader gave them).
+    /// they keep what the loader gave them, and a release keeps their storage resident, since
+    /// no refill source holds their values).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub missing: Vec<String>,
+    /// Model tensors filled through another name, which needs no entry of its own: alias →
+    /// the tensor whose entry fills its storage (tied weights, a view of a filled weight).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub aliases: BTreeMap<String, String>,
 }
 
 fn is_zero<T: Default + PartialEq>(n: &T) -> bool {
@@ -247,12 +253,13 @@ pub struct Event {
     /// Loads: done in the background by a prefetch.
     #[serde(default, skip_serializing_if = "is_false")]
     pub prefetched: bool,
-    /// Releases: bytes left alone because another resident model shares them.
+    /// Releases: bytes left resident, because another resident model shares them or because
+    /// nothing could refill them (tensors the checkpoint lacks: the load report's `missing`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kept_bytes: Option<u64>,
     /// Loads from a checkpoint: how its entries met the model's tensors.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub report: Option<LoadReport>,
+    pub report: Option<Box<LoadReport>>,
     /// A mark's label or an error's message.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub note: Option<String>,
@@ -342,7 +349,7 @@ impl fmt::Display for Event {
             details.push(format!("host tier {} of {}", format_bytes(tier.used), format_bytes(tier.budget)));
         }
         if let Some(kept) = self.kept_bytes.filter(|k| *k > 0) {
-            details.push(format!("kept {} shared", format_bytes(kept)));
+            details.push(format!("kept {} resident", format_bytes(kept)));
         }
         if let Some(report) = &self.report {
             details.push(format!("{} tensors from the checkpoint", report.used));
@@ -357,6 +364,10 @@ impl fmt::Display for Event {
             }
             if !report.missing.is_empty() {
                 details.push(format!("not in the checkpoint: {}", report.missing.join(", ")));
+            }
+            if !report.aliases.is_empty() {
+                let tied: Vec<String> = report.aliases.iter().map(|(alias, via)| format!("{alias} = {via}")).collect();
+                details.push(format!("tied: {}", tied.join(", ")));
             }
         }
         if let Some(stage) = &self.stage {

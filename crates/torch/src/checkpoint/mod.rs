@@ -194,6 +194,14 @@ pub enum CheckpointError {
         /// The system's error.
         source: std::io::Error,
     },
+    /// The storages behind the targets could not be read (to find tied weights).
+    #[error("checkpoint {}: reading the model's storages failed: {source}", paths(files))]
+    Storage {
+        /// The checkpoint's files.
+        files: Vec<PathBuf>,
+        /// The shim's error.
+        source: stageload_torch_sys::ShimError,
+    },
     /// The load's stop flag ([`Checkpoint::stop_when`]) was set before its end.
     #[error("loading from {} was stopped before its end (the targets are partly written)", paths(files))]
     Stopped {
@@ -491,12 +499,34 @@ impl Checkpoint {
         Ok(report)
     }
 
-    /// Pairs a model's tensor `names` with the files' entries under `rules`; a strict model's
-    /// mismatch is refused with both sides' names. The one matcher of checkpoint loads and of
-    /// streamed models' set-up ([`crate::stream`]).
-    pub(crate) fn match_entries(&self, names: &[&str], rules: &NameRules) -> Result<NameMatch, CheckpointError> {
-        let found = match_names(self.entries.keys().map(String::as_str), names, rules)
+    /// Pairs a model's `tensors` with the files' entries under `rules`; a tensor without an
+    /// entry whose bytes another paired tensor fills (tied weights: one storage, two names)
+    /// needs none, and is reported as that tensor's alias. A strict model's mismatch is refused
+    /// with both sides' names. The one matcher of checkpoint loads and of streamed models'
+    /// set-up ([`crate::stream`]).
+    pub(crate) fn match_entries(
+        &self,
+        tensors: &[(String, Tensor)],
+        rules: &NameRules,
+    ) -> Result<NameMatch, CheckpointError> {
+        let names: Vec<&str> = tensors.iter().map(|(n, _)| n.as_str()).collect();
+        let mut found = match_names(self.entries.keys().map(String::as_str), &names, rules)
             .map_err(|source| CheckpointError::Collision { files: self.files.clone(), source })?;
+        if !found.missing.is_empty() {
+            let filled: Vec<bool> = names.iter().map(|n| found.pairs.contains_key(*n)).collect();
+            let views: Vec<&Tensor> = tensors.iter().map(|(_, t)| t).collect();
+            let through = crate::storage::filled_through(&views, &filled)
+                .map_err(|source| CheckpointError::Storage { files: self.files.clone(), source })?;
+            for (i, via) in through.into_iter().enumerate() {
+                if let Some(via) = via {
+                    found.aliases.insert(names[i].to_string(), names[via].to_string());
+                }
+            }
+            found.missing.retain(|name| !found.aliases.contains_key(name));
+        }
+        if rules.complete && !rules.strict && !found.missing.is_empty() {
+            return Err(CheckpointError::Missing { tensors: found.missing, files: self.files.clone() });
+        }
         if rules.strict && (!found.missing.is_empty() || !found.unused.is_empty()) {
             return Err(CheckpointError::Names { files: self.files.clone(), mismatch: NameMismatch::new(&found) });
         }
@@ -511,8 +541,7 @@ impl Checkpoint {
         targets: &[(String, Tensor)],
         rules: &NameRules,
     ) -> Result<(Vec<(String, Tensor)>, NamedLoad), CheckpointError> {
-        let tensors: Vec<&str> = targets.iter().map(|(n, _)| n.as_str()).collect();
-        let found = self.match_entries(&tensors, rules)?;
+        let found = self.match_entries(targets, rules)?;
         let renamed: Vec<(String, Tensor)> = targets
             .iter()
             .filter_map(|(n, t)| found.pairs.get(n).map(|entry| (entry.clone(), t.shallow_clone())))
@@ -530,6 +559,7 @@ impl Checkpoint {
             unused: found.unused,
             ignored: found.ignored,
             missing: found.missing,
+            aliases: found.aliases,
         };
         Ok((renamed, report))
     }

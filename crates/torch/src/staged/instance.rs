@@ -10,6 +10,7 @@
 //! derived from the slot's state (see `decide.rs`).
 
 use std::any::{Any, TypeId};
+use std::collections::HashSet;
 use std::marker::PhantomData;
 use std::sync::{Arc, Mutex, MutexGuard, TryLockError, Weak};
 use std::thread::ThreadId;
@@ -51,6 +52,10 @@ pub(crate) struct Instance {
     pub(crate) type_name: &'static str,
     /// (identity, bytes) of each distinct storage: fixed at creation and read without any lock.
     pub(crate) storage_sizes: Vec<(u64, u64)>,
+    /// (identity, bytes) of the storages a release keeps resident: those of tensors no refill
+    /// source holds (a lenient checkpoint's missing tensors, such as non-persistent buffers).
+    /// Fixed at creation.
+    pub(crate) kept: Vec<(u64, u64)>,
     pub(crate) body: Mutex<Box<dyn Any + Send>>,
     pub(crate) weights: Mutex<Weights>,
     pub(crate) ctl: Mutex<Ctl>,
@@ -59,15 +64,27 @@ pub(crate) struct Instance {
 }
 
 impl Instance {
-    pub(crate) fn new(name: &str, built: Built, registry: Weak<dyn Registry>) -> Result<Arc<Self>> {
+    /// The instance of a model `built`, whose tensors named in `unrefillable` keep their
+    /// storages resident through releases.
+    pub(crate) fn new(
+        name: &str,
+        built: Built,
+        unrefillable: &[String],
+        registry: Weak<dyn Registry>,
+    ) -> Result<Arc<Self>> {
         let Built { model, type_id, type_name, tensors } = built;
-        let storages = storage::distinct_storages(&tensors)
-            .map_err(|source| StageError::Torch { model: name.to_string(), source })?;
+        let torch = |source| StageError::Torch { model: name.to_string(), source };
+        let storages = storage::distinct_storages(&tensors).map_err(torch)?;
+        let unrefillable: HashSet<&str> = unrefillable.iter().map(String::as_str).collect();
+        let unrefillable: Vec<(String, Tensor)> =
+            storage::shallow(&tensors).into_iter().filter(|(n, _)| unrefillable.contains(n.as_str())).collect();
+        let kept = storage::distinct_storages(&unrefillable).map_err(torch)?;
         Ok(Arc::new(Instance {
             name: name.to_string(),
             type_id,
             type_name,
             storage_sizes: storages.iter().map(|s| (s.id, s.nbytes as u64)).collect(),
+            kept: kept.iter().map(|s| (s.id, s.nbytes as u64)).collect(),
             body: Mutex::new(model),
             weights: Mutex::new(Weights { tensors, storages }),
             ctl: Mutex::new(Ctl { mark: ReleaseMark::Live, holder: None }),

@@ -268,7 +268,7 @@ impl Inner {
                     from,
                     outside_stage,
                     prefetched: prefetch,
-                    report,
+                    report: report.map(Box::new),
                     resident: Some(resident),
                     tier,
                     ..Event::now(kind)
@@ -408,7 +408,9 @@ impl Inner {
             .map(|r| r.id)
             .collect();
         built.tensors.extend(shared.into_iter().map(|(n, t, _)| (n, t)));
-        let instance = Instance::new(name, built, Arc::<Inner>::downgrade(self))?;
+        // What the checkpoint lacks, nothing can refill: a release keeps it resident.
+        let unrefillable = report.as_ref().map_or(&[][..], |report| &report.missing[..]);
+        let instance = Instance::new(name, built, unrefillable, Arc::<Inner>::downgrade(self))?;
         let bytes = instance.storage_sizes.iter().filter(|(id, _)| !reused.contains(id)).map(|(_, bytes)| bytes).sum();
         Ok((instance, bytes, report))
     }
@@ -478,12 +480,14 @@ impl Inner {
                     .map(|()| None)
                     .map_err(|message| StageError::HostTier { model: name.clone(), message })
             }
+            // Every reallocated storage must be filled: a tensor the checkpoint cannot fill is
+            // an error here (its storage should have been kept, see `Instance::kept`).
             None => self
                 .load_checkpoint(
                     name,
                     &recipe.checkpoint,
                     &targets,
-                    &recipe.names,
+                    &recipe.names.clone().complete(),
                     if prefetch { Fill::StopOnClose } else { Fill::Whole },
                 )
                 .map(Some),

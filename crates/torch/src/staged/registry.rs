@@ -136,6 +136,12 @@ impl Entry {
     }
 }
 
+/// Whether a slot in `state` keeps storage resident while released: its released instance has
+/// storage no refill source holds ([`Instance::kept`]), and is not counted as holding storage.
+fn keeps_storage(state: &SlotState<Arc<Instance>>) -> bool {
+    state.holds_storage().is_none() && state.released_instance().is_some_and(|i| !i.kept.is_empty())
+}
+
 /// A background load started by `prefetch` and not ended yet.
 pub(crate) struct Prefetching {
     pub(crate) id: u64,
@@ -152,6 +158,10 @@ pub(crate) struct State {
     /// Positions of the slots holding storage (resident, or released with the release pending:
     /// [`SlotState::holds_storage`]), in definition order. Kept by [`State::set_state`].
     holding: BTreeSet<usize>,
+    /// Positions of the released slots whose instance keeps storage resident through its
+    /// releases (tensors no refill source holds: [`Instance::kept`]). Kept by
+    /// [`State::set_state`].
+    keeping: BTreeSet<usize>,
     /// Each stage name's models, as its first occurrence lists them.
     pub(crate) stages: BTreeMap<String, BTreeSet<String>>,
     /// The stages in the order the run enters them (a name may come back), each occurrence with
@@ -200,6 +210,7 @@ impl State {
             entries,
             index: HashMap::new(),
             holding: BTreeSet::new(),
+            keeping: BTreeSet::new(),
             stages,
             sequence,
             occurrences,
@@ -238,6 +249,11 @@ impl State {
         } else {
             self.holding.remove(&position);
         }
+        if keeps_storage(&state) {
+            self.keeping.insert(position);
+        } else {
+            self.keeping.remove(&position);
+        }
         if let Some((instance, mark)) = state.mark() {
             lock(&instance.ctl).mark = mark;
         }
@@ -268,6 +284,8 @@ impl State {
             .filter(|(_, e)| e.slot.state.holds_storage().is_some())
             .map(|(i, _)| i)
             .collect();
+        self.keeping =
+            self.entries.iter().enumerate().filter(|(_, e)| keeps_storage(&e.slot.state)).map(|(i, _)| i).collect();
     }
 
     /// Positions of the resident slots (not those with a release pending), in definition order.
@@ -351,9 +369,23 @@ impl State {
         self.holding.iter().filter_map(|&p| self.entries[p].slot.state.holds_storage())
     }
 
-    /// Bytes of the instances holding storage, a storage two of them share counted once; a
-    /// streamed model of the pipeline file counts what its split holds now (fixed tensors,
-    /// resident prefix, slots, hot blocks: what the plan counts), which changes as it runs.
+    /// Identities of the storages that other models keep live: every storage of the instances
+    /// holding storage but `instance`, and the storages released instances keep resident.
+    pub(super) fn live_storage_ids(&self, instance: &Arc<Instance>) -> HashSet<u64> {
+        let holding = self.holding().filter(|i| !Arc::ptr_eq(i, instance)).flat_map(|i| i.storage_ids());
+        let kept = self.kept_by_released().flat_map(|i| i.kept.iter().map(|(id, _)| *id));
+        holding.chain(kept).collect()
+    }
+
+    /// Released instances that keep storage resident ([`Instance::kept`]).
+    fn kept_by_released(&self) -> impl Iterator<Item = &Arc<Instance>> + '_ {
+        self.keeping.iter().filter_map(|&p| self.entries[p].slot.state.released_instance())
+    }
+
+    /// Bytes of the instances holding storage and of the storages released instances keep, a
+    /// storage two of them share counted once; a streamed model of the pipeline file counts what
+    /// its split holds now (fixed tensors, resident prefix, slots, hot blocks: what the plan
+    /// counts), which changes as it runs.
     pub(super) fn resident_bytes(&self) -> u64 {
         let mut seen = HashSet::new();
         let mut total = 0u64;
@@ -365,6 +397,10 @@ impl State {
             let fresh = instance.storage_sizes.iter().filter(|(id, _)| seen.insert(*id));
             let own = fresh.fold(0u64, |sum, (_, bytes)| sum.saturating_add(*bytes));
             total = total.saturating_add(if held > 0 { held } else { own });
+        }
+        for instance in self.kept_by_released() {
+            let fresh = instance.kept.iter().filter(|(id, _)| seen.insert(*id));
+            total = fresh.fold(total, |sum, (_, bytes)| sum.saturating_add(*bytes));
         }
         total
     }
@@ -534,7 +570,7 @@ impl Inner {
 
     /// Registers a built model under `name`, replacing (and releasing) what was there.
     pub(crate) fn insert(self: &Arc<Self>, name: &str, built: Built) -> Result<()> {
-        let instance = Instance::new(name, built, Arc::<Inner>::downgrade(self))?;
+        let instance = Instance::new(name, built, &[], Arc::<Inner>::downgrade(self))?;
         let mut state = self.state();
         let stale = state.tier.as_mut().and_then(|tier| tier.forget(name));
         let (position, old) = match state.index.get(name).copied() {

@@ -3,7 +3,6 @@
 //! will not be refilled in place; the allocators' caches emptied after, and the host heap
 //! trimmed once releases have freed [`TRIM_AFTER`] bytes since its last trim.
 
-use std::collections::HashSet;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
@@ -41,8 +40,10 @@ impl Inner {
         self.store_in_tier(instance, &stage);
         self.snapshot_before_release(instance, &stage);
         let started = Instant::now();
-        let keep: HashSet<u64> =
-            self.state().holding().filter(|i| !Arc::ptr_eq(i, instance)).flat_map(|i| i.storage_ids()).collect();
+        // Storages other models keep live stay, and so do this model's own that nothing could
+        // refill (tensors its checkpoint lacks): both counted as kept.
+        let mut keep = self.state().live_storage_ids(instance);
+        keep.extend(instance.kept.iter().map(|(id, _)| *id));
         let message = released_message(&instance.name, &stage);
         // SAFETY: the body lock is held, so no caller of this model runs; storages another
         // resident model holds are in `keep` and stay.

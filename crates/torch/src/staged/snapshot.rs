@@ -173,18 +173,28 @@ impl Inner {
         }
         let started = Instant::now();
         let weights = lock(&instance.weights);
-        let bytes: u64 = weights.tensors.iter().map(|(_, t)| (t.numel() * t.kind().elt_size_in_bytes()) as u64).sum();
-        let unallocated = weights
-            .tensors
+        // Each storage once: a tensor filled through another (tied weights) is left out, and
+        // comes back as its alias.
+        let covering = crate::storage::covering(&weights.tensors);
+        let tensors: Vec<(String, Tensor)> = covering
+            .iter()
+            .flatten()
+            .map(|&i| {
+                let (name, tensor) = &weights.tensors[i];
+                (name.clone(), tensor.shallow_clone())
+            })
+            .collect();
+        drop(weights);
+        let bytes: u64 = tensors.iter().map(|(_, t)| (t.numel() * t.kind().elt_size_in_bytes()) as u64).sum();
+        let unallocated = tensors
             .iter()
             .filter(|(_, t)| t.numel() > 0 && !stageload_torch_sys::storage_info(t).is_ok_and(|i| i.allocated))
             .count();
-        let written = if unallocated > 0 {
-            Err(format!("{unallocated} of its tensors have no memory now"))
-        } else {
-            snapshots.write(name, &weights.tensors, bytes)
+        let written = match covering {
+            Err(err) => Err(format!("reading its storages failed: {err}")),
+            Ok(_) if unallocated > 0 => Err(format!("{unallocated} of its tensors have no memory now")),
+            Ok(_) => snapshots.write(name, &tensors, bytes),
         };
-        drop(weights);
         let (action, detail) = match written {
             Ok(path) => {
                 let mut state = self.state();

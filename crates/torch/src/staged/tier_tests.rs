@@ -489,3 +489,58 @@ fn what_the_tier_books_is_what_its_memory_gives_out_and_eviction_and_close_give_
     models.close();
     assert_eq!(out(), 0, "close gives every buffer back");
 }
+
+/// The modules of `tests/fixtures/every_tensor.py` (exported from Python the ordinary way),
+/// written by the cached torch into a folder of their own.
+fn python_modules() -> tempfile::TempDir {
+    let python = std::env::var("STAGELOAD_PYTHON")
+        .expect("STAGELOAD_PYTHON is not set: run the tests through cargo xtask test (it exports the fixtures with the cached torch)");
+    let dir = tempfile::TempDir::new().unwrap();
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/every_tensor.py");
+    let out = std::process::Command::new(&python).arg(&script).arg(dir.path()).output().unwrap();
+    assert!(out.status.success(), "{python} {}: {}", script.display(), String::from_utf8_lossy(&out.stderr));
+    dir
+}
+
+#[test]
+fn modules_exported_from_python_come_back_from_the_tier_bit_identical_ties_and_kept_buffers_included() {
+    let dir = python_modules();
+    let path = |name: &str| dir.path().join(name);
+    let lenient = crate::NameRules::default().strict(false);
+    for (fixture, rules) in [("tied", crate::NameRules::default()), ("buffers", lenient)] {
+        let sink = Arc::new(ListSink::new());
+        let spec = ModelSpec::torchscript("m", path(&format!("{fixture}.pt")))
+            .checkpoint([path(&format!("{fixture}.safetensors"))])
+            .names(rules);
+        let models = StagedModels::builder()
+            .host_tier(1 << 24)
+            .tier_on_cpu()
+            .model(spec)
+            .stage("run", ["m"])
+            .stage("other", Vec::<String>::new())
+            .events(sink.clone())
+            .build()
+            .unwrap();
+        let io: std::collections::HashMap<String, Tensor> =
+            Tensor::read_safetensors(path(&format!("{fixture}.io.safetensors"))).unwrap().into_iter().collect();
+        let forward = || models.call("m", |m: &mut tch::CModule| m.forward_ts(&[&io["x"]]).unwrap()).unwrap();
+        models.enter("run").unwrap();
+        assert!(forward().equal(&io["y"]), "{fixture}: Python's output");
+        let stats = models.enter("other").unwrap();
+        models.enter("run").unwrap();
+        assert!(forward().equal(&io["y"]), "{fixture}: bit for bit after the reload from the tier");
+        let reload = &sink.of_kind(EventKind::Reload)[0];
+        assert_eq!(reload.from, Some(ReloadFrom::HostTier), "{fixture}");
+        let load = &sink.of_kind(EventKind::Load)[0];
+        assert_eq!(load.bytes, Some(stats.freed + stats.kept), "{fixture}: what the load counted, freed or kept");
+        assert_eq!(reload.bytes, Some(stats.freed), "{fixture}: the reload fills what the release freed");
+        if fixture == "tied" {
+            let tensors: std::collections::HashMap<String, Tensor> =
+                models.get::<tch::CModule>("m").unwrap().tensors().into_iter().collect();
+            assert_eq!(tensors["c2.weight"].data_ptr(), tensors["c3.weight"].data_ptr(), "still one storage");
+            assert_eq!(stats.kept, 0);
+        } else {
+            assert_eq!(stats.kept, 24, "the six-float buffer the checkpoint lacks stays");
+        }
+    }
+}

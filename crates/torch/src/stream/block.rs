@@ -63,18 +63,22 @@ impl Parts {
         let checkpoint_error = |source| StreamError::Checkpoint { model: model.to_string(), source: Box::new(source) };
         let names: Vec<&str> = tensors.iter().map(|(n, _)| n.as_str()).collect();
         let layout = assign(spec, &names).map_err(|source| StreamError::Blocks { model: model.to_string(), source })?;
-        let found = checkpoint.match_entries(&names, rules).map_err(checkpoint_error)?;
-        let missing: Vec<String> =
-            names.iter().filter(|n| !found.pairs.contains_key(**n)).map(|n| n.to_string()).collect();
-        if !missing.is_empty() {
+        let found = checkpoint.match_entries(tensors, rules).map_err(checkpoint_error)?;
+        // A streamed tensor is refilled at every step: one the checkpoint cannot fill is refused
+        // here, whatever the rules' strictness.
+        if !found.missing.is_empty() {
             return Err(checkpoint_error(CheckpointError::Missing {
-                tensors: missing,
+                tensors: found.missing,
                 files: checkpoint.files().to_vec(),
             }));
         }
-        // Every tensor has its entry now.
+        // Every tensor has its entry now, or is filled through another of its group's (an alias
+        // on the same storage, which `Owners::claim` keeps in one group).
         let targets = |members: &[usize]| -> Vec<(String, Tensor)> {
-            members.iter().map(|&i| (found.pairs[names[i]].clone(), tensors[i].1.shallow_clone())).collect()
+            members
+                .iter()
+                .filter_map(|&i| found.pairs.get(names[i]).map(|entry| (entry.clone(), tensors[i].1.shallow_clone())))
+                .collect()
         };
         let mut owners = Owners { model, tensors, owner: HashMap::new() };
         let fixed_storages = owners.claim("the resident tensors", &layout.fixed)?;
