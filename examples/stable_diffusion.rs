@@ -1,14 +1,222 @@
 //! Stable Diffusion (CLIP text encoder → UNet for `--steps` DDIM steps with classifier-free
 //! guidance → VAE decoder) on an export of `scripts/reference/sd_export.py`, eager, staged, or
-//! staged with the next stage prefetched, with the demos' meter: per-stage peaks at the end,
-//! `--trace`, `--latents`, `--result`, `--check-residency`, and `STAGELOAD_TRACE` /
-//! `STAGELOAD_LATENTS` as `stageload ab` sets them (the same options as `text_to_image`; `--mode
-//! prefetch` is `--mode staged --prefetch`). `--compare-python` then runs diffusers'
-//! `StableDiffusionPipeline` on the same weights, embeddings and initial latents
-//! (`scripts/reference/sd_reference.py`) and prints the largest differences.
+//! staged with the next stage prefetched.
+//!
+//! What it teaches: a pipeline of TorchScript models. `ModelSpec::torchscript(name, file)` loads
+//! a traced module as a model (a `tch::CModule`, called with `forward_ts`), and its safetensors
+//! checkpoint lets a released module come back in place; the stages are the pipeline's three
+//! steps, one model each. The steps themselves (`stageload_demo_kit::stable_diffusion::generate`:
+//! `models.enter(stage)` then `call(model, |m: &mut CModule| m.forward_ts(inputs))`, the
+//! operations diffusers' `StableDiffusionPipeline` does, in its order) are shared with
+//! `tests/stable_diffusion.rs`, which checks them against diffusers.
+//!
+//! With the demos' meter: per-stage peaks at the end, `--trace`, `--latents`, `--result`,
+//! `--check-residency`, and `STAGELOAD_TRACE` / `STAGELOAD_LATENTS` as `stageload ab` sets them
+//! (the same options as `text_to_image`; `--mode prefetch` is `--mode staged --prefetch`).
+//! `--compare-python` then runs diffusers' `StableDiffusionPipeline` on the same weights,
+//! embeddings and initial latents (`scripts/reference/sd_reference.py`) and prints the largest
+//! differences.
 //!
 //!     cargo run --release --example stable_diffusion -- --mode staged --compare-python
 
-fn main() -> std::process::ExitCode {
-    stageload_demo_kit::demos::stable_diffusion::main()
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use clap::builder::TypedValueParser;
+use clap::{CommandFactory, FromArgMatches, Parser};
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+use stageload::{BoxError, ModelSpec, SharedRng, StagedModels};
+use stageload_demo_kit::run::{progress_at_terminal, Demo};
+use stageload_demo_kit::stable_diffusion::{generate, run_reference, Comparison, Export, Sampling, STAGES, TOLERANCE};
+use stageload_demo_kit::weights::cache_root;
+use stageload_demo_kit::{CommonArgs, DemoSpec, Mode};
+
+/// Stable Diffusion (text encoder, UNet with DDIM, VAE decoder) on an export of
+/// scripts/reference/sd_export.py, eager, staged or prefetched, with per-stage peaks
+#[derive(Parser)]
+struct Args {
+    #[command(flatten)]
+    common: CommonArgs,
+    /// The export's folder (sd_export.py's --out; default: the published SD 1.5 size,
+    /// $STAGELOAD_CACHE/sd-sd15, else ~/.cache/stageload/sd-sd15)
+    #[arg(long, value_name = "DIR")]
+    components: Option<PathBuf>,
+    /// Classifier-free guidance scale (above 1)
+    #[arg(long, default_value_t = 7.5)]
+    guidance: f64,
+    /// Afterwards, run diffusers' StableDiffusionPipeline on the same weights, embeddings and
+    /// latents (scripts/reference/sd_reference.py) and print the largest differences
+    #[arg(long)]
+    compare_python: bool,
+    /// The Python with torch and diffusers for --compare-python (default: $STAGELOAD_PYTHON,
+    /// else the cached environment scripts/setup-libtorch.sh makes)
+    #[arg(long, value_name = "FILE")]
+    python: Option<PathBuf>,
+    /// --compare-python: stop the reference after this many seconds
+    #[arg(long, default_value_t = 3600, value_name = "SECONDS")]
+    python_deadline: u64,
+}
+
+/// The stageload cache (the folder holding `demo-weights/`, `torch-2.13.0/`, `sd-sd15/`).
+fn stageload_cache() -> PathBuf {
+    let root = cache_root();
+    root.parent().map(PathBuf::from).unwrap_or(root)
+}
+
+/// Parses the command line: `CommonArgs`, with `--steps` defaulting to 4 and `--mode` taking
+/// `prefetch` too (staged with `--prefetch`), the export's device the CPU unless told.
+fn parse() -> Result<Args, clap::Error> {
+    let modes = clap::builder::PossibleValuesParser::new(["eager", "staged", "prefetch"]).map(|mode| {
+        if mode == "eager" {
+            Mode::Eager
+        } else {
+            Mode::Staged
+        }
+    });
+    let command = Args::command()
+        .mut_arg("steps", |a| a.default_value("4").help("DDIM steps"))
+        .mut_arg("mode", |a| {
+            a.value_parser(modes).help(
+                "eager: load everything up front; staged: per stage; prefetch: staged, the next stage loaded in the \
+                 background",
+            )
+        })
+        .mut_arg("device", |a| {
+            a.default_value("cpu").help(
+                "Where the models and the noise live: cpu (default: the export is traced on the CPU and the \
+                 reference runs there), cuda, cuda:N, mps, auto",
+            )
+        })
+        .mut_arg("scale", |a| a.hide(true));
+    let matches = command.try_get_matches()?;
+    let mut args = Args::from_arg_matches(&matches)?;
+    if matches.get_raw("mode").into_iter().flatten().any(|raw| raw == "prefetch") {
+        args.common.prefetch = true;
+    }
+    Ok(args)
+}
+
+fn main() -> ExitCode {
+    let args = parse().unwrap_or_else(|e| e.exit());
+    match run(&args) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("stable_diffusion: {error}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(args: &Args) -> Result<(), BoxError> {
+    let common = &args.common;
+    let _no_grad = tch::no_grad_guard();
+    let dir = args.components.clone().unwrap_or_else(|| stageload_cache().join("sd-sd15"));
+    if args.components.is_none() && !dir.join("config.json").is_file() {
+        let python = std::env::var("STAGELOAD_PYTHON")
+            .unwrap_or_else(|_| stageload_cache().join("torch-2.13.0/bin/python").display().to_string());
+        return Err(format!(
+            "no export at {} (the default --components). Make it once (about 7.7 GB):\n  {python} \
+             scripts/reference/sd_export.py --size sd15 --out {}\n(the cached Python: eval \"$(scripts/setup-libtorch.sh)\"; \
+             eval \"$(scripts/setup-reference.sh)\" installs torch and diffusers into it), or give --components DIR",
+            dir.display(),
+            dir.display()
+        )
+        .into());
+    }
+    let export = Export::open(&dir)?;
+    let config = export.config();
+    println!(
+        "stable diffusion {} from {}: latents {:?} -> image {:?}, {} steps, guidance {}, seed {}, mode {}{}",
+        config.size,
+        dir.display(),
+        config.latent_size,
+        config.image_size,
+        common.steps,
+        args.guidance,
+        common.seed,
+        common.mode.name(),
+        if common.prefetch { " with prefetch" } else { "" }
+    );
+    let sampling = Sampling { steps: common.steps, guidance: args.guidance };
+
+    // The three TorchScript models: each built by loading its file (`torch.jit.load`'s job) and
+    // refilled after a release from its safetensors checkpoint (the traced module's names), in
+    // place, without loading the TorchScript file again.
+    let models = export
+        .component_files()
+        .into_iter()
+        .map(|(name, files)| {
+            ModelSpec::torchscript(name, export.dir().join(&files.file)).checkpoint([export.dir().join(&files.weights)])
+        })
+        .collect();
+    // One model per stage: encode (text_encoder), denoise (unet), decode (vae_decoder).
+    let stages = STAGES.iter().map(|(stage, model)| (stage.to_string(), vec![model.to_string()])).collect();
+    let spec = DemoSpec { name: "stable_diffusion", models, stages, pinned: Vec::new(), pins: Vec::new() };
+
+    // Nothing here draws from a ChaCha generator; the demo run registers one as every demo does.
+    let chacha = SharedRng::new(ChaCha8Rng::seed_from_u64(common.seed));
+    let started = Instant::now();
+    // The demo writes the pipeline description `stageload plan` reads into this folder.
+    let folder = common.cache_folder("stable_diffusion");
+    std::fs::create_dir_all(&folder).map_err(|e| format!("creating {}: {e}", folder.display()))?;
+    let demo = Demo::start(&spec, common)?;
+    let mut builder = StagedModels::builder()
+        .events(demo.meter())
+        .register_rng(std::sync::Arc::new(chacha))
+        .preserve_rng(!common.no_preserve_rng)
+        .prefetch_next(common.prefetch)
+        .pipeline(demo.plan());
+    for model in spec.models {
+        builder = builder.model(if common.prefetch { model.skip_init(true) } else { model });
+    }
+    let mut p = demo.run(progress_at_terminal(builder).build()?);
+    if p.mode() == Mode::Eager {
+        p.load_everything()?;
+    }
+    // The starting noise, drawn before any lazy build, from torch's CPU generator.
+    let noise = export.initial_latents(common.seed as i64).to_device(common.device);
+    p.latent("noise", &noise);
+    let generated = generate(&p, &export, &noise, sampling)?;
+    p.latent("embeds", &generated.embeds);
+    p.latent("negative_embeds", &generated.negative_embeds);
+    p.latent("final_latents", &generated.final_latents);
+    p.latent("image", &generated.image);
+    println!("timesteps {:?}", generated.timesteps);
+    p.finish()?;
+    println!("pipeline in {:.1} s", started.elapsed().as_secs_f64());
+
+    if args.compare_python {
+        let python = args
+            .python
+            .clone()
+            .or_else(|| std::env::var_os("STAGELOAD_PYTHON").map(PathBuf::from))
+            .unwrap_or_else(|| stageload_cache().join("torch-2.13.0/bin/python"));
+        let folder = std::env::temp_dir().join(format!("stageload-sd-compare-{}", std::process::id()));
+        std::fs::create_dir_all(&folder).map_err(|e| format!("creating {}: {e}", folder.display()))?;
+        println!("running diffusers ({} {})", python.display(), export.dir().display());
+        let reference =
+            run_reference(&python, &export, &generated, sampling, &folder, Duration::from_secs(args.python_deadline));
+        let reference = match reference {
+            Ok(reference) => reference,
+            Err(error) => return Err(format!("{error}\n(its files are in {})", folder.display()).into()),
+        };
+        let comparison = Comparison::of(&generated, &reference)?;
+        for line in reference.log.lines().filter(|line| line.starts_with("sd_reference:")) {
+            println!("{line}");
+        }
+        println!("diffusers ran in {:.1} s; largest differences, Rust against diffusers:", reference.seconds);
+        println!("{comparison}");
+        let image = &generated.image;
+        let inside = image.gt(0.0).logical_and(&image.lt(1.0)).sum(tch::Kind::Int64).int64_value(&[]);
+        println!("{inside} of {} pixels inside (0, 1): the clamp does not hide a difference there", image.numel());
+        std::fs::remove_dir_all(&folder).map_err(|e| format!("removing {}: {e}", folder.display()))?;
+        let failures = comparison.failures();
+        if !failures.is_empty() {
+            return Err(format!("the run does not match diffusers: {}", failures.join("; ")).into());
+        }
+        println!("matches diffusers (every largest difference within {:e} of its range)", TOLERANCE);
+    }
+    Ok(())
 }

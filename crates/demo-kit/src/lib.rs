@@ -1,14 +1,14 @@
 //! What the examples share (`examples/` at the workspace root: `cascade`, `text_to_image`,
 //! `stream`, `minilm`, `stable_diffusion`; the measuring tools of `crates/bench` use it too), one
-//! concern per module.
+//! concern per module: the plumbing that is not an example's lesson. Each example builds its own
+//! `StagedModels` and runs its own stages in its own file.
 //!
-//! - [`demos`]: the examples' programs, one module each; every file in `examples/` is a `main`
-//!   that calls one.
 //! - [`models`]: the transformer the demo pipelines are made of, its shapes and its loader.
 //! - [`weights`]: checkpoints written once from a seed and cached.
 //! - [`args`]: the command line the demo pipelines share (mode, scale, device, trace, ...).
-//! - [`run`]: a demo run: the registry for its mode, the meter, residency checks at every call,
-//!   latent fingerprints, and the JSON result tests read.
+//! - [`run`]: a demo run's plumbing around the registry the example builds: the meter, the
+//!   pipeline file for its mode, residency checks at every call, latent fingerprints, and the
+//!   JSON result tests read.
 //! - [`sampler`]: the flow sampler and its step schedule.
 //! - [`progress`]: a progress bar for checkpoint loads.
 //! - [`logging`]: the `tracing` subscriber every binary installs (`RUST_LOG`, stderr).
@@ -20,7 +20,6 @@
 
 pub mod args;
 pub mod ddim;
-pub mod demos;
 pub mod logging;
 pub mod models;
 pub mod progress;
@@ -31,6 +30,6 @@ pub mod weights;
 
 pub use args::{CommonArgs, Mode};
 pub use models::{tokens_at, width_at, ModelShape, Transformer, CHANNELS};
-pub use run::{DemoRun, DemoSpec};
+pub use run::{progress_at_terminal, Demo, DemoRun, DemoSpec};
 pub use sampler::{sample_flow, schedule};
 pub use weights::{cached, cached_checkpoint};

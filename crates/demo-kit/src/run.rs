@@ -1,7 +1,7 @@
-//! A demo run: the registry for its mode (eager pins everything; staged runs the pipeline file
-//! `stageload plan` checks), the meter, residency checks at every model call, the latents'
-//! fingerprints, and at the end a JSON result (`--result FILE`) that tests read instead of
-//! stdout.
+//! A demo run's plumbing around the registry the example builds: the meter, the pipeline file
+//! `stageload plan` checks (eager: everything pinned), residency checks at every model call, the
+//! latents' fingerprints, and at the end a JSON result (`--result FILE`) that tests read instead
+//! of stdout.
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
@@ -10,7 +10,7 @@ use std::sync::Arc;
 use serde::Serialize;
 use stageload::latents::Latents;
 use stageload::meter::{self, Meter, MeterOptions};
-use stageload::{BoxError, ModelSpec, StagedModels};
+use stageload::{BoxError, EventSink, ModelSpec, StagedModels, StagedModelsBuilder};
 use stageload_plan::{ModelEntry, PinEntry, PipelineFile, StageEntry};
 use stageload_units::format_bytes;
 use tch::{Device, Tensor};
@@ -107,10 +107,11 @@ struct RunResult {
     description: PathBuf,
 }
 
-/// The registry, the plan it runs, the meter, and the checks and records around every call.
-pub struct DemoRun {
-    /// The registry.
-    pub models: StagedModels,
+/// A demo's set-up before its registry: the meter, and the pipeline file written for `stageload
+/// plan` and read back as the plan the registry runs (eager: every model in every stage, all
+/// pinned). The example builds its `StagedModels` over [`plan`](Self::plan) with the meter as
+/// its event sink, then [`run`](Self::run)s it.
+pub struct Demo {
     /// Staged or eager.
     pub mode: Mode,
     /// What the run follows: the description (staged), or every model everywhere (eager).
@@ -124,19 +125,14 @@ pub struct DemoRun {
     result_file: Option<PathBuf>,
     /// The pipeline description written for the run.
     description: PathBuf,
-    /// Calls checked so far (`call` takes `&self`).
-    calls: std::sync::Mutex<Vec<Call>>,
 }
 
-impl DemoRun {
-    /// Builds the registry for `mode`: staged runs the pipeline file written from `spec`; eager
-    /// pins every model (so no stage releases anything) and the caller loads them all before
-    /// seeding.
-    pub fn build(
-        spec: DemoSpec,
-        args: &CommonArgs,
-        chacha: Arc<dyn stageload::rng::RngSnapshot>,
-    ) -> Result<DemoRun, BoxError> {
+impl Demo {
+    /// Starts the meter (its trace: `--trace`, `$STAGELOAD_TRACE` or a temporary file), drops the
+    /// checkpoints from the page cache with `--cold`, writes `spec`'s pipeline file and reads it
+    /// back as the plan; eager runs change the plan so that every stage lists every model and
+    /// every model is pinned (nothing is ever released; the example loads them all before seeding).
+    pub fn start(spec: &DemoSpec, args: &CommonArgs) -> Result<Demo, BoxError> {
         crate::logging::init();
         let asked = meter::trace_path(args.trace.clone());
         let trace = asked.clone().unwrap_or_else(|| {
@@ -165,38 +161,63 @@ impl DemoRun {
         println!("pipeline description {} (stageload plan reads it)", description.display());
         let mut plan = stageload::Pipeline::load(&description)?;
         if args.mode == Mode::Eager {
-            // Every stage lists every model and every model is pinned, so nothing is ever released
-            // and no load is outside its stage.
             for stage in &mut plan.stages {
                 stage.models = names.clone();
             }
             plan.pinned = names.clone();
             plan.pins.clear();
         }
-        let mut builder =
-            StagedModels::builder().events(meter.clone()).register_rng(chacha).preserve_rng(!args.no_preserve_rng);
-        if std::io::IsTerminal::is_terminal(&std::io::stderr()) {
-            builder = builder.progress(progress_bar());
-        }
-        for model in spec.models {
-            // Prefetched builds must draw nothing: every weight comes from the checkpoint.
-            builder = builder.model(if args.prefetch { model.skip_init(true) } else { model });
-        }
-        // Stages, pins, devices: the description `stageload plan` checks (eager: everything pinned).
-        builder = builder.prefetch_next(args.prefetch).pipeline(&plan);
-        Ok(DemoRun {
-            models: builder.build()?,
+        Ok(Demo {
             mode: args.mode,
             plan,
             meter,
             temporary_trace: asked.is_none(),
             trace,
             latents: Latents::with_env(args.latents.clone()),
-            calls: std::sync::Mutex::default(),
             check_residency: args.check_residency,
             result_file: args.result.clone(),
             description,
         })
+    }
+
+    /// The plan the registry runs: give it to [`StagedModelsBuilder::pipeline`].
+    pub fn plan(&self) -> &stageload_plan::Pipeline {
+        &self.plan
+    }
+
+    /// The meter, the registry's event sink: every stage, load and release goes into the trace.
+    pub fn meter(&self) -> Arc<dyn EventSink> {
+        self.meter.clone()
+    }
+
+    /// The run over `models`, the registry built over [`plan`](Self::plan).
+    pub fn run(self, models: StagedModels) -> DemoRun {
+        DemoRun { models, demo: self, calls: std::sync::Mutex::default() }
+    }
+}
+
+/// `builder` with a progress bar on stderr for every checkpoint load when stderr is a terminal.
+pub fn progress_at_terminal(builder: StagedModelsBuilder) -> StagedModelsBuilder {
+    if std::io::IsTerminal::is_terminal(&std::io::stderr()) {
+        builder.progress(progress_bar())
+    } else {
+        builder
+    }
+}
+
+/// A demo run: the registry, and the checks and records around every call.
+pub struct DemoRun {
+    /// The registry.
+    pub models: StagedModels,
+    demo: Demo,
+    /// Calls checked so far (`call` takes `&self`).
+    calls: std::sync::Mutex<Vec<Call>>,
+}
+
+impl DemoRun {
+    /// Staged or eager.
+    pub fn mode(&self) -> Mode {
+        self.demo.mode
     }
 
     /// Eager mode: loads every model now.
@@ -217,7 +238,7 @@ impl DemoRun {
     /// that what is resident is what the stage plans: the called model, the stage's other models
     /// and pinned ones, nothing left over from earlier stages.
     pub fn call<M: 'static, R>(&self, model: &str, f: impl FnOnce(&mut M) -> R) -> Result<R, BoxError> {
-        if self.check_residency {
+        if self.demo.check_residency {
             self.models.load(model)?;
             self.check_resident(model)?;
         }
@@ -228,9 +249,9 @@ impl DemoRun {
         let stage = self.models.current_stage().unwrap_or_default();
         let resident = self.models.resident();
         // The demos do not repeat stages: a stage's occurrence is its place in the sequence.
-        let index = self.plan.stages.iter().position(|s| s.name == stage);
+        let index = self.demo.plan.stages.iter().position(|s| s.name == stage);
         let planned: BTreeSet<&String> = index
-            .map(|i| self.plan.stages[i].models.iter().chain(self.plan.pinned_at(i)).collect())
+            .map(|i| self.demo.plan.stages[i].models.iter().chain(self.demo.plan.pinned_at(i)).collect())
             .unwrap_or_default();
         println!("call {stage} {model} resident {}", resident.join(","));
         let unplanned: Vec<&String> = resident.iter().filter(|name| !planned.contains(name)).collect();
@@ -243,17 +264,17 @@ impl DemoRun {
 
     /// Records a stage's latent and prints its fingerprint.
     pub fn latent(&mut self, name: &str, tensor: &Tensor) {
-        let print = self.latents.record(name, tensor);
+        let print = self.demo.latents.record(name, tensor);
         println!("latent {name} {:?} sha256 {print}", tensor.size());
     }
 
     /// Closes the registry and the meter, prints each stage's peak, writes the result file.
     pub fn finish(self) -> Result<(), BoxError> {
         self.models.close();
-        self.meter.finish();
-        let summary = stageload::meter::summarize(&stageload::meter::read_trace(&self.trace)?);
-        if !self.temporary_trace {
-            println!("trace {}", self.trace.display());
+        self.demo.meter.finish();
+        let summary = stageload::meter::summarize(&stageload::meter::read_trace(&self.demo.trace)?);
+        if !self.demo.temporary_trace {
+            println!("trace {}", self.demo.trace.display());
         }
         for window in &summary.stages {
             let peak = window.peak.map_or("-".to_string(), format_bytes);
@@ -267,18 +288,18 @@ impl DemoRun {
             summary.loads.seconds,
             format_bytes(summary.peak)
         );
-        if self.temporary_trace {
-            std::fs::remove_file(&self.trace)?;
+        if self.demo.temporary_trace {
+            std::fs::remove_file(&self.demo.trace)?;
         }
-        self.latents.save()?;
-        if let Some(path) = &self.result_file {
+        self.demo.latents.save()?;
+        if let Some(path) = &self.demo.result_file {
             let result = RunResult {
-                mode: self.mode.name().to_string(),
-                latents: self.latents.fingerprints().map(|(n, p)| (n.to_string(), p.to_string())).collect(),
+                mode: self.demo.mode.name().to_string(),
+                latents: self.demo.latents.fingerprints().map(|(n, p)| (n.to_string(), p.to_string())).collect(),
                 calls: std::mem::take(&mut *stageload_trace::sync::lock(&self.calls)),
-                trace: (!self.temporary_trace).then(|| self.trace.clone()),
-                latents_file: self.latents.file().map(Path::to_path_buf),
-                description: self.description.clone(),
+                trace: (!self.demo.temporary_trace).then(|| self.demo.trace.clone()),
+                latents_file: self.demo.latents.file().map(Path::to_path_buf),
+                description: self.demo.description.clone(),
             };
             std::fs::write(path, serde_json::to_string_pretty(&result)?)?;
         }

@@ -5,8 +5,8 @@
 //! reading an export (`config.json` and its files, checked), the models and stages, the pipeline
 //! run (the operations diffusers' `StableDiffusionPipeline` does, in its order, so that the
 //! image matches it), and running and comparing against diffusers itself
-//! (`scripts/reference/sd_reference.py`). `examples/stable_diffusion.rs` is its command line;
-//! `tests/stable_diffusion.rs` checks it at the small size.
+//! (`scripts/reference/sd_reference.py`). `examples/stable_diffusion.rs` builds its registry
+//! and runs it; `tests/stable_diffusion.rs` checks it at the small size.
 //!
 //! The run, as diffusers does it: conditioning = cat([negative, positive]) from the text encoder
 //! on the config's token ids (int64 [1, 77]); x = latents * init_noise_sigma; for each DDIM
@@ -27,7 +27,7 @@ use stageload::{BoxError, EventSink, ModelSpec, StagedModels};
 use tch::{CModule, Device, Kind, Tensor};
 
 use crate::ddim::{Ddim, DdimConfig};
-use crate::run::{DemoRun, DemoSpec};
+use crate::run::DemoRun;
 
 /// The three models, in the order the pipeline runs them.
 pub const MODELS: [&str; 3] = ["text_encoder", "unet", "vae_decoder"];
@@ -263,17 +263,6 @@ impl Export {
                 ModelSpec::torchscript(name, self.dir.join(&files.file)).checkpoint([self.dir.join(&files.weights)])
             })
             .collect()
-    }
-
-    /// The pipeline as a demo run takes it (`DemoRun::build`): models and stages, nothing pinned.
-    pub fn demo_spec(&self) -> DemoSpec {
-        DemoSpec {
-            name: "stable_diffusion",
-            models: self.model_specs(),
-            stages: STAGES.iter().map(|(stage, model)| (stage.to_string(), vec![model.to_string()])).collect(),
-            pinned: Vec::new(),
-            pins: Vec::new(),
-        }
     }
 
     /// A registry of the three models on the CPU for `loading`, its events to `events`. Eager:
