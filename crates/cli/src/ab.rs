@@ -25,7 +25,11 @@ first run of each arm over time).
 
 Exit codes: 0 every run exited 0, every result file it wrote is a JSON object, and every latent
 is identical or within the first arm's own variation; 1 otherwise; 2 bad usage; 128+N the runner got signal N (the run in progress is
-stopped first).";
+stopped first).
+
+Example:
+  stageload ab --runs 2 --names eager,staged --out ab/ \\
+      -- target/release/examples/cascade --mode eager -- target/release/examples/cascade --mode staged";
 
 /// Run two or more commands alternately, N times each, each in its own process under the guard,
 /// and compare them: per-stage peaks (median and spread) and latents.
@@ -141,7 +145,7 @@ pub fn ab(args: AbArgs) -> i32 {
 /// own run-to-run variation when two or more are given.
 #[derive(Args)]
 #[command(
-    after_help = "Exit codes: 0 every latent identical or within the reference's own variation; 1 otherwise;\n2 a file is missing, not safetensors, or its latents do not match the reference's names, dtypes or shapes."
+    after_help = "Exit codes: 0 every latent identical or within the reference's own variation; 1 otherwise;\n2 a file is missing, not safetensors, or its latents do not match the reference's names, dtypes or shapes.\n\nExample:\n  stageload latents ab/eager-1.safetensors ab/eager-2.safetensors --against ab/staged-1.safetensors"
 )]
 pub struct LatentsArgs {
     /// Latents files of the reference mode (eager), one per run

@@ -44,7 +44,10 @@ one over its plan); the swap budget and --swap-limit stay. Giving --plan with --
 --wait-free, --kill-free, --busy or --quiet-for is refused. A run over its plan is stopped (exit
 3) and the log says by how much and in which stage (from --trace: the last stage begun).
 
-Sizes: 8G, 512M, 1.5GiB (binary), 2GB (decimal), 100 (bytes). Durations: 250ms, 90s, 30m, 2h.";
+Sizes: 8G, 512M, 1.5GiB (binary), 2GB (decimal), 100 (bytes). Durations: 250ms, 90s, 30m, 2h.
+
+Example:
+  stageload guard --max-memory 20G -- python train.py";
 
 /// Start COMMAND only when there is memory for it, in its own process group; stop the group
 /// when swap grows past the budget, available memory stays too low, or the command passes

@@ -10,7 +10,10 @@ use std::path::{Path, PathBuf};
 use crate::out;
 
 #[derive(clap::Args)]
-#[command(about = "Find (or --install) libtorch for a crate that uses stageload, and print what to export")]
+#[command(
+    about = "Find (or --install) libtorch for a crate that uses stageload, and print what to export",
+    after_help = "Example:\n  stageload libtorch --install"
+)]
 pub struct LibtorchArgs {
     /// Install torch (its wheel carries libtorch) into the per-user cache when none is found
     /// (STAGELOAD_CACHE, default ~/.cache/stageload; about 80 s and 5 GB once)

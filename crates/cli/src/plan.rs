@@ -18,7 +18,10 @@ const EXIT_CODES: &str = "\
 Exit codes: 0 every stage fits (now, or once other processes free memory), and with --check the
 run matches the plan; 1 a stage does not fit (with --request: nothing is printed but why), or
 --check finds a stage off; 2 bad input (missing or invalid file, unknown model, dtype or device,
-truncated checkpoint, a trace of another pipeline).";
+truncated checkpoint, a trace of another pipeline).
+
+Example:
+  stageload plan pipeline.toml --memory 16GiB";
 
 /// How `--request` spells one run's request.
 #[derive(Clone, Copy, ValueEnum)]

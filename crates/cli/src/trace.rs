@@ -10,7 +10,9 @@ use stageload_trace::{plot, read_trace, summarize, table, Summary, Trace};
 /// Summarize traces: overall peak, per-stage windows and peaks, loads, releases, swap, errors;
 /// several traces also side by side (the first is the base of the differences).
 #[derive(Args)]
-#[command(after_help = "Exit codes: 0 done; 2 a trace is missing, broken inside, or of a newer schema.")]
+#[command(
+    after_help = "Exit codes: 0 done; 2 a trace is missing, broken inside, or of a newer schema.\n\nExample:\n  stageload summary eager.jsonl staged.jsonl"
+)]
 pub struct SummaryArgs {
     /// JSONL traces written by the meter
     #[arg(required = true)]
@@ -28,7 +30,9 @@ pub struct SummaryArgs {
 /// --bars the peak per stage (one bar per mode at its median over the traces of that mode,
 /// whiskers min to max; a trace's mode is its `mode` meta field, else its file name).
 #[derive(Args)]
-#[command(after_help = "Exit codes: 0 done; 2 a trace cannot be read or the chart cannot be written.")]
+#[command(
+    after_help = "Exit codes: 0 done; 2 a trace cannot be read or the chart cannot be written.\n\nExample:\n  stageload plot eager.jsonl staged.jsonl -o memory.svg"
+)]
 pub struct PlotArgs {
     /// JSONL traces written by the meter (one panel each)
     #[arg(required = true, num_args = 1..=plot::MAX_TRACES)]
