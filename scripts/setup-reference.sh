@@ -41,3 +41,21 @@ if ! "$python" "$here/reference/sd_export.py" --size small --out "$cache/sd-smal
     exit 1
 fi
 echo "export STAGELOAD_SD_SMALL='$cache/sd-small'"
+
+# The AOTInductor packages the .pt2 tests load (tests/fixtures/pt2_modules.py through the export
+# helper scripts/reference/pt2.py): compiled once per version of those two files (about two
+# minutes on 2 cores), into a folder named by their hash.
+stamp=$(cat "$here/reference/pt2.py" "$here/../tests/fixtures/pt2_modules.py" | sha256sum | cut -c1-16)
+pt2="$cache/pt2-fixtures-$stamp"
+if [[ ! -f "$pt2/done" ]]; then
+    log "compiling the AOTInductor test packages into $pt2 (once per version of their scripts)"
+    rm -rf "$pt2.tmp"
+    if ! "$python" "$here/../tests/fixtures/pt2_modules.py" "$pt2.tmp" >&2 2>"$cache/pt2-fixtures.log"; then
+        log "compiling the AOTInductor test packages failed (see $cache/pt2-fixtures.log); the .pt2 tests need them."
+        exit 1
+    fi
+    touch "$pt2.tmp/done"
+    rm -rf "$pt2"
+    mv "$pt2.tmp" "$pt2"
+fi
+echo "export STAGELOAD_PT2_FIXTURES='$pt2'"

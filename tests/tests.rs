@@ -9,7 +9,8 @@
 //!
 //! - The registry: `staged`, `threads`, `prefetch`, `names`, `snapshot`, `pipeline_file`,
 //!   `host_tier`, `script` (TorchScript), `every_tensor` (modules exported the ordinary way: tied
-//!   weights, buffers a checkpoint lacks), `stream` (block streaming), `checkpoint` (I/O).
+//!   weights, buffers a checkpoint lacks), `pt2` (AOTInductor packages), `stream` (block streaming),
+//!   `checkpoint` (I/O).
 //! - The examples run as users run them: `readme_example` (two_models), `determinism` (cascade
 //!   and text_to_image, staged against eager), `stream_demo`, `minilm` (a published checkpoint
 //!   against its reference implementation), `stable_diffusion` and `ddim` (against diffusers),
@@ -25,6 +26,7 @@ mod minilm;
 mod names;
 mod pipeline_file;
 mod prefetch;
+mod pt2;
 mod readme_example;
 mod script;
 mod snapshot;

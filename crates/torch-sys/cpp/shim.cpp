@@ -19,6 +19,8 @@
 #include <torch/script.h>
 #include <torch/torch.h>
 #include <torch/version.h>
+#include <torch/csrc/inductor/aoti_package/model_package_loader.h>
+#include <torch/csrc/inductor/aoti_runner/model_container_runner.h>
 
 #include <dlfcn.h>
 #include <sys/mman.h>
@@ -29,7 +31,9 @@
 #include <cstring>
 #include <mutex>
 #include <string>
+#include <unordered_map>
 #include <unordered_set>
+#include <vector>
 
 extern "C" {
 
@@ -463,6 +467,79 @@ char* sl_cuda_reset_peak(int index) {
   return guarded([&] {
     generator_device(SL_CUDA, index);
     c10::getDeviceAllocator(c10::kCUDA)->resetPeakStats(static_cast<c10::DeviceIndex>(index));
+  });
+}
+
+}  // extern "C"
+
+// AOTInductor packages (.pt2): torch::inductor::AOTIModelPackageLoader behind an opaque handle.
+// Weights are the caller's tensors, registered user-managed (the runner keeps their data
+// pointers, no copy); the caller frees and refills them in place and registers them again.
+extern "C" {
+
+// The metadata a package records, read from the archive without loading its library (so that
+// a package built for another CPU is refused before any of its code runs).
+char* sl_aoti_package_metadata(const char* path, void* data, void (*add)(void*, const char*, const char*)) {
+  return guarded([&] {
+    TORCH_CHECK(path != nullptr && add != nullptr, "no package path");
+    auto metadata = torch::inductor::AOTIModelPackageLoader::load_metadata_from_package(path, "model");
+    for (const auto& [key, value] : metadata) add(data, key.c_str(), value.c_str());
+  });
+}
+
+char* sl_aoti_load(const char* path, int device_index, void** out) {
+  return guarded([&] {
+    TORCH_CHECK(path != nullptr && out != nullptr, "no package path");
+    *out = new torch::inductor::AOTIModelPackageLoader(path, "model", false, 1,
+                                                       static_cast<c10::DeviceIndex>(device_index));
+  });
+}
+
+void sl_aoti_drop(void* loader) { delete static_cast<torch::inductor::AOTIModelPackageLoader*>(loader); }
+
+// Every constant the package's runner expects: its FQN (the checkpoint's name) and dtype (a
+// c10::ScalarType number).
+char* sl_aoti_constants(void* loader, void* data, void (*add)(void*, const char*, int32_t)) {
+  return guarded([&] {
+    TORCH_CHECK(loader != nullptr && add != nullptr, "no package");
+    auto* runner = static_cast<torch::inductor::AOTIModelPackageLoader*>(loader)->get_runner();
+    TORCH_CHECK(runner != nullptr, "the package has no runner");
+    auto dtypes = runner->getConstantNamesToDtypes();
+    for (const auto& [name, fqn] : runner->getConstantNamesToOriginalFQNs()) {
+      auto dtype = dtypes.find(name);
+      TORCH_CHECK(dtype != dtypes.end(), "constant ", name, " has no dtype");
+      add(data, fqn.c_str(), dtype->second);
+    }
+  });
+}
+
+// Registers `count` tensors under their FQNs as the runner's constants, user-managed (the
+// runner reads their memory in place), every constant checked as given.
+char* sl_aoti_register(void* loader, const char* const* fqns, const at::Tensor* const* tensors, size_t count) {
+  return guarded([&] {
+    TORCH_CHECK(loader != nullptr && (count == 0 || (fqns != nullptr && tensors != nullptr)), "no package");
+    std::unordered_map<std::string, at::Tensor> map;
+    for (size_t i = 0; i < count; ++i) {
+      TORCH_CHECK(tensors[i] != nullptr && tensors[i]->defined(), "undefined tensor for constant ", fqns[i]);
+      map.emplace(fqns[i], *tensors[i]);
+    }
+    static_cast<torch::inductor::AOTIModelPackageLoader*>(loader)->load_constants(map, false, true, true);
+  });
+}
+
+// Runs the package on `count` inputs; each output is handed to `add` as a new at::Tensor.
+char* sl_aoti_run(void* loader, const at::Tensor* const* inputs, size_t count, void* data,
+                  void (*add)(void*, at::Tensor*)) {
+  return guarded([&] {
+    TORCH_CHECK(loader != nullptr && add != nullptr && (count == 0 || inputs != nullptr), "no package");
+    std::vector<at::Tensor> in;
+    in.reserve(count);
+    for (size_t i = 0; i < count; ++i) {
+      TORCH_CHECK(inputs[i] != nullptr && inputs[i]->defined(), "input ", i, " is undefined");
+      in.push_back(*inputs[i]);
+    }
+    auto out = static_cast<torch::inductor::AOTIModelPackageLoader*>(loader)->run(in);
+    for (auto& t : out) add(data, new at::Tensor(std::move(t)));
   });
 }
 

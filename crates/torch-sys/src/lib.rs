@@ -28,6 +28,9 @@ pub struct ShimError {
 /// Result of a shim call.
 pub type ShimResult<T> = Result<T, ShimError>;
 
+mod aoti;
+pub use aoti::{aoti_package_metadata, AotiConstant, AotiPackage};
+
 mod ffi {
     use super::*;
     extern "C" {
@@ -75,6 +78,31 @@ mod ffi {
             module: *mut std::ffi::c_void,
             data: *mut std::ffi::c_void,
             add: extern "C" fn(*mut std::ffi::c_void, *const c_char, *mut C_tensor),
+        ) -> *mut c_char;
+        pub fn sl_aoti_package_metadata(
+            path: *const c_char,
+            data: *mut std::ffi::c_void,
+            add: extern "C" fn(*mut std::ffi::c_void, *const c_char, *const c_char),
+        ) -> *mut c_char;
+        pub fn sl_aoti_load(path: *const c_char, device_index: c_int, out: *mut *mut std::ffi::c_void) -> *mut c_char;
+        pub fn sl_aoti_drop(loader: *mut std::ffi::c_void);
+        pub fn sl_aoti_constants(
+            loader: *mut std::ffi::c_void,
+            data: *mut std::ffi::c_void,
+            add: extern "C" fn(*mut std::ffi::c_void, *const c_char, i32),
+        ) -> *mut c_char;
+        pub fn sl_aoti_register(
+            loader: *mut std::ffi::c_void,
+            fqns: *const *const c_char,
+            tensors: *const *const C_tensor,
+            count: usize,
+        ) -> *mut c_char;
+        pub fn sl_aoti_run(
+            loader: *mut std::ffi::c_void,
+            inputs: *const *const C_tensor,
+            count: usize,
+            data: *mut std::ffi::c_void,
+            add: extern "C" fn(*mut std::ffi::c_void, *mut C_tensor),
         ) -> *mut c_char;
     }
 }

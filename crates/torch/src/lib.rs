@@ -13,6 +13,8 @@
 //!   refilled in place from the checkpoint before they run and freed after.
 //! - [`script`]: TorchScript modules as models (`ModelSpec::torchscript`), their parameters
 //!   and buffers as their tensors.
+//! - [`pt2`]: AOTInductor packages as models (`ModelSpec::pt2`), their constants stageload's own
+//!   tensors, released and refilled in place like any model's.
 //! - [`Shared`]: a value several owners share and lock (a component two models hold, a seeded
 //!   generator).
 //! - [`hook`]: enter a stage when a module or closure you do not own is called.
@@ -40,6 +42,7 @@ pub mod latents;
 pub mod meter;
 pub mod names;
 mod pinned;
+pub mod pt2;
 pub mod rng;
 pub mod script;
 pub mod staged;

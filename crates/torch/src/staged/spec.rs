@@ -190,6 +190,34 @@ impl ModelSpec {
         spec
     }
 
+    /// An AOTInductor package (`.pt2`, written by `torch._inductor.aoti_compile_and_package`
+    /// with `aot_inductor.package_constants_in_so=False`, as `scripts/reference/pt2.py` does)
+    /// run on the model's device, its weights from `checkpoint` (safetensors under the
+    /// constants' FQNs: the exported program's state dict and constants). Called as
+    /// `models.call(name, |m: &mut stageload::pt2::Pt2Module| m.forward(&[&x]))`. The loader
+    /// makes one tensor per constant the package expects and the registry fills them from the
+    /// checkpoint (a load draws no random number, so it may be prefetched); release frees them
+    /// in place and reload refills them in place, and the next run registers them with the
+    /// runner again. Errors name the file: a package for another CPU or device, a checkpoint
+    /// without a constant or with one of another shape or dtype ([`crate::pt2::Pt2Error`],
+    /// inside [`StageError::LoaderFailed`](crate::StageError::LoaderFailed)).
+    pub fn pt2<P: Into<PathBuf>>(
+        name: impl Into<String>,
+        package: impl Into<PathBuf>,
+        checkpoint: impl IntoIterator<Item = P>,
+    ) -> Self {
+        let package: PathBuf = package.into();
+        let files: Vec<PathBuf> = checkpoint.into_iter().map(Into::into).collect();
+        let shapes_from = files.clone();
+        let mut spec = ModelSpec::new(name, move |ctx| {
+            let (module, tensors) = crate::pt2::load(&package, ctx.device().unwrap_or(tch::Device::Cpu), &shapes_from)?;
+            Ok(Built::from_tensors(module, tensors))
+        });
+        spec.checkpoint = files;
+        spec.init = Init::Skipped;
+        spec
+    }
+
     /// The model's name.
     pub fn name(&self) -> &str {
         &self.name
