@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Installs libtorch (carried by the PyTorch wheel torch==2.13.0 from the Python package registry)
-# into a per-user cache shared by every clone, and prints the environment cargo needs.
+# into a per-user cache shared by every clone, and prints the environment cargo needs. It is the
+# one installer: `cargo xtask` runs it, and a build without libtorch (crates/build-support) and
+# `stageload libtorch` name it. A crate of your own uses it too, from its stageload checkout.
 #
 #   STAGELOAD_CACHE   cache root (default: ${XDG_CACHE_HOME:-$HOME/.cache}/stageload)
 #   LIBTORCH          a libtorch 2.13 of your own: the install is skipped and it is used as is

@@ -1,8 +1,7 @@
 //! Where libtorch is, for a build script or the `stageload libtorch` command: the folder
 //! torch-sys found (published to direct dependents of the shim), `LIBTORCH`, the Python torch of
-//! `LIBTORCH_USE_PYTORCH`, or the per-user cache; and the install into that cache (the torch
-//! wheel, which carries libtorch, into a virtual environment), the same one
-//! `scripts/setup-libtorch.sh` makes.
+//! `LIBTORCH_USE_PYTORCH`, or the per-user cache that `scripts/setup-libtorch.sh` (the one
+//! installer, [`INSTALL_COMMAND`]) fills.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -10,8 +9,9 @@ use std::process::Command;
 /// The torch release whose wheel the cache holds (its libtorch is the one tch 0.26 needs).
 pub const TORCH_VERSION: &str = "2.13.0";
 
-/// The one command that installs libtorch into the per-user cache and says what to export.
-pub const INSTALL_COMMAND: &str = "stageload libtorch --install";
+/// The one command that installs libtorch into the per-user cache (once per machine) and exports
+/// what a build needs, run in the stageload checkout.
+pub const INSTALL_COMMAND: &str = "eval \"$(scripts/setup-libtorch.sh)\"";
 
 /// Where a libtorch was found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -56,10 +56,6 @@ fn process_env(name: &str) -> Option<std::ffi::OsString> {
 
 /// The per-user cache: `STAGELOAD_CACHE`, else `$XDG_CACHE_HOME/stageload`, else
 /// `$HOME/.cache/stageload`.
-pub fn cache_root() -> Option<PathBuf> {
-    cache_root_in(&process_env)
-}
-
 fn cache_root_in(env: Env) -> Option<PathBuf> {
     let var = |name: &str| env(name).map(PathBuf::from);
     var("STAGELOAD_CACHE")
@@ -68,10 +64,6 @@ fn cache_root_in(env: Env) -> Option<PathBuf> {
 }
 
 /// The cache's virtual environment for [`TORCH_VERSION`].
-pub fn cache_venv() -> Option<PathBuf> {
-    cache_venv_in(&process_env)
-}
-
 fn cache_venv_in(env: Env) -> Option<PathBuf> {
     Some(cache_root_in(env)?.join(format!("torch-{TORCH_VERSION}")))
 }
@@ -131,43 +123,9 @@ fn find_in(env: Env) -> Result<Libtorch, String> {
     }
     let cache = venv.map_or_else(|| "the per-user cache (no HOME)".to_string(), |v| v.display().to_string());
     Err(format!(
-        "no libtorch {TORCH_VERSION} found: LIBTORCH and LIBTORCH_USE_PYTORCH are not set and {cache} holds none. \
-         Run `{INSTALL_COMMAND}` once (it installs the torch wheel, which carries libtorch, into that cache) and \
-         export what it prints"
+        "no libtorch {TORCH_VERSION} found (LIBTORCH and LIBTORCH_USE_PYTORCH are not set, {cache} holds none): \
+         run `{INSTALL_COMMAND}` in the stageload checkout"
     ))
-}
-
-/// Installs torch [`TORCH_VERSION`] from the Python package registry into the per-user cache
-/// (a virtual environment made with `python3`, or `PYTHON`), unless it is there already; what
-/// pip prints goes to stderr. The error says what failed and what to do instead.
-pub fn install_libtorch() -> Result<Libtorch, String> {
-    let venv = cache_venv().ok_or("no per-user cache: set STAGELOAD_CACHE (or HOME) to a folder")?;
-    if let Some(root) = torch_in_venv(&venv) {
-        return Ok(Libtorch { root, source: Source::Cache });
-    }
-    let python = process_env("PYTHON").map_or_else(|| "python3".into(), |p| p.to_string_lossy().into_owned());
-    let run = |program: &Path, args: &[&str]| -> Result<(), String> {
-        let status = Command::new(program)
-            .args(args)
-            .stdout(std::process::Stdio::inherit())
-            .status()
-            .map_err(|e| format!("{} could not be run: {e}", program.display()))?;
-        match status.success() {
-            true => Ok(()),
-            false => Err(format!("`{} {}` failed ({status})", program.display(), args.join(" "))),
-        }
-    };
-    eprintln!("installing torch=={TORCH_VERSION} into {} (once per machine; about 80 s and 5 GB)", venv.display());
-    if !venv.join("bin/python").exists() {
-        run(Path::new(&python), &["-m", "venv", &venv.to_string_lossy()])
-            .map_err(|e| format!("{e}: install Python 3 with venv, or set LIBTORCH to a libtorch {TORCH_VERSION}"))?;
-    }
-    let wheel = format!("torch=={TORCH_VERSION}");
-    run(&venv.join("bin/python"), &["-m", "pip", "install", "--disable-pip-version-check", "-q", &wheel, "safetensors", "numpy"])
-        .map_err(|e| format!("{e}: without the Python package registry, install {wheel} from a local wheel into {} or set LIBTORCH to a libtorch {TORCH_VERSION} folder", venv.display()))?;
-    torch_in_venv(&venv).map(|root| Libtorch { root, source: Source::Cache }).ok_or_else(|| {
-        format!("pip installed {wheel} into {}, but no torch package with lib/ and include/ is there", venv.display())
-    })
 }
 
 #[cfg(test)]

@@ -5,9 +5,11 @@
 //! package whose binaries link libtorch calls [`link_libtorch`] from its own `build.rs`: one line
 //! and one build-dependency. It finds libtorch by itself ([`find_libtorch`]: torch-sys's folder
 //! when the package depends on the shim directly, else `LIBTORCH`, the Python torch of
-//! `LIBTORCH_USE_PYTORCH`, or the per-user cache that `stageload libtorch --install` fills). The
+//! `LIBTORCH_USE_PYTORCH`, or the per-user cache that `scripts/setup-libtorch.sh` fills). The
 //! shim's build script also checks, with [`check_libtorch_version`], that the libtorch found is the
-//! release tch 0.26 is written for.
+//! release tch 0.26 is written for. With the `require-libtorch` feature (this workspace's packages
+//! that link libtorch) this crate's own build script stops a build without libtorch in its first
+//! seconds, with one line naming [`INSTALL_COMMAND`], before torch-sys's build script runs.
 
 #![warn(missing_docs)]
 
@@ -15,23 +17,22 @@ use std::path::Path;
 
 mod find;
 
-pub use find::{
-    cache_root, cache_venv, find_libtorch, install_libtorch, Libtorch, Source, INSTALL_COMMAND, TORCH_VERSION,
-};
+pub use find::{find_libtorch, Libtorch, Source, INSTALL_COMMAND, TORCH_VERSION};
 
 /// The libtorch release (major, minor) that tch 0.26 and the shim are written for.
 pub const LIBTORCH_WANTED: (u32, u32) = (2, 13);
 
 /// Emits an rpath to libtorch's lib folder (so nothing needs `LD_LIBRARY_PATH`) and, on Linux,
 /// `--no-as-needed -ltorch` so that `libtorch_cuda` stays linked and CUDA is seen where present.
-/// Stops the build, naming the one command to run, when no libtorch is found.
+/// Stops the build with one line naming the one command to run ([`INSTALL_COMMAND`]) when no
+/// libtorch is found.
 pub fn link_libtorch() {
     for var in ["LIBTORCH", "LIBTORCH_USE_PYTORCH", "PYTHON", "STAGELOAD_CACHE", "XDG_CACHE_HOME"] {
         println!("cargo:rerun-if-env-changed={var}");
     }
     match find_libtorch() {
         Ok(libtorch) => link_libtorch_at(&libtorch.lib()),
-        Err(message) => panic!("{message}"),
+        Err(message) => println!("cargo::error={message}"),
     }
 }
 
@@ -74,12 +75,12 @@ pub fn check_libtorch_version(include: &Path) -> Result<(), String> {
     };
     Err(format!(
         "stageload needs libtorch {}.{} (tch 0.26), but the libtorch at {} is {shown}. \
-         Point LIBTORCH at a libtorch 2.13.0 folder, or unset LIBTORCH and run \
-         scripts/setup-libtorch.sh (in this repository) or `stageload libtorch --install`, which \
-         install torch==2.13.0 into the per-user cache (STAGELOAD_CACHE).",
+         Point LIBTORCH at a libtorch 2.13.0 folder, or unset LIBTORCH and run `{}` in the \
+         stageload checkout, which installs torch==2.13.0 into the per-user cache (STAGELOAD_CACHE).",
         LIBTORCH_WANTED.0,
         LIBTORCH_WANTED.1,
-        include.parent().unwrap_or(include).display()
+        include.parent().unwrap_or(include).display(),
+        INSTALL_COMMAND
     ))
 }
 

@@ -1,9 +1,10 @@
 //! `stageload libtorch`: finds libtorch the way a build of a crate that uses stageload does
-//! (`LIBTORCH`, the Python torch of `LIBTORCH_USE_PYTORCH`, the per-user cache), or with
-//! `--install` installs the torch wheel that carries it into that cache, and prints the line to
-//! export so that torch-sys builds against it; `--cargo-config` also writes `LIBTORCH` into a Cargo
-//! config's `[env]` table, so that builds of that project find it with nothing exported. The
-//! finding and installing is `stageload_build`'s, the code a build script runs.
+//! (`LIBTORCH`, the Python torch of `LIBTORCH_USE_PYTORCH`, the per-user cache) and prints the
+//! line to export so that torch-sys builds against it; `--cargo-config` also writes `LIBTORCH`
+//! into a Cargo config's `[env]` table, so that builds of that project find it with nothing
+//! exported. It installs nothing: the one installer is `scripts/setup-libtorch.sh`
+//! ([`stageload_build::INSTALL_COMMAND`], named when nothing is found). The finding is
+//! `stageload_build`'s, the code a build script runs.
 
 use std::path::{Path, PathBuf};
 
@@ -11,14 +12,12 @@ use crate::out;
 
 #[derive(clap::Args)]
 #[command(
-    about = "Find (or --install) libtorch for a crate that uses stageload, and print what to export",
-    after_help = "Example:\n  stageload libtorch --install"
+    about = "Find libtorch for a crate that uses stageload, and print what to export",
+    after_help = "Nothing found: run `eval \"$(scripts/setup-libtorch.sh)\"` in the stageload checkout once (it \
+                  installs torch 2.13.0, which carries libtorch, into the per-user cache).\n\nExample:\n  \
+                  stageload libtorch --cargo-config .cargo/config.toml"
 )]
 pub struct LibtorchArgs {
-    /// Install torch (its wheel carries libtorch) into the per-user cache when none is found
-    /// (STAGELOAD_CACHE, default ~/.cache/stageload; about 80 s and 5 GB once)
-    #[arg(long)]
-    install: bool,
     /// Also set LIBTORCH in this Cargo config file's [env] table (made if missing), e.g.
     /// .cargo/config.toml in your project
     #[arg(long, value_name = "FILE")]
@@ -26,11 +25,7 @@ pub struct LibtorchArgs {
 }
 
 pub fn run(args: LibtorchArgs) -> i32 {
-    let found = match stageload_build::find_libtorch() {
-        Err(_) if args.install => stageload_build::install_libtorch(),
-        other => other,
-    };
-    let libtorch = match found {
+    let libtorch = match stageload_build::find_libtorch() {
         Ok(libtorch) => libtorch,
         Err(message) => {
             eprintln!("stageload libtorch: {message}");

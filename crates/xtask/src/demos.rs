@@ -30,7 +30,7 @@ pub fn build(shell: &Shell, targets: &[&str]) -> Result<PathBuf, Error> {
 /// Runs example `name` of the library's package with `args`, libtorch set up first.
 pub fn example(shell: &mut Shell, name: &str, release: bool, args: &[String]) -> Result<(), Error> {
     shell.set_up(&[Setup::Libtorch])?;
-    let mut command = shell.cargo(&["run", "-p", "stageload", "--example", name]);
+    let mut command = shell.cargo(&["run", "--example", name]);
     if release {
         command.arg("--release");
     }

@@ -1,13 +1,27 @@
 //! The test lanes, in order, stopping at the first that fails: formatting; clippy of the
-//! torch-free crates (the workspace's default members: a plain `cargo test` runs them, no
-//! libtorch needed); the macOS readings compile-checked for Apple silicon; the torch-free tests.
+//! torch-free crates (named here: the workspace's default members include the library too, so
+//! that `cargo run --example NAME` works at the root); the macOS readings compile-checked for
+//! Apple silicon; the torch-free tests.
 //! Then, unless `--torch-free`: libtorch, the reference packages and Ray set up (installed on
 //! first use), clippy of the whole workspace, the tests of every crate that links libtorch, and
 //! the docs lane (every crate's documentation, broken links and bad markup refused).
 
 use crate::shell::{Error, Setup, Shell};
 
-/// The crates that link libtorch: every workspace member that is not a default member.
+/// The crates that need no libtorch: the torch-free lane's.
+const TORCH_FREE: [&str; 9] = [
+    "stageload-ab",
+    "stageload-cli",
+    "stageload-guard",
+    "stageload-input",
+    "stageload-plan",
+    "stageload-probe",
+    "stageload-trace",
+    "stageload-units",
+    "xtask",
+];
+
+/// The crates that link libtorch: every other workspace member.
 const TORCH: [&str; 6] = [
     "stageload",
     "stageload-torch-sys",
@@ -18,13 +32,14 @@ const TORCH: [&str; 6] = [
 ];
 
 /// Runs the lanes (see the module docs); `args` go to both `cargo test` runs.
-pub fn test(shell: &mut Shell, torch_free: bool, args: &[String]) -> Result<(), Error> {
+pub fn test(shell: &mut Shell, torch_free_only: bool, args: &[String]) -> Result<(), Error> {
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let torch_free = || TORCH_FREE.iter().flat_map(|p| ["-p", p]);
     shell.run(&mut shell.cargo(&["fmt", "--all", "--check"]))?;
-    shell.run(&mut shell.cargo(&["clippy", "--all-targets", "--", "-D", "warnings"]))?;
+    shell.run(shell.cargo(&["clippy"]).args(torch_free()).args(["--all-targets", "--", "-D", "warnings"]))?;
     mac_check(shell)?;
-    shell.run(shell.cargo(&["test", "--no-fail-fast"]).args(&args))?;
-    if torch_free {
+    shell.run(shell.cargo(&["test", "--no-fail-fast"]).args(torch_free()).args(&args))?;
+    if torch_free_only {
         return Ok(());
     }
     shell.set_up(&[Setup::Libtorch, Setup::Reference, Setup::Ray])?;
@@ -45,4 +60,38 @@ fn mac_check(shell: &Shell) -> Result<(), Error> {
     }
     let crates = ["-p", "stageload-probe", "-p", "stageload-guard", "-p", "stageload-cli"];
     shell.run(shell.cargo(&["check", "--target", TARGET]).args(crates))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The `name` of every workspace member, read from the manifests.
+    fn members() -> Vec<String> {
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+        let manifest = std::fs::read_to_string(root.join("Cargo.toml")).unwrap();
+        let list = manifest.split("\nmembers = [").nth(1).and_then(|rest| rest.split(']').next()).unwrap();
+        let name = |text: &str| {
+            let line = text.lines().find(|line| line.starts_with("name = ")).unwrap();
+            line.trim_start_matches("name = ").trim_matches('"').to_string()
+        };
+        list.split(',')
+            .map(|entry| entry.trim().trim_matches('"'))
+            .filter(|entry| !entry.is_empty())
+            .map(|dir| name(&std::fs::read_to_string(root.join(dir).join("Cargo.toml")).unwrap()))
+            .collect()
+    }
+
+    #[test]
+    fn every_workspace_member_is_in_exactly_one_lane() {
+        let members = members();
+        assert!(members.len() > 10, "{members:?}");
+        for member in &members {
+            let lanes = [TORCH_FREE.contains(&member.as_str()), TORCH.contains(&member.as_str())];
+            assert_eq!(lanes.iter().filter(|&&in_lane| in_lane).count(), 1, "{member} in {lanes:?}");
+        }
+        for named in TORCH_FREE.iter().chain(&TORCH) {
+            assert!(members.iter().any(|m| m == named), "{named} is not a member");
+        }
+    }
 }

@@ -56,8 +56,7 @@ enum Task {
         cascade: Vec<String>,
     },
     /// One example of the library (examples/), libtorch set up first: `cargo xtask example
-    /// two_models`. A plain `cargo run --example NAME` at the root looks among the default
-    /// members (the torch-free crates) only; this is `cargo run -p stageload --example NAME`
+    /// two_models` is `eval "$(scripts/setup-libtorch.sh)"` then `cargo run --example two_models`
     Example {
         /// two_models, cascade, text_to_image, stream, minilm, stable_diffusion
         name: String,
