@@ -21,8 +21,8 @@ pub fn checkout() -> PathBuf {
 /// Example `name` of the root package, built with every other example once per test process.
 pub fn example(name: &str) -> PathBuf {
     static EXAMPLES: OnceLock<Result<(), String>> = OnceLock::new();
-    // `-p stageload`: the examples are the root package's, and a plain build at the root builds
-    // the default members (the torch-free crates) and their examples only.
+    // `-p stageload`: the examples are the root package's (named, so that the build does not
+    // depend on which packages the workspace's default members are).
     if let Err(e) = EXAMPLES.get_or_init(|| cargo_build(&["-p", "stageload", "--examples"])) {
         panic!("{e}");
     }
