@@ -202,7 +202,8 @@ pub fn load(
         AotiPackage::load(path, index).map_err(|e| Pt2Error::Load { path: path.into(), message: e.message })?;
     let runner = |source| Pt2Error::Runner { path: path.into(), source };
     let constants = package.constants().map_err(runner)?;
-    let files = Checkpoint::open(checkpoint).map_err(|source| Pt2Error::Checkpoint { path: path.into(), source: Box::new(source) })?;
+    let files = Checkpoint::open(checkpoint)
+        .map_err(|source| Pt2Error::Checkpoint { path: path.into(), source: Box::new(source) })?;
     let recorded = recorded_shapes(&metadata);
     let missing: Vec<String> =
         constants.iter().filter(|c| !files.entries().contains_key(&c.fqn)).map(|c| c.fqn.clone()).collect();
