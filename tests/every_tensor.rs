@@ -8,7 +8,6 @@
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::sync::Arc;
 
 use stageload::{
@@ -21,20 +20,9 @@ use tch::{CModule, Tensor};
 fn fixtures() -> &'static Path {
     static FIXTURES: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
     FIXTURES.get_or_init(|| {
-        let python = std::env::var("STAGELOAD_PYTHON").unwrap_or_else(|_| {
-            panic!(
-                "STAGELOAD_PYTHON is not set: these tests export their modules with the cached torch and \
-                 transformers. Run them through cargo xtask test, or first: eval \"$(scripts/setup-libtorch.sh)\""
-            )
-        });
         let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("every-tensor-fixtures");
-        if dir.exists() {
-            std::fs::remove_dir_all(&dir).unwrap();
-        }
-        std::fs::create_dir_all(&dir).unwrap();
         let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/every_tensor.py");
-        let out = Command::new(&python).arg(&script).arg(&dir).output().unwrap();
-        assert!(out.status.success(), "{python} {}: {}", script.display(), String::from_utf8_lossy(&out.stderr));
+        stageload_test_support::fixtures::write_with_python(&script, &dir);
         dir
     })
 }
@@ -77,6 +65,13 @@ fn shared(models: &StagedModels, a: &str, b: &str) -> bool {
     tensors[a].data_ptr() == tensors[b].data_ptr()
 }
 
+/// Asserts that the load, release and reload events each count `total` bytes (a tied weight once).
+fn counted_once(sink: &ListSink, total: u64) {
+    for kind in [EventKind::Load, EventKind::Release, EventKind::Reload] {
+        assert_eq!(bytes_of(sink, kind), total, "{kind:?} counts the tied weight once");
+    }
+}
+
 /// Bytes of the module's distinct storages (a tied weight once).
 fn distinct_bytes(models: &StagedModels) -> u64 {
     let mut seen = std::collections::HashSet::new();
@@ -117,9 +112,7 @@ fn a_tied_weight_needs_one_entry_is_counted_once_and_is_still_tied_after_the_rel
     assert!(shared(&models, "c2.weight", "c3.weight"), "one storage behind both names after the reload");
     let reload = sink.of_kind(EventKind::Reload);
     assert_eq!(reload[0].from, Some(ReloadFrom::InPlace));
-    for kind in [EventKind::Load, EventKind::Release, EventKind::Reload] {
-        assert_eq!(bytes_of(&sink, kind), total, "{kind:?} counts the tied weight once");
-    }
+    counted_once(&sink, total);
 }
 
 #[test]
@@ -138,9 +131,7 @@ fn a_language_models_head_tied_to_its_embedding_loads_from_save_pretrained_and_r
     let report = round_trip(&models, "lm");
     assert_eq!(report.aliases.get(head).map(String::as_str), Some(embedding), "{report:?}");
     assert!(shared(&models, head, embedding), "still tied after the reload");
-    for kind in [EventKind::Load, EventKind::Release, EventKind::Reload] {
-        assert_eq!(bytes_of(&sink, kind), total, "{kind:?}");
-    }
+    counted_once(&sink, total);
 }
 
 #[test]

@@ -7,7 +7,7 @@ use std::sync::Mutex;
 
 use stageload::pt2::Pt2Module;
 use stageload::{ModelSpec, StagedModels};
-use stageload_test_support::torch::rss_bytes;
+use stageload_test_support::torch::{assert_rss_moved, rss_bytes};
 use tch::Tensor;
 
 /// One test at a time: each reads the process's RSS.
@@ -45,23 +45,16 @@ fn a_released_package_gives_its_weights_back_and_a_reload_brings_them_back_with_
     // What RSS must move by: the two 2048x2048 f32 matrices, each in a mapping of its own (above
     // the mmap threshold the registry sets), unmapped by the release and mapped and filled again
     // by the reload; the biases live in the heap, which may keep their pages. Allowed: what the
-    // kernel's per-CPU counters leave out of each of the two readings compared.
+    // kernel's per-CPU counters leave out of each of the two readings compared (`assert_rss_moved`).
     let matrices = 2 * 2048 * 2048 * 4;
-    let slack = 2 * stageload_probe::rss_counter_slack() as i64;
 
     let resident = rss_bytes();
     models.enter("other").unwrap();
     let released = rss_bytes();
-    eprintln!("RSS fell by {} for {matrices} bytes of matrices (slack {slack})", resident - released);
-    assert!(
-        resident - released + slack >= matrices,
-        "RSS fell by {} for {matrices} bytes of matrices (slack {slack})",
-        resident - released
-    );
+    assert_rss_moved("fell", resident - released, matrices);
     models.enter("run").unwrap();
     let after = forward(&models, "wide", &x);
-    let back = rss_bytes() - released;
-    assert!(back + slack >= matrices, "RSS came back by {back} for {matrices} bytes of matrices (slack {slack})");
+    assert_rss_moved("came back", rss_bytes() - released, matrices);
     assert!(after.equal(&before), "the same output after the reload in place");
 }
 

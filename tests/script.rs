@@ -6,7 +6,6 @@
 //! registry usable.
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::sync::Arc;
 
 use stageload::checkpoint::CheckpointError;
@@ -24,20 +23,9 @@ struct Fixtures {
 fn fixtures() -> &'static Fixtures {
     static FIXTURES: std::sync::OnceLock<Fixtures> = std::sync::OnceLock::new();
     FIXTURES.get_or_init(|| {
-        let python = std::env::var("STAGELOAD_PYTHON").unwrap_or_else(|_| {
-            panic!(
-                "STAGELOAD_PYTHON is not set: these tests write their TorchScript files with the cached torch. \
-                 Run them through cargo xtask test, or first: eval \"$(scripts/setup-libtorch.sh)\""
-            )
-        });
         let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("script-fixtures");
-        if dir.exists() {
-            std::fs::remove_dir_all(&dir).unwrap();
-        }
-        std::fs::create_dir_all(&dir).unwrap();
         let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/script_module.py");
-        let out = Command::new(&python).arg(&script).arg(&dir).output().unwrap();
-        assert!(out.status.success(), "{python} {}: {}", script.display(), String::from_utf8_lossy(&out.stderr));
+        stageload_test_support::fixtures::write_with_python(&script, &dir);
         Fixtures { dir }
     })
 }

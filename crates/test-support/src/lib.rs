@@ -2,12 +2,14 @@
 //!
 //! - [`pids`]: the pid a test command wrote, and whether a pid still runs.
 //! - [`build`]: a binary or example of this workspace built now (never stale) for a test to run.
+//! - [`fixtures`]: fixtures a Python script of the workspace writes with the cached torch.
 //! - `torch` (feature `torch`): a small real tch model, the process's RSS, and the one lock on
 //!   torch's global generator that every test drawing from it takes.
 
 #![warn(missing_docs)]
 
 pub mod build;
+pub mod fixtures;
 pub mod pids;
 #[cfg(feature = "torch")]
 pub mod torch;

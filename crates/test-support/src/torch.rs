@@ -55,3 +55,12 @@ pub fn input(width: i64) -> Tensor {
 pub fn rss_bytes() -> i64 {
     stageload_probe::process_memory(std::process::id() as i32).expect("read this process's memory").rss as i64
 }
+
+/// Asserts that the process's RSS `went` (fell, came back) by at least `bytes`, as `moved`
+/// (the difference of two [`rss_bytes`] readings) says, allowing what the kernel's per-CPU
+/// counters leave out of each of the two readings compared.
+pub fn assert_rss_moved(went: &str, moved: i64, bytes: i64) {
+    let slack = 2 * stageload_probe::rss_counter_slack() as i64;
+    eprintln!("RSS {went} by {moved} for {bytes} bytes (slack {slack})");
+    assert!(moved + slack >= bytes, "RSS {went} by {moved} for {bytes} bytes (slack {slack})");
+}

@@ -24,7 +24,7 @@ use std::path::{Path, PathBuf};
 use stageload_torch_sys::{aoti_package_metadata, AotiPackage};
 use tch::{Device, Kind, Tensor};
 
-use crate::checkpoint::{Checkpoint, CheckpointError};
+use crate::checkpoint::{paths, quoted, Checkpoint, CheckpointError};
 
 /// Why an AOTInductor package could not be loaded or run. Each variant names the package.
 #[derive(Debug, thiserror::Error)]
@@ -144,18 +144,6 @@ pub enum Pt2Error {
     },
 }
 
-fn quoted(names: &[String]) -> String {
-    let shown: Vec<String> = names.iter().take(5).map(|n| format!("'{n}'")).collect();
-    match names.len().saturating_sub(5) {
-        0 => shown.join(", "),
-        more => format!("{} and {more} more", shown.join(", ")),
-    }
-}
-
-fn paths(files: &[PathBuf]) -> String {
-    files.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", ")
-}
-
 /// An AOTInductor package with its constants: call [`forward`](Self::forward).
 #[derive(Debug)]
 pub struct Pt2Module {
@@ -254,16 +242,11 @@ fn recorded_shapes(metadata: &HashMap<String, String>) -> HashMap<String, Vec<i6
 /// The device kind the package was compiled for against the model's.
 fn check_device(path: &Path, metadata: &HashMap<String, String>, device: Device) -> Result<(), Pt2Error> {
     let compiled = metadata.get("AOTI_DEVICE_KEY").map_or("", String::as_str);
-    let fits = match device {
-        Device::Cpu => compiled == "cpu",
-        Device::Cuda(_) => compiled == "cuda",
-        Device::Mps => compiled == "mps",
-        _ => false,
-    };
-    match fits {
-        true => Ok(()),
-        false => Err(Pt2Error::Device { path: path.into(), compiled: compiled.to_string(), device }),
+    let fits = matches!((device, compiled), (Device::Cpu, "cpu") | (Device::Cuda(_), "cuda") | (Device::Mps, "mps"));
+    if !fits {
+        return Err(Pt2Error::Device { path: path.into(), compiled: compiled.to_string(), device });
     }
+    Ok(())
 }
 
 /// The CPU the package was compiled for against this one: the export helper's
@@ -277,11 +260,11 @@ fn check_target(path: &Path, metadata: &HashMap<String, String>) -> Result<(), P
         (None, Some(isa)) => (format!("the CPU capability {isa}"), isa_features(isa)),
         (None, None) => return Ok(()),
     };
-    let lacking: Vec<&'static str> = needs.iter().copied().filter(|f| !cpu_has(f)).collect();
-    match lacking.is_empty() {
-        true => Ok(()),
-        false => Err(Pt2Error::Target { path: path.into(), target, lacking }),
+    let lacking: Vec<&'static str> = needs.into_iter().filter(|f| !cpu_has(f)).collect();
+    if !lacking.is_empty() {
+        return Err(Pt2Error::Target { path: path.into(), target, lacking });
     }
+    Ok(())
 }
 
 const V2: &[&str] = &["sse3", "ssse3", "sse4.1", "sse4.2", "popcnt", "cmpxchg16b"];

@@ -15,6 +15,7 @@ use std::time::Instant;
 
 use clap::Parser;
 use stageload::checkpoint::{Checkpoint, Progress};
+use stageload_bench::median;
 use stageload_probe::ProcessMemory;
 use tch::nn::{self, VarStore};
 use tch::{Device, Tensor};
@@ -114,11 +115,6 @@ fn python_runs(args: &Args, runs: usize) -> Vec<Measure> {
             }
         })
         .collect()
-}
-
-/// The median of `values` (the project's one median; NaN for none).
-fn median(values: Vec<f64>) -> f64 {
-    stageload_trace::aggregate::median(&values).unwrap_or(f64::NAN)
 }
 
 fn main() {

@@ -27,6 +27,7 @@ use clap::Parser;
 use serde_json::{json, Value};
 use stageload::pt2::Pt2Module;
 use stageload::{BoxError, EventKind, ListSink, ModelSpec, StagedModels};
+use stageload_bench::{median, rss_and_peak as memory};
 use tch::{CModule, Tensor};
 
 #[derive(Parser)]
@@ -65,12 +66,6 @@ fn spec(components: &Path, component: &str, kind: &str) -> ModelSpec {
         _ => ModelSpec::torchscript(component, components.join(format!("{component}.pt")))
             .checkpoint([components.join(format!("{component}.safetensors"))]),
     }
-}
-
-/// The resident set and its high-water mark, in bytes.
-fn memory() -> Result<(u64, u64), BoxError> {
-    let m = stageload_probe::process_memory(std::process::id() as i32)?;
-    Ok((m.rss, m.peak.ok_or("this system reports no peak resident set (VmHWM)")?))
 }
 
 /// A first load through the registry in this process: seconds, growth, peak over the resident
@@ -116,10 +111,6 @@ fn python(components: &Path, component: &str) -> Result<Value, BoxError> {
         return Err(format!("{} failed: {}", script.display(), String::from_utf8_lossy(&out.stderr)).into());
     }
     Ok(serde_json::from_slice(&out.stdout)?)
-}
-
-fn median(values: Vec<f64>) -> f64 {
-    stageload_trace::aggregate::median(&values).unwrap_or(f64::NAN)
 }
 
 /// In one process: each kind's forward step (median of `steps`, after one warm-up) and its

@@ -20,6 +20,7 @@ use std::time::Instant;
 
 use clap::Parser;
 use stageload::{Built, ModelSpec, StagedModels};
+use stageload_bench::median;
 use tch::{Device, Kind, Tensor};
 
 #[derive(Parser)]
@@ -86,11 +87,6 @@ fn run(models: &StagedModels, count: usize, per_stage: usize) -> f64 {
         }
     }
     started.elapsed().as_secs_f64()
-}
-
-/// The median of `values` (the project's one median; NaN for none).
-fn median(values: Vec<f64>) -> f64 {
-    stageload_trace::aggregate::median(&values).unwrap_or(f64::NAN)
 }
 
 /// Measures `count` models in this process: the figures as JSON.

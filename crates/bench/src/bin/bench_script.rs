@@ -25,6 +25,7 @@ use clap::Parser;
 use serde_json::{json, Value};
 use stageload::checkpoint::Checkpoint;
 use stageload::{BoxError, EventKind, ListSink, ModelSpec, StagedModels};
+use stageload_bench::{median, rss_and_peak as memory};
 use tch::{CModule, Device, Tensor};
 
 #[derive(Parser)]
@@ -45,12 +46,6 @@ struct Args {
 }
 
 const COMPONENTS: [&str; 3] = ["text_encoder", "unet", "vae_decoder"];
-
-/// The resident set and its high-water mark, in bytes.
-fn memory() -> Result<(u64, u64), BoxError> {
-    let m = stageload_probe::process_memory(std::process::id() as i32)?;
-    Ok((m.rss, m.peak.ok_or("this system reports no peak resident set (VmHWM)")?))
-}
 
 /// A first load in this process: seconds, growth, peak over the resident set before.
 fn one(path: &Path) -> Result<Value, BoxError> {
@@ -99,11 +94,6 @@ fn python_round(components: &Path) -> Result<Value, BoxError> {
     }
     let summary: Value = serde_json::from_slice(&out.stdout)?;
     Ok(summary["jit_load"].clone())
-}
-
-/// The median of `values` (the project's one median; NaN for none).
-fn median(values: Vec<f64>) -> f64 {
-    stageload_trace::aggregate::median(&values).unwrap_or(f64::NAN)
 }
 
 /// A module's reload in place (GB/s, from its `reload` event) and the checkpoint load of the

@@ -24,6 +24,7 @@ use clap::Parser;
 use stageload::checkpoint::Checkpoint;
 use stageload::stream::{Step, StreamError, StreamedModel};
 use stageload::{BoxError, Built, EventKind, ListSink, ModelSpec, ReloadFrom, StagedModels};
+use stageload_bench::median;
 use stageload_torch_sys::{cuda_memory, generator_state, GeneratorDevice};
 use tch::nn::{self, Module, VarStore};
 use tch::{Device, Kind, Tensor};
@@ -79,11 +80,6 @@ fn targets(file: &Checkpoint, kind: Option<Kind>, device: Device) -> Vec<(String
 
 fn all_equal(a: &[(String, Tensor)], b: &[(String, Tensor)]) -> bool {
     a.iter().zip(b).all(|((_, x), (_, y))| x.to_device(Device::Cpu).equal(&y.to_device(Device::Cpu)))
-}
-
-/// The median of `values` (the project's one median; NaN for none).
-fn median(values: Vec<f64>) -> f64 {
-    stageload_trace::aggregate::median(&values).unwrap_or(f64::NAN)
 }
 
 /// GB/s of host→device copies of 1 GiB from pinned and from pageable memory.

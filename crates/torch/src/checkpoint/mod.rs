@@ -210,11 +210,13 @@ pub enum CheckpointError {
     },
 }
 
-fn quoted(names: &[String]) -> String {
+/// The names, quoted and comma-separated (error messages).
+pub(crate) fn quoted(names: &[String]) -> String {
     names.iter().map(|n| format!("'{n}'")).collect::<Vec<_>>().join(", ")
 }
 
-fn paths(files: &[PathBuf]) -> String {
+/// The paths, comma-separated (error messages).
+pub(crate) fn paths(files: &[PathBuf]) -> String {
     files.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", ")
 }
 
