@@ -34,8 +34,9 @@ SIMDLEN = 256
 
 def export(module, args, out, dynamic_shapes=None, target=TARGET):
     """Writes OUT.pt2 and OUT.safetensors for `module` called on `args`, compiled for `target`
-    (a `-march` level: x86-64-v2, x86-64-v3, x86-64-v4); returns the package's path and the
-    constants written (FQN -> tensor)."""
+    (a `-march` level: x86-64-v2, x86-64-v3, x86-64-v4; `None` for a CUDA module, whose package
+    runs where it was compiled); returns the package's path and the constants (FQN -> tensor, on
+    the module's device)."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     module = module.eval()
@@ -48,15 +49,17 @@ def export(module, args, out, dynamic_shapes=None, target=TARGET):
         if isinstance(t, torch.Tensor)
     }
     package = out.with_suffix(".pt2")
+    metadata = {"stageload.constants": json.dumps(record)}
     configs = {
         "aot_inductor.package_constants_in_so": False,
         # Small tensors (a conv's bias, a BatchNorm's statistics) are otherwise inlined into the
         # compiled kernels as literals: weights no checkpoint could change.
         "always_keep_tensor_constants": True,
-        "cpp.march": target,
-        "cpp.simdlen": SIMDLEN,
-        "aot_inductor.metadata": {"stageload.target": target, "stageload.constants": json.dumps(record)},
+        "aot_inductor.metadata": metadata,
     }
+    if target is not None:
+        configs.update({"cpp.march": target, "cpp.simdlen": SIMDLEN})
+        metadata["stageload.target"] = target
     torch._inductor.aoti_compile_and_package(ep, package_path=str(package), inductor_configs=configs)
     # The constants: every parameter, buffer and lifted constant the graph uses (with
     # always_keep_tensor_constants each is one), found without loading the package, whose code
@@ -69,12 +72,12 @@ def export(module, args, out, dynamic_shapes=None, target=TARGET):
         **signature.inputs_to_lifted_tensor_constants,
     }
     wanted = sorted(fqn for placeholder, fqn in lifted.items() if placeholder in used)
-    if target == TARGET:
+    constants = {name: candidates[name].detach().contiguous() for name in wanted}
+    save_file({name: t.cpu() for name, t in constants.items()}, str(out.with_suffix(".safetensors")))
+    if target in (TARGET, None):
         expected = sorted(torch._inductor.aoti_load_package(str(package)).get_constant_fqns())
         if expected != wanted:
             raise SystemExit(f"pt2: the package expects the constants {expected}, the graph uses {wanted}")
-    constants = {name: candidates[name].detach().contiguous() for name in wanted}
-    save_file(constants, str(out.with_suffix(".safetensors")))
     return package, constants
 
 

@@ -2,7 +2,12 @@
 as TorchScript modules, with seeded random weights (trained weights cannot be fetched here), for
 the staged-pipeline tests and for scripts/reference/sd_reference.py.
 
-    python sd_export.py --size {small,sd15} --out DIR
+    python sd_export.py --size {small,sd15} --out DIR [--device cuda]
+
+--device traces there (default the CPU): a trace records the device of the tensors it makes
+(diffusers' UNet moves the timestep to the sample's device and builds its embedding there), so a
+CPU trace runs on the CPU only and a CUDA trace on CUDA only. The weights are the same either way
+(built on the CPU, then moved).
 
 Writes into DIR (atomically: DIR.tmp-<pid>, renamed at the end):
   text_encoder.pt     input_ids int64 [1, 77]                       -> last_hidden_state [1, 77, hidden]
@@ -45,6 +50,7 @@ def parse_args():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", choices=["small", "sd15"], required=True)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--device", default="cpu")
     args = ap.parse_args()
     args.out = os.path.abspath(args.out.rstrip("/"))
     return args
@@ -59,7 +65,8 @@ def up_to_date(args):
             old = json.load(f)
     except (OSError, ValueError):
         old = {}
-    if old.get("size") == args.size and old.get("format") == FORMAT and old.get("versions") == versions():
+    same = (old.get("size"), old.get("format"), old.get("versions"), old.get("device", "cpu"))
+    if same == (args.size, FORMAT, versions(), args.device):
         return True
     log(f"{args.out} holds an export of another size, format or version; redoing it")
     return False
@@ -243,12 +250,12 @@ def export(name, wrapper, eager_fn, cases, tmp, extra_check=None):
         extra_check(eager_outs)
     tensors = {}
     for n, p in reloaded.named_parameters():
-        tensors[n] = p.detach().clone().contiguous()
+        tensors[n] = p.detach().cpu().contiguous()
     buffers = []
     for n, b in reloaded.named_buffers():
         if n in tensors:
             raise SystemExit(f"sd_export: {name}: {n} is both a parameter and a buffer")
-        tensors[n] = b.detach().clone().contiguous()
+        tensors[n] = b.detach().cpu().contiguous()
         buffers.append({"name": n, "dtype": str(b.dtype).replace("torch.", ""), "shape": list(b.shape)})
     # The traced module's names must be the eager wrapper's names (the reference maps them back).
     eager_names = {n for n, _ in wrapper.named_parameters()} | {n for n, _ in wrapper.named_buffers()}
@@ -281,7 +288,9 @@ def main(args):
     t_start = time.time()
     text_cfg, unet_cfg, vae_cfg, latent, prompt_ids, empty_ids = size_spec(args.size)
     text, unet, vae = build(text_cfg, unet_cfg, vae_cfg)
-    log(f"built {args.size} modules in {time.time() - t_start:.1f} s")
+    device = torch.device(args.device)
+    text, unet, vae = text.to(device), unet.to(device), vae.to(device)
+    log(f"built {args.size} modules on {device} in {time.time() - t_start:.1f} s")
     h, w = latent
     scale = 2 ** (len(vae_cfg["block_out_channels"]) - 1)
     g = torch.Generator().manual_seed(1234)
@@ -290,18 +299,16 @@ def main(args):
     os.makedirs(tmp)
     try:
         comps = {}
-        ids = torch.tensor([prompt_ids], dtype=torch.int64)
-        ids_empty = torch.tensor([empty_ids], dtype=torch.int64)
+        ids = torch.tensor([prompt_ids], dtype=torch.int64, device=device)
+        ids_empty = torch.tensor([empty_ids], dtype=torch.int64, device=device)
         comps["text_encoder"], _ = export(
             "text_encoder", TextEncoder(text), lambda i: text(input_ids=i).last_hidden_state,
             [(ids,), (ids_empty,)], tmp)
         log(f"text_encoder done at {time.time() - t_start:.1f} s")
 
         cross = unet_cfg["cross_attention_dim"]
-        s1 = torch.randn(2, 4, h, w, generator=g)
-        e1 = torch.randn(2, SEQ, cross, generator=g)
-        s2 = torch.randn(2, 4, h, w, generator=g)
-        e2 = torch.randn(2, SEQ, cross, generator=g)
+        s1, e1, s2, e2 = (torch.randn(*shape, generator=g).to(device)
+                          for shape in [(2, 4, h, w), (2, SEQ, cross), (2, 4, h, w), (2, SEQ, cross)])
         # Timesteps as the pipeline passes them: 0-d int64 tensors (elements of scheduler.timesteps).
         t1, t2 = torch.tensor(751, dtype=torch.int64), torch.tensor(1, dtype=torch.int64)
 
@@ -318,8 +325,7 @@ def main(args):
         comps["unet"]["timestep"] = "0-d int64 tensor (as StableDiffusionPipeline passes an element of scheduler.timesteps)"
         log(f"unet done at {time.time() - t_start:.1f} s")
 
-        z1 = torch.randn(1, 4, h, w, generator=g)
-        z2 = torch.randn(1, 4, h, w, generator=g)
+        z1, z2 = (torch.randn(1, 4, h, w, generator=g).to(device) for _ in range(2))
         dec = VaeDecoder(vae)
         with torch.no_grad():  # the wrapper is exactly AutoencoderKL.decode
             d = max_diff(dec(z1), vae.decode(z1, return_dict=False)[0])
@@ -340,6 +346,7 @@ def main(args):
             "size": args.size,
             "versions": vers,
             "torch_build": torch.__version__,
+            "device": str(device),
             "seed": "torch.manual_seed(0) before building each component",
             "wrapper_prefix": PREFIX,
             "seq_len": SEQ,

@@ -3,7 +3,7 @@ scripts/reference/sd_export.py wrote (eager modules rebuilt from DIR/config.json
 DIR/*.safetensors), for the staged-pipeline tests.
 
     python sd_reference.py --components DIR --inputs IN.safetensors --steps N --guidance G --out OUT.safetensors
-                           [--check-jit]
+                           [--check-jit] [--device cuda]
     python sd_reference.py --components DIR --time-jit-load
 
 IN holds prompt_embeds [1,77,H], negative_prompt_embeds [1,77,H], latents [1,4,h,w] (f32).
@@ -19,6 +19,7 @@ OUT gets:
   alphas_cumprod   [1000] f32, the scheduler's table
 --check-jit also runs the denoising loop by hand on the traced DIR/*.pt modules, with the operations
 the Rust side must reproduce (see recipe() below), and reports the max |diff| against the pipeline.
+--device runs the pipeline there (default the CPU); OUT is written from the CPU either way.
 --time-jit-load times torch.jit.load of each DIR/*.pt in a fresh subprocess and reports RSS growth.
 A JSON summary goes to stdout; logs go to stderr."""
 import argparse
@@ -166,6 +167,7 @@ def main():
     ap.add_argument("--guidance", type=float, default=7.5)
     ap.add_argument("--out")
     ap.add_argument("--check-jit", action="store_true")
+    ap.add_argument("--device", default="cpu")
     ap.add_argument("--time-jit-load", action="store_true")
     args = ap.parse_args()
     summary = {}
@@ -189,11 +191,13 @@ def reference(args):
     with open(os.path.join(args.components, "config.json")) as f:
         cfg = json.load(f)
     text, unet, vae, load_info = rebuild(args.components, cfg)
+    device = torch.device(args.device)
+    text, unet, vae = text.to(device), unet.to(device), vae.to(device)
     t_built = time.time() - t_start
     log(f"rebuilt eager modules in {t_built:.1f} s: {load_info}")
 
     inp = load_file(args.inputs)
-    pe, ne, lat = inp["prompt_embeds"], inp["negative_prompt_embeds"], inp["latents"]
+    pe, ne, lat = (inp[k].to(device) for k in ("prompt_embeds", "negative_prompt_embeds", "latents"))
     sched_cfg = cfg["scheduler"]["config"]
     pipe = StableDiffusionPipeline(
         vae=vae, text_encoder=text, tokenizer=None, unet=unet, scheduler=DDIMScheduler(**sched_cfg),
@@ -231,8 +235,8 @@ def reference(args):
     log(f"pipeline: {args.steps} steps in {t_pipe:.1f} s; unet got timestep as {t_kind}, "
         f"sample {list(seen[0]['sample'].shape)}; timesteps {timesteps.tolist()}")
 
-    ids = torch.tensor([cfg["token_ids"]["prompt"]], dtype=torch.int64)
-    neg_ids = torch.tensor([cfg["token_ids"]["empty"]], dtype=torch.int64)
+    ids = torch.tensor([cfg["token_ids"]["prompt"]], dtype=torch.int64, device=device)
+    neg_ids = torch.tensor([cfg["token_ids"]["empty"]], dtype=torch.int64, device=device)
     embeds = text(input_ids=ids).last_hidden_state
     negative_embeds = text(input_ids=neg_ids).last_hidden_state
     final = step_latents[-1]
@@ -248,13 +252,14 @@ def reference(args):
         "timesteps": timesteps.to(torch.int64).contiguous(),
         "alphas_cumprod": pipe.scheduler.alphas_cumprod.float().contiguous(),
     }
-    save_file(out, args.out)
+    save_file({k: v.cpu() for k, v in out.items()}, args.out)
     summary = {
         "out": args.out,
         "rebuild_s": round(t_built, 1),
         "pipeline_s": round(t_pipe, 1),
         "timesteps": timesteps.tolist(),
         "unet_timestep_arg": t_kind,
+        "device": str(device),
         "image_shape": list(image.shape),
         "image_min_max_mean": [image.min().item(), image.max().item(), image.mean().item()],
         "weights": load_info,

@@ -460,9 +460,16 @@ pub fn generate(
     })
 }
 
-/// `scripts/reference/sd_reference.py` in this checkout.
+/// `scripts/reference/sd_reference.py` in this checkout; for a binary carried into a checkout on
+/// another machine (the GPU check's device kit), the one in the checkout holding the binary.
 pub fn reference_script() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../scripts/reference/sd_reference.py")
+    let script = "scripts/reference/sd_reference.py";
+    let built = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..").join(script);
+    if built.exists() {
+        return built;
+    }
+    let exe = std::env::current_exe().ok();
+    exe.and_then(|exe| exe.ancestors().map(|dir| dir.join(script)).find(|path| path.exists())).unwrap_or(built)
 }
 
 /// What diffusers' `StableDiffusionPipeline` gave on the same weights and inputs.
@@ -517,6 +524,7 @@ pub fn run_reference(
         .arg("--inputs")
         .arg(&inputs)
         .args(["--steps", &sampling.steps.to_string(), "--guidance", &sampling.guidance.to_string()])
+        .args(["--device", &stageload::device::name(generated.latents.device())])
         .arg("--out")
         .arg(&output);
     run_script(command, &script.display().to_string(), &log, deadline)?;

@@ -262,6 +262,9 @@ void sl_event_free(void* event) { delete static_cast<c10::Event*>(event); }
 char* sl_copy_async(const at::Tensor* dst, const at::Tensor* src) {
   return guarded([&] {
     TORCH_CHECK(dst != nullptr && src != nullptr && dst->defined() && src->defined(), "undefined tensor");
+    // A copy of weights, not a step of a computation: a leaf that requires grad (a VarStore's
+    // parameter) is a legal target.
+    at::NoGradGuard no_grad;
     dst->copy_(*src, /*non_blocking=*/true);
   });
 }

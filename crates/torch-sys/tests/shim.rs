@@ -141,6 +141,17 @@ fn mps_and_async_copies_answer_on_any_machine() {
 }
 
 #[test]
+fn an_async_copy_fills_a_parameter_that_requires_grad() {
+    // A block streamed to the GPU is a VarStore's parameter: autograd would refuse an in-place
+    // copy into a leaf that requires grad, but a copy of weights is not part of a computation.
+    let src = Tensor::arange(16, (Kind::Float, Device::Cpu));
+    let parameter = Tensor::zeros([16], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+    copy_async(&parameter, &src).unwrap();
+    assert!(parameter.equal(&src));
+    assert!(parameter.requires_grad(), "the parameter is still one");
+}
+
+#[test]
 fn giving_back_pinned_memory_without_an_accelerator_is_an_error_naming_why() {
     let _alone = alone();
     if tch::Cuda::is_available() || mps_available().unwrap() {

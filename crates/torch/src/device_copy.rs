@@ -102,6 +102,12 @@ pub fn pieces(elements: usize, element_bytes: usize, window: usize) -> Vec<Piece
 /// targets are, copying back), and the caller's stream is free to run kernels meanwhile.
 pub(crate) fn copy_on_side_stream(pairs: &[(&Tensor, &Tensor)], index: usize) -> Result<(), ShimError> {
     let _side = stageload_torch_sys::cuda_side_stream(index)?;
+    copy_and_wait(pairs, index)
+}
+
+/// `dst.copy_(src)` for every pair, asynchronous on this thread's current stream of CUDA device
+/// `index`, and waited for at its end (a recorded event).
+pub(crate) fn copy_and_wait(pairs: &[(&Tensor, &Tensor)], index: usize) -> Result<(), ShimError> {
     let _watched = crate::copy_watch::copying(pairs.iter().flat_map(|(dst, src)| [*dst, *src]));
     for (dst, src) in pairs {
         crate::copy_watch::piece();

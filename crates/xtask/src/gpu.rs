@@ -6,19 +6,21 @@
 //! ```text
 //! cargo xtask gpu-check build
 //! target/device-kit/bin/xtask gpu-check run        # results in $OUT (or target/gpu-check)
+//! target/device-kit/bin/xtask gpu-check run --only checks,stream   # some parts: a rerun
 //! ```
 //!
-//! `run`: `gpu_check` (crates/bench: the CUDA paths checked, checkpoint → CUDA against Python's
-//! safetensors and the pinned/pageable copy limits on one 4 GiB file); the cascade on cuda:0
-//! eager, staged, staged with prefetch and staged with a 4 GiB host tier under `stageload ab`
-//! (latents compared, wall times, peaks, charts), and staged without RNG preservation, the
-//! control, whose latents must differ; block streaming on cuda:0 under `stageload ab` in three
-//! comparisons (texture_flow at scale 2 whole, under a 500 MiB budget and half streamed; a
-//! router's access, whole and with a hot set; compute-bound, 4096 tokens, whole and 2 of 12
-//! blocks resident); the checkpoint → CUDA load under other ring shapes (`STAGELOAD_RING`); the
-//! small Stable Diffusion (TorchScript traced on the CPU) on cuda:0 eager, staged, prefetch.
-//! Then `stream-ratios.json`: step time streamed over whole, refill GB/s over this run's pinned
-//! limit, each ring shape's load rate. Everything under `$OUT`; `log.txt` has every command.
+//! `run`: a CUDA `.pt2` package compiled there (`crates/bench/python/pt2_cuda.py`: a CUDA
+//! package runs only where it was compiled); `gpu_check` (crates/bench: the CUDA paths checked,
+//! that package as a registry model among them, checkpoint → CUDA against Python's safetensors
+//! and the pinned/pageable copy limits on one 4 GiB file); the load under other ring shapes
+//! (`STAGELOAD_RING`); the cascade on cuda:0 eager, staged, staged with prefetch and staged with
+//! a 4 GiB host tier under `stageload ab` (latents compared, wall times, peaks, charts), and
+//! staged without RNG preservation, the control, whose latents must differ; block streaming on
+//! cuda:0, compute-bound (4096 tokens, whole and 2 of 12 blocks resident); the small Stable
+//! Diffusion, traced there on CUDA, eager, staged, prefetch, and staged against diffusers'
+//! pipeline on the same GPU (`--compare-python`; `build` stages diffusers' wheel). Then
+//! `stream-ratios.json`: step time streamed over whole, refill GB/s over this run's pinned limit,
+//! each ring shape's load rate. Everything under `$OUT`; `log.txt` has every command.
 
 use std::path::{Path, PathBuf};
 
@@ -38,19 +40,42 @@ pub enum Step {
         kit: PathBuf,
     },
     /// There: run every check (results in $OUT, else target/gpu-check)
-    Run,
+    Run {
+        /// Only these parts (comma-separated; all when not given)
+        #[arg(long, value_delimiter = ',')]
+        only: Vec<Part>,
+    },
 }
+
+/// The parts of the run, in their order.
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Part {
+    /// A CUDA .pt2 package compiled there, then gpu_check: the CUDA paths and checkpoint → CUDA
+    Checks,
+    /// The load under other ring shapes
+    Rings,
+    /// The cascade under `stageload ab`, and the control
+    Cascade,
+    /// Block streaming, compute-bound
+    Stream,
+    /// The small Stable Diffusion, traced there, and against diffusers
+    Sd,
+}
+
+/// The Python packages the run needs beside the GPU machine's (which has torch, transformers and
+/// safetensors, no diffusers): the versions `scripts/setup-reference.sh` installed here, as wheels.
+const WHEELS: [&str; 2] = ["diffusers", "importlib_metadata"];
 
 /// Runs `step` (see the module docs).
 pub fn task(shell: &mut Shell, step: Step) -> Result<(), Error> {
     match step {
         Step::Build { kit } => build(shell, &kit),
-        Step::Run => run(shell),
+        Step::Run { only } => run(shell, &only),
     }
 }
 
 fn build(shell: &mut Shell, kit: &Path) -> Result<(), Error> {
-    // The small Stable Diffusion export goes along (11 MB); the kit sets up its own torch.
+    // diffusers' version from the reference environment; the kit sets up its own torch.
     shell.set_up(&[Setup::Libtorch, Setup::Reference])?;
     let script = shell.root().join(kit).join("build.sh");
     for targets in [
@@ -61,9 +86,24 @@ fn build(shell: &mut Shell, kit: &Path) -> Result<(), Error> {
         shell.run(&mut shell.cmd(&script, targets))?;
     }
     let staged = shell.target("device-kit");
-    let small = shell.var("STAGELOAD_SD_SMALL").ok_or("scripts/setup-reference.sh set no STAGELOAD_SD_SMALL")?;
-    let mut copy = shell.cmd("cp", &["-rT"]);
-    shell.run(copy.arg(&small).arg(staged.join("sd-small")))?;
+    let python = shell.var("STAGELOAD_PYTHON").ok_or("scripts/setup-libtorch.sh set no STAGELOAD_PYTHON")?;
+    let mut pins = Vec::new();
+    for name in WHEELS {
+        let query = format!("import importlib.metadata as m; print(m.version('{name}'))");
+        let (status, version) = shell.output(&mut shell.cmd(&python, &["-c", &query]))?;
+        if !status.success() {
+            return Err(format!("the reference environment has no {name}"));
+        }
+        pins.push(format!("{name}=={}", version.trim()));
+    }
+    // The GPU machine's Python is 3.12 on x86-64 (../.library/device).
+    let wheels = staged.join("wheels").display().to_string();
+    let mut download = shell.cmd(
+        "python3",
+        &["-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "--python-version", "3.12"],
+    );
+    download.args(["--implementation", "cp", "--platform", "manylinux2014_x86_64", "-d", &wheels]).args(&pins);
+    shell.run(&mut download)?;
     shell.run(&mut shell.cargo(&["build", "--release", "-p", "xtask"]))?;
     let mut copy = shell.cmd("cp", &[]);
     shell.run(copy.arg(shell.target("release/xtask")).arg(staged.join("bin/xtask")))?;
@@ -85,56 +125,21 @@ const CASCADE: Arms = &[
 /// Arms of a comparison: name, and the program's flags for it.
 type Arms = &'static [(&'static str, &'static [&'static str])];
 
-/// Block streaming on cuda:0: three comparisons, each against its model whole.
-const STREAM: [(&str, Arms); 3] = [
-    (
-        "stream",
-        &[
-            ("whole", &["--tokens", "1024"]),
-            ("budget", &["--tokens", "1024", "--budget", "500MiB", "--working", "256MiB"]),
-            ("half", &["--tokens", "1024", "--budget", "8GiB", "--resident-at-most", "6"]),
-        ],
-    ),
-    (
-        "stream-experts",
-        &[
-            ("whole", &["--tokens", "1024", "--route", "experts", "--steps", "12"]),
-            (
-                "hot",
-                &[
-                    "--tokens",
-                    "1024",
-                    "--route",
-                    "experts",
-                    "--steps",
-                    "12",
-                    "--budget",
-                    "900MiB",
-                    "--working",
-                    "256MiB",
-                    "--any-order",
-                ],
-            ),
-        ],
-    ),
-    (
-        "stream-compute",
-        &[
-            ("whole", &["--tokens", "4096"]),
-            ("streamed", &["--tokens", "4096", "--budget", "8GiB", "--resident-at-most", "2"]),
-        ],
-    ),
-];
+/// Block streaming on cuda:0, compute-bound (4096 tokens, 12 steps): the model whole against 10 of
+/// its 12 blocks streamed (the other streaming comparisons run on the CPU: traces/stream/).
+const STREAM: [(&str, Arms); 1] = [(
+    "stream-compute",
+    &[
+        ("whole", &["--tokens", "4096", "--steps", "12"]),
+        ("streamed", &["--tokens", "4096", "--steps", "12", "--budget", "8GiB", "--resident-at-most", "2"]),
+    ],
+)];
 
 /// The ring shapes the load runs under, each in its own process (the ring is the process's).
-const RINGS: [&str; 7] =
-    ["slots=16", "slots=64", "window=32M", "window=64M,slots=16", "readers=4", "readers=8", "readers=32,slots=64"];
+const RINGS: [&str; 4] = ["slots=64", "window=32M", "readers=8", "readers=32,slots=64"];
 
-fn run(shell: &mut Shell) -> Result<(), Error> {
-    // The kit's run.sh prints the GPU and torch version at every start unless told not to; the
-    // first command below lets it.
-    shell.set("DEVICE_KIT_QUIET", "1");
-    let shell = &*shell;
+fn run(shell: &mut Shell, only: &[Part]) -> Result<(), Error> {
+    let wanted = |part: Part| only.is_empty() || only.contains(&part);
     let kit = shell.target("device-kit");
     let out = std::env::var_os("OUT").map_or_else(|| shell.target("gpu-check"), PathBuf::from);
     let scratch = std::env::temp_dir().join("stageload-gpu-check");
@@ -142,6 +147,22 @@ fn run(shell: &mut Shell) -> Result<(), Error> {
         std::fs::create_dir_all(folder).map_err(|e| format!("cannot create {}: {e}", folder.display()))?;
     }
     let log = Log::create(&out.join("log.txt"))?;
+    // The wheels the build staged, for every Python step; Python prints a crash's stack.
+    let site = scratch.join("site").display().to_string();
+    let wheels = std::fs::read_dir(kit.join("wheels")).map_err(|e| format!("{}: {e}", kit.join("wheels").display()))?;
+    let mut install = shell.cmd(
+        "python3",
+        &["-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile", "--upgrade", "--target", &site],
+    );
+    install.args(wheels.filter_map(|entry| Some(entry.ok()?.path())));
+    let installed = shell.status(&mut install, Some(&log)).and_then(|status| check(&install, status));
+    shell.set("PYTHONPATH", &site);
+    shell.set("PYTHONFAULTHANDLER", "1");
+    shell.set("PYTHONUNBUFFERED", "1");
+    // The kit's run.sh prints the GPU and torch version at every start unless told not to; the
+    // first command below lets it.
+    shell.set("DEVICE_KIT_QUIET", "1");
+    let shell = &*shell;
     let stageload = kit.join("bin/stageload");
     let run_sh = kit.join("run.sh");
     let on_device = |binary: &str, args: &[&str]| {
@@ -151,27 +172,42 @@ fn run(shell: &mut Shell) -> Result<(), Error> {
     };
     let weights = scratch.join("weights").display().to_string();
     let mut failures = Failures::default();
-    {
-        let mut step = |command: &mut std::process::Command| {
-            let status = shell.status(command, Some(&log));
-            failures.keep(status.and_then(|status| check(command, status)));
-        };
+    failures.keep(installed);
+    // Runs `command`, keeps its failure; whether it succeeded.
+    let step = |command: &mut std::process::Command, failures: &mut Failures| {
+        let status = shell.status(command, Some(&log)).and_then(|status| check(command, status));
+        let ran = status.is_ok();
+        failures.keep(status);
+        ran
+    };
 
-        // The GPU and the torch version, then the CUDA paths and the load against its peers.
-        step(shell.cmd(&run_sh, &["true"]).env_remove("DEVICE_KIT_QUIET"));
-        let peer = shell.root().join("crates/bench/python/bench_device.py").display().to_string();
-        let (out_text, scratch_text) = (out.display().to_string(), scratch.display().to_string());
-        step(&mut on_device(
-            "bin/gpu_check",
-            &["--out", &out_text, "--scratch", &scratch_text, "--gib", "4", "--rounds", "5", "--peer", &peer],
-        ));
+    // The GPU and the torch version, then the CUDA paths and the load against its peers.
+    step(shell.cmd(&run_sh, &["true"]).env_remove("DEVICE_KIT_QUIET"), &mut failures);
+    let (out_text, scratch_text) = (out.display().to_string(), scratch.display().to_string());
+    if wanted(Part::Checks) {
+        // A CUDA .pt2 package compiled here (it runs only where it was compiled), for gpu_check,
+        // which checks what the compile wrote even if a later step of it failed.
+        let pt2 = scratch.join("pt2");
+        let pt2_text = pt2.display().to_string();
+        let python = shell.root().join("crates/bench/python");
+        let compile = python.join("pt2_cuda.py").display().to_string();
+        step(&mut shell.cmd("timeout", &["300", "python3", &compile, &pt2_text]), &mut failures);
+        let peer = python.join("bench_device.py").display().to_string();
+        let mut args =
+            vec!["--out", &out_text, "--scratch", &scratch_text, "--gib", "4", "--rounds", "5", "--peer", &peer];
+        if pt2.join("mlp.safetensors").exists() {
+            args.extend(["--pt2", &pt2_text]);
+        }
+        step(&mut on_device("bin/gpu_check", &args), &mut failures);
+    }
+    if wanted(Part::Rings) {
         for ring in RINGS {
             let ring_out = scratch.join("ring").display().to_string();
             let mut load = on_device(
                 "bin/gpu_check",
                 &["--load-only", "--out", &ring_out, "--scratch", &scratch_text, "--gib", "4", "--rounds", "3"],
             );
-            step(load.env("STAGELOAD_RING", ring));
+            step(load.env("STAGELOAD_RING", ring), &mut failures);
             let _ = std::fs::copy(scratch.join("ring/gpu-check.json"), ring_file(&out, ring));
         }
     }
@@ -193,13 +229,16 @@ fn run(shell: &mut Shell) -> Result<(), Error> {
         }
     };
     let cache = ["--cache", weights.as_str()];
-    let cascade = CASCADE.iter().map(|(name, flags)| device_arm(name, "bin/cascade", &[&cache[..], flags].concat()));
-    compare("cascade", cascade.collect(), &mut failures);
-    failures.keep(control_differs(shell, &log, on_device("bin/cascade", &cache), &stageload, &out));
+    if wanted(Part::Cascade) {
+        let cascade =
+            CASCADE.iter().map(|(name, flags)| device_arm(name, "bin/cascade", &[&cache[..], flags].concat()));
+        compare("cascade", cascade.collect(), &mut failures);
+        failures.keep(control_differs(shell, &log, on_device("bin/cascade", &cache), &stageload, &out));
+    }
     let mut ratios = Map::new();
     let pinned = number_field(&out.join("gpu-check.json"), "pinned_h2d_gb_per_s");
     ratios.insert("pinned_h2d_gb_per_s".into(), pinned.map_or(Value::Null, Value::from));
-    for (name, modes) in STREAM {
+    for (name, modes) in STREAM.iter().filter(|_| wanted(Part::Stream)) {
         let scale = ["--scale", "2"];
         let arms =
             modes.iter().map(|(arm, flags)| device_arm(arm, "bin/stream", &[&cache[..], &scale, flags].concat()));
@@ -208,11 +247,25 @@ fn run(shell: &mut Shell) -> Result<(), Error> {
             ratios.insert(format!("{name}-{arm}"), stream_ratios(&report, &out.join(name), arm, pinned));
         }
     }
-    let sd = kit.join("sd-small").display().to_string();
-    let sd_arms = ["eager", "staged", "prefetch"]
-        .map(|mode| device_arm(mode, "bin/stable_diffusion", &["--components", &sd, "--mode", mode]));
-    compare("sd", sd_arms.into(), &mut failures);
-    for ring in RINGS {
+    if wanted(Part::Sd) {
+        // Traced here, on CUDA: a trace keeps the device of the tensors it makes (the UNet's
+        // timestep embedding), so the CPU trace the tests use cannot run on CUDA.
+        let sd = scratch.join("sd-small-cuda").display().to_string();
+        let export = shell.root().join("scripts/reference/sd_export.py").display().to_string();
+        let exported = step(
+            &mut shell.cmd("python3", &[&export, "--size", "small", "--device", "cuda", "--out", &sd]),
+            &mut failures,
+        );
+        if exported {
+            let sd_arms = ["eager", "staged", "prefetch"]
+                .map(|mode| device_arm(mode, "bin/stable_diffusion", &["--components", &sd, "--mode", mode]));
+            compare("sd", sd_arms.into(), &mut failures);
+            // diffusers' own pipeline on the same GPU, weights and inputs.
+            let flags = ["--components", &sd, "--mode", "staged", "--compare-python", "--python", "python3"];
+            step(&mut on_device("bin/stable_diffusion", &[&["--device", "cuda"][..], &flags].concat()), &mut failures);
+        }
+    }
+    for ring in RINGS.iter().filter(|_| wanted(Part::Rings)) {
         let file = ring_file(&out, ring);
         let field = |name| number_field(&file, name).map_or(Value::Null, Value::from);
         ratios.insert(

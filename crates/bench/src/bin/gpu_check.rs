@@ -22,6 +22,7 @@ use std::time::Instant;
 
 use clap::Parser;
 use stageload::checkpoint::Checkpoint;
+use stageload::pt2::Pt2Module;
 use stageload::stream::{Step, StreamError, StreamedModel};
 use stageload::{BoxError, Built, EventKind, ListSink, ModelSpec, ReloadFrom, StagedModels};
 use stageload_bench::median;
@@ -53,6 +54,10 @@ struct Args {
     /// peers): for comparing ring shapes (STAGELOAD_RING) in one run.
     #[arg(long)]
     load_only: bool,
+    /// A folder `python/pt2_cuda.py` wrote on this machine (a CUDA AOTInductor package, its
+    /// checkpoint and Python's outputs): checked as a registry model on cuda:0.
+    #[arg(long)]
+    pt2: Option<PathBuf>,
 }
 
 const SIDE: i64 = 8192;
@@ -247,7 +252,37 @@ fn tier_checks(device: Device) -> Result<BTreeMap<String, serde_json::Value>, Bo
     );
     r.insert("tier_shrink_rss_drop_bytes".into(), before.saturating_sub(after).into());
     r.insert("tier_store_gb_per_s".into(), stored.map_or(f64::NAN, |e| rate(e.bytes, e.seconds)).into());
+    r.extend(store_parts(device)?);
     r.insert("tier_reload_gb_per_s".into(), reload.map_or(f64::NAN, |e| rate(e.bytes, e.seconds)).into());
+    Ok(r)
+}
+
+/// What a host-tier store of 1 GiB is made of: mapping and page-locking the buffer
+/// (`host_buffer`), the device → host copy into it the first time (its pages new) and again.
+fn store_parts(device: Device) -> Result<BTreeMap<String, serde_json::Value>, BoxError> {
+    let bytes = 1usize << 30;
+    let source = Tensor::ones([bytes as i64], (Kind::Uint8, device));
+    let timed = |f: &mut dyn FnMut() -> Result<(), BoxError>| -> Result<f64, BoxError> {
+        tch::Cuda::synchronize(0);
+        let started = Instant::now();
+        f()?;
+        tch::Cuda::synchronize(0);
+        Ok(started.elapsed().as_secs_f64())
+    };
+    let mut r = BTreeMap::new();
+    for (name, pin) in [("registered", true), ("pageable", false)] {
+        let mut buffer = None;
+        let map = timed(&mut || {
+            buffer = Some(stageload_torch_sys::host_buffer(bytes, pin)?.0);
+            Ok(())
+        })?;
+        let buffer = buffer.ok_or("no buffer")?;
+        let first = timed(&mut || Ok(stageload_torch_sys::copy_async(&buffer, &source)?))?;
+        let again = timed(&mut || Ok(stageload_torch_sys::copy_async(&buffer, &source)?))?;
+        r.insert(format!("store_1gib_{name}_map_seconds"), map.into());
+        r.insert(format!("store_1gib_{name}_first_copy_gb_per_s"), (bytes as f64 / first / 1e9).into());
+        r.insert(format!("store_1gib_{name}_again_copy_gb_per_s"), (bytes as f64 / again / 1e9).into());
+    }
     Ok(r)
 }
 
@@ -342,6 +377,84 @@ fn streamed_registry_checks(scratch: &Path, device: Device) -> Result<BTreeMap<S
     Ok(r)
 }
 
+/// An AOTInductor package compiled for CUDA (`python/pt2_cuda.py`, in `dir`) as a registry model
+/// on cuda:0, placed there by a pipeline file: the output of Python's own loader on the same
+/// package and weights bit for bit (where it ran), within float error of the eager module's; its constants' device memory counted by the meter when
+/// loaded, freed by a release, back with a reload in place (no rebuild), the same output again.
+fn pt2_checks(dir: &Path) -> Result<BTreeMap<String, serde_json::Value>, BoxError> {
+    let pipeline_file = dir.join("pt2.toml");
+    std::fs::write(
+        &pipeline_file,
+        "[[models]]\nname = \"mlp\"\nfiles = [\"mlp.safetensors\"]\ndevice = \"cuda:0\"\n\n\
+         [[stages]]\nname = \"run\"\nmodels = [\"mlp\"]\n\n[[stages]]\nname = \"other\"\nmodels = []\n\n\
+         [[stages]]\nname = \"run\"\nmodels = [\"mlp\"]\n",
+    )?;
+    let pipeline = stageload::Pipeline::load(&pipeline_file)?;
+    let sink = std::sync::Arc::new(ListSink::new());
+    let models = StagedModels::builder()
+        .pipeline(&pipeline)
+        .model(ModelSpec::pt2("mlp", dir.join("mlp.pt2"), [dir.join("mlp.safetensors")]))
+        .events(sink.clone())
+        .build()?;
+    let mut io: BTreeMap<String, Tensor> =
+        Tensor::read_safetensors(dir.join("mlp.io.safetensors"))?.into_iter().collect();
+    let (Some(x), Some(eager)) = (io.remove("x0"), io.remove("eager0")) else {
+        return Err("mlp.io.safetensors lacks x0 or eager0".into());
+    };
+    let x = x.to_device(Device::Cuda(0));
+    // Python's loader's output, if it ran to the end.
+    let python =
+        Tensor::read_safetensors(dir.join("mlp.python.safetensors")).ok().and_then(|mut t| t.pop()).map(|t| t.1);
+    let forward = || -> Result<Tensor, BoxError> {
+        Ok(models.call("mlp", |m: &mut Pt2Module| m.forward(&[&x]))??.remove(0).to_device(Device::Cpu))
+    };
+    let timed_load = || -> Result<f64, BoxError> {
+        tch::Cuda::synchronize(0);
+        let started = Instant::now();
+        models.load("mlp")?;
+        tch::Cuda::synchronize(0);
+        Ok(started.elapsed().as_secs_f64())
+    };
+    let before = cuda_memory(0)?;
+    models.enter("run")?;
+    let load_seconds = timed_load()?;
+    let y = forward()?;
+    let resident = cuda_memory(0)?;
+    let bytes = models.resident_bytes();
+    models.enter("other")?;
+    let released = cuda_memory(0)?;
+    models.enter("run")?;
+    let reload_seconds = timed_load()?;
+    let again = forward()?;
+    let reload = sink.of_kind(EventKind::Reload).pop();
+    let mut r = BTreeMap::new();
+    r.insert("pt2_constant_bytes".into(), bytes.into());
+    match python {
+        Some(python) => r.insert("pt2_equals_python_loader".into(), y.equal(&python).into()),
+        None => r.insert("pt2_python_loader".into(), "did not run to the end (see the log)".into()),
+    };
+    r.insert("pt2_max_diff_to_eager".into(), (&y - &eager).abs().max().double_value(&[]).into());
+    r.insert(
+        "pt2_weights_visible_to_device_meter".into(),
+        (resident.allocated.saturating_sub(before.allocated) >= bytes).into(),
+    );
+    r.insert("pt2_allocated_resident".into(), resident.allocated.into());
+    r.insert("pt2_allocated_released".into(), released.allocated.into());
+    r.insert("pt2_reserved_released".into(), released.reserved.into());
+    r.insert(
+        "pt2_release_frees_device_memory".into(),
+        (resident.allocated.saturating_sub(released.allocated) >= bytes).into(),
+    );
+    r.insert("pt2_reload_in_place".into(), reload.is_some_and(|e| e.from == Some(ReloadFrom::InPlace)).into());
+    r.insert("pt2_identical_after_reload".into(), again.equal(&y).into());
+    r.insert("pt2_first_load_gb_per_s".into(), (bytes as f64 / load_seconds / 1e9).into());
+    r.insert("pt2_reload_gb_per_s".into(), (bytes as f64 / reload_seconds / 1e9).into());
+    if let Ok(compiled) = std::fs::read(dir.join("mlp.json")) {
+        r.insert("pt2_compiled".into(), serde_json::from_slice(&compiled).unwrap_or_default());
+    }
+    Ok(r)
+}
+
 /// A group of checks; an error becomes `<group>_error` in the result, and the rest still run.
 fn checks(
     result: &mut BTreeMap<String, serde_json::Value>,
@@ -414,6 +527,9 @@ fn main() -> Result<(), BoxError> {
     let on_cuda = targets(&file, None, device);
     if !args.load_only {
         correctness(&file, &on_cuda, &half, &scratch, device, &mut result)?;
+    }
+    if let Some(dir) = &args.pt2 {
+        checks(&mut result, "pt2", || pt2_checks(dir));
     }
 
     // Speed: checkpoint → CUDA (targets allocated once), then the peers, alternating.

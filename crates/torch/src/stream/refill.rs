@@ -206,6 +206,15 @@ impl StreamedModel {
                     return Err(StreamError::Reshaped { model, block: block_name, tensor, was, now });
                 }
             }
+            // On CUDA the block's memory comes from a side stream's pool, where its copy runs:
+            // memory from the forward stream's pool can be an activation just freed whose kernels
+            // are still queued there, and the copy, on another stream, would write under them.
+            let _side = match device {
+                Device::Cuda(index) if host.is_some() => Some(
+                    stageload_torch_sys::cuda_side_stream(index).map_err(torch(&model, "switch to a side stream"))?,
+                ),
+                _ => None,
+            };
             // The block's storages are free and no thread uses them: the forward reaches this
             // block only through `Step::block`, which waits for this job first.
             let ids = match slot {
@@ -220,8 +229,7 @@ impl StreamedModel {
             let filled = match (&host, device) {
                 (Some(host), Device::Cuda(index)) => {
                     let pairs: Vec<(&Tensor, &Tensor)> = targets.iter().map(|(_, t)| t).zip(host).collect();
-                    crate::device_copy::copy_on_side_stream(&pairs, index)
-                        .map_err(torch(&model, "copy a block to the GPU"))
+                    crate::device_copy::copy_and_wait(&pairs, index).map_err(torch(&model, "copy a block to the GPU"))
                 }
                 _ => checkpoint
                     .load_into(&targets, |_| {})
