@@ -5,7 +5,8 @@
 //! What it teaches: a pipeline of TorchScript models. `ModelSpec::torchscript(name, file)` loads
 //! a traced module as a model (a `tch::CModule`, called with `forward_ts`), and its safetensors
 //! checkpoint lets a released module come back in place; the stages are the pipeline's three
-//! steps, one model each. The steps themselves (`stageload_demo_kit::stable_diffusion::generate`:
+//! steps, one model each. `--format pt2` runs the same modules as AOTInductor packages
+//! (`ModelSpec::pt2(name, package, checkpoint)`, a `stageload::pt2::Pt2Module`). The steps themselves (`stageload_demo_kit::stable_diffusion::generate`:
 //! `models.enter(stage)` then `call(model, |m: &mut CModule| m.forward_ts(inputs))`, the
 //! operations diffusers' `StableDiffusionPipeline` does, in its order) are shared with
 //! `tests/stable_diffusion.rs`, which checks them against diffusers.
@@ -29,7 +30,9 @@ use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use stageload::{BoxError, ModelSpec, SharedRng, StagedModels};
 use stageload_demo_kit::run::{progress_at_terminal, Demo};
-use stageload_demo_kit::stable_diffusion::{generate, run_reference, Comparison, Export, Sampling, STAGES, TOLERANCE};
+use stageload_demo_kit::stable_diffusion::{
+    generate, run_reference, Comparison, Export, Format, Sampling, STAGES, TOLERANCE,
+};
 use stageload_demo_kit::weights::cache_root;
 use stageload_demo_kit::{CommonArgs, DemoSpec, Mode};
 
@@ -43,6 +46,10 @@ struct Args {
     /// $STAGELOAD_CACHE/sd-sd15, else ~/.cache/stageload/sd-sd15)
     #[arg(long, value_name = "DIR")]
     components: Option<PathBuf>,
+    /// The modules: the export's TorchScript files, or the AOTInductor packages
+    /// scripts/reference/sd_pt2.py compiled from them into DIR/pt2
+    #[arg(long, value_enum, default_value_t = Format::Torchscript)]
+    format: Format,
     /// Classifier-free guidance scale (above 1)
     #[arg(long, default_value_t = 7.5)]
     guidance: f64,
@@ -125,7 +132,16 @@ fn run(args: &Args) -> Result<(), BoxError> {
         )
         .into());
     }
-    let export = Export::open(&dir)?;
+    if args.format == Format::Pt2 && !dir.join("pt2").is_dir() {
+        return Err(format!(
+            "no .pt2 packages in {}: compile them once from the same modules (minutes per component on a CPU):\n  \
+             $STAGELOAD_PYTHON scripts/reference/sd_pt2.py --size SIZE --components {}",
+            dir.join("pt2").display(),
+            dir.display()
+        )
+        .into());
+    }
+    let export = Export::open_as(&dir, args.format)?;
     let config = export.config();
     println!(
         "stable diffusion {} from {}: latents {:?} -> image {:?}, {} steps, guidance {}, seed {}, mode {}{}",
@@ -144,11 +160,14 @@ fn run(args: &Args) -> Result<(), BoxError> {
     // The three TorchScript models: each built by loading its file (`torch.jit.load`'s job) and
     // refilled after a release from its safetensors checkpoint (the traced module's names), in
     // place, without loading the TorchScript file again.
+    // With `--format pt2`, AOTInductor packages of the same modules: the compiled library loaded,
+    // its weights stageload's own tensors, filled from the checkpoint and refilled in place.
     let models = export
-        .component_files()
+        .files()
         .into_iter()
-        .map(|(name, files)| {
-            ModelSpec::torchscript(name, export.dir().join(&files.file)).checkpoint([export.dir().join(&files.weights)])
+        .map(|(name, module, weights)| match export.format() {
+            Format::Torchscript => ModelSpec::torchscript(name, module).checkpoint([weights]),
+            Format::Pt2 => ModelSpec::pt2(name, module, [weights]),
         })
         .collect();
     // One model per stage: encode (text_encoder), denoise (unet), decode (vae_decoder).

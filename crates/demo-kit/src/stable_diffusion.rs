@@ -23,6 +23,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde::Deserialize;
+use stageload::pt2::Pt2Module;
 use stageload::{BoxError, EventSink, ModelSpec, StagedModels};
 use tch::{CModule, Device, Kind, Tensor};
 
@@ -152,27 +153,42 @@ pub struct ComponentFiles {
     pub weights: String,
 }
 
-/// An export read and checked: its folder and its `config.json`.
+/// How the components were exported.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Format {
+    /// TorchScript modules traced by `sd_export.py` (`NAME.pt`, `NAME.safetensors`).
+    Torchscript,
+    /// AOTInductor packages compiled by `sd_pt2.py` from the same modules and weights
+    /// (`pt2/NAME.pt2`, `pt2/NAME.safetensors`).
+    Pt2,
+}
+
+/// An export read and checked: its folder, its `config.json` and the format of its modules.
 #[derive(Debug, Clone)]
 pub struct Export {
     dir: PathBuf,
     config: ExportConfig,
+    format: Format,
 }
 
 impl Export {
     /// Reads `dir/config.json` and checks that the pipeline runs it: a DDIM scheduler this crate
     /// reproduces, token ids of `seq_len`, sizes that agree, and every component file present.
     pub fn open(dir: impl Into<PathBuf>) -> Result<Export, ExportError> {
+        Export::open_as(dir, Format::Torchscript)
+    }
+
+    /// [`open`](Self::open) for the modules in `format`: its files must be there.
+    pub fn open_as(dir: impl Into<PathBuf>, format: Format) -> Result<Export, ExportError> {
         let dir = dir.into();
         let path = dir.join("config.json");
         let text = std::fs::read_to_string(&path).map_err(|source| ExportError::Read { path: path.clone(), source })?;
         let config: ExportConfig =
             serde_json::from_str(&text).map_err(|source| ExportError::Parse { path: path.clone(), source })?;
-        let export = Export { dir, config };
+        let export = Export { dir, config, format };
         export.check().map_err(|message| ExportError::Unsupported { path: path.clone(), message })?;
-        for (model, files) in export.component_files() {
-            for file in [&files.file, &files.weights] {
-                let file = export.dir.join(file);
+        for (model, module, weights) in export.files() {
+            for file in [module, weights] {
                 std::fs::metadata(&file).map_err(|source| ExportError::Read { path: file.clone(), source })?;
                 if !file.is_file() {
                     let message = format!("{model}'s {} is not a regular file", file.display());
@@ -236,10 +252,23 @@ impl Export {
         &self.config
     }
 
-    /// Each model with its files, in the order of [`MODELS`].
-    pub fn component_files(&self) -> [(&'static str, &ComponentFiles); 3] {
+    /// Each model with its module file and its checkpoint, in the order of [`MODELS`].
+    pub fn files(&self) -> [(&'static str, PathBuf, PathBuf); 3] {
         let c = &self.config.components;
-        [(MODELS[0], &c.text_encoder), (MODELS[1], &c.unet), (MODELS[2], &c.vae_decoder)]
+        [(MODELS[0], &c.text_encoder), (MODELS[1], &c.unet), (MODELS[2], &c.vae_decoder)].map(
+            |(name, files)| match self.format {
+                Format::Torchscript => (name, self.dir.join(&files.file), self.dir.join(&files.weights)),
+                Format::Pt2 => {
+                    let pt2 = self.dir.join("pt2");
+                    (name, pt2.join(format!("{name}.pt2")), pt2.join(format!("{name}.safetensors")))
+                }
+            },
+        )
+    }
+
+    /// The format of its modules.
+    pub fn format(&self) -> Format {
+        self.format
     }
 
     /// The scheduler `config.json` describes.
@@ -254,13 +283,14 @@ impl Export {
         }
     }
 
-    /// The three models: each its TorchScript file, with its safetensors as the checkpoint that
-    /// refills it after a release.
+    /// The three models: each its module (a TorchScript file or a `.pt2` package), with its
+    /// safetensors as the checkpoint that refills it after a release.
     pub fn model_specs(&self) -> Vec<ModelSpec> {
-        self.component_files()
+        self.files()
             .into_iter()
-            .map(|(name, files)| {
-                ModelSpec::torchscript(name, self.dir.join(&files.file)).checkpoint([self.dir.join(&files.weights)])
+            .map(|(name, module, weights)| match self.format {
+                Format::Torchscript => ModelSpec::torchscript(name, module).checkpoint([weights]),
+                Format::Pt2 => ModelSpec::pt2(name, module, [weights]),
             })
             .collect()
     }
@@ -355,10 +385,22 @@ impl StageRunner for DemoRun {
     }
 }
 
-/// Runs the TorchScript model `model` on `inputs`; a failing forward is an error naming it.
-fn forward(runner: &impl StageRunner, model: &str, inputs: &[Tensor]) -> Result<Tensor, BoxError> {
-    let output = runner.call(model, |m: &mut CModule| m.forward_ts(inputs))?;
-    output.map_err(|e| format!("{model}: forward failed: {e}").into())
+/// Runs the model `model` (of `format`) on `inputs`; a failing forward is an error naming it.
+fn forward(runner: &impl StageRunner, format: Format, model: &str, inputs: &[Tensor]) -> Result<Tensor, BoxError> {
+    let failed = |e: &dyn std::fmt::Display| format!("{model}: forward failed: {e}");
+    match format {
+        Format::Torchscript => {
+            runner.call(model, |m: &mut CModule| m.forward_ts(inputs))?.map_err(|e| failed(&e).into())
+        }
+        Format::Pt2 => {
+            let inputs: Vec<&Tensor> = inputs.iter().collect();
+            let mut outputs = runner.call(model, |m: &mut Pt2Module| m.forward(&inputs))?.map_err(|e| failed(&e))?;
+            match outputs.len() {
+                1 => Ok(outputs.remove(0)),
+                n => Err(failed(&format!("{n} outputs, not one")).into()),
+            }
+        }
+    }
 }
 
 /// What a run of the pipeline gives.
@@ -422,8 +464,8 @@ pub fn generate(
     let ids = |ids: &[i64]| Tensor::from_slice(ids).view([1, -1]).to_device(device);
 
     runner.enter("encode")?;
-    let embeds = forward(runner, "text_encoder", &[ids(&config.token_ids.prompt)])?;
-    let negative_embeds = forward(runner, "text_encoder", &[ids(&config.token_ids.empty)])?;
+    let embeds = forward(runner, export.format(), "text_encoder", &[ids(&config.token_ids.prompt)])?;
+    let negative_embeds = forward(runner, export.format(), "text_encoder", &[ids(&config.token_ids.empty)])?;
     let seq = config.seq_len as i64;
     if embeds.dim() != 3 || embeds.size()[..2] != [1, seq] {
         return Err(format!("text_encoder gave {:?}, not [1, {seq}, hidden]", embeds.size()).into());
@@ -435,7 +477,7 @@ pub fn generate(
     for &t in ddim.timesteps() {
         let input = Tensor::cat(&[&x, &x], 0);
         let timestep = Tensor::scalar_tensor(t as f64, (Kind::Int64, device));
-        let noise = forward(runner, "unet", &[input, timestep, conditioning.shallow_clone()])?;
+        let noise = forward(runner, export.format(), "unet", &[input, timestep, conditioning.shallow_clone()])?;
         if noise.size() != [2, config.latent_channels, h, w] {
             return Err(
                 format!("unet gave {:?} at timestep {t}, not [2, {}, {h}, {w}]", noise.size(), expected[1]).into()
@@ -448,7 +490,7 @@ pub fn generate(
     }
 
     runner.enter("decode")?;
-    let decoded = forward(runner, "vae_decoder", &[&x / config.vae_scaling_factor])?;
+    let decoded = forward(runner, export.format(), "vae_decoder", &[&x / config.vae_scaling_factor])?;
     let image = (decoded * 0.5 + 0.5).clamp(0.0, 1.0);
     Ok(Generated {
         latents: latents.shallow_clone(),

@@ -108,6 +108,17 @@ pub enum Pt2Error {
         /// The constants without an entry.
         constants: Vec<String>,
     },
+    /// The package's `stageload.constants` record (written by the export helper) is not the
+    /// JSON it writes: nothing checks the checkpoint's shapes against a record that cannot be read.
+    #[error(
+        "AOTInductor package {path}: its stageload.constants record cannot be read ({message}); export it again with scripts/reference/pt2.py"
+    )]
+    Metadata {
+        /// The package.
+        path: PathBuf,
+        /// What is wrong with the record.
+        message: String,
+    },
     /// A checkpoint entry has another shape than the package recorded for its constant.
     #[error("AOTInductor package {path}: constant '{constant}' was compiled with shape {expected:?}, the checkpoint has {found:?}")]
     Shape {
@@ -192,7 +203,7 @@ pub fn load(
     let constants = package.constants().map_err(runner)?;
     let files = Checkpoint::open(checkpoint)
         .map_err(|source| Pt2Error::Checkpoint { path: path.into(), source: Box::new(source) })?;
-    let recorded = recorded_shapes(&metadata);
+    let recorded = recorded_shapes(path, &metadata)?;
     let missing: Vec<String> =
         constants.iter().filter(|c| !files.entries().contains_key(&c.fqn)).map(|c| c.fqn.clone()).collect();
     if !missing.is_empty() {
@@ -228,15 +239,16 @@ pub fn load(
 }
 
 /// Each constant's shape as the export helper recorded it in the package (`stageload.constants`);
-/// empty for a package written otherwise.
-fn recorded_shapes(metadata: &HashMap<String, String>) -> HashMap<String, Vec<i64>> {
+/// empty for a package written otherwise, an error for a record that cannot be read.
+fn recorded_shapes(path: &Path, metadata: &HashMap<String, String>) -> Result<HashMap<String, Vec<i64>>, Pt2Error> {
     #[derive(serde::Deserialize)]
     struct Recorded {
         shape: Vec<i64>,
     }
-    let Some(text) = metadata.get("stageload.constants") else { return HashMap::new() };
-    let parsed: HashMap<String, Recorded> = serde_json::from_str(text).unwrap_or_default();
-    parsed.into_iter().map(|(name, r)| (name, r.shape)).collect()
+    let Some(text) = metadata.get("stageload.constants") else { return Ok(HashMap::new()) };
+    let parsed: HashMap<String, Recorded> =
+        serde_json::from_str(text).map_err(|e| Pt2Error::Metadata { path: path.into(), message: e.to_string() })?;
+    Ok(parsed.into_iter().map(|(name, r)| (name, r.shape)).collect())
 }
 
 /// The device kind the package was compiled for against the model's.
@@ -346,6 +358,20 @@ mod tests {
         assert!(v3.contains(&"sse4.2") && v3.contains(&"avx2") && !v3.contains(&"avx512f"));
         assert!(level_features("x86-64-v4").unwrap().contains(&"avx512f"));
         assert_eq!(level_features("native"), None, "native is no level: it names no instruction set");
+    }
+
+    #[test]
+    fn a_shape_record_that_cannot_be_read_is_an_error_and_no_record_checks_nothing() {
+        let path = Path::new("m.pt2");
+        let record = |text: &str| HashMap::from([("stageload.constants".to_string(), text.to_string())]);
+        let shapes = recorded_shapes(path, &record(r#"{"w": {"shape": [4, 2], "dtype": "float32"}}"#)).unwrap();
+        assert_eq!(shapes["w"], [4, 2]);
+        assert!(recorded_shapes(path, &HashMap::new()).unwrap().is_empty());
+        for bad in [r#"{"w": {"shape": "4x2"}}"#, "[", r#"{"w": {}}"#] {
+            let err = recorded_shapes(path, &record(bad)).unwrap_err();
+            assert!(matches!(err, Pt2Error::Metadata { .. }), "{bad}: {err}");
+            assert!(err.to_string().contains("m.pt2") && err.to_string().contains("stageload.constants"), "{err}");
+        }
     }
 
     #[test]
