@@ -97,6 +97,18 @@ fn text_to_image_staged_equals_eager_and_the_control_drifts() {
 }
 
 #[test]
+fn cascade_with_prefetch_holds_the_stage_and_the_next_stages_models_and_gives_eagers_latents() {
+    let folder = scratch("cascade-prefetch");
+    let dir = folder.path();
+    let eager = run("cascade", dir, "eager", &["--mode", "eager"]);
+    // Each call checks that nothing but the stage's, the pinned and the next stage's models is resident.
+    let prefetch = run("cascade", dir, "prefetch", &["--mode", "staged", "--prefetch", "--check-residency"]);
+    assert_eq!(prefetch.latents, eager.latents, "prefetch latents equal eager ones bit for bit");
+    let calls = prefetch.result["calls"].as_array().unwrap();
+    assert!(!calls.is_empty(), "every model call was checked: {}", prefetch.result);
+}
+
+#[test]
 fn cascade_holds_only_the_planned_models_and_reloads_the_shape_decoder_once() {
     let folder = scratch("cascade-plan");
     let dir = folder.path();

@@ -1,6 +1,7 @@
 //! Snapshots (`StagedModelsBuilder::snapshot_dir`): a model with no checkpoint is written once at
 //! its first release and comes back in place from that file (no loader call, no random draw,
-//! prefetchable); a write that fails leaves it to be rebuilt; the files go at close and drop,
+//! prefetchable); a write that fails leaves it to be rebuilt; a file goes when its model is
+//! replaced or removed, and all of them at close and drop,
 //! and those of a killed process go when the next registry opens the folder, a live one's stay.
 
 use std::path::{Path, PathBuf};
@@ -101,6 +102,24 @@ fn a_model_without_a_checkpoint_comes_back_in_place_from_its_snapshot_with_no_bu
     assert!(snapshots(dir.path()).is_empty(), "close removes the snapshots");
     drop(models);
     assert!(files(dir.path()).is_empty(), "dropping removes the registry's lock file too: {:?}", files(dir.path()));
+}
+
+#[test]
+fn the_snapshot_of_a_model_replaced_or_removed_goes_at_once() {
+    let _one = support::generator();
+    for replaced in [true, false] {
+        let dir = tempfile::tempdir().unwrap();
+        let models = registry(dir.path(), Arc::new(AtomicUsize::new(0)), Arc::new(ListSink::new()));
+        models.enter("run").unwrap();
+        let _ = forward(&models);
+        models.enter("other").unwrap();
+        assert_eq!(snapshots(dir.path()).len(), 1, "written at the release");
+        match replaced {
+            true => models.insert("m", build_mlp(32)).unwrap(),
+            false => models.remove("m").unwrap(),
+        }
+        assert!(snapshots(dir.path()).is_empty(), "replaced: {replaced}; no reload reads it any more");
+    }
 }
 
 #[test]

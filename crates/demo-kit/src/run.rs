@@ -121,6 +121,8 @@ pub struct Demo {
     /// The trace was not asked for: it goes away after the stage peaks are printed.
     temporary_trace: bool,
     check_residency: bool,
+    /// The next stage's models are loaded ahead (`--prefetch`): they are planned residents too.
+    prefetch: bool,
     latents: Latents,
     result_file: Option<PathBuf>,
     /// The pipeline description written for the run.
@@ -175,6 +177,7 @@ impl Demo {
             trace,
             latents: Latents::with_env(args.latents.clone()),
             check_residency: args.check_residency,
+            prefetch: args.prefetch,
             result_file: args.result.clone(),
             description,
         })
@@ -236,7 +239,8 @@ impl DemoRun {
 
     /// Calls `f` on model `name` (built on first use). With `--check-residency`, checks first
     /// that what is resident is what the stage plans: the called model, the stage's other models
-    /// and pinned ones, nothing left over from earlier stages.
+    /// and pinned ones, with `--prefetch` the next stage's models, nothing left over from earlier
+    /// stages.
     pub fn call<M: 'static, R>(&self, model: &str, f: impl FnOnce(&mut M) -> R) -> Result<R, BoxError> {
         if self.demo.check_residency {
             self.models.load(model)?;
@@ -250,8 +254,12 @@ impl DemoRun {
         let resident = self.models.resident();
         // The demos do not repeat stages: a stage's occurrence is its place in the sequence.
         let index = self.demo.plan.stages.iter().position(|s| s.name == stage);
+        let stages = &self.demo.plan.stages;
         let planned: BTreeSet<&String> = index
-            .map(|i| self.demo.plan.stages[i].models.iter().chain(self.demo.plan.pinned_at(i)).collect())
+            .map(|i| {
+                let next = stages.get(i + 1).filter(|_| self.demo.prefetch).map(|s| s.models.iter());
+                stages[i].models.iter().chain(self.demo.plan.pinned_at(i)).chain(next.into_iter().flatten()).collect()
+            })
             .unwrap_or_default();
         println!("call {stage} {model} resident {}", resident.join(","));
         let unplanned: Vec<&String> = resident.iter().filter(|name| !planned.contains(name)).collect();

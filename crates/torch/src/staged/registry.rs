@@ -118,6 +118,11 @@ impl Entry {
         self.slot.has_checkpoint = true;
     }
 
+    /// The snapshot file its reloads read, if the registry wrote one for it.
+    pub(crate) fn snapshot_file(&self) -> Option<PathBuf> {
+        self.from_snapshot.then(|| self.checkpoint.first().cloned()).flatten()
+    }
+
     /// Unit tests: the entry with its slot in `state` (it belongs to no registry's index).
     #[cfg(test)]
     pub(crate) fn in_state(mut self, state: SlotState<Arc<Instance>>) -> Self {
@@ -573,8 +578,12 @@ impl Inner {
         let instance = Instance::new(name, built, &[], Arc::<Inner>::downgrade(self))?;
         let mut state = self.state();
         let stale = state.tier.as_mut().and_then(|tier| tier.forget(name));
+        let mut snapshot = None;
         let (position, old) = match state.index.get(name).copied() {
-            Some(position) => (position, state.request_release(position)),
+            Some(position) => {
+                snapshot = state.entries[position].snapshot_file();
+                (position, state.request_release(position))
+            }
             None => {
                 let entry = Entry::new(
                     name.to_string(),
@@ -593,6 +602,7 @@ impl Inner {
         drop(state);
         drop(stale);
         self.release_all(old.into_iter().collect());
+        self.forget_snapshot(snapshot);
         Ok(())
     }
 
@@ -612,12 +622,13 @@ impl Inner {
     pub(crate) fn remove(&self, name: &str, release: bool) -> Result<()> {
         let (mut state, position) = self.settled(name)?;
         let old = if release { state.request_release(position) } else { None };
-        state.remove_entry(position);
+        let snapshot = state.remove_entry(position).snapshot_file();
         let stale = state.tier.as_mut().and_then(|tier| tier.forget(name));
         self.changed.notify_all();
         drop(state);
         drop(stale);
         self.release_all(old.into_iter().collect());
+        self.forget_snapshot(snapshot);
         Ok(())
     }
 

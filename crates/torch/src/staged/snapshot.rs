@@ -150,6 +150,13 @@ fn remove_stale(dir: &Path) {
 }
 
 impl Inner {
+    /// Removes the snapshot file of a model replaced or removed: no reload reads it any more.
+    pub(super) fn forget_snapshot(&self, path: Option<PathBuf>) {
+        if let (Some(snapshots), Some(path)) = (&self.snapshots, path) {
+            snapshots.forget(&path);
+        }
+    }
+
     /// Before a release frees a model that has no checkpoint, no copy in the host tier and is
     /// not streamed: writes its weights as a snapshot and makes that file its checkpoint, so
     /// that it comes back in place. Runs under the instance's body lock (nobody uses the model),
