@@ -115,10 +115,11 @@ pub fn prefetch(shell: &mut Shell, out: &Path, cascade: &[String]) -> Result<(),
     failures.end()
 }
 
-/// The checkpoint load benchmark: stageload against tch's VarStore::load and Python's
-/// safetensors, in one run (results in traces/).
+/// The checkpoint load benchmark: stageload against the page cache's and the disk's limits, tch's
+/// VarStore::load and the Python loader peers (installed here, pinned, only for this), in one run
+/// (results in traces/).
 pub fn load(shell: &mut Shell, args: &[String]) -> Result<(), Error> {
-    shell.set_up(&[Setup::Libtorch])?;
+    shell.set_up(&[Setup::Libtorch, Setup::LoadPeers])?;
     shell.run(shell.cargo(&["run", "--release", "-p", "stageload-bench", "--bin", "bench_load", "--"]).args(args))
 }
 

@@ -93,7 +93,7 @@ enum Task {
         #[arg(last = true)]
         cascade: Vec<String>,
     },
-    /// Checkpoint loads: stageload against tch's VarStore::load and Python's safetensors
+    /// Checkpoint loads: stageload against the limits, tch and every Python loader peer
     BenchLoad {
         /// The benchmark's arguments (e.g. --cold)
         #[arg(last = true)]

@@ -24,6 +24,9 @@ pub enum Setup {
     Reference,
     /// `scripts/setup-ray.sh`: Ray, in its own environment.
     Ray,
+    /// `scripts/setup-load-peers.sh`: the load benchmark's loader peers, pinned, in their own
+    /// environment over the torch one (needs `Libtorch` first).
+    LoadPeers,
 }
 
 impl Setup {
@@ -32,6 +35,7 @@ impl Setup {
             Setup::Libtorch => "scripts/setup-libtorch.sh",
             Setup::Reference => "scripts/setup-reference.sh",
             Setup::Ray => "scripts/setup-ray.sh",
+            Setup::LoadPeers => "scripts/setup-load-peers.sh",
         }
     }
 }

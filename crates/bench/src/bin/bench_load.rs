@@ -1,14 +1,27 @@
-//! Checkpoint loading benchmark: stageload's loader against `tch::nn::VarStore::load` and
-//! Python's `safetensors.torch.load_file` + `load_state_dict`, side by side in one run.
+//! Checkpoint loading benchmark: stageload's loader against every loader peer and the limit, side
+//! by side in one run.
 //!
-//!     cargo xtask bench-load            (= cargo run --release -p stageload-bench --bin bench_load)
+//!     cargo xtask bench-load -- --cold   (= scripts/setup-load-peers.sh, then
+//!                                           cargo run --release -p stageload-bench --bin bench_load)
 //!
-//! One checkpoint of about 1.04 GB (f32 linear layers of three sizes) is written once. Each
-//! round loads it with each loader in turn (alternating), with the warm page cache; with
-//! `--cold`, rounds that drop the file's pages first (posix_fadvise) are added. Reported: GB/s
-//! and the transient peak of anonymous memory over the model (VmHWM reset before each load,
-//! pages of the mapped file subtracted; the table also shows the peak with them). Results go to `traces/load-bench.json` and `.md`.
+//! One checkpoint of about 1.04 GB (f32 linear layers of three sizes) is written once, and the same
+//! weights as a `.pt` beside it for `torch.load`. Each round loads it with each loader in turn
+//! (alternating), into an existing model's parameters on the CPU, with the warm page cache; with
+//! `--cold`, rounds that drop the loader's file's pages first (posix_fadvise) are added. The
+//! loaders: the limit (a plain `pread` loop into one reused buffer: the page cache's copy rate warm,
+//! the disk's sequential read rate cold), stageload, `tch::nn::VarStore::load`, and the Python
+//! peers of `python/bench_load.py` (safetensors, runai-model-streamer, fastsafetensors,
+//! instanttensor, torch.load with and without mmap), each a fresh process per load (startup not
+//! timed). A peer that cannot be installed or cannot load to the CPU is reported with why, and the
+//! rest run. Reported: GB/s (medians), ratios against stageload and the limit in the same run, and
+//! the transient peak of anonymous memory over the model (VmHWM reset before each load, pages of
+//! the mapped file subtracted; the table also shows the peak with them). Results go to
+//! `traces/load-bench.json` and `.md`.
 
+use std::collections::BTreeMap;
+use std::error::Error;
+use std::fs::File;
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Instant;
@@ -18,25 +31,75 @@ use stageload::checkpoint::{Checkpoint, Progress};
 use stageload_bench::median;
 use stageload_probe::ProcessMemory;
 use tch::nn::{self, VarStore};
-use tch::{Device, Tensor};
+use tch::{Device, Kind, Tensor};
+
+type BoxError = Box<dyn Error + Send + Sync>;
 
 #[derive(Parser)]
 struct Args {
-    /// Rounds of (stageload, tch, python), alternating.
+    /// Rounds of (every loader), alternating.
     #[arg(long, default_value_t = 5)]
     rounds: usize,
     /// Also measure with the file's pages dropped from the page cache before each load.
     #[arg(long)]
     cold: bool,
-    /// Where the checkpoint is written once.
+    /// Where the checkpoint is written once (and its `.pt` beside it).
     #[arg(long, default_value = "target/stageload-bench/model.safetensors")]
     checkpoint: PathBuf,
-    /// Python with torch and safetensors (the set-up exports STAGELOAD_PYTHON).
-    #[arg(long, env = "STAGELOAD_PYTHON", default_value = "python3")]
-    python: String,
+    /// Python with torch, safetensors and the loader peers (scripts/setup-load-peers.sh exports
+    /// STAGELOAD_LOAD_PEERS_PYTHON; without it STAGELOAD_PYTHON, then python3: the peers missing
+    /// there are reported as not installed).
+    #[arg(long, env = "STAGELOAD_LOAD_PEERS_PYTHON")]
+    python: Option<String>,
     /// Output folder for the results.
     #[arg(long, default_value = "traces")]
     out: PathBuf,
+}
+
+/// The limit's one reused buffer: larger than this machine's last-level cache (8 MiB), like a
+/// model's weights.
+const LIMIT_BUFFER: usize = 16 << 20;
+
+/// A loader the benchmark measures, in the order each round runs them.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Loader {
+    /// A `pread` loop into one reused buffer of [`LIMIT_BUFFER`] bytes, one thread.
+    Limit,
+    Stageload,
+    Tch,
+    /// A peer of python/bench_load.py, by its name there.
+    Python(&'static str),
+}
+
+const LOADERS: [Loader; 9] = [
+    Loader::Limit,
+    Loader::Stageload,
+    Loader::Tch,
+    Loader::Python("safetensors"),
+    Loader::Python("runai-model-streamer"),
+    Loader::Python("fastsafetensors"),
+    Loader::Python("instanttensor"),
+    Loader::Python("torch.load"),
+    Loader::Python("torch.load-mmap"),
+];
+
+impl Loader {
+    fn name(self) -> &'static str {
+        match self {
+            Loader::Limit => "limit (pread)",
+            Loader::Stageload => "stageload",
+            Loader::Tch => "tch",
+            Loader::Python(peer) => peer,
+        }
+    }
+
+    /// The file it reads: the `.pt` for torch.load, the checkpoint for the others.
+    fn file(self, checkpoint: &Path) -> PathBuf {
+        match self {
+            Loader::Python(peer) if peer.starts_with("torch.load") => checkpoint.with_extension("pt"),
+            _ => checkpoint.to_path_buf(),
+        }
+    }
 }
 
 /// (out, in) of each layer: 13 × 4096², 8 × 4096×1024, 8 × 1024².
@@ -54,13 +117,13 @@ fn build(vs: &VarStore) {
 }
 
 /// This process's memory now.
-fn memory() -> ProcessMemory {
-    stageload_probe::process_memory(std::process::id() as i32).expect("read this process's memory")
+fn memory() -> Result<ProcessMemory, BoxError> {
+    Ok(stageload_probe::process_memory(std::process::id() as i32)?)
 }
 
 /// Resident pages that are not anonymous: mapped files (and shared memory, constant here).
-fn file_pages(memory: &ProcessMemory) -> i64 {
-    memory.rss as i64 - memory.rss_anon.expect("RssAnon (Linux)") as i64
+fn file_pages(memory: &ProcessMemory) -> Result<i64, BoxError> {
+    Ok(memory.rss as i64 - memory.rss_anon.ok_or("this system reports no RssAnon")? as i64)
 }
 
 struct Measure {
@@ -73,60 +136,119 @@ struct Measure {
 
 /// Runs `load` with the high-water mark reset. The peak over the model counts anonymous memory
 /// only: pages of a file still mapped by what `load` returns are subtracted.
-fn measured<T>(load: impl FnOnce() -> T) -> Measure {
-    let before = memory();
-    stageload_probe::reset_peak().expect("reset the peak");
+fn measured<T>(load: impl FnOnce() -> Result<T, BoxError>) -> Result<Measure, BoxError> {
+    let before = memory()?;
+    stageload_probe::reset_peak()?;
     let start = Instant::now();
-    let still_mapped = load();
+    let still_mapped = load()?;
     let seconds = start.elapsed().as_secs_f64();
-    let after = memory();
-    let file_pages = file_pages(&after) - file_pages(&before);
-    let peak_with_file = after.peak.expect("VmHWM (Linux)") as i64 - before.rss as i64;
+    let after = memory()?;
+    let file_pages = file_pages(&after)? - file_pages(&before)?;
+    let peak = after.peak.ok_or("this system reports no peak resident set (VmHWM)")?;
+    let peak_with_file = peak as i64 - before.rss as i64;
     drop(still_mapped);
-    Measure { seconds, peak_over: peak_with_file - file_pages, peak_with_file }
+    Ok(Measure { seconds, peak_over: peak_with_file - file_pages, peak_with_file })
 }
 
-fn drop_page_cache(path: &Path) {
-    stageload_demo_kit::weights::drop_page_cache(path).expect("drop the checkpoint's pages");
+/// Reads `path` whole with `pread` into `buffer`, again and again: the rate no loader of it can
+/// beat with one thread.
+fn pread_all(path: &Path, buffer: &mut [u8]) -> Result<u64, BoxError> {
+    let file = File::open(path).map_err(|e| format!("open {}: {e}", path.display()))?;
+    let mut offset = 0;
+    loop {
+        match file.read_at(buffer, offset).map_err(|e| format!("read {} at {offset}: {e}", path.display()))? {
+            0 => return Ok(offset),
+            n => offset += n as u64,
+        }
+    }
+}
+
+fn drop_page_cache(path: &Path) -> Result<(), BoxError> {
+    stageload_demo_kit::weights::drop_page_cache(path)
+        .map_err(|e| format!("drop the pages of {} from the page cache: {e}", path.display()).into())
 }
 
 /// Reads the file once so that the first warm round does not read it from the disk.
-fn warm_page_cache(path: &Path) {
-    let mut file = std::fs::File::open(path).expect("open checkpoint");
-    std::io::copy(&mut file, &mut std::io::sink()).expect("read checkpoint");
+fn warm_page_cache(path: &Path) -> Result<(), BoxError> {
+    pread_all(path, &mut vec![0; LIMIT_BUFFER]).map(drop)
 }
 
-fn python_runs(args: &Args, runs: usize) -> Vec<Measure> {
+/// The sum of every parameter in f64: what each Python peer loaded must give the same.
+fn checksum(tensors: &[(String, Tensor)]) -> f64 {
+    tensors.iter().map(|(_, t)| t.sum(Kind::Double).double_value(&[])).sum()
+}
+
+/// One load by a Python peer, or why the peer cannot run here.
+struct PythonRun {
+    measure: Measure,
+    checksum: f64,
+    version: String,
+    configuration: String,
+}
+
+fn python_run(python: &str, peer: &str, checkpoint: &Path, cache: &str) -> Result<PythonRun, String> {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("python/bench_load.py");
-    let out = Command::new(&args.python).arg(script).arg(&args.checkpoint).arg(runs.to_string()).output();
-    let out = match out {
-        Ok(out) if out.status.success() => out,
-        Ok(out) => panic!("python peer failed: {}", String::from_utf8_lossy(&out.stderr)),
-        Err(e) => panic!("cannot run {}: {e}; run scripts/setup-libtorch.sh or pass --python", args.python),
-    };
-    String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .map(|l| {
-            let v: serde_json::Value = serde_json::from_str(l).expect("python prints JSON lines");
-            Measure {
-                seconds: v["seconds"].as_f64().unwrap(),
-                peak_over: v["peak_over"].as_i64().unwrap(),
-                peak_with_file: v["peak_with_file"].as_i64().unwrap(),
-            }
-        })
-        .collect()
+    let out = Command::new(python)
+        .arg(&script)
+        .args([peer, &checkpoint.display().to_string(), "1", cache])
+        .output()
+        .map_err(|e| format!("cannot run {python}: {e}; run scripts/setup-load-peers.sh or pass --python"))?;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    if !out.status.success() {
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        let last = stderr.lines().rev().find(|l| !l.trim().is_empty()).unwrap_or("no message");
+        return Err(format!("{python} {} {peer} failed ({}): {last}", script.display(), out.status));
+    }
+    let line = stdout.lines().last().ok_or("printed nothing")?;
+    let v: serde_json::Value = serde_json::from_str(line).map_err(|e| format!("printed {line:?}, not JSON: {e}"))?;
+    if let Some(why) = v["unavailable"].as_str() {
+        return Err(why.to_string());
+    }
+    let number = |k: &str| v[k].as_f64().ok_or_else(|| format!("printed no {k} in {line}"));
+    let text = |k: &str| v[k].as_str().map(String::from).ok_or_else(|| format!("printed no {k} in {line}"));
+    Ok(PythonRun {
+        measure: Measure {
+            seconds: number("seconds")?,
+            peak_over: number("peak_over")? as i64,
+            peak_with_file: number("peak_with_file")? as i64,
+        },
+        checksum: number("checksum")?,
+        version: text("version")?,
+        configuration: text("configuration")?,
+    })
 }
 
-fn main() {
+/// The load average over the last minute (/proc/loadavg), for the report.
+fn load_average() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .ok()
+        .and_then(|s| s.split_whitespace().next().map(String::from))
+        .unwrap_or_else(|| "unknown".into())
+}
+
+fn main() -> Result<(), BoxError> {
     stageload_demo_kit::logging::init();
     let args = Args::parse();
-    tch::set_num_threads(std::thread::available_parallelism().map(|n| n.get() as i32).unwrap_or(2));
-    if !args.checkpoint.exists() {
-        std::fs::create_dir_all(args.checkpoint.parent().unwrap()).unwrap();
+    let python =
+        args.python.clone().or_else(|| std::env::var("STAGELOAD_PYTHON").ok()).unwrap_or_else(|| "python3".into());
+    let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(2);
+    tch::set_num_threads(cores as i32);
+    let checkpoint = &args.checkpoint;
+    if !checkpoint.exists() {
+        let folder = checkpoint.parent().unwrap_or(Path::new("."));
+        std::fs::create_dir_all(folder).map_err(|e| format!("create {}: {e}", folder.display()))?;
         let vs = VarStore::new(Device::Cpu);
         build(&vs);
         let vars: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
-        stageload::checkpoint::save(&vars, &args.checkpoint).expect("write the checkpoint");
+        stageload::checkpoint::save(&vars, checkpoint)?;
+    }
+    let pt = Loader::Python("torch.load").file(checkpoint);
+    if !pt.exists() {
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("python/bench_load.py");
+        let status = Command::new(&python).arg(script).arg("--write-pt").arg(checkpoint).status();
+        if !matches!(status, Ok(s) if s.success()) {
+            eprintln!("could not write {} with {python} ({status:?}); torch.load is reported as failing", pt.display());
+        }
     }
     let vs = VarStore::new(Device::Cpu);
     build(&vs);
@@ -135,100 +257,162 @@ fn main() {
     let targets: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
     let model_bytes: i64 = targets.iter().map(|(_, t)| (t.numel() * 4) as i64).sum();
     let gb = model_bytes as f64 / 1e9;
-    println!("model: {} tensors, {:.3} GB; {} rounds", targets.len(), gb, args.rounds);
+    let load_at_start = load_average();
+    println!("model: {} tensors, {gb:.3} GB; {} rounds; load average {load_at_start}", targets.len(), args.rounds);
 
     let show_bar = std::io::IsTerminal::is_terminal(&std::io::stderr());
-    let mut results: Vec<(&str, &str, Measure)> = Vec::new();
+    let mut buffer = vec![1u8; LIMIT_BUFFER];
+    let mut results: Vec<(Loader, &str, Measure)> = Vec::new();
+    let mut unavailable: BTreeMap<&str, String> = BTreeMap::new();
+    // peer -> (version, configuration -> the caches it ran in)
+    let mut configurations: BTreeMap<&str, (String, BTreeMap<String, Vec<&str>>)> = BTreeMap::new();
+    let mut loaded_sum = None;
     let modes: &[&str] = if args.cold { &["warm", "cold"] } else { &["warm"] };
     for &mode in modes {
         if mode == "warm" {
-            warm_page_cache(&args.checkpoint);
+            warm_page_cache(checkpoint)?;
+            if pt.exists() {
+                warm_page_cache(&pt)?;
+            }
         }
-        // Python: one process per mode, loading `rounds` times (startup is not timed); its runs
-        // are interleaved into the table in order.
         for round in 0..args.rounds {
-            if mode == "cold" {
-                drop_page_cache(&args.checkpoint);
-            }
-            let bar = show_bar.then(|| indicatif::ProgressBar::new(model_bytes as u64));
-            let m = measured(|| {
-                let checkpoint = Checkpoint::open(&[&args.checkpoint]).expect("open");
-                checkpoint
-                    .load_into(&targets, |p: Progress| {
-                        if let Some(bar) = &bar {
-                            bar.set_position(p.done)
+            for loader in LOADERS {
+                if unavailable.contains_key(loader.name()) {
+                    continue;
+                }
+                let file = loader.file(checkpoint);
+                if mode == "cold" && file.exists() {
+                    drop_page_cache(&file)?;
+                }
+                let measure = match loader {
+                    Loader::Limit => {
+                        let mut m = measured(|| pread_all(&file, &mut buffer))?;
+                        // The buffer is allocated once, before: it is what the loop needs.
+                        m.peak_over += LIMIT_BUFFER as i64;
+                        m.peak_with_file += LIMIT_BUFFER as i64;
+                        m
+                    }
+                    Loader::Stageload => {
+                        let bar = show_bar.then(|| indicatif::ProgressBar::new(model_bytes as u64));
+                        let m = measured(|| {
+                            let opened = Checkpoint::open(&[&file])?;
+                            opened.load_into(&targets, |p: Progress| {
+                                if let Some(bar) = &bar {
+                                    bar.set_position(p.done)
+                                }
+                            })?;
+                            Ok(opened)
+                        })?;
+                        if let Some(bar) = bar {
+                            bar.finish_and_clear();
                         }
-                    })
-                    .expect("load");
-                checkpoint
-            });
-            if let Some(bar) = bar {
-                bar.finish_and_clear();
+                        loaded_sum.get_or_insert_with(|| checksum(&targets));
+                        m
+                    }
+                    Loader::Tch => measured(|| Ok(vs_tch.load(&file)?))?,
+                    Loader::Python(peer) => match python_run(&python, peer, checkpoint, mode) {
+                        Ok(run) => {
+                            let expected = loaded_sum.unwrap_or(f64::NAN);
+                            if (run.checksum - expected).abs() > 1e-9 * expected.abs().max(1.0) {
+                                let why = format!(
+                                    "loaded other numbers: checksum {} against stageload's {expected}",
+                                    run.checksum
+                                );
+                                unavailable.insert(peer, why);
+                                continue;
+                            }
+                            let (_, by_configuration) =
+                                configurations.entry(peer).or_insert_with(|| (run.version, BTreeMap::new()));
+                            let caches = by_configuration.entry(run.configuration).or_default();
+                            if !caches.contains(&mode) {
+                                caches.push(mode);
+                            }
+                            run.measure
+                        }
+                        Err(why) => {
+                            eprintln!("{peer}: not measured: {why}");
+                            unavailable.insert(peer, why);
+                            continue;
+                        }
+                    },
+                };
+                results.push((loader, mode, measure));
             }
-            results.push(("stageload", mode, m));
-            if mode == "cold" {
-                drop_page_cache(&args.checkpoint);
-            }
-            results.push(("tch", mode, measured(|| vs_tch.load(&args.checkpoint).expect("VarStore::load"))));
-            if mode == "cold" {
-                drop_page_cache(&args.checkpoint);
-            }
-            let python = python_runs(&args, 1).pop().expect("one python run");
-            results.push(("python", mode, python));
             eprintln!("{mode} round {} done", round + 1);
         }
     }
-    // Verify the loaders agree (the benchmark must load the right numbers).
+    // Verify tch loaded what stageload did (the Python peers were checked by their checksums).
+    let tch_vars = vs_tch.variables();
     for (name, t) in &targets {
-        let other = vs_tch.variables()[name].shallow_clone();
-        assert!(t.equal(&other), "stageload and tch disagree on {name}");
+        let other = tch_vars.get(name).ok_or_else(|| format!("tch loaded no {name}"))?;
+        if !t.equal(other) {
+            return Err(format!("stageload and tch disagree on {name}").into());
+        }
     }
 
     let mut summary = serde_json::Map::new();
     let mut table = String::from(
-        "| loader | cache | GB/s (median) | GB/s runs | peak over model, anonymous (median) | with mapped file pages (median) |\n|---|---|---|---|---|---|\n",
+        "| loader | cache | GB/s (median) | GB/s runs | × stageload | × limit | peak over model, anonymous (median) | with mapped file pages (median) |\n|---|---|---|---|---|---|---|---|\n",
     );
     for &mode in modes {
-        for loader in ["stageload", "tch", "python"] {
+        let rate_of = |loader: Loader| {
             let runs: Vec<&Measure> =
                 results.iter().filter(|(l, m, _)| *l == loader && *m == mode).map(|(_, _, m)| m).collect();
-            let rates: Vec<f64> = runs.iter().map(|m| gb / m.seconds).collect();
+            (median(runs.iter().map(|m| gb / m.seconds).collect()), runs)
+        };
+        let (stageload, _) = rate_of(Loader::Stageload);
+        let (limit, _) = rate_of(Loader::Limit);
+        for loader in LOADERS.into_iter().filter(|l| !unavailable.contains_key(l.name())) {
+            let name = loader.name();
+            let (rate, runs) = rate_of(loader);
             let percent = |bytes: i64| 100.0 * bytes as f64 / model_bytes as f64;
             let over = median(runs.iter().map(|m| percent(m.peak_over)).collect());
             let with_file = median(runs.iter().map(|m| percent(m.peak_with_file)).collect());
-            let rate = median(rates.clone());
+            let rates: Vec<String> = runs.iter().map(|m| format!("{:.2}", gb / m.seconds)).collect();
             table += &format!(
-                "| {loader} | {mode} | {rate:.2} | {} | {over:.1} % | {with_file:.1} % |\n",
-                rates.iter().map(|r| format!("{r:.2}")).collect::<Vec<_>>().join(", ")
+                "| {name} | {mode} | {rate:.2} | {} | {:.2} | {:.2} | {over:.1} % | {with_file:.1} % |\n",
+                rates.join(", "),
+                rate / stageload,
+                rate / limit
             );
-            summary.insert(format!("{loader}_{mode}_gbps"), rate.into());
-            summary.insert(format!("{loader}_{mode}_peak_over_pct"), over.into());
-            summary.insert(format!("{loader}_{mode}_peak_with_file_pct"), with_file.into());
+            summary.insert(format!("{name}_{mode}_gbps"), rate.into());
+            summary.insert(format!("{name}_{mode}_peak_over_pct"), over.into());
+            summary.insert(format!("{name}_{mode}_peak_with_file_pct"), with_file.into());
         }
     }
-    let values = summary.clone();
-    let g = |k: &str| values[k].as_f64().unwrap();
-    let ratios = format!(
-        "stageload/tch {:.1}x, stageload/python {:.2}x (warm, medians)",
-        g("stageload_warm_gbps") / g("tch_warm_gbps"),
-        g("stageload_warm_gbps") / g("python_warm_gbps")
-    );
+    let mut notes = String::new();
+    for (peer, (version, by_configuration)) in &configurations {
+        for (configuration, caches) in by_configuration {
+            let caches = if by_configuration.len() > 1 { format!(" ({})", caches.join(", ")) } else { String::new() };
+            notes += &format!("- {peer} {version}{caches}: {configuration}\n");
+        }
+        summary.insert(format!("{peer}_version"), version.as_str().into());
+    }
+    for (peer, why) in &unavailable {
+        notes += &format!("- {peer}: not measured: {why}\n");
+        summary.insert(format!("{peer}_unavailable"), why.as_str().into());
+    }
     let command = std::env::args().collect::<Vec<_>>().join(" ");
     let report = format!(
-        "# Checkpoint load benchmark\n\nCommand: `cargo xtask bench-load -- {}` ({command})\n\nModel: {} f32 tensors, {gb:.3} GB, {} cores.\n\n{table}\n{ratios}\n",
+        "# Checkpoint load benchmark\n\nCommand: `cargo xtask bench-load -- {}` ({command})\n\n\
+         Model: {} f32 tensors, {gb:.3} GB, {cores} cores; load average at start {load_at_start}.\n\n{table}\n\
+         × stageload and × limit: each median against stageload's and the limit's in the same run and cache. \
+         The limit: one thread `pread`ing the file into one reused {} MiB buffer (warm: the page cache's \
+         copy rate; cold: the disk's sequential read rate). stageload and tch: {cores} threads.\n\n{notes}",
         std::env::args().skip(1).collect::<Vec<_>>().join(" "),
         targets.len(),
-        std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0)
+        LIMIT_BUFFER >> 20
     );
-    std::fs::create_dir_all(&args.out).unwrap();
-    std::fs::write(args.out.join("load-bench.md"), &report).unwrap();
+    let write = |name: &str, text: &str| {
+        let path = args.out.join(name);
+        std::fs::write(&path, text).map_err(|e| format!("write {}: {e}", path.display()))
+    };
+    std::fs::create_dir_all(&args.out).map_err(|e| format!("create {}: {e}", args.out.display()))?;
+    write("load-bench.md", &report)?;
     summary.insert("command".into(), command.into());
     summary.insert("model_bytes".into(), model_bytes.into());
-    std::fs::write(args.out.join("load-bench.json"), serde_json::to_string_pretty(&summary).unwrap()).unwrap();
+    summary.insert("load_average_at_start".into(), load_at_start.into());
+    write("load-bench.json", &serde_json::to_string_pretty(&summary)?)?;
     print!("{report}");
-    println!(
-        "load: stageload {:.2} GB/s, tch {:.2} GB/s, python {:.2} GB/s; peak over model: stageload {:.1}%, tch {:.1}%, python {:.1}%",
-        g("stageload_warm_gbps"), g("tch_warm_gbps"), g("python_warm_gbps"),
-        g("stageload_warm_peak_over_pct"), g("tch_warm_peak_over_pct"), g("python_warm_peak_over_pct")
-    );
+    Ok(())
 }
