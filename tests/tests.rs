@@ -20,6 +20,7 @@ mod checkpoint;
 mod ddim;
 mod determinism;
 mod every_tensor;
+mod heun;
 mod host_tier;
 mod many_jobs;
 mod minilm;

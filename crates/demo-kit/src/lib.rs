@@ -20,6 +20,7 @@
 
 pub mod args;
 pub mod ddim;
+pub mod heun;
 pub mod logging;
 pub mod models;
 pub mod progress;
