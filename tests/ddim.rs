@@ -6,10 +6,8 @@
 //! the tests fail and say what to run.
 
 use std::collections::HashMap;
-use std::path::PathBuf;
-use std::process::Command;
 use std::sync::Mutex;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use rand::{Rng, SeedableRng};
 use stageload_demo_kit::ddim::{Ddim, DdimConfig, DdimError};
@@ -47,33 +45,17 @@ fn inputs() -> HashMap<String, Tensor> {
 
 /// Runs the reference script on `inputs` within the deadline and reads what it wrote.
 fn run_reference(inputs: &HashMap<String, Tensor>) -> Result<HashMap<String, Tensor>, String> {
-    let python = std::env::var("STAGELOAD_PYTHON").map_err(|_| {
-        "STAGELOAD_PYTHON is not set: this test compares against diffusers in the cached Python environment. \
-         Run it through cargo xtask test, or first: eval \"$(scripts/setup-libtorch.sh)\"; \
-         eval \"$(scripts/setup-reference.sh)\" (which installs diffusers there)"
-            .to_string()
-    })?;
     let folder = tempfile::TempDir::new().map_err(|e| format!("no temporary folder: {e}"))?;
-    let (input, output, log) = (
-        folder.path().join("inputs.safetensors"),
-        folder.path().join("reference.safetensors"),
-        folder.path().join("reference.log"),
-    );
+    let (input, output) = (folder.path().join("inputs.safetensors"), folder.path().join("reference.safetensors"));
     let named: Vec<(&str, &Tensor)> = inputs.iter().map(|(name, tensor)| (name.as_str(), tensor)).collect();
     Tensor::write_safetensors(&named, &input).map_err(|e| format!("writing {}: {e}", input.display()))?;
-
-    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("scripts/reference/ddim_reference.py");
-    let started = Instant::now();
-    let mut command = Command::new(&python);
-    command.arg(&script).arg(&input).arg(&output);
-    stageload_demo_kit::stable_diffusion::run_script(command, "the reference", &log, DEADLINE)?;
-    let tensors = Tensor::read_safetensors(&output).map_err(|e| format!("reading {}: {e}", output.display()))?;
-    eprintln!(
-        "{} in {:.1} s",
-        std::fs::read_to_string(&log).unwrap_or_default().trim(),
-        started.elapsed().as_secs_f64()
-    );
-    Ok(tensors.into_iter().collect())
+    crate::reference::run(
+        "ddim_reference.py",
+        &[input.as_os_str(), output.as_os_str()],
+        folder.path(),
+        &output,
+        DEADLINE,
+    )
 }
 
 /// Runs `check` on the reference's outputs, failing with the reference's error if it has none.

@@ -9,10 +9,8 @@
 //! STAGELOAD_PYTHON (or without diffusers in it) the tests fail and say what to run.
 
 use std::collections::HashMap;
-use std::path::PathBuf;
-use std::process::Command;
 use std::sync::Mutex;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use stageload_demo_kit::heun::{Heun, HeunConfig, HeunError, HeunState};
 use tch::{Kind, Tensor};
@@ -34,38 +32,14 @@ struct Reference {
 
 /// Runs the reference script within the deadline and reads what it wrote.
 fn run_reference() -> Result<Reference, String> {
-    let python = std::env::var("STAGELOAD_PYTHON").map_err(|_| {
-        "STAGELOAD_PYTHON is not set: this test compares against diffusers in the cached Python environment. \
-         Run it through cargo xtask test, or first: eval \"$(scripts/setup-libtorch.sh)\"; \
-         eval \"$(scripts/setup-reference.sh)\" (which installs diffusers there)"
-            .to_string()
-    })?;
     let folder = tempfile::TempDir::new().map_err(|e| format!("no temporary folder: {e}"))?;
-    let (config, output, log) = (
-        folder.path().join("scheduler.json"),
-        folder.path().join("reference.safetensors"),
-        folder.path().join("reference.log"),
-    );
+    let (config, output) = (folder.path().join("scheduler.json"), folder.path().join("reference.safetensors"));
     let list = |steps: &[usize]| steps.iter().map(usize::to_string).collect::<Vec<_>>().join(",");
-    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("scripts/reference/heun_reference.py");
-    let started = Instant::now();
-    let mut command = Command::new(&python);
-    command
-        .arg(&script)
-        .arg(&config)
-        .arg(&output)
-        .arg(list(&table_steps()))
-        .arg(list(&RUN_STEPS))
-        .arg(SEED.to_string());
-    stageload_demo_kit::stable_diffusion::run_script(command, "the reference", &log, DEADLINE)?;
-    let tensors = Tensor::read_safetensors(&output).map_err(|e| format!("reading {}: {e}", output.display()))?;
-    eprintln!(
-        "{} in {:.1} s",
-        std::fs::read_to_string(&log).unwrap_or_default().trim(),
-        started.elapsed().as_secs_f64()
-    );
+    let (tables, runs, seed) = (list(&table_steps()), list(&RUN_STEPS), SEED.to_string());
+    let args = [config.as_os_str(), output.as_os_str(), tables.as_ref(), runs.as_ref(), seed.as_ref()];
+    let outputs = crate::reference::run("heun_reference.py", &args, folder.path(), &output, DEADLINE)?;
     let config = HeunConfig::from_json_file(&config).map_err(|e| e.to_string())?;
-    Ok(Reference { outputs: tensors.into_iter().collect(), config, _folder: folder })
+    Ok(Reference { outputs, config, _folder: folder })
 }
 
 /// Runs `check` on the reference, failing with the reference's error if there is none. The

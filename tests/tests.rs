@@ -14,7 +14,8 @@
 //! - The examples run as users run them: `readme_example` (two_models), `determinism` (cascade
 //!   and text_to_image, staged against eager), `stream_demo`, `minilm` (a published checkpoint
 //!   against its reference implementation), `stable_diffusion` and `ddim` (against diffusers),
-//!   `many_jobs` (cascade jobs on a local Ray cluster).
+//!   `many_jobs` (cascade jobs on a local Ray cluster); `heun` (against diffusers).
+//! - `reference`: running a reference script for `ddim` and `heun`.
 
 mod checkpoint;
 mod ddim;
@@ -29,6 +30,7 @@ mod pipeline_file;
 mod prefetch;
 mod pt2;
 mod readme_example;
+mod reference;
 mod script;
 mod snapshot;
 mod stable_diffusion;

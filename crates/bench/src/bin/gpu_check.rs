@@ -320,18 +320,12 @@ fn streamed_registry_checks(scratch: &Path, device: Device) -> Result<BTreeMap<S
         vs.load(&file)?;
         tch::no_grad(|| model.forward(&x, None))?
     };
-    let pipeline_file = scratch.join("streamed.toml");
-    std::fs::write(
-        &pipeline_file,
-        format!(
-            "[[models]]\nname = \"flow\"\nfiles = [\"blocks.safetensors\"]\ndevice = \"{}\"\n\
-             stream = {{ blocks = [\"blocks.*\"], budget = \"330MiB\", working = \"64MiB\" }}\n\n\
-             [[stages]]\nname = \"run\"\nmodels = [\"flow\"]\n\n[[stages]]\nname = \"other\"\nmodels = []\n\n\
-             [[stages]]\nname = \"run\"\nmodels = [\"flow\"]\n",
-            stageload::device::name(device)
-        ),
-    )?;
-    let pipeline = stageload::Pipeline::load(&pipeline_file)?;
+    let entry = format!(
+        "files = [\"blocks.safetensors\"]\ndevice = \"{}\"\n\
+         stream = {{ blocks = [\"blocks.*\"], budget = \"330MiB\", working = \"64MiB\" }}",
+        stageload::device::name(device)
+    );
+    let pipeline = run_other_run(&scratch.join("streamed.toml"), "flow", &entry)?;
     let planned = pipeline.models[0].streamed.clone().ok_or("the file streams flow")?;
     struct Flow(Blocks, StreamedModel);
     let models = StagedModels::builder()
@@ -382,14 +376,7 @@ fn streamed_registry_checks(scratch: &Path, device: Device) -> Result<BTreeMap<S
 /// package and weights bit for bit (where it ran), within float error of the eager module's; its constants' device memory counted by the meter when
 /// loaded, freed by a release, back with a reload in place (no rebuild), the same output again.
 fn pt2_checks(dir: &Path) -> Result<BTreeMap<String, serde_json::Value>, BoxError> {
-    let pipeline_file = dir.join("pt2.toml");
-    std::fs::write(
-        &pipeline_file,
-        "[[models]]\nname = \"mlp\"\nfiles = [\"mlp.safetensors\"]\ndevice = \"cuda:0\"\n\n\
-         [[stages]]\nname = \"run\"\nmodels = [\"mlp\"]\n\n[[stages]]\nname = \"other\"\nmodels = []\n\n\
-         [[stages]]\nname = \"run\"\nmodels = [\"mlp\"]\n",
-    )?;
-    let pipeline = stageload::Pipeline::load(&pipeline_file)?;
+    let pipeline = run_other_run(&dir.join("pt2.toml"), "mlp", "files = [\"mlp.safetensors\"]\ndevice = \"cuda:0\"")?;
     let sink = std::sync::Arc::new(ListSink::new());
     let models = StagedModels::builder()
         .pipeline(&pipeline)
@@ -453,6 +440,21 @@ fn pt2_checks(dir: &Path) -> Result<BTreeMap<String, serde_json::Value>, BoxErro
         r.insert("pt2_compiled".into(), serde_json::from_slice(&compiled).unwrap_or_default());
     }
     Ok(r)
+}
+
+/// Writes and reads the pipeline file `path`: model `model` (its entry's other lines `entry`,
+/// files relative to the file's folder) in stages `run`, `other` (empty) and `run` again.
+fn run_other_run(path: &Path, model: &str, entry: &str) -> Result<stageload::Pipeline, BoxError> {
+    let stage = |name: &str, models: &str| format!("[[stages]]\nname = \"{name}\"\nmodels = [{models}]\n");
+    let listed = format!("\"{model}\"");
+    let text = format!(
+        "[[models]]\nname = \"{model}\"\n{entry}\n\n{}\n{}\n{}",
+        stage("run", &listed),
+        stage("other", ""),
+        stage("run", &listed)
+    );
+    std::fs::write(path, text)?;
+    Ok(stageload::Pipeline::load(path)?)
 }
 
 /// A group of checks; an error becomes `<group>_error` in the result, and the rest still run.

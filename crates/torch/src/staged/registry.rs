@@ -578,12 +578,9 @@ impl Inner {
         let instance = Instance::new(name, built, &[], Arc::<Inner>::downgrade(self))?;
         let mut state = self.state();
         let stale = state.tier.as_mut().and_then(|tier| tier.forget(name));
-        let mut snapshot = None;
+        let snapshot = state.index.get(name).and_then(|&position| state.entries[position].snapshot_file());
         let (position, old) = match state.index.get(name).copied() {
-            Some(position) => {
-                snapshot = state.entries[position].snapshot_file();
-                (position, state.request_release(position))
-            }
+            Some(position) => (position, state.request_release(position)),
             None => {
                 let entry = Entry::new(
                     name.to_string(),
