@@ -9,6 +9,7 @@
 #   STAGELOAD_PYTHON   the cached environment's python (set by scripts/setup-libtorch.sh)
 #   STAGELOAD_MINILM   (printed) the all-MiniLM-L6-v2 model folder
 #   STAGELOAD_SD_SMALL (printed) the small Stable Diffusion export (text_encoder/unet/vae_decoder .pt)
+#   STAGELOAD_SHAP_E_SMALL (printed) the small Shap-E export (image_encoder/prior/renderer .pt)
 set -euo pipefail
 log() { echo "setup-reference: $*" >&2; }
 python=${STAGELOAD_PYTHON:?run scripts/setup-libtorch.sh first (eval its output): it sets STAGELOAD_PYTHON}
@@ -41,6 +42,14 @@ if ! "$python" "$here/reference/sd_export.py" --size small --out "$cache/sd-smal
     exit 1
 fi
 echo "export STAGELOAD_SD_SMALL='$cache/sd-small'"
+
+# The small Shap-E (image to 3D) the Shap-E tests run against diffusers: exported once per
+# version of the export script (about 90 s on 2 cores; up to date otherwise).
+if ! "$python" "$here/reference/shap_e_export.py" --size small --out "$cache/shap-e-small" >&2; then
+    log "exporting the small Shap-E into $cache/shap-e-small failed (see above); the Shap-E tests need it."
+    exit 1
+fi
+echo "export STAGELOAD_SHAP_E_SMALL='$cache/shap-e-small'"
 
 # The AOTInductor packages the .pt2 tests load (tests/fixtures/pt2_modules.py through the export
 # helper scripts/reference/pt2.py): compiled once per version of those two files (about two

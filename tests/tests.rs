@@ -14,10 +14,12 @@
 //! - The examples run as users run them: `readme_example` (two_models), `determinism` (cascade
 //!   and text_to_image, staged against eager), `stream_demo`, `minilm` (a published checkpoint
 //!   against its reference implementation), `stable_diffusion` and `ddim` (against diffusers),
-//!   `many_jobs` (cascade jobs on a local Ray cluster); `heun` (against diffusers).
+//!   `many_jobs` (cascade jobs on a local Ray cluster); `heun` (against diffusers), `clip_image`
+//!   (against transformers), `shap_e` (image to 3D, against diffusers).
 //! - `reference`: running a reference script for `ddim` and `heun`.
 
 mod checkpoint;
+mod clip_image;
 mod ddim;
 mod determinism;
 mod every_tensor;
@@ -32,6 +34,7 @@ mod pt2;
 mod readme_example;
 mod reference;
 mod script;
+mod shap_e;
 mod snapshot;
 mod stable_diffusion;
 mod staged;

@@ -1,5 +1,5 @@
 //! What the examples share (`examples/` at the workspace root: `cascade`, `text_to_image`,
-//! `stream`, `minilm`, `stable_diffusion`; the measuring tools of `crates/bench` use it too), one
+//! `stream`, `minilm`, `stable_diffusion`, `shap_e`; the measuring tools of `crates/bench` use it too), one
 //! concern per module: the plumbing that is not an example's lesson. Each example builds its own
 //! `StagedModels` and runs its own stages in its own file.
 //!
@@ -15,10 +15,16 @@
 //! - [`stable_diffusion`]: Stable Diffusion over the TorchScript export of
 //!   `scripts/reference/sd_export.py` (text encoder, UNet with DDIM, VAE decoder) in three stages,
 //!   and its comparison against diffusers.
+//! - [`heun`]: diffusers' `HeunDiscreteScheduler` as Shap-E configures it, bit for bit.
+//! - [`clip_image`]: transformers' `CLIPImageProcessor` (PIL backend), bit for bit on PNG inputs.
+//! - [`shap_e`]: Shap-E image-to-3D over the TorchScript export of
+//!   `scripts/reference/shap_e_export.py` (image encoder, prior with Heun, renderer: views and a
+//!   coloured mesh) in four stages, its PLY and PNG outputs, and its comparison against diffusers.
 
 #![warn(missing_docs)]
 
 pub mod args;
+pub mod clip_image;
 pub mod ddim;
 pub mod heun;
 pub mod logging;
@@ -26,6 +32,7 @@ pub mod models;
 pub mod progress;
 pub mod run;
 pub mod sampler;
+pub mod shap_e;
 pub mod stable_diffusion;
 pub mod weights;
 

@@ -1,6 +1,6 @@
 //! The demos: the README's main job (the cascade under `stageload ab`, its plan checked against
 //! the runs), block streaming (a model bigger than its guard's limit, streamed; step times; the
-//! hot set), and Stable Diffusion 1.5 at its published sizes against diffusers. Each keeps going
+//! hot set), and Stable Diffusion 1.5 and Shap-E at their published sizes against diffusers. Each keeps going
 //! after a failed check, so that one run shows every result, and fails at the end.
 
 use std::path::{Path, PathBuf};
@@ -72,6 +72,8 @@ pub fn demo(shell: &mut Shell, out: &Path, cascade: &[String]) -> Result<(), Err
     failures.keep(stream_demo(shell, &out.join("stream")));
     println!("== Stable Diffusion 1.5 against diffusers (cargo xtask sd-demo)");
     failures.keep(sd_demo(shell, &out.join("stable-diffusion")));
+    println!("== Shap-E image-to-3D against diffusers (cargo xtask shap-e-demo)");
+    failures.keep(shap_e_demo(shell, &out.join("shap-e")));
     println!("everything is in {}/ (summary.txt: the aggregated comparison)", out.display());
     failures.end()
 }
@@ -239,6 +241,52 @@ pub fn sd_demo(shell: &mut Shell, out: &Path) -> Result<(), Error> {
     failures.keep(check_plan(shell, &stageload, &out));
     println!("== a staged run against diffusers' StableDiffusionPipeline");
     let mut compare = shell.cmd(&sd, &[]);
+    compare.args(&base).args(["--mode", "staged", "--compare-python"]);
+    failures.keep(save(shell, &mut compare, &out.join("compare.txt"), true));
+    failures.end()
+}
+
+/// Shap-E image-to-3D at its published component sizes (seeded random weights), exported once
+/// into the cache (scripts/reference/shap_e_export.py: one component per process, 3.4 GB);
+/// eager, staged and staged with prefetch, one run each under `stageload ab` (2 Heun steps, the
+/// drawn test image, 32-pixel views and the 128³ mesh, CPU); the plan checked against the runs;
+/// then a staged run checked against diffusers' ShapEImg2ImgPipeline on the same weights, pixels
+/// and seed (within 1e-5 of each value range, or it fails), its mesh and views written. Results
+/// in `out`.
+pub fn shap_e_demo(shell: &mut Shell, out: &Path) -> Result<(), Error> {
+    shell.set_up(&[Setup::Libtorch, Setup::Reference])?;
+    let out = shell.folder(out)?;
+    let small =
+        shell.var("STAGELOAD_SHAP_E_SMALL").ok_or("scripts/setup-reference.sh set no STAGELOAD_SHAP_E_SMALL")?;
+    let components = Path::new(&small).parent().unwrap_or(Path::new(".")).join("shap-e-published");
+    let python = shell.var("STAGELOAD_PYTHON").ok_or("scripts/setup-libtorch.sh set no STAGELOAD_PYTHON")?;
+    println!("== the published-size export in {} (made once)", components.display());
+    let mut export = shell.cmd(&python, &["scripts/reference/shap_e_export.py", "--size", "published", "--out"]);
+    shell.run(export.arg(&components))?;
+    let stageload = build(shell, &["--example", "shap_e"])?;
+    let program = shell.target("debug/examples/shap_e");
+    let base = [
+        vec!["--components".to_string(), components.display().to_string()],
+        words(&["--steps", "2", "--frame-size", "32", "--out"]),
+        vec![out.join("files").display().to_string()],
+    ]
+    .concat();
+    let arm = |name: &str| Arm::new(name, &program, &[base.clone(), words(&["--mode", name])].concat());
+    let log = Log::create(&out.join("ab.log"))?;
+    log.line("== stageload ab: eager, staged, prefetch, one run each, under the guard");
+    let flags = guard_flags(Some(&out.join("guard.ndjson")));
+    let comparison = Comparison {
+        stageload: &stageload,
+        out: out.clone(),
+        runs: 1,
+        arms: vec![arm("eager"), arm("staged"), arm("prefetch")],
+        flags,
+    };
+    let mut failures = Failures::default();
+    failures.keep(comparison.run(shell, Some(&log))?.verdict("Shap-E"));
+    failures.keep(check_plan(shell, &stageload, &out));
+    println!("== a staged run against diffusers' ShapEImg2ImgPipeline");
+    let mut compare = shell.cmd(&program, &[]);
     compare.args(&base).args(["--mode", "staged", "--compare-python"]);
     failures.keep(save(shell, &mut compare, &out.join("compare.txt"), true));
     failures.end()

@@ -77,6 +77,11 @@ enum Task {
         #[arg(long, default_value = "target/demo/stable-diffusion")]
         out: PathBuf,
     },
+    /// Shap-E image-to-3D at its published sizes, staged, and against diffusers
+    ShapEDemo {
+        #[arg(long, default_value = "target/demo/shap-e")]
+        out: PathBuf,
+    },
     /// The hot set of a streamed model under a router's access, from the page cache and the disk
     HotSetBench {
         #[arg(long, default_value = "target/hot-set-bench")]
@@ -129,6 +134,7 @@ fn main() -> ExitCode {
         Task::Example { name, release, args } => demos::example(&mut shell, &name, release, &args),
         Task::StreamDemo { out } => demos::stream_demo(&mut shell, &out),
         Task::SdDemo { out } => demos::sd_demo(&mut shell, &out),
+        Task::ShapEDemo { out } => demos::shap_e_demo(&mut shell, &out),
         Task::HotSetBench { out, runs } => benches::hot_set(&mut shell, &out, runs),
         Task::PrefetchBench { out, cascade } => benches::prefetch(&mut shell, &out, &cascade),
         Task::BenchLoad { args } => benches::load(&mut shell, &args),

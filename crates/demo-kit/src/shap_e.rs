@@ -1,0 +1,647 @@
+//! Shap-E image-to-3D (diffusers' `ShapEImg2ImgPipeline`, OpenAI's Shap-E) over the TorchScript
+//! export of `scripts/reference/shap_e_export.py`: the CLIP image encoder, the prior run for N
+//! Heun steps with classifier-free guidance, and the renderer, which turns the final latent into
+//! 20 rendered views and a coloured mesh, as three registry models in four stages (`encode`:
+//! `image_encoder`, `denoise`: `prior`, `decode`: `renderer`, `export`: none, while the files are
+//! written). This file owns reading an export (its `config.json` and the files it names, checked)
+//! and the pipeline run: the operations diffusers runs, in its order and with its chunking, so
+//! that every output matches it bit for bit on the CPU. Writing the outputs (PLY, PNG) is
+//! [`files`]; running diffusers itself and comparing is [`reference`](mod@reference). `examples/shap_e.rs` builds
+//! a registry and runs it; `tests/shap_e.rs` checks it at the small size against diffusers.
+//!
+//! # The run, as diffusers does it
+//!
+//! - **encode**: `image_encoder(pixels)` is CLIP's `last_hidden_state[:, 1:]` ([1, 256, H]); the
+//!   prior's conditioning is `cat([zeros_like(e), e])` (unconditional first).
+//! - **noise**: `randn([1, E * D])` from torch's CPU generator after `manual_seed(seed)` (the draw
+//!   `torch.Generator().manual_seed(seed)` makes), times the scheduler's `init_noise_sigma`,
+//!   reshaped to [1, E, D]. Drawn before any model is built.
+//! - **denoise**: for each of the `2N - 1` Heun calls at timestep t (a 0-d float32 tensor): the
+//!   prior on `scale_model_input(cat([x, x]))`, its first D output channels (`split(D, dim=2)[0]`)
+//!   chunked into (uncond, cond), `uncond + G * (cond - uncond)`, then the Heun step
+//!   ([`crate::heun`]).
+//! - **decode**: the renderer's `forward` projects the latent into the weights of the MLP's first
+//!   four layers. Views: the 20 pan cameras' rays ([`pan_rays`]) in batches of 4096, each batch
+//!   after `manual_seed(0)` (diffusers' `StratifiedRaySampler` reseeds torch's global generators
+//!   before every batch, and the batch draws three times from them), then `view(20, S, S, 3)`.
+//!   Mesh: the signed distance at the 128³ grid points ([`grid_points`]) in chunks of 4096, a
+//!   border of -1 around it, marching cubes, then the texture at every vertex in chunks of 4096.
+//!
+//! # Random generators
+//!
+//! diffusers leaves torch's global generators seeded with 0 and advanced by the last ray batch
+//! (a caller's seeded state is lost). Here the decode stage saves every torch generator first
+//! and puts it back afterwards ([`stageload::rng::PreservedRng`]): after a run the caller's
+//! generators are as they were after the initial noise was drawn. The outputs are the same.
+//!
+//! # Bad input
+//!
+//! An export whose files or shapes do not agree is an [`ExportError`] naming the file; a frame
+//! size that is not a multiple of 32 (diffusers fails on it) or a guidance not above 1 is a
+//! [`RunError`]; a field with no zero crossing gives [`Surface::Empty`] (diffusers raises on it),
+//! which the example reports after writing the views.
+
+pub mod files;
+pub mod reference;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use serde::Deserialize;
+use stageload::rng::PreservedRng;
+use stageload::{BoxError, EventSink, ModelSpec, StagedModels};
+use tch::{CModule, IValue, Kind, Tensor};
+
+use crate::clip_image::ClipImageConfig;
+use crate::heun::{Heun, HeunConfig};
+use crate::stable_diffusion::{ComponentFiles, Loading, StageRunner};
+
+/// The three models, in the order the pipeline runs them.
+pub const MODELS: [&str; 3] = ["image_encoder", "prior", "renderer"];
+/// The stages and the models each one runs (`export` writes files and holds none).
+pub const STAGES: [(&str, &[&str]); 4] =
+    [("encode", &["image_encoder"]), ("denoise", &["prior"]), ("decode", &["renderer"]), ("export", &[])];
+/// The rendered views: diffusers' 20 pan cameras.
+pub const VIEWS: i64 = 20;
+/// Pixels a frame's side must be a multiple of: 20·S² rays must fill whole batches of 4096.
+pub const FRAME_MULTIPLE: i64 = 32;
+/// The export format this file reads.
+const FORMAT: u32 = 1;
+
+/// Why an export could not be read or is not one this pipeline runs. Each variant names the file.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ExportError {
+    /// A file cannot be read.
+    #[error("cannot read {}: {source}; export the components with scripts/reference/shap_e_export.py --size small|published --out DIR", path.display())]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// The system's error.
+        source: std::io::Error,
+    },
+    /// `config.json` is not the JSON `shap_e_export.py` writes.
+    #[error("{} is not the config.json scripts/reference/shap_e_export.py writes: {source}", path.display())]
+    Parse {
+        /// The file.
+        path: PathBuf,
+        /// The JSON parser's error.
+        source: serde_json::Error,
+    },
+    /// The export describes something this pipeline does not run.
+    #[error("{}: {message}", path.display())]
+    Unsupported {
+        /// The file.
+        path: PathBuf,
+        /// What does not agree.
+        message: String,
+    },
+    /// The scheduler's file cannot be read or describes another scheduler.
+    #[error("{}: {source}", path.display())]
+    Scheduler {
+        /// The file.
+        path: PathBuf,
+        /// The scheduler port's error.
+        source: crate::heun::HeunError,
+    },
+    /// The image processor's file cannot be read.
+    #[error("{}: {source}", path.display())]
+    Preprocessor {
+        /// The file.
+        path: PathBuf,
+        /// The processor port's error.
+        source: crate::clip_image::ClipImageError,
+    },
+}
+
+/// Why a run could not start or a model's output is not what the pipeline expects.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum RunError {
+    /// `--guidance` is not above 1.
+    #[error(
+        "guidance {0} is not above 1: diffusers runs no classifier-free guidance then, and this pipeline reproduces it with guidance only (its default is 4.0)"
+    )]
+    Guidance(f64),
+    /// `--frame-size` is not a positive multiple of 32.
+    #[error(
+        "frame size {0} is not a positive multiple of 32: diffusers renders 20·S² rays in batches of 4096 and fails on a partial batch; pass 32, 64, ..."
+    )]
+    FrameSize(i64),
+    /// The pixels are not float32 [1, 3, S, S] at the export's image size.
+    #[error("the image tensor is {kind:?} {shape:?}; the image encoder takes float32 [1, 3, {size}, {size}]")]
+    Pixels {
+        /// Its dtype.
+        kind: Kind,
+        /// Its shape.
+        shape: Vec<i64>,
+        /// The export's image size.
+        size: i64,
+    },
+    /// A model's call failed or gave an output of another shape.
+    #[error("{model}.{method}: {message}")]
+    Model {
+        /// The model.
+        model: &'static str,
+        /// The method called.
+        method: &'static str,
+        /// What went wrong.
+        message: String,
+    },
+}
+
+/// The fields of an export's `config.json` the pipeline reads.
+#[derive(Debug, Clone, Deserialize)]
+pub struct ExportConfig {
+    /// The export's format number.
+    pub format: u32,
+    /// `small` or `published`.
+    pub size: String,
+    /// E: latent vectors (the prior's `num_embeddings`).
+    pub num_embeddings: i64,
+    /// D: each vector's width (the prior's `embedding_dim`).
+    pub embedding_dim: i64,
+    /// Image tokens the encoder gives (256: 16 × 16 patches of 14 pixels).
+    pub image_tokens: i64,
+    /// The encoder's input side in pixels (224).
+    pub image_size: i64,
+    /// Rays per render batch (4096).
+    pub ray_batch: i64,
+    /// Points per MLP query chunk (4096).
+    pub query_batch: i64,
+    /// Marching-cubes grid points along each side (128).
+    pub grid_size: i64,
+    /// Rendered views (20).
+    pub views: i64,
+    /// The volume's lower corner.
+    pub bbox_min: [f32; 3],
+    /// The volume's upper corner.
+    pub bbox_max: [f32; 3],
+    /// The scheduler's file (`scheduler.json`).
+    pub scheduler: String,
+    /// The image processor's file (`preprocessor_config.json`).
+    pub preprocessor: String,
+    /// The components' files.
+    pub components: Components,
+}
+
+/// The three components' files.
+#[derive(Debug, Clone, Deserialize)]
+pub struct Components {
+    /// The CLIP image encoder.
+    pub image_encoder: ComponentFiles,
+    /// The prior.
+    pub prior: ComponentFiles,
+    /// The renderer (its traced methods: `forward`, `render_rays`, `sdf`, `texture`, `marching_cubes`).
+    pub renderer: ComponentFiles,
+}
+
+/// An export read and checked.
+#[derive(Debug, Clone)]
+pub struct Export {
+    dir: PathBuf,
+    config: ExportConfig,
+    scheduler: HeunConfig,
+    preprocessor: ClipImageConfig,
+}
+
+impl Export {
+    /// Reads `dir/config.json`, the scheduler and image processor files it names, and checks that
+    /// every component file is there and the sizes agree.
+    pub fn open(dir: impl Into<PathBuf>) -> Result<Export, ExportError> {
+        let dir = dir.into();
+        let path = dir.join("config.json");
+        let text = std::fs::read_to_string(&path).map_err(|source| ExportError::Read { path: path.clone(), source })?;
+        let config: ExportConfig =
+            serde_json::from_str(&text).map_err(|source| ExportError::Parse { path: path.clone(), source })?;
+        let unsupported = |message: String| ExportError::Unsupported { path: path.clone(), message };
+        if config.format != FORMAT {
+            return Err(unsupported(format!(
+                "format {} is not {FORMAT}, the one this pipeline reads; export again with scripts/reference/shap_e_export.py",
+                config.format
+            )));
+        }
+        let c = &config;
+        let positive = [
+            ("num_embeddings", c.num_embeddings),
+            ("embedding_dim", c.embedding_dim),
+            ("image_tokens", c.image_tokens),
+            ("image_size", c.image_size),
+            ("ray_batch", c.ray_batch),
+            ("query_batch", c.query_batch),
+            ("grid_size", c.grid_size),
+            ("views", c.views),
+        ];
+        if let Some((field, value)) = positive.iter().find(|(_, v)| !(1..=1 << 20).contains(v)) {
+            return Err(unsupported(format!("{field} = {value} is not a size this pipeline runs (1 to 2^20)")));
+        }
+        if c.views != VIEWS {
+            return Err(unsupported(format!("views = {}; diffusers renders {VIEWS} pan cameras", c.views)));
+        }
+        if c.num_embeddings % 4 != 0 {
+            return Err(unsupported(format!(
+                "num_embeddings = {} is not four MLP layers' rows (a multiple of 4)",
+                c.num_embeddings
+            )));
+        }
+        if c.bbox_min.iter().zip(&c.bbox_max).any(|(lo, hi)| !(lo.is_finite() && hi.is_finite() && lo < hi)) {
+            return Err(unsupported(format!("the volume {:?}..{:?} is not a box", c.bbox_min, c.bbox_max)));
+        }
+        let scheduler_path = dir.join(&c.scheduler);
+        let scheduler = HeunConfig::from_json_file(&scheduler_path)
+            .map_err(|source| ExportError::Scheduler { path: scheduler_path, source })?;
+        let preprocessor_path = dir.join(&c.preprocessor);
+        let preprocessor = ClipImageConfig::from_json_file(&preprocessor_path)
+            .map_err(|source| ExportError::Preprocessor { path: preprocessor_path, source })?;
+        let export = Export { dir, config, scheduler, preprocessor };
+        for (model, module, weights) in export.files() {
+            for file in [module, weights] {
+                std::fs::metadata(&file).map_err(|source| ExportError::Read { path: file.clone(), source })?;
+                if !file.is_file() {
+                    return Err(unsupported(format!("{model}'s {} is not a regular file", file.display())));
+                }
+            }
+        }
+        Ok(export)
+    }
+
+    /// The export's folder.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Its `config.json`.
+    pub fn config(&self) -> &ExportConfig {
+        &self.config
+    }
+
+    /// The scheduler's configuration with its `log_sigmas` table.
+    pub fn scheduler(&self) -> &HeunConfig {
+        &self.scheduler
+    }
+
+    /// The image processor's configuration.
+    pub fn preprocessor(&self) -> &ClipImageConfig {
+        &self.preprocessor
+    }
+
+    /// Each model with its TorchScript file and its checkpoint, in the order of [`MODELS`].
+    pub fn files(&self) -> [(&'static str, PathBuf, PathBuf); 3] {
+        let c = &self.config.components;
+        [(MODELS[0], &c.image_encoder), (MODELS[1], &c.prior), (MODELS[2], &c.renderer)]
+            .map(|(name, files)| (name, self.dir.join(&files.file), self.dir.join(&files.weights)))
+    }
+
+    /// The three models: each its TorchScript module, with its safetensors as the checkpoint that
+    /// refills it after a release.
+    pub fn model_specs(&self) -> Vec<ModelSpec> {
+        self.files()
+            .into_iter()
+            .map(|(name, module, weights)| ModelSpec::torchscript(name, module).checkpoint([weights]))
+            .collect()
+    }
+
+    /// A registry of the three models on the CPU for `loading`, its events to `events`. Eager:
+    /// every model pinned and loaded now.
+    pub fn registry(&self, loading: Loading, events: Option<Arc<dyn EventSink>>) -> Result<StagedModels, BoxError> {
+        let mut builder = StagedModels::builder().prefetch_next(loading == Loading::Prefetch);
+        if let Some(sink) = events {
+            builder = builder.events(sink);
+        }
+        for spec in self.model_specs() {
+            builder = builder.model(spec);
+        }
+        for (stage, models) in STAGES {
+            builder = builder.stage(stage, models.iter().copied());
+        }
+        if loading == Loading::Eager {
+            for model in MODELS {
+                builder = builder.pin(model);
+            }
+        }
+        let models = builder.build()?;
+        if loading == Loading::Eager {
+            for model in MODELS {
+                models.load(model)?;
+            }
+        }
+        Ok(models)
+    }
+
+    /// The initial noise of `seed`, before scaling: `tch::manual_seed(seed)`, then `randn([1, E * D])`
+    /// from torch's CPU generator (what `torch.Generator().manual_seed(seed)` draws).
+    pub fn noise(&self, seed: i64) -> Tensor {
+        tch::manual_seed(seed);
+        Tensor::randn([1, self.config.num_embeddings * self.config.embedding_dim], (Kind::Float, tch::Device::Cpu))
+    }
+}
+
+/// The pipeline's settings.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Sampling {
+    /// Heun steps (the prior runs `2 * steps - 1` times).
+    pub steps: usize,
+    /// Classifier-free guidance scale (above 1; the pipeline's default is 4.0).
+    pub guidance: f64,
+    /// The rendered views' side in pixels (a multiple of 32; the pipeline's default is 64).
+    pub frame_size: i64,
+    /// Whether to render the views.
+    pub views: bool,
+    /// Whether to extract the mesh.
+    pub mesh: bool,
+}
+
+/// A coloured triangle mesh, as diffusers' `decode_to_mesh` gives it.
+#[derive(Debug)]
+pub struct Mesh {
+    /// Vertex positions, float32 [V, 3], inside the volume.
+    pub verts: Tensor,
+    /// Triangles as vertex indices, int64 [F, 3].
+    pub faces: Tensor,
+    /// Vertex colours in linear RGB, float32 [V, 3] in [0, 1].
+    pub colors: Tensor,
+}
+
+/// What marching cubes found.
+#[derive(Debug)]
+pub enum Surface {
+    /// A mesh with at least one face.
+    Mesh(Mesh),
+    /// The field has no zero crossing: the surface at level 0 is empty (diffusers raises here).
+    Empty,
+}
+
+/// What a run of the pipeline gives.
+#[derive(Debug)]
+pub struct Generated {
+    /// The image encoder's output, [1, 256, H].
+    pub image_embeds: Tensor,
+    /// The initial latents (noise times `init_noise_sigma`), [1, E * D].
+    pub initial_latents: Tensor,
+    /// Every prior call's timestep.
+    pub timesteps: Vec<f32>,
+    /// The latents after the last Heun step, [1, E, D].
+    pub final_latents: Tensor,
+    /// The rendered views, [20, S, S, 3] float32 in [0, 1], when asked for.
+    pub views: Option<Tensor>,
+    /// The surface, when asked for.
+    pub surface: Option<Surface>,
+}
+
+/// Calls `method` of the TorchScript model `model` on `inputs`.
+fn call(
+    runner: &impl StageRunner,
+    model: &'static str,
+    method: &'static str,
+    inputs: &[Tensor],
+) -> Result<IValue, BoxError> {
+    let inputs: Vec<IValue> = inputs.iter().map(|t| IValue::Tensor(t.shallow_clone())).collect();
+    let out = runner.call(model, |m: &mut CModule| m.method_is(method, &inputs))?;
+    out.map_err(|e| RunError::Model { model, method, message: e.to_string() }.into())
+}
+
+/// Calls `method` and takes its one tensor output, which must have `shape` (-1: any size).
+fn call_tensor(
+    runner: &impl StageRunner,
+    model: &'static str,
+    method: &'static str,
+    inputs: &[Tensor],
+    shape: &[i64],
+) -> Result<Tensor, BoxError> {
+    match call(runner, model, method, inputs)? {
+        IValue::Tensor(t) => checked(t, model, method, shape),
+        other => Err(RunError::Model { model, method, message: format!("gave {other:?}, not a tensor") }.into()),
+    }
+}
+
+/// Calls `method` and takes its tuple of `n` tensors.
+fn call_tuple(
+    runner: &impl StageRunner,
+    model: &'static str,
+    method: &'static str,
+    inputs: &[Tensor],
+    n: usize,
+) -> Result<Vec<Tensor>, BoxError> {
+    let wrong = |what: String| RunError::Model { model, method, message: what };
+    match call(runner, model, method, inputs)? {
+        IValue::Tuple(items) if items.len() == n => items
+            .into_iter()
+            .map(|item| match item {
+                IValue::Tensor(t) => Ok(t),
+                other => Err(wrong(format!("gave {other:?} in its tuple, not a tensor")).into()),
+            })
+            .collect(),
+        other => Err(wrong(format!("gave {other:?}, not a tuple of {n} tensors")).into()),
+    }
+}
+
+/// `tensor` unless its shape differs from `shape` (-1 matches any size).
+fn checked(tensor: Tensor, model: &'static str, method: &'static str, shape: &[i64]) -> Result<Tensor, BoxError> {
+    let found = tensor.size();
+    let fits = found.len() == shape.len() && found.iter().zip(shape).all(|(f, s)| *s == -1 || f == s);
+    if !fits {
+        let message = format!("gave shape {found:?}, the pipeline expects {shape:?}");
+        return Err(RunError::Model { model, method, message }.into());
+    }
+    Ok(tensor)
+}
+
+/// The rays of diffusers' 20 pan cameras (`create_pan_cameras(size).camera_rays`): [1, 20·S², 2, 3]
+/// float32, origin then direction for each pixel of each view. The cameras circle the volume at
+/// distance 4, looking down at 0.5 of their height, with a 0.7 rad field of view. Their vectors are
+/// computed in f64 with the same libm calls numpy makes and rounded to float32 (as
+/// `torch.from_numpy(...).float()`); the rays are libtorch ops on those, as diffusers has them.
+pub fn pan_rays(size: i64) -> Result<Tensor, RunError> {
+    if size <= 0 || size % FRAME_MULTIPLE != 0 || size > 1 << 14 {
+        return Err(RunError::FrameSize(size));
+    }
+    let n = VIEWS as usize;
+    let (mut origins, mut xs, mut ys, mut zs) = (vec![], vec![], vec![], vec![]);
+    // np.linspace(0, 2π, 20): i * step, the last exactly 2π.
+    let step = 2.0 * std::f64::consts::PI / (n - 1) as f64;
+    for i in 0..n {
+        let theta = if i == n - 1 { 2.0 * std::f64::consts::PI } else { i as f64 * step };
+        let mut z = [theta.sin(), theta.cos(), -0.5];
+        let norm = (z[0] * z[0] + z[1] * z[1] + z[2] * z[2]).sqrt();
+        z = z.map(|v| v / norm);
+        let origin = z.map(|v| -v * 4.0);
+        let x = [theta.cos(), -theta.sin(), 0.0];
+        // np.cross(z, x)
+        let y = [z[1] * x[2] - z[2] * x[1], z[2] * x[0] - z[0] * x[2], z[0] * x[1] - z[1] * x[0]];
+        origins.extend(origin.map(|v| v as f32));
+        xs.extend(x.map(|v| v as f32));
+        ys.extend(y.map(|v| v as f32));
+        zs.extend(z.map(|v| v as f32));
+    }
+    let vectors = |v: &[f32]| Tensor::from_slice(v).view([VIEWS, 1, 3]);
+    let (origin, x, y, z) = (vectors(&origins), vectors(&xs), vectors(&ys), vectors(&zs));
+    // get_image_coords: (pixel % width, pixel // width) for every pixel of a view.
+    let pixels = Tensor::arange(size * size, (Kind::Int64, tch::Device::Cpu));
+    let coords = Tensor::stack(&[pixels.remainder(size), pixels.divide_scalar_mode(size, "trunc")], 1);
+    let flat = coords.unsqueeze(0).broadcast_to([VIEWS, size * size, 2]);
+    let resolution = Tensor::from_slice(&[size as f32, size as f32]);
+    let fov = Tensor::from_slice(&[0.7f32, 0.7]);
+    let fracs = (flat.to_kind(Kind::Float) / (resolution - 1)) * 2 - 1;
+    let fracs = fracs * (fov / 2).tan();
+    let directions = z + x * fracs.narrow(2, 0, 1) + y * fracs.narrow(2, 1, 1);
+    let directions = &directions / directions.norm_scalaropt_dim(2, [-1i64].as_slice(), true);
+    let origins = origin.broadcast_to([VIEWS, size * size, 3]);
+    let rays = Tensor::stack(&[origins, directions], 2);
+    Ok(rays.view([1, VIEWS * size * size, 2, 3]))
+}
+
+/// The marching-cubes grid's points (diffusers' `volume_query_points`): [grid³, 3] float32,
+/// x slowest and z fastest, spanning the volume corner to corner.
+pub fn grid_points(grid: i64, bbox_min: [f32; 3], bbox_max: [f32; 3]) -> Tensor {
+    let indices = Tensor::arange(grid * grid * grid, (Kind::Int64, tch::Device::Cpu));
+    let zs = indices.remainder(grid);
+    let ys = indices.divide_scalar_mode(grid, "trunc").remainder(grid);
+    let xs = indices.divide_scalar_mode(grid * grid, "trunc").remainder(grid);
+    let combined = Tensor::stack(&[xs, ys, zs], 1);
+    let (lo, hi) = (Tensor::from_slice(&bbox_min), Tensor::from_slice(&bbox_max));
+    (combined.to_kind(Kind::Float) / (grid - 1)) * (hi - &lo) + lo
+}
+
+/// Runs the pipeline on `pixels` (float32 [1, 3, 224, 224], already preprocessed): enters
+/// `encode`, `denoise` and `decode` in turn on `runner` and calls each stage's model there (see
+/// the module docs for the operations). Runs without gradients, on the CPU.
+pub fn generate(
+    runner: &impl StageRunner,
+    export: &Export,
+    pixels: &Tensor,
+    noise: &Tensor,
+    sampling: Sampling,
+) -> Result<Generated, BoxError> {
+    if !(sampling.guidance > 1.0 && sampling.guidance.is_finite()) {
+        return Err(RunError::Guidance(sampling.guidance).into());
+    }
+    if sampling.views && (sampling.frame_size <= 0 || sampling.frame_size % FRAME_MULTIPLE != 0) {
+        return Err(RunError::FrameSize(sampling.frame_size).into());
+    }
+    let _no_grad = tch::no_grad_guard();
+    let c = export.config();
+    let size = c.image_size;
+    if pixels.size() != [1, 3, size, size] || pixels.kind() != Kind::Float {
+        return Err(RunError::Pixels { kind: pixels.kind(), shape: pixels.size(), size }.into());
+    }
+    let (e, d) = (c.num_embeddings, c.embedding_dim);
+    if noise.size() != [1, e * d] || noise.kind() != Kind::Float {
+        return Err(format!(
+            "the noise is {:?} {:?}; the prior takes float32 [1, {}]",
+            noise.kind(),
+            noise.size(),
+            e * d
+        )
+        .into());
+    }
+    let mut heun = Heun::new(export.scheduler(), sampling.steps)?;
+
+    runner.enter("encode")?;
+    let image_embeds =
+        call_tensor(runner, "image_encoder", "forward", &[pixels.shallow_clone()], &[1, c.image_tokens, -1])?;
+    let conditioning = Tensor::cat(&[image_embeds.zeros_like(), image_embeds.shallow_clone()], 0);
+
+    let initial_latents = noise * Tensor::from(heun.init_noise_sigma());
+    let mut latents = initial_latents.reshape([1, e, d]);
+    let timesteps = heun.timesteps().to_vec();
+    runner.enter("denoise")?;
+    for (call_index, &t) in timesteps.iter().enumerate() {
+        let input = Tensor::cat(&[&latents, &latents], 0);
+        let scaled = heun.scale_model_input(&input, call_index)?;
+        let timestep = Tensor::from(t);
+        let predicted =
+            call_tensor(runner, "prior", "forward", &[scaled, timestep, conditioning.shallow_clone()], &[2, e, 2 * d])?;
+        let noise_pred = predicted.split(d, 2).swap_remove(0);
+        let halves = noise_pred.chunk(2, 0);
+        let (uncond, cond) = (&halves[0], &halves[1]);
+        let guided = uncond + (cond - uncond) * sampling.guidance;
+        latents = heun.step(&guided, &latents)?;
+    }
+    let final_latents = latents;
+
+    runner.enter("decode")?;
+    // The renderer reseeds torch's global generators before every ray batch: the caller's come back after.
+    let preserved = PreservedRng::save(&[])?;
+    let weights = call_tuple(runner, "renderer", "forward", &[final_latents.shallow_clone()], 4)?;
+    let views = if sampling.views { Some(render_views(runner, c, &weights, sampling.frame_size)?) } else { None };
+    let surface = if sampling.mesh { Some(extract_surface(runner, c, &weights)?) } else { None };
+    drop(preserved);
+    Ok(Generated { image_embeds, initial_latents, timesteps, final_latents, views, surface })
+}
+
+/// decode_to_image: every ray batch after `manual_seed(0)`, then the views.
+fn render_views(
+    runner: &impl StageRunner,
+    c: &ExportConfig,
+    weights: &[Tensor],
+    size: i64,
+) -> Result<Tensor, BoxError> {
+    let rays = pan_rays(size)?;
+    let total = rays.size()[1];
+    let mut channels = Vec::new();
+    for start in (0..total).step_by(c.ray_batch as usize) {
+        tch::manual_seed(0);
+        let mut inputs = vec![rays.narrow(1, start, c.ray_batch.min(total - start))];
+        inputs.extend(weights.iter().map(Tensor::shallow_clone));
+        channels.push(call_tensor(runner, "renderer", "render_rays", &inputs, &[1, -1, 3])?);
+    }
+    Ok(Tensor::cat(&channels, 1).view([1, VIEWS, size, size, -1]).squeeze_dim(0))
+}
+
+/// The MLP's `method` (`sdf` or `texture`) over `points` [1, n, 3] in chunks of `query_batch`.
+fn query(
+    runner: &impl StageRunner,
+    c: &ExportConfig,
+    method: &'static str,
+    points: &Tensor,
+    weights: &[Tensor],
+    channels: i64,
+) -> Result<Tensor, BoxError> {
+    let total = points.size()[1];
+    let mut out = Vec::new();
+    for start in (0..total).step_by(c.query_batch as usize) {
+        let chunk = points.narrow(1, start, c.query_batch.min(total - start));
+        let n = chunk.size()[1];
+        let mut inputs = vec![chunk];
+        inputs.extend(weights.iter().map(Tensor::shallow_clone));
+        out.push(call_tensor(runner, "renderer", method, &inputs, &[1, n, channels])?);
+    }
+    Ok(Tensor::cat(&out, 1))
+}
+
+/// decode_to_mesh: the field on the grid, its -1 border, marching cubes, the texture.
+fn extract_surface(runner: &impl StageRunner, c: &ExportConfig, weights: &[Tensor]) -> Result<Surface, BoxError> {
+    let g = c.grid_size;
+    let points = grid_points(g, c.bbox_min, c.bbox_max).unsqueeze(0).repeat([1, 1, 1]);
+    let fields = query(runner, c, "sdf", &points, weights, 1)?.reshape([1, g, g, g]);
+    let mut full = Tensor::zeros([1, g + 2, g + 2, g + 2], (Kind::Float, tch::Device::Cpu));
+    let _ = full.fill_(-1.0);
+    full.narrow(1, 1, g).narrow(2, 1, g).narrow(3, 1, g).copy_(&fields);
+    let [verts, faces]: [Tensor; 2] = call_tuple(runner, "renderer", "marching_cubes", &[full.get(0)], 2)?
+        .try_into()
+        .map_err(|_| "renderer.marching_cubes: not two outputs")?;
+    let verts = checked(verts, "renderer", "marching_cubes", &[-1, 3])?;
+    let faces = checked(faces, "renderer", "marching_cubes", &[-1, 3])?;
+    if faces.size()[0] == 0 {
+        return Ok(Surface::Empty);
+    }
+    let n = verts.size()[0];
+    let positions =
+        verts.index_select(0, &Tensor::arange(n, (Kind::Int64, tch::Device::Cpu)).remainder(n)).unsqueeze(0);
+    let colors = query(runner, c, "texture", &positions, weights, 3)?.get(0);
+    Ok(Surface::Mesh(Mesh { verts, faces, colors }))
+}
+
+/// The example's input when it is given no image: 256 × 256, a red disc and a blue square on white.
+pub fn example_image() -> image::RgbImage {
+    image::RgbImage::from_fn(256, 256, |x, y| {
+        let (dx, dy) = (x as f32 - 96.0, y as f32 - 110.0);
+        if dx * dx + dy * dy < 60.0 * 60.0 {
+            image::Rgb([220, 40, 40])
+        } else if (140..220).contains(&x) && (120..200).contains(&y) {
+            image::Rgb([40, 70, 200])
+        } else {
+            image::Rgb([255, 255, 255])
+        }
+    })
+}

@@ -1,0 +1,151 @@
+//! diffusers' own `ShapEImg2ImgPipeline` on the same export, pixels and seed
+//! (`scripts/reference/shap_e_reference.py`), and the largest differences of a Rust run from it.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use stageload::BoxError;
+use tch::Tensor;
+
+use super::{Export, Generated, Sampling, Surface};
+use crate::stable_diffusion::{run_script, Difference, TOLERANCE};
+
+/// What diffusers computed.
+#[derive(Debug)]
+pub struct Reference {
+    /// Its tensors (`shap_e_reference.py`'s documentation lists them).
+    pub tensors: HashMap<String, Tensor>,
+    /// The script's JSON summary (timings, peak resident set, the mesh's size or why there is none).
+    pub summary: serde_json::Value,
+    /// Its wall time, start to exit.
+    pub seconds: f64,
+    /// The mesh as diffusers' `export_to_ply` wrote it, when there is one.
+    pub ply: Option<PathBuf>,
+}
+
+/// Runs the reference with `python` on `pixels` (float32 [1, 3, 224, 224]) and the run's seed
+/// and settings, in `folder` (its inputs, outputs and log stay there), stopped after `deadline`.
+pub fn run_reference(
+    python: &Path,
+    export: &Export,
+    pixels: &Tensor,
+    seed: i64,
+    sampling: Sampling,
+    folder: &Path,
+    deadline: Duration,
+) -> Result<Reference, BoxError> {
+    let inputs = folder.join("pixels.safetensors");
+    let output = folder.join("reference.safetensors");
+    let summary = folder.join("summary.json");
+    Tensor::write_safetensors(&[("pixel_values", pixels)], &inputs)?;
+    let script = crate::stable_diffusion::reference_script().with_file_name("shap_e_reference.py");
+    let mut command = Command::new(python);
+    command
+        .arg(&script)
+        .arg("--components")
+        .arg(export.dir())
+        .arg("--pixels")
+        .arg(&inputs)
+        .args(["--steps", &sampling.steps.to_string(), "--guidance", &sampling.guidance.to_string()])
+        .args(["--frame-size", &sampling.frame_size.to_string(), "--seed", &seed.to_string()])
+        .arg("--out")
+        .arg(&output)
+        .arg("--summary")
+        .arg(&summary);
+    if !sampling.views {
+        command.arg("--no-views");
+    }
+    let ply = folder.join("diffusers.ply");
+    if sampling.mesh {
+        command.arg("--ply").arg(&ply);
+    } else {
+        command.arg("--no-mesh");
+    }
+    let started = Instant::now();
+    run_script(command, "diffusers' ShapEImg2ImgPipeline", &folder.join("reference.log"), deadline)?;
+    let seconds = started.elapsed().as_secs_f64();
+    let tensors = Tensor::read_safetensors(&output)?.into_iter().collect();
+    let text = std::fs::read_to_string(&summary).map_err(|e| format!("reading {}: {e}", summary.display()))?;
+    let summary = serde_json::from_str(&text).map_err(|e| format!("{}: {e}", summary.display()))?;
+    let ply = ply.is_file().then_some(ply);
+    Ok(Reference { tensors, summary, seconds, ply })
+}
+
+/// A run against the reference: each compared tensor's largest difference, and the checks that are
+/// equal or not.
+#[derive(Debug)]
+pub struct Comparison {
+    /// (what, difference) for every tensor both sides have.
+    pub differences: Vec<(&'static str, Difference)>,
+    /// Checks that hold or not: the timesteps, the face count and indices, an empty surface on
+    /// both sides.
+    pub equal: Vec<(&'static str, bool)>,
+}
+
+impl Comparison {
+    /// The differences between `generated` and `reference`. A tensor one side has and the other
+    /// lacks is an error.
+    pub fn of(generated: &Generated, reference: &Reference) -> Result<Comparison, BoxError> {
+        let get = |name: &str| reference.tensors.get(name).ok_or_else(|| format!("the reference wrote no {name}"));
+        let mut differences = vec![
+            ("image_embeds", Difference::of("image_embeds", &generated.image_embeds, get("image_embeds")?)?),
+            (
+                "initial_latents",
+                Difference::of("initial_latents", &generated.initial_latents, get("initial_latents")?)?,
+            ),
+            ("final_latents", Difference::of("final_latents", &generated.final_latents, get("final_latents")?)?),
+        ];
+        let timesteps = Vec::<f32>::try_from(get("timesteps")?)?;
+        let mut equal = vec![("timesteps", timesteps == generated.timesteps)];
+        if let Some(views) = &generated.views {
+            differences.push(("views", Difference::of("views", views, get("views")?)?));
+        }
+        match (&generated.surface, reference.tensors.get("faces")) {
+            (Some(Surface::Mesh(mesh)), Some(faces)) => {
+                equal.push(("face count", mesh.faces.size() == faces.size()));
+                equal.push(("faces", mesh.faces.size() == faces.size() && mesh.faces.equal(faces)));
+                if mesh.verts.size() == get("verts")?.size() {
+                    differences.push(("verts", Difference::of("verts", &mesh.verts, get("verts")?)?));
+                    differences.push(("colors", Difference::of("colors", &mesh.colors, get("colors")?)?));
+                } else {
+                    equal.push(("vertex count", false));
+                }
+            }
+            (Some(Surface::Empty), None) => equal.push(("empty surface on both sides", true)),
+            (Some(_), _) => equal.push(("a surface on both sides or on neither", false)),
+            (None, _) => {}
+        }
+        Ok(Comparison { differences, equal })
+    }
+
+    /// What is not as diffusers has it: each check that fails and each tensor whose largest
+    /// difference is over [`TOLERANCE`] of its range. Empty: the run matches.
+    pub fn failures(&self) -> Vec<String> {
+        let checks = self.equal.iter().filter(|(_, ok)| !ok).map(|(what, _)| format!("{what}: not equal"));
+        let tensors = self
+            .differences
+            .iter()
+            .filter(|(_, d)| d.relative() > TOLERANCE)
+            .map(|(what, d)| format!("{what}: largest difference {d}, over {TOLERANCE:e} of the range"));
+        checks.chain(tensors).collect()
+    }
+
+    /// The largest difference of every tensor, in absolute terms.
+    pub fn largest(&self) -> f64 {
+        self.differences.iter().map(|(_, d)| d.largest).fold(0.0, f64::max)
+    }
+}
+
+impl fmt::Display for Comparison {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (what, difference) in &self.differences {
+            writeln!(f, "{what:<16} {difference}")?;
+        }
+        let checks: Vec<String> =
+            self.equal.iter().map(|(what, ok)| format!("{what} {}", if *ok { "equal" } else { "DIFFER" })).collect();
+        write!(f, "{}", checks.join(", "))
+    }
+}

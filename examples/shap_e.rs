@@ -1,0 +1,264 @@
+//! Shap-E image-to-3D (CLIP image encoder → prior for `--steps` Heun steps with classifier-free
+//! guidance → renderer: 20 rendered views and a coloured mesh) on an export of
+//! `scripts/reference/shap_e_export.py`, eager, staged, or staged with the next stage prefetched.
+//!
+//! What it teaches: a pipeline whose models do more than `forward`. The renderer is one
+//! TorchScript model with five traced methods (`forward`, `render_rays`, `sdf`, `texture`,
+//! `marching_cubes`) over one set of weights; the pipeline calls them with
+//! `models.call("renderer", |m: &mut CModule| m.method_is("render_rays", ...))` inside the
+//! `decode` stage, and the registry releases and refills the model as a whole. The stages are
+//! `encode` (image_encoder), `denoise` (prior), `decode` (renderer) and `export`, which holds no
+//! model while the files are written: during it, nothing is resident. The operations themselves
+//! (`stageload_demo_kit::shap_e::generate`, diffusers' `ShapEImg2ImgPipeline` step for step) are
+//! shared with `tests/shap_e.rs`, which checks them against diffusers.
+//!
+//! Writes `mesh.ply` (binary PLY with vertex colours, what diffusers' `export_to_ply` writes) and
+//! `views.png` (the 20 views side by side) into `--out`. `--compare-python` then runs diffusers'
+//! pipeline on the same weights, image and seed (`scripts/reference/shap_e_reference.py`) and
+//! prints the largest differences.
+//!
+//!     cargo run --release --example shap_e -- --components DIR --image photo.png --mode staged --compare-python
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use clap::builder::TypedValueParser;
+use clap::{CommandFactory, FromArgMatches, Parser};
+use stageload::{BoxError, ModelSpec, StagedModels};
+use stageload_demo_kit::clip_image::{load_image, preprocess};
+use stageload_demo_kit::run::{progress_at_terminal, Demo};
+use stageload_demo_kit::shap_e::files::{write_ply, write_views_png};
+use stageload_demo_kit::shap_e::reference::{run_reference, Comparison};
+use stageload_demo_kit::shap_e::{example_image, generate, Export, Sampling, Surface, STAGES};
+use stageload_demo_kit::stable_diffusion::TOLERANCE;
+use stageload_demo_kit::weights::cache_root;
+use stageload_demo_kit::{CommonArgs, DemoSpec, Mode};
+
+/// Shap-E image-to-3D (CLIP image encoder, prior with Heun, NeRF/STF renderer) on an export of
+/// scripts/reference/shap_e_export.py, eager, staged or prefetched, with per-stage peaks
+#[derive(Parser)]
+struct Args {
+    #[command(flatten)]
+    common: CommonArgs,
+    /// The export's folder (shap_e_export.py's --out; default: the published size,
+    /// $STAGELOAD_CACHE/shap-e-published, else ~/.cache/stageload/shap-e-published)
+    #[arg(long, value_name = "DIR")]
+    components: Option<PathBuf>,
+    /// The input image (PNG or JPEG; preprocessed as CLIPImageProcessor does). Default: a drawn
+    /// test image (a red disc and a blue square on white)
+    #[arg(long, value_name = "FILE")]
+    image: Option<PathBuf>,
+    /// Classifier-free guidance scale (above 1; the pipeline's default)
+    #[arg(long, default_value_t = 4.0)]
+    guidance: f64,
+    /// The rendered views' side in pixels, a multiple of 32 (the pipeline's default is 64)
+    #[arg(long, default_value_t = 64)]
+    frame_size: i64,
+    /// Skip the rendered views
+    #[arg(long)]
+    no_views: bool,
+    /// Skip the mesh
+    #[arg(long)]
+    no_mesh: bool,
+    /// Where mesh.ply and views.png go (default: the demo's cache folder)
+    #[arg(long, value_name = "DIR")]
+    out: Option<PathBuf>,
+    /// Afterwards, run diffusers' ShapEImg2ImgPipeline on the same weights, image and seed
+    /// (scripts/reference/shap_e_reference.py) and print the largest differences
+    #[arg(long)]
+    compare_python: bool,
+    /// The Python with torch and diffusers for --compare-python (default: $STAGELOAD_PYTHON,
+    /// else the cached environment scripts/setup-libtorch.sh makes)
+    #[arg(long, value_name = "FILE")]
+    python: Option<PathBuf>,
+    /// --compare-python: stop the reference after this many seconds
+    #[arg(long, default_value_t = 3600, value_name = "SECONDS")]
+    python_deadline: u64,
+}
+
+/// The stageload cache (the folder holding `demo-weights/`, `torch-2.13.0/`, `shap-e-published/`).
+fn stageload_cache() -> PathBuf {
+    let root = cache_root();
+    root.parent().map(PathBuf::from).unwrap_or(root)
+}
+
+/// Parses the command line: `CommonArgs` with `--steps` defaulting to 2 and `--mode` taking
+/// `prefetch` too (staged with `--prefetch`), on the CPU unless told.
+fn parse() -> Result<Args, clap::Error> {
+    let modes = clap::builder::PossibleValuesParser::new(["eager", "staged", "prefetch"]).map(|mode| {
+        if mode == "eager" {
+            Mode::Eager
+        } else {
+            Mode::Staged
+        }
+    });
+    let command = Args::command()
+        .mut_arg("steps", |a| {
+            a.default_value("2").help(
+                "Heun steps (the prior runs 2N-1 times; the pipeline's default is 25, about 20 s a step at the \
+                 published size on a 2-core CPU)",
+            )
+        })
+        .mut_arg("mode", |a| {
+            a.value_parser(modes).help(
+                "eager: load everything up front; staged: per stage; prefetch: staged, the next stage loaded in the \
+                 background",
+            )
+        })
+        .mut_arg("device", |a| a.default_value("cpu").help("Where the models run: cpu (the export is traced there)"))
+        .mut_arg("scale", |a| a.hide(true))
+        .after_help(
+            "Example: cargo run --release --example shap_e -- --image photo.png --mode staged --compare-python",
+        );
+    let matches = command.try_get_matches()?;
+    let mut args = Args::from_arg_matches(&matches)?;
+    if matches.get_raw("mode").into_iter().flatten().any(|raw| raw == "prefetch") {
+        args.common.prefetch = true;
+    }
+    Ok(args)
+}
+
+fn main() -> ExitCode {
+    let args = parse().unwrap_or_else(|e| e.exit());
+    match run(&args) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("shap_e: {error}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(args: &Args) -> Result<(), BoxError> {
+    let common = &args.common;
+    let _no_grad = tch::no_grad_guard();
+    let dir = args.components.clone().unwrap_or_else(|| stageload_cache().join("shap-e-published"));
+    if args.components.is_none() && !dir.join("config.json").is_file() {
+        return Err(format!(
+            "no export at {} (the default --components). Make it once (about 3.4 GB, a few minutes):\n  \
+             $STAGELOAD_PYTHON scripts/reference/shap_e_export.py --size published --out {}\n(eval \
+             \"$(scripts/setup-libtorch.sh)\"; eval \"$(scripts/setup-reference.sh)\" sets STAGELOAD_PYTHON and installs \
+             diffusers), or give --components DIR",
+            dir.display(),
+            dir.display()
+        )
+        .into());
+    }
+    let export = Export::open(&dir)?;
+    let image = match &args.image {
+        Some(path) => load_image(path)?,
+        None => image::DynamicImage::ImageRgb8(example_image()),
+    };
+    // CLIPImageProcessor: resize the short side to 224 (PIL bicubic), centre crop, normalise.
+    let pixels = preprocess(&image, export.preprocessor())?;
+    let sampling = Sampling {
+        steps: usize::try_from(common.steps).map_err(|_| format!("--steps {} is not a step count", common.steps))?,
+        guidance: args.guidance,
+        frame_size: args.frame_size,
+        views: !args.no_views,
+        mesh: !args.no_mesh,
+    };
+    // The demo writes the pipeline description `stageload plan` reads into its cache folder.
+    let folder = common.cache_folder("shap_e");
+    let out = args.out.clone().unwrap_or_else(|| folder.clone());
+    for dir in [&folder, &out] {
+        std::fs::create_dir_all(dir).map_err(|e| format!("creating {}: {e}", dir.display()))?;
+    }
+    println!(
+        "shap-e {} from {}: {} steps, guidance {}, frame {}, seed {}, mode {}{}",
+        export.config().size,
+        dir.display(),
+        sampling.steps,
+        sampling.guidance,
+        sampling.frame_size,
+        common.seed,
+        common.mode.name(),
+        if common.prefetch { " with prefetch" } else { "" }
+    );
+
+    // The three TorchScript models, each refilled in place from its safetensors after a release.
+    let models: Vec<ModelSpec> = export.model_specs();
+    // encode: image_encoder; denoise: prior; decode: renderer; export: nothing resident.
+    let stages = STAGES
+        .iter()
+        .map(|(stage, models)| (stage.to_string(), models.iter().map(|m| m.to_string()).collect()))
+        .collect();
+    let spec = DemoSpec { name: "shap_e", models, stages, pinned: Vec::new(), pins: Vec::new() };
+    let started = Instant::now();
+    let demo = Demo::start(&spec, common)?;
+    let mut builder = StagedModels::builder()
+        .events(demo.meter())
+        .preserve_rng(!common.no_preserve_rng)
+        .prefetch_next(common.prefetch)
+        .pipeline(demo.plan());
+    for model in spec.models {
+        builder = builder.model(if common.prefetch { model.skip_init(true) } else { model });
+    }
+    let mut p = demo.run(progress_at_terminal(builder).build()?);
+    if p.mode() == Mode::Eager {
+        p.load_everything()?;
+    }
+    // The starting noise, drawn before any lazy build, from torch's CPU generator.
+    let noise = export.noise(common.seed as i64);
+    let generated = generate(&p, &export, &pixels, &noise, sampling)?;
+    p.latent("image_embeds", &generated.image_embeds);
+    p.latent("final_latents", &generated.final_latents);
+    if let Some(views) = &generated.views {
+        p.latent("views", views);
+    }
+
+    p.enter("export")?;
+    if let Some(views) = &generated.views {
+        let path = out.join("views.png");
+        write_views_png(&path, views)?;
+        println!("views: {}", path.display());
+    }
+    let empty = match &generated.surface {
+        Some(Surface::Mesh(mesh)) => {
+            p.latent("mesh_verts", &mesh.verts);
+            let path = out.join("mesh.ply");
+            write_ply(&path, mesh)?;
+            println!("mesh: {} vertices, {} faces: {}", mesh.verts.size()[0], mesh.faces.size()[0], path.display());
+            false
+        }
+        Some(Surface::Empty) => true,
+        None => false,
+    };
+    p.finish()?;
+    println!("pipeline in {:.1} s", started.elapsed().as_secs_f64());
+
+    if args.compare_python {
+        let python = args
+            .python
+            .clone()
+            .or_else(|| std::env::var_os("STAGELOAD_PYTHON").map(PathBuf::from))
+            .unwrap_or_else(|| stageload_cache().join("torch-2.13.0/bin/python"));
+        let folder = tempfile::Builder::new().prefix("stageload-shap-e-compare").tempdir()?;
+        println!("running diffusers ({} {})", python.display(), export.dir().display());
+        let deadline = Duration::from_secs(args.python_deadline);
+        let reference =
+            run_reference(&python, &export, &pixels, common.seed as i64, sampling, folder.path(), deadline)?;
+        let comparison = Comparison::of(&generated, &reference)?;
+        println!(
+            "diffusers ran in {:.1} s ({}); largest differences, Rust against diffusers:",
+            reference.seconds, reference.summary
+        );
+        println!("{comparison}");
+        let failures = comparison.failures();
+        if !failures.is_empty() {
+            return Err(format!("the run does not match diffusers: {}", failures.join("; ")).into());
+        }
+        println!("matches diffusers (every largest difference within {TOLERANCE:e} of its range)");
+    }
+    if empty {
+        return Err(format!(
+            "the surface is empty at level 0: the signed distance has no zero crossing on the {0}³ grid, so there is no \
+             mesh (diffusers raises here); {1}",
+            export.config().grid_size,
+            if args.no_views { "nothing was written".to_string() } else { format!("the views are in {}", out.display()) }
+        )
+        .into());
+    }
+    Ok(())
+}

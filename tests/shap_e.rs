@@ -1,0 +1,396 @@
+//! Shap-E image-to-3D in four stages (`crates/demo-kit/src/shap_e.rs`) at the small size of
+//! `scripts/reference/shap_e_export.py` (2 Heun steps, 32-pixel views, the 128³ mesh grid): the
+//! image embedding, initial and final latents, rendered views, mesh vertices, faces and colours
+//! match diffusers' `ShapEImg2ImgPipeline` on the same weights, pixels and seed
+//! (`scripts/reference/shap_e_reference.py`, run once for the tests, killed past a deadline), and
+//! the PLY file equals diffusers' `export_to_ply` byte for byte; eager, staged and staged with
+//! prefetch give the same bits, a staged run holds only the running stage's model, and the caller's
+//! torch generators are as they were after a run. The three Rust runs are made once and shared
+//! (torch's generator is global, so they are made under one lock). Without STAGELOAD_SHAP_E_SMALL
+//! and STAGELOAD_PYTHON the tests fail and say what to run.
+
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use stageload::{BoxError, Event, EventKind, EventSink, ListSink, StagedModels};
+use stageload_demo_kit::clip_image::preprocess;
+use stageload_demo_kit::shap_e::files::{write_ply, write_views_png};
+use stageload_demo_kit::shap_e::reference::{run_reference, Comparison, Reference};
+use stageload_demo_kit::shap_e::{
+    example_image, generate, Export, ExportError, Generated, RunError, Sampling, Surface,
+};
+use stageload_demo_kit::stable_diffusion::{Loading, StageRunner};
+use stageload_test_support::torch as support;
+use tch::{CModule, Kind, Tensor};
+
+const SAMPLING: Sampling = Sampling { steps: 2, guidance: 4.0, frame_size: 32, views: true, mesh: true };
+const SEED: i64 = 5;
+const DEADLINE: Duration = Duration::from_secs(240);
+
+fn required(variable: &str) -> Result<String, String> {
+    std::env::var(variable).map_err(|_| {
+        format!(
+            "{variable} is not set: these tests need the small Shap-E export and diffusers in the cached Python \
+             environment. Run them through cargo xtask test, or first: eval \"$(scripts/setup-libtorch.sh)\"; eval \
+             \"$(scripts/setup-reference.sh)\" (which installs diffusers and exports the small size)"
+        )
+    })
+}
+
+fn export() -> Export {
+    let dir = required("STAGELOAD_SHAP_E_SMALL").unwrap_or_else(|e| panic!("{e}"));
+    Export::open(&dir).unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// The test image through the CLIP image processor.
+fn pixels(export: &Export) -> Tensor {
+    let image = image::DynamicImage::ImageRgb8(example_image());
+    preprocess(&image, export.preprocessor()).unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// One model call as the watching runner saw it: the stage, the model, what was resident.
+#[derive(Debug, Clone, PartialEq)]
+struct Call {
+    stage: Option<String>,
+    model: String,
+    resident: Vec<String>,
+}
+
+/// A registry that records, inside every model call, what was resident.
+struct Watch<'a> {
+    models: &'a StagedModels,
+    calls: Mutex<Vec<Call>>,
+}
+
+impl StageRunner for Watch<'_> {
+    fn enter(&self, stage: &str) -> Result<(), BoxError> {
+        self.models.enter(stage)?;
+        Ok(())
+    }
+
+    fn call<M: 'static, R>(&self, model: &str, f: impl FnOnce(&mut M) -> R) -> Result<R, BoxError> {
+        Ok(self.models.call(model, |m: &mut M| {
+            let call =
+                Call { stage: self.models.current_stage(), model: model.to_string(), resident: self.models.resident() };
+            self.calls.lock().unwrap_or_else(|p| p.into_inner()).push(call);
+            f(m)
+        })?)
+    }
+}
+
+/// One Rust run: what it made, the events until it closed, every call, what was resident in
+/// `export`, and whether torch's generator was where the caller left it afterwards.
+struct Run {
+    generated: Generated,
+    events: Vec<Event>,
+    calls: Vec<Call>,
+    resident_at_export: Vec<String>,
+    generator_kept: bool,
+    seconds: f64,
+}
+
+fn run(export: &Export, loading: Loading) -> Result<Run, BoxError> {
+    let started = Instant::now();
+    let sink = Arc::new(ListSink::new());
+    let models = export.registry(loading, Some(sink.clone() as Arc<dyn EventSink>))?;
+    let pixels = pixels(export);
+    let noise = export.noise(SEED);
+    // The caller's state: a seed of its own, and what it would draw next.
+    tch::manual_seed(4242);
+    let expected = Tensor::randn([8], (Kind::Float, tch::Device::Cpu));
+    tch::manual_seed(4242);
+    let watch = Watch { models: &models, calls: Mutex::default() };
+    let generated = generate(&watch, export, &pixels, &noise, SAMPLING)?;
+    let generator_kept = Tensor::randn([8], (Kind::Float, tch::Device::Cpu)).equal(&expected);
+    models.enter("export")?;
+    let resident_at_export = models.resident();
+    let events = sink.events();
+    models.close();
+    let calls = watch.calls.into_inner().unwrap_or_else(|p| p.into_inner());
+    Ok(Run { generated, events, calls, resident_at_export, generator_kept, seconds: started.elapsed().as_secs_f64() })
+}
+
+struct Runs {
+    export: Export,
+    eager: Run,
+    staged: Run,
+    prefetch: Run,
+}
+
+fn make_runs() -> Result<Runs, String> {
+    let export = export();
+    let run = |loading: Loading| run(&export, loading).map_err(|e| format!("the {} run failed: {e}", loading.name()));
+    let (eager, staged, prefetch) = (run(Loading::Eager)?, run(Loading::Staged)?, run(Loading::Prefetch)?);
+    eprintln!(
+        "Rust runs: eager {:.2} s, staged {:.2} s, prefetch {:.2} s",
+        eager.seconds, staged.seconds, prefetch.seconds
+    );
+    Ok(Runs { export, eager, staged, prefetch })
+}
+
+/// The three runs, made once for every test that needs them.
+fn runs() -> MutexGuard<'static, Option<Result<Runs, String>>> {
+    static RUNS: Mutex<Option<Result<Runs, String>>> = Mutex::new(None);
+    let mut slot = RUNS.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    slot.get_or_insert_with(make_runs);
+    slot
+}
+
+fn with_runs(check: impl FnOnce(&Runs)) {
+    match runs().as_ref() {
+        Some(Ok(runs)) => check(runs),
+        Some(Err(error)) => panic!("{error}"),
+        None => unreachable!("runs() fills the slot"),
+    }
+}
+
+/// diffusers on the eager run's pixels and seed, run once for every test that needs it (with the
+/// folder holding its PLY file).
+fn with_reference(check: impl FnOnce(&Runs, &Reference)) {
+    static REFERENCE: Mutex<Option<Result<(Reference, tempfile::TempDir), String>>> = Mutex::new(None);
+    let mut slot = REFERENCE.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    let guard = runs();
+    let runs = match guard.as_ref() {
+        Some(Ok(runs)) => runs,
+        Some(Err(error)) => panic!("{error}"),
+        None => unreachable!("runs() fills the slot"),
+    };
+    let reference = slot.get_or_insert_with(|| {
+        let python = PathBuf::from(required("STAGELOAD_PYTHON")?);
+        let folder = tempfile::TempDir::new().map_err(|e| format!("no temporary folder: {e}"))?;
+        let pixels = pixels(&runs.export);
+        let reference = run_reference(&python, &runs.export, &pixels, SEED, SAMPLING, folder.path(), DEADLINE)
+            .map_err(|e| e.to_string())?;
+        eprintln!("diffusers in {:.1} s: {}", reference.seconds, reference.summary);
+        Ok((reference, folder))
+    });
+    match reference {
+        Ok((reference, _)) => check(runs, reference),
+        Err(error) => panic!("{error}"),
+    }
+}
+
+/// Asserts that two tensors hold the same bits (stricter than `Tensor::equal` for floats, which
+/// counts -0 equal to +0); reports how many values differ and the largest difference.
+fn assert_bits_equal(what: &str, a: &Tensor, b: &Tensor) {
+    assert_eq!((a.kind(), a.size()), (b.kind(), b.size()), "{what}: kinds and shapes");
+    let bits =
+        |t: &Tensor| if t.kind() == Kind::Float { t.contiguous().view_dtype(Kind::Int) } else { t.shallow_clone() };
+    let (a_bits, b_bits) = (bits(a), bits(b));
+    if !a_bits.equal(&b_bits) {
+        let differing = a_bits.ne_tensor(&b_bits).sum(Kind::Int64).int64_value(&[]);
+        let largest = (a.to_kind(Kind::Double) - b.to_kind(Kind::Double)).abs().max().double_value(&[]);
+        panic!("{what}: {differing} of {} values differ, the largest by {largest:e}", a.numel());
+    }
+}
+
+fn mesh(generated: &Generated) -> &stageload_demo_kit::shap_e::Mesh {
+    match &generated.surface {
+        Some(Surface::Mesh(mesh)) => mesh,
+        other => panic!("no mesh: {other:?}"),
+    }
+}
+
+fn of_kind(events: &[Event], kind: EventKind) -> Vec<&Event> {
+    events.iter().filter(|e| e.kind == kind).collect()
+}
+
+#[test]
+fn the_embedding_latents_views_and_mesh_match_diffusers_bit_for_bit() {
+    let _generator = support::generator();
+    with_reference(|runs, reference| {
+        let generated = &runs.eager.generated;
+        let comparison = Comparison::of(generated, reference).unwrap_or_else(|e| panic!("{e}"));
+        eprintln!("Rust against diffusers:\n{comparison}");
+        assert_eq!(comparison.failures(), Vec::<String>::new());
+        assert!(comparison.equal.iter().any(|(what, ok)| *what == "faces" && *ok), "{comparison}");
+        for (what, difference) in &comparison.differences {
+            assert_eq!(difference.largest, 0.0, "{what}: {difference}");
+            assert!(difference.range > 0.0, "{what} is constant: the comparison says nothing");
+        }
+        let rays = stageload_demo_kit::shap_e::pan_rays(SAMPLING.frame_size).unwrap_or_else(|e| panic!("{e}"));
+        assert_bits_equal("the cameras' rays", &rays, &reference.tensors["rays"]);
+        assert_eq!(generated.timesteps, [1023.0, 0.0, 0.0]);
+        // A surface with faces and colours that vary: the mesh comparison is not of a trivial mesh.
+        let mesh = mesh(generated);
+        assert!(mesh.faces.size()[0] > 1000, "{:?} faces", mesh.faces.size());
+        let spread = (mesh.colors.max() - mesh.colors.min()).double_value(&[]);
+        assert!(spread > 0.01, "the vertex colours hardly vary ({spread})");
+    });
+}
+
+#[test]
+fn the_ply_file_equals_the_one_diffusers_export_to_ply_writes() {
+    let _generator = support::generator();
+    with_reference(|runs, reference| {
+        let folder = tempfile::TempDir::new().unwrap();
+        let path = folder.path().join("mesh.ply");
+        write_ply(&path, mesh(&runs.eager.generated)).unwrap_or_else(|e| panic!("{e}"));
+        let ours = std::fs::read(&path).unwrap();
+        let theirs = reference.ply.as_ref().map(std::fs::read).expect("the reference wrote no PLY").unwrap();
+        assert_eq!(ours.len(), theirs.len(), "file sizes");
+        let first = ours.iter().zip(&theirs).position(|(a, b)| a != b);
+        assert_eq!(first, None, "the files differ from byte {first:?}");
+        // The views as one PNG strip: 20 views side by side.
+        let strip = folder.path().join("views.png");
+        write_views_png(&strip, runs.eager.generated.views.as_ref().unwrap()).unwrap_or_else(|e| panic!("{e}"));
+        let image = image::open(&strip).unwrap_or_else(|e| panic!("{e}"));
+        let s = SAMPLING.frame_size as u32;
+        assert_eq!((image.width(), image.height()), (20 * s, s));
+    });
+}
+
+#[test]
+fn eager_staged_and_prefetch_give_the_same_outputs_bit_for_bit() {
+    let _generator = support::generator();
+    with_runs(|runs| {
+        let eager = &runs.eager.generated;
+        for (mode, run) in [("staged", &runs.staged), ("prefetch", &runs.prefetch)] {
+            let g = &run.generated;
+            assert_bits_equal(&format!("{mode} image embeds"), &g.image_embeds, &eager.image_embeds);
+            assert_bits_equal(&format!("{mode} initial latents"), &g.initial_latents, &eager.initial_latents);
+            assert_bits_equal(&format!("{mode} final latents"), &g.final_latents, &eager.final_latents);
+            assert_bits_equal(&format!("{mode} views"), g.views.as_ref().unwrap(), eager.views.as_ref().unwrap());
+            let (m, e) = (mesh(g), mesh(eager));
+            assert_bits_equal(&format!("{mode} vertices"), &m.verts, &e.verts);
+            assert_bits_equal(&format!("{mode} faces"), &m.faces, &e.faces);
+            assert_bits_equal(&format!("{mode} colours"), &m.colors, &e.colors);
+        }
+        // Prefetch loaded the prior and the renderer in the background, once each.
+        let events = &runs.prefetch.events;
+        let prefetched: Vec<_> = of_kind(events, EventKind::Load)
+            .iter()
+            .filter(|e| e.prefetched)
+            .map(|e| e.model.clone().unwrap_or_default())
+            .collect();
+        assert_eq!(prefetched, ["prior", "renderer"], "{events:#?}");
+        assert!(of_kind(&runs.eager.events, EventKind::Release).is_empty(), "eager released a model");
+    });
+}
+
+#[test]
+fn a_staged_run_holds_only_the_running_stage_s_model_and_none_while_writing_files() {
+    let _generator = support::generator();
+    with_runs(|runs| {
+        let run = &runs.staged;
+        let expected = [("encode", "image_encoder"), ("denoise", "prior"), ("decode", "renderer")];
+        for call in &run.calls {
+            let stage = call.stage.as_deref().unwrap_or("no stage");
+            let model = expected.iter().find(|(s, _)| *s == stage).map(|(_, m)| *m);
+            assert_eq!(Some(call.model.as_str()), model, "{call:?}");
+            assert_eq!(call.resident, std::slice::from_ref(&call.model), "{call:?}");
+        }
+        let prior_calls = run.calls.iter().filter(|c| c.model == "prior").count();
+        assert_eq!(prior_calls, 2 * SAMPLING.steps - 1);
+        assert!(run.resident_at_export.is_empty(), "resident while writing files: {:?}", run.resident_at_export);
+        let releases: Vec<_> = of_kind(&run.events, EventKind::Release)
+            .iter()
+            .map(|e| (e.model.clone().unwrap_or_default(), e.stage.clone().unwrap_or_default()))
+            .collect();
+        let released = |m: &str, s: &str| (m.to_string(), s.to_string());
+        assert_eq!(
+            releases,
+            [released("image_encoder", "denoise"), released("prior", "decode"), released("renderer", "export")]
+        );
+    });
+}
+
+#[test]
+fn the_caller_s_torch_generator_is_as_it_was_after_the_renderer_reseeds_it() {
+    let _generator = support::generator();
+    with_runs(|runs| {
+        for (mode, run) in [("eager", &runs.eager), ("staged", &runs.staged), ("prefetch", &runs.prefetch)] {
+            assert!(run.generator_kept, "{mode}: the caller's next draw changed");
+        }
+    });
+}
+
+/// A runner over three modules loaded by hand, the renderer's signed-distance bias changed:
+/// the registry is not the point here.
+struct Modules {
+    image_encoder: Mutex<CModule>,
+    prior: Mutex<CModule>,
+    renderer: Mutex<CModule>,
+}
+
+impl StageRunner for Modules {
+    fn enter(&self, _stage: &str) -> Result<(), BoxError> {
+        Ok(())
+    }
+
+    fn call<M: 'static, R>(&self, model: &str, f: impl FnOnce(&mut M) -> R) -> Result<R, BoxError> {
+        let module = match model {
+            "image_encoder" => &self.image_encoder,
+            "prior" => &self.prior,
+            "renderer" => &self.renderer,
+            other => return Err(format!("no model {other}").into()),
+        };
+        let mut module = module.lock().unwrap_or_else(|p| p.into_inner());
+        let module: &mut dyn std::any::Any = &mut *module;
+        let module = module.downcast_mut::<M>().ok_or("not a CModule")?;
+        Ok(f(module))
+    }
+}
+
+#[test]
+fn a_field_without_a_zero_crossing_gives_an_empty_surface_not_a_crash() {
+    let _generator = support::generator();
+    let export = export();
+    let load = |name: &str| {
+        let (_, module, _) = export.files().into_iter().find(|(n, _, _)| *n == name).unwrap();
+        Mutex::new(CModule::load(module).unwrap_or_else(|e| panic!("{e}")))
+    };
+    let modules = Modules { image_encoder: load("image_encoder"), prior: load("prior"), renderer: load("renderer") };
+    {
+        let renderer = modules.renderer.lock().unwrap();
+        let named = renderer.named_parameters().unwrap();
+        let (_, bias) = named.iter().find(|(n, _)| n == "model.mlp.mlp.6.bias").expect("the SDF output's bias");
+        let _no_grad = tch::no_grad_guard();
+        // tanh(output) < 0 everywhere: the whole grid is outside.
+        let _ = bias.get(0).fill_(-50.0);
+    }
+    let sampling = Sampling { views: false, ..SAMPLING };
+    let generated =
+        generate(&modules, &export, &pixels(&export), &export.noise(SEED), sampling).unwrap_or_else(|e| panic!("{e}"));
+    assert!(matches!(generated.surface, Some(Surface::Empty)), "{:?}", generated.surface);
+}
+
+#[test]
+fn a_frame_size_that_is_not_a_multiple_of_32_is_refused_before_any_model_runs() {
+    let _generator = support::generator();
+    let export = export();
+    let models = export.registry(Loading::Staged, None).unwrap_or_else(|e| panic!("{e}"));
+    let sampling = Sampling { frame_size: 48, ..SAMPLING };
+    let error = generate(&models, &export, &pixels(&export), &export.noise(SEED), sampling).unwrap_err();
+    assert!(matches!(error.downcast_ref::<RunError>(), Some(RunError::FrameSize(48))), "{error}");
+    assert!(error.to_string().contains("multiple of 32"), "{error}");
+    assert!(models.resident().is_empty(), "a model was loaded: {:?}", models.resident());
+    let error = generate(
+        &models,
+        &export,
+        &Tensor::zeros([1, 3, 64, 64], (Kind::Float, tch::Device::Cpu)),
+        &export.noise(SEED),
+        SAMPLING,
+    )
+    .unwrap_err();
+    assert!(matches!(error.downcast_ref::<RunError>(), Some(RunError::Pixels { .. })), "{error}");
+}
+
+#[test]
+fn an_export_missing_a_file_is_refused_with_the_file_named() {
+    let export = export();
+    let folder = tempfile::TempDir::new().unwrap();
+    for file in
+        ["config.json", "scheduler.json", "preprocessor_config.json", "image_encoder.pt", "image_encoder.safetensors"]
+    {
+        std::fs::copy(export.dir().join(file), folder.path().join(file)).unwrap();
+    }
+    let error = Export::open(folder.path()).unwrap_err();
+    assert!(matches!(error, ExportError::Read { .. }), "{error}");
+    assert!(error.to_string().contains("prior.pt"), "{error}");
+    std::fs::write(folder.path().join("config.json"), "{\"format\": 1").unwrap();
+    let error = Export::open(folder.path()).unwrap_err();
+    assert!(matches!(error, ExportError::Parse { .. }), "{error}");
+    assert!(error.to_string().contains("config.json"), "{error}");
+}
