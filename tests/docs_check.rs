@@ -1,6 +1,9 @@
 //! A newcomer's check of the front door (issue 45): `README.md` stays under its line budget, every
 //! relative link in it and in the guide (`docs/*.md`) leads to a file or folder of the checkout,
-//! and every `cargo xtask TASK` and `stageload COMMAND` they show is one that exists.
+//! every `cargo xtask TASK` and `stageload COMMAND` they show is one that exists, and every code
+//! block in them is compiled by the test command (see [`Language`]): Rust by rustdoc, which
+//! compiles each document as the library's doc-tests (`crates/torch/src/lib.rs`, module `guide`),
+//! a pipeline description by the reader `stageload plan` uses, Python by Python.
 //!
 //! The tasks and commands are read from the clap definitions, as text: the `#[derive(Parser)]`
 //! struct of `crates/xtask/src` and of `crates/cli/src`, its `#[command(subcommand)]` field's
@@ -9,7 +12,8 @@
 //! and fenced `sh` blocks), where a word after `stageload` is a command and not prose; links in
 //! the prose only.
 //!
-//! Torch-free: it reads files and runs nothing, though it is a test of the `stageload` package.
+//! Torch-free, though it is a test of the `stageload` package: it reads files, writes checkpoint
+//! headers into a temporary folder, and runs Python only to compile the Python blocks.
 
 use std::collections::BTreeSet;
 use std::fs;
@@ -20,6 +24,49 @@ const README_BUDGET: usize = 300;
 
 /// The languages of fenced blocks whose lines are commands.
 const SHELL: [&str; 4] = ["sh", "bash", "shell", "console"];
+
+/// What a fenced block may be marked as, and what compiles or checks it. A block with no language
+/// is refused: rustdoc would compile it as Rust, and a reader cannot tell what it is.
+#[derive(Debug, PartialEq)]
+enum Language {
+    /// Compiled by rustdoc as a doc-test of the library (`no_run` where it needs files: type-checked,
+    /// not linked). `ignore` only for the build script, which must be the user-crate template's
+    /// `build.rs` as it is (compiled and run by `crates/build-support/tests/user_crate.rs`: a
+    /// doc-test cannot reach `stageload-build`).
+    Rust,
+    /// Commands: each `cargo xtask TASK` and `stageload COMMAND` must exist.
+    Shell,
+    /// A pipeline description (read by `stageload_plan::Pipeline::parse`, checkpoints given) or a
+    /// manifest fragment (the user-crate template's dependency lines, as they are).
+    Toml,
+    /// Compiled by Python's `compile`.
+    Python,
+    /// Output or a folder tree: nothing to compile.
+    Text,
+}
+
+impl Language {
+    /// The language of a fence's info string (`rust,no_run` → Rust), `None` for none or another.
+    fn of(info: &str) -> Option<Language> {
+        let first = info.split([',', ' ']).next().unwrap_or("");
+        match first {
+            "rust" => Some(Language::Rust),
+            "toml" => Some(Language::Toml),
+            "python" => Some(Language::Python),
+            "text" => Some(Language::Text),
+            _ if SHELL.contains(&first) => Some(Language::Shell),
+            _ => None,
+        }
+    }
+}
+
+/// A fenced block: its info string (`rust,no_run`), the line it opens on (from 1), its text.
+#[derive(Debug)]
+struct Block {
+    info: String,
+    line: usize,
+    text: String,
+}
 
 fn checkout() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -54,14 +101,16 @@ fn documents() -> Vec<(PathBuf, String)> {
 struct Split {
     prose: String,
     code: Vec<String>,
+    blocks: Vec<Block>,
 }
 
 fn split(text: &str) -> Split {
     let mut prose = String::new();
     let mut code = Vec::new();
+    let mut blocks: Vec<Block> = Vec::new();
     let mut fence: Option<(String, bool)> = None;
     let mut paragraph = Vec::new();
-    for line in text.lines() {
+    for (number, line) in text.lines().enumerate() {
         let trimmed = line.trim_start();
         let marker: String = trimmed.chars().take_while(|&c| c == '`' || c == '~').collect();
         match &fence {
@@ -70,18 +119,22 @@ fn split(text: &str) -> Split {
                 if *shell {
                     code.push(line.to_string());
                 }
+                let block = blocks.last_mut().unwrap();
+                block.text.push_str(line);
+                block.text.push('\n');
             }
             None if marker.len() >= 3 && marker.chars().all(|c| c == marker.chars().next().unwrap()) => {
                 flush(&mut paragraph, &mut prose, &mut code);
-                let language = trimmed[marker.len()..].split_whitespace().next().unwrap_or("");
-                fence = Some((marker, SHELL.contains(&language)));
+                let info = trimmed[marker.len()..].trim();
+                blocks.push(Block { info: info.to_string(), line: number + 1, text: String::new() });
+                fence = Some((marker, Language::of(info) == Some(Language::Shell)));
             }
             None if trimmed.is_empty() => flush(&mut paragraph, &mut prose, &mut code),
             None => paragraph.push(line.to_string()),
         }
     }
     flush(&mut paragraph, &mut prose, &mut code);
-    Split { prose, code }
+    Split { prose, code, blocks }
 }
 
 /// One paragraph of prose: its inline code spans (which may run over lines) go to `code`, the
@@ -391,6 +444,197 @@ fn the_task_and_command_lists_are_read_from_the_clap_definitions() {
     }
 }
 
+/// Every fenced block of the documents, as (document, block).
+fn blocks() -> Vec<(PathBuf, Block)> {
+    documents()
+        .into_iter()
+        .flat_map(|(path, text)| split(&text).blocks.into_iter().map(move |b| (path.clone(), b)))
+        .collect()
+}
+
+/// `README.md:83 (```rust,no_run)`: where a block is, for messages.
+fn at(path: &Path, block: &Block) -> String {
+    format!("{}:{} (```{})", path.display(), block.line, block.info)
+}
+
+/// The blocks marked as `language`.
+fn blocks_of(language: Language) -> Vec<(PathBuf, Block)> {
+    blocks().into_iter().filter(|(_, block)| Language::of(&block.info).as_ref() == Some(&language)).collect()
+}
+
+/// A file of the user-crate template (`crates/build-support/template/`) as the documents show
+/// it: the checkout's path as `/path/to/stageload`.
+fn template(file: &str) -> String {
+    let path = checkout().join("crates/build-support/template").join(file);
+    fs::read_to_string(&path)
+        .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+        .replace("@CHECKOUT@", "/path/to/stageload")
+}
+
+#[test]
+fn every_code_block_is_marked_with_a_language_that_is_checked() {
+    let all = blocks();
+    assert!(all.len() > 10, "only {} fenced blocks found: the block reader is broken", all.len());
+    let unmarked: Vec<String> = all
+        .iter()
+        .filter(|(_, block)| Language::of(&block.info).is_none())
+        .map(|(path, block)| at(path, block))
+        .collect();
+    assert!(
+        unmarked.is_empty(),
+        "blocks with no language, or one nothing checks (mark them rust, sh, toml, python or text):\n{}",
+        unmarked.join("\n")
+    );
+}
+
+#[test]
+fn rustdoc_compiles_every_document_as_doc_tests() {
+    let lib = fs::read_to_string(checkout().join("crates/torch/src/lib.rs")).unwrap();
+    let guide = lib.split("#[cfg(doctest)]").nth(1).expect("crates/torch/src/lib.rs has no #[cfg(doctest)] module");
+    let missing: Vec<String> = documents()
+        .into_iter()
+        .map(|(path, _)| format!("include_str!(\"../../../{}\")", path.display()))
+        .filter(|include| !guide.contains(include.as_str()))
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "documents whose Rust blocks rustdoc does not compile: add to the `guide` module of \
+         crates/torch/src/lib.rs:\n{}",
+        missing.join("\n")
+    );
+}
+
+#[test]
+fn every_rust_block_is_compiled_none_ignored_but_the_build_script() {
+    let build_script = template("build.rs");
+    let (mut compiled, mut build_scripts, mut wrong) = (0, 0, Vec::new());
+    for (path, block) in blocks_of(Language::Rust) {
+        let attributes: Vec<&str> = block.info.split(',').skip(1).map(str::trim).collect();
+        let known = |a: &&str| matches!(*a, "no_run" | "should_panic" | "ignore") || a.starts_with("edition");
+        if let Some(unknown) = attributes.iter().find(|a| !known(a)) {
+            wrong.push(format!("{}: `{unknown}`: rustdoc would not compile it as written", at(&path, &block)));
+        } else if attributes.contains(&"ignore") {
+            if block.text == build_script {
+                build_scripts += 1;
+            } else {
+                wrong.push(format!(
+                    "{}: ignored; give it hidden set-up lines (`# `) so that it compiles",
+                    at(&path, &block)
+                ));
+            }
+        } else {
+            compiled += 1;
+        }
+    }
+    assert!(wrong.is_empty(), "Rust blocks not compiled:\n{}", wrong.join("\n"));
+    assert!(
+        compiled >= 5 && build_scripts >= 1,
+        "{compiled} compiled, {build_scripts} build scripts: the reader is broken"
+    );
+}
+
+/// Writes a safetensors file of `names`, each an f32 tensor of 4 zeros.
+fn write_checkpoint(path: &Path, names: &[String]) {
+    let mut header = serde_json::Map::new();
+    for (i, name) in names.iter().enumerate() {
+        header.insert(
+            name.clone(),
+            serde_json::json!({"dtype": "F32", "shape": [4], "data_offsets": [16 * i, 16 * (i + 1)]}),
+        );
+    }
+    let header = serde_json::Value::Object(header).to_string();
+    let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+    bytes.extend(header.as_bytes());
+    bytes.resize(bytes.len() + 16 * names.len(), 0);
+    fs::create_dir_all(path.parent().unwrap()).unwrap();
+    fs::write(path, bytes).unwrap();
+}
+
+/// A pipeline description read by `stageload plan`'s reader, in a folder where every checkpoint
+/// it names exists (a streamed model's with a tensor for each resident name and two blocks).
+fn read_pipeline(text: &str) -> Result<stageload_plan::Pipeline, String> {
+    let folder = tempfile::TempDir::new().unwrap();
+    let file: toml::Table = toml::from_str(text).map_err(|e| e.to_string())?;
+    let strings = |value: Option<&toml::Value>| -> Vec<String> {
+        let list = value.and_then(toml::Value::as_array).map(Vec::as_slice).unwrap_or_default();
+        list.iter().filter_map(|v| v.as_str().map(String::from)).collect()
+    };
+    let models = file.get("models").and_then(toml::Value::as_array).map(Vec::as_slice).unwrap_or_default();
+    for model in models {
+        let names = match model.get("stream") {
+            Some(stream) => {
+                let resident = strings(stream.get("resident")).into_iter().map(|r| format!("{r}.weight"));
+                let blocks = strings(stream.get("blocks"))
+                    .into_iter()
+                    .flat_map(|b| ["0", "1"].map(|i| format!("{}.weight", b.replace('*', i))));
+                resident.chain(blocks).collect()
+            }
+            None => vec!["weight".to_string()],
+        };
+        for file in strings(model.get("files")) {
+            write_checkpoint(&folder.path().join(file), &names);
+        }
+    }
+    stageload_plan::Pipeline::parse(text, &folder.path().join("pipeline.toml")).map_err(|e| e.to_string())
+}
+
+#[test]
+fn every_toml_block_is_read_as_what_it_shows() {
+    let manifest = template("Cargo.toml.in");
+    let dependencies: Vec<&str> = manifest.split("\n\n").filter(|part| part.contains("dependencies]")).collect();
+    let dependencies = dependencies.join("\n\n");
+    let (mut pipelines, mut manifests, mut wrong) = (0, 0, Vec::new());
+    for (path, block) in blocks_of(Language::Toml) {
+        if block.text.contains("[[stages]]") {
+            match read_pipeline(&block.text) {
+                Ok(_) => pipelines += 1,
+                Err(e) => {
+                    wrong.push(format!("{}: not a pipeline description `stageload plan` reads: {e}", at(&path, &block)))
+                }
+            }
+        } else if block.text.trim_end() == dependencies.trim_end() {
+            manifests += 1;
+        } else {
+            wrong.push(format!(
+                "{}: neither a pipeline description nor the dependency lines of \
+                 crates/build-support/template/Cargo.toml.in (which its test builds):\n{dependencies}",
+                at(&path, &block)
+            ));
+        }
+    }
+    assert!(wrong.is_empty(), "TOML blocks not read as shown:\n{}", wrong.join("\n"));
+    assert!(pipelines >= 1 && manifests >= 1, "{pipelines} pipelines, {manifests} manifests: the reader is broken");
+}
+
+#[test]
+fn the_pipeline_reader_of_this_check_refuses_what_stageload_plan_refuses() {
+    let good = "[[models]]\nname = \"a\"\nfiles = [\"a.safetensors\"]\n\n[[stages]]\nname = \"s\"\nmodels = [\"a\"]\n";
+    read_pipeline(good).unwrap();
+    let unknown_key = good.replace("files =", "file =");
+    assert!(read_pipeline(&unknown_key).is_err(), "a key the file format does not have was read");
+    let unknown_model = good.replace("models = [\"a\"]", "models = [\"b\"]");
+    assert!(read_pipeline(&unknown_model).is_err(), "a stage naming an unknown model was read");
+}
+
+#[test]
+fn every_python_block_compiles() {
+    let python = std::env::var("STAGELOAD_PYTHON").unwrap_or_else(|_| "python3".to_string());
+    let blocks = blocks_of(Language::Python);
+    assert!(!blocks.is_empty(), "no Python block found: the block reader is broken");
+    for (path, block) in blocks {
+        let name = at(&path, &block);
+        let mut child = std::process::Command::new(&python)
+            .args(["-c", "import sys; compile(sys.stdin.read(), sys.argv[1], 'exec')", &name])
+            .stdin(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap_or_else(|e| panic!("{python}: {e} (set STAGELOAD_PYTHON to a Python 3)"));
+        std::io::Write::write_all(&mut child.stdin.take().unwrap(), block.text.as_bytes()).unwrap();
+        let out = child.wait_with_output().unwrap();
+        assert!(out.status.success(), "{name} does not compile:\n{}", String::from_utf8_lossy(&out.stderr));
+    }
+}
+
 #[test]
 fn code_links_and_commands_are_told_apart() {
     let text = "See [the guide](docs/README.md#top) and [the web](https://example.com), `stageload plan\n\
@@ -417,4 +661,19 @@ fn clap_variants_are_read_in_kebab_case_or_as_renamed() {
                   enum Other {\n    Build,\n}\n";
     let names = enum_subcommands(source, "Task").unwrap();
     assert_eq!(names, ["ab", "g", "gpu", "hot-set-bench", "test"].map(String::from).into_iter().collect());
+}
+
+#[test]
+fn fenced_blocks_are_read_with_their_language_line_and_text() {
+    let text = "# Title\n\n```rust,no_run\nlet x = 1;\n```\n\n````\ntree\n```\n````\n\n~~~python\nprint(1)\n~~~\n";
+    let blocks = split(text).blocks;
+    let read: Vec<(&str, usize, &str)> = blocks.iter().map(|b| (b.info.as_str(), b.line, b.text.as_str())).collect();
+    assert_eq!(read, [("rust,no_run", 3, "let x = 1;\n"), ("", 7, "tree\n```\n"), ("python", 12, "print(1)\n")]);
+    assert_eq!(Language::of("rust,no_run"), Some(Language::Rust));
+    assert_eq!(Language::of("rust"), Some(Language::Rust));
+    assert_eq!(Language::of("sh"), Some(Language::Shell));
+    assert_eq!(Language::of("toml"), Some(Language::Toml));
+    assert_eq!(Language::of("text"), Some(Language::Text));
+    assert_eq!(Language::of(""), None, "a block with no language is compiled by rustdoc as Rust");
+    assert_eq!(Language::of("rs"), None);
 }

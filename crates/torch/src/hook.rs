@@ -12,6 +12,17 @@ use tch::Tensor;
 use crate::staged::{StageError, StagedModels};
 
 /// `inner`, entering `stage` of `models` whenever it is called while another stage is current.
+///
+/// ```no_run
+/// # use std::sync::Arc;
+/// # use stageload::{hook::EnterOnCall, StagedModels};
+/// # fn run(models: Arc<StagedModels>, vae: tch::CModule, x: &tch::Tensor) -> Result<(), Box<dyn std::error::Error>> {
+/// // Where the pipeline is assembled: its decoder, wrapped.
+/// let decoder = EnterOnCall::new(models.clone(), "decode", vae).mark_end("decoded");
+/// // Where the pipeline calls it, unchanged but for `call`: "decode" is entered first.
+/// let image = decoder.call(|vae| vae.forward_ts(&[x]))??;
+/// # Ok(()) }
+/// ```
 pub struct EnterOnCall<T> {
     models: Arc<StagedModels>,
     stage: String,

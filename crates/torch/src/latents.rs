@@ -30,6 +30,14 @@ pub fn fingerprint(tensor: &Tensor) -> String {
 }
 
 /// A run's latents, in the order recorded.
+///
+/// ```no_run
+/// # fn run(latent: &tch::Tensor) -> Result<(), stageload::CheckpointError> {
+/// let mut latents = stageload::latents::Latents::with_env(None); // under `stageload ab`, its file
+/// let fingerprint = latents.record("denoise", latent); // at a stage's end
+/// latents.save()?; // the tensors, and their fingerprints beside them
+/// # Ok(()) }
+/// ```
 #[derive(Debug, Default)]
 pub struct Latents {
     file: Option<PathBuf>,

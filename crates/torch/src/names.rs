@@ -50,6 +50,17 @@ impl Rename {
 }
 
 /// A model's rules for its checkpoint's names. Default: same names, nothing ignored, strict.
+/// Given to a model with [`ModelSpec::names`](crate::ModelSpec::names).
+///
+/// ```
+/// use stageload::NameRules;
+///
+/// // The file says `encoder.layer.0.weight`, the model `bert.encoder.layer.0.weight`; the
+/// // file's pooler is not part of the model.
+/// let rules = NameRules::default().add_prefix("bert.").ignore(["pooler.*"])?;
+/// assert_eq!(rules.rename.apply("encoder.layer.0.weight").as_deref(), Some("bert.encoder.layer.0.weight"));
+/// # Ok::<(), stageload::names::PatternError>(())
+/// ```
 #[derive(Debug, Clone)]
 pub struct NameRules {
     /// How file entry names become model tensor names.

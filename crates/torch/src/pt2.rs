@@ -155,7 +155,18 @@ pub enum Pt2Error {
     },
 }
 
-/// An AOTInductor package with its constants: call [`forward`](Self::forward).
+/// An AOTInductor package with its constants: call [`forward`](Self::forward). In a pipeline,
+/// [`ModelSpec::pt2`](crate::ModelSpec::pt2) makes it and fills its constants; alone:
+///
+/// ```no_run
+/// # use std::path::{Path, PathBuf};
+/// # use tch::{Device, Kind, Tensor};
+/// let files = [PathBuf::from("mlp.safetensors")];
+/// let (mut module, constants) = stageload::pt2::load(Path::new("mlp.pt2"), Device::Cpu, &files)?;
+/// stageload::checkpoint::Checkpoint::open(&files)?.load_into(&constants, |_| ())?; // fill them
+/// let outputs = module.forward(&[&Tensor::zeros([1, 16], (Kind::Float, Device::Cpu))])?;
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 #[derive(Debug)]
 pub struct Pt2Module {
     package: AotiPackage,

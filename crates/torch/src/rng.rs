@@ -25,6 +25,19 @@ pub trait RngSnapshot: Send + Sync {
 
 /// A `rand` generator shared between the pipeline (which draws from it) and StagedModels (which
 /// preserves it around builds), e.g. `SharedRng::new(ChaCha8Rng::seed_from_u64(7))`.
+///
+/// ```no_run
+/// use std::sync::Arc;
+///
+/// use rand::{Rng, SeedableRng};
+/// use rand_chacha::ChaCha8Rng;
+/// use stageload::{SharedRng, StagedModels};
+///
+/// let rng = SharedRng::new(ChaCha8Rng::seed_from_u64(7));
+/// let models = StagedModels::builder().register_rng(Arc::new(rng.clone())) /* .model(...).stage(...) */ .build()?;
+/// let noise: f32 = rng.lock().gen(); // the same draws whether a model was built in between or not
+/// # Ok::<(), stageload::StageError>(())
+/// ```
 pub type SharedRng<R> = Shared<R>;
 
 impl<R: Clone + Send + 'static> RngSnapshot for Shared<R> {

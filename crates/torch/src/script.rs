@@ -47,7 +47,14 @@ pub enum ScriptError {
 
 /// Loads the module at `path` on `device`, in evaluation mode, with its tensors (see
 /// [`module_tensors`]). The path must be a regular file (a FIFO or a folder is refused before
-/// libtorch opens it).
+/// libtorch opens it). In a pipeline, [`ModelSpec::torchscript`](crate::ModelSpec::torchscript)
+/// calls it.
+///
+/// ```no_run
+/// let (module, tensors) = stageload::script::load("unet.pt".as_ref(), tch::Device::Cpu)?;
+/// println!("{} parameters and buffers", tensors.len());
+/// # Ok::<(), stageload::script::ScriptError>(())
+/// ```
 pub fn load(path: &Path, device: Device) -> Result<(CModule, Vec<(String, Tensor)>), ScriptError> {
     drop(stageload_input::open_regular(path).map_err(|source| ScriptError::Open { path: path.into(), source })?);
     let load = |message: String| ScriptError::Load { path: path.into(), message };

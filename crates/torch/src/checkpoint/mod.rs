@@ -256,6 +256,14 @@ pub struct Progress {
 }
 
 /// One or several safetensors files, open, with their headers checked and indexed.
+///
+/// ```no_run
+/// use stageload::{checkpoint::Checkpoint, named_tensors, NameRules};
+/// # fn fill(vs: &tch::nn::VarStore) -> Result<(), stageload::CheckpointError> {
+/// let checkpoint = Checkpoint::open(&["model-00001.safetensors", "model-00002.safetensors"])?; // headers
+/// let report = checkpoint.load_named(&named_tensors(vs), &NameRules::default(), |_| ())?; // every byte once
+/// # Ok(()) }
+/// ```
 pub struct Checkpoint {
     files: Vec<PathBuf>,
     handles: Vec<File>,

@@ -20,7 +20,37 @@ use stageload_plan::pipeline::Model;
 use stageload_plan::tier::{Tier, TierPlan};
 use stageload_trace::event::EventSink;
 
-/// Builds a [`StagedModels`]: models, stages, pins, sink, options.
+/// Builds a [`StagedModels`]: models, stages, pins, sink, options; from
+/// [`StagedModels::builder`]. Each option takes the builder and returns it; [`build`](Self::build)
+/// checks the plan.
+///
+/// ```no_run
+/// # use std::sync::Arc;
+/// # use stageload::{BoxError, BuildContext, Built, ModelSpec, Pipeline, StagedModels};
+/// # fn denoiser(ctx: &BuildContext) -> Result<Built, BoxError> { unimplemented!() }
+/// # fn decoder(ctx: &BuildContext) -> Result<Built, BoxError> { unimplemented!() }
+/// # fn run(sink: Arc<dyn stageload::EventSink>) -> Result<(), Box<dyn std::error::Error>> {
+/// // By hand: models, stages in the order the run enters them, pins, options.
+/// let models = StagedModels::builder()
+///     .model(ModelSpec::new("denoiser", denoiser).checkpoint(["denoiser.safetensors"]))
+///     .model(ModelSpec::new("decoder", decoder).checkpoint(["decoder.safetensors"]))
+///     .stage("denoise", ["denoiser"])
+///     .stage("decode", ["decoder"])
+///     .events(sink) // every load, reload, release and stage entry
+///     .prefetch_next(true)
+///     .host_tier(8 << 30) // released CUDA models wait in 8 GiB of pinned host memory
+///     .build()?;
+///
+/// // From the pipeline file `stageload plan` checked: its stages, pins, files, devices and
+/// // dtypes; the loaders still come from `model`.
+/// let plan = Pipeline::load("pipeline.toml".as_ref())?;
+/// let models = StagedModels::builder()
+///     .pipeline(&plan)
+///     .model(ModelSpec::new("denoiser", denoiser))
+///     .model(ModelSpec::new("decoder", decoder))
+///     .build()?;
+/// # Ok(()) }
+/// ```
 pub struct StagedModelsBuilder {
     specs: Vec<ModelSpec>,
     stages: Vec<(String, Vec<String>)>,

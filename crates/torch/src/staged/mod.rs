@@ -57,7 +57,28 @@ use error::Result;
 use registry::Inner;
 use stageload_trace::event::{Event, EventKind, LoadReport};
 
-/// Named models loaded on first use and released in place between stages. See the module docs.
+/// Named models loaded on first use and released in place between stages. See the module docs;
+/// made by [`StagedModels::builder`].
+///
+/// ```no_run
+/// # use stageload::{ModelSpec, StagedModels};
+/// # use tch::nn::{Linear, Module};
+/// # fn run(encoder: ModelSpec, decoder: ModelSpec, x: &tch::Tensor) -> Result<(), Box<dyn std::error::Error>> {
+/// let models = StagedModels::builder()
+///     .model(encoder) // ModelSpec::new("encoder", loader).checkpoint(["encoder.safetensors"])
+///     .model(decoder)
+///     .stage("encode", ["encoder"])
+///     .stage("decode", ["decoder"])
+///     .prefetch_next(true) // each `enter` starts loading the next stage's models
+///     .build()?;
+/// models.enter("encode")?;
+/// let encoder = models.get::<Linear>("encoder")?; // a typed handle: the type is checked now
+/// let latent = encoder.lock()?.forward(x); // locked for the call, built on first use
+/// models.enter("decode")?; // released in place: `encoder.lock()` is now `StageError::Released`
+/// let y = models.call("decoder", |m: &mut Linear| m.forward(&latent))?; // get + lock in one
+/// println!("{:?}", models.states()); // [("encoder", Released), ("decoder", Resident)]
+/// # Ok(()) }
+/// ```
 pub struct StagedModels {
     inner: Arc<Inner>,
 }

@@ -87,6 +87,26 @@ impl BuildContext<'_> {
     /// The component under `key`, built by `build` if it is not there or its storage was
     /// released. Its tensors join the building model's, named `key.name`, so a release keeps
     /// them while another resident model shares them and frees them after the last.
+    ///
+    /// ```no_run
+    /// # use stageload::{BoxError, BuildContext, Built, Shared};
+    /// # use tch::nn::{self, VarStore};
+    /// struct Head {
+    ///     backbone: Shared<nn::Linear>, // built once, held by every model that asks for it
+    ///     head: nn::Linear,
+    /// }
+    ///
+    /// fn head(ctx: &BuildContext) -> Result<Built, BoxError> {
+    ///     let backbone = ctx.shared("backbone", || {
+    ///         let vs = VarStore::new(tch::Device::Cpu);
+    ///         let backbone = nn::linear(vs.root(), 512, 512, Default::default());
+    ///         Ok((backbone, stageload::named_tensors(&vs)))
+    ///     })?;
+    ///     let vs = VarStore::new(tch::Device::Cpu);
+    ///     let head = nn::linear(vs.root() / "head", 512, 10, Default::default());
+    ///     Ok(Built::new(Head { backbone, head }, &vs))
+    /// }
+    /// ```
     pub fn shared<T: Send + 'static>(
         &self,
         key: &str,
@@ -124,7 +144,21 @@ impl BuildContext<'_> {
 pub(crate) type Loader = dyn Fn(&BuildContext) -> Result<Built, BoxError> + Send + Sync;
 
 /// How to build one model: its loader and, optionally, its safetensors checkpoint files and how
-/// their entries' names meet the model's.
+/// their entries' names meet the model's. Three kinds: built by a loader of yours
+/// ([`new`](Self::new)), a TorchScript file ([`torchscript`](Self::torchscript)), an AOTInductor
+/// package ([`pt2`](Self::pt2)).
+///
+/// ```no_run
+/// # use stageload::{BoxError, BuildContext, Built, ModelSpec, NameRules};
+/// # fn bert(ctx: &BuildContext) -> Result<Built, BoxError> { unimplemented!() }
+/// // A published checkpoint whose names lack the model's `bert.` prefix, with entries the model
+/// // does not use, loaded into a model built without random initialisation.
+/// let spec = ModelSpec::new("bert", bert)
+///     .checkpoint(["model.safetensors"])
+///     .names(NameRules::default().add_prefix("bert.").ignore(["pooler.*"])?)
+///     .skip_init(true);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 pub struct ModelSpec {
     pub(crate) name: String,
     pub(crate) loader: Arc<Loader>,
@@ -158,6 +192,20 @@ impl Init {
 impl ModelSpec {
     /// A model built by `loader`. The loader places it on its device; weights come from the
     /// checkpoint when one is declared, else from the loader itself.
+    ///
+    /// ```no_run
+    /// use stageload::{BoxError, BuildContext, Built, ModelSpec};
+    /// use tch::nn::{self, VarStore};
+    ///
+    /// fn loader(ctx: &BuildContext) -> Result<Built, BoxError> {
+    ///     // On the device a pipeline file gives the model, else the CPU.
+    ///     let vs = VarStore::new(ctx.device().unwrap_or(tch::Device::Cpu));
+    ///     let model = nn::linear(vs.root() / "proj", 768, 768, Default::default());
+    ///     Ok(Built::new(model, &vs)) // the model and the tensors a release frees
+    /// }
+    ///
+    /// let spec = ModelSpec::new("proj", loader).checkpoint(["proj.safetensors"]);
+    /// ```
     pub fn new(
         name: impl Into<String>,
         loader: impl Fn(&BuildContext) -> Result<Built, BoxError> + Send + Sync + 'static,
@@ -180,6 +228,18 @@ impl ModelSpec {
     /// refills the module in place after a release. Errors name the file: one that is not
     /// TorchScript or is truncated ([`crate::script::ScriptError`], inside
     /// [`StageError::LoaderFailed`](crate::StageError::LoaderFailed)).
+    ///
+    /// ```no_run
+    /// # use stageload::{ModelSpec, StagedModels};
+    /// # fn run(x: &tch::Tensor, t: &tch::Tensor) -> Result<(), Box<dyn std::error::Error>> {
+    /// let models = StagedModels::builder()
+    ///     .model(ModelSpec::torchscript("unet", "unet.pt").checkpoint(["unet.safetensors"]))
+    ///     .stage("denoise", ["unet"])
+    ///     .build()?;
+    /// models.enter("denoise")?;
+    /// let eps = models.call("unet", |m: &mut tch::CModule| m.forward_ts(&[x, t]))??;
+    /// # Ok(()) }
+    /// ```
     pub fn torchscript(name: impl Into<String>, path: impl Into<PathBuf>) -> Self {
         let path: PathBuf = path.into();
         let mut spec = ModelSpec::new(name, move |ctx| {
@@ -201,6 +261,18 @@ impl ModelSpec {
     /// runner again. Errors name the file: a package for another CPU or device, a checkpoint
     /// without a constant or with one of another shape or dtype ([`crate::pt2::Pt2Error`],
     /// inside [`StageError::LoaderFailed`](crate::StageError::LoaderFailed)).
+    ///
+    /// ```no_run
+    /// # use stageload::{ModelSpec, StagedModels};
+    /// # fn run(x: &tch::Tensor, t: &tch::Tensor) -> Result<(), Box<dyn std::error::Error>> {
+    /// let models = StagedModels::builder()
+    ///     .model(ModelSpec::pt2("unet", "unet.pt2", ["unet.safetensors"]))
+    ///     .stage("denoise", ["unet"])
+    ///     .build()?;
+    /// models.enter("denoise")?;
+    /// let outputs = models.call("unet", |m: &mut stageload::pt2::Pt2Module| m.forward(&[x, t]))??;
+    /// # Ok(()) }
+    /// ```
     pub fn pt2<P: Into<PathBuf>>(
         name: impl Into<String>,
         package: impl Into<PathBuf>,

@@ -160,6 +160,27 @@ impl StreamedModel {
     /// [`BuildContext::stream`](crate::BuildContext::stream)): its checkpoint, blocks, budget,
     /// working memory and order, so the run is the plan `stageload plan` checked; its
     /// `residency` events go to the registry's sink.
+    ///
+    /// ```no_run
+    /// # use stageload::{named_tensors, stream::StreamedModel, BoxError, BuildContext, Built};
+    /// # use stageload_demo_kit::{ModelShape, Transformer};
+    /// # use tch::nn::VarStore;
+    /// struct Flow {
+    ///     net: Transformer,
+    ///     streamed: StreamedModel,
+    /// }
+    ///
+    /// // The loader of a model whose pipeline file entry has `stream = { blocks = [...], ... }`;
+    /// // called as `models.call("flow", |m: &mut Flow| m.streamed.run(|step| m.net.forward_streamed(&x, step)))`.
+    /// fn flow(ctx: &BuildContext, shape: &ModelShape) -> Result<Built, BoxError> {
+    ///     let plan = ctx.stream().ok_or("the pipeline file does not stream 'flow'")?;
+    ///     let vs = VarStore::new(tch::Device::Cpu);
+    ///     let net = stageload_torch_sys::without_fills(|| Transformer::new(vs.root() / "model", shape));
+    ///     let streamed = StreamedModel::planned("flow", named_tensors(&vs), plan)?; // reads the resident part
+    ///     let tensors = streamed.tensors();
+    ///     Ok(Built::from_tensors(Flow { net, streamed }, tensors))
+    /// }
+    /// ```
     pub fn planned(
         name: impl Into<String>,
         tensors: Vec<(String, Tensor)>,
