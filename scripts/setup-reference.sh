@@ -44,9 +44,14 @@ fi
 echo "export STAGELOAD_SD_SMALL='$cache/sd-small'"
 
 # The small Shap-E (image to 3D) the Shap-E tests run against diffusers: exported once per
-# version of the export script (about 90 s on 2 cores; up to date otherwise).
+# version of the export script (about 90 s on 2 cores; up to date otherwise), and its image encoder and
+# prior compiled as AOTInductor packages beside it (about 80 s).
 if ! "$python" "$here/reference/shap_e_export.py" --size small --out "$cache/shap-e-small" >&2; then
     log "exporting the small Shap-E into $cache/shap-e-small failed (see above); the Shap-E tests need it."
+    exit 1
+fi
+if ! "$python" "$here/reference/shap_e_pt2.py" --components "$cache/shap-e-small" >&2; then
+    log "compiling the small Shap-E's image encoder and prior as AOTInductor packages failed (see above); the Shap-E .pt2 test needs them."
     exit 1
 fi
 echo "export STAGELOAD_SHAP_E_SMALL='$cache/shap-e-small'"

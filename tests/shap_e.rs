@@ -20,7 +20,7 @@ use stageload_demo_kit::shap_e::reference::{run_reference, Comparison, Reference
 use stageload_demo_kit::shap_e::{
     example_image, generate, Export, ExportError, Generated, RunError, Sampling, Surface,
 };
-use stageload_demo_kit::stable_diffusion::{Loading, StageRunner};
+use stageload_demo_kit::stable_diffusion::{Difference, Format, Loading, StageRunner, TOLERANCE};
 use stageload_test_support::torch as support;
 use tch::{CModule, Kind, Tensor};
 
@@ -388,9 +388,68 @@ fn an_export_missing_a_file_is_refused_with_the_file_named() {
     }
     let error = Export::open(folder.path()).unwrap_err();
     assert!(matches!(error, ExportError::Read { .. }), "{error}");
+    eprintln!("truncated module: {error}");
     assert!(error.to_string().contains("prior.pt"), "{error}");
     std::fs::write(folder.path().join("config.json"), "{\"format\": 1").unwrap();
     let error = Export::open(folder.path()).unwrap_err();
     assert!(matches!(error, ExportError::Parse { .. }), "{error}");
     assert!(error.to_string().contains("config.json"), "{error}");
+}
+
+#[test]
+fn a_truncated_module_or_a_checkpoint_of_another_model_is_an_error_naming_it() {
+    let _generator = support::generator();
+    let export = export();
+    let folder = tempfile::TempDir::new().unwrap();
+    for entry in std::fs::read_dir(export.dir()).unwrap() {
+        let path = entry.unwrap().path();
+        std::fs::copy(&path, folder.path().join(path.file_name().unwrap())).unwrap();
+    }
+    // The prior's module cut in half.
+    let prior = folder.path().join("prior.pt");
+    let bytes = std::fs::read(&prior).unwrap();
+    std::fs::write(&prior, &bytes[..bytes.len() / 2]).unwrap();
+    let broken = Export::open(folder.path()).unwrap_or_else(|e| panic!("{e}"));
+    let models = broken.registry(Loading::Staged, None).unwrap_or_else(|e| panic!("{e}"));
+    let error = generate(&models, &broken, &pixels(&broken), &broken.noise(SEED), SAMPLING).unwrap_err();
+    eprintln!("truncated module: {error}");
+    assert!(error.to_string().contains("prior.pt"), "{error}");
+    models.close();
+
+    // The renderer's checkpoint replaced by the image encoder's: refused when the renderer is built.
+    std::fs::write(&prior, &bytes).unwrap();
+    std::fs::copy(folder.path().join("image_encoder.safetensors"), folder.path().join("renderer.safetensors")).unwrap();
+    let mismatched = Export::open(folder.path()).unwrap_or_else(|e| panic!("{e}"));
+    let models = mismatched.registry(Loading::Staged, None).unwrap_or_else(|e| panic!("{e}"));
+    let sampling = Sampling { views: false, mesh: false, ..SAMPLING };
+    let error = generate(&models, &mismatched, &pixels(&mismatched), &mismatched.noise(SEED), sampling).unwrap_err();
+    eprintln!("mismatched checkpoint: {error}");
+    assert!(error.to_string().contains("renderer"), "{error}");
+    models.close();
+}
+
+#[test]
+fn the_pt2_packages_run_the_same_pipeline_within_inductor_s_rounding() {
+    let _generator = support::generator();
+    let dir = export().dir().to_path_buf();
+    let pt2 = Export::open_as(&dir, Format::Pt2).unwrap_or_else(|e| panic!("{e}"));
+    let files: Vec<String> = pt2.files().iter().map(|(_, module, _)| module.display().to_string()).collect();
+    assert!(files[0].ends_with("pt2/image_encoder.pt2") && files[2].ends_with("renderer.pt"), "{files:?}");
+    let models = pt2.registry(Loading::Staged, None).unwrap_or_else(|e| panic!("{e}"));
+    let generated =
+        generate(&models, &pt2, &pixels(&pt2), &pt2.noise(SEED), SAMPLING).unwrap_or_else(|e| panic!("{e}"));
+    models.close();
+    with_runs(|runs| {
+        let script = &runs.staged.generated;
+        let embeds = Difference::of("image_embeds", &generated.image_embeds, &script.image_embeds).unwrap();
+        eprintln!("pt2 against TorchScript: image embeds {embeds}");
+        // One component's output: Inductor's rounding only (the export measures about 1e-7 of the range).
+        assert!(embeds.relative() <= TOLERANCE, "image embeds: {embeds}");
+        let latents = Difference::of("final latents", &generated.final_latents, &script.final_latents).unwrap();
+        eprintln!("pt2 against TorchScript: final latents {latents}");
+        // Through 3 prior calls with guidance 4 (which multiplies a difference of the two halves
+        // by 7) and Heun's steps: measured 1.2e-4 of the range; still far below it.
+        assert!(latents.relative() <= 1e-3, "final latents: {latents}");
+        assert_eq!(mesh(&generated).faces.size(), mesh(script).faces.size(), "face counts");
+    });
 }

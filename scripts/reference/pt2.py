@@ -65,7 +65,16 @@ def export(module, args, out, dynamic_shapes=None, target=TARGET):
     # always_keep_tensor_constants each is one), found without loading the package, whose code
     # may not run on this CPU when compiled for another target.
     signature = ep.graph_signature
-    used = {node.name for node in ep.graph.nodes if node.op == "placeholder" and node.users}
+    # A placeholder is used when the graph's output (or an op with side effects) depends on it:
+    # Inductor drops a dead branch (CLIP's pooled output when only the hidden states are
+    # returned) and the package then expects none of that branch's constants.
+    live, stack = set(), [n for n in ep.graph.nodes if n.op == "output" or (n.op == "call_function" and n.is_impure())]
+    while stack:
+        node = stack.pop()
+        if node not in live:
+            live.add(node)
+            stack.extend(node.all_input_nodes)
+    used = {node.name for node in live if node.op == "placeholder"}
     lifted = {
         **signature.inputs_to_parameters,
         **signature.inputs_to_buffers,

@@ -488,15 +488,15 @@ def export_renderer(model, spec, g, path):
     reloaded = torch.jit.load(path)
     w_of = lambda i: ws[i]  # noqa: E731
     checks = checked("renderer", traced, reloaded, "forward", [(x,) for x in latents], wrapper.forward)
-    checks += checked("renderer", traced, reloaded, "render_rays",
-                      [(rays, *w_of(0)), (rays2, *w_of(1))], wrapper.render_rays, before=seed0)
+    # One batch here on other rays and weights than the trace's; check_recipes renders whole views.
+    checks += checked("renderer", traced, reloaded, "render_rays", [(rays2, *w_of(1))], wrapper.render_rays,
+                      before=seed0)
     checks += checked("renderer", traced, reloaded, "sdf", [(points, *w_of(0)), (short, *w_of(1))], wrapper.sdf)
     checks += checked("renderer", traced, reloaded, "texture", [(points, *w_of(0)), (short, *w_of(1))], wrapper.texture)
     # Eager MeshDecoder (len() untouched) against the trace on fields with other vertex counts:
-    # the trace field, a smaller sphere, an empty field, and the model's own field.
-    own = model_field(wrapper, ws[0])
+    # the trace field, a smaller sphere, an empty field (check_recipes adds the model's own field).
     checks += checked("renderer", traced, reloaded, "marching_cubes",
-                      [(field,), (sphere_field(GRID + 2, 0.3),), (torch.full_like(field, -1.0),), (own,)],
+                      [(field,), (sphere_field(GRID + 2, 0.3),), (torch.full_like(field, -1.0),)],
                       wrapper.marching_cubes)
     check_sphere(wrapper, 0.6)
     entry = {"config": renderer_cfg, "cls": "diffusers.pipelines.shap_e.renderer.ShapERenderer",
@@ -513,17 +513,6 @@ def sphere_field(n, radius):
     axis = torch.linspace(-1, 1, n)
     x, y, z = torch.meshgrid(axis, axis, axis, indexing="ij")
     return radius - torch.sqrt(x * x + y * y + z * z)
-
-
-def model_field(wrapper, ws):
-    """decode_to_mesh's field (with its -1 border) for projected weights ws."""
-    from diffusers.pipelines.shap_e.renderer import volume_query_points
-
-    q = volume_query_points(wrapper.model.volume, GRID)[None]
-    sdf = torch.cat([wrapper.sdf(q[:, i:i + QUERY_BATCH], *ws) for i in range(0, q.shape[1], QUERY_BATCH)], dim=1)
-    full = torch.full((GRID + 2,) * 3, -1.0)
-    full[1:-1, 1:-1, 1:-1] = sdf.reshape(GRID, GRID, GRID)
-    return full
 
 
 def check_sphere(wrapper, radius):

@@ -48,13 +48,14 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use serde::Deserialize;
+use stageload::pt2::Pt2Module;
 use stageload::rng::PreservedRng;
 use stageload::{BoxError, EventSink, ModelSpec, StagedModels};
 use tch::{CModule, IValue, Kind, Tensor};
 
 use crate::clip_image::ClipImageConfig;
 use crate::heun::{Heun, HeunConfig};
-use crate::stable_diffusion::{ComponentFiles, Loading, StageRunner};
+use crate::stable_diffusion::{ComponentFiles, Format, Loading, StageRunner};
 
 /// The three models, in the order the pipeline runs them.
 pub const MODELS: [&str; 3] = ["image_encoder", "prior", "renderer"];
@@ -138,6 +139,18 @@ pub enum RunError {
         /// The export's image size.
         size: i64,
     },
+    /// The noise is not float32 [1, E * D].
+    #[error(
+        "the noise is {kind:?} {shape:?}; the prior's latents are float32 [1, {numel}] (Export::noise draws them)"
+    )]
+    Noise {
+        /// Its dtype.
+        kind: Kind,
+        /// Its shape.
+        shape: Vec<i64>,
+        /// E * D.
+        numel: i64,
+    },
     /// A model's call failed or gave an output of another shape.
     #[error("{model}.{method}: {message}")]
     Model {
@@ -200,6 +213,7 @@ pub struct Components {
 #[derive(Debug, Clone)]
 pub struct Export {
     dir: PathBuf,
+    format: Format,
     config: ExportConfig,
     scheduler: HeunConfig,
     preprocessor: ClipImageConfig,
@@ -209,6 +223,14 @@ impl Export {
     /// Reads `dir/config.json`, the scheduler and image processor files it names, and checks that
     /// every component file is there and the sizes agree.
     pub fn open(dir: impl Into<PathBuf>) -> Result<Export, ExportError> {
+        Export::open_as(dir, Format::Torchscript)
+    }
+
+    /// [`open`](Self::open) with the image encoder and the prior in `format`: with
+    /// [`Format::Pt2`], the AOTInductor packages `scripts/reference/shap_e_pt2.py` compiled into
+    /// `dir/pt2` (the renderer stays TorchScript: torch.export refuses its data-dependent ray
+    /// sampling and marching cubes).
+    pub fn open_as(dir: impl Into<PathBuf>, format: Format) -> Result<Export, ExportError> {
         let dir = dir.into();
         let path = dir.join("config.json");
         let text = std::fs::read_to_string(&path).map_err(|source| ExportError::Read { path: path.clone(), source })?;
@@ -253,7 +275,7 @@ impl Export {
         let preprocessor_path = dir.join(&c.preprocessor);
         let preprocessor = ClipImageConfig::from_json_file(&preprocessor_path)
             .map_err(|source| ExportError::Preprocessor { path: preprocessor_path, source })?;
-        let export = Export { dir, config, scheduler, preprocessor };
+        let export = Export { dir, format, config, scheduler, preprocessor };
         for (model, module, weights) in export.files() {
             for file in [module, weights] {
                 std::fs::metadata(&file).map_err(|source| ExportError::Read { path: file.clone(), source })?;
@@ -285,19 +307,33 @@ impl Export {
         &self.preprocessor
     }
 
-    /// Each model with its TorchScript file and its checkpoint, in the order of [`MODELS`].
-    pub fn files(&self) -> [(&'static str, PathBuf, PathBuf); 3] {
-        let c = &self.config.components;
-        [(MODELS[0], &c.image_encoder), (MODELS[1], &c.prior), (MODELS[2], &c.renderer)]
-            .map(|(name, files)| (name, self.dir.join(&files.file), self.dir.join(&files.weights)))
+    /// The format of the image encoder and the prior.
+    pub fn format(&self) -> Format {
+        self.format
     }
 
-    /// The three models: each its TorchScript module, with its safetensors as the checkpoint that
-    /// refills it after a release.
+    /// Each model with its module file and its checkpoint, in the order of [`MODELS`].
+    pub fn files(&self) -> [(&'static str, PathBuf, PathBuf); 3] {
+        let c = &self.config.components;
+        [(MODELS[0], &c.image_encoder), (MODELS[1], &c.prior), (MODELS[2], &c.renderer)].map(|(name, files)| {
+            if self.format == Format::Pt2 && name != "renderer" {
+                let pt2 = self.dir.join("pt2");
+                (name, pt2.join(format!("{name}.pt2")), pt2.join(format!("{name}.safetensors")))
+            } else {
+                (name, self.dir.join(&files.file), self.dir.join(&files.weights))
+            }
+        })
+    }
+
+    /// The three models: each its module (a TorchScript file or a `.pt2` package), with its
+    /// safetensors as the checkpoint that refills it after a release.
     pub fn model_specs(&self) -> Vec<ModelSpec> {
         self.files()
             .into_iter()
-            .map(|(name, module, weights)| ModelSpec::torchscript(name, module).checkpoint([weights]))
+            .map(|(name, module, weights)| match module.extension().and_then(|e| e.to_str()) {
+                Some("pt2") => ModelSpec::pt2(name, module, [weights]),
+                _ => ModelSpec::torchscript(name, module).checkpoint([weights]),
+            })
             .collect()
     }
 
@@ -414,6 +450,28 @@ fn call_tensor(
     }
 }
 
+/// Runs the image encoder or the prior (`forward`, in the export's format): one tensor of `shape`.
+fn forward(
+    runner: &impl StageRunner,
+    format: Format,
+    model: &'static str,
+    inputs: &[Tensor],
+    shape: &[i64],
+) -> Result<Tensor, BoxError> {
+    match format {
+        Format::Torchscript => call_tensor(runner, model, "forward", inputs, shape),
+        Format::Pt2 => {
+            let inputs: Vec<&Tensor> = inputs.iter().collect();
+            let outputs = runner.call(model, |m: &mut Pt2Module| m.forward(&inputs))?;
+            let wrong = |message: String| RunError::Model { model, method: "forward", message };
+            match outputs.map_err(|e| wrong(e.to_string()))?.as_slice() {
+                [one] => checked(one.shallow_clone(), model, "forward", shape),
+                other => Err(wrong(format!("{} outputs, not one", other.len())).into()),
+            }
+        }
+    }
+}
+
 /// Calls `method` and takes its tuple of `n` tensors.
 fn call_tuple(
     runner: &impl StageRunner,
@@ -526,19 +584,13 @@ pub fn generate(
     }
     let (e, d) = (c.num_embeddings, c.embedding_dim);
     if noise.size() != [1, e * d] || noise.kind() != Kind::Float {
-        return Err(format!(
-            "the noise is {:?} {:?}; the prior takes float32 [1, {}]",
-            noise.kind(),
-            noise.size(),
-            e * d
-        )
-        .into());
+        return Err(RunError::Noise { kind: noise.kind(), shape: noise.size(), numel: e * d }.into());
     }
     let mut heun = Heun::new(export.scheduler(), sampling.steps)?;
 
     runner.enter("encode")?;
     let image_embeds =
-        call_tensor(runner, "image_encoder", "forward", &[pixels.shallow_clone()], &[1, c.image_tokens, -1])?;
+        forward(runner, export.format(), "image_encoder", &[pixels.shallow_clone()], &[1, c.image_tokens, -1])?;
     let conditioning = Tensor::cat(&[image_embeds.zeros_like(), image_embeds.shallow_clone()], 0);
 
     let initial_latents = noise * Tensor::from(heun.init_noise_sigma());
@@ -549,8 +601,8 @@ pub fn generate(
         let input = Tensor::cat(&[&latents, &latents], 0);
         let scaled = heun.scale_model_input(&input, call_index)?;
         let timestep = Tensor::from(t);
-        let predicted =
-            call_tensor(runner, "prior", "forward", &[scaled, timestep, conditioning.shallow_clone()], &[2, e, 2 * d])?;
+        let inputs = [scaled, timestep, conditioning.shallow_clone()];
+        let predicted = forward(runner, export.format(), "prior", &inputs, &[2, e, 2 * d])?;
         let noise_pred = predicted.split(d, 2).swap_remove(0);
         let halves = noise_pred.chunk(2, 0);
         let (uncond, cond) = (&halves[0], &halves[1]);
@@ -617,9 +669,8 @@ fn extract_surface(runner: &impl StageRunner, c: &ExportConfig, weights: &[Tenso
     let mut full = Tensor::zeros([1, g + 2, g + 2, g + 2], (Kind::Float, tch::Device::Cpu));
     let _ = full.fill_(-1.0);
     full.narrow(1, 1, g).narrow(2, 1, g).narrow(3, 1, g).copy_(&fields);
-    let [verts, faces]: [Tensor; 2] = call_tuple(runner, "renderer", "marching_cubes", &[full.get(0)], 2)?
-        .try_into()
-        .map_err(|_| "renderer.marching_cubes: not two outputs")?;
+    let mut outputs = call_tuple(runner, "renderer", "marching_cubes", &[full.get(0)], 2)?;
+    let (faces, verts) = (outputs.swap_remove(1), outputs.swap_remove(0));
     let verts = checked(verts, "renderer", "marching_cubes", &[-1, 3])?;
     let faces = checked(faces, "renderer", "marching_cubes", &[-1, 3])?;
     if faces.size()[0] == 0 {
