@@ -123,6 +123,10 @@ fn parse() -> Result<Args, clap::Error> {
         );
     let matches = command.try_get_matches()?;
     let mut args = Args::from_arg_matches(&matches)?;
+    if args.common.device != tch::Device::Cpu {
+        let message = "the Shap-E export is traced on the CPU (its traces record the device): run with --device cpu";
+        return Err(Args::command().error(clap::error::ErrorKind::ArgumentConflict, message));
+    }
     if matches.get_raw("mode").into_iter().flatten().any(|raw| raw == "prefetch") {
         args.common.prefetch = true;
     }
@@ -165,6 +169,7 @@ fn run(args: &Args) -> Result<(), BoxError> {
         .into());
     }
     let export = Export::open_as(&dir, args.format)?;
+    let seed = i64::try_from(common.seed).map_err(|_| format!("--seed {} is above {}", common.seed, i64::MAX))?;
     let image = match &args.image {
         Some(path) => load_image(path)?,
         None => image::DynamicImage::ImageRgb8(example_image()),
@@ -196,7 +201,8 @@ fn run(args: &Args) -> Result<(), BoxError> {
         if common.prefetch { " with prefetch" } else { "" }
     );
 
-    // The three TorchScript models, each refilled in place from its safetensors after a release.
+    // The three models (TorchScript, or .pt2 packages for the encoder and the prior), each refilled
+    // in place from its safetensors after a release.
     let models: Vec<ModelSpec> = export.model_specs();
     // encode: image_encoder; denoise: prior; decode: renderer; export: nothing resident.
     let stages = STAGES
@@ -219,7 +225,7 @@ fn run(args: &Args) -> Result<(), BoxError> {
         p.load_everything()?;
     }
     // The starting noise, drawn before any lazy build, from torch's CPU generator.
-    let noise = export.noise(common.seed as i64);
+    let noise = export.noise(seed);
     let generated = generate(&p, &export, &pixels, &noise, sampling)?;
     p.latent("image_embeds", &generated.image_embeds);
     p.latent("final_latents", &generated.final_latents);
@@ -256,8 +262,7 @@ fn run(args: &Args) -> Result<(), BoxError> {
         let folder = tempfile::Builder::new().prefix("stageload-shap-e-compare").tempdir()?;
         println!("running diffusers ({} {})", python.display(), export.dir().display());
         let deadline = Duration::from_secs(args.python_deadline);
-        let reference =
-            run_reference(&python, &export, &pixels, common.seed as i64, sampling, folder.path(), deadline)?;
+        let reference = run_reference(&python, &export, &pixels, seed, sampling, folder.path(), deadline)?;
         let comparison = Comparison::of(&generated, &reference)?;
         println!(
             "diffusers ran in {:.1} s ({}); largest differences, Rust against diffusers:",

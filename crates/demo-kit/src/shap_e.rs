@@ -48,7 +48,6 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use serde::Deserialize;
-use stageload::pt2::Pt2Module;
 use stageload::rng::PreservedRng;
 use stageload::{BoxError, EventSink, ModelSpec, StagedModels};
 use tch::{CModule, IValue, Kind, Tensor};
@@ -66,6 +65,22 @@ pub const STAGES: [(&str, &[&str]); 4] =
 pub const VIEWS: i64 = 20;
 /// Pixels a frame's side must be a multiple of: 20·S² rays must fill whole batches of 4096.
 pub const FRAME_MULTIPLE: i64 = 32;
+/// The largest frame side this pipeline renders (20 views of 1024² pixels: 21 M rays).
+pub const MAX_FRAME: i64 = 1024;
+/// The image encoder's input side in pixels.
+pub const IMAGE_SIZE: i64 = 224;
+/// The image tokens the encoder gives (16 × 16 patches of 14 pixels).
+pub const IMAGE_TOKENS: i64 = 256;
+/// Rays per render batch and points per MLP query (`decode_to_image`'s and `decode_to_mesh`'s
+/// 4096, the shapes the renderer's methods are traced and checked at).
+pub const BATCH: i64 = 4096;
+/// Marching-cubes grid points along each side (`decode_to_mesh`'s 128; the traced marching
+/// cubes takes the field with its border, 130³).
+pub const GRID: i64 = 128;
+/// The volume diffusers' renderer bounds: the box from -1 to 1 on every axis.
+const BBOX: ([f32; 3], [f32; 3]) = ([-1.0; 3], [1.0; 3]);
+/// The most latent values (E × D) an export may ask for (the published size has 2^20).
+const MAX_LATENT: i64 = 1 << 24;
 /// The export format this file reads.
 const FORMAT: u32 = 1;
 
@@ -105,6 +120,14 @@ pub enum ExportError {
         /// The scheduler port's error.
         source: crate::heun::HeunError,
     },
+    /// A `.pt2` package is missing: `--format pt2` needs them compiled.
+    #[error("cannot read {}: {source}; compile the packages with scripts/reference/shap_e_pt2.py --components DIR", path.display())]
+    MissingPackage {
+        /// The package or its checkpoint.
+        path: PathBuf,
+        /// The system's error.
+        source: std::io::Error,
+    },
     /// The image processor's file cannot be read.
     #[error("{}: {source}", path.display())]
     Preprocessor {
@@ -126,7 +149,7 @@ pub enum RunError {
     Guidance(f64),
     /// `--frame-size` is not a positive multiple of 32.
     #[error(
-        "frame size {0} is not a positive multiple of 32: diffusers renders 20·S² rays in batches of 4096 and fails on a partial batch; pass 32, 64, ..."
+        "frame size {0} is not a positive multiple of 32 up to 1024: diffusers renders 20·S² rays in batches of 4096 and fails on a partial batch; pass 32, 64, ..."
     )]
     FrameSize(i64),
     /// The pixels are not float32 [1, 3, S, S] at the export's image size.
@@ -174,21 +197,21 @@ pub struct ExportConfig {
     pub num_embeddings: i64,
     /// D: each vector's width (the prior's `embedding_dim`).
     pub embedding_dim: i64,
-    /// Image tokens the encoder gives (256: 16 × 16 patches of 14 pixels).
+    /// Image tokens the encoder gives (must be [`IMAGE_TOKENS`]).
     pub image_tokens: i64,
-    /// The encoder's input side in pixels (224).
+    /// The encoder's input side in pixels (must be [`IMAGE_SIZE`]).
     pub image_size: i64,
-    /// Rays per render batch (4096).
+    /// Rays per render batch (must be [`BATCH`]).
     pub ray_batch: i64,
-    /// Points per MLP query chunk (4096).
+    /// Points per MLP query chunk (must be [`BATCH`]).
     pub query_batch: i64,
-    /// Marching-cubes grid points along each side (128).
+    /// Marching-cubes grid points along each side (must be [`GRID`]).
     pub grid_size: i64,
-    /// Rendered views (20).
+    /// Rendered views (must be [`VIEWS`]).
     pub views: i64,
-    /// The volume's lower corner.
+    /// The volume's lower corner (must be diffusers' -1, -1, -1).
     pub bbox_min: [f32; 3],
-    /// The volume's upper corner.
+    /// The volume's upper corner (must be 1, 1, 1).
     pub bbox_max: [f32; 3],
     /// The scheduler's file (`scheduler.json`).
     pub scheduler: String,
@@ -244,30 +267,33 @@ impl Export {
             )));
         }
         let c = &config;
-        let positive = [
-            ("num_embeddings", c.num_embeddings),
-            ("embedding_dim", c.embedding_dim),
-            ("image_tokens", c.image_tokens),
-            ("image_size", c.image_size),
-            ("ray_batch", c.ray_batch),
-            ("query_batch", c.query_batch),
-            ("grid_size", c.grid_size),
-            ("views", c.views),
+        // diffusers fixes these sizes, and the renderer's methods are traced and checked at them.
+        let fixed = [
+            ("image_size", c.image_size, IMAGE_SIZE),
+            ("image_tokens", c.image_tokens, IMAGE_TOKENS),
+            ("ray_batch", c.ray_batch, BATCH),
+            ("query_batch", c.query_batch, BATCH),
+            ("grid_size", c.grid_size, GRID),
+            ("views", c.views, VIEWS),
         ];
-        if let Some((field, value)) = positive.iter().find(|(_, v)| !(1..=1 << 20).contains(v)) {
-            return Err(unsupported(format!("{field} = {value} is not a size this pipeline runs (1 to 2^20)")));
-        }
-        if c.views != VIEWS {
-            return Err(unsupported(format!("views = {}; diffusers renders {VIEWS} pan cameras", c.views)));
-        }
-        if c.num_embeddings % 4 != 0 {
+        if let Some((field, found, wanted)) = fixed.iter().find(|(_, found, wanted)| found != wanted) {
             return Err(unsupported(format!(
-                "num_embeddings = {} is not four MLP layers' rows (a multiple of 4)",
-                c.num_embeddings
+                "{field} = {found}; diffusers' Shap-E pipeline (and this export's traces) use {wanted}"
             )));
         }
-        if c.bbox_min.iter().zip(&c.bbox_max).any(|(lo, hi)| !(lo.is_finite() && hi.is_finite() && lo < hi)) {
-            return Err(unsupported(format!("the volume {:?}..{:?} is not a box", c.bbox_min, c.bbox_max)));
+        if (c.bbox_min, c.bbox_max) != BBOX {
+            return Err(unsupported(format!(
+                "the volume {:?}..{:?} is not diffusers' renderer's box {:?}..{:?}",
+                c.bbox_min, c.bbox_max, BBOX.0, BBOX.1
+            )));
+        }
+        let (e, d) = (c.num_embeddings, c.embedding_dim);
+        let latent = e.checked_mul(d).filter(|n| (1..=MAX_LATENT).contains(n) && e > 0 && e % 4 == 0);
+        if latent.is_none() {
+            return Err(unsupported(format!(
+                "num_embeddings = {e} by embedding_dim = {d} is not a latent this pipeline runs: four MLP layers' \
+                 rows (a positive multiple of 4) by a width, at most {MAX_LATENT} values"
+            )));
         }
         let scheduler_path = dir.join(&c.scheduler);
         let scheduler = HeunConfig::from_json_file(&scheduler_path)
@@ -278,7 +304,10 @@ impl Export {
         let export = Export { dir, format, config, scheduler, preprocessor };
         for (model, module, weights) in export.files() {
             for file in [module, weights] {
-                std::fs::metadata(&file).map_err(|source| ExportError::Read { path: file.clone(), source })?;
+                std::fs::metadata(&file).map_err(|source| match file.parent() == Some(&export.dir.join("pt2")) {
+                    true => ExportError::MissingPackage { path: file.clone(), source },
+                    false => ExportError::Read { path: file.clone(), source },
+                })?;
                 if !file.is_file() {
                     return Err(unsupported(format!("{model}'s {} is not a regular file", file.display())));
                 }
@@ -458,18 +487,7 @@ fn forward(
     inputs: &[Tensor],
     shape: &[i64],
 ) -> Result<Tensor, BoxError> {
-    match format {
-        Format::Torchscript => call_tensor(runner, model, "forward", inputs, shape),
-        Format::Pt2 => {
-            let inputs: Vec<&Tensor> = inputs.iter().collect();
-            let outputs = runner.call(model, |m: &mut Pt2Module| m.forward(&inputs))?;
-            let wrong = |message: String| RunError::Model { model, method: "forward", message };
-            match outputs.map_err(|e| wrong(e.to_string()))?.as_slice() {
-                [one] => checked(one.shallow_clone(), model, "forward", shape),
-                other => Err(wrong(format!("{} outputs, not one", other.len())).into()),
-            }
-        }
-    }
+    checked(crate::stable_diffusion::forward(runner, format, model, inputs)?, model, "forward", shape)
 }
 
 /// Calls `method` and takes its tuple of `n` tensors.
@@ -504,15 +522,22 @@ fn checked(tensor: Tensor, model: &'static str, method: &'static str, shape: &[i
     Ok(tensor)
 }
 
+/// `size` unless it is not a frame side this pipeline renders: a positive multiple of 32 up to
+/// [`MAX_FRAME`].
+fn check_frame_size(size: i64) -> Result<i64, RunError> {
+    if size <= 0 || size % FRAME_MULTIPLE != 0 || size > MAX_FRAME {
+        return Err(RunError::FrameSize(size));
+    }
+    Ok(size)
+}
+
 /// The rays of diffusers' 20 pan cameras (`create_pan_cameras(size).camera_rays`): [1, 20·S², 2, 3]
 /// float32, origin then direction for each pixel of each view. The cameras circle the volume at
 /// distance 4, looking down at 0.5 of their height, with a 0.7 rad field of view. Their vectors are
 /// computed in f64 with the same libm calls numpy makes and rounded to float32 (as
 /// `torch.from_numpy(...).float()`); the rays are libtorch ops on those, as diffusers has them.
 pub fn pan_rays(size: i64) -> Result<Tensor, RunError> {
-    if size <= 0 || size % FRAME_MULTIPLE != 0 || size > 1 << 14 {
-        return Err(RunError::FrameSize(size));
-    }
+    check_frame_size(size)?;
     let n = VIEWS as usize;
     let (mut origins, mut xs, mut ys, mut zs) = (vec![], vec![], vec![], vec![]);
     // np.linspace(0, 2π, 20): i * step, the last exactly 2π.
@@ -548,16 +573,16 @@ pub fn pan_rays(size: i64) -> Result<Tensor, RunError> {
     Ok(rays.view([1, VIEWS * size * size, 2, 3]))
 }
 
-/// The marching-cubes grid's points (diffusers' `volume_query_points`): [grid³, 3] float32,
+/// The marching-cubes grid's points (diffusers' `volume_query_points`): [GRID³, 3] float32,
 /// x slowest and z fastest, spanning the volume corner to corner.
-pub fn grid_points(grid: i64, bbox_min: [f32; 3], bbox_max: [f32; 3]) -> Tensor {
-    let indices = Tensor::arange(grid * grid * grid, (Kind::Int64, tch::Device::Cpu));
-    let zs = indices.remainder(grid);
-    let ys = indices.divide_scalar_mode(grid, "trunc").remainder(grid);
-    let xs = indices.divide_scalar_mode(grid * grid, "trunc").remainder(grid);
+fn grid_points() -> Tensor {
+    let indices = Tensor::arange(GRID * GRID * GRID, (Kind::Int64, tch::Device::Cpu));
+    let zs = indices.remainder(GRID);
+    let ys = indices.divide_scalar_mode(GRID, "trunc").remainder(GRID);
+    let xs = indices.divide_scalar_mode(GRID * GRID, "trunc").remainder(GRID);
     let combined = Tensor::stack(&[xs, ys, zs], 1);
-    let (lo, hi) = (Tensor::from_slice(&bbox_min), Tensor::from_slice(&bbox_max));
-    (combined.to_kind(Kind::Float) / (grid - 1)) * (hi - &lo) + lo
+    let (lo, hi) = (Tensor::from_slice(&BBOX.0), Tensor::from_slice(&BBOX.1));
+    (combined.to_kind(Kind::Float) / (GRID - 1)) * (hi - &lo) + lo
 }
 
 /// Runs the pipeline on `pixels` (float32 [1, 3, 224, 224], already preprocessed): enters
@@ -573,14 +598,13 @@ pub fn generate(
     if !(sampling.guidance > 1.0 && sampling.guidance.is_finite()) {
         return Err(RunError::Guidance(sampling.guidance).into());
     }
-    if sampling.views && (sampling.frame_size <= 0 || sampling.frame_size % FRAME_MULTIPLE != 0) {
-        return Err(RunError::FrameSize(sampling.frame_size).into());
+    if sampling.views {
+        check_frame_size(sampling.frame_size)?;
     }
     let _no_grad = tch::no_grad_guard();
     let c = export.config();
-    let size = c.image_size;
-    if pixels.size() != [1, 3, size, size] || pixels.kind() != Kind::Float {
-        return Err(RunError::Pixels { kind: pixels.kind(), shape: pixels.size(), size }.into());
+    if pixels.size() != [1, 3, IMAGE_SIZE, IMAGE_SIZE] || pixels.kind() != Kind::Float {
+        return Err(RunError::Pixels { kind: pixels.kind(), shape: pixels.size(), size: IMAGE_SIZE }.into());
     }
     let (e, d) = (c.num_embeddings, c.embedding_dim);
     if noise.size() != [1, e * d] || noise.kind() != Kind::Float {
@@ -590,7 +614,7 @@ pub fn generate(
 
     runner.enter("encode")?;
     let image_embeds =
-        forward(runner, export.format(), "image_encoder", &[pixels.shallow_clone()], &[1, c.image_tokens, -1])?;
+        forward(runner, export.format(), "image_encoder", &[pixels.shallow_clone()], &[1, IMAGE_TOKENS, -1])?;
     let conditioning = Tensor::cat(&[image_embeds.zeros_like(), image_embeds.shallow_clone()], 0);
 
     let initial_latents = noise * Tensor::from(heun.init_noise_sigma());
@@ -615,35 +639,31 @@ pub fn generate(
     // The renderer reseeds torch's global generators before every ray batch: the caller's come back after.
     let preserved = PreservedRng::save(&[])?;
     let weights = call_tuple(runner, "renderer", "forward", &[final_latents.shallow_clone()], 4)?;
-    let views = if sampling.views { Some(render_views(runner, c, &weights, sampling.frame_size)?) } else { None };
-    let surface = if sampling.mesh { Some(extract_surface(runner, c, &weights)?) } else { None };
+    let views = if sampling.views { Some(render_views(runner, &weights, sampling.frame_size)?) } else { None };
+    let surface = if sampling.mesh { Some(extract_surface(runner, &weights)?) } else { None };
     drop(preserved);
     Ok(Generated { image_embeds, initial_latents, timesteps, final_latents, views, surface })
 }
 
 /// decode_to_image: every ray batch after `manual_seed(0)`, then the views.
-fn render_views(
-    runner: &impl StageRunner,
-    c: &ExportConfig,
-    weights: &[Tensor],
-    size: i64,
-) -> Result<Tensor, BoxError> {
+fn render_views(runner: &impl StageRunner, weights: &[Tensor], size: i64) -> Result<Tensor, BoxError> {
     let rays = pan_rays(size)?;
-    let total = rays.size()[1];
+    // 20·S² rays with S a multiple of 32: whole batches of 4096.
+    let batches = rays.size()[1] / BATCH;
     let mut channels = Vec::new();
-    for start in (0..total).step_by(c.ray_batch as usize) {
+    for batch in 0..batches {
         tch::manual_seed(0);
-        let mut inputs = vec![rays.narrow(1, start, c.ray_batch.min(total - start))];
+        let mut inputs = vec![rays.narrow(1, batch * BATCH, BATCH)];
         inputs.extend(weights.iter().map(Tensor::shallow_clone));
-        channels.push(call_tensor(runner, "renderer", "render_rays", &inputs, &[1, -1, 3])?);
+        channels.push(call_tensor(runner, "renderer", "render_rays", &inputs, &[1, BATCH, 3])?);
     }
     Ok(Tensor::cat(&channels, 1).view([1, VIEWS, size, size, -1]).squeeze_dim(0))
 }
 
-/// The MLP's `method` (`sdf` or `texture`) over `points` [1, n, 3] in chunks of `query_batch`.
+/// The MLP's `method` (`sdf` or `texture`) over `points` [1, n, 3] in chunks of 4096, the last
+/// one shorter when n is not a multiple (as diffusers chunks).
 fn query(
     runner: &impl StageRunner,
-    c: &ExportConfig,
     method: &'static str,
     points: &Tensor,
     weights: &[Tensor],
@@ -651,8 +671,8 @@ fn query(
 ) -> Result<Tensor, BoxError> {
     let total = points.size()[1];
     let mut out = Vec::new();
-    for start in (0..total).step_by(c.query_batch as usize) {
-        let chunk = points.narrow(1, start, c.query_batch.min(total - start));
+    for start in (0..total).step_by(BATCH as usize) {
+        let chunk = points.narrow(1, start, BATCH.min(total - start));
         let n = chunk.size()[1];
         let mut inputs = vec![chunk];
         inputs.extend(weights.iter().map(Tensor::shallow_clone));
@@ -662,13 +682,12 @@ fn query(
 }
 
 /// decode_to_mesh: the field on the grid, its -1 border, marching cubes, the texture.
-fn extract_surface(runner: &impl StageRunner, c: &ExportConfig, weights: &[Tensor]) -> Result<Surface, BoxError> {
-    let g = c.grid_size;
-    let points = grid_points(g, c.bbox_min, c.bbox_max).unsqueeze(0).repeat([1, 1, 1]);
-    let fields = query(runner, c, "sdf", &points, weights, 1)?.reshape([1, g, g, g]);
-    let mut full = Tensor::zeros([1, g + 2, g + 2, g + 2], (Kind::Float, tch::Device::Cpu));
+fn extract_surface(runner: &impl StageRunner, weights: &[Tensor]) -> Result<Surface, BoxError> {
+    let points = grid_points().unsqueeze(0).repeat([1, 1, 1]);
+    let fields = query(runner, "sdf", &points, weights, 1)?.reshape([1, GRID, GRID, GRID]);
+    let mut full = Tensor::zeros([1, GRID + 2, GRID + 2, GRID + 2], (Kind::Float, tch::Device::Cpu));
     let _ = full.fill_(-1.0);
-    full.narrow(1, 1, g).narrow(2, 1, g).narrow(3, 1, g).copy_(&fields);
+    full.narrow(1, 1, GRID).narrow(2, 1, GRID).narrow(3, 1, GRID).copy_(&fields);
     let mut outputs = call_tuple(runner, "renderer", "marching_cubes", &[full.get(0)], 2)?;
     let (faces, verts) = (outputs.swap_remove(1), outputs.swap_remove(0));
     let verts = checked(verts, "renderer", "marching_cubes", &[-1, 3])?;
@@ -679,7 +698,7 @@ fn extract_surface(runner: &impl StageRunner, c: &ExportConfig, weights: &[Tenso
     let n = verts.size()[0];
     let positions =
         verts.index_select(0, &Tensor::arange(n, (Kind::Int64, tch::Device::Cpu)).remainder(n)).unsqueeze(0);
-    let colors = query(runner, c, "texture", &positions, weights, 3)?.get(0);
+    let colors = query(runner, "texture", &positions, weights, 3)?.get(0);
     Ok(Surface::Mesh(Mesh { verts, faces, colors }))
 }
 

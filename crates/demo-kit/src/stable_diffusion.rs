@@ -386,7 +386,12 @@ impl StageRunner for DemoRun {
 }
 
 /// Runs the model `model` (of `format`) on `inputs`; a failing forward is an error naming it.
-fn forward(runner: &impl StageRunner, format: Format, model: &str, inputs: &[Tensor]) -> Result<Tensor, BoxError> {
+pub(crate) fn forward(
+    runner: &impl StageRunner,
+    format: Format,
+    model: &str,
+    inputs: &[Tensor],
+) -> Result<Tensor, BoxError> {
     let failed = |e: &dyn std::fmt::Display| format!("{model}: forward failed: {e}");
     match format {
         Format::Torchscript => {

@@ -214,18 +214,49 @@ fn same_latent(reference: &Path, run: &Path, log: &Log) -> Result<(), Error> {
 /// then a staged run checked against diffusers' StableDiffusionPipeline on the same weights,
 /// embeddings and initial latents (within 1e-5 of each value range, or it fails). Results in `out`.
 pub fn sd_demo(shell: &mut Shell, out: &Path) -> Result<(), Error> {
+    let published = Published {
+        what: "Stable Diffusion",
+        small: "STAGELOAD_SD_SMALL",
+        folder: "sd-sd15",
+        export: &["scripts/reference/sd_export.py", "--size", "sd15"],
+        example: "stable_diffusion",
+        reference: "StableDiffusionPipeline",
+    };
+    published_demo(shell, out, &published, &[])
+}
+
+/// A pipeline written by others, at its published size, against diffusers.
+struct Published<'a> {
+    /// Its name in the verdict.
+    what: &'a str,
+    /// The variable scripts/setup-reference.sh sets to the small export (the cache is its parent).
+    small: &'a str,
+    /// The published export's folder in the cache.
+    folder: &'a str,
+    /// The export script and its arguments before `--out`.
+    export: &'a [&'a str],
+    /// The example that runs it.
+    example: &'a str,
+    /// diffusers' pipeline class, for the log.
+    reference: &'a str,
+}
+
+/// The published-size export made once; eager, staged and staged with prefetch, one run each
+/// under `stageload ab` with `args`; the plan checked against the runs; then a staged run with
+/// `--compare-python`. Results in `out`.
+fn published_demo(shell: &mut Shell, out: &Path, published: &Published, args: &[String]) -> Result<(), Error> {
     shell.set_up(&[Setup::Libtorch, Setup::Reference])?;
     let out = shell.folder(out)?;
-    let small = shell.var("STAGELOAD_SD_SMALL").ok_or("scripts/setup-reference.sh set no STAGELOAD_SD_SMALL")?;
-    let components = Path::new(&small).parent().unwrap_or(Path::new(".")).join("sd-sd15");
+    let small = shell.var(published.small).ok_or(format!("scripts/setup-reference.sh set no {}", published.small))?;
+    let components = Path::new(&small).parent().unwrap_or(Path::new(".")).join(published.folder);
     let python = shell.var("STAGELOAD_PYTHON").ok_or("scripts/setup-libtorch.sh set no STAGELOAD_PYTHON")?;
     println!("== the published-size export in {} (made once)", components.display());
-    let mut export = shell.cmd(&python, &["scripts/reference/sd_export.py", "--size", "sd15", "--out"]);
-    shell.run(export.arg(&components))?;
-    let stageload = build(shell, &["--example", "stable_diffusion"])?;
-    let sd = shell.target("debug/examples/stable_diffusion");
-    let base = vec!["--components".to_string(), components.display().to_string()];
-    let arm = |name: &str| Arm::new(name, &sd, &[base.clone(), words(&["--mode", name])].concat());
+    let mut export = shell.cmd(&python, published.export);
+    shell.run(export.arg("--out").arg(&components))?;
+    let stageload = build(shell, &["--example", published.example])?;
+    let program = shell.target(&format!("debug/examples/{}", published.example));
+    let base = [vec!["--components".to_string(), components.display().to_string()], args.to_vec()].concat();
+    let arm = |name: &str| Arm::new(name, &program, &[base.clone(), words(&["--mode", name])].concat());
     let log = Log::create(&out.join("ab.log"))?;
     log.line("== stageload ab: eager, staged, prefetch, one run each, under the guard");
     let flags = guard_flags(Some(&out.join("guard.ndjson")));
@@ -237,10 +268,10 @@ pub fn sd_demo(shell: &mut Shell, out: &Path) -> Result<(), Error> {
         flags,
     };
     let mut failures = Failures::default();
-    failures.keep(comparison.run(shell, Some(&log))?.verdict("Stable Diffusion"));
+    failures.keep(comparison.run(shell, Some(&log))?.verdict(published.what));
     failures.keep(check_plan(shell, &stageload, &out));
-    println!("== a staged run against diffusers' StableDiffusionPipeline");
-    let mut compare = shell.cmd(&sd, &[]);
+    println!("== a staged run against diffusers' {}", published.reference);
+    let mut compare = shell.cmd(&program, &[]);
     compare.args(&base).args(["--mode", "staged", "--compare-python"]);
     failures.keep(save(shell, &mut compare, &out.join("compare.txt"), true));
     failures.end()
@@ -254,40 +285,15 @@ pub fn sd_demo(shell: &mut Shell, out: &Path) -> Result<(), Error> {
 /// and seed (within 1e-5 of each value range, or it fails), its mesh and views written. Results
 /// in `out`.
 pub fn shap_e_demo(shell: &mut Shell, out: &Path) -> Result<(), Error> {
-    shell.set_up(&[Setup::Libtorch, Setup::Reference])?;
-    let out = shell.folder(out)?;
-    let small =
-        shell.var("STAGELOAD_SHAP_E_SMALL").ok_or("scripts/setup-reference.sh set no STAGELOAD_SHAP_E_SMALL")?;
-    let components = Path::new(&small).parent().unwrap_or(Path::new(".")).join("shap-e-published");
-    let python = shell.var("STAGELOAD_PYTHON").ok_or("scripts/setup-libtorch.sh set no STAGELOAD_PYTHON")?;
-    println!("== the published-size export in {} (made once)", components.display());
-    let mut export = shell.cmd(&python, &["scripts/reference/shap_e_export.py", "--size", "published", "--out"]);
-    shell.run(export.arg(&components))?;
-    let stageload = build(shell, &["--example", "shap_e"])?;
-    let program = shell.target("debug/examples/shap_e");
-    let base = [
-        vec!["--components".to_string(), components.display().to_string()],
-        words(&["--steps", "2", "--frame-size", "32", "--out"]),
-        vec![out.join("files").display().to_string()],
-    ]
-    .concat();
-    let arm = |name: &str| Arm::new(name, &program, &[base.clone(), words(&["--mode", name])].concat());
-    let log = Log::create(&out.join("ab.log"))?;
-    log.line("== stageload ab: eager, staged, prefetch, one run each, under the guard");
-    let flags = guard_flags(Some(&out.join("guard.ndjson")));
-    let comparison = Comparison {
-        stageload: &stageload,
-        out: out.clone(),
-        runs: 1,
-        arms: vec![arm("eager"), arm("staged"), arm("prefetch")],
-        flags,
+    let published = Published {
+        what: "Shap-E",
+        small: "STAGELOAD_SHAP_E_SMALL",
+        folder: "shap-e-published",
+        export: &["scripts/reference/shap_e_export.py", "--size", "published"],
+        example: "shap_e",
+        reference: "ShapEImg2ImgPipeline",
     };
-    let mut failures = Failures::default();
-    failures.keep(comparison.run(shell, Some(&log))?.verdict("Shap-E"));
-    failures.keep(check_plan(shell, &stageload, &out));
-    println!("== a staged run against diffusers' ShapEImg2ImgPipeline");
-    let mut compare = shell.cmd(&program, &[]);
-    compare.args(&base).args(["--mode", "staged", "--compare-python"]);
-    failures.keep(save(shell, &mut compare, &out.join("compare.txt"), true));
-    failures.end()
+    let files = out.join("files").display().to_string();
+    let args = [words(&["--steps", "2", "--frame-size", "32", "--out"]), vec![files]].concat();
+    published_demo(shell, out, &published, &args)
 }

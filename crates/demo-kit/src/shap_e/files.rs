@@ -42,7 +42,7 @@ pub enum FileError {
     },
 }
 
-/// Writes `bytes` to `path` through a temporary file beside it, renamed over it once complete.
+/// Runs `write` into a temporary file beside `path` and renames it over `path` once complete.
 fn write_atomically(
     path: &Path,
     write: impl FnOnce(&mut BufWriter<File>) -> std::io::Result<()>,
