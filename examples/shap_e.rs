@@ -159,15 +159,7 @@ fn run(args: &Args) -> Result<(), BoxError> {
         )
         .into());
     }
-    if args.format == Format::Pt2 && !dir.join("pt2/done").is_file() {
-        return Err(format!(
-            "no .pt2 packages in {}: compile them once from the same modules (minutes per component on a CPU):\n  \
-             $STAGELOAD_PYTHON scripts/reference/shap_e_pt2.py --components {}",
-            dir.join("pt2").display(),
-            dir.display()
-        )
-        .into());
-    }
+    // A missing .pt2 package is an error naming scripts/reference/shap_e_pt2.py.
     let export = Export::open_as(&dir, args.format)?;
     let seed = i64::try_from(common.seed).map_err(|_| format!("--seed {} is above {}", common.seed, i64::MAX))?;
     let image = match &args.image {

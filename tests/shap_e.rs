@@ -16,7 +16,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use stageload::{BoxError, Event, EventKind, EventSink, ListSink, StagedModels};
+use stageload::{BoxError, Event, EventKind, EventSink, ListSink};
 use stageload_demo_kit::clip_image::preprocess;
 use stageload_demo_kit::shap_e::files::{write_ply, write_views_png};
 use stageload_demo_kit::shap_e::reference::{run_reference, Comparison, Reference};
@@ -26,6 +26,8 @@ use stageload_demo_kit::shap_e::{
 use stageload_demo_kit::stable_diffusion::{Difference, Format, Loading, StageRunner, TOLERANCE};
 use stageload_test_support::torch as support;
 use tch::{CModule, Kind, Tensor};
+
+use crate::watch::{assert_bits_equal, of_kind, Call, Watch};
 
 const SAMPLING: Sampling = Sampling { steps: 2, guidance: 4.0, frame_size: 32, views: true, mesh: true };
 const SEED: i64 = 5;
@@ -52,36 +54,6 @@ fn pixels(export: &Export) -> Tensor {
     preprocess(&image, export.preprocessor()).unwrap_or_else(|e| panic!("{e}"))
 }
 
-/// One model call as the watching runner saw it: the stage, the model, what was resident.
-#[derive(Debug, Clone, PartialEq)]
-struct Call {
-    stage: Option<String>,
-    model: String,
-    resident: Vec<String>,
-}
-
-/// A registry that records, inside every model call, what was resident.
-struct Watch<'a> {
-    models: &'a StagedModels,
-    calls: Mutex<Vec<Call>>,
-}
-
-impl StageRunner for Watch<'_> {
-    fn enter(&self, stage: &str) -> Result<(), BoxError> {
-        self.models.enter(stage)?;
-        Ok(())
-    }
-
-    fn call<M: 'static, R>(&self, model: &str, f: impl FnOnce(&mut M) -> R) -> Result<R, BoxError> {
-        Ok(self.models.call(model, |m: &mut M| {
-            let call =
-                Call { stage: self.models.current_stage(), model: model.to_string(), resident: self.models.resident() };
-            self.calls.lock().unwrap_or_else(|p| p.into_inner()).push(call);
-            f(m)
-        })?)
-    }
-}
-
 /// One Rust run: what it made, the events until it closed, every call, what was resident in
 /// `export`, and whether torch's generator was where the caller left it afterwards.
 struct Run {
@@ -103,14 +75,14 @@ fn run(export: &Export, loading: Loading) -> Result<Run, BoxError> {
     tch::manual_seed(4242);
     let expected = Tensor::randn([8], (Kind::Float, tch::Device::Cpu));
     tch::manual_seed(4242);
-    let watch = Watch { models: &models, calls: Mutex::default() };
+    let watch = Watch::new(&models);
     let generated = generate(&watch, export, &pixels, &noise, SAMPLING)?;
     let generator_kept = Tensor::randn([8], (Kind::Float, tch::Device::Cpu)).equal(&expected);
     models.enter("export")?;
     let resident_at_export = models.resident();
     let events = sink.events();
     models.close();
-    let calls = watch.calls.into_inner().unwrap_or_else(|p| p.into_inner());
+    let calls = watch.into_calls();
     Ok(Run { generated, events, calls, resident_at_export, generator_kept, seconds: started.elapsed().as_secs_f64() })
 }
 
@@ -174,29 +146,11 @@ fn with_reference(check: impl FnOnce(&Runs, &Reference)) {
     }
 }
 
-/// Asserts that two tensors hold the same bits (stricter than `Tensor::equal` for floats, which
-/// counts -0 equal to +0); reports how many values differ and the largest difference.
-fn assert_bits_equal(what: &str, a: &Tensor, b: &Tensor) {
-    assert_eq!((a.kind(), a.size()), (b.kind(), b.size()), "{what}: kinds and shapes");
-    let bits =
-        |t: &Tensor| if t.kind() == Kind::Float { t.contiguous().view_dtype(Kind::Int) } else { t.shallow_clone() };
-    let (a_bits, b_bits) = (bits(a), bits(b));
-    if !a_bits.equal(&b_bits) {
-        let differing = a_bits.ne_tensor(&b_bits).sum(Kind::Int64).int64_value(&[]);
-        let largest = (a.to_kind(Kind::Double) - b.to_kind(Kind::Double)).abs().max().double_value(&[]);
-        panic!("{what}: {differing} of {} values differ, the largest by {largest:e}", a.numel());
-    }
-}
-
 fn mesh(generated: &Generated) -> &stageload_demo_kit::shap_e::Mesh {
     match &generated.surface {
         Some(Surface::Mesh(mesh)) => mesh,
         other => panic!("no mesh: {other:?}"),
     }
-}
-
-fn of_kind(events: &[Event], kind: EventKind) -> Vec<&Event> {
-    events.iter().filter(|e| e.kind == kind).collect()
 }
 
 #[test]

@@ -11,12 +11,14 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use stageload::{BoxError, Event, EventKind, EventSink, ListSink, StagedModels};
+use stageload::{BoxError, Event, EventKind, EventSink, ListSink};
 use stageload_demo_kit::stable_diffusion::{
-    generate, run_reference, Comparison, Export, Generated, Loading, Reference, Sampling, StageRunner,
+    generate, run_reference, Comparison, Export, Generated, Loading, Reference, Sampling,
 };
 use stageload_test_support::torch as support;
-use tch::{Kind, Tensor};
+use tch::Kind;
+
+use crate::watch::{assert_bits_equal, of_kind, Call, Watch};
 
 const SAMPLING: Sampling = Sampling { steps: 4, guidance: 7.5 };
 const SEED: i64 = 11;
@@ -32,36 +34,6 @@ fn required(variable: &str) -> Result<String, String> {
     })
 }
 
-/// One model call as the watching runner saw it: the stage, the model, what was resident.
-#[derive(Debug, Clone, PartialEq)]
-struct Call {
-    stage: Option<String>,
-    model: String,
-    resident: Vec<String>,
-}
-
-/// A registry that records, inside every model call, what was resident.
-struct Watch<'a> {
-    models: &'a StagedModels,
-    calls: Mutex<Vec<Call>>,
-}
-
-impl StageRunner for Watch<'_> {
-    fn enter(&self, stage: &str) -> Result<(), BoxError> {
-        self.models.enter(stage)?;
-        Ok(())
-    }
-
-    fn call<M: 'static, R>(&self, model: &str, f: impl FnOnce(&mut M) -> R) -> Result<R, BoxError> {
-        Ok(self.models.call(model, |m: &mut M| {
-            let call =
-                Call { stage: self.models.current_stage(), model: model.to_string(), resident: self.models.resident() };
-            self.calls.lock().unwrap_or_else(|p| p.into_inner()).push(call);
-            f(m)
-        })?)
-    }
-}
-
 /// One Rust run: what it made, the events until it closed, and every call.
 struct Run {
     generated: Generated,
@@ -75,11 +47,11 @@ fn run(export: &Export, loading: Loading) -> Result<Run, BoxError> {
     let sink = Arc::new(ListSink::new());
     let models = export.registry(loading, Some(sink.clone() as Arc<dyn EventSink>))?;
     let latents = export.initial_latents(SEED);
-    let watch = Watch { models: &models, calls: Mutex::default() };
+    let watch = Watch::new(&models);
     let generated = generate(&watch, export, &latents, SAMPLING)?;
     let events = sink.events();
     models.close();
-    let calls = watch.calls.into_inner().unwrap_or_else(|p| p.into_inner());
+    let calls = watch.into_calls();
     Ok(Run { generated, events, calls, seconds: started.elapsed().as_secs_f64() })
 }
 
@@ -140,23 +112,6 @@ fn with_reference(check: impl FnOnce(&Runs, &Reference)) {
         Ok(reference) => check(runs, reference),
         Err(error) => panic!("{error}"),
     }
-}
-
-/// Asserts that two float32 tensors hold the same bits (stricter than `Tensor::equal`, which
-/// counts -0 equal to +0); reports how many values differ and the largest difference.
-fn assert_bits_equal(what: &str, a: &Tensor, b: &Tensor) {
-    assert_eq!((a.kind(), a.size()), (b.kind(), b.size()), "{what}: kinds and shapes");
-    assert_eq!(a.kind(), Kind::Float, "{what}");
-    let (a_bits, b_bits) = (a.contiguous().view_dtype(Kind::Int), b.contiguous().view_dtype(Kind::Int));
-    if !a_bits.equal(&b_bits) {
-        let differing = a_bits.ne_tensor(&b_bits).sum(Kind::Int64).int64_value(&[]);
-        let largest = (a.to_kind(Kind::Double) - b.to_kind(Kind::Double)).abs().max().double_value(&[]);
-        panic!("{what}: {differing} of {} values differ, the largest by {largest:e}", a.numel());
-    }
-}
-
-fn of_kind(events: &[Event], kind: EventKind) -> Vec<&Event> {
-    events.iter().filter(|e| e.kind == kind).collect()
 }
 
 #[test]

@@ -16,7 +16,8 @@
 //!   against its reference implementation), `stable_diffusion` and `ddim` (against diffusers),
 //!   `many_jobs` (cascade jobs on a local Ray cluster); `heun` (against diffusers), `clip_image`
 //!   (against transformers), `shap_e` (image to 3D, against diffusers).
-//! - `reference`: running a reference script for `ddim` and `heun`.
+//! - `reference`: running a reference script for `ddim` and `heun`; `watch`: what the
+//!   `stable_diffusion` and `shap_e` tests share (a registry watched at every call).
 
 mod checkpoint;
 mod clip_image;
@@ -41,3 +42,4 @@ mod staged;
 mod stream;
 mod stream_demo;
 mod threads;
+mod watch;
