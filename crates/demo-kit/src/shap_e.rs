@@ -24,7 +24,7 @@
 //!   four layers. Views: the 20 pan cameras' rays ([`pan_rays`]) in batches of 4096, each batch
 //!   after `manual_seed(0)` (diffusers' `StratifiedRaySampler` reseeds torch's global generators
 //!   before every batch, and the batch draws three times from them), then `view(20, S, S, 3)`.
-//!   Mesh: the signed distance at the 128³ grid points ([`grid_points`]) in chunks of 4096, a
+//!   Mesh: the signed distance at the 128³ grid points (`grid_points`) in chunks of 4096, a
 //!   border of -1 around it, marching cubes, then the texture at every vertex in chunks of 4096.
 //!
 //! # Random generators
