@@ -17,12 +17,8 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 sys.dont_write_bytecode = True
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import shap_e_export  # noqa: E402
-from pt2 import export, run  # noqa: E402
 
 
 def main():
@@ -35,6 +31,12 @@ def main():
     if stamp.exists() and stamp.read_text() == config.get("script", ""):
         print(f"shap_e_pt2: {out} up to date")
         return
+    # Imported only when there is work: importing torch takes seconds, and the set-up runs this
+    # script on every test command.
+    import torch
+    import shap_e_export
+    from pt2 import export, run
+
     torch.set_grad_enabled(False)
     spec = shap_e_export.size_spec(config["size"])
     g = torch.Generator().manual_seed(1234)

@@ -369,28 +369,7 @@ impl Export {
     /// A registry of the three models on the CPU for `loading`, its events to `events`. Eager:
     /// every model pinned and loaded now.
     pub fn registry(&self, loading: Loading, events: Option<Arc<dyn EventSink>>) -> Result<StagedModels, BoxError> {
-        let mut builder = StagedModels::builder().prefetch_next(loading == Loading::Prefetch);
-        if let Some(sink) = events {
-            builder = builder.events(sink);
-        }
-        for spec in self.model_specs() {
-            builder = builder.model(spec);
-        }
-        for (stage, models) in STAGES {
-            builder = builder.stage(stage, models.iter().copied());
-        }
-        if loading == Loading::Eager {
-            for model in MODELS {
-                builder = builder.pin(model);
-            }
-        }
-        let models = builder.build()?;
-        if loading == Loading::Eager {
-            for model in MODELS {
-                models.load(model)?;
-            }
-        }
-        Ok(models)
+        crate::stable_diffusion::registry(self.model_specs(), STAGES, loading, events)
     }
 
     /// The initial noise of `seed`, before scaling: `tch::manual_seed(seed)`, then `randn([1, E * D])`

@@ -299,28 +299,8 @@ impl Export {
     /// every model pinned and loaded now, so nothing is ever released. (The command line places
     /// models on other devices through `DemoRun`'s pipeline file.)
     pub fn registry(&self, loading: Loading, events: Option<Arc<dyn EventSink>>) -> Result<StagedModels, BoxError> {
-        let mut builder = StagedModels::builder().prefetch_next(loading == Loading::Prefetch);
-        if let Some(sink) = events {
-            builder = builder.events(sink);
-        }
-        for spec in self.model_specs() {
-            builder = builder.model(spec);
-        }
-        for (stage, model) in STAGES {
-            builder = builder.stage(stage, [model]);
-        }
-        if loading == Loading::Eager {
-            for model in MODELS {
-                builder = builder.pin(model);
-            }
-        }
-        let models = builder.build()?;
-        if loading == Loading::Eager {
-            for model in MODELS {
-                models.load(model)?;
-            }
-        }
-        Ok(models)
+        let stages = STAGES.iter().map(|(stage, model)| (*stage, std::slice::from_ref(model)));
+        registry(self.model_specs(), stages, loading, events)
     }
 
     /// The initial latents of `seed`: `tch::manual_seed(seed)`, then `randn` from torch's CPU
@@ -353,6 +333,40 @@ impl Loading {
             Loading::Prefetch => "prefetch",
         }
     }
+}
+
+/// A registry of `specs` with `stages` (each with the models it runs) for `loading`, its events to
+/// `events`. Eager: every model pinned and loaded now, so nothing is ever released. (The command
+/// line places models on other devices through `DemoRun`'s pipeline file.)
+pub(crate) fn registry<'a>(
+    specs: Vec<ModelSpec>,
+    stages: impl IntoIterator<Item = (&'a str, &'a [&'a str])>,
+    loading: Loading,
+    events: Option<Arc<dyn EventSink>>,
+) -> Result<StagedModels, BoxError> {
+    let names: Vec<String> = specs.iter().map(|spec| spec.name().to_string()).collect();
+    let mut builder = StagedModels::builder().prefetch_next(loading == Loading::Prefetch);
+    if let Some(sink) = events {
+        builder = builder.events(sink);
+    }
+    for spec in specs {
+        builder = builder.model(spec);
+    }
+    for (stage, models) in stages {
+        builder = builder.stage(stage, models.iter().copied());
+    }
+    if loading == Loading::Eager {
+        for model in &names {
+            builder = builder.pin(model);
+        }
+    }
+    let models = builder.build()?;
+    if loading == Loading::Eager {
+        for model in &names {
+            models.load(model)?;
+        }
+    }
+    Ok(models)
 }
 
 /// What the pipeline runs on: stages to enter and models to call (a registry, or a demo run with

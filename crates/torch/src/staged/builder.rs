@@ -27,8 +27,8 @@ use stageload_trace::event::EventSink;
 /// ```no_run
 /// # use std::sync::Arc;
 /// # use stageload::{BoxError, BuildContext, Built, ModelSpec, Pipeline, StagedModels};
-/// # fn denoiser(ctx: &BuildContext) -> Result<Built, BoxError> { unimplemented!() }
-/// # fn decoder(ctx: &BuildContext) -> Result<Built, BoxError> { unimplemented!() }
+/// # fn denoiser(_: &BuildContext) -> Result<Built, BoxError> { Err("your loader builds the model here".into()) }
+/// # fn decoder(_: &BuildContext) -> Result<Built, BoxError> { Err("your loader builds the model here".into()) }
 /// # fn run(sink: Arc<dyn stageload::EventSink>) -> Result<(), Box<dyn std::error::Error>> {
 /// // By hand: models, stages in the order the run enters them, pins, options.
 /// let models = StagedModels::builder()

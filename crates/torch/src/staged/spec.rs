@@ -150,7 +150,7 @@ pub(crate) type Loader = dyn Fn(&BuildContext) -> Result<Built, BoxError> + Send
 ///
 /// ```no_run
 /// # use stageload::{BoxError, BuildContext, Built, ModelSpec, NameRules};
-/// # fn bert(ctx: &BuildContext) -> Result<Built, BoxError> { unimplemented!() }
+/// # fn bert(_: &BuildContext) -> Result<Built, BoxError> { Err("your loader builds the model here".into()) }
 /// // A published checkpoint whose names lack the model's `bert.` prefix, with entries the model
 /// // does not use, loaded into a model built without random initialisation.
 /// let spec = ModelSpec::new("bert", bert)
