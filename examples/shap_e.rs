@@ -32,11 +32,11 @@ use clap::builder::TypedValueParser;
 use clap::{CommandFactory, FromArgMatches, Parser};
 use stageload::{BoxError, ModelSpec, StagedModels};
 use stageload_demo_kit::clip_image::{load_image, preprocess};
+use stageload_demo_kit::pipeline::{Format, TOLERANCE};
 use stageload_demo_kit::run::{progress_at_terminal, Demo};
 use stageload_demo_kit::shap_e::files::{write_ply, write_views_png};
 use stageload_demo_kit::shap_e::reference::{run_reference, Comparison};
 use stageload_demo_kit::shap_e::{example_image, generate, Export, Sampling, Surface, STAGES};
-use stageload_demo_kit::stable_diffusion::{Format, TOLERANCE};
 use stageload_demo_kit::weights::cache_root;
 use stageload_demo_kit::{CommonArgs, DemoSpec, Mode};
 

@@ -29,10 +29,9 @@ use clap::{CommandFactory, FromArgMatches, Parser};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use stageload::{BoxError, ModelSpec, SharedRng, StagedModels};
+use stageload_demo_kit::pipeline::{Format, TOLERANCE};
 use stageload_demo_kit::run::{progress_at_terminal, Demo};
-use stageload_demo_kit::stable_diffusion::{
-    generate, run_reference, Comparison, Export, Format, Sampling, STAGES, TOLERANCE,
-};
+use stageload_demo_kit::stable_diffusion::{generate, run_reference, Comparison, Export, Sampling, STAGES};
 use stageload_demo_kit::weights::cache_root;
 use stageload_demo_kit::{CommonArgs, DemoSpec, Mode};
 

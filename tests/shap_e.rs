@@ -18,12 +18,12 @@ use std::time::{Duration, Instant};
 
 use stageload::{BoxError, Event, EventKind, EventSink, ListSink};
 use stageload_demo_kit::clip_image::preprocess;
+use stageload_demo_kit::pipeline::{Difference, Format, Loading, StageRunner, TOLERANCE};
 use stageload_demo_kit::shap_e::files::{write_ply, write_views_png};
 use stageload_demo_kit::shap_e::reference::{run_reference, Comparison, Reference};
 use stageload_demo_kit::shap_e::{
     example_image, generate, Export, ExportError, Generated, RunError, Sampling, Surface,
 };
-use stageload_demo_kit::stable_diffusion::{Difference, Format, Loading, StageRunner, TOLERANCE};
 use stageload_test_support::torch as support;
 use tch::{CModule, Kind, Tensor};
 

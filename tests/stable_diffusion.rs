@@ -12,8 +12,9 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use stageload::{BoxError, Event, EventKind, EventSink, ListSink};
+use stageload_demo_kit::pipeline::Loading;
 use stageload_demo_kit::stable_diffusion::{
-    generate, run_reference, Comparison, Export, Generated, Loading, Reference, Sampling,
+    generate, run_reference, Comparison, Export, Generated, Reference, Sampling,
 };
 use stageload_test_support::torch as support;
 use tch::Kind;

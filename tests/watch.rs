@@ -5,7 +5,7 @@
 use std::sync::Mutex;
 
 use stageload::{BoxError, Event, EventKind, StagedModels};
-use stageload_demo_kit::stable_diffusion::StageRunner;
+use stageload_demo_kit::pipeline::StageRunner;
 use tch::{Kind, Tensor};
 
 /// One model call as the watching runner saw it: the stage, the model, what was resident.

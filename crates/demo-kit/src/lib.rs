@@ -12,6 +12,8 @@
 //! - [`sampler`]: the flow sampler and its step schedule.
 //! - [`progress`]: a progress bar for checkpoint loads.
 //! - [`logging`]: the `tracing` subscriber every binary installs (`RUST_LOG`, stderr).
+//! - [`pipeline`]: what the pipelines someone else wrote share: export formats, the registry for
+//!   eager, staged or prefetch, the stage runner, running the Python original and comparing.
 //! - [`stable_diffusion`]: Stable Diffusion over the TorchScript export of
 //!   `scripts/reference/sd_export.py` (text encoder, UNet with DDIM, VAE decoder) in three stages,
 //!   and its comparison against diffusers.
@@ -29,6 +31,7 @@ pub mod ddim;
 pub mod heun;
 pub mod logging;
 pub mod models;
+pub mod pipeline;
 pub mod progress;
 pub mod run;
 pub mod sampler;

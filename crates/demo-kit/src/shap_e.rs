@@ -54,7 +54,7 @@ use tch::{CModule, IValue, Kind, Tensor};
 
 use crate::clip_image::ClipImageConfig;
 use crate::heun::{Heun, HeunConfig};
-use crate::stable_diffusion::{ComponentFiles, Format, Loading, StageRunner};
+use crate::pipeline::{ComponentFiles, Format, Loading, StageRunner};
 
 /// The three models, in the order the pipeline runs them.
 pub const MODELS: [&str; 3] = ["image_encoder", "prior", "renderer"];
@@ -369,7 +369,7 @@ impl Export {
     /// A registry of the three models on the CPU for `loading`, its events to `events`. Eager:
     /// every model pinned and loaded now.
     pub fn registry(&self, loading: Loading, events: Option<Arc<dyn EventSink>>) -> Result<StagedModels, BoxError> {
-        crate::stable_diffusion::registry(self.model_specs(), STAGES, loading, events)
+        crate::pipeline::registry(self.model_specs(), STAGES, loading, events)
     }
 
     /// The initial noise of `seed`, before scaling: `tch::manual_seed(seed)`, then `randn([1, E * D])`
@@ -466,7 +466,7 @@ fn forward(
     inputs: &[Tensor],
     shape: &[i64],
 ) -> Result<Tensor, BoxError> {
-    checked(crate::stable_diffusion::forward(runner, format, model, inputs)?, model, "forward", shape)
+    checked(crate::pipeline::forward(runner, format, model, inputs)?, model, "forward", shape)
 }
 
 /// Calls `method` and takes its tuple of `n` tensors.

@@ -11,7 +11,7 @@ use stageload::BoxError;
 use tch::Tensor;
 
 use super::{Export, Generated, Sampling, Surface};
-use crate::stable_diffusion::{run_script, Difference, TOLERANCE};
+use crate::pipeline::{reference_script, run_script, Difference, TOLERANCE};
 
 /// What diffusers computed.
 #[derive(Debug)]
@@ -41,7 +41,7 @@ pub fn run_reference(
     let output = folder.join("reference.safetensors");
     let summary = folder.join("summary.json");
     Tensor::write_safetensors(&[("pixel_values", pixels)], &inputs)?;
-    let script = crate::stable_diffusion::reference_script().with_file_name("shap_e_reference.py");
+    let script = reference_script("shap_e_reference.py");
     let mut command = Command::new(python);
     command
         .arg(&script)
