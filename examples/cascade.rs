@@ -121,6 +121,7 @@ fn spec(args: &CommonArgs) -> Result<DemoSpec, BoxError> {
             from: None,
             until: Some("decode".to_string()),
         }],
+        weights: Vec::new(),
     })
 }
 

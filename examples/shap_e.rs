@@ -28,16 +28,16 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
-use clap::builder::TypedValueParser;
-use clap::{CommandFactory, FromArgMatches, Parser};
+use clap::{CommandFactory, Parser};
 use stageload::{BoxError, ModelSpec, StagedModels};
+use stageload_demo_kit::args::{parse_pipeline, PipelineArgs};
 use stageload_demo_kit::clip_image::{load_image, preprocess};
-use stageload_demo_kit::pipeline::{Format, TOLERANCE};
+use stageload_demo_kit::pipeline::{python, Format, TOLERANCE};
 use stageload_demo_kit::run::{progress_at_terminal, Demo};
 use stageload_demo_kit::shap_e::files::{write_ply, write_views_png};
 use stageload_demo_kit::shap_e::reference::{run_reference, Comparison};
 use stageload_demo_kit::shap_e::{example_image, generate, Export, Sampling, Surface, STAGES};
-use stageload_demo_kit::weights::cache_root;
+use stageload_demo_kit::weights::stageload_cache;
 use stageload_demo_kit::{CommonArgs, DemoSpec, Mode};
 
 /// Shap-E image-to-3D (CLIP image encoder, prior with Heun, NeRF/STF renderer) on an export of
@@ -87,48 +87,20 @@ struct Args {
     python_deadline: u64,
 }
 
-/// The stageload cache (the folder holding `demo-weights/`, `torch-2.13.0/`, `shap-e-published/`).
-fn stageload_cache() -> PathBuf {
-    let root = cache_root();
-    root.parent().map(PathBuf::from).unwrap_or(root)
-}
-
 /// Parses the command line: `CommonArgs` with `--steps` defaulting to 2 and `--mode` taking
-/// `prefetch` too (staged with `--prefetch`), on the CPU unless told.
+/// `prefetch` too (staged with `--prefetch`), on the CPU only.
 fn parse() -> Result<Args, clap::Error> {
-    let modes = clap::builder::PossibleValuesParser::new(["eager", "staged", "prefetch"]).map(|mode| {
-        if mode == "eager" {
-            Mode::Eager
-        } else {
-            Mode::Staged
-        }
-    });
-    let command = Args::command()
-        .mut_arg("steps", |a| {
-            a.default_value("2").help(
-                "Heun steps (the prior runs 2N-1 times; the pipeline's default is 25, about 20 s a step at the \
-                 published size on a 2-core CPU)",
-            )
-        })
-        .mut_arg("mode", |a| {
-            a.value_parser(modes).help(
-                "eager: load everything up front; staged: per stage; prefetch: staged, the next stage loaded in the \
-                 background",
-            )
-        })
-        .mut_arg("device", |a| a.default_value("cpu").help("Where the models run: cpu (the export is traced there)"))
-        .mut_arg("scale", |a| a.hide(true))
-        .after_help(
-            "Example: cargo run --release --example shap_e -- --image photo.png --mode staged --compare-python",
-        );
-    let matches = command.try_get_matches()?;
-    let mut args = Args::from_arg_matches(&matches)?;
+    let how = PipelineArgs {
+        steps: "2",
+        steps_help: "Heun steps (the prior runs 2N-1 times; the pipeline's default is 25, about 20 s a step at the \
+                     published size on a 2-core CPU)",
+        device_help: "Where the models run: cpu (the export is traced there)",
+        example: "Example: cargo run --release --example shap_e -- --image photo.png --mode staged --compare-python",
+    };
+    let args = parse_pipeline(how, |args: &mut Args| &mut args.common)?;
     if args.common.device != tch::Device::Cpu {
         let message = "the Shap-E export is traced on the CPU (its traces record the device): run with --device cpu";
         return Err(Args::command().error(clap::error::ErrorKind::ArgumentConflict, message));
-    }
-    if matches.get_raw("mode").into_iter().flatten().any(|raw| raw == "prefetch") {
-        args.common.prefetch = true;
     }
     Ok(args)
 }
@@ -201,7 +173,7 @@ fn run(args: &Args) -> Result<(), BoxError> {
         .iter()
         .map(|(stage, models)| (stage.to_string(), models.iter().map(|m| m.to_string()).collect()))
         .collect();
-    let spec = DemoSpec { name: "shap_e", models, stages, pinned: Vec::new(), pins: Vec::new() };
+    let spec = DemoSpec { name: "shap_e", models, stages, pinned: Vec::new(), pins: Vec::new(), weights: Vec::new() };
     let started = Instant::now();
     let demo = Demo::start(&spec, common)?;
     let mut builder = StagedModels::builder()
@@ -246,11 +218,7 @@ fn run(args: &Args) -> Result<(), BoxError> {
     println!("pipeline in {:.1} s", started.elapsed().as_secs_f64());
 
     if args.compare_python {
-        let python = args
-            .python
-            .clone()
-            .or_else(|| std::env::var_os("STAGELOAD_PYTHON").map(PathBuf::from))
-            .unwrap_or_else(|| stageload_cache().join("torch-2.13.0/bin/python"));
+        let python = python(args.python.as_deref());
         let folder = tempfile::Builder::new().prefix("stageload-shap-e-compare").tempdir()?;
         println!("running diffusers ({} {})", python.display(), export.dir().display());
         let deadline = Duration::from_secs(args.python_deadline);

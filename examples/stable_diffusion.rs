@@ -24,15 +24,15 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
-use clap::builder::TypedValueParser;
-use clap::{CommandFactory, FromArgMatches, Parser};
+use clap::Parser;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use stageload::{BoxError, ModelSpec, SharedRng, StagedModels};
-use stageload_demo_kit::pipeline::{Format, TOLERANCE};
+use stageload_demo_kit::args::{parse_pipeline, PipelineArgs};
+use stageload_demo_kit::pipeline::{python, Format, TOLERANCE};
 use stageload_demo_kit::run::{progress_at_terminal, Demo};
 use stageload_demo_kit::stable_diffusion::{generate, run_reference, Comparison, Export, Sampling, STAGES};
-use stageload_demo_kit::weights::cache_root;
+use stageload_demo_kit::weights::stageload_cache;
 use stageload_demo_kit::{CommonArgs, DemoSpec, Mode};
 
 /// Stable Diffusion (text encoder, UNet with DDIM, VAE decoder) on an export of
@@ -65,43 +65,17 @@ struct Args {
     python_deadline: u64,
 }
 
-/// The stageload cache (the folder holding `demo-weights/`, `torch-2.13.0/`, `sd-sd15/`).
-fn stageload_cache() -> PathBuf {
-    let root = cache_root();
-    root.parent().map(PathBuf::from).unwrap_or(root)
-}
-
-/// Parses the command line: `CommonArgs`, with `--steps` defaulting to 4 and `--mode` taking
-/// `prefetch` too (staged with `--prefetch`), the export's device the CPU unless told.
+/// Parses the command line: `CommonArgs` with `--steps` defaulting to 4 and `--mode` taking
+/// `prefetch` too (staged with `--prefetch`), on the CPU unless told.
 fn parse() -> Result<Args, clap::Error> {
-    let modes = clap::builder::PossibleValuesParser::new(["eager", "staged", "prefetch"]).map(|mode| {
-        if mode == "eager" {
-            Mode::Eager
-        } else {
-            Mode::Staged
-        }
-    });
-    let command = Args::command()
-        .mut_arg("steps", |a| a.default_value("4").help("DDIM steps"))
-        .mut_arg("mode", |a| {
-            a.value_parser(modes).help(
-                "eager: load everything up front; staged: per stage; prefetch: staged, the next stage loaded in the \
-                 background",
-            )
-        })
-        .mut_arg("device", |a| {
-            a.default_value("cpu").help(
-                "Where the models and the noise live: cpu (default: the export is traced on the CPU and the \
-                 reference runs there), cuda, cuda:N, mps, auto",
-            )
-        })
-        .mut_arg("scale", |a| a.hide(true));
-    let matches = command.try_get_matches()?;
-    let mut args = Args::from_arg_matches(&matches)?;
-    if matches.get_raw("mode").into_iter().flatten().any(|raw| raw == "prefetch") {
-        args.common.prefetch = true;
-    }
-    Ok(args)
+    let how = PipelineArgs {
+        steps: "4",
+        steps_help: "DDIM steps",
+        device_help: "Where the models and the noise live: cpu (default: the export is traced on the CPU and the \
+                      reference runs there), cuda, cuda:N, mps, auto",
+        example: "Example: cargo run --release --example stable_diffusion -- --mode staged --compare-python",
+    };
+    parse_pipeline(how, |args: &mut Args| &mut args.common)
 }
 
 fn main() -> ExitCode {
@@ -171,7 +145,14 @@ fn run(args: &Args) -> Result<(), BoxError> {
         .collect();
     // One model per stage: encode (text_encoder), denoise (unet), decode (vae_decoder).
     let stages = STAGES.iter().map(|(stage, model)| (stage.to_string(), vec![model.to_string()])).collect();
-    let spec = DemoSpec { name: "stable_diffusion", models, stages, pinned: Vec::new(), pins: Vec::new() };
+    let spec = DemoSpec {
+        name: "stable_diffusion",
+        models,
+        stages,
+        pinned: Vec::new(),
+        pins: Vec::new(),
+        weights: Vec::new(),
+    };
 
     // Nothing here draws from a ChaCha generator; the demo run registers one as every demo does.
     let chacha = SharedRng::new(ChaCha8Rng::seed_from_u64(common.seed));
@@ -206,11 +187,7 @@ fn run(args: &Args) -> Result<(), BoxError> {
     println!("pipeline in {:.1} s", started.elapsed().as_secs_f64());
 
     if args.compare_python {
-        let python = args
-            .python
-            .clone()
-            .or_else(|| std::env::var_os("STAGELOAD_PYTHON").map(PathBuf::from))
-            .unwrap_or_else(|| stageload_cache().join("torch-2.13.0/bin/python"));
+        let python = python(args.python.as_deref());
         let folder = std::env::temp_dir().join(format!("stageload-sd-compare-{}", std::process::id()));
         std::fs::create_dir_all(&folder).map_err(|e| format!("creating {}: {e}", folder.display()))?;
         println!("running diffusers ({} {})", python.display(), export.dir().display());

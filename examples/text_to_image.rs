@@ -77,6 +77,7 @@ fn main() -> Result<(), BoxError> {
         stages: vec![stage("encode", "text_encoder"), stage("denoise", "denoiser"), stage("decode", "image_decoder")],
         pinned: Vec::new(),
         pins: Vec::new(),
+        weights: Vec::new(),
     };
 
     // The registry over the pipeline file the demo writes (eager: everything pinned), with the

@@ -10,6 +10,7 @@
 #   STAGELOAD_MINILM   (printed) the all-MiniLM-L6-v2 model folder
 #   STAGELOAD_SD_SMALL (printed) the small Stable Diffusion export (text_encoder/unet/vae_decoder .pt)
 #   STAGELOAD_SHAP_E_SMALL (printed) the small Shap-E export (image_encoder/prior/renderer .pt)
+#   STAGELOAD_WAN_SMALL (printed) the small Wan2.1 export (text_encoder/transformer/vae_decoder .pt)
 set -euo pipefail
 log() { echo "setup-reference: $*" >&2; }
 python=${STAGELOAD_PYTHON:?run scripts/setup-libtorch.sh first (eval its output): it sets STAGELOAD_PYTHON}
@@ -26,11 +27,14 @@ echo "export STAGELOAD_MINILM='$dir'"
 
 DIFFUSERS_VERSION=0.42.1
 TRANSFORMERS_VERSION=5.24.0
+# accelerate: what diffusers' from_pretrained loads with (the Wan export checks its dtype rule
+# against a real from_pretrained, and the Wan reference builds its modules empty with it).
+ACCELERATE_VERSION=1.15.0
 # (importlib.metadata answers without importing them, which takes about 10 s)
-if ! "$python" -c "import sys, importlib.metadata as m; sys.exit(m.version('diffusers') != '$DIFFUSERS_VERSION' or m.version('transformers') != '$TRANSFORMERS_VERSION')" 2>/dev/null; then
-    log "installing diffusers==$DIFFUSERS_VERSION and transformers==$TRANSFORMERS_VERSION into $("$python" -c 'import sys; print(sys.prefix)') (once per machine)"
-    if ! "$python" -m pip install --disable-pip-version-check -q "diffusers==$DIFFUSERS_VERSION" "transformers==$TRANSFORMERS_VERSION" >&2; then
-        log "could not install diffusers==$DIFFUSERS_VERSION and transformers==$TRANSFORMERS_VERSION from the Python package registry; the Stable Diffusion tests need them."
+if ! "$python" -c "import sys, importlib.metadata as m; sys.exit(m.version('diffusers') != '$DIFFUSERS_VERSION' or m.version('transformers') != '$TRANSFORMERS_VERSION' or m.version('accelerate') != '$ACCELERATE_VERSION')" 2>/dev/null; then
+    log "installing diffusers==$DIFFUSERS_VERSION, transformers==$TRANSFORMERS_VERSION and accelerate==$ACCELERATE_VERSION into $("$python" -c 'import sys; print(sys.prefix)') (once per machine)"
+    if ! "$python" -m pip install --disable-pip-version-check -q "diffusers==$DIFFUSERS_VERSION" "transformers==$TRANSFORMERS_VERSION" "accelerate==$ACCELERATE_VERSION" >&2; then
+        log "could not install diffusers==$DIFFUSERS_VERSION, transformers==$TRANSFORMERS_VERSION and accelerate==$ACCELERATE_VERSION from the Python package registry; the Stable Diffusion, Shap-E and Wan tests need them."
         log "Without network access, install them by hand into that environment from local wheels."
         exit 1
     fi
@@ -55,6 +59,14 @@ if ! "$python" "$here/reference/shap_e_pt2.py" --components "$cache/shap-e-small
     exit 1
 fi
 echo "export STAGELOAD_SHAP_E_SMALL='$cache/shap-e-small'"
+
+# The small Wan2.1 (text to video) the Wan tests run against diffusers: exported once per version of
+# the export script (about 30 s on 2 cores; up to date otherwise).
+if ! "$python" "$here/reference/wan_export.py" --size small --out "$cache/wan-small" >&2; then
+    log "exporting the small Wan2.1 into $cache/wan-small failed (see above); the Wan tests need it."
+    exit 1
+fi
+echo "export STAGELOAD_WAN_SMALL='$cache/wan-small'"
 
 # The AOTInductor packages the .pt2 tests load (tests/fixtures/pt2_modules.py through the export
 # helper scripts/reference/pt2.py): compiled once per version of those two files (about two

@@ -15,8 +15,9 @@
 //!   and text_to_image, staged against eager), `stream_demo`, `minilm` (a published checkpoint
 //!   against its reference implementation), `stable_diffusion` and `ddim` (against diffusers),
 //!   `many_jobs` (cascade jobs on a local Ray cluster); `heun` (against diffusers), `clip_image`
-//!   (against transformers), `shap_e` (image to 3D, against diffusers).
-//! - `reference`: running a reference script for `ddim` and `heun`; `watch`: what the
+//!   (against transformers), `shap_e` (image to 3D, against diffusers), `unipc` (Wan's sampler,
+//!   against diffusers).
+//! - `reference`: running a reference script for `ddim`, `heun` and `unipc`; `watch`: what the
 //!   `stable_diffusion` and `shap_e` tests share (a registry watched at every call).
 
 mod checkpoint;
@@ -42,4 +43,6 @@ mod staged;
 mod stream;
 mod stream_demo;
 mod threads;
+mod unipc;
+mod wan;
 mod watch;

@@ -1,4 +1,4 @@
-//! What the tests of the pipelines written by others (`stable_diffusion`, `shap_e`) share: a
+//! What the tests of the pipelines written by others (`stable_diffusion`, `shap_e`, `wan`) share: a
 //! registry that records what was resident inside every model call, a bit-for-bit tensor
 //! comparison, and events of one kind.
 
@@ -53,8 +53,12 @@ impl StageRunner for Watch<'_> {
 /// counts -0 equal to +0); reports how many values differ and the largest difference.
 pub fn assert_bits_equal(what: &str, a: &Tensor, b: &Tensor) {
     assert_eq!((a.kind(), a.size()), (b.kind(), b.size()), "{what}: kinds and shapes");
-    let bits =
-        |t: &Tensor| if t.kind() == Kind::Float { t.contiguous().view_dtype(Kind::Int) } else { t.shallow_clone() };
+    let bits = |t: &Tensor| match t.kind() {
+        Kind::Float => t.contiguous().view_dtype(Kind::Int),
+        Kind::BFloat16 | Kind::Half => t.contiguous().view_dtype(Kind::Int16),
+        Kind::Double => t.contiguous().view_dtype(Kind::Int64),
+        _ => t.shallow_clone(),
+    };
     let (a_bits, b_bits) = (bits(a), bits(b));
     if !a_bits.equal(&b_bits) {
         let differing = a_bits.ne_tensor(&b_bits).sum(Kind::Int64).int64_value(&[]);

@@ -114,3 +114,53 @@ impl CommonArgs {
         self.cache.clone().unwrap_or_else(cache_root).join(format!("{pipeline}-scale-{}", self.scale))
     }
 }
+
+/// How a pipeline example's command line differs from [`CommonArgs`]' defaults.
+#[derive(Debug, Clone, Copy)]
+pub struct PipelineArgs {
+    /// `--steps`' default.
+    pub steps: &'static str,
+    /// `--steps`' help (the scheduler, what a step costs).
+    pub steps_help: &'static str,
+    /// `--device`' help (the example's export decides where it runs).
+    pub device_help: &'static str,
+    /// The line after the help: an example command.
+    pub example: &'static str,
+}
+
+/// Parses the command line of a pipeline example (`examples/stable_diffusion.rs`, `shap_e.rs`,
+/// `wan.rs`): `A`'s arguments with [`CommonArgs`] flattened in, `--steps` and `--device` (default
+/// `cpu`) as `how` says, `--mode` taking `eager`, `staged` or `prefetch` (staged, with
+/// `--prefetch` set), `--scale` hidden (an export has one size). `common` gives `A`'s
+/// [`CommonArgs`].
+pub fn parse_pipeline<A: clap::Parser>(
+    how: PipelineArgs,
+    common: fn(&mut A) -> &mut CommonArgs,
+) -> Result<A, clap::Error> {
+    use clap::builder::TypedValueParser;
+
+    let modes = clap::builder::PossibleValuesParser::new(["eager", "staged", "prefetch"]).map(|mode| {
+        if mode == "eager" {
+            Mode::Eager
+        } else {
+            Mode::Staged
+        }
+    });
+    let command = A::command()
+        .mut_arg("steps", |a| a.default_value(how.steps).help(how.steps_help))
+        .mut_arg("mode", |a| {
+            a.value_parser(modes).help(
+                "eager: load everything up front; staged: per stage; prefetch: staged, the next stage loaded in the \
+                 background",
+            )
+        })
+        .mut_arg("device", |a| a.default_value("cpu").help(how.device_help))
+        .mut_arg("scale", |a| a.hide(true))
+        .after_help(how.example);
+    let matches = command.try_get_matches()?;
+    let mut args = A::from_arg_matches(&matches)?;
+    if matches.get_raw("mode").into_iter().flatten().any(|raw| raw == "prefetch") {
+        common(&mut args).prefetch = true;
+    }
+    Ok(args)
+}

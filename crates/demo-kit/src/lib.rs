@@ -22,6 +22,10 @@
 //! - [`shap_e`]: Shap-E image-to-3D over the TorchScript export of
 //!   `scripts/reference/shap_e_export.py` (image encoder, prior with Heun, renderer: views and a
 //!   coloured mesh) in four stages, its PLY and PNG outputs, and its comparison against diffusers.
+//! - [`wan`]: Wan2.1 text-to-video over the TorchScript export of
+//!   `scripts/reference/wan_export.py` (umT5 text encoder, transformer with UniPC, video VAE
+//!   decoder) in four stages, its PNG frames and GIF, and its comparison against diffusers.
+//! - [`unipc`]: diffusers' `UniPCMultistepScheduler` as Wan2.1 text-to-video configures it, bit for bit.
 
 #![warn(missing_docs)]
 
@@ -37,6 +41,8 @@ pub mod run;
 pub mod sampler;
 pub mod shap_e;
 pub mod stable_diffusion;
+pub mod unipc;
+pub mod wan;
 pub mod weights;
 
 pub use args::{CommonArgs, Mode};

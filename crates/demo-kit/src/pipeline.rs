@@ -2,10 +2,12 @@
 //! components are read ([`ComponentFiles`], [`Format`]), the registry a pipeline runs on for a
 //! [`Loading`] ([`registry`]), what a run calls ([`StageRunner`], [`forward`]), and the
 //! comparison against the Python original: its script ([`reference_script`], [`run_script`]) and
-//! the largest differences ([`Difference`], [`TOLERANCE`]).
+//! the largest differences ([`Difference`], [`TOLERANCE`]); and writing an output file whole or
+//! not at all ([`write_atomically`], [`FileError`]).
 
 use std::fmt;
 use std::fs::File;
+use std::io::BufWriter;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Arc;
@@ -155,6 +157,15 @@ pub fn reference_script(name: &str) -> PathBuf {
     exe.and_then(|exe| exe.ancestors().map(|dir| dir.join(&script)).find(|path| path.exists())).unwrap_or(built)
 }
 
+/// The Python a comparison runs: `given`, else `$STAGELOAD_PYTHON`, else the cached environment
+/// `scripts/setup-libtorch.sh` makes.
+pub fn python(given: Option<&Path>) -> PathBuf {
+    given
+        .map(Path::to_path_buf)
+        .or_else(|| std::env::var_os("STAGELOAD_PYTHON").map(PathBuf::from))
+        .unwrap_or_else(|| crate::weights::stageload_cache().join("torch-2.13.0/bin/python"))
+}
+
 /// The largest difference between two tensors, and the reference's value range.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Difference {
@@ -235,4 +246,54 @@ pub fn run_script(mut command: Command, what: &str, log: &Path, deadline: Durati
         return Err(format!("{what} failed ({status}):\n{}", read_log()));
     }
     Ok(())
+}
+
+/// Why an output file could not be written; names the file.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum FileError {
+    /// Writing, flushing or renaming failed.
+    #[error("writing {}: {source}", path.display())]
+    Io {
+        /// The destination.
+        path: PathBuf,
+        /// The system's error.
+        source: std::io::Error,
+    },
+    /// Encoding the image failed.
+    #[error("encoding {}: {source}", path.display())]
+    Encode {
+        /// The destination.
+        path: PathBuf,
+        /// The encoder's error.
+        source: image::ImageError,
+    },
+    /// The tensors do not have the shapes this writer takes, or a count does not fit its field.
+    #[error("{}: {message}", path.display())]
+    Shape {
+        /// The destination.
+        path: PathBuf,
+        /// What does not fit.
+        message: String,
+    },
+}
+
+/// Runs `write` into a temporary file beside `path` and renames it over `path` once complete.
+pub fn write_atomically(
+    path: &Path,
+    write: impl FnOnce(&mut BufWriter<File>) -> std::io::Result<()>,
+) -> Result<(), FileError> {
+    let io = |source| FileError::Io { path: path.to_path_buf(), source };
+    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let temporary = path.with_file_name(format!(".{name}.tmp-{}", std::process::id()));
+    let result = (|| {
+        let mut out = BufWriter::new(File::create(&temporary)?);
+        write(&mut out)?;
+        out.into_inner().map_err(|e| e.into_error())?.sync_all()?;
+        std::fs::rename(&temporary, path)
+    })();
+    if result.is_err() {
+        let _ = std::fs::remove_file(&temporary);
+    }
+    result.map_err(io)
 }

@@ -31,6 +31,9 @@ pub struct DemoSpec {
     pub pinned: Vec<String>,
     /// Pins over a span of stages.
     pub pins: Vec<PinEntry>,
+    /// Models with no checkpoint (a module file alone holds their weights) and their weights'
+    /// bytes as loaded: what the plan counts for them.
+    pub weights: Vec<(String, u64)>,
 }
 
 impl DemoSpec {
@@ -53,7 +56,7 @@ impl DemoSpec {
                 .map(|m| ModelEntry {
                     name: m.name().to_string(),
                     files: m.checkpoint_files().to_vec(),
-                    weights: None,
+                    weights: self.weights.iter().find(|(name, _)| name == m.name()).map(|(_, bytes)| bytes.to_string()),
                     device: stageload::device::name(device),
                     dtype: None,
                     ignore: Vec::new(),

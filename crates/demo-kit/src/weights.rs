@@ -22,6 +22,13 @@ pub fn cache_root() -> PathBuf {
         .join("demo-weights")
 }
 
+/// The stageload cache: the folder holding `demo-weights/` ([`cache_root`]), the cached Python
+/// environment (`torch-2.13.0/`) and the pipelines' published-size exports.
+pub fn stageload_cache() -> PathBuf {
+    let root = cache_root();
+    root.parent().map(PathBuf::from).unwrap_or(root)
+}
+
 /// Drops `path`'s pages from the page cache (`posix_fadvise(DONTNEED)`): its next read comes
 /// from the disk, as on a cold start.
 pub fn drop_page_cache(path: &Path) -> std::io::Result<()> {

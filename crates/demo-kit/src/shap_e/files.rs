@@ -4,63 +4,13 @@
 //! (`(x * 255).round()` as `uint8`). Every file is written beside its destination and renamed
 //! over it, so a failed write leaves what was there before.
 
-use std::fs::File;
-use std::io::{BufWriter, Write};
-use std::path::{Path, PathBuf};
+use std::io::Write;
+use std::path::Path;
 
 use tch::{Kind, Tensor};
 
 use super::Mesh;
-
-/// Why an output file could not be written; names the file.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum FileError {
-    /// Writing, flushing or renaming failed.
-    #[error("writing {}: {source}", path.display())]
-    Io {
-        /// The destination.
-        path: PathBuf,
-        /// The system's error.
-        source: std::io::Error,
-    },
-    /// Encoding the PNG failed.
-    #[error("encoding {}: {source}", path.display())]
-    Png {
-        /// The destination.
-        path: PathBuf,
-        /// The encoder's error.
-        source: image::ImageError,
-    },
-    /// The tensors do not have the shapes this writer takes, or a count does not fit its field.
-    #[error("{}: {message}", path.display())]
-    Shape {
-        /// The destination.
-        path: PathBuf,
-        /// What does not fit.
-        message: String,
-    },
-}
-
-/// Runs `write` into a temporary file beside `path` and renames it over `path` once complete.
-fn write_atomically(
-    path: &Path,
-    write: impl FnOnce(&mut BufWriter<File>) -> std::io::Result<()>,
-) -> Result<(), FileError> {
-    let io = |source| FileError::Io { path: path.to_path_buf(), source };
-    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-    let temporary = path.with_file_name(format!(".{name}.tmp-{}", std::process::id()));
-    let result = (|| {
-        let mut out = BufWriter::new(File::create(&temporary)?);
-        write(&mut out)?;
-        out.into_inner().map_err(|e| e.into_error())?.sync_all()?;
-        std::fs::rename(&temporary, path)
-    })();
-    if result.is_err() {
-        let _ = std::fs::remove_file(&temporary);
-    }
-    result.map_err(io)
-}
+use crate::pipeline::{write_atomically, FileError};
 
 /// The mesh as binary little-endian PLY: float x, y, z and uchar red, green, blue per vertex (the
 /// linear colours times 255.499, rounded half to even, as diffusers' `export_to_ply` computes them
@@ -137,6 +87,6 @@ pub fn write_views_png(path: &Path, views: &Tensor) -> Result<(), FileError> {
     let mut encoded = std::io::Cursor::new(Vec::new());
     image
         .write_to(&mut encoded, image::ImageOutputFormat::Png)
-        .map_err(|source| FileError::Png { path: path.to_path_buf(), source })?;
+        .map_err(|source| FileError::Encode { path: path.to_path_buf(), source })?;
     write_atomically(path, |out| out.write_all(encoded.get_ref()))
 }
