@@ -35,7 +35,7 @@ use stageload_demo_kit::clip_image::{load_image, preprocess};
 use stageload_demo_kit::pipeline::{python, Format, TOLERANCE};
 use stageload_demo_kit::run::{progress_at_terminal, Demo};
 use stageload_demo_kit::shap_e::files::{write_ply, write_views_png};
-use stageload_demo_kit::shap_e::reference::{run_reference, Comparison};
+use stageload_demo_kit::shap_e::reference::{compare, run_reference};
 use stageload_demo_kit::shap_e::{example_image, generate, Export, Sampling, Surface, STAGES};
 use stageload_demo_kit::weights::stageload_cache;
 use stageload_demo_kit::{CommonArgs, DemoSpec, Mode};
@@ -223,7 +223,7 @@ fn run(args: &Args) -> Result<(), BoxError> {
         println!("running diffusers ({} {})", python.display(), export.dir().display());
         let deadline = Duration::from_secs(args.python_deadline);
         let reference = run_reference(&python, &export, &pixels, seed, sampling, folder.path(), deadline)?;
-        let comparison = Comparison::of(&generated, &reference)?;
+        let comparison = compare(&generated, &reference)?;
         println!(
             "diffusers ran in {:.1} s ({}); largest differences, Rust against diffusers:",
             reference.seconds, reference.summary

@@ -31,8 +31,8 @@ use stageload_demo_kit::args::{parse_pipeline, PipelineArgs};
 use stageload_demo_kit::pipeline::{python, TOLERANCE};
 use stageload_demo_kit::run::{progress_at_terminal, Demo};
 use stageload_demo_kit::wan::files::{write_frames, write_gif};
-use stageload_demo_kit::wan::reference::{run_reference, Comparison};
-use stageload_demo_kit::wan::{generate, Export, Sampling, STAGES};
+use stageload_demo_kit::wan::reference::{compare, run_reference};
+use stageload_demo_kit::wan::{check_inputs, generate, Export, Sampling, STAGES};
 use stageload_demo_kit::weights::stageload_cache;
 use stageload_demo_kit::{CommonArgs, DemoSpec, Mode};
 
@@ -124,12 +124,16 @@ fn run(args: &Args) -> Result<(), BoxError> {
     }
     let export = Export::open(&dir)?;
     let seed = i64::try_from(common.seed).map_err(|_| format!("--seed {} is above {}", common.seed, i64::MAX))?;
-    let prompt = args.prompt_ids.clone().unwrap_or_else(|| export.prompt_ids());
-    let negative = args.negative_ids.clone().unwrap_or_else(|| export.negative_ids());
+    let prompt = args.prompt_ids.clone().unwrap_or_else(|| export.prompt_ids().to_vec());
+    let negative = args.negative_ids.clone().unwrap_or_else(|| export.negative_ids().to_vec());
     let sampling = Sampling {
         steps: usize::try_from(common.steps).map_err(|_| format!("--steps {} is not a step count", common.steps))?,
         guidance: args.guidance,
     };
+    // The starting noise, from torch's CPU generator, before any model loads; the inputs checked
+    // before eager loads everything.
+    let latents = export.noise(seed);
+    check_inputs(&export, &prompt, &negative, &latents, sampling)?;
     // The demo writes the pipeline description `stageload plan` reads into its cache folder.
     let folder = common.cache_folder("wan");
     let out = args.out.clone().unwrap_or_else(|| folder.clone());
@@ -177,8 +181,6 @@ fn run(args: &Args) -> Result<(), BoxError> {
     if p.mode() == Mode::Eager {
         p.load_everything()?;
     }
-    // The starting noise, drawn before any lazy build, from torch's CPU generator.
-    let latents = export.noise(seed);
     let generated = generate(&p, &export, &prompt, &negative, &latents, sampling)?;
     p.latent("prompt_embeds", &generated.prompt_embeds);
     p.latent("final_latents", &generated.final_latents);
@@ -198,7 +200,7 @@ fn run(args: &Args) -> Result<(), BoxError> {
         println!("running diffusers ({} {})", python.display(), export.dir().display());
         let deadline = Duration::from_secs(args.python_deadline);
         let reference = run_reference(&python, &export, seed, sampling, folder.path(), deadline)?;
-        let comparison = Comparison::of(&generated, &reference)?;
+        let comparison = compare(&generated, &reference)?;
         println!(
             "diffusers ran in {:.1} s ({}); largest differences, Rust against diffusers:",
             reference.seconds, reference.summary
@@ -208,7 +210,11 @@ fn run(args: &Args) -> Result<(), BoxError> {
         if !failures.is_empty() {
             return Err(format!("the run does not match diffusers: {}", failures.join("; ")).into());
         }
-        println!("matches diffusers (every largest difference within {TOLERANCE:e} of its range)");
+        if comparison.identical() {
+            println!("identical to diffusers: every largest difference 0.0, timesteps and frames equal");
+        } else {
+            println!("matches diffusers (every largest difference within {TOLERANCE:e} of its range)");
+        }
     }
     Ok(())
 }

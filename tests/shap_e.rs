@@ -20,7 +20,7 @@ use stageload::{BoxError, Event, EventKind, EventSink, ListSink};
 use stageload_demo_kit::clip_image::preprocess;
 use stageload_demo_kit::pipeline::{Difference, Format, Loading, StageRunner, TOLERANCE};
 use stageload_demo_kit::shap_e::files::{write_ply, write_views_png};
-use stageload_demo_kit::shap_e::reference::{run_reference, Comparison, Reference};
+use stageload_demo_kit::shap_e::reference::{compare, run_reference, Reference};
 use stageload_demo_kit::shap_e::{
     example_image, generate, Export, ExportError, Generated, RunError, Sampling, Surface,
 };
@@ -158,7 +158,7 @@ fn the_embedding_latents_views_and_mesh_match_diffusers_bit_for_bit() {
     let _generator = support::generator();
     with_reference(|runs, reference| {
         let generated = &runs.eager.generated;
-        let comparison = Comparison::of(generated, reference).unwrap_or_else(|e| panic!("{e}"));
+        let comparison = compare(generated, reference).unwrap_or_else(|e| panic!("{e}"));
         eprintln!("Rust against diffusers:\n{comparison}");
         assert_eq!(comparison.failures(), Vec::<String>::new());
         assert!(comparison.equal.iter().any(|(what, ok)| *what == "faces" && *ok), "{comparison}");

@@ -30,13 +30,13 @@ pub struct ComponentFiles {
     pub weights: String,
 }
 
-/// How the components were exported.
+/// How a pipeline's components were exported (the export scripts in `scripts/reference/`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum Format {
-    /// TorchScript modules traced by `sd_export.py` (`NAME.pt`, `NAME.safetensors`).
+    /// TorchScript modules traced by the export script (`NAME.pt`, `NAME.safetensors`).
     Torchscript,
-    /// AOTInductor packages compiled by `sd_pt2.py` from the same modules and weights
-    /// (`pt2/NAME.pt2`, `pt2/NAME.safetensors`).
+    /// AOTInductor packages compiled from the same modules and weights (`sd_pt2.py`,
+    /// `shap_e_pt2.py`: `pt2/NAME.pt2`, `pt2/NAME.safetensors`).
     Pt2,
 }
 
@@ -176,19 +176,21 @@ pub struct Difference {
 }
 
 impl Difference {
-    /// `rust` against `reference` (shapes must agree).
+    /// `rust` against `reference`: their dtypes and shapes must agree, and neither may be empty.
     pub fn of(what: &str, rust: &Tensor, reference: &Tensor) -> Result<Difference, BoxError> {
-        let (rust, reference) = (rust.to_device(Device::Cpu).to_kind(Kind::Double), reference.to_kind(Kind::Double));
-        if rust.size() != reference.size() {
+        if (rust.kind(), rust.size()) != (reference.kind(), reference.size()) || reference.numel() == 0 {
             return Err(format!(
-                "{what}: Rust's shape {:?} against the reference's {:?}",
+                "{what}: Rust's {:?} {:?} against the reference's {:?} {:?} (both the same, not empty)",
+                rust.kind(),
                 rust.size(),
+                reference.kind(),
                 reference.size()
             )
             .into());
         }
-        let largest = (&rust - &reference).abs().max().double_value(&[]);
-        let range = (reference.max() - reference.min()).double_value(&[]);
+        let (rust, reference) = (rust.to_device(Device::Cpu).to_kind(Kind::Double), reference.to_kind(Kind::Double));
+        let largest = (&rust - &reference).abs().f_max()?.f_double_value(&[])?;
+        let range = (reference.f_max()? - reference.f_min()?).f_double_value(&[])?;
         Ok(Difference { largest, range })
     }
 
@@ -200,6 +202,12 @@ impl Difference {
             self.largest
         }
     }
+
+    /// Whether the largest difference is within `tolerance` of the range (a NaN on either side
+    /// never is).
+    pub fn within(&self, tolerance: f64) -> bool {
+        self.relative() <= tolerance
+    }
 }
 
 impl fmt::Display for Difference {
@@ -210,6 +218,46 @@ impl fmt::Display for Difference {
 
 /// The largest difference from diffusers allowed, as a fraction of the reference's value range.
 pub const TOLERANCE: f64 = 1e-5;
+
+/// A run against the Python original: each compared tensor's largest difference, and the checks
+/// that hold or not (the timesteps, a mesh's faces, a video's pixels, ...).
+#[derive(Debug, Default)]
+pub struct Comparison {
+    /// (what, difference) for every tensor both sides have.
+    pub differences: Vec<(&'static str, Difference)>,
+    /// (what, whether it holds).
+    pub equal: Vec<(&'static str, bool)>,
+}
+
+impl Comparison {
+    /// What is not as the original has it: each check that fails and each tensor whose largest
+    /// difference is not within [`TOLERANCE`] of its range. Empty: the run matches.
+    pub fn failures(&self) -> Vec<String> {
+        let checks = self.equal.iter().filter(|(_, ok)| !ok).map(|(what, _)| format!("{what}: not equal"));
+        let tensors = self
+            .differences
+            .iter()
+            .filter(|(_, d)| !d.within(TOLERANCE))
+            .map(|(what, d)| format!("{what}: largest difference {d}, over {TOLERANCE:e} of the range"));
+        checks.chain(tensors).collect()
+    }
+
+    /// Whether every tensor equals the original's (largest difference 0) and every check holds.
+    pub fn identical(&self) -> bool {
+        self.differences.iter().all(|(_, d)| d.largest == 0.0) && self.equal.iter().all(|(_, ok)| *ok)
+    }
+}
+
+impl fmt::Display for Comparison {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (what, difference) in &self.differences {
+            writeln!(f, "{what:<16} {difference}")?;
+        }
+        let checks: Vec<String> =
+            self.equal.iter().map(|(what, ok)| format!("{what} {}", if *ok { "equal" } else { "DIFFER" })).collect();
+        write!(f, "{}", checks.join(", "))
+    }
+}
 
 /// Runs `command` (a reference script, `what`) offline with its output into `log`, within
 /// `deadline`: one that runs past it is killed by its own pid. An error carries the log.

@@ -61,12 +61,12 @@ pub const LATENT_CHANNELS: i64 = 16;
 pub const TEMPORAL_SCALE: i64 = 4;
 /// Pixels per latent pixel along each side (the VAE's spatial compression).
 pub const SPATIAL_SCALE: i64 = 8;
-/// The longest sequence an export may trace (umT5's relative attention has no limit; this bounds
-/// what a config file can make a run allocate).
+/// The longest sequence an export may trace (umT5's relative attention has no limit of its own).
 pub const MAX_SEQUENCE: i64 = 4096;
-/// The most frames, and the largest side in pixels, an export may ask for.
-const MAX_FRAMES: i64 = 1025;
-const MAX_SIDE: i64 = 4096;
+/// The most frames, and the largest side in pixels, an export may say it was traced at (the
+/// published model's 81 frames of 480 x 832, with room); the traced shapes must agree with them.
+const MAX_FRAMES: i64 = 257;
+const MAX_SIDE: i64 = 2048;
 /// The export format this file reads.
 const FORMAT: u32 = 1;
 /// umT5's padding id.
@@ -152,7 +152,9 @@ pub enum RunError {
         expected: Vec<i64>,
     },
     /// A model gave an output of another shape or dtype.
-    #[error("{model}: gave {kind:?} {found:?}, the pipeline expects {expected:?}")]
+    #[error(
+        "{model}: gave {kind:?} {found:?}, the pipeline expects {expected_kind:?} {expected:?}: the module does not agree with the export's config.json; export again with scripts/reference/wan_export.py"
+    )]
     Output {
         /// The model.
         model: &'static str,
@@ -160,12 +162,23 @@ pub enum RunError {
         kind: Kind,
         /// Its shape.
         found: Vec<i64>,
+        /// The dtype the pipeline expects.
+        expected_kind: Kind,
         /// The shape the pipeline expects.
         expected: Vec<i64>,
     },
 }
 
-/// A module file, relative to the export's folder.
+/// A tensor's dtype and shape, as the export records a trace's inputs and output.
+#[derive(Debug, Clone, Deserialize)]
+pub struct TensorInfo {
+    /// torch's dtype name (`bfloat16`, `float32`, `int64`).
+    pub dtype: String,
+    /// The shape.
+    pub shape: Vec<i64>,
+}
+
+/// A module file, relative to the export's folder, and the shapes it was traced at.
 #[derive(Debug, Clone, Deserialize)]
 pub struct ModuleFile {
     /// The TorchScript file.
@@ -176,6 +189,10 @@ pub struct ModuleFile {
     pub weights: Option<String>,
     /// Its parameters' and buffers' bytes (the plan's size for a module without a checkpoint).
     pub bytes: u64,
+    /// The inputs it was traced at.
+    pub trace_inputs: Vec<TensorInfo>,
+    /// Its output on them.
+    pub output: TensorInfo,
 }
 
 /// The three components' files.
@@ -242,6 +259,8 @@ pub struct Export {
     dir: PathBuf,
     config: ExportConfig,
     scheduler: UniPcConfig,
+    prompt_ids: Vec<i64>,
+    negative_ids: Vec<i64>,
 }
 
 impl Export {
@@ -282,17 +301,20 @@ impl Export {
             )));
         }
         if c.vocab_size < 2 || c.text_dim < 1 {
-            return Err(unsupported(format!("vocab_size = {}, text_dim = {}", c.vocab_size, c.text_dim)));
+            return Err(unsupported(format!(
+                "vocab_size = {} and text_dim = {}: a text encoder has at least 2 ids and a width of at least 1; export again with scripts/reference/wan_export.py",
+                c.vocab_size, c.text_dim
+            )));
         }
         let t = &c.token_ids;
-        for (which, ids, mask) in
-            [("prompt", &t.prompt, &t.prompt_mask), ("negative prompt", &t.negative, &t.negative_mask)]
-        {
-            unpadded(which, ids, mask, c.max_sequence_length, c.vocab_size).map_err(|e| unsupported(e.to_string()))?;
-        }
+        let (length, vocab) = (c.max_sequence_length, c.vocab_size);
+        let prompt_ids = unpadded("prompt", &t.prompt, &t.prompt_mask, length, vocab).map_err(&unsupported)?;
+        let negative_ids =
+            unpadded("negative prompt", &t.negative, &t.negative_mask, length, vocab).map_err(&unsupported)?;
         let scheduler = UniPcConfig::from_json(&c.scheduler.config.to_string())
             .map_err(|source| ExportError::Scheduler { path: path.clone(), source })?;
-        let export = Export { dir, config, scheduler };
+        let export = Export { dir, config, scheduler, prompt_ids, negative_ids };
+        export.check_traces().map_err(&unsupported)?;
         for file in export.files().into_iter().flat_map(|(_, module, weights)| std::iter::once(module).chain(weights)) {
             let metadata =
                 std::fs::metadata(&file).map_err(|source| ExportError::Read { path: file.clone(), source })?;
@@ -326,15 +348,47 @@ impl Export {
     }
 
     /// The prompt's token ids the export carries, without their padding.
-    pub fn prompt_ids(&self) -> Vec<i64> {
-        let t = &self.config.token_ids;
-        t.prompt.iter().zip(&t.prompt_mask).filter(|(_, m)| **m != 0).map(|(id, _)| *id).collect()
+    pub fn prompt_ids(&self) -> &[i64] {
+        &self.prompt_ids
     }
 
     /// The empty negative prompt's token ids (`[1]`, `</s>`).
-    pub fn negative_ids(&self) -> Vec<i64> {
-        let t = &self.config.token_ids;
-        t.negative.iter().zip(&t.negative_mask).filter(|(_, m)| **m != 0).map(|(id, _)| *id).collect()
+    pub fn negative_ids(&self) -> &[i64] {
+        &self.negative_ids
+    }
+
+    /// The video's shape as the VAE decoder gives it: [1, 3, F, H, W].
+    fn video_shape(&self) -> [i64; 5] {
+        let c = &self.config;
+        [1, 3, c.num_frames, c.height, c.width]
+    }
+
+    /// The traces' recorded shapes against the sizes the config states, and the checkpoints the
+    /// transformer and the VAE decoder must have.
+    fn check_traces(&self) -> Result<(), String> {
+        let c = &self.config;
+        let (length, width, latent) = (c.max_sequence_length, c.text_dim, self.latent_shape().to_vec());
+        let parts = &c.components;
+        let expected = [
+            ("text_encoder", &parts.text_encoder, vec![vec![1, length], vec![1, length]], vec![1, length, width]),
+            ("transformer", &parts.transformer, vec![latent.clone(), vec![1], vec![1, length, width]], latent.clone()),
+            ("vae_decoder", &parts.vae_decoder, vec![latent], self.video_shape().to_vec()),
+        ];
+        for (model, files, inputs, output) in expected {
+            let traced: Vec<Vec<i64>> = files.trace_inputs.iter().map(|t| t.shape.clone()).collect();
+            if traced != inputs || files.output.shape != output {
+                return Err(format!(
+                    "{model} was traced at inputs {traced:?} giving {:?}; the sizes this config states need {inputs:?} giving {output:?}: export again with scripts/reference/wan_export.py",
+                    files.output.shape
+                ));
+            }
+            if model != "text_encoder" && files.weights.is_none() {
+                return Err(format!(
+                    "{model} has no safetensors checkpoint (weights); export again with scripts/reference/wan_export.py"
+                ));
+            }
+        }
+        Ok(())
     }
 
     /// Each model with its module file and its checkpoint, in the order of [`MODELS`].
@@ -458,7 +512,8 @@ pub struct Generated {
 /// `tensor` unless its shape or dtype differs.
 fn checked(tensor: Tensor, model: &'static str, kind: Kind, shape: &[i64]) -> Result<Tensor, RunError> {
     if tensor.size() != shape || tensor.kind() != kind {
-        return Err(RunError::Output { model, kind: tensor.kind(), found: tensor.size(), expected: shape.to_vec() });
+        let (found, expected) = (tensor.size(), shape.to_vec());
+        return Err(RunError::Output { model, kind: tensor.kind(), found, expected_kind: kind, expected });
     }
     Ok(tensor)
 }
@@ -473,9 +528,48 @@ fn encode(runner: &impl StageRunner, tokens: &Tokens, length: i64, width: i64) -
     Ok(Tensor::cat(&[kept, padding], 0).unsqueeze(0))
 }
 
-/// Runs the pipeline on `prompt` and `negative` (token ids, unpadded) from `latents`: enters
-/// `encode`, `denoise` and `decode` in turn on `runner` and calls each stage's model there (see the
-/// module docs for the operations). Runs without gradients, on the CPU.
+/// A run's inputs checked, as [`generate`] checks them before any model loads: the guidance is
+/// finite, the token ids fit (the negative prompt's only with guidance above 1: diffusers encodes
+/// it only then), the latents have the export's shape, and the scheduler runs `sampling.steps`.
+/// A caller that loads models before the run (eager) calls it first.
+pub fn check_inputs(
+    export: &Export,
+    prompt: &[i64],
+    negative: &[i64],
+    latents: &Tensor,
+    sampling: Sampling,
+) -> Result<(), BoxError> {
+    prepare(export, prompt, negative, latents, sampling).map(drop)
+}
+
+/// The checked inputs as the run takes them: the prompts' tokens (the negative one with guidance
+/// only) and the scheduler.
+fn prepare(
+    export: &Export,
+    prompt: &[i64],
+    negative: &[i64],
+    latents: &Tensor,
+    sampling: Sampling,
+) -> Result<(Tokens, Option<Tokens>, UniPc), BoxError> {
+    let c = export.config();
+    if !sampling.guidance.is_finite() {
+        return Err(RunError::Guidance(sampling.guidance).into());
+    }
+    let (length, vocab) = (c.max_sequence_length, c.vocab_size);
+    let prompt = Tokens::new("prompt", prompt, length, vocab)?;
+    let guided = sampling.guidance > 1.0;
+    let negative = if guided { Some(Tokens::new("negative prompt", negative, length, vocab)?) } else { None };
+    let shape = export.latent_shape();
+    if latents.size() != shape || latents.kind() != Kind::Float {
+        return Err(RunError::Latents { kind: latents.kind(), shape: latents.size(), expected: shape.to_vec() }.into());
+    }
+    Ok((prompt, negative, UniPc::new(export.scheduler(), sampling.steps)?))
+}
+
+/// Runs the pipeline on `prompt` and `negative` (token ids, unpadded) from `latents`: checks them
+/// ([`check_inputs`]), then enters `encode`, `denoise` and `decode` in turn on `runner` and calls
+/// each stage's model there (see the module docs for the operations). Runs without gradients, on
+/// the CPU.
 pub fn generate(
     runner: &impl StageRunner,
     export: &Export,
@@ -485,23 +579,16 @@ pub fn generate(
     sampling: Sampling,
 ) -> Result<Generated, BoxError> {
     let c = export.config();
-    if !sampling.guidance.is_finite() {
-        return Err(RunError::Guidance(sampling.guidance).into());
-    }
-    let guided = sampling.guidance > 1.0;
-    let (length, vocab) = (c.max_sequence_length, c.vocab_size);
-    let prompt = Tokens::new("prompt", prompt, length, vocab)?;
-    let negative = Tokens::new("negative prompt", negative, length, vocab)?;
-    let shape = export.latent_shape();
-    if latents.size() != shape || latents.kind() != Kind::Float {
-        return Err(RunError::Latents { kind: latents.kind(), shape: latents.size(), expected: shape.to_vec() }.into());
-    }
-    let mut unipc = UniPc::new(export.scheduler(), sampling.steps)?;
+    let (prompt, negative, mut unipc) = prepare(export, prompt, negative, latents, sampling)?;
+    let (length, shape) = (c.max_sequence_length, export.latent_shape());
     let _no_grad = tch::no_grad_guard();
 
     runner.enter("encode")?;
     let prompt_embeds = encode(runner, &prompt, length, c.text_dim)?;
-    let negative_prompt_embeds = if guided { Some(encode(runner, &negative, length, c.text_dim)?) } else { None };
+    let negative_prompt_embeds = match &negative {
+        Some(negative) => Some(encode(runner, negative, length, c.text_dim)?),
+        None => None,
+    };
 
     runner.enter("denoise")?;
     let timesteps = unipc.timesteps().to_vec();
@@ -527,10 +614,8 @@ pub fn generate(
     let final_latents = x;
 
     runner.enter("decode")?;
-    let [_, _, _, h, w] = shape;
-    let video_shape = [1, 3, c.num_frames, h * SPATIAL_SCALE, w * SPATIAL_SCALE];
     let decoded = forward(runner, Format::Torchscript, "vae_decoder", &[final_latents.shallow_clone()])?;
-    let decoded = checked(decoded, "vae_decoder", Kind::Float, &video_shape)?;
+    let decoded = checked(decoded, "vae_decoder", Kind::Float, &export.video_shape())?;
     // postprocess_video: each video [C, F, H, W] as frames [F, C, H, W], denormalized, as [F, H, W, C].
     let frames = decoded.get(0).permute([1, 0, 2, 3]);
     let video = (frames * 0.5 + 0.5).clamp(0.0, 1.0).permute([0, 2, 3, 1]).contiguous();

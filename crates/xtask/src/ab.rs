@@ -111,6 +111,13 @@ impl Report {
         medians.as_array()?.iter().find(|a| a["arm"] == arm)?[what].as_f64()
     }
 
+    /// The highest of arm `arm`'s per-stage host peaks (each the median over its runs), bytes.
+    pub fn peak(&self, arm: &str) -> Option<f64> {
+        let index = self.json["arms"].as_array()?.iter().position(|a| a == arm)?;
+        let stages = self.json["stages"].as_array()?;
+        stages.iter().filter_map(|stage| stage["host"][index]["median"].as_f64()).reduce(f64::max)
+    }
+
     /// A string field of the first run's result file of `arm` (`OUT/ARM-1.json`).
     pub fn first_run(out: &Path, arm: &str, field: &str) -> Result<String, Error> {
         string_field(&out.join(format!("{arm}-1.json")), field)
@@ -134,7 +141,10 @@ mod tests {
 
     #[test]
     fn a_measure_is_picked_out_of_the_report_by_field_and_arm() {
-        let json = serde_json::json!({"passed": true, "wall": [{"arm": "resident", "median": 4.0, "ratio": 1.0}], "results": [
+        let json = serde_json::json!({"passed": true, "wall": [{"arm": "resident", "median": 4.0, "ratio": 1.0}],
+            "arms": ["resident", "half"], "stages": [
+            {"stage": "a", "host": [{"median": 5.0}, {"median": 2.0}]},
+            {"stage": "b", "host": [{"median": 1.0}, {"median": 7.0}]}], "results": [
             {"field": "seconds", "arms": [
                 {"arm": "resident", "values": [2.0], "median": 2.0, "ratio": 1.0},
                 {"arm": "half", "values": [3.0], "median": 3.0, "ratio": 1.5}]}]});
@@ -147,6 +157,9 @@ mod tests {
         assert_eq!(report.ratio("seconds", "half"), Some(1.5));
         assert_eq!(report.median("seconds", "prefix"), None);
         assert_eq!(report.median("refills", "half"), None);
+        assert_eq!(report.peak("half"), Some(7.0));
+        assert_eq!(report.peak("resident"), Some(5.0));
+        assert_eq!(report.peak("prefix"), None);
         assert_eq!((report.median_wall("resident"), report.wall_ratio("half")), (Some(4.0), None));
     }
 

@@ -1,6 +1,6 @@
 //! The demos: the README's main job (the cascade under `stageload ab`, its plan checked against
 //! the runs), block streaming (a model bigger than its guard's limit, streamed; step times; the
-//! hot set), and Stable Diffusion 1.5 and Shap-E at their published sizes against diffusers. Each keeps going
+//! hot set), and Stable Diffusion 1.5, Shap-E and Wan2.1 at their published sizes against diffusers. Each keeps going
 //! after a failed check, so that one run shows every result, and fails at the end.
 
 use std::path::{Path, PathBuf};
@@ -74,6 +74,8 @@ pub fn demo(shell: &mut Shell, out: &Path, cascade: &[String]) -> Result<(), Err
     failures.keep(sd_demo(shell, &out.join("stable-diffusion")));
     println!("== Shap-E image-to-3D against diffusers (cargo xtask shap-e-demo)");
     failures.keep(shap_e_demo(shell, &out.join("shap-e")));
+    println!("== Wan2.1 text-to-video against diffusers (cargo xtask wan-demo; skipped without the memory or disk)");
+    failures.keep(wan_demo(shell, &out.join("wan")));
     println!("everything is in {}/ (summary.txt: the aggregated comparison)", out.display());
     failures.end()
 }
@@ -221,6 +223,7 @@ pub fn sd_demo(shell: &mut Shell, out: &Path) -> Result<(), Error> {
         export: &["scripts/reference/sd_export.py", "--size", "sd15"],
         example: "stable_diffusion",
         reference: "StableDiffusionPipeline",
+        guard_latent: None,
     };
     published_demo(shell, out, &published, &[])
 }
@@ -239,6 +242,15 @@ struct Published<'a> {
     example: &'a str,
     /// diffusers' pipeline class, for the log.
     reference: &'a str,
+    /// The latent the guard's run must reproduce, for a demo that also shows the guard stopping
+    /// eager and letting staged finish (see [`guard_story`]); `None`: no guard runs.
+    guard_latent: Option<&'a str>,
+}
+
+/// The published export's folder in the cache (beside the small export setup-reference made).
+fn published_folder(shell: &Shell, published: &Published) -> Result<PathBuf, Error> {
+    let small = shell.var(published.small).ok_or(format!("scripts/setup-reference.sh set no {}", published.small))?;
+    Ok(Path::new(&small).parent().unwrap_or(Path::new(".")).join(published.folder))
 }
 
 /// The published-size export made once; eager, staged and staged with prefetch, one run each
@@ -247,8 +259,7 @@ struct Published<'a> {
 fn published_demo(shell: &mut Shell, out: &Path, published: &Published, args: &[String]) -> Result<(), Error> {
     shell.set_up(&[Setup::Libtorch, Setup::Reference])?;
     let out = shell.folder(out)?;
-    let small = shell.var(published.small).ok_or(format!("scripts/setup-reference.sh set no {}", published.small))?;
-    let components = Path::new(&small).parent().unwrap_or(Path::new(".")).join(published.folder);
+    let components = published_folder(shell, published)?;
     let python = shell.var("STAGELOAD_PYTHON").ok_or("scripts/setup-libtorch.sh set no STAGELOAD_PYTHON")?;
     println!("== the published-size export in {} (made once)", components.display());
     let mut export = shell.cmd(&python, published.export);
@@ -268,8 +279,13 @@ fn published_demo(shell: &mut Shell, out: &Path, published: &Published, args: &[
         flags,
     };
     let mut failures = Failures::default();
-    failures.keep(comparison.run(shell, Some(&log))?.verdict(published.what));
+    let report = comparison.run(shell, Some(&log))?;
+    failures.keep(report.verdict(published.what));
     failures.keep(check_plan(shell, &stageload, &out));
+    if let Some(latent) = published.guard_latent {
+        let runs = GuardRuns { stageload: &stageload, program: &program, args: &base, out: &out, latent };
+        failures.keep(guard_story(shell, &report, &runs, &log));
+    }
     println!("== a staged run against diffusers' {}", published.reference);
     let mut compare = shell.cmd(&program, &[]);
     compare.args(&base).args(["--mode", "staged", "--compare-python"]);
@@ -292,8 +308,162 @@ pub fn shap_e_demo(shell: &mut Shell, out: &Path) -> Result<(), Error> {
         export: &["scripts/reference/shap_e_export.py", "--size", "published"],
         example: "shap_e",
         reference: "ShapEImg2ImgPipeline",
+        guard_latent: None,
     };
     let files = out.join("files").display().to_string();
     let args = [words(&["--steps", "2", "--frame-size", "32", "--out"]), vec![files]].concat();
     published_demo(shell, out, &published, &args)
+}
+
+/// What the guard's two runs need: the binaries, the example's arguments, where files go, and the
+/// latent both runs must agree on.
+struct GuardRuns<'a> {
+    stageload: &'a Path,
+    program: &'a Path,
+    args: &'a [String],
+    out: &'a Path,
+    latent: &'a str,
+}
+
+/// The limit between the staged and the eager arm's highest measured peaks (their midpoint), or
+/// why there is none: the guard's story needs eager to need more than staged.
+fn limit_between(eager: Option<f64>, staged: Option<f64>) -> Result<u64, Error> {
+    match (eager, staged) {
+        (Some(eager), Some(staged)) if eager > staged && staged > 0.0 => Ok(((eager + staged) / 2.0) as u64),
+        (eager, staged) => Err(format!(
+            "no limit between staged's and eager's peaks (staged {staged:?}, eager {eager:?} bytes): eager must need more"
+        )),
+    }
+}
+
+/// The guard tells the memory story in one line: under `stageload guard --max-memory L`, L between
+/// the staged and the eager run's peaks (from `report`), eager is stopped and staged finishes
+/// with the same `latent` as the unguarded eager run.
+fn guard_story(shell: &Shell, report: &Report, runs: &GuardRuns, log: &Log) -> Result<(), Error> {
+    let limit = limit_between(report.peak("eager"), report.peak("staged"))?.to_string();
+    let file = |name: &str| runs.out.join(name).display().to_string();
+    log.line(&format!("== under stageload guard --max-memory {limit} (between staged's and eager's peaks)"));
+    let mut eager =
+        shell.cmd(runs.stageload, &["guard", "--max-memory", &limit, "--log", &file("guard-eager.ndjson"), "--"]);
+    eager.arg(runs.program).args(runs.args).args(["--mode", "eager"]);
+    if shell.status(&mut eager, Some(log))?.success() {
+        return Err(format!("eager finished under --max-memory {limit}, a limit below its measured peak"));
+    }
+    log.line("eager was stopped by the guard");
+    let mut staged =
+        shell.cmd(runs.stageload, &["guard", "--max-memory", &limit, "--log", &file("guard-staged.ndjson"), "--"]);
+    staged.arg(runs.program).args(runs.args).args(["--mode", "staged", "--result", &file("guarded-staged.json")]);
+    let status = shell.status(&mut staged, Some(log))?;
+    check(&staged, status)?;
+    let latent = |path: &Path| -> Result<String, Error> {
+        let json = crate::ab::read_json(path)?;
+        json["latents"][runs.latent].as_str().map(str::to_string).ok_or(format!(
+            "{} has no latent {}",
+            path.display(),
+            runs.latent
+        ))
+    };
+    let (want, got) = (latent(&runs.out.join("eager-1.json"))?, latent(&runs.out.join("guarded-staged.json"))?);
+    if want != got {
+        return Err(format!("the guarded staged run's {} differs from eager's: {got} against {want}", runs.latent));
+    }
+    log.line(&format!("staged finished under the same limit with the same {}: {got}", runs.latent));
+    Ok(())
+}
+
+/// What the published Wan export and its runs need, when it is not there yet: the text encoder
+/// (10.6 GiB of bf16), the transformer (2.6 GiB) and the VAE decoder (0.5 GiB) as the export
+/// script counts them, the last two also as safetensors, with 1 GiB spare.
+const WAN_EXPORT_DISK: u64 = (106 + 2 * 26 + 2 * 5 + 10) * (1 << 30) / 10;
+/// Memory the eager arm holds: the three models' weights (13.7 GiB) and about 1 GiB of working
+/// memory at the demo's shapes (64 tokens, 5 frames of 64 x 64).
+const WAN_WORKING: u64 = 1 << 30;
+const WAN_WEIGHTS: u64 = 137 * (1 << 30) / 10;
+
+/// Why the Wan part cannot run here, if it cannot: `available` bytes of memory against the eager
+/// arm's weights (`weights`: the export's own count when it exists) and working memory, and
+/// `free` bytes of disk against the export's files when it still has to be made.
+fn wan_skip_reason(available: u64, free: u64, weights: Option<u64>) -> Option<String> {
+    let gib = |bytes: u64| format!("{:.1} GiB", bytes as f64 / (1u64 << 30) as f64);
+    let memory = weights.unwrap_or(WAN_WEIGHTS).saturating_add(WAN_WORKING);
+    if available < memory {
+        return Some(format!(
+            "it needs about {} of free memory (the eager arm holds every model) and {} is available",
+            gib(memory),
+            gib(available)
+        ));
+    }
+    if weights.is_none() && free < WAN_EXPORT_DISK {
+        return Some(format!("its export needs about {} of disk and {} is free", gib(WAN_EXPORT_DISK), gib(free)));
+    }
+    None
+}
+
+/// The weights an export's config.json counts (the sum of its components' `bytes`), if it is there.
+fn export_weights(components: &Path) -> Option<u64> {
+    let config = crate::ab::read_json(&components.join("config.json")).ok()?;
+    config["components"].as_object()?.values().map(|c| c["bytes"].as_u64()).sum()
+}
+
+/// Wan2.1 text-to-video at its published component sizes (seeded random weights: the umT5 text
+/// encoder in bf16 as published, 11.4 GB), exported once into the cache
+/// (scripts/reference/wan_export.py: one component per process, about 17 GB); eager, staged and
+/// staged with prefetch, one run each under `stageload ab` (2 UniPC steps, guidance 5, 64 tokens,
+/// 5 frames of 64 x 64, CPU); the plan checked against the runs; the guard's story (a limit
+/// between staged's and eager's peaks stops eager and lets staged finish with the same video);
+/// then a staged run checked against diffusers' WanPipeline on the same weights, token ids and
+/// seed (within 1e-5 of each value range, or it fails), its frames written. Skipped, saying why,
+/// where the memory or the disk is not there. Results in `out`.
+pub fn wan_demo(shell: &mut Shell, out: &Path) -> Result<(), Error> {
+    let published = Published {
+        what: "Wan2.1",
+        small: "STAGELOAD_WAN_SMALL",
+        folder: "wan-published",
+        export: &["scripts/reference/wan_export.py", "--size", "published"],
+        example: "wan",
+        reference: "WanPipeline",
+        guard_latent: Some("video"),
+    };
+    shell.set_up(&[Setup::Libtorch, Setup::Reference])?;
+    let components = published_folder(shell, &published)?;
+    let cache = components.parent().unwrap_or(Path::new("."));
+    let available =
+        stageload_probe::system_memory().map_err(|e| format!("cannot read the free memory: {e}"))?.available;
+    let free = nix::sys::statvfs::statvfs(cache)
+        .map(|s| s.blocks_available().saturating_mul(s.fragment_size()))
+        .map_err(|e| format!("cannot read the free space of {}: {e}", cache.display()))?;
+    if let Some(reason) = wan_skip_reason(available, free, export_weights(&components)) {
+        let out = shell.folder(out)?;
+        let line = format!("Wan2.1 at its published size SKIPPED: {reason}");
+        println!("== {line}");
+        return write(&out.join("skipped.txt"), &format!("{line}\n"));
+    }
+    let files = out.join("files").display().to_string();
+    let args = [words(&["--steps", "2", "--out"]), vec![files]].concat();
+    published_demo(shell, out, &published, &args)
+}
+
+#[cfg(test)]
+mod wan_tests {
+    use super::*;
+
+    #[test]
+    fn the_wan_part_is_skipped_with_the_reason_when_memory_or_disk_is_short() {
+        let gib = 1u64 << 30;
+        assert_eq!(wan_skip_reason(32 * gib, 40 * gib, None), None);
+        let memory = wan_skip_reason(8 * gib, 40 * gib, None).unwrap();
+        assert!(memory.contains("14.7 GiB of free memory") && memory.contains("8.0 GiB is available"), "{memory}");
+        let disk = wan_skip_reason(32 * gib, 5 * gib, None).unwrap();
+        assert!(disk.contains("of disk") && disk.contains("5.0 GiB is free"), "{disk}");
+        // With the export there, its own count decides and the disk does not matter.
+        assert_eq!(wan_skip_reason(16 * gib, 0, Some(14 * gib)), None);
+        assert!(wan_skip_reason(14 * gib, 0, Some(14 * gib)).is_some());
+    }
+
+    #[test]
+    fn the_guard_s_limit_lies_between_staged_s_and_eager_s_peaks() {
+        assert_eq!(limit_between(Some(14.0), Some(10.0)), Ok(12));
+        assert!(limit_between(Some(10.0), Some(14.0)).unwrap_err().contains("eager must need more"));
+        assert!(limit_between(None, Some(1.0)).is_err());
+    }
 }

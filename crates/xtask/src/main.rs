@@ -82,6 +82,11 @@ enum Task {
         #[arg(long, default_value = "target/demo/shap-e")]
         out: PathBuf,
     },
+    /// Wan2.1 text-to-video at its published sizes, staged, under the guard, and against diffusers
+    WanDemo {
+        #[arg(long, default_value = "target/demo/wan")]
+        out: PathBuf,
+    },
     /// The hot set of a streamed model under a router's access, from the page cache and the disk
     HotSetBench {
         #[arg(long, default_value = "target/hot-set-bench")]
@@ -135,6 +140,7 @@ fn main() -> ExitCode {
         Task::StreamDemo { out } => demos::stream_demo(&mut shell, &out),
         Task::SdDemo { out } => demos::sd_demo(&mut shell, &out),
         Task::ShapEDemo { out } => demos::shap_e_demo(&mut shell, &out),
+        Task::WanDemo { out } => demos::wan_demo(&mut shell, &out),
         Task::HotSetBench { out, runs } => benches::hot_set(&mut shell, &out, runs),
         Task::PrefetchBench { out, cascade } => benches::prefetch(&mut shell, &out, &cascade),
         Task::BenchLoad { args } => benches::load(&mut shell, &args),

@@ -2,7 +2,6 @@
 //! (`scripts/reference/shap_e_reference.py`), and the largest differences of a Rust run from it.
 
 use std::collections::HashMap;
-use std::fmt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -11,7 +10,7 @@ use stageload::BoxError;
 use tch::Tensor;
 
 use super::{Export, Generated, Sampling, Surface};
-use crate::pipeline::{reference_script, run_script, Difference, TOLERANCE};
+use crate::pipeline::{reference_script, run_script, Comparison, Difference};
 
 /// What diffusers computed.
 #[derive(Debug)]
@@ -74,74 +73,36 @@ pub fn run_reference(
     Ok(Reference { tensors, summary, seconds, ply })
 }
 
-/// A run against the reference: each compared tensor's largest difference, and the checks that are
-/// equal or not.
-#[derive(Debug)]
-pub struct Comparison {
-    /// (what, difference) for every tensor both sides have.
-    pub differences: Vec<(&'static str, Difference)>,
-    /// Checks that hold or not: the timesteps, the faces, an empty surface on both sides.
-    pub equal: Vec<(&'static str, bool)>,
-}
-
-impl Comparison {
-    /// The differences between `generated` and `reference`. A tensor the run made and the
-    /// reference did not write is an error; a mesh on one side only is a failed check.
-    pub fn of(generated: &Generated, reference: &Reference) -> Result<Comparison, BoxError> {
-        let get = |name: &str| reference.tensors.get(name).ok_or_else(|| format!("the reference wrote no {name}"));
-        let mut differences = vec![
-            ("image_embeds", Difference::of("image_embeds", &generated.image_embeds, get("image_embeds")?)?),
-            (
-                "initial_latents",
-                Difference::of("initial_latents", &generated.initial_latents, get("initial_latents")?)?,
-            ),
-            ("final_latents", Difference::of("final_latents", &generated.final_latents, get("final_latents")?)?),
-        ];
-        let timesteps = Vec::<f32>::try_from(get("timesteps")?)?;
-        let mut equal = vec![("timesteps", timesteps == generated.timesteps)];
-        if let Some(views) = &generated.views {
-            differences.push(("views", Difference::of("views", views, get("views")?)?));
-        }
-        match (&generated.surface, reference.tensors.get("faces")) {
-            (Some(Surface::Mesh(mesh)), Some(faces)) => {
-                equal.push(("faces", mesh.faces.size() == faces.size() && mesh.faces.equal(faces)));
-                if mesh.verts.size() == get("verts")?.size() {
-                    differences.push(("verts", Difference::of("verts", &mesh.verts, get("verts")?)?));
-                    differences.push(("colors", Difference::of("colors", &mesh.colors, get("colors")?)?));
-                } else {
-                    equal.push(("vertex count", false));
-                }
+/// The differences between `generated` and `reference`. A tensor the run made and the reference
+/// did not write is an error; a mesh on one side only is a failed check.
+pub fn compare(generated: &Generated, reference: &Reference) -> Result<Comparison, BoxError> {
+    let get = |name: &str| reference.tensors.get(name).ok_or_else(|| format!("the reference wrote no {name}"));
+    let mut differences = vec![
+        ("image_embeds", Difference::of("image_embeds", &generated.image_embeds, get("image_embeds")?)?),
+        ("initial_latents", Difference::of("initial_latents", &generated.initial_latents, get("initial_latents")?)?),
+        ("final_latents", Difference::of("final_latents", &generated.final_latents, get("final_latents")?)?),
+    ];
+    let timesteps = Vec::<f32>::try_from(get("timesteps")?)?;
+    let mut equal = vec![("timesteps", timesteps == generated.timesteps)];
+    if let Some(views) = &generated.views {
+        differences.push(("views", Difference::of("views", views, get("views")?)?));
+    }
+    match (&generated.surface, reference.tensors.get("faces")) {
+        (Some(Surface::Mesh(mesh)), Some(faces)) => {
+            equal.push(("faces", mesh.faces.size() == faces.size() && mesh.faces.equal(faces)));
+            if mesh.verts.size() == get("verts")?.size() {
+                differences.push(("verts", Difference::of("verts", &mesh.verts, get("verts")?)?));
+                differences.push(("colors", Difference::of("colors", &mesh.colors, get("colors")?)?));
+            } else {
+                equal.push(("vertex count", false));
             }
-            (Some(Surface::Empty), None) => {
-                let empty = reference.summary.get("mesh").and_then(|m| m.as_str()) == Some("empty");
-                equal.push(("empty surface on both sides", empty));
-            }
-            (Some(_), _) => equal.push(("a surface on both sides or on neither", false)),
-            (None, _) => {}
         }
-        Ok(Comparison { differences, equal })
-    }
-
-    /// What is not as diffusers has it: each check that fails and each tensor whose largest
-    /// difference is over [`TOLERANCE`] of its range. Empty: the run matches.
-    pub fn failures(&self) -> Vec<String> {
-        let checks = self.equal.iter().filter(|(_, ok)| !ok).map(|(what, _)| format!("{what}: not equal"));
-        let tensors = self
-            .differences
-            .iter()
-            .filter(|(_, d)| d.relative() > TOLERANCE)
-            .map(|(what, d)| format!("{what}: largest difference {d}, over {TOLERANCE:e} of the range"));
-        checks.chain(tensors).collect()
-    }
-}
-
-impl fmt::Display for Comparison {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        for (what, difference) in &self.differences {
-            writeln!(f, "{what:<16} {difference}")?;
+        (Some(Surface::Empty), None) => {
+            let empty = reference.summary.get("mesh").and_then(|m| m.as_str()) == Some("empty");
+            equal.push(("empty surface on both sides", empty));
         }
-        let checks: Vec<String> =
-            self.equal.iter().map(|(what, ok)| format!("{what} {}", if *ok { "equal" } else { "DIFFER" })).collect();
-        write!(f, "{}", checks.join(", "))
+        (Some(_), _) => equal.push(("a surface on both sides or on neither", false)),
+        (None, _) => {}
     }
+    Ok(Comparison { differences, equal })
 }

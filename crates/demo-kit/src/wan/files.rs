@@ -22,12 +22,15 @@ pub const FPS: u32 = 16;
 fn images(path: &Path, frames: &Tensor) -> Result<Vec<RgbImage>, FileError> {
     let shape = |message: String| FileError::Shape { path: path.to_path_buf(), message };
     let size = frames.size();
-    let [n, h, w, 3] = size[..] else {
-        return Err(shape(format!("frames are uint8 [F, H, W, 3]; these are {:?} {size:?}", frames.kind())));
+    let (n, h, w) = match size[..] {
+        [n, h, w, 3] if frames.kind() == Kind::Uint8 && n > 0 => (n, h, w),
+        _ => {
+            return Err(shape(format!(
+                "frames are uint8 [F, H, W, 3] with F > 0; these are {:?} {size:?}",
+                frames.kind()
+            )))
+        }
     };
-    if frames.kind() != Kind::Uint8 {
-        return Err(shape(format!("frames are uint8 [F, H, W, 3]; these are {:?} {size:?}", frames.kind())));
-    }
     let (Ok(width), Ok(height)) = (u32::try_from(w), u32::try_from(h)) else {
         return Err(shape(format!("frames of {w}×{h} are too large for an image")));
     };

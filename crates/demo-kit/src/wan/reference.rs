@@ -2,7 +2,6 @@
 //! (`scripts/reference/wan_reference.py`), and the largest differences of a Rust run from it.
 
 use std::collections::HashMap;
-use std::fmt;
 use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -11,7 +10,7 @@ use stageload::BoxError;
 use tch::Tensor;
 
 use super::{Export, Generated, Sampling};
-use crate::pipeline::{reference_script, run_script, Difference, TOLERANCE};
+use crate::pipeline::{reference_script, run_script, Comparison, Difference};
 
 /// What diffusers computed.
 #[derive(Debug)]
@@ -58,68 +57,33 @@ pub fn run_reference(
     Ok(Reference { tensors, summary, seconds })
 }
 
-/// A run against the reference: each compared tensor's largest difference, and the checks that are
-/// equal or not.
-#[derive(Debug)]
-pub struct Comparison {
-    /// (what, difference) for every tensor both sides have.
-    pub differences: Vec<(&'static str, Difference)>,
-    /// Checks that hold or not: the timesteps, the frames' pixels.
-    pub equal: Vec<(&'static str, bool)>,
-}
-
-impl Comparison {
-    /// The differences between `generated` and `reference`; a tensor the reference did not write
-    /// is an error.
-    pub fn of(generated: &Generated, reference: &Reference) -> Result<Comparison, BoxError> {
-        let get = |name: &str| reference.tensors.get(name).ok_or_else(|| format!("the reference wrote no {name}"));
-        let mut differences =
-            vec![("prompt_embeds", Difference::of("prompt_embeds", &generated.prompt_embeds, get("prompt_embeds")?)?)];
-        if let Some(negative) = &generated.negative_prompt_embeds {
-            let want = get("negative_prompt_embeds")?;
-            differences.push(("negative_embeds", Difference::of("negative_prompt_embeds", negative, want)?));
+/// The differences between `generated` and `reference`: the embeddings (the negative prompt's
+/// only with guidance, and then the reference must have written them too), the latents and the
+/// video; the timesteps and the frames' pixels equal or not. A tensor the reference did not write
+/// is an error.
+pub fn compare(generated: &Generated, reference: &Reference) -> Result<Comparison, BoxError> {
+    let get = |name: &str| reference.tensors.get(name).ok_or_else(|| format!("the reference wrote no {name}"));
+    let mut differences = Vec::new();
+    let mut equal = Vec::new();
+    let pairs = [
+        ("prompt_embeds", Some(&generated.prompt_embeds)),
+        ("negative_prompt_embeds", generated.negative_prompt_embeds.as_ref()),
+        ("initial_latents", Some(&generated.initial_latents)),
+        ("final_latents", Some(&generated.final_latents)),
+        ("video", Some(&generated.video)),
+    ];
+    for (what, rust) in pairs {
+        match rust {
+            Some(rust) => differences.push((what, Difference::of(what, rust, get(what)?)?)),
+            // No guidance: diffusers encodes no negative prompt either.
+            None => equal.push(("no negative prompt on either side", !reference.tensors.contains_key(what))),
         }
-        for (what, rust) in [
-            ("initial_latents", &generated.initial_latents),
-            ("final_latents", &generated.final_latents),
-            ("video", &generated.video),
-        ] {
-            differences.push((what, Difference::of(what, rust, get(what)?)?));
-        }
-        let timesteps = Vec::<i64>::try_from(get("timesteps")?)?;
-        let frames = get("frames")?;
-        let equal = vec![
-            ("timesteps", timesteps == generated.timesteps),
-            ("frames", frames.size() == generated.frames.size() && frames.equal(&generated.frames)),
-        ];
-        Ok(Comparison { differences, equal })
     }
-
-    /// What is not as diffusers has it: each check that fails and each tensor whose largest
-    /// difference is over [`TOLERANCE`] of its range. Empty: the run matches.
-    pub fn failures(&self) -> Vec<String> {
-        let checks = self.equal.iter().filter(|(_, ok)| !ok).map(|(what, _)| format!("{what}: not equal"));
-        let tensors = self
-            .differences
-            .iter()
-            .filter(|(_, d)| d.relative() > TOLERANCE)
-            .map(|(what, d)| format!("{what}: largest difference {d}, over {TOLERANCE:e} of the range"));
-        checks.chain(tensors).collect()
-    }
-
-    /// Whether every tensor is equal to the reference's (largest difference 0) and every check holds.
-    pub fn identical(&self) -> bool {
-        self.differences.iter().all(|(_, d)| d.largest == 0.0) && self.equal.iter().all(|(_, ok)| *ok)
-    }
-}
-
-impl fmt::Display for Comparison {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        for (what, difference) in &self.differences {
-            writeln!(f, "{what:<16} {difference}")?;
-        }
-        let checks: Vec<String> =
-            self.equal.iter().map(|(what, ok)| format!("{what} {}", if *ok { "equal" } else { "DIFFER" })).collect();
-        write!(f, "{}", checks.join(", "))
-    }
+    let timesteps = Vec::<i64>::try_from(get("timesteps")?)?;
+    let frames = get("frames")?;
+    equal.push(("timesteps", timesteps == generated.timesteps));
+    let same_frames = (frames.kind(), frames.size()) == (generated.frames.kind(), generated.frames.size())
+        && frames.equal(&generated.frames);
+    equal.push(("frames", same_frames));
+    Ok(Comparison { differences, equal })
 }
