@@ -28,7 +28,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
-use clap::{CommandFactory, Parser};
+use clap::Parser;
 use stageload::{BoxError, ModelSpec, StagedModels};
 use stageload_demo_kit::args::{parse_pipeline, PipelineArgs};
 use stageload_demo_kit::clip_image::{load_image, preprocess};
@@ -96,13 +96,9 @@ fn parse() -> Result<Args, clap::Error> {
                      published size on a 2-core CPU)",
         device_help: "Where the models run: cpu (the export is traced there)",
         example: "Example: cargo run --release --example shap_e -- --image photo.png --mode staged --compare-python",
+        cpu_only: Some("the Shap-E export is traced on the CPU (its traces record the device)"),
     };
-    let args = parse_pipeline(how, |args: &mut Args| &mut args.common)?;
-    if args.common.device != tch::Device::Cpu {
-        let message = "the Shap-E export is traced on the CPU (its traces record the device): run with --device cpu";
-        return Err(Args::command().error(clap::error::ErrorKind::ArgumentConflict, message));
-    }
-    Ok(args)
+    parse_pipeline(how, |args: &mut Args| &mut args.common)
 }
 
 fn main() -> ExitCode {

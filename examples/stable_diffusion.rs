@@ -74,6 +74,7 @@ fn parse() -> Result<Args, clap::Error> {
         device_help: "Where the models and the noise live: cpu (default: the export is traced on the CPU and the \
                       reference runs there), cuda, cuda:N, mps, auto",
         example: "Example: cargo run --release --example stable_diffusion -- --mode staged --compare-python",
+        cpu_only: None,
     };
     parse_pipeline(how, |args: &mut Args| &mut args.common)
 }

@@ -81,12 +81,9 @@ fn parse() -> Result<Args, clap::Error> {
         steps_help: "UniPC steps (two transformer calls each with guidance; the pipeline's default is 50)",
         device_help: "Where the models run: cpu (the export is traced there)",
         example: "Example: cargo run --release --example wan -- --components DIR --mode staged --compare-python",
+        cpu_only: Some("the Wan export is traced on the CPU (its traces record the device)"),
     };
     let args = parse_pipeline(how, |args: &mut Args| &mut args.common)?;
-    if args.common.device != tch::Device::Cpu {
-        let message = "the Wan export is traced on the CPU (its traces record the device): run with --device cpu";
-        return Err(Args::command().error(clap::error::ErrorKind::ArgumentConflict, message));
-    }
     let custom_ids = args.prompt_ids.is_some() || args.negative_ids.is_some();
     if args.compare_python && custom_ids {
         let message =

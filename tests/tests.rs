@@ -16,9 +16,9 @@
 //!   against its reference implementation), `stable_diffusion` and `ddim` (against diffusers),
 //!   `many_jobs` (cascade jobs on a local Ray cluster); `heun` (against diffusers), `clip_image`
 //!   (against transformers), `shap_e` (image to 3D, against diffusers), `unipc` (Wan's sampler,
-//!   against diffusers).
+//!   against diffusers), `wan` (text to video, against diffusers).
 //! - `reference`: running a reference script for `ddim`, `heun` and `unipc`; `watch`: what the
-//!   `stable_diffusion` and `shap_e` tests share (a registry watched at every call).
+//!   `stable_diffusion`, `shap_e` and `wan` tests share (a registry watched at every call).
 
 mod checkpoint;
 mod clip_image;

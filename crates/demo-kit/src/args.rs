@@ -126,13 +126,15 @@ pub struct PipelineArgs {
     pub device_help: &'static str,
     /// The line after the help: an example command.
     pub example: &'static str,
+    /// Runs on the CPU only, and why (an export traced there: its traces record the device).
+    pub cpu_only: Option<&'static str>,
 }
 
 /// Parses the command line of a pipeline example (`examples/stable_diffusion.rs`, `shap_e.rs`,
 /// `wan.rs`): `A`'s arguments with [`CommonArgs`] flattened in, `--steps` and `--device` (default
 /// `cpu`) as `how` says, `--mode` taking `eager`, `staged` or `prefetch` (staged, with
-/// `--prefetch` set), `--scale` hidden (an export has one size). `common` gives `A`'s
-/// [`CommonArgs`].
+/// `--prefetch` set), `--scale` hidden (an export has one size), another device than the CPU
+/// refused where `how.cpu_only` says so. `common` gives `A`'s [`CommonArgs`].
 pub fn parse_pipeline<A: clap::Parser>(
     how: PipelineArgs,
     common: fn(&mut A) -> &mut CommonArgs,
@@ -161,6 +163,11 @@ pub fn parse_pipeline<A: clap::Parser>(
     let mut args = A::from_arg_matches(&matches)?;
     if matches.get_raw("mode").into_iter().flatten().any(|raw| raw == "prefetch") {
         common(&mut args).prefetch = true;
+    }
+    if let Some(why) = how.cpu_only.filter(|_| common(&mut args).device != Device::Cpu) {
+        return Err(
+            A::command().error(clap::error::ErrorKind::ArgumentConflict, format!("{why}: run with --device cpu"))
+        );
     }
     Ok(args)
 }

@@ -1,5 +1,5 @@
 //! What the examples share (`examples/` at the workspace root: `cascade`, `text_to_image`,
-//! `stream`, `minilm`, `stable_diffusion`, `shap_e`; the measuring tools of `crates/bench` use it too), one
+//! `stream`, `minilm`, `stable_diffusion`, `shap_e`, `wan`; the measuring tools of `crates/bench` use it too), one
 //! concern per module: the plumbing that is not an example's lesson. Each example builds its own
 //! `StagedModels` and runs its own stages in its own file.
 //!

@@ -346,8 +346,11 @@ fn guard_story(shell: &Shell, report: &Report, runs: &GuardRuns, log: &Log) -> R
     let mut eager =
         shell.cmd(runs.stageload, &["guard", "--max-memory", &limit, "--log", &file("guard-eager.ndjson"), "--"]);
     eager.arg(runs.program).args(runs.args).args(["--mode", "eager"]);
-    if shell.status(&mut eager, Some(log))?.success() {
-        return Err(format!("eager finished under --max-memory {limit}, a limit below its measured peak"));
+    let status = shell.status(&mut eager, Some(log))?;
+    if status.code() != Some(stageload_guard::outcome::exit::STOPPED) {
+        return Err(format!(
+            "eager under --max-memory {limit}, a limit below its measured peak, was not stopped by the guard ({status})"
+        ));
     }
     log.line("eager was stopped by the guard");
     let mut staged =
@@ -355,20 +358,24 @@ fn guard_story(shell: &Shell, report: &Report, runs: &GuardRuns, log: &Log) -> R
     staged.arg(runs.program).args(runs.args).args(["--mode", "staged", "--result", &file("guarded-staged.json")]);
     let status = shell.status(&mut staged, Some(log))?;
     check(&staged, status)?;
-    let latent = |path: &Path| -> Result<String, Error> {
-        let json = crate::ab::read_json(path)?;
-        json["latents"][runs.latent].as_str().map(str::to_string).ok_or(format!(
-            "{} has no latent {}",
-            path.display(),
-            runs.latent
-        ))
-    };
-    let (want, got) = (latent(&runs.out.join("eager-1.json"))?, latent(&runs.out.join("guarded-staged.json"))?);
+    let (want, got) = (
+        latent_fingerprint(&runs.out.join("eager-1.json"), runs.latent)?,
+        latent_fingerprint(&runs.out.join("guarded-staged.json"), runs.latent)?,
+    );
     if want != got {
         return Err(format!("the guarded staged run's {} differs from eager's: {got} against {want}", runs.latent));
     }
     log.line(&format!("staged finished under the same limit with the same {}: {got}", runs.latent));
     Ok(())
+}
+
+/// The fingerprint of latent `name` in a demo run's result file (`latents`: [name, fingerprint]
+/// pairs).
+fn latent_fingerprint(path: &Path, name: &str) -> Result<String, Error> {
+    let json = crate::ab::read_json(path)?;
+    let pairs = json["latents"].as_array().map(Vec::as_slice).unwrap_or_default();
+    let found = pairs.iter().find(|pair| pair[0] == name).and_then(|pair| pair[1].as_str());
+    found.map(str::to_string).ok_or(format!("{} has no latent {name}", path.display()))
 }
 
 /// What the published Wan export and its runs need, when it is not there yet: the text encoder
@@ -458,6 +465,16 @@ mod wan_tests {
         // With the export there, its own count decides and the disk does not matter.
         assert_eq!(wan_skip_reason(16 * gib, 0, Some(14 * gib)), None);
         assert!(wan_skip_reason(14 * gib, 0, Some(14 * gib)).is_some());
+    }
+
+    #[test]
+    fn a_latent_s_fingerprint_is_read_from_a_result_file_or_named_missing() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("eager-1.json");
+        std::fs::write(&path, r#"{"latents": [["prompt_embeds", "aa"], ["video", "9a"]]}"#).unwrap();
+        assert_eq!(latent_fingerprint(&path, "video").unwrap(), "9a");
+        let error = latent_fingerprint(&path, "frames").unwrap_err();
+        assert!(error.contains("eager-1.json has no latent frames"), "{error}");
     }
 
     #[test]

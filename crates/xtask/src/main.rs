@@ -7,7 +7,7 @@
 //! - [`shell`]: commands from the root with the set-up environment, shown, logged, checked.
 //! - [`ab`]: `stageload ab` comparisons and the medians read back from their report.
 //! - [`lanes`]: the test lanes.
-//! - [`demos`]: the demo, block streaming, Stable Diffusion against diffusers.
+//! - [`demos`]: the demo, block streaming, Stable Diffusion, Shap-E and Wan2.1 against diffusers.
 //! - [`benches`]: the hot set, prefetch, checkpoint loads, the guard, many jobs under Ray.
 //! - [`gpu`]: the GPU check, built here and run on a GPU machine without cargo.
 
@@ -45,8 +45,8 @@ enum Task {
         args: Vec<String>,
     },
     /// The README's main job: the cascade eager, staged and staged with prefetch under
-    /// `stageload ab`, the plan checked against the runs, then the stream demo and Stable
-    /// Diffusion at its published sizes against diffusers
+    /// `stageload ab`, the plan checked against the runs, then the stream demo, and Stable
+    /// Diffusion, Shap-E and Wan2.1 at their published sizes against diffusers
     Demo {
         /// The folder for every file
         #[arg(long, default_value = "target/demo")]
@@ -58,7 +58,7 @@ enum Task {
     /// One example of the library (examples/), libtorch set up first: `cargo xtask example
     /// two_models` is `eval "$(scripts/setup-libtorch.sh)"` then `cargo run --example two_models`
     Example {
-        /// two_models, cascade, text_to_image, stream, minilm, stable_diffusion
+        /// two_models, cascade, text_to_image, stream, minilm, stable_diffusion, shap_e, wan
         name: String,
         /// Build with optimisations
         #[arg(long)]
