@@ -48,8 +48,21 @@ pub fn cascade_arms(shell: &Shell, extra: &[String]) -> Vec<Arm> {
     ]
 }
 
-/// The README's main job (see the module docs); results in `out`.
-pub fn demo(shell: &mut Shell, out: &Path, cascade: &[String]) -> Result<(), Error> {
+/// A part of the demo after the cascade, which `--skip` can leave out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Part {
+    /// Block streaming and the hot set.
+    Stream,
+    /// Stable Diffusion 1.5 at its published size.
+    Sd,
+    /// Shap-E at its published size.
+    ShapE,
+    /// Wan2.1 at its published size.
+    Wan,
+}
+
+/// The README's main job (see the module docs), without the parts in `skip`; results in `out`.
+pub fn demo(shell: &mut Shell, out: &Path, skip: &[Part], cascade: &[String]) -> Result<(), Error> {
     shell.set_up(&[Setup::Libtorch])?;
     let out = shell.folder(out)?;
     let stageload = build(shell, &["--example", "cascade"])?;
@@ -68,14 +81,26 @@ pub fn demo(shell: &mut Shell, out: &Path, cascade: &[String]) -> Result<(), Err
         command.args(&traces);
         failures.keep(save(shell, &mut command, &out.join(file), against == "staged"));
     }
-    println!("== block streaming (cargo xtask stream-demo)");
-    failures.keep(stream_demo(shell, &out.join("stream")));
-    println!("== Stable Diffusion 1.5 against diffusers (cargo xtask sd-demo)");
-    failures.keep(sd_demo(shell, &out.join("stable-diffusion")));
-    println!("== Shap-E image-to-3D against diffusers (cargo xtask shap-e-demo)");
-    failures.keep(shap_e_demo(shell, &out.join("shap-e")));
-    println!("== Wan2.1 text-to-video against diffusers (cargo xtask wan-demo; skipped without the memory or disk)");
-    failures.keep(wan_demo(shell, &out.join("wan")));
+    type Run = fn(&mut Shell, &Path) -> Result<(), Error>;
+    let parts: [(Part, &str, &str, Run); 4] = [
+        (Part::Stream, "block streaming (cargo xtask stream-demo)", "stream", stream_demo),
+        (Part::Sd, "Stable Diffusion 1.5 against diffusers (cargo xtask sd-demo)", "stable-diffusion", sd_demo),
+        (Part::ShapE, "Shap-E image-to-3D against diffusers (cargo xtask shap-e-demo)", "shap-e", shap_e_demo),
+        (
+            Part::Wan,
+            "Wan2.1 text-to-video against diffusers (cargo xtask wan-demo; skipped without the memory or disk)",
+            "wan",
+            wan_demo,
+        ),
+    ];
+    for (part, what, folder, run) in parts {
+        if skip.contains(&part) {
+            println!("== {what}: skipped (--skip)");
+        } else {
+            println!("== {what}");
+            failures.keep(run(shell, &out.join(folder)));
+        }
+    }
     println!("everything is in {}/ (summary.txt: the aggregated comparison)", out.display());
     failures.end()
 }

@@ -51,6 +51,10 @@ enum Task {
         /// The folder for every file
         #[arg(long, default_value = "target/demo")]
         out: PathBuf,
+        /// Parts to leave out, comma-separated (the published-size pipelines take about 25
+        /// minutes each here, and their exports once more)
+        #[arg(long, value_delimiter = ',', value_enum)]
+        skip: Vec<demos::Part>,
         /// More cascade arguments for every run (e.g. --scale 0.1)
         #[arg(last = true)]
         cascade: Vec<String>,
@@ -135,7 +139,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let done = shell::Shell::here().and_then(|mut shell| match cli.task {
         Task::Test { torch_free, args } => lanes::test(&mut shell, torch_free, &args),
-        Task::Demo { out, cascade } => demos::demo(&mut shell, &out, &cascade),
+        Task::Demo { out, skip, cascade } => demos::demo(&mut shell, &out, &skip, &cascade),
         Task::Example { name, release, args } => demos::example(&mut shell, &name, release, &args),
         Task::StreamDemo { out } => demos::stream_demo(&mut shell, &out),
         Task::SdDemo { out } => demos::sd_demo(&mut shell, &out),
