@@ -26,13 +26,13 @@
 
 use std::path::PathBuf;
 use std::process::ExitCode;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use clap::Parser;
 use stageload::{BoxError, ModelSpec, StagedModels};
-use stageload_demo_kit::args::{parse_pipeline, PipelineArgs};
+use stageload_demo_kit::args::{parse_pipeline, CompareArgs, PipelineArgs};
 use stageload_demo_kit::clip_image::{load_image, preprocess};
-use stageload_demo_kit::pipeline::{python, Format, TOLERANCE};
+use stageload_demo_kit::pipeline::{Format, TOLERANCE};
 use stageload_demo_kit::run::{progress_at_terminal, Demo};
 use stageload_demo_kit::shap_e::files::{write_ply, write_views_png};
 use stageload_demo_kit::shap_e::reference::{compare, run_reference};
@@ -74,17 +74,8 @@ struct Args {
     /// Where mesh.ply and views.png go (default: the demo's cache folder)
     #[arg(long, value_name = "DIR")]
     out: Option<PathBuf>,
-    /// Afterwards, run diffusers' ShapEImg2ImgPipeline on the same weights, image and seed
-    /// (scripts/reference/shap_e_reference.py) and print the largest differences
-    #[arg(long)]
-    compare_python: bool,
-    /// The Python with torch and diffusers for --compare-python (default: $STAGELOAD_PYTHON,
-    /// else the cached environment scripts/setup-libtorch.sh makes)
-    #[arg(long, value_name = "FILE")]
-    python: Option<PathBuf>,
-    /// --compare-python: stop the reference after this many seconds
-    #[arg(long, default_value_t = 3600, value_name = "SECONDS")]
-    python_deadline: u64,
+    #[command(flatten)]
+    compare: CompareArgs,
 }
 
 /// Parses the command line: `CommonArgs` with `--steps` defaulting to 2 and `--mode` taking
@@ -213,11 +204,11 @@ fn run(args: &Args) -> Result<(), BoxError> {
     p.finish()?;
     println!("pipeline in {:.1} s", started.elapsed().as_secs_f64());
 
-    if args.compare_python {
-        let python = python(args.python.as_deref());
+    if args.compare.compare_python {
+        let python = args.compare.python();
         let folder = tempfile::Builder::new().prefix("stageload-shap-e-compare").tempdir()?;
         println!("running diffusers ({} {})", python.display(), export.dir().display());
-        let deadline = Duration::from_secs(args.python_deadline);
+        let deadline = args.compare.deadline();
         let reference = run_reference(&python, &export, &pixels, seed, sampling, folder.path(), deadline)?;
         let comparison = compare(&generated, &reference)?;
         println!(

@@ -22,14 +22,14 @@
 
 use std::path::PathBuf;
 use std::process::ExitCode;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use clap::Parser;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use stageload::{BoxError, ModelSpec, SharedRng, StagedModels};
-use stageload_demo_kit::args::{parse_pipeline, PipelineArgs};
-use stageload_demo_kit::pipeline::{python, Format, TOLERANCE};
+use stageload_demo_kit::args::{parse_pipeline, CompareArgs, PipelineArgs};
+use stageload_demo_kit::pipeline::{Format, TOLERANCE};
 use stageload_demo_kit::run::{progress_at_terminal, Demo};
 use stageload_demo_kit::stable_diffusion::{generate, run_reference, Comparison, Export, Sampling, STAGES};
 use stageload_demo_kit::weights::stageload_cache;
@@ -52,17 +52,8 @@ struct Args {
     /// Classifier-free guidance scale (above 1)
     #[arg(long, default_value_t = 7.5)]
     guidance: f64,
-    /// Afterwards, run diffusers' StableDiffusionPipeline on the same weights, embeddings and
-    /// latents (scripts/reference/sd_reference.py) and print the largest differences
-    #[arg(long)]
-    compare_python: bool,
-    /// The Python with torch and diffusers for --compare-python (default: $STAGELOAD_PYTHON,
-    /// else the cached environment scripts/setup-libtorch.sh makes)
-    #[arg(long, value_name = "FILE")]
-    python: Option<PathBuf>,
-    /// --compare-python: stop the reference after this many seconds
-    #[arg(long, default_value_t = 3600, value_name = "SECONDS")]
-    python_deadline: u64,
+    #[command(flatten)]
+    compare: CompareArgs,
 }
 
 /// Parses the command line: `CommonArgs` with `--steps` defaulting to 4 and `--mode` taking
@@ -187,13 +178,12 @@ fn run(args: &Args) -> Result<(), BoxError> {
     p.finish()?;
     println!("pipeline in {:.1} s", started.elapsed().as_secs_f64());
 
-    if args.compare_python {
-        let python = python(args.python.as_deref());
+    if args.compare.compare_python {
+        let python = args.compare.python();
         let folder = std::env::temp_dir().join(format!("stageload-sd-compare-{}", std::process::id()));
         std::fs::create_dir_all(&folder).map_err(|e| format!("creating {}: {e}", folder.display()))?;
         println!("running diffusers ({} {})", python.display(), export.dir().display());
-        let reference =
-            run_reference(&python, &export, &generated, sampling, &folder, Duration::from_secs(args.python_deadline));
+        let reference = run_reference(&python, &export, &generated, sampling, &folder, args.compare.deadline());
         let reference = match reference {
             Ok(reference) => reference,
             Err(error) => return Err(format!("{error}\n(its files are in {})", folder.display()).into()),

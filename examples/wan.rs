@@ -23,12 +23,12 @@
 
 use std::path::PathBuf;
 use std::process::ExitCode;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use clap::{CommandFactory, Parser};
 use stageload::{BoxError, StagedModels};
-use stageload_demo_kit::args::{parse_pipeline, PipelineArgs};
-use stageload_demo_kit::pipeline::{python, TOLERANCE};
+use stageload_demo_kit::args::{parse_pipeline, CompareArgs, PipelineArgs};
+use stageload_demo_kit::pipeline::TOLERANCE;
 use stageload_demo_kit::run::{progress_at_terminal, Demo};
 use stageload_demo_kit::wan::files::{write_frames, write_gif};
 use stageload_demo_kit::wan::reference::{compare, run_reference};
@@ -59,18 +59,8 @@ struct Args {
     /// Where the frames (frame_NNNN.png) and video.gif go (default: the demo's cache folder)
     #[arg(long, value_name = "DIR")]
     out: Option<PathBuf>,
-    /// Afterwards, run diffusers' WanPipeline on the same weights, token ids and seed
-    /// (scripts/reference/wan_reference.py) and print the largest differences (the export's
-    /// token ids only)
-    #[arg(long)]
-    compare_python: bool,
-    /// The Python with torch and diffusers for --compare-python (default: $STAGELOAD_PYTHON,
-    /// else the cached environment scripts/setup-libtorch.sh makes)
-    #[arg(long, value_name = "FILE")]
-    python: Option<PathBuf>,
-    /// --compare-python: stop the reference after this many seconds
-    #[arg(long, default_value_t = 3600, value_name = "SECONDS")]
-    python_deadline: u64,
+    #[command(flatten)]
+    compare: CompareArgs,
 }
 
 /// Parses the command line: `CommonArgs` with `--steps` defaulting to 4 and `--mode` taking
@@ -85,7 +75,7 @@ fn parse() -> Result<Args, clap::Error> {
     };
     let args = parse_pipeline(how, |args: &mut Args| &mut args.common)?;
     let custom_ids = args.prompt_ids.is_some() || args.negative_ids.is_some();
-    if args.compare_python && custom_ids {
+    if args.compare.compare_python && custom_ids {
         let message =
             "--compare-python runs diffusers on the export's token ids: leave out --prompt-ids and --negative-ids";
         return Err(Args::command().error(clap::error::ErrorKind::ArgumentConflict, message));
@@ -191,11 +181,11 @@ fn run(args: &Args) -> Result<(), BoxError> {
     p.finish()?;
     println!("pipeline in {:.1} s", started.elapsed().as_secs_f64());
 
-    if args.compare_python {
-        let python = python(args.python.as_deref());
+    if args.compare.compare_python {
+        let python = args.compare.python();
         let folder = tempfile::Builder::new().prefix("stageload-wan-compare").tempdir()?;
         println!("running diffusers ({} {})", python.display(), export.dir().display());
-        let deadline = Duration::from_secs(args.python_deadline);
+        let deadline = args.compare.deadline();
         let reference = run_reference(&python, &export, seed, sampling, folder.path(), deadline)?;
         let comparison = compare(&generated, &reference)?;
         println!(

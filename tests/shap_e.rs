@@ -13,7 +13,7 @@
 //! and STAGELOAD_PYTHON the tests fail and say what to run.
 
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use stageload::{BoxError, Event, EventKind, EventSink, ListSink};
@@ -27,7 +27,7 @@ use stageload_demo_kit::shap_e::{
 use stageload_test_support::torch as support;
 use tch::{CModule, Kind, Tensor};
 
-use crate::watch::{assert_bits_equal, of_kind, Call, Watch};
+use crate::watch::{assert_bits_equal, of_kind, with_shared, Call, Shared, Watch};
 
 const SAMPLING: Sampling = Sampling { steps: 2, guidance: 4.0, frame_size: 32, views: true, mesh: true };
 const SEED: i64 = 5;
@@ -105,45 +105,28 @@ fn make_runs() -> Result<Runs, String> {
 }
 
 /// The three runs, made once for every test that needs them.
-fn runs() -> MutexGuard<'static, Option<Result<Runs, String>>> {
-    static RUNS: Mutex<Option<Result<Runs, String>>> = Mutex::new(None);
-    let mut slot = RUNS.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-    slot.get_or_insert_with(make_runs);
-    slot
-}
+static RUNS: Shared<Runs> = Mutex::new(None);
 
-fn with_runs(check: impl FnOnce(&Runs)) {
-    match runs().as_ref() {
-        Some(Ok(runs)) => check(runs),
-        Some(Err(error)) => panic!("{error}"),
-        None => unreachable!("runs() fills the slot"),
-    }
+fn with_runs<R>(check: impl FnOnce(&Runs) -> R) -> R {
+    with_shared(&RUNS, make_runs, check)
 }
 
 /// diffusers on the eager run's pixels and seed, run once for every test that needs it (with the
 /// folder holding its PLY file).
 fn with_reference(check: impl FnOnce(&Runs, &Reference)) {
-    static REFERENCE: Mutex<Option<Result<(Reference, tempfile::TempDir), String>>> = Mutex::new(None);
-    let mut slot = REFERENCE.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-    let guard = runs();
-    let runs = match guard.as_ref() {
-        Some(Ok(runs)) => runs,
-        Some(Err(error)) => panic!("{error}"),
-        None => unreachable!("runs() fills the slot"),
-    };
-    let reference = slot.get_or_insert_with(|| {
-        let python = PathBuf::from(required("STAGELOAD_PYTHON")?);
-        let folder = tempfile::TempDir::new().map_err(|e| format!("no temporary folder: {e}"))?;
-        let pixels = pixels(&runs.export);
-        let reference = run_reference(&python, &runs.export, &pixels, SEED, SAMPLING, folder.path(), DEADLINE)
-            .map_err(|e| e.to_string())?;
-        eprintln!("diffusers in {:.1} s: {}", reference.seconds, reference.summary);
-        Ok((reference, folder))
-    });
-    match reference {
-        Ok((reference, _)) => check(runs, reference),
-        Err(error) => panic!("{error}"),
-    }
+    static REFERENCE: Shared<(Reference, tempfile::TempDir)> = Mutex::new(None);
+    with_runs(|runs| {
+        let make = || {
+            let python = PathBuf::from(required("STAGELOAD_PYTHON")?);
+            let folder = tempfile::TempDir::new().map_err(|e| format!("no temporary folder: {e}"))?;
+            let pixels = pixels(&runs.export);
+            let reference = run_reference(&python, &runs.export, &pixels, SEED, SAMPLING, folder.path(), DEADLINE)
+                .map_err(|e| e.to_string())?;
+            eprintln!("diffusers in {:.1} s: {}", reference.seconds, reference.summary);
+            Ok((reference, folder))
+        };
+        with_shared(&REFERENCE, make, |(reference, _)| check(runs, reference))
+    })
 }
 
 fn mesh(generated: &Generated) -> &stageload_demo_kit::shap_e::Mesh {

@@ -8,7 +8,7 @@
 //! STAGELOAD_SD_SMALL and STAGELOAD_PYTHON the tests fail and say what to run.
 
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use stageload::{BoxError, Event, EventKind, EventSink, ListSink};
@@ -19,7 +19,7 @@ use stageload_demo_kit::stable_diffusion::{
 use stageload_test_support::torch as support;
 use tch::Kind;
 
-use crate::watch::{assert_bits_equal, of_kind, Call, Watch};
+use crate::watch::{assert_bits_equal, of_kind, with_shared, Call, Shared, Watch};
 
 const SAMPLING: Sampling = Sampling { steps: 4, guidance: 7.5 };
 const SEED: i64 = 11;
@@ -76,43 +76,27 @@ fn make_runs() -> Result<Runs, String> {
 }
 
 /// The three runs, made once for every test that needs them.
-fn runs() -> MutexGuard<'static, Option<Result<Runs, String>>> {
-    static RUNS: Mutex<Option<Result<Runs, String>>> = Mutex::new(None);
-    let mut slot = RUNS.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-    slot.get_or_insert_with(make_runs);
-    slot
-}
+static RUNS: Shared<Runs> = Mutex::new(None);
 
-fn with_runs(check: impl FnOnce(&Runs)) {
-    match runs().as_ref() {
-        Some(Ok(runs)) => check(runs),
-        Some(Err(error)) => panic!("{error}"),
-        None => unreachable!("runs() fills the slot"),
-    }
+fn with_runs<R>(check: impl FnOnce(&Runs) -> R) -> R {
+    with_shared(&RUNS, make_runs, check)
 }
 
 /// diffusers on the eager run's embeddings and latents, run once for every test that needs it.
 fn with_reference(check: impl FnOnce(&Runs, &Reference)) {
-    static REFERENCE: Mutex<Option<Result<Reference, String>>> = Mutex::new(None);
-    let mut slot = REFERENCE.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-    let guard = runs();
-    let runs = match guard.as_ref() {
-        Some(Ok(runs)) => runs,
-        Some(Err(error)) => panic!("{error}"),
-        None => unreachable!("runs() fills the slot"),
-    };
-    let reference = slot.get_or_insert_with(|| {
-        let python = PathBuf::from(required("STAGELOAD_PYTHON")?);
-        let folder = tempfile::TempDir::new().map_err(|e| format!("no temporary folder: {e}"))?;
-        let reference = run_reference(&python, &runs.export, &runs.eager.generated, SAMPLING, folder.path(), DEADLINE)
-            .map_err(|e| e.to_string())?;
-        eprintln!("diffusers in {:.1} s:\n{}", reference.seconds, reference.log.trim());
-        Ok(reference)
-    });
-    match reference {
-        Ok(reference) => check(runs, reference),
-        Err(error) => panic!("{error}"),
-    }
+    static REFERENCE: Shared<Reference> = Mutex::new(None);
+    with_runs(|runs| {
+        let make = || {
+            let python = PathBuf::from(required("STAGELOAD_PYTHON")?);
+            let folder = tempfile::TempDir::new().map_err(|e| format!("no temporary folder: {e}"))?;
+            let reference =
+                run_reference(&python, &runs.export, &runs.eager.generated, SAMPLING, folder.path(), DEADLINE)
+                    .map_err(|e| e.to_string())?;
+            eprintln!("diffusers in {:.1} s:\n{}", reference.seconds, reference.log.trim());
+            Ok(reference)
+        };
+        with_shared(&REFERENCE, make, |reference| check(runs, reference))
+    })
 }
 
 #[test]

@@ -13,7 +13,7 @@
 //! STAGELOAD_PYTHON the tests fail and say what to run.
 
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use stageload::{BoxError, Event, EventKind, EventSink, ListSink, ReloadFrom};
@@ -24,7 +24,7 @@ use stageload_demo_kit::wan::{generate, Export, ExportError, Generated, RunError
 use stageload_test_support::torch as support;
 use tch::{Kind, Tensor};
 
-use crate::watch::{assert_bits_equal, of_kind, Call, Watch};
+use crate::watch::{assert_bits_equal, of_kind, with_shared, Call, Shared, Watch};
 
 const SAMPLING: Sampling = Sampling { steps: 4, guidance: 5.0 };
 const SEED: i64 = 7;
@@ -97,19 +97,10 @@ fn make_runs() -> Result<Runs, String> {
 }
 
 /// The three runs, made once for every test that needs them.
-fn runs() -> MutexGuard<'static, Option<Result<Runs, String>>> {
-    static RUNS: Mutex<Option<Result<Runs, String>>> = Mutex::new(None);
-    let mut slot = RUNS.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-    slot.get_or_insert_with(make_runs);
-    slot
-}
+static RUNS: Shared<Runs> = Mutex::new(None);
 
-fn with_runs(check: impl FnOnce(&Runs)) {
-    match runs().as_ref() {
-        Some(Ok(runs)) => check(runs),
-        Some(Err(error)) => panic!("{error}"),
-        None => unreachable!("runs() fills the slot"),
-    }
+fn with_runs<R>(check: impl FnOnce(&Runs) -> R) -> R {
+    with_shared(&RUNS, make_runs, check)
 }
 
 /// diffusers with `sampling` on the export's token ids and the seed.

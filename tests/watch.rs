@@ -1,6 +1,7 @@
 //! What the tests of the pipelines written by others (`stable_diffusion`, `shap_e`, `wan`) share: a
 //! registry that records what was resident inside every model call, a bit-for-bit tensor
-//! comparison, and events of one kind.
+//! comparison, events of one kind, and values made once for a module's tests (its runs, the
+//! reference).
 
 use std::sync::Mutex;
 
@@ -70,4 +71,18 @@ pub fn assert_bits_equal(what: &str, a: &Tensor, b: &Tensor) {
 /// The events of `kind`.
 pub fn of_kind(events: &[Event], kind: EventKind) -> Vec<&Event> {
     events.iter().filter(|e| e.kind == kind).collect()
+}
+
+/// A value a module's tests make once and share (its Rust runs, diffusers' reference), or the
+/// error making it gave.
+pub type Shared<T> = Mutex<Option<Result<T, String>>>;
+
+/// Runs `check` on the value in `slot`, made by `make` the first time, while holding `slot`; a
+/// failed `make` fails every test that asks, with its error.
+pub fn with_shared<T, R>(slot: &Shared<T>, make: impl FnOnce() -> Result<T, String>, check: impl FnOnce(&T) -> R) -> R {
+    let mut guard = slot.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    match guard.get_or_insert_with(make) {
+        Ok(value) => check(value),
+        Err(error) => panic!("{error}"),
+    }
 }

@@ -115,6 +115,35 @@ impl CommonArgs {
     }
 }
 
+/// The comparison with the pipeline's Python original that each pipeline example offers
+/// (`--compare-python`; the example's documentation names its reference script).
+#[derive(Debug, Clone, clap::Args)]
+pub struct CompareArgs {
+    /// Afterwards, run the pipeline's Python original (diffusers) on the same weights, inputs and
+    /// seed (scripts/reference/*_reference.py) and print the largest differences
+    #[arg(long)]
+    pub compare_python: bool,
+    /// The Python with torch and diffusers for --compare-python (default: $STAGELOAD_PYTHON,
+    /// else the cached environment scripts/setup-libtorch.sh makes)
+    #[arg(long, value_name = "FILE")]
+    pub python: Option<PathBuf>,
+    /// --compare-python: stop the reference after this many seconds
+    #[arg(long, default_value_t = 3600, value_name = "SECONDS")]
+    pub python_deadline: u64,
+}
+
+impl CompareArgs {
+    /// The Python to run: `--python`, else `$STAGELOAD_PYTHON`, else the cached environment.
+    pub fn python(&self) -> PathBuf {
+        crate::pipeline::python(self.python.as_deref())
+    }
+
+    /// `--python-deadline`.
+    pub fn deadline(&self) -> std::time::Duration {
+        std::time::Duration::from_secs(self.python_deadline)
+    }
+}
+
 /// How a pipeline example's command line differs from [`CommonArgs`]' defaults.
 #[derive(Debug, Clone, Copy)]
 pub struct PipelineArgs {
