@@ -25,7 +25,8 @@ Exit codes:
   N        the command's own exit code
   128+N    a signal N ended the command, or the guard got SIGINT/SIGTERM/SIGHUP (it stops the
            command first; a second signal skips the grace and kills at once)
-  3        the guard stopped the command (swap over budget, memory low twice, --max-memory)
+  3        the guard stopped the command (swap over budget, memory low twice, --max-memory,
+           --max-device-memory, or the limits of --plan)
   4        no room within --start-timeout (with --check: it would not start now)
   125      the command ended in a way the guard could not read
   126      the command was found but cannot be executed
@@ -75,10 +76,14 @@ pub struct GuardArgs {
     /// With --plan: hold the command to the eager request (every model loaded up front)
     #[arg(long, requires = "plan")]
     eager: bool,
-    /// With --plan: the trace the command writes (a stageload JSONL trace, read as it grows):
-    /// the stage a run over its plan was in, and on CUDA its device memory
-    #[arg(long, value_name = "FILE", requires = "plan")]
+    /// With --plan or --max-device-memory: the trace the command writes (a stageload JSONL
+    /// trace, read as it grows): its device memory, and the stage a run over its plan was in
+    #[arg(long, value_name = "FILE")]
     trace: Option<PathBuf>,
+    /// Stop the command when its device memory (CUDA memory allocated by tensors, read from the
+    /// samples of the trace it writes: --trace) passes SIZE; with --plan the plan sets it
+    #[arg(long, value_name = "SIZE", value_parser = size, requires = "trace", conflicts_with = "plan")]
+    max_device_memory: Option<u64>,
     /// The command and its arguments, after --
     #[arg(last = true, value_name = "COMMAND")]
     command: Vec<OsString>,
@@ -181,6 +186,13 @@ pub fn run(args: GuardArgs) -> i32 {
             return exit::USAGE;
         }
     };
+    if args.trace.is_some() && args.plan.is_none() && args.max_device_memory.is_none() {
+        eprintln!(
+            "stageload guard: --trace is read for --plan or --max-device-memory: give one of them, or leave --trace out"
+        );
+        return exit::USAGE;
+    }
+    config.max_device_memory = args.max_device_memory;
     let mode = if args.eager { Mode::Eager } else { Mode::Staged };
     let held = match args.plan.as_deref().map(|file| Held::load(file, mode, args.trace.as_deref())).transpose() {
         Ok(held) => held,
@@ -203,26 +215,24 @@ pub fn run(args: GuardArgs) -> i32 {
         return check(&config, &mut log);
     }
     // Made before the command starts: a trace already there is a previous run's.
-    let mut tail = held.as_ref().and_then(|held| held.trace.as_deref()).map(TraceTail::new);
+    let mut tail = args.trace.as_deref().map(TraceTail::new);
     let readings: &mut dyn Readings = match tail.as_mut() {
         Some(tail) => tail,
         None => &mut SystemReadings,
     };
     let outcome = run_guarded(&args.command, &config, readings, &mut SystemClock::new(), &mut log, &signals);
-    if let Some(held) = &held {
-        if let Outcome::Stopped(stop) = &outcome {
-            if let Some(over) = held.over_plan(stop, tail.as_ref()) {
-                log.record("over_plan", &over.message(), None, over.detail());
-            }
+    if let (Some(held), Outcome::Stopped(stop)) = (&held, &outcome) {
+        if let Some(over) = held.over_plan(stop, tail.as_ref()) {
+            log.record("over_plan", &over.message(), None, over.detail());
         }
-        if let (Some(tail), Some(_)) = (&tail, config.max_device_memory) {
-            if tail.never_read_device() {
-                let message = format!(
-                    "the trace {} carried no device reading: the device limit was never checked",
-                    tail.path().display()
-                );
-                log.note("device_unread", &message, None);
-            }
+    }
+    if let (Some(tail), Some(_)) = (&tail, config.max_device_memory) {
+        if tail.never_read_device() {
+            let message = format!(
+                "the trace {} carried no device reading: the device limit was never checked",
+                tail.path().display()
+            );
+            log.note("device_unread", &message, None);
         }
     }
     outcome.exit_code()

@@ -431,7 +431,8 @@ fn a_run_over_its_plan_is_stopped_and_the_log_says_by_how_much_in_which_stage() 
     let (log, trace) = (dir.join("guard.jsonl"), dir.join("run.jsonl"));
     // The command writes its trace (encode, then denoise, then a half-written last line, as a
     // run killed mid-write leaves it), then holds 256 MiB: over the plan's 65 MiB.
-    let text = trace_lines(&[&stage_event(0.0, "encode"), &stage_event(0.5, "denoise")])
+    let sample = format!("{{\"type\":\"sample\",\"t\":0.6,\"rss\":1,\"rss_file\":{}}}", 3 * MIB);
+    let text = trace_lines(&[&stage_event(0.0, "encode"), &stage_event(0.5, "denoise"), &sample])
         + "{\"type\":\"sample\",\"t\":0.7,\"rs";
     let program =
         "import sys, time\nopen(sys.argv[1], 'w').write(sys.argv[2])\nheld = b'x' * (256 << 20)\ntime.sleep(30)\n";
@@ -443,7 +444,7 @@ fn a_run_over_its_plan_is_stopped_and_the_log_says_by_how_much_in_which_stage() 
         "{text}"
     );
     assert!(!text.contains("available twice"), "no low-memory rule under a plan: {text}");
-    assert!(text.contains("> --max-memory 65.0 MiB"), "{text}");
+    assert!(text.contains("> the plan's memory limit 65.0 MiB"), "{text}");
     let records = log_records(&log);
     let events: Vec<&str> = records.iter().map(|r| r["event"].as_str().unwrap()).collect();
     assert_eq!(events.first(), Some(&"start"), "admitted at once: {events:?}");
@@ -458,6 +459,14 @@ fn a_run_over_its_plan_is_stopped_and_the_log_says_by_how_much_in_which_stage() 
     assert!(used > 65 * MIB && by == used - 65 * MIB, "{over}");
     let message = over["message"].as_str().unwrap();
     assert!(message.starts_with("over its plan by ") && message.contains("in stage 'denoise'"), "{message}");
+    // What the guard leaves out and the plan counts, with the figure.
+    assert_eq!(detail["file_pages"], 3 * MIB, "{over}");
+    assert!(
+        message.ends_with(
+            "the guard counts memory less file pages, the plan's numbers include them (3.0 MiB at the last sample)"
+        ),
+        "{message}"
+    );
 }
 
 #[test]
@@ -495,7 +504,7 @@ fn device_memory_over_the_plan_read_from_the_trace_stops_the_run() {
     assert_eq!(output.status.code(), Some(3), "{text}");
     assert!(started.elapsed() >= Duration::from_millis(500), "not stopped before it went over");
     assert!(text.contains("device memory at most 17.0 MiB (read from the trace)"), "{text}");
-    assert!(text.contains("command's device memory 100.0 MiB > its limit 17.0 MiB"), "{text}");
+    assert!(text.contains("command's device memory 100.0 MiB > the plan's device memory limit 17.0 MiB"), "{text}");
     let records = log_records(&log);
     let over = records.iter().find(|r| r["event"] == "over_plan").unwrap_or_else(|| panic!("{records:?}"));
     let detail = &over["detail"];
@@ -535,13 +544,51 @@ fn under_a_plan_a_run_within_it_starts_at_once_and_desktop_rules_cannot_be_given
 }
 
 #[test]
-fn eager_and_trace_need_a_plan() {
-    for flags in [&["--eager"][..], &["--trace", "run.jsonl"][..]] {
-        let output = run(&[flags, &["--", "true"]].concat());
-        let text = stderr(&output);
-        assert_eq!(output.status.code(), Some(2), "{flags:?}: {text}");
-        assert!(text.contains("required arguments were not provided") && text.contains("--plan <FILE>"), "{text}");
-    }
+fn eager_needs_a_plan_and_trace_a_plan_or_a_device_limit() {
+    let output = run(&["--eager", "--", "true"]);
+    let text = stderr(&output);
+    assert_eq!(output.status.code(), Some(2), "{text}");
+    assert!(text.contains("required arguments were not provided") && text.contains("--plan <FILE>"), "{text}");
+    let output = run(&["--trace", "run.jsonl", "--", "true"]);
+    let text = stderr(&output);
+    assert_eq!(output.status.code(), Some(2), "{text}");
+    assert!(text.contains("--trace is read for --plan or --max-device-memory"), "{text}");
+    // The device limit is read from the trace, so it needs one; a plan sets its own.
+    let output = run(&["--max-device-memory", "1G", "--", "true"]);
+    let text = stderr(&output);
+    assert_eq!(output.status.code(), Some(2), "{text}");
+    assert!(text.contains("required arguments were not provided") && text.contains("--trace <FILE>"), "{text}");
+    let output = run(&["--max-device-memory", "1X", "--trace", "t.jsonl", "--", "true"]);
+    assert!(
+        stderr(&output).contains("--max-device-memory") && stderr(&output).contains("not a size"),
+        "{}",
+        stderr(&output)
+    );
+}
+
+#[test]
+fn max_device_memory_stops_a_run_whose_trace_passes_it_and_names_the_flag() {
+    let folder = scratch("max-device-memory");
+    let dir = folder.path();
+    let (log, trace) = (dir.join("guard.jsonl"), dir.join("run.jsonl"));
+    let sample =
+        |t: f64, mib: u64| format!("{{\"type\":\"sample\",\"t\":{t},\"rss\":1,\"device_allocated\":{}}}", mib * MIB);
+    let within = trace_lines(&[&stage_event(0.0, "denoise"), &sample(0.1, 10)]);
+    let over = sample(0.5, 100) + "\n";
+    let program = "import sys, time\nf = open(sys.argv[1], 'w')\nf.write(sys.argv[2]); f.flush()\ntime.sleep(0.5)\n\
+                   f.write(sys.argv[3]); f.flush()\ntime.sleep(30)\n";
+    let trace_arg = trace.to_str().unwrap();
+    let mut args = vec!["--max-device-memory", "64M", "--trace", trace_arg, "--grace", "1s"];
+    args.extend(ANY_MACHINE);
+    args.extend(["--log", log.to_str().unwrap(), "--", "python3", "-c", program, trace_arg, &within, &over]);
+    let started = Instant::now();
+    let output = run(&args);
+    let text = stderr(&output);
+    assert_eq!(output.status.code(), Some(3), "{text}");
+    assert!(started.elapsed() >= Duration::from_millis(500), "not stopped before it went over");
+    assert!(text.contains("or when its device memory passes 64.0 MiB"), "{text}");
+    assert!(text.contains("command's device memory 100.0 MiB > --max-device-memory 64.0 MiB"), "{text}");
+    assert!(!log_records(&log).iter().any(|r| r["event"] == "over_plan"), "no plan, no over-plan record");
 }
 
 #[test]

@@ -168,20 +168,54 @@ pub enum Stop {
         kill_free: f64,
     },
     /// The command's own memory (resident less file pages, plus swap, over its members) passed
-    /// `--max-memory`.
+    /// its limit.
     MaxMemory {
         /// Bytes the command held.
         used: u64,
-        /// `--max-memory`, bytes.
+        /// The limit, bytes.
         max: u64,
+        /// Who set it.
+        from: LimitFrom,
     },
-    /// The command's device memory passed its limit (the plan's device need and reserve).
+    /// The command's device memory passed its limit.
     MaxDeviceMemory {
         /// Device bytes the command reported.
         used: u64,
-        /// Its limit, bytes.
+        /// The limit, bytes.
         max: u64,
+        /// Who set it.
+        from: LimitFrom,
     },
+}
+
+/// Who set a limit on the command's memory: the stop line names it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LimitFrom {
+    /// A flag: `--max-memory`, `--max-device-memory`.
+    Flag,
+    /// The plan the command is held to (`--plan`): its need plus reserve.
+    Plan,
+}
+
+impl LimitFrom {
+    /// Where `config`'s limits come from.
+    pub fn of(config: &GuardConfig) -> LimitFrom {
+        if config.limits_from.is_some() {
+            LimitFrom::Plan
+        } else {
+            LimitFrom::Flag
+        }
+    }
+
+    /// The limit's name in a stop line, for host (`device` false) or device memory.
+    fn name(self, device: bool) -> &'static str {
+        match (self, device) {
+            (LimitFrom::Flag, false) => "--max-memory",
+            (LimitFrom::Flag, true) => "--max-device-memory",
+            (LimitFrom::Plan, false) => "the plan's memory limit",
+            (LimitFrom::Plan, true) => "the plan's device memory limit",
+        }
+    }
 }
 
 impl fmt::Display for Stop {
@@ -193,11 +227,17 @@ impl fmt::Display for Stop {
             Stop::LowMemory { percent, kill_free } => {
                 write!(f, "memory available {percent:.0}% < {kill_free:.0}% twice")
             }
-            Stop::MaxMemory { used, max } => {
-                write!(f, "command uses {} > --max-memory {}", format_bytes(*used), format_bytes(*max))
+            Stop::MaxMemory { used, max, from } => {
+                write!(f, "command uses {} > {} {}", format_bytes(*used), from.name(false), format_bytes(*max))
             }
-            Stop::MaxDeviceMemory { used, max } => {
-                write!(f, "command's device memory {} > its limit {}", format_bytes(*used), format_bytes(*max))
+            Stop::MaxDeviceMemory { used, max, from } => {
+                write!(
+                    f,
+                    "command's device memory {} > {} {}",
+                    format_bytes(*used),
+                    from.name(true),
+                    format_bytes(*max)
+                )
             }
         }
     }
@@ -246,6 +286,7 @@ pub struct Watch {
     kill_free: f64,
     max_memory: Option<u64>,
     max_device_memory: Option<u64>,
+    limits_from: LimitFrom,
     stall_after: Duration,
     /// Swap used when the command started (or when swap devices last changed).
     baseline: u64,
@@ -265,6 +306,7 @@ impl Watch {
             kill_free: config.kill_free,
             max_memory: config.max_memory,
             max_device_memory: config.max_device_memory,
+            limits_from: LimitFrom::of(config),
             stall_after: config.poll.saturating_mul(5).max(Duration::from_secs(1)),
             baseline: at_start.swap_used,
             carried: 0,
@@ -299,12 +341,12 @@ impl Watch {
         }
         if let (Some(max), Some(used)) = (self.max_memory, command_memory) {
             if used > max {
-                return (Some(Stop::MaxMemory { used, max }), notices);
+                return (Some(Stop::MaxMemory { used, max, from: self.limits_from }), notices);
             }
         }
         if let (Some(max), Some(used)) = (self.max_device_memory, command_device_memory) {
             if used > max {
-                return (Some(Stop::MaxDeviceMemory { used, max }), notices);
+                return (Some(Stop::MaxDeviceMemory { used, max, from: self.limits_from }), notices);
             }
         }
         let memory = match memory {
@@ -506,7 +548,8 @@ mod tests {
         let mut watch = Watch::new(&config, &memory(90, 0));
         assert_eq!(watch.observe(secs(0.1), Ok(&memory(90, 0)), Some(GIB / 2), None).0, None);
         let (stop, notices) = watch.observe(secs(9.0), Ok(&memory(90, 0)), Some(2 * GIB), None);
-        assert_eq!(stop, Some(Stop::MaxMemory { used: 2 * GIB, max: GIB }));
+        assert_eq!(stop, Some(Stop::MaxMemory { used: 2 * GIB, max: GIB, from: LimitFrom::Flag }));
+        assert_eq!(stop.unwrap().to_string(), "command uses 2.0 GiB > --max-memory 1.0 GiB");
         assert!(matches!(notices[0], Notice::Stalled { .. }), "{notices:?}");
     }
 
@@ -523,8 +566,16 @@ mod tests {
             .collect();
         assert_eq!(stops[..4], [None, None, None, None]);
         let stop = stops[4].clone().unwrap();
-        assert_eq!(stop, Stop::MaxDeviceMemory { used: 10 * GIB + 1, max: 10 * GIB });
-        assert_eq!(stop.to_string(), "command's device memory 10.0 GiB > its limit 10.0 GiB");
+        assert_eq!(stop, Stop::MaxDeviceMemory { used: 10 * GIB + 1, max: 10 * GIB, from: LimitFrom::Flag });
+        assert_eq!(stop.to_string(), "command's device memory 10.0 GiB > --max-device-memory 10.0 GiB");
+        // Under a plan, the line names the plan's limit.
+        let planned = GuardConfig { limits_from: Some("held to plan p.toml".into()), ..config };
+        let mut watch = Watch::new(&planned, &memory(90, 0));
+        let (stop, _) = watch.observe(secs(0.1), Ok(&memory(90, 0)), None, Some(11 * GIB));
+        assert_eq!(
+            stop.unwrap().to_string(),
+            "command's device memory 11.0 GiB > the plan's device memory limit 10.0 GiB"
+        );
     }
 
     #[test]

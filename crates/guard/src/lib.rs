@@ -30,7 +30,7 @@ pub mod supervise;
 
 pub use admit::{check_once, wait_for_room, Admitted};
 pub use config::GuardConfig;
-pub use decide::{Admission, Notice, Stop, Wait, Watch};
+pub use decide::{Admission, LimitFrom, Notice, Stop, Wait, Watch};
 pub use log::GuardLog;
 pub use machine::{Clock, Readings, SystemClock, SystemReadings};
 pub use outcome::{exit, Outcome};

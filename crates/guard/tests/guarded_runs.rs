@@ -10,7 +10,9 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use regex::Regex;
-use stageload_guard::{run_guarded, Clock, GuardConfig, GuardLog, Outcome, Readings, Signals, Stop, SystemClock};
+use stageload_guard::{
+    run_guarded, Clock, GuardConfig, GuardLog, LimitFrom, Outcome, Readings, Signals, Stop, SystemClock,
+};
 use stageload_probe::{ProbeError, ProcessEntry, SystemMemory};
 use stageload_units::GIB;
 
@@ -273,7 +275,9 @@ fn max_memory_stops_a_command_that_allocates_past_it() {
     let command: Vec<OsString> = ["python3", "-c", program].into_iter().map(OsString::from).collect();
     let config = GuardConfig { max_memory: Some(160 << 20), ..config() };
     let (outcome, lines, elapsed) = guard(&command, &config, &mut Scripted::levels(&[90]));
-    let Outcome::Stopped(Stop::MaxMemory { used, max }) = outcome else { panic!("{outcome:?} {lines:?}") };
+    let Outcome::Stopped(Stop::MaxMemory { used, max, from: LimitFrom::Flag }) = outcome else {
+        panic!("{outcome:?} {lines:?}")
+    };
     assert_eq!(max, 160 << 20);
     // Stopped on the way up: over the limit (what a stop means), and short of the 16 blocks
     // alone, which the whole program (its interpreter's own memory on top) would pass.
@@ -305,9 +309,13 @@ fn a_device_reading_over_the_device_limit_stops_the_command() {
     let config = GuardConfig { max_device_memory: Some(GIB), ..config() };
     let script = DeviceScript(vec![None, Some(GIB / 2), None, Some(GIB), Some(2 * GIB)]);
     let (outcome, lines, elapsed) = guard(&sh("exec sleep 30"), &config, &mut { script });
-    assert_eq!(outcome, Outcome::Stopped(Stop::MaxDeviceMemory { used: 2 * GIB, max: GIB }), "{lines:?}");
+    assert_eq!(
+        outcome,
+        Outcome::Stopped(Stop::MaxDeviceMemory { used: 2 * GIB, max: GIB, from: LimitFrom::Flag }),
+        "{lines:?}"
+    );
     assert!(has(&lines, "or when its device memory passes 1.0 GiB"), "{lines:?}");
-    assert!(has(&lines, "command's device memory 2.0 GiB > its limit 1.0 GiB"), "{lines:?}");
+    assert!(has(&lines, "command's device memory 2.0 GiB > --max-device-memory 1.0 GiB"), "{lines:?}");
     assert!(elapsed < Duration::from_secs(10), "{elapsed:?}");
 }
 

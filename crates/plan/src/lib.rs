@@ -29,4 +29,4 @@ pub use pipeline::{
     DeviceName, Model, ModelEntry, Pin, PinEntry, Pipeline, PipelineError, PipelineFile, Placement, Reserve, Stage,
     StageEntry, StreamEntry, Streaming,
 };
-pub use plan::{plan, Budget, BudgetSource, EagerPlan, Plan, StagePlan, Verdict, SCHEMA_VERSION};
+pub use plan::{plan, Budget, BudgetSource, EagerPlan, EagerStage, Plan, StagePlan, Verdict, SCHEMA_VERSION};

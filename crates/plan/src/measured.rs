@@ -13,9 +13,11 @@ use stageload_units::format_bytes;
 use crate::pipeline::Pipeline;
 use crate::plan::Plan;
 
-/// The windows of `summary` matched to the pipeline's stage occurrences, in order: each
-/// occurrence takes the next window of its name. Err: the trace has stages the pipeline does not
-/// (the synthetic `setup` window aside), listed.
+/// The windows of `summary` matched to the pipeline's stage occurrences: each occurrence takes
+/// the first window whose stage event recorded it (its place in the sequence, the registry's
+/// rule, so `[a, a]` and `[a, b, a]` meet the right windows). A trace written before stage
+/// events carried their place: each occurrence takes the next window of its name. Err: the
+/// trace has stages the pipeline does not (the synthetic `setup` window aside), listed.
 pub fn match_windows<'a>(
     pipeline: &Pipeline,
     summary: &'a Summary,
@@ -33,6 +35,14 @@ pub fn match_windows<'a>(
             foreign.join(", "),
             ours.join(", ")
         ));
+    }
+    if summary.stages.iter().any(|w| w.position.is_some()) {
+        return Ok(pipeline
+            .stages
+            .iter()
+            .enumerate()
+            .map(|(i, stage)| summary.stages.iter().find(|w| w.position == Some(i) && w.stage == stage.name))
+            .collect());
     }
     let mut next = 0;
     Ok(pipeline

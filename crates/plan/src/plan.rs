@@ -259,12 +259,28 @@ pub struct EagerPlan {
     pub device_need_before_reserve: u64,
     /// The stage where the largest need falls.
     pub peak_stage: String,
+    /// Each stage occurrence's need with every model loaded, in the file's order (what the guard
+    /// holds an eager run's stage to).
+    #[serde(default)]
+    pub stages: Vec<EagerStage>,
     /// Bytes read from disk: every model's checkpoints, once.
     pub read: u64,
     /// How `need` meets the host budget.
     pub verdict: Verdict,
     /// How `device_need` meets the device budget.
     pub device_verdict: Verdict,
+}
+
+/// One stage occurrence of the eager run: every model's weights plus the stage's working
+/// memory, plus the pipeline's reserve.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct EagerStage {
+    /// The stage's name.
+    pub name: String,
+    /// Host bytes.
+    pub need: u64,
+    /// Device bytes.
+    pub device_need: u64,
 }
 
 /// The whole plan; its JSON form is `stageload plan --json`.
@@ -433,6 +449,15 @@ pub fn plan(pipeline: &Pipeline, budget: Budget, device_budget: Option<Budget>) 
         need_before_reserve: eager_before_reserve,
         device_need_before_reserve: eager_device_before_reserve,
         peak_stage: eager_stage,
+        stages: pipeline
+            .stages
+            .iter()
+            .map(|stage| EagerStage {
+                name: stage.name.clone(),
+                need: reserve(all_host.saturating_add(stage.working)),
+                device_need: reserve(all_device.saturating_add(stage.device_working)),
+            })
+            .collect(),
         read: read_for(&all, &[]),
         verdict: Verdict::of(eager_need, Some(&budget)),
         device_verdict: Verdict::of(eager_device_need, device_budget.as_ref()),

@@ -597,6 +597,7 @@ fn the_json_schema_is_stable() {
             "need_before_reserve",
             "peak_stage",
             "read",
+            "stages",
             "verdict",
             "weights"
         ]
@@ -919,4 +920,53 @@ fn two_streamed_models_without_budgets_in_one_stage_are_refused() {
         ),
         other => panic!("{other:?}"),
     }
+}
+
+/// A run of `stages` (name, its place in the sequence, weights resident, RSS peak in MiB) as a
+/// trace's records: each stage event, then a sample of its peak.
+fn run_of(stages: &[(&str, usize, u64, u64)]) -> stageload_trace::Trace {
+    use stageload_trace::record::{EventRecord, Record, Sample};
+    let records = stages
+        .iter()
+        .enumerate()
+        .flat_map(|(i, (name, position, weights, peak))| {
+            let t = 1.0 + i as f64;
+            [
+                Record::Event(EventRecord {
+                    t,
+                    kind: stageload_trace::EventKind::Stage,
+                    stage: Some(name.to_string()),
+                    position: Some(*position),
+                    resident: Some(weights * MIB),
+                    ..EventRecord::default()
+                }),
+                Record::Sample(Sample { t: t + 0.5, rss: Some(peak * MIB), ..Sample::default() }),
+            ]
+        })
+        .collect();
+    stageload_trace::Trace::new("run.jsonl", records)
+}
+
+#[test]
+fn a_run_is_matched_to_the_stage_occurrences_its_stage_events_name() {
+    use stageload_plan::measured::Measured;
+    let parse = |stages: &str| {
+        Pipeline::parse(&format!("[[models]]\nname = \"x\"\nweights = \"1M\"\n{stages}"), Path::new("p.toml")).unwrap()
+    };
+    let working =
+        |measured: Measured| -> Vec<Option<u64>> { measured.working.iter().map(|w| w.map(|w| w.host / MIB)).collect() };
+    // `[a, a]`: two windows in a row, one per occurrence.
+    let pipeline = parse("[[stages]]\nname = \"a\"\nmodels = [\"x\"]\n[[stages]]\nname = \"a\"\nmodels = [\"x\"]\n");
+    let run = run_of(&[("a", 0, 1, 11), ("a", 1, 1, 21)]);
+    assert_eq!(working(Measured::from_trace(&pipeline, &run).unwrap()), [Some(10), Some(20)]);
+    // `[a, b, a]` run as `a, a`: the registry entered the first and the third occurrence; `b`
+    // was not run.
+    let pipeline = parse(
+        "[[stages]]\nname = \"a\"\nmodels = [\"x\"]\n[[stages]]\nname = \"b\"\nmodels = []\n\
+         [[stages]]\nname = \"a\"\nmodels = [\"x\"]\n",
+    );
+    let run = run_of(&[("a", 0, 1, 11), ("a", 2, 1, 31)]);
+    assert_eq!(working(Measured::from_trace(&pipeline, &run).unwrap()), [Some(10), None, Some(30)]);
+    let run = run_of(&[("a", 0, 1, 11), ("b", 1, 1, 6), ("a", 2, 1, 31)]);
+    assert_eq!(working(Measured::from_trace(&pipeline, &run).unwrap()), [Some(10), Some(5), Some(30)]);
 }

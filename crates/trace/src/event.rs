@@ -235,6 +235,13 @@ pub struct Event {
     /// The stage current at the time (for `stage`: the stage entered).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stage: Option<String>,
+    /// Stage events: which occurrence of the pipeline's stage sequence was entered, as its place
+    /// in the sequence (0: the first stage listed). The registry decides it; the guard, the
+    /// summary's windows and `stageload plan --from-trace`/`--check` read it, so that a stage
+    /// listed twice (`[a, b, a]`, `[a, a]`) is matched to the right occurrence. `None` in traces
+    /// written before it was recorded: readers then count the stage's entries.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub position: Option<usize>,
     /// Bytes loaded, reloaded or freed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub bytes: Option<u64>,

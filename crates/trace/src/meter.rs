@@ -213,6 +213,7 @@ impl Writer {
         self.write(&Record::Sample(Sample {
             t,
             rss: process.map(|p| p.footprint.unwrap_or(p.rss)),
+            rss_file: process.and_then(|p| p.rss_file),
             swap: process.and_then(|p| p.swap),
             hwm: process.and_then(|p| p.peak),
             available: system.as_ref().map(SystemMemory::budget_available),

@@ -89,6 +89,11 @@ pub struct Sample {
     /// Process resident set (Linux `VmRSS`; macOS physical footprint).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rss: Option<u64>,
+    /// Of `rss`, the file pages (Linux `RssFile`: shared libraries' code, mapped files). The
+    /// plan's numbers include them (they come from `rss` and `hwm`); `stageload guard` leaves
+    /// them out of the command's memory, since the kernel takes them back under pressure.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rss_file: Option<u64>,
     /// Process swapped-out memory (Linux `VmSwap`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub swap: Option<u64>,

@@ -26,6 +26,10 @@ use crate::record::{millis, EventRecord, Header, PeakRecord, Record, Sample};
 pub struct StageWindow {
     /// The stage entered.
     pub stage: String,
+    /// Which occurrence of the pipeline's stage sequence it was (0: the first listed), as the
+    /// stage event recorded it; `None` for the setup window and traces written before it was.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub position: Option<usize>,
     /// When it was entered, seconds since the meter started.
     pub start: f64,
     /// How long the window lasted.
@@ -258,8 +262,19 @@ fn streamed(events: &[&EventRecord]) -> Vec<Streamed> {
     models
 }
 
-/// Each window's stage, start time and the index of the event that starts it.
-fn window_starts(events: &[&EventRecord]) -> Vec<(String, f64, Option<usize>)> {
+/// Where a window begins.
+struct WindowStart {
+    stage: String,
+    /// The occurrence its stage event recorded.
+    position: Option<usize>,
+    /// Seconds since the meter started.
+    t: f64,
+    /// The index of the event that starts it (`None`: the synthetic setup window).
+    event: Option<usize>,
+}
+
+/// Each stage event's window: it starts after the releases that follow the event.
+fn window_starts(events: &[&EventRecord]) -> Vec<WindowStart> {
     let mut starts = Vec::new();
     for (i, event) in events.iter().enumerate() {
         if event.kind != EventKind::Stage {
@@ -267,7 +282,12 @@ fn window_starts(events: &[&EventRecord]) -> Vec<(String, f64, Option<usize>)> {
         }
         let tail = events[i + 1..].iter().take_while(|e| e.kind == EventKind::Release).count();
         let start = i + tail;
-        starts.push((event.stage.clone().unwrap_or_default(), events[start].t, Some(start)));
+        starts.push(WindowStart {
+            stage: event.stage.clone().unwrap_or_default(),
+            position: event.position,
+            t: events[start].t,
+            event: Some(start),
+        });
     }
     starts
 }
@@ -307,26 +327,27 @@ pub fn summarize(trace: &Trace) -> Summary {
         }))
         .collect();
 
-    // Windows: synthetic setup, release-aware starts, consecutive repeats merged.
-    let mut windows: Vec<(String, f64, Option<usize>)> = vec![("setup".to_string(), 0.0, None)];
-    for (stage, start, index) in window_starts(&events) {
-        if windows.len() == 1 && start <= 0.0 {
-            windows[0] = (stage, 0.0, index);
-        } else if windows.last().is_some_and(|(last, _, _)| *last == stage) {
+    // Windows: synthetic setup, release-aware starts, a stage entered again at once merged into
+    // its window unless the stage event says it is another occurrence (`[a, a]`).
+    let mut windows = vec![WindowStart { stage: "setup".to_string(), position: None, t: 0.0, event: None }];
+    for start in window_starts(&events) {
+        if windows.len() == 1 && start.t <= 0.0 {
+            windows[0] = WindowStart { t: 0.0, ..start };
+        } else if windows.last().is_some_and(|last| last.stage == start.stage && last.position == start.position) {
             continue;
         } else {
-            windows.push((stage, start, index));
+            windows.push(start);
         }
     }
     let stages = windows
         .iter()
         .enumerate()
-        .map(|(i, (stage, start, first_event))| {
-            let (start, last) = (*start, i + 1 == windows.len());
-            let end = windows.get(i + 1).map_or(last_t, |(_, next, _)| *next);
+        .map(|(i, window)| {
+            let (start, last) = (window.t, i + 1 == windows.len());
+            let end = windows.get(i + 1).map_or(last_t, |next| next.t);
             // Its events: from the one after its start to the one that starts the next window.
-            let lo = first_event.map_or(0, |e| e + 1);
-            let hi = windows.get(i + 1).and_then(|(_, _, e)| *e).map_or(events.len(), |e| e + 1).max(lo);
+            let lo = window.event.map_or(0, |e| e + 1);
+            let hi = windows.get(i + 1).and_then(|next| next.event).map_or(events.len(), |e| e + 1).max(lo);
             let inside = range(&samples, |s| s.t, |t| t >= start, |t| t < end || (last && t <= end));
             let closing = range(&peaks, |p| p.t, |t| t > start || i == 0, |t| t <= end);
             let sampled_peak = inside.iter().filter_map(|s| s.rss).max();
@@ -336,7 +357,8 @@ pub fn summarize(trace: &Trace) -> Summary {
             let inherited = held[lo];
             let during = events[lo..hi].iter().filter_map(|e| e.resident).max();
             StageWindow {
-                stage: stage.clone(),
+                stage: window.stage.clone(),
+                position: window.position,
                 start,
                 seconds: millis((end - start).max(0.0)),
                 peak: sampled_peak.max(exact),

@@ -91,6 +91,40 @@ fn an_explicit_setup_merges_with_the_synthetic_one_and_repeats_merge() {
     assert_eq!(summary.stages[1].start, 1.0);
 }
 
+fn stage_at(t: f64, name: &str, position: usize) -> Record {
+    Record::Event(EventRecord {
+        t,
+        kind: EventKind::Stage,
+        stage: Some(name.into()),
+        position: Some(position),
+        ..EventRecord::default()
+    })
+}
+
+#[test]
+fn a_stage_listed_twice_in_a_row_gets_a_window_per_occurrence_the_registry_entered() {
+    // The pipeline `[a, a]`: the stage events say which occurrence each entry was.
+    let summary =
+        summary_of(vec![sample(0.0, 1), stage_at(1.0, "a", 0), sample(1.5, 5), stage_at(2.0, "a", 1), sample(2.5, 9)]);
+    assert_eq!(windows(&summary), [("setup", 1.0, Some(1)), ("a", 1.0, Some(5)), ("a", 0.5, Some(9))]);
+    let positions: Vec<Option<usize>> = summary.stages.iter().map(|w| w.position).collect();
+    assert_eq!(positions, [None, Some(0), Some(1)]);
+    // The same occurrence entered again at once is still one window.
+    let summary = summary_of(vec![sample(0.0, 1), stage_at(1.0, "a", 0), stage_at(1.5, "a", 0), sample(2.0, 3)]);
+    assert_eq!(windows(&summary), [("setup", 1.0, Some(1)), ("a", 1.0, Some(3))]);
+    // `[a, b, a]`: each window with its own occurrence.
+    let summary = summary_of(vec![
+        sample(0.0, 1),
+        stage_at(1.0, "a", 0),
+        stage_at(2.0, "b", 1),
+        stage_at(3.0, "a", 2),
+        sample(3.5, 2),
+    ]);
+    let occurrences: Vec<(&str, Option<usize>)> =
+        summary.stages.iter().map(|w| (w.stage.as_str(), w.position)).collect();
+    assert_eq!(occurrences, [("setup", None), ("a", Some(0)), ("b", Some(1)), ("a", Some(2))]);
+}
+
 #[test]
 fn exact_peak_records_raise_a_window_that_sampling_missed() {
     let summary = summary_of(vec![

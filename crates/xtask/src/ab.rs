@@ -1,12 +1,13 @@
 //! The tasks' comparisons: `stageload ab` runs of two or more arms, and what a task reads back
 //! from its report (`ab.json`): the verdict and the medians of the runs' result files. The
-//! medians are `stageload ab`'s (crates/ab/src/results.rs); a task only picks them out.
+//! medians are `stageload ab`'s (crates/ab/src/results.rs); a task only picks them out. The
+//! demos' and benchmarks' shared arms, flags and build are here too.
 
 use std::path::{Path, PathBuf};
 
 use serde_json::Value;
 
-use crate::shell::{Error, Log, Shell};
+use crate::shell::{words, Error, Log, Shell};
 
 /// One compared command: its name and its words.
 pub struct Arm {
@@ -37,6 +38,35 @@ pub struct Comparison<'a> {
     pub arms: Vec<Arm>,
     /// More `stageload ab` flags (the guard's).
     pub flags: Vec<String>,
+}
+
+/// `stageload ab`'s guard flags for the demos: start when 25 % of memory is free, waiting up to
+/// ten minutes for it; the guard's decisions also into `log` when given.
+pub fn guard_flags(log: Option<&Path>) -> Vec<String> {
+    let mut flags = words(&["--wait-free", "25", "--start-timeout", "10m"]);
+    if let Some(log) = log {
+        flags.extend(["--log".to_string(), log.display().to_string()]);
+    }
+    flags
+}
+
+/// Builds `targets` of the library's package (its examples) and `stageload`; returns the
+/// `stageload` binary.
+pub fn build(shell: &Shell, targets: &[&str]) -> Result<PathBuf, Error> {
+    shell.run(&mut shell.cargo(&[&["build", "-p", "stageload"], targets].concat()))?;
+    shell.run(&mut shell.cargo(&["build", "-p", "stageload-cli", "--bin", "stageload"]))?;
+    Ok(shell.target("debug/stageload"))
+}
+
+/// The cascade eager, staged, and staged with prefetch, each with `extra` arguments.
+pub fn cascade_arms(shell: &Shell, extra: &[String]) -> Vec<Arm> {
+    let program = shell.target("debug/examples/cascade");
+    let arm = |name: &str, mode: &[&str]| Arm::new(name, &program, &[words(mode), extra.to_vec()].concat());
+    vec![
+        arm("eager", &["--mode", "eager"]),
+        arm("staged", &["--mode", "staged"]),
+        arm("prefetch", &["--mode", "staged", "--prefetch"]),
+    ]
 }
 
 /// What `stageload ab` found, read from its `ab.json`.

@@ -4,8 +4,7 @@
 
 use std::path::Path;
 
-use crate::ab::{Arm, Comparison};
-use crate::demos::{build, cascade_arms, guard_flags};
+use crate::ab::{build, cascade_arms, guard_flags, Arm, Comparison};
 use crate::shell::{check, words, Error, Failures, Log, Setup, Shell};
 
 /// The hot set's arms: name, and the stream example's flags for it.

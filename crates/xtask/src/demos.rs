@@ -5,27 +5,9 @@
 
 use std::path::{Path, PathBuf};
 
-use crate::ab::{string_field, Arm, Comparison, Report};
+use crate::ab::{build, cascade_arms, guard_flags, string_field, Arm, Comparison, Report};
 use crate::benches;
 use crate::shell::{check, words, Error, Failures, Log, Setup, Shell};
-
-/// `stageload ab`'s guard flags for the demos: start when 25 % of memory is free, waiting up to
-/// ten minutes for it; the guard's decisions also into `log` when given.
-pub fn guard_flags(log: Option<&Path>) -> Vec<String> {
-    let mut flags = words(&["--wait-free", "25", "--start-timeout", "10m"]);
-    if let Some(log) = log {
-        flags.extend(["--log".to_string(), log.display().to_string()]);
-    }
-    flags
-}
-
-/// Builds `targets` of the library's package (its examples) and `stageload`; returns the
-/// `stageload` binary.
-pub fn build(shell: &Shell, targets: &[&str]) -> Result<PathBuf, Error> {
-    shell.run(&mut shell.cargo(&[&["build", "-p", "stageload"], targets].concat()))?;
-    shell.run(&mut shell.cargo(&["build", "-p", "stageload-cli", "--bin", "stageload"]))?;
-    Ok(shell.target("debug/stageload"))
-}
 
 /// Runs example `name` of the library's package with `args`, libtorch set up first.
 pub fn example(shell: &mut Shell, name: &str, release: bool, args: &[String]) -> Result<(), Error> {
@@ -35,17 +17,6 @@ pub fn example(shell: &mut Shell, name: &str, release: bool, args: &[String]) ->
         command.arg("--release");
     }
     shell.run(command.arg("--").args(args))
-}
-
-/// The cascade eager, staged, and staged with prefetch, each with `extra` arguments.
-pub fn cascade_arms(shell: &Shell, extra: &[String]) -> Vec<Arm> {
-    let program = shell.target("debug/examples/cascade");
-    let arm = |name: &str, mode: &[&str]| Arm::new(name, &program, &[words(mode), extra.to_vec()].concat());
-    vec![
-        arm("eager", &["--mode", "eager"]),
-        arm("staged", &["--mode", "staged"]),
-        arm("prefetch", &["--mode", "staged", "--prefetch"]),
-    ]
 }
 
 /// A part of the demo after the cascade, which `--skip` can leave out.

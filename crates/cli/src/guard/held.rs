@@ -21,14 +21,16 @@ use stageload_units::format_bytes;
 /// Where the run is, from its trace's records in file order.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Progress {
-    /// The last stage begun, and which time a stage of that name began (1: the first).
-    stage: Option<(String, usize)>,
+    /// The last stage begun, and which occurrence it was.
+    stage: Option<(String, Occurrence)>,
     /// How many times each stage began (a stage entered again at once is not a new one).
     begun: HashMap<String, usize>,
     /// The trace's `end` came after the last stage began.
     ended: bool,
     /// The most device memory read since [`Progress::take_device`] last took it.
     device: Option<u64>,
+    /// The file pages of the command's resident set at its last sample that had them.
+    file_pages: Option<u64>,
 }
 
 impl Progress {
@@ -38,15 +40,22 @@ impl Progress {
             Record::Header(_) => *self = Progress::default(),
             Record::Event(event) if event.kind == EventKind::Stage => {
                 let Some(name) = event.stage.clone() else { return };
-                if self.stage.as_ref().is_none_or(|(current, _)| *current != name) || self.ended {
+                let again = self
+                    .stage
+                    .as_ref()
+                    .is_some_and(|(current, occurrence)| *current == name && occurrence.position == event.position);
+                if !again || self.ended {
                     let count = self.begun.entry(name.clone()).or_default();
                     *count += 1;
-                    self.stage = Some((name, *count));
+                    self.stage = Some((name, Occurrence { position: event.position, count: *count }));
                 }
                 self.ended = false;
             }
             // The allocator's memory, as `stageload plan --check` compares a device run's peaks.
-            Record::Sample(sample) => self.saw_device(sample.device_allocated),
+            Record::Sample(sample) => {
+                self.saw_device(sample.device_allocated);
+                self.file_pages = sample.rss_file.or(self.file_pages);
+            }
             Record::Peak(peak) => self.saw_device(peak.device),
             Record::End { .. } => self.ended = true,
             _ => {}
@@ -64,6 +73,11 @@ impl Progress {
         self.device.take()
     }
 
+    /// The file pages of the command's resident set at its last sample (`RssFile`).
+    pub fn file_pages(&self) -> Option<u64> {
+        self.file_pages
+    }
+
     /// The stage in progress.
     pub fn stage_at(&self) -> StageAt {
         match &self.stage {
@@ -73,6 +87,17 @@ impl Progress {
     }
 }
 
+/// Which occurrence of its stage a run was in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Occurrence {
+    /// Its place in the pipeline's sequence, as the stage event recorded it (the registry's
+    /// decision); `None` in a trace written before stage events carried it.
+    pub position: Option<usize>,
+    /// Which time a stage of this name began (1: the first; a stage entered again at once as the
+    /// same occurrence is not a new one): the rule for traces without `position`.
+    pub count: usize,
+}
+
 /// Which stage a run was in.
 #[derive(Debug, Clone, PartialEq)]
 pub enum StageAt {
@@ -80,26 +105,24 @@ pub enum StageAt {
     Unknown(String),
     /// The trace has no stage yet: the run was setting up.
     BeforeFirst,
-    /// The `occurrence`-th run of stage `name` was in progress; `ended`: the trace had ended
-    /// after it began.
-    In { name: String, occurrence: usize, ended: bool },
+    /// Stage `name` was in progress, at `occurrence`; `ended`: the trace had ended after it
+    /// began.
+    In { name: String, occurrence: Occurrence, ended: bool },
 }
 
-/// What the plan has a stage of this name (its `occurrence`-th in the file, or the last of the
-/// name when the run entered it more often than the file lists it) need, in `mode`, reserve
-/// included: host memory, or `device` memory. Eager: every model's weights plus the stage's
-/// own working memory, as the plan counts the eager run.
-pub fn stage_need(
-    pipeline: &Pipeline,
-    plan: &Plan,
-    mode: Mode,
-    name: &str,
-    occurrence: usize,
-    device: bool,
-) -> Option<u64> {
+/// What the plan has stage `name` at `occurrence` need, in `mode`, reserve included: host
+/// memory, or `device` memory (the plan's own per-stage numbers: [`Plan::stages`], and for an
+/// eager run [`stageload_plan::EagerPlan::stages`]). The occurrence is the one the stage event
+/// recorded when the plan's stage there has that name; for a trace without it, the stage's
+/// `count`-th in the file, or the last of the name when the run entered it more often than
+/// the file lists it.
+pub fn stage_need(plan: &Plan, mode: Mode, name: &str, occurrence: Occurrence, device: bool) -> Option<u64> {
     let pick = |names: Vec<&str>| {
+        if let Some(position) = occurrence.position.filter(|&p| names.get(p) == Some(&name)) {
+            return Some(position);
+        }
         let indices: Vec<usize> = names.iter().enumerate().filter(|(_, n)| **n == name).map(|(i, _)| i).collect();
-        indices.get(occurrence.saturating_sub(1)).or(indices.last()).copied()
+        indices.get(occurrence.count.saturating_sub(1)).or(indices.last()).copied()
     };
     match mode {
         Mode::Staged => {
@@ -107,13 +130,8 @@ pub fn stage_need(
             Some(if device { stage.device_need } else { stage.need })
         }
         Mode::Eager => {
-            let stage = &pipeline.stages[pick(pipeline.stages.iter().map(|s| s.name.as_str()).collect())?];
-            let before_reserve = if device {
-                plan.eager.device_weights.saturating_add(stage.device_working)
-            } else {
-                plan.eager.weights.saturating_add(stage.working)
-            };
-            Some(pipeline.reserve.map_or(before_reserve, |reserve| reserve.on(before_reserve)))
+            let stage = &plan.eager.stages[pick(plan.eager.stages.iter().map(|s| s.name.as_str()).collect())?];
+            Some(if device { stage.device_need } else { stage.need })
         }
     }
 }
@@ -128,21 +146,25 @@ pub struct OverPlan {
     pub stage: StageAt,
     /// The stage's own planned need, reserve included.
     pub stage_need: Option<u64>,
+    /// Host memory: the file pages of the command's resident set at its last traced sample.
+    /// The guard leaves them out of `used`; the plan's numbers, measured from the resident set
+    /// and its high-water mark, include them.
+    pub file_pages: Option<u64>,
 }
 
 impl OverPlan {
     /// The record for a stop, when it is one for the plan's limits.
-    pub fn of(stop: &Stop, stage: StageAt, need: impl Fn(&str, usize, bool) -> Option<u64>) -> Option<OverPlan> {
+    pub fn of(stop: &Stop, stage: StageAt, need: impl Fn(&str, Occurrence, bool) -> Option<u64>) -> Option<OverPlan> {
         let (device, used, limit) = match *stop {
-            Stop::MaxMemory { used, max } => (false, used, max),
-            Stop::MaxDeviceMemory { used, max } => (true, used, max),
+            Stop::MaxMemory { used, max, .. } => (false, used, max),
+            Stop::MaxDeviceMemory { used, max, .. } => (true, used, max),
             _ => return None,
         };
         let stage_need = match &stage {
             StageAt::In { name, occurrence, .. } => need(name, *occurrence, device),
             _ => None,
         };
-        Some(OverPlan { device, used, limit, stage, stage_need })
+        Some(OverPlan { device, used, limit, stage, stage_need, file_pages: None })
     }
 
     pub fn over(&self) -> u64 {
@@ -161,8 +183,14 @@ impl OverPlan {
         let need = self
             .stage_need
             .map_or(String::new(), |need| format!(", which the plan gives {} (reserve included)", format_bytes(need)));
+        let file_pages = self.file_pages.filter(|_| !self.device).map_or(String::new(), |pages| {
+            format!(
+                "; the guard counts memory less file pages, the plan's numbers include them ({} at the last sample)",
+                format_bytes(pages)
+            )
+        });
         format!(
-            "over its plan by {}: {what} {} > {} {stage}{need}",
+            "over its plan by {}: {what} {} > {} {stage}{need}{file_pages}",
             format_bytes(self.over()),
             format_bytes(self.used),
             format_bytes(self.limit)
@@ -186,6 +214,7 @@ impl OverPlan {
             "over": self.over(),
             "stage": stage,
             "stage_need": self.stage_need,
+            "file_pages": self.file_pages,
             "trace_ended": trace_ended,
             "stage_unknown": why,
         })
@@ -196,7 +225,6 @@ impl OverPlan {
 /// from [`Request::of`], the same numbers as `stageload plan --request`).
 pub struct Held {
     pub file: PathBuf,
-    pub pipeline: Pipeline,
     pub plan: Plan,
     pub request: Request,
     /// The trace the command writes (`--trace`).
@@ -213,7 +241,7 @@ impl Held {
         let plan = plan(&pipeline, budget, pipeline.device_memory.map(Budget::given));
         let request =
             Request::of(&pipeline, &plan, mode).map_err(|no_fit| format!("--plan {}: {no_fit}", file.display()))?;
-        Ok(Held { file: file.to_path_buf(), pipeline, plan, request, trace: trace.map(Path::to_path_buf) })
+        Ok(Held { file: file.to_path_buf(), plan, request, trace: trace.map(Path::to_path_buf) })
     }
 
     /// The device limit the guard enforces: the request's, when the trace carries the readings.
@@ -243,9 +271,10 @@ impl Held {
             None => StageAt::Unknown("no --trace: give --trace FILE, the trace the command writes".to_string()),
         };
         let mode = self.request.mode;
-        OverPlan::of(stop, stage, |name, occurrence, device| {
-            stage_need(&self.pipeline, &self.plan, mode, name, occurrence, device)
-        })
+        let over = OverPlan::of(stop, stage, |name, occurrence, device| {
+            stage_need(&self.plan, mode, name, occurrence, device)
+        });
+        over.map(|over| OverPlan { file_pages: tail.and_then(TraceTail::file_pages).filter(|_| !over.device), ..over })
     }
 }
 
@@ -414,6 +443,11 @@ impl TraceTail {
         }
     }
 
+    /// The file pages of the command's resident set at the last sample read.
+    pub fn file_pages(&self) -> Option<u64> {
+        self.progress.file_pages()
+    }
+
     /// No device reading was ever taken from the trace.
     pub fn never_read_device(&self) -> bool {
         !self.device_seen
@@ -433,6 +467,7 @@ impl Readings for TraceTail {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use stageload_guard::LimitFrom;
     use stageload_trace::record::{Header, PeakRecord, Sample};
     use stageload_trace::Event;
 
@@ -465,8 +500,8 @@ mod tests {
         progress
     }
 
-    fn in_stage(name: &str, occurrence: usize, ended: bool) -> StageAt {
-        StageAt::In { name: name.into(), occurrence, ended }
+    fn in_stage(name: &str, count: usize, ended: bool) -> StageAt {
+        StageAt::In { name: name.into(), occurrence: Occurrence { position: None, count }, ended }
     }
 
     #[test]
@@ -479,6 +514,60 @@ mod tests {
     fn a_stage_that_comes_back_is_counted_and_entering_it_again_at_once_is_not() {
         let records = [stage("embed"), stage("embed"), stage("other"), stage("embed")];
         assert_eq!(progress(&records).stage_at(), in_stage("embed", 2, false));
+    }
+
+    fn stage_at(name: &str, position: usize) -> Record {
+        Record::Event(Event {
+            kind: EventKind::Stage,
+            stage: Some(name.into()),
+            position: Some(position),
+            ..Event::default()
+        })
+    }
+
+    fn at(name: &str, position: usize, count: usize) -> StageAt {
+        StageAt::In { name: name.into(), occurrence: Occurrence { position: Some(position), count }, ended: false }
+    }
+
+    /// Models `x` (1 MiB) and `y` (2 MiB); each stage's working memory is its number in MiB.
+    fn plan_of(stages: &[(&str, &str, u64)]) -> Plan {
+        let mut text =
+            String::from("[[models]]\nname = \"x\"\nweights = \"1M\"\n\n[[models]]\nname = \"y\"\nweights = \"2M\"\n");
+        for (name, model, working) in stages {
+            text += &format!("\n[[stages]]\nname = \"{name}\"\nmodels = [\"{model}\"]\nworking = \"{working}M\"\n");
+        }
+        let pipeline = Pipeline::parse(&text, Path::new("pipeline.toml")).unwrap();
+        plan(&pipeline, Budget::given(1 << 30), None)
+    }
+
+    #[test]
+    fn a_stage_listed_twice_is_held_to_the_occurrence_the_trace_says_it_entered() {
+        const MIB: u64 = 1 << 20;
+        // `[a, a]`: entered twice in a row, two occurrences, two needs.
+        let plan = plan_of(&[("a", "x", 10), ("a", "y", 20)]);
+        let entered = progress(&[stage_at("a", 0), stage_at("a", 1)]).stage_at();
+        assert_eq!(entered, at("a", 1, 2));
+        let StageAt::In { occurrence, .. } = entered else { unreachable!() };
+        assert_eq!(stage_need(&plan, Mode::Staged, "a", occurrence, false), Some(22 * MIB));
+        assert_eq!(stage_need(&plan, Mode::Eager, "a", occurrence, false), Some(23 * MIB), "x and y, and 20M");
+        // The same occurrence entered again is still that one.
+        assert_eq!(progress(&[stage_at("a", 0), stage_at("a", 0)]).stage_at(), at("a", 0, 1));
+
+        // `[a, b, a]`: the second `a` is the third occurrence.
+        let plan = plan_of(&[("a", "x", 10), ("b", "y", 5), ("a", "y", 30)]);
+        let entered = progress(&[stage_at("a", 0), stage_at("b", 1), stage_at("a", 2)]).stage_at();
+        assert_eq!(entered, at("a", 2, 2));
+        let StageAt::In { occurrence, .. } = entered else { unreachable!() };
+        assert_eq!(stage_need(&plan, Mode::Staged, "a", occurrence, false), Some(32 * MIB));
+        assert_eq!(plan.stages[2].need, 32 * MIB, "the plan's own number");
+
+        // A position whose stage has another name (a program whose sequence is not the file's)
+        // falls back to counting: the first `a`.
+        let occurrence = Occurrence { position: Some(1), count: 1 };
+        assert_eq!(stage_need(&plan, Mode::Staged, "a", occurrence, false), Some(11 * MIB));
+        // A trace without positions: the count rule, the last of the name past the file's.
+        let occurrence = Occurrence { position: None, count: 5 };
+        assert_eq!(stage_need(&plan, Mode::Staged, "a", occurrence, false), Some(32 * MIB));
     }
 
     #[test]
@@ -504,7 +593,7 @@ mod tests {
 
     #[test]
     fn the_over_plan_line_says_by_how_much_and_in_which_stage() {
-        let stop = Stop::MaxMemory { used: 300 << 20, max: 100 << 20 };
+        let stop = Stop::MaxMemory { used: 300 << 20, max: 100 << 20, from: LimitFrom::Plan };
         let over = OverPlan::of(&stop, in_stage("denoise", 1, false), |name, _, device| {
             assert!(name == "denoise" && !device);
             Some(80 << 20)
@@ -522,7 +611,7 @@ mod tests {
 
     #[test]
     fn without_a_trace_the_stage_is_unknown_and_says_why() {
-        let stop = Stop::MaxDeviceMemory { used: 3 << 30, max: 2 << 30 };
+        let stop = Stop::MaxDeviceMemory { used: 3 << 30, max: 2 << 30, from: LimitFrom::Plan };
         let over = OverPlan::of(&stop, StageAt::Unknown("give --trace".into()), |_, _, _| unreachable!()).unwrap();
         assert_eq!(
             over.message(),
