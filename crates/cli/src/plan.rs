@@ -60,6 +60,10 @@ pub struct PlanArgs {
     /// Compare the plan with this recorded run, stage by stage: weights exactly, peak within 5 %
     #[arg(long, value_name = "RUN.jsonl")]
     check: Option<PathBuf>,
+    /// With --check: a stage whose peak is more than 5 % below the plan's need passes (the plan
+    /// errs on the safe side; its row says so)
+    #[arg(long, requires = "check")]
+    check_allow_below: bool,
     /// Print what one run asks a scheduler for instead of the plan: host memory (the largest
     /// stage need plus the reserve), device memory, GPUs, CPUs (the file's `cpus`)
     /// (not with --from-trace: write the measured working memory into the file, `stageload
@@ -131,14 +135,14 @@ pub fn run(args: PlanArgs) -> i32 {
             }
         };
     }
-    let report = PlanReport { plan, check };
+    let report = PlanReport { plan, check, allow_below: args.check_allow_below };
     if args.json {
         out::line(&serde_json::to_string_pretty(&report).expect("a plan is plain data"));
     } else {
         out::print(report.plan.working_from.as_deref().unwrap_or_default());
         out::print(&report.plan.render());
         if let (Some(checks), Some(path)) = (&report.check, &args.check) {
-            out::print(&format!("\n{}", render_checks(checks, path)));
+            out::print(&format!("\n{}", render_checks(checks, path, report.allow_below)));
         }
     }
     if report.ok() {

@@ -168,6 +168,35 @@ fn working_memory_from_a_run_predicts_and_checks_another() {
     assert_eq!(output.status.code(), Some(1), "{text}");
     assert!(text.lines().any(|l| l.starts_with("encode ") && l.ends_with("NO")), "{text}");
 
+    // A run that peaks further below the plan than 5 % fails, unless the check allows it (the
+    // plan errs on the safe side), which its row says.
+    let lighter = trace(dir, "lighter", &[("encode", 1, 9), ("decode", 1, 11)], false);
+    let (output, text) = plan(&[file, "--from-trace", eager.to_str().unwrap(), "--check", lighter.to_str().unwrap()]);
+    assert_eq!(output.status.code(), Some(1), "{text}");
+    assert!(text.lines().any(|l| l.starts_with("encode ") && l.ends_with("NO")), "{text}");
+    let (output, text) = plan(&[
+        file,
+        "--from-trace",
+        eager.to_str().unwrap(),
+        "--check",
+        lighter.to_str().unwrap(),
+        "--check-allow-below",
+    ]);
+    assert_eq!(output.status.code(), Some(0), "{text}");
+    assert!(
+        text.lines().any(|l| l.starts_with("encode ") && l.ends_with("below (the plan errs safe; allowed)")),
+        "{text}"
+    );
+    let (output, text) = plan(&[
+        file,
+        "--from-trace",
+        eager.to_str().unwrap(),
+        "--check",
+        heavier.to_str().unwrap(),
+        "--check-allow-below",
+    ]);
+    assert_eq!(output.status.code(), Some(1), "a run above its plan still fails: {text}");
+
     // Without exact peaks the plan says so; a stage the run never reached keeps the file's number.
     let sampled = trace(dir, "sampled", &[("encode", 2, 12)], true);
     let (_, text) = plan(&[file, "--from-trace", sampled.to_str().unwrap()]);

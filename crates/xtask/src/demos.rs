@@ -45,7 +45,7 @@ pub fn demo(shell: &mut Shell, out: &Path, skip: &[Part], cascade: &[String]) ->
     let mut failures = Failures::default();
     let report = comparison.run(shell, Some(&log))?;
     failures.keep(report.verdict("the cascade"));
-    failures.keep(check_plan(shell, &stageload, &out));
+    failures.keep(check_plan(shell, &stageload, &out, None));
     for (against, file) in [("staged", "summary-first-runs.txt"), ("prefetch", "summary-first-runs-prefetch.txt")] {
         let traces = [out.join("eager-1.jsonl"), out.join(format!("{against}-1.jsonl"))];
         let mut command = shell.cmd(&stageload, &["summary"]);
@@ -78,8 +78,9 @@ pub fn demo(shell: &mut Shell, out: &Path, skip: &[Part], cascade: &[String]) ->
 
 /// The plan of the runs' pipeline description (from the eager run's result file) against the
 /// machine, then with the working memory the eager run measured checked against the staged run
-/// stage by stage (resident weights exactly, peak within 5 % of the need).
-fn check_plan(shell: &Shell, stageload: &Path, out: &Path) -> Result<(), Error> {
+/// stage by stage (resident weights exactly, peak within 5 % of the need; with `below_because`,
+/// a peak further below the need passes, the reason said).
+fn check_plan(shell: &Shell, stageload: &Path, out: &Path, below_because: Option<&str>) -> Result<(), Error> {
     let description = Report::first_run(out, "eager", "description")?;
     println!("== stageload plan {description}");
     let mut plan = shell.cmd(stageload, &["plan", &description]);
@@ -89,6 +90,10 @@ fn check_plan(shell: &Shell, stageload: &Path, out: &Path) -> Result<(), Error> 
     println!("== stageload plan --from-trace eager-1.jsonl --check staged-1.jsonl");
     let mut command = shell.cmd(stageload, &["plan", &description, "--from-trace"]);
     command.arg(out.join("eager-1.jsonl")).arg("--check").arg(out.join("staged-1.jsonl"));
+    if let Some(reason) = below_because {
+        println!("(a stage below its need passes: {reason})");
+        command.arg("--check-allow-below");
+    }
     let (status, text) = shell.output(&mut command)?;
     write(&out.join("plan-check.txt"), &text)?;
     print!("{}", text.find("plan against").map_or(text.as_str(), |at| &text[at..]));
@@ -220,6 +225,7 @@ pub fn sd_demo(shell: &mut Shell, out: &Path) -> Result<(), Error> {
         example: "stable_diffusion",
         reference: "StableDiffusionPipeline",
         guard_latent: None,
+        plan_below_because: None,
     };
     published_demo(shell, out, &published, &[])
 }
@@ -241,6 +247,8 @@ struct Published<'a> {
     /// The latent the guard's run must reproduce, for a demo that also shows the guard stopping
     /// eager and letting staged finish (see [`guard_story`]); `None`: no guard runs.
     guard_latent: Option<&'a str>,
+    /// Why the plan's check lets a stage peak more than 5 % below its need, where it does.
+    plan_below_because: Option<&'a str>,
 }
 
 /// The published export's folder in the cache (beside the small export setup-reference made).
@@ -277,7 +285,7 @@ fn published_demo(shell: &mut Shell, out: &Path, published: &Published, args: &[
     let mut failures = Failures::default();
     let report = comparison.run(shell, Some(&log))?;
     failures.keep(report.verdict(published.what));
-    failures.keep(check_plan(shell, &stageload, &out));
+    failures.keep(check_plan(shell, &stageload, &out, published.plan_below_because));
     if let Some(latent) = published.guard_latent {
         let runs = GuardRuns { stageload: &stageload, program: &program, args: &base, out: &out, latent };
         failures.keep(guard_story(shell, &report, &runs, &log));
@@ -305,6 +313,7 @@ pub fn shap_e_demo(shell: &mut Shell, out: &Path) -> Result<(), Error> {
         example: "shap_e",
         reference: "ShapEImg2ImgPipeline",
         guard_latent: None,
+        plan_below_because: None,
     };
     let files = out.join("files").display().to_string();
     let args = [words(&["--steps", "2", "--frame-size", "32", "--out"]), vec![files]].concat();
@@ -426,6 +435,10 @@ pub fn wan_demo(shell: &mut Shell, out: &Path) -> Result<(), Error> {
         example: "wan",
         reference: "WanPipeline",
         guard_latent: Some("video"),
+        plan_below_because: Some(
+            "the eager run the plan measures carries about 180 MiB from the text encoder's stage into \
+             decode and export, which the staged run does not (traces/wan/ab/README.md)",
+        ),
     };
     shell.set_up(&[Setup::Libtorch, Setup::Reference])?;
     let components = published_folder(shell, &published)?;
