@@ -2,7 +2,9 @@
 //! stage computes; only loads that draw no random number are started, so a seeded run gives the
 //! same numbers with and without prefetch; a failed prefetch surfaces at the `get`; the
 //! prefetches running are listed and can be waited for; closing or dropping the registry gives
-//! up the prefetches that have not begun and waits only for a loader already running.
+//! up the prefetches that have not begun and waits only for a loader already running; a
+//! foreground load never waits for a prefetch: a foreground build goes ahead while a prefetch
+//! builds, and a prefetched copy pauses between pieces while a foreground load runs.
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc;
@@ -278,8 +280,8 @@ fn dropping_the_registry_waits_for_the_loader_running_and_cancels_the_prefetch_b
     let (dropped_after, later) = within("the drop, and a registry after it", move || {
         let (models, has_begun) = two_slow(5.0, &counted);
         assert_eq!(models.prefetch("next").unwrap(), ["a", "b"]);
-        // One build at a time: the first loader holds the build turn, the other prefetch has not
-        // begun (it waits for the turn, or its thread has not got there yet).
+        // One background build at a time: the first loader holds the background slot, the other
+        // prefetch has not begun (it waits for the slot, or its thread has not got there yet).
         let first = has_begun.recv_timeout(Duration::from_secs(30)).expect("a loader begins");
         let started = Instant::now();
         drop(models);
@@ -303,59 +305,165 @@ fn dropping_the_registry_waits_for_the_loader_running_and_cancels_the_prefetch_b
 }
 
 #[test]
-fn closing_gives_up_at_once_a_prefetch_waiting_behind_a_foreground_build() {
+fn closing_gives_up_at_once_a_prefetch_waiting_for_the_background_build_before_it() {
+    let _one = support::generator();
+    let builds = Arc::new(AtomicUsize::new(0));
+    let counted = builds.clone();
+    let (closed_after, states) = within("close and the prefetches' end", move || {
+        let (models, has_begun) = two_slow(3.0, &counted);
+        assert_eq!(models.prefetch("next").unwrap(), ["a", "b"]);
+        let first = has_begun.recv_timeout(Duration::from_secs(30)).expect("a loader begins");
+        let started = Instant::now();
+        models.close();
+        let closed_after = started.elapsed();
+        models.wait_prefetch("next").unwrap();
+        let other = if first == "a" { "b" } else { "a" };
+        (closed_after, (models.state(&first).unwrap(), models.state(other).unwrap()))
+    });
+    assert!(closed_after < Duration::from_secs(2), "close waited for no loader: {closed_after:?}");
+    assert_eq!(builds.load(Ordering::SeqCst), 1, "the prefetch behind the running one never began");
+    // The one running finished after close and was released at once; the other is as before.
+    assert_eq!(states, (ModelState::Released, ModelState::Unloaded));
+}
+
+/// A model whose loader says when it begins (on `began`) and then waits for `go` (at most 60 s,
+/// so that a registry that makes it wait for itself fails instead of hanging).
+fn gated(name: &str, skip_init: bool, began: mpsc::Sender<String>, go: mpsc::Receiver<()>) -> ModelSpec {
+    let (model, began, go) = (name.to_string(), Mutex::new(began), Mutex::new(go));
+    ModelSpec::new(name, move |_| {
+        let _ = began.lock().unwrap().send(model.clone());
+        go.lock().unwrap().recv_timeout(Duration::from_secs(60)).map_err(|_| "not let go within 60 s")?;
+        Ok(build_mlp(4))
+    })
+    .skip_init(skip_init)
+}
+
+#[test]
+fn a_foreground_build_goes_ahead_while_a_prefetch_build_runs() {
     let _one = support::generator();
     let (began, has_begun) = mpsc::channel();
-    let builds = Arc::new(AtomicUsize::new(0));
-    let finished = Arc::new(AtomicBool::new(false));
-    let foreground = {
-        let (began, finished) = (Mutex::new(began), finished.clone());
-        ModelSpec::new("foreground", move |_| {
-            let _ = began.lock().unwrap().send("foreground".to_string());
-            std::thread::sleep(Duration::from_secs(5));
-            finished.store(true, Ordering::SeqCst);
-            Ok(build_mlp(4))
-        })
-    };
-    let (unused, _) = mpsc::channel();
+    let (go, gate) = mpsc::channel();
+    let sink = Arc::new(ListSink::new());
     let models = Arc::new(
         StagedModels::builder()
-            .model(foreground)
-            .model(slow("b", 5.0, unused, builds.clone()))
+            .model(gated("background", true, began, gate))
+            .model(ModelSpec::new("foreground", |_| Ok(build_mlp(4))))
             .stage("now", ["foreground"])
-            .stage("next", ["b"])
+            .stage("next", ["background"])
+            .events(sink.clone())
             .build()
             .unwrap(),
     );
     models.enter("now").unwrap();
-    let user = {
+    assert_eq!(models.prefetch("next").unwrap(), ["background"]);
+    assert_eq!(has_begun.recv_timeout(Duration::from_secs(30)).as_deref(), Ok("background"));
+    // The prefetch's loader is running and waits for this test: the foreground build must not
+    // wait for it (before, it queued behind the prefetch's build turn, and this never returned).
+    let (loaded, background_then) = {
         let models = models.clone();
-        std::thread::spawn(move || models.load("foreground"))
-    };
-    has_begun.recv_timeout(Duration::from_secs(30)).expect("the foreground build begins");
-    assert_eq!(models.prefetch("next").unwrap(), ["b"]);
-    assert_eq!(models.prefetching(), ["b"], "waiting for the build turn");
-    let (closed_after, state) = {
-        let models = models.clone();
-        within("close and the prefetch's end", move || {
-            let started = Instant::now();
-            models.close();
-            models.wait_prefetch("next").unwrap();
-            (started.elapsed(), models.state("b").unwrap())
+        within("the foreground build beside a running prefetch", move || {
+            let loaded = models.load("foreground");
+            (loaded, models.state("background").unwrap())
         })
     };
-    assert!(!finished.load(Ordering::SeqCst), "neither close nor the prefetch waited for the foreground loader");
-    assert!(closed_after < Duration::from_secs(2), "the prefetch gave up at once: {closed_after:?}");
-    assert_eq!(state, ModelState::Unloaded, "its slot is as it was before the prefetch");
-    assert_eq!(builds.load(Ordering::SeqCst), 0, "b's loader never ran");
-    assert!(models.prefetching().is_empty());
-    let loaded = within("the foreground build", move || user.join().unwrap());
-    assert!(loaded.is_ok(), "a build begun before close finishes: {loaded:?}");
-    let err = models.load("b").unwrap_err();
-    assert!(matches!(&err, StageError::Closed { model } if model == "b"), "{err}");
-    let started = Instant::now();
-    drop(models);
-    assert!(started.elapsed() < Duration::from_secs(2), "nothing left to wait for: {:?}", started.elapsed());
+    assert!(loaded.is_ok(), "{loaded:?}");
+    assert_eq!(background_then, ModelState::Loading, "the prefetch was still building");
+    go.send(()).unwrap();
+    {
+        let models = models.clone();
+        within("the prefetch's end", move || models.wait_prefetch("next").unwrap());
+    }
+    assert_eq!(models.state("background").unwrap(), ModelState::Resident);
+    let loads: Vec<(Option<String>, bool)> =
+        sink.of_kind(EventKind::Load).iter().map(|e| (e.model.clone(), e.prefetched)).collect();
+    assert_eq!(loads, [(Some("foreground".to_string()), false), (Some("background".to_string()), true)]);
+}
+
+#[test]
+fn a_prefetched_copy_pauses_between_pieces_while_a_foreground_load_runs() {
+    let _one = support::generator();
+    let dir = tempfile::tempdir().unwrap();
+    // b's checkpoint in f64 for its f32 model: every tensor is converted, one piece after the
+    // other on the copying thread, each asked before it is read and reported after.
+    let file = dir.path().join("b.safetensors");
+    let vs = VarStore::new(Device::Cpu);
+    let _ = mlp(&vs, 64);
+    let doubles: Vec<(String, Tensor)> =
+        vs.variables().into_iter().map(|(n, t)| (n, t.to_kind(Kind::Double))).collect();
+    stageload::checkpoint::save(&doubles, &file).unwrap();
+    let (began, has_begun) = mpsc::channel();
+    let (go, gate) = mpsc::channel();
+    let (piece_tx, pieces) = mpsc::channel();
+    let (next_tx, next_piece) = mpsc::channel::<()>();
+    let armed = Arc::new(AtomicBool::new(false));
+    let sink = Arc::new(ListSink::new());
+    let models = {
+        let (armed, piece_tx, next_piece) = (armed.clone(), Mutex::new(piece_tx), Mutex::new(next_piece));
+        Arc::new(
+            StagedModels::builder()
+                .model(ModelSpec::new("b", |_| Ok(build_mlp(64))).checkpoint([&file]).skip_init(true))
+                // Draws random numbers: loaded in the foreground only.
+                .model(gated("a", false, began, gate))
+                .stage("uses_b", ["b"])
+                .stage("between", Vec::<String>::new())
+                .stage("both", ["a", "b"])
+                .events(sink.clone())
+                .progress(move |model, _| {
+                    if model == "b" && armed.load(Ordering::SeqCst) {
+                        let _ = piece_tx.lock().unwrap().send(());
+                        // The first piece waits here until the foreground load has begun.
+                        let _ = next_piece.lock().unwrap().recv_timeout(Duration::from_secs(60));
+                    }
+                })
+                .build()
+                .unwrap(),
+        )
+    };
+    models.enter("uses_b").unwrap();
+    models.load("b").unwrap();
+    models.enter("between").unwrap();
+    assert_eq!(models.state("b").unwrap(), ModelState::Released);
+    armed.store(true, Ordering::SeqCst);
+    assert_eq!(models.prefetch("both").unwrap(), ["b"], "a draws random numbers: not prefetched");
+    pieces.recv_timeout(Duration::from_secs(30)).expect("b's refill copies its first piece");
+    models.enter("both").unwrap();
+    let foreground = {
+        let models = models.clone();
+        std::thread::spawn(move || models.load("a"))
+    };
+    assert_eq!(has_begun.recv_timeout(Duration::from_secs(30)).as_deref(), Ok("a"), "a's foreground load began");
+    // Let b's first piece end: its next one must wait while a loads.
+    for _ in 0..8 {
+        next_tx.send(()).unwrap();
+    }
+    assert!(
+        pieces.recv_timeout(Duration::from_millis(500)).is_err(),
+        "b's copy took no further piece while the foreground load ran"
+    );
+    assert_eq!(models.state("b").unwrap(), ModelState::Loading);
+    go.send(()).unwrap();
+    let loaded = within("a's foreground load", move || foreground.join().unwrap());
+    assert!(loaded.is_ok(), "{loaded:?}");
+    pieces.recv_timeout(Duration::from_secs(30)).expect("b's copy resumed once a was loaded");
+    drop(next_tx);
+    {
+        let models = models.clone();
+        within("b's refill", move || models.wait_prefetch("both").unwrap());
+    }
+    assert_eq!(models.state("b").unwrap(), ModelState::Resident);
+    let reloaded: Vec<Option<ReloadFrom>> = sink.of_kind(EventKind::Reload).iter().map(|e| e.from).collect();
+    assert_eq!(reloaded, [Some(ReloadFrom::InPlace)], "b refilled in place, once");
+    let y = models.call("b", |m: &mut Mlp| m.forward(&Tensor::ones([1, 64], (Kind::Float, Device::Cpu))));
+    let expected = {
+        let vs = VarStore::new(Device::Cpu);
+        let model = mlp(&vs, 64);
+        stageload::checkpoint::Checkpoint::open(&[&file])
+            .unwrap()
+            .load_into(&vs.variables().into_iter().collect::<Vec<_>>(), |_| {})
+            .unwrap();
+        model.forward(&Tensor::ones([1, 64], (Kind::Float, Device::Cpu)))
+    };
+    assert!(y.unwrap().equal(&expected), "the paused copy finished with the file's values");
 }
 
 /// How a test lets go of the registry.

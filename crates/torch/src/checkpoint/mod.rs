@@ -20,10 +20,11 @@
 //! dtypes convert, targets have storage, the files are as long as their headers say. A failed
 //! check leaves every target as it was.
 //!
-//! A checkpoint opened with [`Checkpoint::stop_when`] checks its flag before every piece (a read
-//! of at most 16 MiB, a CUDA piece, a converted tensor) and ends a load with
-//! [`CheckpointError::Stopped`] once it is set: a registry that closes stops a prefetched refill
-//! between pieces instead of waiting for the whole model.
+//! A checkpoint given a hook with [`Checkpoint::before_each_piece`] (or a flag with
+//! [`Checkpoint::stop_when`]) asks it before every piece (a read of at most 16 MiB, a CUDA piece,
+//! a converted tensor) and ends a load with [`CheckpointError::Stopped`] once it says no: a
+//! registry pauses a prefetched copy between pieces while the foreground loads, and stops it
+//! when the registry closes instead of waiting for the whole model.
 
 use std::collections::{HashMap, HashSet};
 use std::fs::File;
@@ -202,7 +203,8 @@ pub enum CheckpointError {
         /// The shim's error.
         source: stageload_torch_sys::ShimError,
     },
-    /// The load's stop flag ([`Checkpoint::stop_when`]) was set before its end.
+    /// The load's hook ([`Checkpoint::before_each_piece`], [`Checkpoint::stop_when`]) said no
+    /// before its end.
     #[error("loading from {} was stopped before its end (the targets are partly written)", paths(files))]
     Stopped {
         /// The checkpoint's files.
@@ -268,8 +270,12 @@ pub struct Checkpoint {
     files: Vec<PathBuf>,
     handles: Vec<File>,
     entries: HashMap<String, Entry>,
-    stop: Option<Arc<AtomicBool>>,
+    before_piece: Option<Arc<BeforePiece>>,
 }
+
+/// Asked before every piece of a load: it may wait as long as it likes (the load pauses there),
+/// then says whether the load goes on.
+pub type BeforePiece = dyn Fn() -> bool + Send + Sync;
 
 impl std::fmt::Debug for Checkpoint {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -281,7 +287,8 @@ impl Checkpoint {
     /// Opens every file and checks its header: valid JSON, offsets inside the file and covering
     /// its data, supported dtypes, no tensor name in two files.
     pub fn open<P: AsRef<Path>>(files: &[P]) -> Result<Self, CheckpointError> {
-        let mut checkpoint = Checkpoint { files: Vec::new(), handles: Vec::new(), entries: HashMap::new(), stop: None };
+        let mut checkpoint =
+            Checkpoint { files: Vec::new(), handles: Vec::new(), entries: HashMap::new(), before_piece: None };
         for path in files {
             let path = path.as_ref().to_path_buf();
             let mut file = stageload_input::open_regular(&path)
@@ -318,15 +325,22 @@ impl Checkpoint {
 
     /// Loads from this checkpoint end with [`CheckpointError::Stopped`] at the first piece that
     /// finds `flag` set (checked before each piece is read).
-    pub fn stop_when(mut self, flag: Arc<AtomicBool>) -> Self {
-        self.stop = Some(flag);
+    pub fn stop_when(self, flag: Arc<AtomicBool>) -> Self {
+        self.before_each_piece(Arc::new(move || !flag.load(Ordering::SeqCst)))
+    }
+
+    /// Asks `hook` before each piece of a load is read (on the thread reading it; the load's
+    /// readers ask it in turn): a piece waits for its answer, and a `false` ends the load with
+    /// [`CheckpointError::Stopped`].
+    pub fn before_each_piece(mut self, hook: Arc<BeforePiece>) -> Self {
+        self.before_piece = Some(hook);
         self
     }
 
-    /// `Stopped` once the flag of [`stop_when`](Self::stop_when) is set.
+    /// `Stopped` once the hook of [`before_each_piece`](Self::before_each_piece) says no.
     fn go_on(&self) -> Result<(), CheckpointError> {
-        match &self.stop {
-            Some(flag) if flag.load(Ordering::SeqCst) => Err(CheckpointError::Stopped { files: self.files.clone() }),
+        match &self.before_piece {
+            Some(hook) if !hook() => Err(CheckpointError::Stopped { files: self.files.clone() }),
             _ => Ok(()),
         }
     }

@@ -385,9 +385,7 @@ impl StagedModelsBuilder {
             inner: Arc::new(Inner {
                 state: Mutex::new(state),
                 changed: Condvar::new(),
-                building: Mutex::new(false),
-                build_ended: Condvar::new(),
-                cancelled: Arc::new(AtomicBool::new(false)),
+                turns: Arc::default(),
                 components: Mutex::new(BTreeMap::new()),
                 sink: self.sink,
                 rngs: self.rngs,

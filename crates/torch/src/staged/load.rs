@@ -5,7 +5,6 @@
 
 use std::collections::HashSet;
 use std::path::PathBuf;
-use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -20,6 +19,7 @@ use super::registry::Inner;
 use super::release::released_message;
 use super::spec::{BuildContext, Init, Loader};
 use super::tier_copy::{self, HostCopies};
+use super::turn::{BuildHold, Who};
 use crate::checkpoint::{Checkpoint, CheckpointError};
 use crate::error::{is_out_of_memory, panic_message};
 use crate::names::NameRules;
@@ -45,10 +45,11 @@ pub(crate) struct Recipe {
 enum Fill {
     /// Copies every entry into the model.
     Whole,
-    /// Copies, and stops between pieces once the registry closes or drops, with
-    /// [`StageError::Closed`] (a prefetch's refill; a build's copy runs to its end, since the
-    /// build may have made shared components).
-    StopOnClose,
+    /// A background copy that holds no build turn (a prefetch's refill, or its build that asked
+    /// for no shared component): pauses between pieces while a foreground load runs, and stops
+    /// between pieces once the registry closes or drops, with [`StageError::Closed`] (see
+    /// [`super::turn`]).
+    Background,
     /// Checks names, shapes and dtypes against the model, copies nothing (a deserialised model).
     CheckOnly,
 }
@@ -60,16 +61,6 @@ pub(crate) enum Purpose {
     Use,
     /// A background load for a stage about to begin, on its way there.
     Prefetch(decide::Trip),
-}
-
-/// A build's turn: while it lives, no other build of the registry runs.
-struct BuildTurn<'a>(&'a Inner);
-
-impl Drop for BuildTurn<'_> {
-    fn drop(&mut self) {
-        *lock(&self.0.building) = false;
-        self.0.build_ended.notify_all();
-    }
 }
 
 /// What a load started under the state lock needs once the lock is dropped.
@@ -182,25 +173,21 @@ impl Inner {
         drop(state);
 
         let started = Instant::now();
+        // Background copies pause while this lives (see super::turn).
+        let _foreground = (!prefetch).then(|| self.turns.foreground_load());
         let result = match &plan {
             LoadPlan::Build { loader, .. } => {
-                let Some(_one_build_at_a_time) = self.build_turn(prefetch) else {
-                    // The registry closes or drops: a prefetch whose build has not begun gives
-                    // up, and its slot goes back to what it was.
-                    self.give_up(name, ticket, before);
-                    return Err(StageError::Closed { model: name.to_string() });
-                };
-                // A prefetched build draws nothing (skip_init, see decide::Slot::prefetch): it must
-                // not save and restore the generators the foreground is drawing from.
-                self.build(name, loader, &recipe, self.preserve_rng && !prefetch)
+                let who = if prefetch { Who::Background } else { Who::Foreground };
+                self.build(name, loader, &recipe, who)
             }
             LoadPlan::Refill(instance, copies) => self
                 .refill(instance, &recipe, copies.as_ref().map(|(_, copies)| copies), prefetch)
                 .map(|(bytes, report)| (Arc::clone(instance), bytes, report)),
         };
         if prefetch && matches!(result, Err(StageError::Closed { .. })) {
-            // The registry closed or dropped during the prefetch's checkpoint copy, which stopped
-            // between pieces: the slot goes back to what it was (a refill freed its storages again).
+            // The registry closed or dropped while the prefetch waited for the build turn, or
+            // during its checkpoint copy, which stopped between pieces: the slot goes back to
+            // what it was (a refill freed its storages again, a build's model is dropped).
             self.give_up(name, ticket, before);
             return result.map(|(instance, ..)| instance);
         }
@@ -304,25 +291,7 @@ impl Inner {
 
     /// Whether `close` or dropping the registry asked prefetches that have not begun to give up.
     pub(crate) fn cancelled(&self) -> bool {
-        self.cancelled.load(Ordering::SeqCst)
-    }
-
-    /// Waits for the build turn (builds run one at a time: the RNG state they preserve is
-    /// process-wide) and takes it until the returned turn drops. A prefetch (`prefetch`) gives up
-    /// instead, with `None`, once the registry closes or drops. Waits on `build_ended` with no
-    /// other lock held.
-    fn build_turn(&self, prefetch: bool) -> Option<BuildTurn<'_>> {
-        let mut building = lock(&self.building);
-        loop {
-            if prefetch && self.cancelled() {
-                return None;
-            }
-            if !*building {
-                *building = true;
-                return Some(BuildTurn(self));
-            }
-            building = crate::sync::wait(&self.build_ended, building);
-        }
+        self.turns.cancelled()
     }
 
     /// Puts the slot of a load that gave up before it began back as it was `before`, unless an
@@ -337,18 +306,25 @@ impl Inner {
         self.changed.notify_all();
     }
 
-    /// Runs a loader under preserved RNG, catching panics, and fills the model from its
-    /// checkpoint. Returns the instance, the bytes it brought in, and the load report.
+    /// Runs a loader (a foreground one under preserved RNG and the build turn), catching
+    /// panics, and fills the model from its checkpoint. Returns the instance, the bytes it
+    /// brought in, and the load report.
     fn build(
         self: &Arc<Self>,
         name: &str,
         loader: &Arc<Loader>,
         recipe: &Recipe,
-        preserve_rng: bool,
+        who: Who,
     ) -> Result<(Arc<Instance>, u64, Option<LoadReport>)> {
         let Recipe { checkpoint, names, init, placement, stream, .. } = recipe;
-        let _rng = if preserve_rng { Some(PreservedRng::save(&self.rngs).map_err(StageError::Rng)?) } else { None };
+        // A prefetch whose build has not begun gives up when the registry closes or drops.
+        let hold = BuildHold::new(&self.turns, who).map_err(|_| StageError::Closed { model: name.to_string() })?;
+        // A prefetched build draws nothing (skip_init, see decide::Slot::prefetch): it must not
+        // save and restore the generators the foreground is drawing from.
+        let preserve_rng = self.preserve_rng && who == Who::Foreground;
+        let rng = if preserve_rng { Some(PreservedRng::save(&self.rngs).map_err(StageError::Rng)?) } else { None };
         let context = BuildContext {
+            hold: &hold,
             components: &self.components,
             model: name,
             device: placement.device,
@@ -363,8 +339,17 @@ impl Inner {
                 loader(&context)
             }
         };
-        let mut built = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(run)) {
+        let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(run));
+        // The generators are as they were; the turn goes back unless the build has shared
+        // components to fill.
+        drop(rng);
+        hold.loader_done();
+        let mut built = match ran {
             Ok(Ok(built)) => built,
+            // The registry closed meanwhile (its turn for a shared component refused): it gives up.
+            Ok(Err(_)) if who == Who::Background && self.cancelled() => {
+                return Err(StageError::Closed { model: name.to_string() })
+            }
             Ok(Err(source)) => return Err(StageError::LoaderFailed { model: name.to_string(), source }),
             Err(panic) => {
                 return Err(StageError::LoaderPanicked { model: name.to_string(), message: panic_message(&*panic) })
@@ -395,8 +380,13 @@ impl Inner {
                 .filled_elsewhere(shared.iter().filter(|(_, _, fresh)| !fresh).map(|(n, _, _)| n.clone()))
                 .strict(names.strict || *init == Init::Skipped);
             // The file a deserialised model came from holds its weights: its checkpoint is only
-            // checked now (it refills the model after a release).
-            let fill = if *init == Init::Deserialized { Fill::CheckOnly } else { Fill::Whole };
+            // checked now (it refills the model after a release). A background build that holds
+            // no turn copies as background work.
+            let fill = match (*init, who) {
+                (Init::Deserialized, _) => Fill::CheckOnly,
+                (_, Who::Background) if !hold.holds_turn() => Fill::Background,
+                _ => Fill::Whole,
+            };
             report = Some(self.load_checkpoint(name, checkpoint, &targets, &names, fill)?);
         }
         // Shared components another model already built are not loaded again: not counted.
@@ -429,12 +419,13 @@ impl Inner {
             source => StageError::Checkpoint { model: model.to_string(), source: Box::new(source) },
         };
         let mut checkpoint = Checkpoint::open(files).map_err(wrap)?;
-        if fill == Fill::StopOnClose {
-            checkpoint = checkpoint.stop_when(Arc::clone(&self.cancelled));
+        if fill == Fill::Background {
+            let turns = Arc::clone(&self.turns);
+            checkpoint = checkpoint.before_each_piece(Arc::new(move || turns.before_background_piece()));
         }
         let report = match fill {
             Fill::CheckOnly => checkpoint.check_named(targets, names),
-            Fill::Whole | Fill::StopOnClose => checkpoint.load_named(targets, names, |progress| {
+            Fill::Whole | Fill::Background => checkpoint.load_named(targets, names, |progress| {
                 if let Some(hook) = &self.progress {
                     hook(model, progress)
                 }
@@ -488,7 +479,7 @@ impl Inner {
                     &recipe.checkpoint,
                     &targets,
                     &recipe.names.clone().complete(),
-                    if prefetch { Fill::StopOnClose } else { Fill::Whole },
+                    if prefetch { Fill::Background } else { Fill::Whole },
                 )
                 .map(Some),
         };

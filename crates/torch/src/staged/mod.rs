@@ -42,6 +42,7 @@ mod tier_copy;
 mod tier_store;
 #[cfg(test)]
 mod tier_tests;
+mod turn;
 
 use std::sync::Arc;
 

@@ -4,7 +4,6 @@
 //! on the `changed` condition variable), and their cancellation when the registry closes or
 //! drops.
 
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use tch::Device;
@@ -157,14 +156,12 @@ impl Inner {
         Ok(())
     }
 
-    /// Makes prefetches that have not begun their load give up (`close`, and dropping the
-    /// registry): sets the flag, then wakes those waiting for the build turn or for a slot.
-    /// Each check of the flag happens under the lock its waiter waits with, and the lock is taken
-    /// here after the flag is set, so no wake-up is lost.
+    /// Makes prefetches give up (`close`, and dropping the registry): cancels the turns (those
+    /// waiting for the build turn or paused between pieces), then wakes those waiting for a
+    /// slot. Each check of the flag happens under the lock its waiter waits with, and the lock is
+    /// taken here after the flag is set, so no wake-up is lost.
     pub(crate) fn cancel_prefetches(&self) {
-        self.cancelled.store(true, Ordering::SeqCst);
-        drop(lock(&self.building));
-        self.build_ended.notify_all();
+        self.turns.cancel();
         drop(self.state());
         self.changed.notify_all();
     }

@@ -5,13 +5,16 @@
 //! Locking. Every lock the registry takes, in the one order they nest (none is waited for while
 //! a later one is held; a condition variable is waited on with no lock held but its own):
 //!
-//! 1. The build turn (`Inner::building`): builds take turns, since the RNG state they preserve
-//!    is process-wide. It is a flag, set for a whole build (the loader's run and the checkpoint
-//!    fill after it) under a lock of its own that is held for a few statements; a build waits
-//!    for the flag on `build_ended` with no other lock held, so that a prefetch waiting for its
-//!    turn gives up when the registry closes or drops. A loader must therefore not ask its own
-//!    registry for a model that needs building (it would wait for the turn it holds): a model
-//!    a loader needs is built in that loader, or shared through [`super::BuildContext::shared`].
+//! 1. The build turn ([`super::turn`], `Inner::turns`): a flag under a lock of its own, held for
+//!    a few statements. A foreground build holds it for its loader's run (the RNG state it
+//!    preserves is process-wide); any build holds it from its first shared component to its end.
+//!    A prefetch's loader runs without it, and its checkpoint copy pauses between pieces while a
+//!    foreground load runs: a foreground load never queues behind a background one. Waits for
+//!    the turn or at a paused piece are on the turns' own condition variable with no other lock
+//!    held, so that a prefetch gives up when the registry closes or drops. A loader must not ask
+//!    its own registry for a model that needs loading (it would wait for the turn it holds, or
+//!    for a prefetched copy paused behind its own load): a model a loader needs is built in that
+//!    loader, or shared through [`super::BuildContext::shared`].
 //! 2. An instance's `body` (the model itself): held by a user's guard for as long as it lives,
 //!    and by a refill or a release while they reallocate or free its storages. The registry
 //!    never waits for it while holding another lock: a release tries it (`try_lock`, under the
@@ -59,6 +62,7 @@ use super::instance::{self, Handle, Instance};
 use super::placement::Placement;
 use super::spec::{Built, Init, Loader, SharedComponents};
 use super::tier_copy::HostCopies;
+use super::turn::Turns;
 use crate::checkpoint::Progress;
 use crate::names::NameRules;
 use crate::rng::RngSnapshot;
@@ -460,13 +464,9 @@ fn covers(from: usize, until: Option<usize>, index: usize) -> bool {
 pub(crate) struct Inner {
     pub(crate) state: Mutex<State>,
     pub(crate) changed: Condvar,
-    /// Whether a build runs now (builds take turns: see [`Inner::build_turn`]).
-    pub(crate) building: Mutex<bool>,
-    /// Signalled when a build's turn ends, and when the registry closes or drops.
-    pub(crate) build_ended: Condvar,
-    /// Set by `close` and by dropping the registry: prefetches that have not begun their load
-    /// give up, and a prefetch's checkpoint copy stops at its next piece.
-    pub(crate) cancelled: Arc<AtomicBool>,
+    /// The build turn, the foreground's loads before background ones, and the cancellation
+    /// `close` and dropping the registry set (see [`super::turn`]).
+    pub(crate) turns: Arc<Turns>,
     pub(crate) components: SharedComponents,
     pub(crate) sink: Option<Arc<dyn EventSink>>,
     pub(crate) rngs: Vec<Arc<dyn RngSnapshot>>,
@@ -539,7 +539,12 @@ impl Inner {
         let positions: Vec<usize> = leaving.iter().filter_map(|n| state.index.get(n).copied()).collect();
         let instances: Vec<Arc<Instance>> = positions.into_iter().filter_map(|p| state.request_release(p)).collect();
         drop(state);
-        self.emit(Event { stage: Some(stage.to_string()), resident: Some(resident), ..Event::now(EventKind::Stage) });
+        self.emit(Event {
+            stage: Some(stage.to_string()),
+            position: Some(index),
+            resident: Some(resident),
+            ..Event::now(EventKind::Stage)
+        });
         Ok(self.release_all(instances))
     }
 

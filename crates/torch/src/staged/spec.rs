@@ -50,6 +50,8 @@ pub(crate) type SharedComponents = Mutex<BTreeMap<String, SharedEntry>>;
 
 /// Handed to a loader: the model being built, and shared components.
 pub struct BuildContext<'a> {
+    /// The build's hold on the build turn, taken for shared components (see [`super::turn`]).
+    pub(crate) hold: &'a super::turn::BuildHold,
     pub(crate) components: &'a SharedComponents,
     pub(crate) model: &'a str,
     /// Where the pipeline file puts the model, if a file gave the plan.
@@ -112,6 +114,9 @@ impl BuildContext<'_> {
         key: &str,
         build: impl FnOnce() -> Result<(T, Vec<(String, Tensor)>), BoxError>,
     ) -> Result<Shared<T>, BoxError> {
+        // A component one build makes, that build fills: the turn is held from here to the
+        // build's end, so no other build sees it half filled.
+        self.hold.for_shared()?;
         let mut cache = lock(self.components);
         if let Some(entry) = cache.get(key) {
             let alive = entry
