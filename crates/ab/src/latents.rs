@@ -12,7 +12,7 @@ use std::io::Read;
 use std::path::{Path, PathBuf};
 
 use safetensors::{Dtype, SafeTensors};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use stageload_trace::meter::LATENTS_ORDER_KEY as ORDER_KEY;
 use thiserror::Error;
 
@@ -150,18 +150,25 @@ fn values(latent: &Latent) -> Option<Vec<f64>> {
 }
 
 /// How one run's latent compares with the reference's.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
 pub enum Difference {
     /// Bit for bit the same.
     Identical,
     /// Some values differ.
     Differs {
-        /// The largest |a − b|.
+        /// The largest |a − b| (infinite where one side is NaN or infinite and the other not).
+        #[serde(deserialize_with = "null_is_infinite")]
         max_abs: f64,
-        /// `max_abs` over the reference's largest |a|.
+        /// `max_abs` over the reference's largest |a| (infinite when that is 0).
+        #[serde(deserialize_with = "null_is_infinite")]
         relative: f64,
     },
+}
+
+/// JSON has no infinity: `serde_json` writes one as `null`, which reads back as infinite here.
+fn null_is_infinite<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<f64, D::Error> {
+    Ok(Option::<f64>::deserialize(deserializer)?.unwrap_or(f64::INFINITY))
 }
 
 impl Difference {
@@ -174,7 +181,7 @@ impl Difference {
 }
 
 /// The verdict on one latent over every compared run.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
 pub enum Verdict {
     /// Every run identical to the reference, bit for bit.
@@ -185,6 +192,7 @@ pub enum Verdict {
     /// the reference repeats itself exactly).
     Exceeds {
         /// The largest difference over the reference's own variation.
+        #[serde(deserialize_with = "null_is_infinite")]
         factor: f64,
     },
     /// Differences, and only one reference run to judge them by.
@@ -199,7 +207,7 @@ impl Verdict {
 }
 
 /// One latent over every run.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct LatentReport {
     /// The latent's name.
     pub name: String,

@@ -2,7 +2,7 @@
 //! aggregated per arm, wall times and the result files' measures (medians and ratios, from
 //! [`crate::results`]), and each arm's latents against the first arm's, as text and JSON.
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use stageload_trace::{read_trace, summarize, Summary, Trace};
 use stageload_units::format_bytes;
 
@@ -12,7 +12,7 @@ use crate::runner::{describe, Arm, RunRecord};
 use stageload_trace::aggregate::{aggregate, Spread, StageSpread};
 
 /// One run as the report lists it.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct RunLine {
     /// Its arm's name.
     pub arm: String,
@@ -30,8 +30,9 @@ pub struct RunLine {
     pub result_error: Option<String>,
 }
 
-/// The whole comparison.
-#[derive(Debug, Clone, Serialize)]
+/// The whole comparison: what `stageload ab` writes as `ab.json`, and what a reader of that file
+/// (`cargo xtask`'s tasks) reads back.
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct AbReport {
     /// The arms' names; the first is the reference.
     pub arms: Vec<String>,

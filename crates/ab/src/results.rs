@@ -7,12 +7,12 @@
 
 use std::path::Path;
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 pub use stageload_trace::aggregate::median;
 
 /// One arm's values of one measure, in run order, their median and its ratio to the first arm's.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Medians {
     /// The arm's name.
     pub arm: String,
@@ -25,7 +25,7 @@ pub struct Medians {
 }
 
 /// One numeric field of the result files, over every arm.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ResultField {
     /// The field's name in the files.
     pub field: String,

@@ -97,3 +97,20 @@ fn a_tiny_difference_and_a_nan_are_measured_not_hidden() {
     assert!(max_abs.is_infinite(), "a NaN where the reference has a number is an unbounded difference");
     assert_eq!(reports[1].verdict, Verdict::Identical);
 }
+
+#[test]
+fn an_infinite_difference_is_written_as_json_null_and_read_back_infinite() {
+    for (written, read) in [
+        (
+            Difference::Differs { max_abs: 1.5, relative: f64::INFINITY },
+            "{\"kind\":\"differs\",\"max_abs\":1.5,\"relative\":null}",
+        ),
+        (Difference::Identical, "{\"kind\":\"identical\"}"),
+    ] {
+        let json = serde_json::to_string(&written).unwrap();
+        assert_eq!(json, read);
+        assert_eq!(serde_json::from_str::<Difference>(&json).unwrap(), written);
+    }
+    let verdict = Verdict::Exceeds { factor: f64::INFINITY };
+    assert_eq!(serde_json::from_str::<Verdict>(&serde_json::to_string(&verdict).unwrap()).unwrap(), verdict);
+}

@@ -65,8 +65,11 @@ fn two_commands_run_alternately_and_are_aggregated_compared_and_charted() {
     let staged = program("staged", [100, 160], [1.0, 2.0], false);
     let (output, text) = ab(&out, &[], &[eager, staged]);
     assert_eq!(output.status.code(), Some(0), "{text}");
-    let report: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(out.join("ab.json")).unwrap()).unwrap();
+    let text_json = std::fs::read_to_string(out.join("ab.json")).unwrap();
+    // The report's own types read it back (what cargo xtask's tasks read).
+    let typed: stageload_ab::AbReport = serde_json::from_str(&text_json).unwrap();
+    assert!(typed.passed && typed.arms == ["eager", "staged"], "{typed:?}");
+    let report: serde_json::Value = serde_json::from_str(&text_json).unwrap();
     let order: Vec<String> = report["runs"]
         .as_array()
         .unwrap()

@@ -4,10 +4,10 @@
 //! stage some run never reached has fewer values (a stopped run is reported where it stopped).
 
 use crate::summary::Summary;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 /// Min, median and max of some values (`n` of them).
-#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct Spread {
     /// The smallest value.
     pub min: u64,
@@ -47,7 +47,7 @@ pub fn median(values: &[f64]) -> Option<f64> {
 }
 
 /// One stage over every run of every arm.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct StageSpread {
     /// The stage's name.
     pub stage: String,

@@ -1,11 +1,13 @@
 //! The tasks' comparisons: `stageload ab` runs of two or more arms, and what a task reads back
-//! from its report (`ab.json`): the verdict and the medians of the runs' result files. The
-//! medians are `stageload ab`'s (crates/ab/src/results.rs); a task only picks them out. The
+//! from its report (`ab.json`, read as the ab crate's own [`AbReport`]): the verdict and the
+//! medians of the runs' result files. The medians are `stageload ab`'s
+//! (crates/ab/src/results.rs); a task only picks them out. The
 //! demos' and benchmarks' shared arms, flags and build are here too.
 
 use std::path::{Path, PathBuf};
 
 use serde_json::Value;
+use stageload_ab::{AbReport, Medians};
 
 use crate::shell::{words, Error, Log, Shell};
 
@@ -71,8 +73,9 @@ pub fn cascade_arms(shell: &Shell, extra: &[String]) -> Vec<Arm> {
 
 /// What `stageload ab` found, read from its `ab.json`.
 pub struct Report {
-    json: Value,
-    /// Whether every run exited 0, its result files read, and every latent matched.
+    report: AbReport,
+    /// Whether `stageload ab` exited 0 and its report says every run exited 0, its result files
+    /// read, and every latent matched.
     passed: bool,
     /// Its text (`summary.txt`).
     summary: PathBuf,
@@ -94,9 +97,14 @@ impl Comparison<'_> {
             command.arg("--").args(&arm.command);
         }
         let status = shell.status(&mut command, log)?;
-        let json = read_json(&self.out.join("ab.json")).map_err(|e| format!("stageload ab ({status}): {e}"))?;
-        let passed = status.success() && json["passed"] == Value::Bool(true);
-        Ok(Report { json, passed, summary: self.out.join("summary.txt") })
+        let path = self.out.join("ab.json");
+        let report: AbReport = read_json(&path)
+            .and_then(|json| {
+                serde_json::from_value(json).map_err(|e| format!("{} is not ab's report: {e}", path.display()))
+            })
+            .map_err(|e| format!("stageload ab ({status}): {e}"))?;
+        let passed = status.success() && report.passed;
+        Ok(Report { report, passed, summary: self.out.join("summary.txt") })
     }
 }
 
@@ -113,39 +121,37 @@ impl Report {
 
     /// The median of result field `field` over arm `arm`'s runs.
     pub fn median(&self, field: &str, arm: &str) -> Option<f64> {
-        self.measure(field, arm, "median")
+        self.medians(field, arm)?.median
     }
 
     /// That median over the first arm's.
     pub fn ratio(&self, field: &str, arm: &str) -> Option<f64> {
-        self.measure(field, arm, "ratio")
+        self.medians(field, arm)?.ratio
     }
 
     /// The median wall time of arm `arm`'s runs, seconds.
     pub fn median_wall(&self, arm: &str) -> Option<f64> {
-        Self::of_arm(&self.json["wall"], arm, "median")
+        Self::of_arm(&self.report.wall, arm)?.median
     }
 
     /// That median over the first arm's.
     pub fn wall_ratio(&self, arm: &str) -> Option<f64> {
-        Self::of_arm(&self.json["wall"], arm, "ratio")
+        Self::of_arm(&self.report.wall, arm)?.ratio
     }
 
-    fn measure(&self, field: &str, arm: &str, what: &str) -> Option<f64> {
-        let field = self.json["results"].as_array()?.iter().find(|f| f["field"] == field)?;
-        Self::of_arm(&field["arms"], arm, what)
+    fn medians(&self, field: &str, arm: &str) -> Option<&Medians> {
+        Self::of_arm(&self.report.results.iter().find(|f| f.field == field)?.arms, arm)
     }
 
-    /// `what` of arm `arm` in a list of medians (crates/ab's `Medians`).
-    fn of_arm(medians: &Value, arm: &str, what: &str) -> Option<f64> {
-        medians.as_array()?.iter().find(|a| a["arm"] == arm)?[what].as_f64()
+    fn of_arm<'a>(medians: &'a [Medians], arm: &str) -> Option<&'a Medians> {
+        medians.iter().find(|m| m.arm == arm)
     }
 
     /// The highest of arm `arm`'s per-stage host peaks (each the median over its runs), bytes.
     pub fn peak(&self, arm: &str) -> Option<f64> {
-        let index = self.json["arms"].as_array()?.iter().position(|a| a == arm)?;
-        let stages = self.json["stages"].as_array()?;
-        stages.iter().filter_map(|stage| stage["host"][index]["median"].as_f64()).reduce(f64::max)
+        let index = self.report.arms.iter().position(|a| a == arm)?;
+        let peaks = self.report.stages.iter().filter_map(|stage| stage.host.get(index).copied().flatten());
+        peaks.map(|spread| spread.median).max().map(|bytes| bytes as f64)
     }
 
     /// A string field of the first run's result file of `arm` (`OUT/ARM-1.json`).
@@ -160,9 +166,16 @@ pub fn read_json(path: &Path) -> Result<Value, Error> {
     serde_json::from_str(&text).map_err(|e| format!("{} is not JSON: {e}", path.display()))
 }
 
-/// A string field of the JSON object in `path`.
+/// A string field of the result file (a run's JSON object, read by the ab crate's reader) in
+/// `path`.
 pub fn string_field(path: &Path, field: &str) -> Result<String, Error> {
-    read_json(path)?[field].as_str().map(str::to_string).ok_or_else(|| format!("{} has no \"{field}\"", path.display()))
+    let object =
+        stageload_ab::results::read(path)?.ok_or_else(|| format!("cannot read {}: no such file", path.display()))?;
+    object
+        .get(field)
+        .and_then(Value::as_str)
+        .map(str::to_string)
+        .ok_or_else(|| format!("{} has no \"{field}\"", path.display()))
 }
 
 #[cfg(test)]
@@ -171,14 +184,16 @@ mod tests {
 
     #[test]
     fn a_measure_is_picked_out_of_the_report_by_field_and_arm() {
-        let json = serde_json::json!({"passed": true, "wall": [{"arm": "resident", "median": 4.0, "ratio": 1.0}],
-            "arms": ["resident", "half"], "stages": [
-            {"stage": "a", "host": [{"median": 5.0}, {"median": 2.0}]},
-            {"stage": "b", "host": [{"median": 1.0}, {"median": 7.0}]}], "results": [
+        let spread = |median: u64| serde_json::json!({"min": median, "median": median, "max": median, "n": 1});
+        let json = serde_json::json!({"passed": true, "wall": [{"arm": "resident", "values": [4.0], "median": 4.0, "ratio": 1.0}],
+            "arms": ["resident", "half"], "runs": [], "latents": [], "latents_error": null, "stages": [
+            {"stage": "a", "host": [spread(5), spread(2)], "device": [null, null], "ratio": [1.0, 0.4]},
+            {"stage": "b", "host": [spread(1), spread(7)], "device": [null, null], "ratio": [1.0, 7.0]}], "results": [
             {"field": "seconds", "arms": [
                 {"arm": "resident", "values": [2.0], "median": 2.0, "ratio": 1.0},
                 {"arm": "half", "values": [3.0], "median": 3.0, "ratio": 1.5}]}]});
-        let report = Report { json, passed: false, summary: "out/summary.txt".into() };
+        let report =
+            Report { report: serde_json::from_value(json).unwrap(), passed: false, summary: "out/summary.txt".into() };
         assert_eq!(
             report.verdict("the bench").unwrap_err(),
             "the bench: a run failed or a latent differs (see out/summary.txt)"
