@@ -193,7 +193,7 @@ fn the_plan_with_the_eager_runs_working_memory_matches_the_staged_run_stage_by_s
     let checks = stageload_plan::measured::check(&predicted, &plan, &read_trace(&staged.trace).unwrap()).unwrap();
     assert_eq!(checks.len(), 7);
     for check in &checks {
-        assert!(check.ok, "{check:?}\n{}", stageload_plan::measured::render_checks(&checks, &staged.trace));
+        assert!(check.ok, "{check:?}\n{}", stageload_plan::measured::render_checks(&checks, &staged.trace, false));
     }
 }
 

@@ -16,6 +16,7 @@ use std::sync::{Mutex, OnceLock};
 use stageload_torch_sys::ShimError;
 use tch::{Device, Kind, Tensor};
 
+use crate::pinned::{HostCopyError, LibtorchError};
 use crate::sync::lock;
 
 /// Bytes of one pinned buffer (and of the largest piece) by default, and of the CPU path's pieces.
@@ -37,6 +38,31 @@ pub struct RingShape {
     pub readers: usize,
 }
 
+/// Why a ring shape's text (`STAGELOAD_RING`) was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RingShapeError {
+    /// A part is not `key=value`.
+    #[error("'{0}' is not key=value")]
+    NotKeyValue(String),
+    /// A count is not a whole number above 0.
+    #[error("{key}: '{value}' is not a count above 0")]
+    NotACount {
+        /// `slots` or `readers`.
+        key: &'static str,
+        /// The text given.
+        value: String,
+    },
+    /// The window is not a size from 4 KiB to 1 GiB.
+    #[error("window: {value} is not from 4 KiB to 1 GiB")]
+    Window {
+        /// The text given.
+        value: String,
+    },
+    /// The key is none of the three.
+    #[error("unknown key '{0}' (slots, window, readers)")]
+    UnknownKey(String),
+}
+
 impl RingShape {
     /// The default for a machine of `cpus` CPUs.
     pub fn default_for(cpus: usize) -> RingShape {
@@ -44,24 +70,29 @@ impl RingShape {
     }
 
     /// `default` changed by `text` (`slots=N,window=SIZE,readers=N`, any of them, any order).
-    pub fn parse(text: &str, default: RingShape) -> Result<RingShape, String> {
+    pub fn parse(text: &str, default: RingShape) -> Result<RingShape, RingShapeError> {
         let mut shape = default;
         for part in text.split(',').map(str::trim).filter(|p| !p.is_empty()) {
-            let (key, value) = part.split_once('=').ok_or_else(|| format!("'{part}' is not key=value"))?;
-            let count = || value.trim().parse::<usize>().ok().filter(|&n| n > 0);
+            let (key, value) = part.split_once('=').ok_or_else(|| RingShapeError::NotKeyValue(part.to_string()))?;
+            let count = |key: &'static str| {
+                value
+                    .trim()
+                    .parse::<usize>()
+                    .ok()
+                    .filter(|&n| n > 0)
+                    .ok_or_else(|| RingShapeError::NotACount { key, value: value.to_string() })
+            };
             match key.trim() {
-                "slots" => shape.slots = count().ok_or_else(|| format!("slots: '{value}' is not a count above 0"))?,
-                "readers" => {
-                    shape.readers = count().ok_or_else(|| format!("readers: '{value}' is not a count above 0"))?
-                }
+                "slots" => shape.slots = count("slots")?,
+                "readers" => shape.readers = count("readers")?,
                 "window" => {
-                    let bytes = stageload_units::parse_size(value).map_err(|e| format!("window: {e}"))?;
-                    shape.window = usize::try_from(bytes)
+                    shape.window = stageload_units::parse_size(value)
                         .ok()
+                        .and_then(|bytes| usize::try_from(bytes).ok())
                         .filter(|&b| (4096..=1 << 30).contains(&b))
-                        .ok_or_else(|| format!("window: {value} is not from 4 KiB to 1 GiB"))?;
+                        .ok_or_else(|| RingShapeError::Window { value: value.trim().to_string() })?;
                 }
-                other => return Err(format!("unknown key '{other}' (slots, window, readers)")),
+                other => return Err(RingShapeError::UnknownKey(other.to_string())),
             }
         }
         Ok(shape)
@@ -127,22 +158,25 @@ static RING: OnceLock<Mutex<Option<Ring>>> = OnceLock::new();
 
 /// An uninitialised host tensor of `size` and `kind` in pinned (page-locked) memory; `Err` with
 /// libtorch's reason where memory cannot be pinned (no driver).
-pub(crate) fn pinned_empty(size: &[i64], kind: Kind) -> Result<Tensor, String> {
-    let host = Tensor::f_empty(size, (kind, Device::Cpu)).map_err(|e| e.to_string())?;
-    stageload_torch_sys::pin_memory(&host).map_err(|e| e.to_string())
+pub(crate) fn pinned_empty(size: &[i64], kind: Kind) -> Result<Tensor, LibtorchError> {
+    let host = Tensor::f_empty(size, (kind, Device::Cpu))?;
+    Ok(stageload_torch_sys::pin_memory(&host)?)
 }
 
 /// Runs `f` with the process's pinned ring (pinned on first use); `Err` with the
 /// reason when host memory cannot be pinned, so the caller falls back to pageable copies.
-pub(crate) fn with_ring<R>(f: impl FnOnce(&mut Ring) -> R) -> Result<R, String> {
+pub(crate) fn with_ring<R>(f: impl FnOnce(&mut Ring) -> R) -> Result<R, HostCopyError> {
     let cell = RING.get_or_init(|| Mutex::new(None));
     let mut ring = lock(cell);
     if ring.is_none() {
         let RingShape { slots: count, window, .. } = RingShape::get();
         let mut slots = Vec::with_capacity(count);
         for _ in 0..count {
-            let slot = pinned_empty(&[window as i64], Kind::Uint8)
-                .map_err(|e| format!("pinning {} MiB of host memory: {e}", (count * window) >> 20))?;
+            let slot = pinned_empty(&[window as i64], Kind::Uint8).map_err(|source| HostCopyError::Allocate {
+                bytes: (count as u64).saturating_mul(window as u64),
+                pinned: true,
+                source,
+            })?;
             slots.push(slot);
         }
         *ring = Some(Ring { slots, staging: Vec::new() });
@@ -184,7 +218,7 @@ mod tests {
             ("speed=fast", "unknown key 'speed'"),
             ("slots", "'slots' is not key=value"),
         ] {
-            let err = RingShape::parse(text, default).unwrap_err();
+            let err = RingShape::parse(text, default).unwrap_err().to_string();
             assert!(err.contains(why), "{text}: {err}");
         }
     }

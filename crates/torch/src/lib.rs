@@ -122,10 +122,11 @@ mod sync;
 
 pub use checkpoint::CheckpointError;
 pub use names::NameRules;
+pub use pinned::{HostCopyError, LibtorchError};
 pub use rng::SharedRng;
 pub use staged::{
-    named_tensors, BoxError, BuildContext, Built, Handle, ModelGuard, ModelSpec, ModelState, OutOfMemory, StageError,
-    StagedModels, StagedModelsBuilder,
+    named_tensors, BoxError, BuildContext, Built, Handle, ModelGuard, ModelSpec, ModelState, OutOfMemory,
+    SnapshotError, StageError, StagedModels, StagedModelsBuilder,
 };
 /// The pipeline description `stageload plan` checks; feed it to [`StagedModels::builder`]'s `pipeline`.
 pub use stageload_plan::Pipeline;

@@ -12,13 +12,77 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use tch::{Kind, Tensor};
+use stageload_torch_sys::ShimError;
+use tch::{Kind, TchError, Tensor};
+
+use crate::checkpoint::CheckpointError;
+
+/// What went wrong with host memory for copies bound to a device (the host tier's, a streamed
+/// model's pinned blocks, the checkpoint's pinned ring), or with a copy through it.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum HostCopyError {
+    /// A tensor's size in bytes does not fit 64 bits.
+    #[error("a tensor's size in bytes overflows")]
+    SizeOverflow,
+    /// The buffer is larger than this platform can address.
+    #[error("{bytes} bytes of host memory are more than this platform can address")]
+    TooLarge {
+        /// The buffer's size.
+        bytes: u64,
+    },
+    /// The host memory could not be allocated, or not page-locked.
+    #[error("allocating {} of {}host memory: {source}", stageload_units::format_bytes(*.bytes), if *.pinned { "page-locked " } else { "" })]
+    Allocate {
+        /// The buffer's size.
+        bytes: u64,
+        /// It was to be page-locked.
+        pinned: bool,
+        /// libtorch's reason.
+        source: LibtorchError,
+    },
+    /// libtorch refused a view of the buffer as a tensor.
+    #[error("carving host tensors: {0}")]
+    Carve(#[source] TchError),
+    /// A target has no copy.
+    #[error("the host copies hold no copy of tensor '{tensor}'")]
+    NoCopy {
+        /// The target's name.
+        tensor: String,
+    },
+    /// A copy between the device and host memory failed.
+    #[error("copying {}: {source}", if *.to_host { "to host memory" } else { "from host memory" })]
+    Copy {
+        /// From the device to the host (else back).
+        to_host: bool,
+        /// libtorch's reason.
+        source: LibtorchError,
+    },
+    /// Reading the checkpoint into host memory failed.
+    #[error("reading the checkpoint into host memory: {0}")]
+    Read(#[source] Box<CheckpointError>),
+    /// A unit test's hook failed the copy.
+    #[cfg(test)]
+    #[error("{0}")]
+    Injected(String),
+}
+
+/// A libtorch failure: through the shim, or through `tch`.
+#[derive(Debug, thiserror::Error)]
+pub enum LibtorchError {
+    /// Through the shim.
+    #[error(transparent)]
+    Shim(#[from] ShimError),
+    /// Through `tch`.
+    #[error(transparent)]
+    Tch(#[from] TchError),
+}
 
 /// Where host memory for copies comes from.
 pub(crate) trait HostMemory: Send + Sync {
     /// A uint8 tensor of `bytes` bytes, page-locked when `pin` (an error saying why it cannot
     /// be), and the bytes it takes from the machine.
-    fn take(&self, bytes: usize, pin: bool) -> Result<(Tensor, u64), String>;
+    fn take(&self, bytes: usize, pin: bool) -> Result<(Tensor, u64), HostCopyError>;
 
     /// A buffer that took `bytes` is gone (its last tensor dropped).
     fn given_back(&self, _bytes: u64) {}
@@ -28,8 +92,12 @@ pub(crate) trait HostMemory: Send + Sync {
 pub(crate) struct Mapped;
 
 impl HostMemory for Mapped {
-    fn take(&self, bytes: usize, pin: bool) -> Result<(Tensor, u64), String> {
-        stageload_torch_sys::host_buffer(bytes, pin).map_err(|e| e.message)
+    fn take(&self, bytes: usize, pin: bool) -> Result<(Tensor, u64), HostCopyError> {
+        stageload_torch_sys::host_buffer(bytes, pin).map_err(|source| HostCopyError::Allocate {
+            bytes: bytes as u64,
+            pinned: pin,
+            source: source.into(),
+        })
     }
 }
 
@@ -96,7 +164,7 @@ static SAID_PAGEABLE: AtomicBool = AtomicBool::new(false);
 pub(crate) fn carve_pinned_or_pageable(
     memory: &Arc<dyn HostMemory>,
     shapes: &[(Vec<i64>, Kind)],
-) -> Result<HostSet, String> {
+) -> Result<HostSet, HostCopyError> {
     carve(memory, shapes, true).or_else(|why| {
         if !SAID_PAGEABLE.swap(true, Ordering::Relaxed) {
             tracing::warn!(%why, "pinning host memory failed; host copies use pageable memory (slower copies)");
@@ -107,7 +175,11 @@ pub(crate) fn carve_pinned_or_pageable(
 
 /// Host tensors of `shapes` (contiguous) carved from one buffer of `memory`, page-locked when
 /// `pin` (an error saying why where it cannot be).
-pub(crate) fn carve(memory: &Arc<dyn HostMemory>, shapes: &[(Vec<i64>, Kind)], pin: bool) -> Result<HostSet, String> {
+pub(crate) fn carve(
+    memory: &Arc<dyn HostMemory>,
+    shapes: &[(Vec<i64>, Kind)],
+    pin: bool,
+) -> Result<HostSet, HostCopyError> {
     let sizes: Vec<u64> = shapes
         .iter()
         .map(|(shape, kind)| {
@@ -115,9 +187,9 @@ pub(crate) fn carve(memory: &Arc<dyn HostMemory>, shapes: &[(Vec<i64>, Kind)], p
             elements.and_then(|n| n.checked_mul(kind.elt_size_in_bytes() as u64))
         })
         .collect::<Option<_>>()
-        .ok_or_else(|| "a tensor's size overflows".to_string())?;
+        .ok_or(HostCopyError::SizeOverflow)?;
     let (offsets, total) = layout(&sizes);
-    let total = usize::try_from(total).map_err(|_| format!("{total} bytes of host memory"))?;
+    let total = usize::try_from(total).map_err(|_| HostCopyError::TooLarge { bytes: total })?;
     let (tensor, bytes) = memory.take(total, pin)?;
     let buffer = Arc::new(Buffer { bytes, pinned: pin, memory: Arc::clone(memory) });
     let tensors = shapes
@@ -127,7 +199,7 @@ pub(crate) fn carve(memory: &Arc<dyn HostMemory>, shapes: &[(Vec<i64>, Kind)], p
             tensor.f_narrow(0, offset as i64, size as i64)?.f_view_dtype(*kind)?.f_view(shape.as_slice())
         })
         .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| format!("carving host tensors: {e}"))?;
+        .map_err(HostCopyError::Carve)?;
     Ok(HostSet { tensors, buffer })
 }
 
@@ -138,7 +210,7 @@ pub(crate) mod fake {
 
     use tch::Tensor;
 
-    use super::HostMemory;
+    use super::{HostCopyError, HostMemory};
 
     #[derive(Default)]
     pub(crate) struct Counting {
@@ -150,14 +222,16 @@ pub(crate) mod fake {
     }
 
     impl HostMemory for Counting {
-        fn take(&self, bytes: usize, pin: bool) -> Result<(Tensor, u64), String> {
+        fn take(&self, bytes: usize, pin: bool) -> Result<(Tensor, u64), HostCopyError> {
             if pin {
                 self.pinned_asks.fetch_add(1, Ordering::SeqCst);
                 if self.refuse_pin {
-                    return Err("refused by the fake".into());
+                    return Err(HostCopyError::Injected("refused by the fake".into()));
                 }
             }
-            let (tensor, mapped) = stageload_torch_sys::host_buffer(bytes, false).map_err(|e| e.message)?;
+            let (tensor, mapped) = stageload_torch_sys::host_buffer(bytes, false).map_err(|source| {
+                HostCopyError::Allocate { bytes: bytes as u64, pinned: false, source: source.into() }
+            })?;
             self.out.fetch_add(mapped, Ordering::SeqCst);
             self.takes.fetch_add(1, Ordering::SeqCst);
             Ok((tensor, mapped))
@@ -176,7 +250,7 @@ mod tests {
 
     use tch::{Device, Kind, Tensor};
 
-    use super::{booked, carve, carve_pinned_or_pageable, fake::Counting, HostMemory, Mapped};
+    use super::{booked, carve, carve_pinned_or_pageable, fake::Counting, HostCopyError, HostMemory, Mapped};
 
     #[test]
     fn tensors_are_carved_aligned_from_one_buffer_of_whole_pages() {
@@ -225,7 +299,7 @@ mod tests {
         let counting = Arc::new(Counting { refuse_pin: true, ..Default::default() });
         let memory: Arc<dyn HostMemory> = counting.clone();
         let refused = carve(&memory, &[(vec![1000], Kind::Float)], true).err().unwrap();
-        assert!(refused.contains("refused by the fake"), "{refused}");
+        assert!(matches!(&refused, HostCopyError::Injected(why) if why == "refused by the fake"), "{refused}");
         let set = carve_pinned_or_pageable(&memory, &[(vec![1000], Kind::Float)]).unwrap();
         assert!(!set.pinned());
         // Two asks for pinned memory refused (the strict carve's and the fallback's), one

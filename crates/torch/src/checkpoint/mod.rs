@@ -43,7 +43,7 @@ mod save;
 mod to_cuda;
 
 /// The pinned ring's shape for CUDA loads (set for a process by `STAGELOAD_RING`).
-pub use crate::device_copy::RingShape;
+pub use crate::device_copy::{RingShape, RingShapeError};
 use crate::names::{match_names, Collision, NameMatch, NameMismatch, NameRules};
 use crate::sync::lock;
 pub(crate) use kinds::{converts, device_holds, dtype_of, is_float, kind_of};
@@ -739,10 +739,10 @@ fn overlapping_ranges(ranges: &[(usize, usize)]) -> HashSet<usize> {
 const WINDOW: usize = device_copy::WINDOW;
 
 /// Says once per process that CUDA loads take the pageable path.
-fn warn_pageable_once(reason: &str) {
+fn warn_pageable_once(reason: &crate::HostCopyError) {
     static WARNED: std::sync::Once = std::sync::Once::new();
     WARNED
-        .call_once(|| tracing::warn!(reason, "no pinned host memory: CUDA loads go through pageable copies (slower)"));
+        .call_once(|| tracing::warn!(%reason, "no pinned host memory: CUDA loads go through pageable copies (slower)"));
 }
 /// Threads that read at once.
 const MAX_THREADS: usize = 8;

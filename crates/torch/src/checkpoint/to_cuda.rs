@@ -11,6 +11,7 @@ use tch::{Device, Kind, Tensor};
 
 use super::{Checkpoint, CheckpointError, Entry};
 use crate::device_copy;
+use crate::pinned::HostCopyError;
 use crate::sync::lock;
 
 /// Where the ring's pipeline stands: which pieces are read (and how), how many copies are
@@ -31,7 +32,7 @@ impl Checkpoint {
         items: &[(&str, &Tensor, &Entry)],
         done: &AtomicU64,
         progress: &mut dyn FnMut(u64),
-    ) -> Result<Result<(), String>, CheckpointError> {
+    ) -> Result<Result<(), HostCopyError>, CheckpointError> {
         let mut devices: Vec<usize> = items
             .iter()
             .filter_map(|(_, t, _)| match t.device() {

@@ -306,7 +306,8 @@ impl StagedModelsBuilder {
             let (placement, names) = match planned {
                 Some(model) => {
                     let mismatch = |message: String| StageError::PlanMismatch { model: spec.name.clone(), message };
-                    let placement = Placement::from_file(model.device, model.dtype).map_err(mismatch)?;
+                    let placement =
+                        Placement::from_file(model.device, model.dtype).map_err(|e| mismatch(e.to_string()))?;
                     let names =
                         spec.names.clone().ignore(&model.ignore).map_err(|e| mismatch(format!("ignore: {e}")))?;
                     (placement, names)
@@ -375,7 +376,7 @@ impl StagedModelsBuilder {
         let snapshots = match &self.snapshot_dir {
             Some(dir) => Some(
                 Snapshots::open(dir, self.snapshot_keep_free)
-                    .map_err(|message| StageError::SnapshotDir { path: dir.clone(), message })?,
+                    .map_err(|source| StageError::SnapshotDir { path: dir.clone(), source })?,
             ),
             None => None,
         };

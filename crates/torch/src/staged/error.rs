@@ -50,12 +50,12 @@ pub enum StageError {
         names: Vec<String>,
     },
     /// The snapshot folder cannot be created, locked or written.
-    #[error("{message}; name a folder this process can write to, or leave snapshot_dir out")]
+    #[error("{source}; name a folder this process can write to, or leave snapshot_dir out")]
     SnapshotDir {
         /// The folder given to `snapshot_dir`.
         path: std::path::PathBuf,
         /// What failed, with the system's reason.
-        message: String,
+        source: super::snapshot::SnapshotError,
     },
     /// Two specs share one name.
     #[error("model '{name}' is defined twice")]
@@ -163,12 +163,12 @@ pub enum StageError {
     #[error("saving or restoring random generators: {0}")]
     Rng(ShimError),
     /// A copy into or out of the host tier failed.
-    #[error("host tier, model '{model}': {message}")]
+    #[error("host tier, model '{model}': {source}")]
     HostTier {
         /// The model being copied.
         model: String,
         /// What failed.
-        message: String,
+        source: crate::HostCopyError,
     },
     /// A tier model is larger than the host tier's whole budget.
     #[error("host tier budget of {} is smaller than model '{model}' ({} on its device): raise the budget to at least that, or leave the model out of the tier by placing it on the CPU", fmt_bytes(*.budget), fmt_bytes(*.bytes))]

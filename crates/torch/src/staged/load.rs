@@ -469,7 +469,7 @@ impl Inner {
                 self.before_tier_copy(name, false)
                     .and_then(|()| tier_copy::copy_in(&targets, copies, device))
                     .map(|()| None)
-                    .map_err(|message| StageError::HostTier { model: name.clone(), message })
+                    .map_err(|source| StageError::HostTier { model: name.clone(), source })
             }
             // Every reallocated storage must be filled: a tensor the checkpoint cannot fill is
             // an error here (its storage should have been kept, see `Instance::kept`).

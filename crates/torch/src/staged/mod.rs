@@ -50,6 +50,7 @@ pub use builder::StagedModelsBuilder;
 pub use decide::{ModelState, OutOfMemory};
 pub use error::{BoxError, StageError};
 pub use instance::{Handle, ModelGuard};
+pub use snapshot::SnapshotError;
 pub use spec::{named_tensors, BuildContext, Built, ModelSpec};
 
 use crate::error::{is_out_of_memory, panic_message};

@@ -6,6 +6,14 @@ use tch::{Device, Kind, Tensor};
 use super::error::{Result, StageError};
 use stageload_plan::pipeline::{DeviceName, LoadDtype};
 
+/// A dtype the file's device cannot hold.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("dtype {kind:?}: {device} cannot hold it; choose f32, f16 or bf16")]
+pub(crate) struct NotHeld {
+    kind: Kind,
+    device: String,
+}
+
 /// Where the pipeline file puts a model and in which dtype (both optional).
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub(crate) struct Placement {
@@ -15,7 +23,7 @@ pub(crate) struct Placement {
 
 impl Placement {
     /// From the checked file's `device` and `dtype`; refused: a dtype the device cannot hold.
-    pub(crate) fn from_file(device: DeviceName, dtype: Option<LoadDtype>) -> std::result::Result<Placement, String> {
+    pub(crate) fn from_file(device: DeviceName, dtype: Option<LoadDtype>) -> std::result::Result<Placement, NotHeld> {
         let device = crate::device::of(device);
         let kind = dtype.map(|dtype| match dtype {
             LoadDtype::F16 => Kind::Half,
@@ -24,10 +32,7 @@ impl Placement {
             LoadDtype::F64 => Kind::Double,
         });
         if let Some(kind) = kind.filter(|&kind| !crate::checkpoint::device_holds(device, kind)) {
-            return Err(format!(
-                "dtype {kind:?}: {} cannot hold it; choose f32, f16 or bf16",
-                crate::device::name(device)
-            ));
+            return Err(NotHeld { kind, device: crate::device::name(device) });
         }
         Ok(Placement { device: Some(device), kind })
     }
@@ -70,7 +75,7 @@ mod tests {
         assert_eq!(placement, Placement { device: Some(Device::Cuda(1)), kind: Some(Kind::BFloat16) });
         assert_eq!(Placement::from_file(DeviceName::Mps, None).unwrap().device, Some(Device::Mps));
         let refused = Placement::from_file(DeviceName::Mps, Some(LoadDtype::F64)).unwrap_err();
-        assert!(refused.contains("mps cannot hold it; choose f32"), "{refused}");
+        assert!(refused.to_string().contains("mps cannot hold it; choose f32"), "{refused}");
         assert!(Placement::from_file(DeviceName::Cuda(0), Some(LoadDtype::F64)).is_ok());
     }
 }

@@ -33,6 +33,68 @@ use stageload_trace::event::{Action, Event, EventKind};
 /// else on the machine (a shared machine's other users, the trace, the OS).
 pub(crate) const KEEP_FREE: u64 = 1 << 30;
 
+/// What went wrong with the snapshot folder or a snapshot.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum SnapshotError {
+    /// The folder could not be made.
+    #[error("snapshot folder {}: cannot create it: {source}", .dir.display())]
+    CreateDir {
+        /// The folder.
+        dir: PathBuf,
+        /// The system's reason.
+        source: std::io::Error,
+    },
+    /// The registry's lock file could not be made or locked.
+    #[error("snapshot folder {}: cannot {} its lock file {}: {source}", .dir.display(), if *.created { "lock" } else { "create" }, .path.display())]
+    LockFile {
+        /// The folder.
+        dir: PathBuf,
+        /// The lock file.
+        path: PathBuf,
+        /// It was made, and locking it failed.
+        created: bool,
+        /// The system's reason.
+        source: std::io::Error,
+    },
+    /// The folder's free space could not be read.
+    #[error("cannot read the free space of {}: {source}", .dir.display())]
+    FreeSpace {
+        /// The folder.
+        dir: PathBuf,
+        /// The system's reason.
+        source: nix::Error,
+    },
+    /// The snapshot would leave less than the keep-free bytes free.
+    #[error("{} has {} free, and the snapshot of {} would leave less than {} free", .dir.display(), format_bytes(*.free), format_bytes(*.bytes), format_bytes(*.keep_free))]
+    NoRoom {
+        /// The folder.
+        dir: PathBuf,
+        /// Bytes free there.
+        free: u64,
+        /// The snapshot's bytes.
+        bytes: u64,
+        /// The bytes a write leaves free.
+        keep_free: u64,
+    },
+    /// Writing the file failed.
+    #[error("{0}")]
+    Write(#[source] Box<crate::checkpoint::CheckpointError>),
+    /// The model's storages could not be read.
+    #[error("reading its storages failed: {0}")]
+    Storages(#[source] stageload_torch_sys::ShimError),
+    /// Some of the model's tensors have no memory (released meanwhile).
+    #[error("{count} of its tensors have no memory now")]
+    Unallocated {
+        /// How many.
+        count: usize,
+    },
+}
+
+fn format_bytes(bytes: u64) -> String {
+    stageload_units::format_bytes(bytes)
+}
+
 /// Registries of this process so far: each gets a name of its own in a shared folder.
 static REGISTRIES: AtomicU64 = AtomicU64::new(0);
 
@@ -52,15 +114,19 @@ pub(crate) struct Snapshots {
 impl Snapshots {
     /// Makes the folder if needed, removes what dead owners left in it, and takes a lock file of
     /// this registry's own; its writes leave `keep_free` bytes free.
-    pub(crate) fn open(dir: &Path, keep_free: u64) -> Result<Self, String> {
-        let fail = |what: &str, e: &dyn std::fmt::Display| format!("snapshot folder {}: {what}: {e}", dir.display());
-        std::fs::create_dir_all(dir).map_err(|e| fail("cannot create it", &e))?;
+    pub(crate) fn open(dir: &Path, keep_free: u64) -> Result<Self, SnapshotError> {
+        std::fs::create_dir_all(dir).map_err(|source| SnapshotError::CreateDir { dir: dir.to_path_buf(), source })?;
         remove_stale(dir);
         let stem = format!("stageload-{}-{}", std::process::id(), REGISTRIES.fetch_add(1, Ordering::Relaxed));
         let path = dir.join(format!("{stem}.lock"));
-        let file = File::create(&path).map_err(|e| fail("cannot create its lock file", &e))?;
-        let lock = Flock::lock(file, FlockArg::LockExclusiveNonblock)
-            .map_err(|(_, e)| fail("cannot lock its lock file", &e))?;
+        let lock_file = |created: bool, source: std::io::Error| SnapshotError::LockFile {
+            dir: dir.to_path_buf(),
+            path: path.clone(),
+            created,
+            source,
+        };
+        let file = File::create(&path).map_err(|e| lock_file(false, e))?;
+        let lock = Flock::lock(file, FlockArg::LockExclusiveNonblock).map_err(|(_, e)| lock_file(true, e.into()))?;
         Ok(Snapshots {
             dir: dir.to_path_buf(),
             stem,
@@ -73,22 +139,22 @@ impl Snapshots {
 
     /// Writes `tensors` (`bytes` of data) as a new snapshot file and returns its path; a file
     /// that would not leave the keep-free bytes free is not begun.
-    pub(crate) fn write(&self, model: &str, tensors: &[(String, Tensor)], bytes: u64) -> Result<PathBuf, String> {
+    pub(crate) fn write(
+        &self,
+        model: &str,
+        tensors: &[(String, Tensor)],
+        bytes: u64,
+    ) -> Result<PathBuf, SnapshotError> {
         let free = free_bytes(&self.dir)?;
         if !leaves_enough(free, bytes, self.keep_free) {
-            return Err(format!(
-                "{} has {} free, and the snapshot of {} would leave less than {} free",
-                self.dir.display(),
-                stageload_units::format_bytes(free),
-                stageload_units::format_bytes(bytes),
-                stageload_units::format_bytes(self.keep_free),
-            ));
+            return Err(SnapshotError::NoRoom { dir: self.dir.clone(), free, bytes, keep_free: self.keep_free });
         }
         let k = self.next.fetch_add(1, Ordering::Relaxed);
         let path = self.dir.join(format!("{}-{k}.safetensors", self.stem));
         let metadata = std::collections::HashMap::from([("model".to_string(), model.to_string())]);
         // Written under a temporary name and renamed by `save`: a snapshot file is always whole.
-        crate::checkpoint::save_with_metadata(tensors, Some(metadata), &path).map_err(|e| e.to_string())?;
+        crate::checkpoint::save_with_metadata(tensors, Some(metadata), &path)
+            .map_err(|e| SnapshotError::Write(Box::new(e)))?;
         lock(&self.written).push(path.clone());
         Ok(path)
     }
@@ -122,9 +188,9 @@ fn leaves_enough(free: u64, bytes: u64, keep_free: u64) -> bool {
 }
 
 /// Bytes an unprivileged process may still write on the file system of `dir`.
-fn free_bytes(dir: &Path) -> Result<u64, String> {
-    let stat =
-        nix::sys::statvfs::statvfs(dir).map_err(|e| format!("cannot read the free space of {}: {e}", dir.display()))?;
+fn free_bytes(dir: &Path) -> Result<u64, SnapshotError> {
+    let stat = nix::sys::statvfs::statvfs(dir)
+        .map_err(|source| SnapshotError::FreeSpace { dir: dir.to_path_buf(), source })?;
     Ok((stat.blocks_available() as u64).saturating_mul(stat.fragment_size() as u64))
 }
 
@@ -198,8 +264,8 @@ impl Inner {
             .filter(|(_, t)| t.numel() > 0 && !stageload_torch_sys::storage_info(t).is_ok_and(|i| i.allocated))
             .count();
         let written = match covering {
-            Err(err) => Err(format!("reading its storages failed: {err}")),
-            Ok(_) if unallocated > 0 => Err(format!("{unallocated} of its tensors have no memory now")),
+            Err(err) => Err(SnapshotError::Storages(err)),
+            Ok(_) if unallocated > 0 => Err(SnapshotError::Unallocated { count: unallocated }),
             Ok(_) => snapshots.write(name, &tensors, bytes),
         };
         let (action, detail) = match written {

@@ -15,7 +15,7 @@ use std::sync::Arc;
 use stageload_torch_sys as shim;
 use tch::{Device, Tensor};
 
-use crate::pinned::{self, HostMemory, HostSet};
+use crate::pinned::{self, HostCopyError, HostMemory, HostSet, LibtorchError};
 
 /// A model's tensors as distinct views (tensors that view the same bytes, tied weights, once)
 /// and, per tensor name, its view: computed once per release, sized before the tier admits
@@ -109,47 +109,50 @@ fn tensor_bytes(tensor: &Tensor) -> u64 {
 
 /// Copies `views` (a model's weights on `device`) into host memory from `memory`, pinned for a
 /// device.
-pub(crate) fn copy_out(views: Views, device: Device, memory: &Arc<dyn HostMemory>) -> Result<HostCopies, String> {
+pub(crate) fn copy_out(
+    views: Views,
+    device: Device,
+    memory: &Arc<dyn HostMemory>,
+) -> Result<HostCopies, HostCopyError> {
     let Views { views, names, .. } = views;
     let shapes: Vec<(Vec<i64>, tch::Kind)> = views.iter().map(|v| (v.size(), v.kind())).collect();
     let hosts = match device {
         Device::Cpu => pinned::carve(memory, &shapes, false),
         _ => pinned::carve_pinned_or_pageable(memory, &shapes),
-    }
-    .map_err(|e| format!("allocating host memory: {e}"))?;
+    }?;
     let pairs: Vec<(&Tensor, &Tensor)> = hosts.tensors.iter().zip(&views).collect();
-    copy_all(&pairs, device, hosts.pinned()).map_err(|e| format!("copying to host memory: {e}"))?;
+    copy_all(&pairs, device, hosts.pinned()).map_err(|source| HostCopyError::Copy { to_host: true, source })?;
     Ok(HostCopies { hosts, names: Arc::new(names) })
 }
 
 /// Copies `copies` back into `targets` (tensors of the model on `device`, their storages
 /// reallocated). Every target must have a copy.
-pub(crate) fn copy_in(targets: &[(String, Tensor)], copies: &HostCopies, device: Device) -> Result<(), String> {
+pub(crate) fn copy_in(targets: &[(String, Tensor)], copies: &HostCopies, device: Device) -> Result<(), HostCopyError> {
     let mut pairs = Vec::with_capacity(targets.len());
     for (name, target) in targets {
-        let host = copies.names.get(name).ok_or_else(|| format!("the host tier has no copy of tensor '{name}'"))?;
+        let host = copies.names.get(name).ok_or_else(|| HostCopyError::NoCopy { tensor: name.clone() })?;
         pairs.push((target, &copies.hosts.tensors[*host]));
     }
-    copy_all(&pairs, device, copies.hosts.pinned()).map_err(|e| format!("copying from host memory: {e}"))
+    copy_all(&pairs, device, copies.hosts.pinned()).map_err(|source| HostCopyError::Copy { to_host: false, source })
 }
 
 /// `dst.copy_(src)` for every pair; on CUDA with pinned host memory, asynchronous on a side
 /// stream and waited for at its end.
-fn copy_all(pairs: &[(&Tensor, &Tensor)], device: Device, pinned: bool) -> Result<(), String> {
+fn copy_all(pairs: &[(&Tensor, &Tensor)], device: Device, pinned: bool) -> Result<(), LibtorchError> {
     let _no_grad = tch::no_grad_guard();
     match device {
         Device::Cuda(index) if pinned => {
             // The model's last kernels (a build, a fill) may still be queued on this thread's
             // stream: the side stream starts after them.
-            shim::cuda_sync_current_stream(index).map_err(|e| e.to_string())?;
-            crate::device_copy::copy_on_side_stream(pairs, index).map_err(|e| e.to_string())
+            shim::cuda_sync_current_stream(index)?;
+            Ok(crate::device_copy::copy_on_side_stream(pairs, index)?)
         }
         _ => {
             let _watched = crate::copy_watch::copying(pairs.iter().flat_map(|(dst, src)| [*dst, *src]));
             for (dst, src) in pairs {
                 crate::copy_watch::piece();
                 let mut dst = dst.shallow_clone();
-                dst.f_copy_(src).map_err(|e| e.to_string())?;
+                dst.f_copy_(src)?;
             }
             Ok(())
         }
@@ -195,7 +198,8 @@ mod tests {
         let copies = copy_out(Views::of(&tensors).unwrap(), Device::Cpu, &memory).unwrap();
         let other = vec![("v".to_string(), Tensor::zeros([4], (Kind::Float, Device::Cpu)))];
         let err = copy_in(&other, &copies, Device::Cpu).unwrap_err();
-        assert!(err.contains("no copy of tensor 'v'"), "{err}");
+        assert!(matches!(&err, HostCopyError::NoCopy { tensor } if tensor == "v"), "{err}");
+        assert_eq!(err.to_string(), "the host copies hold no copy of tensor 'v'");
     }
 
     #[test]

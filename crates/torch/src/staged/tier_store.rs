@@ -11,6 +11,7 @@ use super::error::{Result, StageError};
 use super::instance::Instance;
 use super::registry::Inner;
 use super::tier_copy::{self, HostCopies};
+use crate::pinned::HostCopyError;
 use crate::sync::lock;
 use stageload_plan::tier::{Evicted, Tier};
 use stageload_trace::event::{Action, Event, EventKind, TierUsage};
@@ -86,7 +87,7 @@ impl Inner {
             // The ticket, not the name: the model may have been replaced (and the new instance
             // released into a reservation of its own) while the copy ran.
             Ok(copies) => ((Action::Stored, None), tier.fill(name, ticket, copies)),
-            Err(message) => (not_stored(message), tier.withdraw(name, ticket)),
+            Err(error) => (not_stored(error.to_string()), tier.withdraw(name, ticket)),
         };
         let usage = state.tier_usage();
         drop(state);
@@ -96,10 +97,10 @@ impl Inner {
 
     /// Unit tests: holds or fails a copy into the tier (`into`) or out of it where it races with
     /// the registry's other calls (the state lock let go); nothing otherwise.
-    pub(super) fn before_tier_copy(&self, _name: &str, _into: bool) -> Result<(), String> {
+    pub(super) fn before_tier_copy(&self, _name: &str, _into: bool) -> Result<(), HostCopyError> {
         #[cfg(test)]
         if let Some(hook) = &self.tier_copy_hook {
-            return hook(_name, _into);
+            return hook(_name, _into).map_err(HostCopyError::Injected);
         }
         Ok(())
     }

@@ -16,6 +16,7 @@ use super::split::Sizes;
 use super::{torch, StreamError};
 use crate::checkpoint::{Checkpoint, CheckpointError};
 use crate::names::NameRules;
+use crate::pinned::HostCopyError;
 use crate::storage::{self, StorageRecord};
 
 /// One block's tensors, as the checkpoint names them, and its storages.
@@ -164,11 +165,11 @@ impl HostBlocks {
 
 /// Every block's tensors read once from the checkpoint into pinned host memory (an error, not
 /// pageable memory, when it cannot be pinned: refills then read the checkpoint).
-pub(super) fn pinned_copies(blocks: &[Block], checkpoint: &Checkpoint) -> Result<HostBlocks, String> {
+pub(super) fn pinned_copies(blocks: &[Block], checkpoint: &Checkpoint) -> Result<HostBlocks, HostCopyError> {
     let shapes: Vec<(Vec<i64>, tch::Kind)> =
         blocks.iter().flat_map(|b| &b.targets).map(|(_, t)| (t.size(), t.kind())).collect();
     let memory: Arc<dyn crate::pinned::HostMemory> = Arc::new(crate::pinned::Mapped);
-    let set = crate::pinned::carve(&memory, &shapes, true).map_err(|e| format!("pinning host memory: {e}"))?;
+    let set = crate::pinned::carve(&memory, &shapes, true)?;
     let mut ranges = Vec::with_capacity(blocks.len());
     let mut targets = Vec::with_capacity(set.tensors.len());
     let mut hosts = set.tensors.iter();
@@ -178,6 +179,6 @@ pub(super) fn pinned_copies(blocks: &[Block], checkpoint: &Checkpoint) -> Result
             targets.push((entry.clone(), host.shallow_clone()));
         }
     }
-    checkpoint.load_into(&targets, |_| {}).map_err(|e| e.to_string())?;
+    checkpoint.load_into(&targets, |_| {}).map_err(|e| HostCopyError::Read(Box::new(e)))?;
     Ok(HostBlocks { set, ranges })
 }
