@@ -554,3 +554,39 @@ fn closing_or_dropping_the_registry_stops_a_prefetched_refill_at_the_piece_in_fl
         }
     }
 }
+
+/// The nice value of the thread that calls this (Linux: field 19 of `/proc/thread-self/stat`).
+fn this_threads_nice() -> i64 {
+    let stat = std::fs::read_to_string("/proc/thread-self/stat").expect("read /proc/thread-self/stat");
+    // The command name (field 2) is in parentheses and may hold spaces: count after its end.
+    let after = &stat[stat.rfind(')').expect("a command name") + 2..];
+    after.split(' ').nth(16).expect("field 19").parse().expect("a number")
+}
+
+#[test]
+fn a_prefetch_loads_at_the_lowest_priority_and_the_foreground_at_its_own() {
+    let _one = support::generator();
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let spec = |name: &'static str| {
+        let seen = seen.clone();
+        ModelSpec::new(name, move |_| {
+            seen.lock().unwrap().push((name, this_threads_nice()));
+            Ok(build_mlp(4))
+        })
+        .skip_init(true)
+    };
+    let models = StagedModels::builder()
+        .model(spec("now"))
+        .model(spec("next"))
+        .stage("first", ["now"])
+        .stage("second", ["next"])
+        .build()
+        .unwrap();
+    let own = this_threads_nice();
+    models.enter("first").unwrap();
+    models.load("now").unwrap();
+    assert_eq!(models.prefetch("second").unwrap(), ["next"]);
+    models.wait_prefetch("second").unwrap();
+    assert_eq!(*seen.lock().unwrap(), [("now", own), ("next", 19)], "the stage's own load keeps its priority");
+    assert_eq!(this_threads_nice(), own, "the caller's thread is left as it was");
+}

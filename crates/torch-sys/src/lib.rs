@@ -572,3 +572,29 @@ pub fn trim_host_heap() {
         libc::malloc_trim(0);
     }
 }
+
+/// Sets the calling thread's nice value to `nice` (Linux: `setpriority(PRIO_PROCESS, tid)`,
+/// which applies to one thread; threads it starts afterwards inherit it). Raising the value needs
+/// no privilege; lowering it below where it was does. Err: the system's reason, or `Unsupported`
+/// where a thread's own priority cannot be set this way.
+pub fn set_thread_nice(nice: i32) -> std::io::Result<()> {
+    #[cfg(target_os = "linux")]
+    {
+        // SAFETY: gettid and setpriority take and return plain integers and touch no memory of
+        // this process's; `who` is this thread's id, so no other thread is affected.
+        let done = unsafe {
+            let tid = libc::gettid();
+            libc::setpriority(libc::PRIO_PROCESS, tid as libc::id_t, nice)
+        };
+        if done == 0 {
+            Ok(())
+        } else {
+            Err(std::io::Error::last_os_error())
+        }
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        let _ = nice;
+        Err(std::io::Error::new(std::io::ErrorKind::Unsupported, "a thread's own nice value is set on Linux only"))
+    }
+}

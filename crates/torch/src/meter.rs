@@ -42,9 +42,9 @@ pub fn start(path: impl AsRef<Path>, device: Device, options: MeterOptions) -> s
                             reserved: m.reserved,
                             peak: Some(m.peak_allocated),
                         })
-                        .map_err(|e| e.to_string())
+                        .map_err(Into::into)
                 })
-                .device_peak_reset(move || stageload_torch_sys::cuda_reset_peak(index).map_err(|e| e.to_string())),
+                .device_peak_reset(move || stageload_torch_sys::cuda_reset_peak(index).map_err(Into::into)),
             )
         }
         Device::Mps | Device::Vulkan | Device::Cpu => options,

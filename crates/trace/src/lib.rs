@@ -23,7 +23,7 @@ pub mod sync;
 pub mod table;
 
 pub use event::{Event, EventKind, EventSink, ListSink, LoadReport, ReloadFrom, TierUsage};
-pub use meter::{DeviceMemory, Meter, MeterOptions, MeterReadings, SystemMeterReadings};
+pub use meter::{DeviceError, DeviceMemory, Meter, MeterOptions, MeterReadings, SystemMeterReadings};
 pub use reader::{read_trace, Trace, TraceError};
 pub use record::{EventRecord, Record};
 pub use summary::{summarize, StageWindow, Summary};

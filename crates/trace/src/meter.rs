@@ -57,17 +57,21 @@ pub trait MeterReadings: Send {
         stageload_probe::reset_peak()
     }
     /// Device memory, when a device is in use.
-    fn device(&mut self) -> Option<Result<DeviceMemory, String>> {
+    fn device(&mut self) -> Option<Result<DeviceMemory, DeviceError>> {
         None
     }
     /// Resets the device's peak statistic (a new window begins), when it has one.
-    fn reset_device_peak(&mut self) -> Option<Result<(), String>> {
+    fn reset_device_peak(&mut self) -> Option<Result<(), DeviceError>> {
         None
     }
 }
 
-type DeviceReader = Box<dyn FnMut() -> Result<DeviceMemory, String> + Send>;
-type DeviceReset = Box<dyn FnMut() -> Result<(), String> + Send>;
+/// A device reading's failure, as the device's side gave it (the torch side: libtorch's error
+/// through the shim); the trace records its text.
+pub type DeviceError = Box<dyn std::error::Error + Send + Sync>;
+
+type DeviceReader = Box<dyn FnMut() -> Result<DeviceMemory, DeviceError> + Send>;
+type DeviceReset = Box<dyn FnMut() -> Result<(), DeviceError> + Send>;
 
 /// This process and this machine, plus an optional device reader.
 #[derive(Default)]
@@ -78,24 +82,24 @@ pub struct SystemMeterReadings {
 
 impl SystemMeterReadings {
     /// Adds a device reader (the torch side gives one for CUDA).
-    pub fn with_device(reader: impl FnMut() -> Result<DeviceMemory, String> + Send + 'static) -> Self {
+    pub fn with_device(reader: impl FnMut() -> Result<DeviceMemory, DeviceError> + Send + 'static) -> Self {
         SystemMeterReadings { device: Some(Box::new(reader)), reset: None }
     }
 
     /// Adds what resets the device's peak statistic at each window start, so that each
     /// window's device peak is exact.
-    pub fn device_peak_reset(mut self, reset: impl FnMut() -> Result<(), String> + Send + 'static) -> Self {
+    pub fn device_peak_reset(mut self, reset: impl FnMut() -> Result<(), DeviceError> + Send + 'static) -> Self {
         self.reset = Some(Box::new(reset));
         self
     }
 }
 
 impl MeterReadings for SystemMeterReadings {
-    fn device(&mut self) -> Option<Result<DeviceMemory, String>> {
+    fn device(&mut self) -> Option<Result<DeviceMemory, DeviceError>> {
         self.device.as_mut().map(|read| read())
     }
 
-    fn reset_device_peak(&mut self) -> Option<Result<(), String>> {
+    fn reset_device_peak(&mut self) -> Option<Result<(), DeviceError>> {
         self.reset.as_mut().map(|reset| reset())
     }
 }
@@ -184,14 +188,16 @@ impl Writer {
         let _ = self.file.write_all(line.as_bytes()).and_then(|()| self.file.flush());
     }
 
-    /// Notes a reading's outcome: an error is written once per source and message.
-    fn outcome<T>(&mut self, t: f64, source: &'static str, result: Result<T, String>) -> Option<T> {
+    /// Notes a reading's outcome: an error is written once per source and message (the trace
+    /// keeps its text).
+    fn outcome<T, E: std::fmt::Display>(&mut self, t: f64, source: &'static str, result: Result<T, E>) -> Option<T> {
         match result {
             Ok(value) => {
                 self.errors.remove(source);
                 Some(value)
             }
             Err(error) => {
+                let error = error.to_string();
                 if self.errors.get(source) != Some(&error) {
                     self.errors.insert(source, error.clone());
                     self.write(&Record::Error(ErrorRecord { t, source: source.to_string(), error }));
@@ -202,11 +208,11 @@ impl Writer {
     }
 
     fn sample(&mut self, t: f64) {
-        let process = self.readings.process().map_err(|e| e.to_string());
+        let process = self.readings.process();
         let process = self.outcome(t, "process", process);
-        let system = self.readings.system().map_err(|e| e.to_string());
+        let system = self.readings.system();
         let system = self.outcome(t, "system", system);
-        let pressure = self.readings.pressure().map_err(|e| e.to_string());
+        let pressure = self.readings.pressure();
         let pressure = self.outcome(t, "pressure", pressure).flatten();
         let device = self.readings.device();
         let device = device.and_then(|result| self.outcome(t, "device", result));
@@ -238,7 +244,7 @@ impl Writer {
         if let Some(rss) = self.outcome(t, "peak", peak).and_then(|p| p.peak) {
             self.write(&Record::Peak(PeakRecord { t, stage, rss, device }));
         }
-        let reset = self.readings.reset_peak().map_err(|e| e.to_string());
+        let reset = self.readings.reset_peak();
         self.outcome(t, "peak", reset);
         if let Some(reset) = self.readings.reset_device_peak() {
             self.outcome(t, "device", reset);

@@ -23,12 +23,24 @@ use crate::summary::Summary;
 #[non_exhaustive]
 pub enum PlotError {
     /// The drawing backend failed.
-    #[error("cannot draw {path}: {message}")]
+    #[error("cannot draw {path}: {source}")]
     Draw {
         /// The chart's file.
         path: String,
-        /// The backend's message.
-        message: String,
+        /// The backend's error.
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+    /// The chart would be too narrow or too wide, or show too many traces or modes.
+    #[error("cannot draw {path}: a chart is {} to {} pixels wide (asked {width}) and shows at most {MAX_TRACES} {what} (given {count})", WIDTHS.start(), WIDTHS.end())]
+    Size {
+        /// The chart's file.
+        path: String,
+        /// The width asked for.
+        width: u32,
+        /// How many traces or modes it was given.
+        count: usize,
+        /// `traces` or `modes`.
+        what: &'static str,
     },
     /// The file name ends in neither `.svg` nor `.png`.
     #[error("{path}: give a file ending in .svg or .png")]
@@ -65,39 +77,37 @@ pub fn plot(traces: &[(String, &Trace, &Summary)], path: &Path, width: u32) -> R
 }
 
 /// Registers the font and checks the chart's width and how many `what` it shows.
-fn prepare(path: &Path, width: u32, count: usize, what: &str) -> Result<(), PlotError> {
+fn prepare(path: &Path, width: u32, count: usize, what: &'static str) -> Result<(), PlotError> {
     register_font();
     if WIDTHS.contains(&width) && count <= MAX_TRACES {
         return Ok(());
     }
-    let message = format!(
-        "a chart is {} to {} pixels wide (asked {width}) and shows at most {MAX_TRACES} {what} (given {count})",
-        WIDTHS.start(),
-        WIDTHS.end(),
-    );
-    Err(PlotError::Draw { path: path.display().to_string(), message })
+    Err(PlotError::Size { path: path.display().to_string(), width, count, what })
 }
+
+/// A drawing's outcome on backend `DB`.
+type Drawn<DB> = Result<(), DrawingAreaErrorKind<<DB as DrawingBackend>::ErrorType>>;
 
 /// Draws with `svg` or `png` by `path`'s extension (the two closures are the same drawing, once
 /// per backend type).
 fn render(
     path: &Path,
     size: (u32, u32),
-    svg: impl FnOnce(&DrawingArea<SVGBackend, Shift>) -> Result<(), String>,
-    png: impl FnOnce(&DrawingArea<BitMapBackend, Shift>) -> Result<(), String>,
+    svg: impl FnOnce(&DrawingArea<SVGBackend, Shift>) -> Drawn<SVGBackend<'static>>,
+    png: impl FnOnce(&DrawingArea<BitMapBackend, Shift>) -> Drawn<BitMapBackend<'static>>,
 ) -> Result<(), PlotError> {
     let name = path.display().to_string();
-    let draw_error = |e: String| PlotError::Draw { path: name.clone(), message: e };
+    let draw_error = |source: Box<dyn std::error::Error + Send + Sync>| PlotError::Draw { path: name.clone(), source };
     match path.extension().and_then(|e| e.to_str()).map(str::to_ascii_lowercase).as_deref() {
         Some("svg") => {
             let root = SVGBackend::new(path, size).into_drawing_area();
-            svg(&root).map_err(draw_error)?;
-            root.present().map_err(|e| draw_error(e.to_string()))
+            svg(&root).map_err(|e| draw_error(e.into()))?;
+            root.present().map_err(|e| draw_error(e.into()))
         }
         Some("png") => {
             let root = BitMapBackend::new(path, size).into_drawing_area();
-            png(&root).map_err(draw_error)?;
-            root.present().map_err(|e| draw_error(e.to_string()))
+            png(&root).map_err(|e| draw_error(e.into()))?;
+            root.present().map_err(|e| draw_error(e.into()))
         }
         _ => Err(PlotError::Format { path: name }),
     }
@@ -118,9 +128,8 @@ fn draw_bars<DB: DrawingBackend>(
     root: &DrawingArea<DB, Shift>,
     stages: &[crate::aggregate::StageSpread],
     labels: &[&str],
-) -> Result<(), String> {
-    let error = |e: DrawingAreaErrorKind<DB::ErrorType>| e.to_string();
-    root.fill(&WHITE).map_err(error)?;
+) -> Drawn<DB> {
+    root.fill(&WHITE)?;
     // Room above the tallest whisker for the stage names and the legend.
     let top = stages.iter().flat_map(|s| s.host.iter().flatten()).map(|s| s.max as f64 / GB).fold(0.1, f64::max) * 1.3;
     let count = stages.len().max(1) as f64;
@@ -129,26 +138,19 @@ fn draw_bars<DB: DrawingBackend>(
         .margin(10)
         .x_label_area_size(40)
         .y_label_area_size(56)
-        .build_cartesian_2d(0.0..count, 0.0..top)
-        .map_err(error)?;
+        .build_cartesian_2d(0.0..count, 0.0..top)?;
     chart
         .configure_mesh()
         .disable_x_mesh()
         .x_label_formatter(&|_| String::new())
         .y_desc("GB")
         .label_style(("sans-serif", 12))
-        .draw()
-        .map_err(error)?;
+        .draw()?;
     // Each stage's name centred over its group of bars.
     let style = TextStyle::from(("sans-serif", 13)).pos(Pos::new(HPos::Center, VPos::Top));
-    chart
-        .draw_series(
-            stages
-                .iter()
-                .enumerate()
-                .map(|(i, s)| Text::new(s.stage.clone(), (i as f64 + 0.5, top * 0.99), style.clone())),
-        )
-        .map_err(error)?;
+    chart.draw_series(
+        stages.iter().enumerate().map(|(i, s)| Text::new(s.stage.clone(), (i as f64 + 0.5, top * 0.99), style.clone())),
+    )?;
     let slot = 0.8 / labels.len().max(1) as f64;
     for (mode, label) in labels.iter().enumerate() {
         let color = LINE_COLORS[mode % LINE_COLORS.len()];
@@ -163,16 +165,13 @@ fn draw_bars<DB: DrawingBackend>(
                 spreads
                     .iter()
                     .map(|(x, s)| Rectangle::new([(*x, 0.0), (*x + slot * 0.9, gb(s.median))], color.filled())),
-            )
-            .map_err(error)?
+            )?
             .label(label.to_string())
             .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 12, y + 5)], color.filled()));
-        chart
-            .draw_series(spreads.iter().map(|(x, s)| {
-                let middle = *x + slot * 0.45;
-                PathElement::new(vec![(middle, gb(s.min)), (middle, gb(s.max))], BLACK.stroke_width(2))
-            }))
-            .map_err(error)?;
+        chart.draw_series(spreads.iter().map(|(x, s)| {
+            let middle = *x + slot * 0.45;
+            PathElement::new(vec![(middle, gb(s.min)), (middle, gb(s.max))], BLACK.stroke_width(2))
+        }))?;
     }
     chart
         .configure_series_labels()
@@ -180,8 +179,7 @@ fn draw_bars<DB: DrawingBackend>(
         .background_style(WHITE.mix(0.8))
         .border_style(BLACK)
         .position(SeriesLabelPosition::Coordinate(8, 26))
-        .draw()
-        .map_err(error)?;
+        .draw()?;
     Ok(())
 }
 
@@ -197,14 +195,9 @@ fn series(trace: &Trace, reading: impl Fn(&Sample) -> Option<u64>) -> Vec<(f64, 
         .collect()
 }
 
-fn draw<DB: DrawingBackend>(
-    root: &DrawingArea<DB, Shift>,
-    traces: &[(String, &Trace, &Summary)],
-) -> Result<(), String> {
-    let error = |e: DrawingAreaErrorKind<DB::ErrorType>| e.to_string();
-    root.fill(&WHITE).map_err(error)?;
-    let root =
-        root.titled("memory over time (host RSS; device allocated, dashed)", ("sans-serif", 20)).map_err(error)?;
+fn draw<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, traces: &[(String, &Trace, &Summary)]) -> Drawn<DB> {
+    root.fill(&WHITE)?;
+    let root = root.titled("memory over time (host RSS; device allocated, dashed)", ("sans-serif", 20))?;
     let max_t = traces.iter().map(|(_, _, s)| s.stages.last().map_or(0.0, |w| w.start + w.seconds)).fold(1.0, f64::max);
     let max_gb =
         traces.iter().map(|(_, _, s)| s.peak.max(s.device_allocated_peak.unwrap_or(0)) as f64 / GB).fold(0.1, f64::max)
@@ -223,44 +216,30 @@ fn draw<DB: DrawingBackend>(
             .margin(8)
             .x_label_area_size(32)
             .y_label_area_size(52)
-            .build_cartesian_2d(0.0..max_t, 0.0..max_gb)
-            .map_err(error)?;
-        chart
-            .configure_mesh()
-            .disable_mesh()
-            .x_desc("seconds")
-            .y_desc("GB")
-            .label_style(("sans-serif", 12))
-            .draw()
-            .map_err(error)?;
+            .build_cartesian_2d(0.0..max_t, 0.0..max_gb)?;
+        chart.configure_mesh().disable_mesh().x_desc("seconds").y_desc("GB").label_style(("sans-serif", 12)).draw()?;
         // Stage bands, alternating, with their names at the top.
         for (i, window) in summary.stages.iter().enumerate() {
             let (start, end) = (window.start, window.start + window.seconds);
             if i % 2 == 1 {
-                chart
-                    .draw_series(std::iter::once(Rectangle::new([(start, 0.0), (end, max_gb)], BAND.filled())))
-                    .map_err(error)?;
+                chart.draw_series(std::iter::once(Rectangle::new([(start, 0.0), (end, max_gb)], BAND.filled())))?;
             }
-            chart
-                .draw_series(std::iter::once(Text::new(
-                    window.stage.clone(),
-                    (start, max_gb * 0.97),
-                    ("sans-serif", 11),
-                )))
-                .map_err(error)?;
+            chart.draw_series(std::iter::once(Text::new(
+                window.stage.clone(),
+                (start, max_gb * 0.97),
+                ("sans-serif", 11),
+            )))?;
         }
         let points = series(trace, |s| s.rss);
         chart
-            .draw_series(LineSeries::new(points.iter().copied(), color.stroke_width(2)))
-            .map_err(error)?
+            .draw_series(LineSeries::new(points.iter().copied(), color.stroke_width(2)))?
             .label(label.clone())
             .legend(move |(x, y)| PathElement::new([(x, y), (x + 16, y)], color.stroke_width(2)));
         // Device memory (CUDA allocated), where the run sampled it: dashes along the samples.
         let device = series(trace, |s| s.device_allocated);
         if !device.is_empty() {
             chart
-                .draw_series(DashedLineSeries::new(device.iter().copied(), 6, 4, color.mix(0.7).stroke_width(2)))
-                .map_err(error)?
+                .draw_series(DashedLineSeries::new(device.iter().copied(), 6, 4, color.mix(0.7).stroke_width(2)))?
                 .label(format!("{label} (device)"))
                 .legend(move |(x, y)| PathElement::new([(x, y), (x + 16, y)], color.mix(0.7).stroke_width(2)));
         }
@@ -274,12 +253,10 @@ fn draw<DB: DrawingBackend>(
                 let at = (event.t, level_at(event.t));
                 match event.kind {
                     EventKind::Load | EventKind::Reload => {
-                        chart
-                            .draw_series(std::iter::once(TriangleMarker::new(at, 6, color.filled())))
-                            .map_err(error)?;
+                        chart.draw_series(std::iter::once(TriangleMarker::new(at, 6, color.filled())))?;
                     }
                     EventKind::Release => {
-                        chart.draw_series(std::iter::once(Cross::new(at, 5, BLACK.stroke_width(2)))).map_err(error)?;
+                        chart.draw_series(std::iter::once(Cross::new(at, 5, BLACK.stroke_width(2))))?;
                     }
                     _ => {}
                 }
@@ -291,8 +268,7 @@ fn draw<DB: DrawingBackend>(
             .background_style(WHITE.mix(0.8))
             .border_style(BLACK)
             .position(SeriesLabelPosition::UpperRight)
-            .draw()
-            .map_err(error)?;
+            .draw()?;
     }
     Ok(())
 }

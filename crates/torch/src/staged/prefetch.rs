@@ -15,6 +15,9 @@ use super::registry::{Entry, Inner, Prefetching};
 use crate::sync::lock;
 use stageload_trace::event::{Event, EventKind};
 
+/// The nice value of a prefetch's thread: the lowest priority.
+const BACKGROUND_NICE: i32 = 19;
+
 impl Inner {
     /// Starts background loads of `stage`'s models (see [`super::StagedModels::prefetch`]): of
     /// the occurrence that entering it now would enter. Returns the models started.
@@ -104,6 +107,11 @@ impl Inner {
                 // Closed or dropped before this thread got going: nothing begun, nothing to do.
                 if inner.cancelled() {
                     return;
+                }
+                // The stage computing now goes first for the cores: this thread, and the readers
+                // it starts (they inherit it), take what the stage leaves.
+                if let Err(error) = stageload_torch_sys::set_thread_nice(BACKGROUND_NICE) {
+                    tracing::debug!(%error, "the prefetch thread keeps its priority");
                 }
                 // On CUDA the copies go on a side stream of the model's device (device 0 when
                 // neither the file nor an earlier load says which), beside the foreground's kernels.
