@@ -13,6 +13,57 @@ use safetensors::tensor::Metadata;
 /// The largest header accepted, as safetensors itself caps it (`MAX_HEADER_SIZE`).
 pub const MAX_HEADER_LEN: u64 = 100_000_000;
 
+/// Why a file's header was refused; the message says what is wrong, for one that names the file.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum HeaderError {
+    /// The file's size could not be read, or its header not read.
+    #[error("{0}")]
+    Io(#[from] std::io::Error),
+    /// The file is shorter than the 8-byte length field.
+    #[error("{file_len} B: too short for a safetensors header")]
+    TooShort {
+        /// The file's size.
+        file_len: u64,
+    },
+    /// The length field is over safetensors' cap.
+    #[error("header length {header_len} B is over safetensors' limit of {MAX_HEADER_LEN} B: not a safetensors file")]
+    OverLimit {
+        /// The length field.
+        header_len: u64,
+    },
+    /// The length field runs past the end of the file.
+    #[error("header length {header_len} B is larger than the file ({file_len} B): truncated or not safetensors")]
+    PastTheEnd {
+        /// The length field.
+        header_len: u64,
+        /// The file's size.
+        file_len: u64,
+    },
+    /// The file ended inside the header (it shrank while being read).
+    #[error("the file ended {read} B into its {header_len} B header: truncated")]
+    Cut {
+        /// Bytes of the header read.
+        read: u64,
+        /// The length field.
+        header_len: u64,
+    },
+    /// The header is not UTF-8.
+    #[error("header is not UTF-8: {0}")]
+    NotUtf8(#[source] std::str::Utf8Error),
+    /// The header is not what safetensors accepts (JSON, dtypes, offsets against shapes).
+    #[error("header is not a valid safetensors header: {0}")]
+    Invalid(#[source] serde_json::Error),
+    /// The data the header describes is not all in the file.
+    #[error("the header describes {data_end} B of data but the file holds {data_len} B after it: truncated")]
+    DataCut {
+        /// Where the described data ends, after the header.
+        data_end: u64,
+        /// The bytes after the header.
+        data_len: u64,
+    },
+}
+
 /// A checked header: where the data begins and what it holds.
 #[derive(Debug)]
 pub struct Header {
@@ -27,37 +78,29 @@ pub struct Header {
 /// dtypes, and that the offsets are contiguous and match each tensor's shape and dtype), and
 /// that the data it describes is all in the file. The error says what is wrong, for a message
 /// naming the file. `file` should come from [`crate::open_regular`].
-pub fn read_header(file: &mut File) -> Result<Header, String> {
-    let file_len = file.metadata().map_err(|e| e.to_string())?.len();
+pub fn read_header(file: &mut File) -> Result<Header, HeaderError> {
+    let file_len = file.metadata()?.len();
     let mut length = [0u8; 8];
-    file.read_exact(&mut length).map_err(|_| format!("{file_len} B: too short for a safetensors header"))?;
+    file.read_exact(&mut length).map_err(|_| HeaderError::TooShort { file_len })?;
     let header_len = u64::from_le_bytes(length);
     if header_len > MAX_HEADER_LEN {
-        return Err(format!(
-            "header length {header_len} B is over safetensors' limit of {MAX_HEADER_LEN} B: not a safetensors file"
-        ));
+        return Err(HeaderError::OverLimit { header_len });
     }
-    let after_length = file_len.saturating_sub(8);
-    if header_len > after_length {
-        return Err(format!(
-            "header length {header_len} B is larger than the file ({file_len} B): truncated or not safetensors"
-        ));
+    if header_len > file_len.saturating_sub(8) {
+        return Err(HeaderError::PastTheEnd { header_len, file_len });
     }
     let mut header = Vec::new();
-    file.take(header_len).read_to_end(&mut header).map_err(|e| e.to_string())?;
+    file.take(header_len).read_to_end(&mut header)?;
     if header.len() as u64 != header_len {
-        return Err(format!("the file ended {} B into its {header_len} B header: truncated", header.len()));
+        return Err(HeaderError::Cut { read: header.len() as u64, header_len });
     }
-    let text = std::str::from_utf8(&header).map_err(|e| format!("header is not UTF-8: {e}"))?;
-    let metadata: Metadata =
-        serde_json::from_str(text).map_err(|e| format!("header is not a valid safetensors header: {e}"))?;
+    let text = std::str::from_utf8(&header).map_err(HeaderError::NotUtf8)?;
+    let metadata: Metadata = serde_json::from_str(text).map_err(HeaderError::Invalid)?;
     let data_start = 8 + header_len;
     let data_end = metadata.tensors().values().map(|info| info.data_offsets.1 as u64).max().unwrap_or(0);
     let data_len = file_len - data_start;
     if data_end > data_len {
-        return Err(format!(
-            "the header describes {data_end} B of data but the file holds {data_len} B after it: truncated"
-        ));
+        return Err(HeaderError::DataCut { data_end, data_len });
     }
     Ok(Header { data_start, metadata })
 }
@@ -96,8 +139,10 @@ mod tests {
 
     #[test]
     fn a_file_shorter_than_the_length_field_is_too_short() {
-        assert_eq!(read_header(&mut file_of(b"abc")).unwrap_err(), "3 B: too short for a safetensors header");
-        assert_eq!(read_header(&mut file_of(b"")).unwrap_err(), "0 B: too short for a safetensors header");
+        let error = read_header(&mut file_of(b"abc")).unwrap_err();
+        assert!(matches!(error, HeaderError::TooShort { file_len: 3 }), "{error}");
+        assert_eq!(error.to_string(), "3 B: too short for a safetensors header");
+        assert_eq!(read_header(&mut file_of(b"")).unwrap_err().to_string(), "0 B: too short for a safetensors header");
     }
 
     #[test]
@@ -107,7 +152,8 @@ mod tests {
         file.set_len(8 << 30).unwrap();
         file.rewind().unwrap();
         let error = read_header(&mut file).unwrap_err();
-        assert!(error.starts_with("header length 4294967296 B is over safetensors' limit"), "{error}");
+        assert!(matches!(error, HeaderError::OverLimit { header_len: 4294967296 }), "{error}");
+        assert!(error.to_string().starts_with("header length 4294967296 B is over safetensors' limit"), "{error}");
     }
 
     #[test]
@@ -115,22 +161,26 @@ mod tests {
         let mut bytes = with_header(ONE_F32, 8);
         bytes[0] += 100;
         let error = read_header(&mut file_of(&bytes)).unwrap_err();
-        assert!(error.contains("is larger than the file"), "{error}");
+        assert!(
+            matches!(error, HeaderError::PastTheEnd { .. }) && error.to_string().contains("is larger than the file")
+        );
         let error = read_header(&mut file_of(&u64::MAX.to_le_bytes())).unwrap_err();
-        assert!(error.contains("over safetensors' limit"), "{error}");
+        assert!(matches!(error, HeaderError::OverLimit { .. }), "{error}");
     }
 
     #[test]
     fn data_missing_after_the_header_is_truncation() {
         let error = read_header(&mut file_of(&with_header(ONE_F32, 4))).unwrap_err();
-        assert_eq!(error, "the header describes 8 B of data but the file holds 4 B after it: truncated");
+        assert!(matches!(error, HeaderError::DataCut { data_end: 8, data_len: 4 }), "{error}");
+        assert_eq!(error.to_string(), "the header describes 8 B of data but the file holds 4 B after it: truncated");
     }
 
     #[test]
     fn offsets_that_do_not_match_the_shape_are_refused() {
         let header = r#"{"w":{"dtype":"F32","shape":[1000000000000],"data_offsets":[0,8]}}"#;
         let error = read_header(&mut file_of(&with_header(header, 8))).unwrap_err();
-        assert!(error.starts_with("header is not a valid safetensors header"), "{error}");
+        assert!(matches!(error, HeaderError::Invalid(_)), "{error}");
+        assert!(error.to_string().starts_with("header is not a valid safetensors header"), "{error}");
     }
 
     proptest! {

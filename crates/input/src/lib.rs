@@ -13,4 +13,4 @@ pub mod file;
 pub mod header;
 
 pub use file::{open_regular, read_text};
-pub use header::{read_header, Header, MAX_HEADER_LEN};
+pub use header::{read_header, Header, HeaderError, MAX_HEADER_LEN};

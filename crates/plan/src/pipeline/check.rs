@@ -181,10 +181,10 @@ impl Pipeline {
             let mut parts = Vec::new();
             let mut entries = Vec::new();
             for file in &files {
-                let sizes = read_header(file, &ignore, loaded_bits).map_err(|message| PipelineError::Checkpoint {
+                let sizes = read_header(file, &ignore, loaded_bits).map_err(|source| PipelineError::Checkpoint {
                     model: entry.name.clone(),
                     file: file.clone(),
-                    message,
+                    source,
                 })?;
                 entries.extend(sizes.loaded);
                 parts.push(Part {

@@ -4,6 +4,8 @@
 
 use std::path::Path;
 
+use stageload_input::HeaderError;
+
 use super::total;
 
 /// Whether entries of `dtype` convert to a model's load dtype (floats do; integers and bools
@@ -28,8 +30,8 @@ pub(super) fn read_header(
     path: &Path,
     ignore: &[glob::Pattern],
     load_bits: Option<usize>,
-) -> Result<FileSizes, String> {
-    let mut file = stageload_input::open_regular(path).map_err(|e| e.to_string())?;
+) -> Result<FileSizes, HeaderError> {
+    let mut file = stageload_input::open_regular(path)?;
     let header = stageload_input::read_header(&mut file)?;
     let loaded: Vec<_> =
         header.metadata.tensors().into_iter().filter(|(name, _)| !ignore.iter().any(|p| p.matches(name))).collect();

@@ -45,14 +45,14 @@ pub enum PipelineError {
         message: String,
     },
     /// A model's checkpoint header cannot be read.
-    #[error("model '{model}': cannot read checkpoint {file}: {message}")]
+    #[error("model '{model}': cannot read checkpoint {file}: {source}")]
     Checkpoint {
         /// The model.
         model: String,
         /// The checkpoint file.
         file: PathBuf,
         /// Why.
-        message: String,
+        source: stageload_input::HeaderError,
     },
 }
 

@@ -69,7 +69,7 @@ pub enum CheckpointError {
         /// The file.
         path: PathBuf,
         /// What is wrong with it.
-        reason: String,
+        reason: stageload_input::HeaderError,
     },
     /// An entry's dtype has no libtorch kind.
     #[error("tensor '{tensor}' in {path} has dtype {dtype}, which stageload does not load")]
@@ -187,6 +187,14 @@ pub enum CheckpointError {
         /// The system's error.
         source: std::io::Error,
     },
+    /// A tensor could not be written into a checkpoint file.
+    #[error("cannot write {path}: {reason}")]
+    Save {
+        /// The file being written.
+        path: PathBuf,
+        /// What failed.
+        reason: SaveFailure,
+    },
     /// Writing a checkpoint file failed.
     #[error("cannot write {path}: {source}")]
     Write {
@@ -210,6 +218,31 @@ pub enum CheckpointError {
         /// The checkpoint's files.
         files: Vec<PathBuf>,
     },
+}
+
+/// Why a tensor could not be saved.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum SaveFailure {
+    /// Its kind has no safetensors dtype.
+    #[error("tensor '{tensor}' has unsupported kind {kind:?}")]
+    UnsupportedKind {
+        /// The tensor's name.
+        tensor: String,
+        /// Its kind.
+        kind: tch::Kind,
+    },
+    /// Its bytes could not be read (a device copy failed).
+    #[error("reading tensor '{tensor}': {source}")]
+    Read {
+        /// The tensor's name.
+        tensor: String,
+        /// libtorch's error.
+        source: tch::TchError,
+    },
+    /// The safetensors writer failed.
+    #[error("{0}")]
+    Writer(#[source] safetensors::SafeTensorError),
 }
 
 /// The names, quoted and comma-separated (error messages).

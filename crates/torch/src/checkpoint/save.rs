@@ -7,7 +7,7 @@ use std::path::Path;
 
 use tch::{Device, Tensor};
 
-use super::{dtype_of, CheckpointError};
+use super::{dtype_of, CheckpointError, SaveFailure};
 
 /// Writes named tensors to a safetensors file (CPU copies, contiguous), e.g. a model's
 /// variables. Each tensor's bytes are made as the file reaches it and dropped once written, so
@@ -24,17 +24,17 @@ pub fn save_with_metadata<P: AsRef<Path>>(
     path: P,
 ) -> Result<(), CheckpointError> {
     let path = path.as_ref();
-    let invalid = |reason: String| CheckpointError::Invalid { path: path.to_path_buf(), reason };
+    let invalid = |reason: SaveFailure| CheckpointError::Save { path: path.to_path_buf(), reason };
     let failed = RefCell::new(None);
     let mut views = Vec::with_capacity(tensors.len());
     for (name, tensor) in tensors {
         let dtype = dtype_of(tensor.kind())
-            .ok_or_else(|| invalid(format!("tensor '{name}' has unsupported kind {:?}", tensor.kind())))?;
+            .ok_or_else(|| invalid(SaveFailure::UnsupportedKind { tensor: name.clone(), kind: tensor.kind() }))?;
         let shape = tensor.size().iter().map(|&d| d as usize).collect();
         views.push((name.clone(), Lazy { name, tensor, dtype, shape, failed: &failed }));
     }
     let tmp = path.with_extension("safetensors.partial");
-    let written = safetensors::serialize_to_file(views, metadata, &tmp).map_err(|e| invalid(e.to_string()));
+    let written = safetensors::serialize_to_file(views, metadata, &tmp).map_err(|e| invalid(SaveFailure::Writer(e)));
     let written = match failed.into_inner() {
         Some(reason) => Err(invalid(reason)),
         None => written,
@@ -54,7 +54,7 @@ struct Lazy<'a> {
     tensor: &'a Tensor,
     dtype: safetensors::Dtype,
     shape: Vec<usize>,
-    failed: &'a RefCell<Option<String>>,
+    failed: &'a RefCell<Option<SaveFailure>>,
 }
 
 impl safetensors::View for Lazy<'_> {
@@ -74,7 +74,7 @@ impl safetensors::View for Lazy<'_> {
             .and_then(|cpu| cpu.f_contiguous())
             .and_then(|cpu| cpu.f_copy_data_u8(&mut bytes, cpu.numel()));
         if let Err(e) = read {
-            self.failed.borrow_mut().get_or_insert(format!("reading tensor '{}': {e}", self.name));
+            self.failed.borrow_mut().get_or_insert(SaveFailure::Read { tensor: self.name.to_string(), source: e });
         }
         Cow::Owned(bytes)
     }
