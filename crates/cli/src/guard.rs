@@ -143,7 +143,7 @@ impl GuardFlags {
             max_device_memory: None,
             limits_from: None,
         };
-        config.check().map(|()| config)
+        config.check().map(|()| config).map_err(|e| e.to_string())
     }
 }
 
@@ -167,7 +167,7 @@ fn percent(text: &str) -> Result<u8, String> {
 }
 
 fn ranged(text: &str, range: std::ops::RangeInclusive<Duration>) -> Result<Duration, String> {
-    within(duration(text)?, &range)
+    within(duration(text)?, &range).map_err(|e| e.to_string())
 }
 
 fn regex(text: &str) -> Result<Regex, String> {

@@ -102,51 +102,97 @@ impl Default for GuardConfig {
     }
 }
 
+/// A duration outside the range its flag allows.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{} is outside {} ..= {}", show(.value), show(.range.start()), show(.range.end()))]
+pub struct OutOfRange {
+    /// The duration given.
+    pub value: Duration,
+    /// The range allowed.
+    pub range: RangeInclusive<Duration>,
+}
+
+fn show(duration: &Duration) -> String {
+    humantime::format_duration(*duration).to_string()
+}
+
 /// `value` if inside `range`, else what is wrong with it, for a message naming the flag.
-pub fn within(value: Duration, range: &RangeInclusive<Duration>) -> Result<Duration, String> {
+pub fn within(value: Duration, range: &RangeInclusive<Duration>) -> Result<Duration, OutOfRange> {
     if range.contains(&value) {
-        return Ok(value);
+        Ok(value)
+    } else {
+        Err(OutOfRange { value, range: range.clone() })
     }
-    let show = |d: &Duration| humantime::format_duration(*d).to_string();
-    Err(format!("{} is outside {} ..= {}", show(&value), show(range.start()), show(range.end())))
+}
+
+/// A configuration refused at start: each names its flags and what to change.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConfigError {
+    /// A duration outside its range.
+    #[error("{flag}: {source}")]
+    Duration {
+        /// The flag.
+        flag: &'static str,
+        /// The value and its range.
+        source: OutOfRange,
+    },
+    /// A percent outside 0 to 100.
+    #[error("{flag}: {value} is not a percent (0 to 100)")]
+    Percent {
+        /// The flag.
+        flag: &'static str,
+        /// The value given.
+        value: f64,
+    },
+    /// `--kill-free` at or over `--wait-free`.
+    #[error(
+        "--kill-free {kill_free} must be under --wait-free {wait_free}: the command would be stopped as soon as it starts (or give --kill-free 0 to stop only on swap)"
+    )]
+    KillFreeOverWaitFree {
+        /// `--kill-free`.
+        kill_free: f64,
+        /// `--wait-free`.
+        wait_free: f64,
+    },
+    /// `--swap-budget` over `--swap-limit`.
+    #[error(
+        "--swap-budget {} is over --swap-limit {}: swap + budget could never fit under the limit, so the command could never start; give a --swap-budget (default {}) at most the limit",
+        format_gb(*.budget), format_gb(*.limit), defaults::SWAP_BUDGET
+    )]
+    SwapBudgetOverLimit {
+        /// `--swap-budget`, bytes.
+        budget: u64,
+        /// `--swap-limit`, bytes.
+        limit: u64,
+    },
 }
 
 impl GuardConfig {
-    /// The rules between flags and the ranges of the durations, as the message for a refusal
-    /// at start (each names its flags and what to change).
-    pub fn check(&self) -> Result<(), String> {
+    /// The rules between flags and the ranges of the durations, checked for a refusal at start.
+    pub fn check(&self) -> Result<(), ConfigError> {
         for (flag, value, range) in [
             ("--poll", self.poll, ranges::POLL),
             ("--grace", self.grace, ranges::GRACE),
             ("--start-timeout", self.start_timeout, ranges::START_TIMEOUT),
             ("--quiet-for", self.quiet_for, ranges::QUIET_FOR),
         ] {
-            within(value, &range).map_err(|why| format!("{flag}: {why}"))?;
+            within(value, &range).map_err(|source| ConfigError::Duration { flag, source })?;
         }
         for (flag, value) in [("--wait-free", self.wait_free), ("--kill-free", self.kill_free)] {
             if !(0.0..=100.0).contains(&value) {
-                return Err(format!("{flag}: {value} is not a percent (0 to 100)"));
+                return Err(ConfigError::Percent { flag, value });
             }
         }
         if self.kill_free > 0.0 && self.kill_free >= self.wait_free {
-            return Err(format!(
-                "--kill-free {} must be under --wait-free {}: the command would be stopped as soon as it starts \
-                 (or give --kill-free 0 to stop only on swap)",
-                self.kill_free, self.wait_free
-            ));
+            return Err(ConfigError::KillFreeOverWaitFree { kill_free: self.kill_free, wait_free: self.wait_free });
         }
-        if let Some(limit) = self.swap_limit {
-            if self.swap_budget > limit {
-                return Err(format!(
-                    "--swap-budget {} is over --swap-limit {}: swap + budget could never fit under the limit, \
-                     so the command could never start; give a --swap-budget (default {}) at most the limit",
-                    format_gb(self.swap_budget),
-                    format_gb(limit),
-                    defaults::SWAP_BUDGET
-                ));
+        match self.swap_limit {
+            Some(limit) if self.swap_budget > limit => {
+                Err(ConfigError::SwapBudgetOverLimit { budget: self.swap_budget, limit })
             }
+            _ => Ok(()),
         }
-        Ok(())
     }
 }
 
@@ -174,14 +220,16 @@ mod tests {
         ];
         for (config, expected) in cases {
             let error = config.check().unwrap_err();
-            assert!(error.starts_with(expected), "{error}");
+            assert!(matches!(error, ConfigError::Duration { .. }), "{error}");
+            assert!(error.to_string().starts_with(expected), "{error}");
         }
     }
 
     #[test]
     fn kill_free_must_be_under_wait_free_unless_it_is_zero() {
         let refused = GuardConfig { kill_free: 40.0, wait_free: 40.0, ..GuardConfig::default() }.check().unwrap_err();
-        assert!(refused.starts_with("--kill-free 40 must be under --wait-free 40"), "{refused}");
+        assert_eq!(refused, ConfigError::KillFreeOverWaitFree { kill_free: 40.0, wait_free: 40.0 });
+        assert!(refused.to_string().starts_with("--kill-free 40 must be under --wait-free 40"), "{refused}");
         assert!(GuardConfig { kill_free: 0.0, wait_free: 0.0, ..GuardConfig::default() }.check().is_ok());
         assert!(GuardConfig { kill_free: 39.0, wait_free: 40.0, ..GuardConfig::default() }.check().is_ok());
     }
@@ -190,7 +238,7 @@ mod tests {
     fn a_swap_limit_under_the_budget_is_refused_instead_of_waiting_forever() {
         let config = GuardConfig { swap_limit: Some(2 << 30), ..GuardConfig::default() };
         let error = config.check().unwrap_err();
-        assert!(error.starts_with("--swap-budget 8.0 GB is over --swap-limit 2.0 GB"), "{error}");
+        assert!(error.to_string().starts_with("--swap-budget 8.0 GB is over --swap-limit 2.0 GB"), "{error}");
         let fits = GuardConfig { swap_limit: Some(2 << 30), swap_budget: 2 << 30, ..GuardConfig::default() };
         assert!(fits.check().is_ok());
     }

@@ -29,7 +29,7 @@ pub mod stop;
 pub mod supervise;
 
 pub use admit::{check_once, wait_for_room, Admitted};
-pub use config::GuardConfig;
+pub use config::{ConfigError, GuardConfig, OutOfRange};
 pub use decide::{Admission, LimitFrom, Notice, Stop, Wait, Watch};
 pub use log::GuardLog;
 pub use machine::{Clock, Readings, SystemClock, SystemReadings};
