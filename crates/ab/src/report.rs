@@ -67,7 +67,7 @@ pub fn report(arms: &[Arm], records: &[RunRecord]) -> (AbReport, Traces) {
                 objects[record.arm].extend(object);
                 None
             }
-            Err(error) => Some(error),
+            Err(error) => Some(error.to_string()),
         };
         let (reached, trace_error) = match read_trace(&record.files.trace) {
             Ok(trace) => {

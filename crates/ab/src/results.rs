@@ -46,18 +46,46 @@ pub fn medians(arms: &[String], values: &[Vec<f64>]) -> Vec<Medians> {
         .collect()
 }
 
+/// Why a run's result file cannot be read; each names the file.
+#[derive(Debug, thiserror::Error)]
+pub enum ResultFileError {
+    /// The file is there and cannot be read.
+    #[error("cannot read the result file {}: {source}", .path.display())]
+    Read {
+        /// The file.
+        path: std::path::PathBuf,
+        /// The system's reason.
+        source: std::io::Error,
+    },
+    /// The file is not JSON.
+    #[error("the result file {} is not JSON: {source}", .path.display())]
+    NotJson {
+        /// The file.
+        path: std::path::PathBuf,
+        /// The parser's reason.
+        source: serde_json::Error,
+    },
+    /// The file is JSON, but not an object.
+    #[error("the result file {} is JSON but not an object", .path.display())]
+    NotObject {
+        /// The file.
+        path: std::path::PathBuf,
+    },
+}
+
 /// Reads a run's result file: `Ok(None)` when the run wrote none, an error naming the file when it
 /// is not a JSON object.
-pub fn read(path: &Path) -> Result<Option<Map<String, Value>>, String> {
+pub fn read(path: &Path) -> Result<Option<Map<String, Value>>, ResultFileError> {
+    let path_buf = || path.to_path_buf();
     let text = match std::fs::read_to_string(path) {
         Ok(text) => text,
         Err(error) if error.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-        Err(error) => return Err(format!("cannot read the result file {}: {error}", path.display())),
+        Err(source) => return Err(ResultFileError::Read { path: path_buf(), source }),
     };
     match serde_json::from_str(&text) {
         Ok(Value::Object(object)) => Ok(Some(object)),
-        Ok(_) => Err(format!("the result file {} is JSON but not an object", path.display())),
-        Err(error) => Err(format!("the result file {} is not JSON: {error}", path.display())),
+        Ok(_) => Err(ResultFileError::NotObject { path: path_buf() }),
+        Err(source) => Err(ResultFileError::NotJson { path: path_buf(), source }),
     }
 }
 
@@ -143,13 +171,14 @@ mod tests {
     #[test]
     fn a_missing_result_file_is_no_result_and_a_bad_one_an_error_naming_it() {
         let dir = tempfile::tempdir().unwrap();
-        assert_eq!(read(&dir.path().join("absent.json")), Ok(None));
+        assert!(matches!(read(&dir.path().join("absent.json")), Ok(None)));
         let bad = dir.path().join("bad.json");
         std::fs::write(&bad, "[1, 2]").unwrap();
         let error = read(&bad).unwrap_err();
-        assert!(error.contains("bad.json") && error.contains("not an object"), "{error}");
+        assert!(matches!(error, ResultFileError::NotObject { .. }), "{error:?}");
+        assert!(error.to_string().contains("bad.json") && error.to_string().contains("not an object"), "{error}");
         std::fs::write(&bad, "{\"seconds\": ").unwrap();
-        assert!(read(&bad).unwrap_err().contains("not JSON"));
+        assert!(matches!(read(&bad).unwrap_err(), ResultFileError::NotJson { .. }));
         std::fs::write(&bad, "{\"seconds\": 1.5}").unwrap();
         assert_eq!(read(&bad).unwrap().unwrap()["seconds"], 1.5);
     }

@@ -90,7 +90,10 @@ pub fn run(args: PlanArgs) -> i32 {
     let (pipeline, source) = match &args.from_trace {
         None => (pipeline, None),
         Some(path) => {
-            match read_trace(path).map_err(|e| e.to_string()).and_then(|t| Measured::from_trace(&pipeline, &t)) {
+            match read_trace(path)
+                .map_err(|e| e.to_string())
+                .and_then(|t| Measured::from_trace(&pipeline, &t).map_err(|e| e.to_string()))
+            {
                 Ok(measured) => (measured.apply(&pipeline), Some(measured.describe(&pipeline))),
                 Err(error) => return bad(error),
             }

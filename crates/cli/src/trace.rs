@@ -133,7 +133,7 @@ fn write_working(file: &std::path::Path, trace: &Trace) -> Result<(), String> {
     let text =
         stageload_input::read_text(file, stageload_plan::pipeline::MAX_PIPELINE_FILE).map_err(|e| e.to_string())?;
     let pipeline = stageload_plan::Pipeline::parse(&text, file).map_err(|e| e.to_string())?;
-    let measured = stageload_plan::measured::Measured::from_trace(&pipeline, trace)?;
+    let measured = stageload_plan::measured::Measured::from_trace(&pipeline, trace).map_err(|e| e.to_string())?;
     let mut document: toml_edit::DocumentMut = text.parse().map_err(|e: toml_edit::TomlError| e.to_string())?;
     let stages =
         document.get_mut("stages").and_then(|s| s.as_array_of_tables_mut()).ok_or("the file has no [[stages]]")?;

@@ -8,7 +8,7 @@ use crate::decide::{self, Admission, Wait};
 use crate::log::GuardLog;
 use crate::machine::{Clock, Readings};
 use crate::signals::Signals;
-use stageload_probe::SystemMemory;
+use stageload_probe::{ProbeError, SystemMemory};
 
 /// Sleeps on `clock` until `until`, in slices of at most 50 ms, returning early once `interrupt`
 /// says so. Admission, the watch and the stop all wait through this.
@@ -31,13 +31,18 @@ pub enum Admitted {
 
 /// The busy command lines now, leaving out this process and its ancestors; an error when the
 /// process table cannot be read (the check is blind then, and finds nothing busy).
-fn busy_now(config: &GuardConfig, readings: &mut dyn Readings) -> Result<Vec<String>, String> {
+fn busy_now(config: &GuardConfig, readings: &mut dyn Readings) -> Result<Vec<String>, ProbeError> {
     if config.busy.is_empty() {
         return Ok(Vec::new());
     }
-    let table = readings.processes().map_err(|error| format!("cannot list processes for --busy: {error}"))?;
+    let table = readings.processes()?;
     let exclude = stageload_probe::ancestors(&table, std::process::id() as i32);
     Ok(decide::busy_commands(&config.busy, &table, &exclude))
+}
+
+/// The log line of a `--busy` check that cannot see the process table.
+fn blind(error: &ProbeError) -> String {
+    format!("cannot list processes for --busy: {error}")
 }
 
 /// One admission check now, for `--check`: the reasons not to start (empty: it would start).
@@ -48,8 +53,8 @@ pub fn check_once(
     log: &mut GuardLog,
 ) -> (Vec<Wait>, Option<SystemMemory>) {
     let memory = readings.memory();
-    let busy = busy_now(config, readings).unwrap_or_else(|blind| {
-        log.note("blind", &blind, None);
+    let busy = busy_now(config, readings).unwrap_or_else(|error| {
+        log.note("blind", &blind(&error), None);
         Vec::new()
     });
     let one_look = GuardConfig { quiet_for: Duration::ZERO, ..config.clone() };
@@ -80,7 +85,8 @@ pub fn wait_for_room(
                 last_blind = None;
                 busy
             }
-            Err(blind) => {
+            Err(error) => {
+                let blind = blind(&error);
                 // Logged once per distinct error, not every poll.
                 if last_blind.as_ref() != Some(&blind) {
                     log.note("blind", &blind, None);

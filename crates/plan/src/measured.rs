@@ -13,6 +13,21 @@ use stageload_units::format_bytes;
 use crate::pipeline::Pipeline;
 use crate::plan::Plan;
 
+/// A trace with stages its pipeline does not have: a trace of another pipeline, most likely.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "trace {} has stages the pipeline does not: {} (the pipeline's: {}); a trace of another pipeline?",
+    .trace.display(), .foreign.join(", "), .ours.join(", ")
+)]
+pub struct ForeignStages {
+    /// The trace.
+    pub trace: PathBuf,
+    /// Its stages the pipeline lacks, in the trace's order.
+    pub foreign: Vec<String>,
+    /// The pipeline's stages.
+    pub ours: Vec<String>,
+}
+
 /// The windows of `summary` matched to the pipeline's stage occurrences: each occurrence takes
 /// the first window whose stage event recorded it (its place in the sequence, the registry's
 /// rule, so `[a, a]` and `[a, b, a]` meet the right windows). A trace written before stage
@@ -22,19 +37,14 @@ pub fn match_windows<'a>(
     pipeline: &Pipeline,
     summary: &'a Summary,
     trace: &Path,
-) -> Result<Vec<Option<&'a StageWindow>>, String> {
+) -> Result<Vec<Option<&'a StageWindow>>, ForeignStages> {
     let known = |name: &str| pipeline.stages.iter().any(|s| s.name == name);
-    let mut foreign: Vec<&str> =
-        summary.stages.iter().map(|w| w.stage.as_str()).filter(|s| !known(s) && *s != "setup").collect();
+    let mut foreign: Vec<String> =
+        summary.stages.iter().map(|w| w.stage.clone()).filter(|s| !known(s) && s != "setup").collect();
     foreign.dedup();
     if !foreign.is_empty() {
-        let ours: Vec<&str> = pipeline.stages.iter().map(|s| s.name.as_str()).collect();
-        return Err(format!(
-            "trace {} has stages the pipeline does not: {} (the pipeline's: {}); a trace of another pipeline?",
-            trace.display(),
-            foreign.join(", "),
-            ours.join(", ")
-        ));
+        let ours = pipeline.stages.iter().map(|s| s.name.clone()).collect();
+        return Err(ForeignStages { trace: trace.to_path_buf(), foreign, ours });
     }
     if summary.stages.iter().any(|w| w.position.is_some()) {
         return Ok(pipeline
@@ -80,7 +90,7 @@ pub struct Measured {
 
 impl Measured {
     /// Reads the working memory of each stage occurrence of `pipeline` from a recorded run.
-    pub fn from_trace(pipeline: &Pipeline, trace: &Trace) -> Result<Measured, String> {
+    pub fn from_trace(pipeline: &Pipeline, trace: &Trace) -> Result<Measured, ForeignStages> {
         let summary = summarize(trace);
         let device_run = summary.on_device();
         let windows = match_windows(pipeline, &summary, &trace.path)?;
@@ -206,7 +216,7 @@ impl PlanReport {
 /// Checks `plan` against a run of the same pipeline: per occurrence, the resident weights
 /// exactly, the peak within [`PEAK_TOLERANCE`] of the need (host on a CPU run; device on a
 /// device run).
-pub fn check(pipeline: &Pipeline, plan: &Plan, run: &Trace) -> Result<Vec<StageCheck>, String> {
+pub fn check(pipeline: &Pipeline, plan: &Plan, run: &Trace) -> Result<Vec<StageCheck>, ForeignStages> {
     let summary = summarize(run);
     let device_run = summary.on_device();
     let windows = match_windows(pipeline, &summary, &run.path)?;

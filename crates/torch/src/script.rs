@@ -27,21 +27,21 @@ pub enum ScriptError {
     },
     /// libtorch refused the file as a TorchScript module.
     #[error(
-        "{path} is not a TorchScript module libtorch can load ({message}); write it with torch.jit.save or torch.jit.trace(...).save (a state dict or a pickled model is not one), and whole (it may be truncated)"
+        "{path} is not a TorchScript module libtorch can load ({source}); write it with torch.jit.save or torch.jit.trace(...).save (a state dict or a pickled model is not one), and whole (it may be truncated)"
     )]
     Load {
         /// The module's file.
         path: PathBuf,
-        /// libtorch's message.
-        message: String,
+        /// libtorch's error.
+        source: tch::TchError,
     },
     /// The loaded module's parameters and buffers could not be listed.
-    #[error("TorchScript module {path}: cannot list its tensors: {message}")]
+    #[error("TorchScript module {path}: cannot list its tensors: {source}")]
     Tensors {
         /// The module's file.
         path: PathBuf,
-        /// libtorch's message.
-        message: String,
+        /// libtorch's error.
+        source: crate::pinned::LibtorchError,
     },
 }
 
@@ -57,19 +57,19 @@ pub enum ScriptError {
 /// ```
 pub fn load(path: &Path, device: Device) -> Result<(CModule, Vec<(String, Tensor)>), ScriptError> {
     drop(stageload_input::open_regular(path).map_err(|source| ScriptError::Open { path: path.into(), source })?);
-    let load = |message: String| ScriptError::Load { path: path.into(), message };
-    let mut module = CModule::load_on_device(path, device).map_err(|e| load(e.to_string()))?;
-    module.f_set_eval().map_err(|e| load(e.to_string()))?;
-    let tensors = module_tensors(&module).map_err(|message| ScriptError::Tensors { path: path.into(), message })?;
+    let load = |source| ScriptError::Load { path: path.into(), source };
+    let mut module = CModule::load_on_device(path, device).map_err(load)?;
+    module.f_set_eval().map_err(load)?;
+    let tensors = module_tensors(&module).map_err(|source| ScriptError::Tensors { path: path.into(), source })?;
     Ok((module, tensors))
 }
 
 /// Every parameter and buffer of a module and its submodules, with its dotted name, sorted by
 /// name: each shares its storage with the module, so freeing or refilling it frees or refills
 /// the module's own.
-pub fn module_tensors(module: &CModule) -> Result<Vec<(String, Tensor)>, String> {
-    let mut tensors = module.named_parameters().map_err(|e| e.to_string())?;
-    tensors.extend(stageload_torch_sys::module_buffers(module).map_err(|e| e.to_string())?);
+pub fn module_tensors(module: &CModule) -> Result<Vec<(String, Tensor)>, crate::pinned::LibtorchError> {
+    let mut tensors = module.named_parameters()?;
+    tensors.extend(stageload_torch_sys::module_buffers(module)?);
     tensors.sort_by(|a, b| a.0.cmp(&b.0));
     Ok(tensors)
 }

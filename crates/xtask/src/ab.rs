@@ -169,8 +169,9 @@ pub fn read_json(path: &Path) -> Result<Value, Error> {
 /// A string field of the result file (a run's JSON object, read by the ab crate's reader) in
 /// `path`.
 pub fn string_field(path: &Path, field: &str) -> Result<String, Error> {
-    let object =
-        stageload_ab::results::read(path)?.ok_or_else(|| format!("cannot read {}: no such file", path.display()))?;
+    let object = stageload_ab::results::read(path)
+        .map_err(|e| e.to_string())?
+        .ok_or_else(|| format!("cannot read {}: no such file", path.display()))?;
     object
         .get(field)
         .and_then(Value::as_str)

@@ -9,8 +9,8 @@ use stageload_units::{format_bytes, parse_size};
 
 use super::header::read_header;
 use super::{
-    total, DeviceName, LoadDtype, Model, Part, Pin, PinEntry, Pipeline, PipelineError, PipelineFile, Placement,
-    Reserve, Stage, StreamEntry, Streaming, MAX_PIPELINE_FILE,
+    total, DeviceName, LoadDtype, Model, Part, Pin, PinEntry, PinError, Pipeline, PipelineError, PipelineFile,
+    Placement, Reserve, Stage, StreamEntry, Streaming, MAX_PIPELINE_FILE,
 };
 
 /// A streamed model without a budget, until its stages are known: its index among the models,
@@ -23,14 +23,38 @@ enum Budget {
     Left { bytes: u64, from: String },
 }
 
+/// Why a streamed model gets no split.
+#[derive(Debug, thiserror::Error)]
+enum StreamError {
+    #[error("working: {0}")]
+    Working(#[source] stageload_units::UnitError),
+    #[error(transparent)]
+    Blocks(#[from] crate::blocks::BlockError),
+    #[error(transparent)]
+    TooSmall(#[from] crate::split::TooSmall),
+    #[error(transparent)]
+    Leftover(#[from] crate::leftover::LeftoverError),
+    #[error("no budget: give it one (budget = \"2G\"), or give the pipeline {field} = \"...\" so that it takes what its stages leave")]
+    NoBudget { field: &'static str },
+}
+
+/// Why a `reserve` is refused.
+#[derive(Debug, thiserror::Error)]
+enum ReserveError {
+    #[error("reserve: '{0}' is not a percent from 0% to 1000%")]
+    Percent(String),
+    #[error("reserve: {0} (or a percent: 10%)")]
+    Size(#[source] stageload_units::UnitError),
+}
+
 /// The split a streamed model gets under `budget`, from its entries' names and bytes.
 fn streaming(
     stream: &StreamEntry,
     entries: &[(String, u64)],
     on_cuda: bool,
     budget: Budget,
-) -> Result<Streaming, String> {
-    let working = stream.working.as_deref().map_or(Ok(0), parse_size).map_err(|e| format!("working: {e}"))?;
+) -> Result<Streaming, StreamError> {
+    let working = stream.working.as_deref().map_or(Ok(0), parse_size).map_err(StreamError::Working)?;
     let (budget, budget_from) = match budget {
         Budget::Given(bytes) => (bytes, None),
         // Its own working memory is inside the stage's, and kept free inside its budget.
@@ -38,7 +62,7 @@ fn streaming(
     };
     let spec = crate::blocks::BlockSpec::new(stream.blocks.iter().cloned()).resident(stream.resident.iter().cloned());
     let names: Vec<&str> = entries.iter().map(|(n, _)| n.as_str()).collect();
-    let layout = crate::blocks::assign(&spec, &names).map_err(|e| e.to_string())?;
+    let layout = crate::blocks::assign(&spec, &names)?;
     let bytes = |members: &[usize]| members.iter().map(|&i| entries[i].1).collect::<Vec<u64>>();
     // Fixed tensors come from the allocator; a block counts as a slot lays it out.
     let sizes = crate::split::Sizes {
@@ -46,7 +70,7 @@ fn streaming(
         blocks: layout.blocks.iter().map(|(_, members)| crate::split::block_bytes(bytes(members))).collect(),
     };
     let at_most = if stream.any_order { 0 } else { sizes.blocks.len() };
-    let split = crate::split::fit(&sizes, budget, working, at_most).map_err(|e| e.to_string())?;
+    let split = crate::split::fit(&sizes, budget, working, at_most)?;
     let holding = sizes.holding(split, stream.any_order);
     Ok(Streaming {
         spec,
@@ -66,10 +90,12 @@ fn streaming(
 
 /// A pin's span as indices into the stage sequence: `from` at its first occurrence, `until` at
 /// its first occurrence after `from`.
-pub fn resolve_pin(pin: &PinEntry, stages: &[&str]) -> Result<Pin, String> {
-    let what = format!("pin of {}", pin.models.join(", "));
-    let unknown = |field: &str, name: &str| {
-        format!("{what}: {field} names unknown stage '{name}' (stages: {})", stages.join(", "))
+pub fn resolve_pin(pin: &PinEntry, stages: &[&str]) -> Result<Pin, PinError> {
+    let unknown = |field: &'static str, name: &str| PinError::UnknownStage {
+        models: pin.models.clone(),
+        field,
+        stage: name.to_string(),
+        stages: stages.iter().map(|s| s.to_string()).collect(),
     };
     let from = match &pin.from {
         None => 0,
@@ -82,7 +108,11 @@ pub fn resolve_pin(pin: &PinEntry, stages: &[&str]) -> Result<Pin, String> {
             match after {
                 Some(index) => Some(index),
                 None if stages.contains(&name.as_str()) => {
-                    return Err(format!("{what}: until '{name}' does not come after from '{}'", stages[from]))
+                    return Err(PinError::UntilNotAfter {
+                        models: pin.models.clone(),
+                        until: name.clone(),
+                        from: stages[from].to_string(),
+                    })
                 }
                 None => return Err(unknown("until", name)),
             }
@@ -92,14 +122,14 @@ pub fn resolve_pin(pin: &PinEntry, stages: &[&str]) -> Result<Pin, String> {
 }
 
 /// `10%` or a size.
-fn parse_reserve(text: &str) -> Result<Reserve, String> {
+fn parse_reserve(text: &str) -> Result<Reserve, ReserveError> {
     if let Some(percent) = text.trim().strip_suffix('%') {
         return match percent.trim().parse::<f64>() {
             Ok(p) if (0.0..=1000.0).contains(&p) => Ok(Reserve::Percent(p)),
-            _ => Err(format!("reserve: '{text}' is not a percent from 0% to 1000%")),
+            _ => Err(ReserveError::Percent(text.to_string())),
         };
     }
-    parse_size(text).map(Reserve::Bytes).map_err(|e| format!("reserve: {e} (or a percent: 10%)"))
+    parse_size(text).map(Reserve::Bytes).map_err(ReserveError::Size)
 }
 
 impl Pipeline {
@@ -273,8 +303,8 @@ impl Pipeline {
             .iter()
             .map(|pin| resolve_pin(pin, &stage_names))
             .collect::<Result<Vec<_>, _>>()
-            .map_err(invalid)?;
-        let reserve = file.reserve.as_deref().map(parse_reserve).transpose().map_err(invalid)?;
+            .map_err(|e| invalid(e.to_string()))?;
+        let reserve = file.reserve.as_deref().map(parse_reserve).transpose().map_err(|e| invalid(e.to_string()))?;
         let host_tier = file
             .host_tier
             .as_deref()
@@ -308,12 +338,13 @@ impl Pipeline {
             snapshot_keep_free,
             cpus: file.cpus,
         };
-        pipeline.derive_budgets(undecided).map_err(invalid)?;
+        pipeline.derive_budgets(undecided).map_err(|(model, e)| invalid(format!("model '{model}': stream: {e}")))?;
         Ok(pipeline)
     }
 
-    /// Gives each streamed model without a budget what its stages leave ([`crate::leftover`]).
-    fn derive_budgets(&mut self, undecided: Vec<Undecided>) -> Result<(), String> {
+    /// Gives each streamed model without a budget what its stages leave ([`crate::leftover`]);
+    /// an error names the model.
+    fn derive_budgets(&mut self, undecided: Vec<Undecided>) -> Result<(), (String, StreamError)> {
         let names: Vec<String> = undecided.iter().map(|(index, ..)| self.models[*index].name.clone()).collect();
         let names: Vec<&str> = names.iter().map(String::as_str).collect();
         let mut derived = Vec::new();
@@ -323,19 +354,16 @@ impl Pipeline {
                 Placement::Host => (self.memory, "memory"),
                 Placement::Device => (self.device_memory, "device_memory"),
             };
-            let what = |message: String| format!("model '{}': stream: {message}", model.name);
-            let memory = memory.ok_or_else(|| {
-                what(format!(
-                    "no budget: give it one (budget = \"2G\"), or give the pipeline {field} = \"...\" so that it takes what its stages leave"
-                ))
-            })?;
-            let left = crate::leftover::leftover(self, &model.name, model.placement, memory, &names).map_err(what)?;
-            let from = match &left.stage {
-                Some(stage) => format!("what stage '{stage}' leaves of {field} {}", format_bytes(memory)),
-                None => format!("{field} {}, in no stage", format_bytes(memory)),
+            let split = || -> Result<Streaming, StreamError> {
+                let memory = memory.ok_or(StreamError::NoBudget { field })?;
+                let left = crate::leftover::leftover(self, &model.name, model.placement, memory, &names)?;
+                let from = match &left.stage {
+                    Some(stage) => format!("what stage '{stage}' leaves of {field} {}", format_bytes(memory)),
+                    None => format!("{field} {}, in no stage", format_bytes(memory)),
+                };
+                streaming(stream, entries, *on_cuda, Budget::Left { bytes: left.bytes, from })
             };
-            let budget = Budget::Left { bytes: left.bytes, from };
-            derived.push((*index, streaming(stream, entries, *on_cuda, budget).map_err(what)?));
+            derived.push((*index, split().map_err(|e| (model.name.clone(), e))?));
         }
         for (index, streamed) in derived {
             self.models[index].streamed = Some(streamed);

@@ -56,6 +56,34 @@ pub enum PipelineError {
     },
 }
 
+/// Why a pin's `from`/`until` do not make a span of the stage sequence.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+#[non_exhaustive]
+pub enum PinError {
+    /// `from` or `until` names no stage.
+    #[error("pin of {}: {field} names unknown stage '{stage}' (stages: {})", .models.join(", "), .stages.join(", "))]
+    UnknownStage {
+        /// The pinned models.
+        models: Vec<String>,
+        /// `from` or `until`.
+        field: &'static str,
+        /// The name given.
+        stage: String,
+        /// The stage sequence.
+        stages: Vec<String>,
+    },
+    /// `until` names a stage that does not come after `from`.
+    #[error("pin of {}: until '{until}' does not come after from '{from}'", .models.join(", "))]
+    UntilNotAfter {
+        /// The pinned models.
+        models: Vec<String>,
+        /// The `until` stage.
+        until: String,
+        /// The `from` stage.
+        from: String,
+    },
+}
+
 /// How a streamed model holds its blocks under its budget, from its checkpoints' headers.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Streaming {
@@ -141,10 +169,22 @@ impl From<DeviceName> for String {
     }
 }
 
+/// A device or dtype name the pipeline file does not know.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+#[error("unknown {what} '{text}' ({known})")]
+pub struct UnknownName {
+    /// `device` or `dtype`.
+    pub what: &'static str,
+    /// The name given.
+    pub text: String,
+    /// The names known.
+    pub known: &'static str,
+}
+
 impl TryFrom<String> for DeviceName {
-    type Error = String;
-    fn try_from(text: String) -> Result<Self, String> {
-        DeviceName::parse(&text).ok_or_else(|| format!("unknown device '{text}' (cpu, cuda, cuda:N or mps)"))
+    type Error = UnknownName;
+    fn try_from(text: String) -> Result<Self, UnknownName> {
+        DeviceName::parse(&text).ok_or(UnknownName { what: "device", text, known: "cpu, cuda, cuda:N or mps" })
     }
 }
 
@@ -414,9 +454,9 @@ impl From<LoadDtype> for String {
 }
 
 impl TryFrom<String> for LoadDtype {
-    type Error = String;
-    fn try_from(text: String) -> Result<Self, String> {
-        LoadDtype::parse(&text).ok_or_else(|| format!("unknown dtype '{text}' (f16, bf16, f32 or f64)"))
+    type Error = UnknownName;
+    fn try_from(text: String) -> Result<Self, UnknownName> {
+        LoadDtype::parse(&text).ok_or(UnknownName { what: "dtype", text, known: "f16, bf16, f32 or f64" })
     }
 }
 

@@ -355,7 +355,7 @@ impl StagedModelsBuilder {
             let entry =
                 stageload_plan::PinEntry { models: vec![model.clone()], from: from.clone(), until: until.clone() };
             let pin = stageload_plan::pipeline::resolve_pin(&entry, &names)
-                .map_err(|message| StageError::PinSpan { model: model.clone(), message })?;
+                .map_err(|source| StageError::PinSpan { model: model.clone(), source })?;
             spans.push((model.clone(), pin.from, pin.until));
         }
         let sequence: Vec<(String, BTreeSet<String>)> =

@@ -63,9 +63,9 @@ pub enum SlotState<I> {
         instance: I,
         pending: bool,
     },
-    /// The last load failed with `error`; `instance` is the released object it tried to refill.
+    /// The last load failed (its error went, typed, to the `get` that ran it, and into an
+    /// `error` event); `instance` is the released object it tried to refill, kept for a retry.
     Failed {
-        error: String,
         instance: Option<I>,
     },
 }
@@ -133,7 +133,7 @@ impl<I> SlotState<I> {
     pub fn released_instance(&self) -> Option<&I> {
         match self {
             SlotState::Released { instance, .. } => Some(instance),
-            SlotState::Failed { instance, .. } => instance.as_ref(),
+            SlotState::Failed { instance } => instance.as_ref(),
             _ => None,
         }
     }
@@ -246,8 +246,8 @@ impl<I: Clone + Same> Slot<I> {
             _ if ctx.strict && !ctx.planned_here => return GetAction::Refuse(Refusal::OutsideStage),
             SlotState::Released { instance, pending: true, .. } => return GetAction::Revive(instance.clone()),
             SlotState::Released { stage, instance, .. } => Some((stage.clone(), instance)),
-            SlotState::Failed { instance: Some(instance), .. } => Some((None, instance)),
-            SlotState::Failed { instance: None, .. } | SlotState::Unloaded => None,
+            SlotState::Failed { instance: Some(instance) } => Some((None, instance)),
+            SlotState::Failed { instance: None } | SlotState::Unloaded => None,
         };
         match released {
             Some((_, instance)) if self.refillable(ctx.in_tier) => GetAction::Refill(instance.clone()),
@@ -268,17 +268,17 @@ impl<I: Clone + Same> Slot<I> {
         matches!(self.state, SlotState::Loading { ticket: t, .. } if t == ticket).then_some(before)
     }
 
-    /// What a load with `ticket` installs: `Ok(instance)` or the error's message.
-    pub fn finish_load(&self, ticket: u64, result: Result<I, String>) -> Finish<I> {
+    /// What a load with `ticket` installs: the instance it loaded, or (`None`) that it failed.
+    pub fn finish_load(&self, ticket: u64, loaded: Option<I>) -> Finish<I> {
         let SlotState::Loading { ticket: current, previous } = &self.state else {
             return Finish::Discard;
         };
         if *current != ticket {
             return Finish::Discard;
         }
-        Finish::Install(match result {
-            Ok(instance) => SlotState::Resident(instance),
-            Err(error) => SlotState::Failed { error, instance: previous.clone() },
+        Finish::Install(match loaded {
+            Some(instance) => SlotState::Resident(instance),
+            None => SlotState::Failed { instance: previous.clone() },
         })
     }
 
@@ -320,9 +320,7 @@ impl<I: Clone + Same> Slot<I> {
             SlotState::Resident(_) | SlotState::Released { pending: true, .. } => Err(PrefetchSkip::Resident),
             SlotState::Loading { .. } => Err(PrefetchSkip::InFlight),
             _ if closed => Err(PrefetchSkip::Closed),
-            SlotState::Released { .. } | SlotState::Failed { instance: Some(_), .. } if self.refillable(in_tier) => {
-                Ok(())
-            }
+            SlotState::Released { .. } | SlotState::Failed { instance: Some(_) } if self.refillable(in_tier) => Ok(()),
             _ if self.has_loader && draws_nothing => Ok(()),
             _ if self.has_loader => Err(PrefetchSkip::DrawsRandomNumbers),
             _ => Err(PrefetchSkip::NoLoader),
@@ -558,9 +556,9 @@ mod tests {
 
     #[test]
     fn a_failed_load_is_tried_again_from_where_it_was() {
-        let failed_refill = slot(SlotState::Failed { error: "disk".into(), instance: Some(7) });
+        let failed_refill = slot(SlotState::Failed { instance: Some(7) });
         assert_eq!(failed_refill.get(FREE), GetAction::Refill(7));
-        let mut failed_build = slot(SlotState::Failed { error: "panic".into(), instance: None });
+        let mut failed_build = slot(SlotState::Failed { instance: None });
         failed_build.loads = 0;
         assert_eq!(failed_build.get(FREE), GetAction::Build { reload: false });
     }
@@ -568,23 +566,17 @@ mod tests {
     #[test]
     fn a_finished_load_installs_only_while_its_ticket_is_current() {
         let loading = slot(SlotState::Loading { ticket: 4, previous: None });
-        assert_eq!(loading.finish_load(4, Ok(9)), Finish::Install(SlotState::Resident(9)));
-        assert_eq!(loading.finish_load(3, Ok(9)), Finish::Discard, "an insert took the slot over");
-        assert_eq!(slot(SlotState::Resident(1)).finish_load(4, Ok(9)), Finish::Discard);
+        assert_eq!(loading.finish_load(4, Some(9)), Finish::Install(SlotState::Resident(9)));
+        assert_eq!(loading.finish_load(3, Some(9)), Finish::Discard, "an insert took the slot over");
+        assert_eq!(slot(SlotState::Resident(1)).finish_load(4, Some(9)), Finish::Discard);
     }
 
     #[test]
     fn a_failed_refill_keeps_the_released_instance_to_try_again() {
         let refilling = slot(slot(released(false)).start_load(5));
-        assert_eq!(
-            refilling.finish_load(5, Err("read error".into())),
-            Finish::Install(SlotState::Failed { error: "read error".into(), instance: Some(7) })
-        );
+        assert_eq!(refilling.finish_load(5, None), Finish::Install(SlotState::Failed { instance: Some(7) }));
         let building = slot(slot(SlotState::Unloaded).start_load(6));
-        assert_eq!(
-            building.finish_load(6, Err("loader failed".into())),
-            Finish::Install(SlotState::Failed { error: "loader failed".into(), instance: None })
-        );
+        assert_eq!(building.finish_load(6, None), Finish::Install(SlotState::Failed { instance: None }));
     }
 
     #[test]
@@ -687,7 +679,7 @@ mod tests {
         assert_eq!(released(true).mark(), Some((&7, ReleaseMark::Requested(Some("decode".into())))));
         assert_eq!(released(false).mark(), Some((&7, ReleaseMark::Freed(Some("decode".into())))));
         assert_eq!(SlotState::Loading { ticket: 1, previous: Some(7) }.mark(), None, "a refill keeps it freed");
-        assert_eq!(SlotState::<u32>::Failed { error: "disk".into(), instance: Some(7) }.mark(), None);
+        assert_eq!(SlotState::<u32>::Failed { instance: Some(7) }.mark(), None);
     }
 
     #[test]

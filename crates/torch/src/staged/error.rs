@@ -36,12 +36,12 @@ pub enum StageError {
         message: String,
     },
     /// A pin's `from`/`until` stages do not make a span of the plan.
-    #[error("pin of '{model}': {message}")]
+    #[error("{source}")]
     PinSpan {
         /// The pinned model.
         model: String,
-        /// Why the span is refused.
-        message: String,
+        /// Why the span is refused (it names the model, the stages given and the sequence).
+        source: stageload_plan::pipeline::PinError,
     },
     /// The plan lists models that were never given a loader.
     #[error("the plan names models that have no loader: {}", .names.join(", "))]

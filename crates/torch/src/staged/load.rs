@@ -211,7 +211,7 @@ impl Inner {
         }
         let tier = if from_tier { state.tier_usage() } else { None };
         let position = state.index.get(name).copied();
-        let outcome = result.as_ref().map(|(instance, ..)| Arc::clone(instance)).map_err(|e| e.to_string());
+        let outcome = result.as_ref().ok().map(|(instance, ..)| Arc::clone(instance));
         let finish = position.map_or(Finish::Discard, |p| state.entries()[p].slot().finish_load(ticket, outcome));
         self.changed.notify_all();
         let Finish::Install(installed) = finish else {

@@ -118,7 +118,8 @@ impl Inner {
                 let _side = (stageload_torch_sys::cuda_device_count().unwrap_or(0) > 0)
                     .then(|| stageload_torch_sys::cuda_side_stream(cuda.unwrap_or(0)).ok())
                     .flatten();
-                // A failure stays in the slot and surfaces at the `get` that needs the model.
+                // A failure is told in an `error` event; the `get` that needs the model tries
+                // the load again, and its caller gets the error if that fails too.
                 let _ = inner.instance_for(&model, Purpose::Prefetch(trip));
             });
             // (A thread that could not start dropped its `Ended`, which took its entry off.)
