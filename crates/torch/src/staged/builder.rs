@@ -406,6 +406,8 @@ impl StagedModelsBuilder {
                 tier_on_cpu: self.tier_on_cpu,
                 #[cfg(test)]
                 tier_copy_hook: self.tier_copy_hook,
+                #[cfg(test)]
+                state_locks: Default::default(),
             }),
         })
     }

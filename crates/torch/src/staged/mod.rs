@@ -155,7 +155,8 @@ impl StagedModels {
     /// Starts loading `stage`'s models in the background (a thread each; on CUDA a side
     /// stream), while the current stage computes: a `prefetch` event each, then their
     /// `load`/`reload` event marked `prefetched`. A `get` of a model still in flight waits for
-    /// it; a prefetch that fails leaves the error to the `get` that needs the model. Only loads
+    /// it; a prefetch that fails says why in an `error` event, and the `get` that needs the model
+    /// loads it again (its caller gets the error if that fails too). Only loads
     /// that draw no random number are started (a refill in place from the checkpoint, or a
     /// build with `skip_init`), so seeded runs stay bit-identical; within
     /// [`prefetch_budget`](StagedModelsBuilder::prefetch_budget) if one is set. Returns the

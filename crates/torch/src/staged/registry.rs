@@ -39,6 +39,10 @@
 //! changes), so `enter`, a load's resident total and a release's shared-storage check walk the
 //! models resident, not every slot; a stage's occurrences and the pin spans are looked up by
 //! name. Listing calls (`states`, `names`) and `remove` (positions shift) walk every slot.
+//! `enter` takes the state lock four times however many models it releases: once to decide,
+//! then once each to claim the batch of releases, to read the storages others keep live, and
+//! to settle them ([`super::release`]); a copy into the host tier or a snapshot adds its own
+//! bookkeeping.
 //!
 //! Identity. A name is never trusted across a let-go of the state lock; identities are. Whatever
 //! is decided under the lock and finished after it names the instance or reservation it was
@@ -378,12 +382,15 @@ impl State {
         self.holding.iter().filter_map(|&p| self.entries[p].slot.state.holds_storage())
     }
 
-    /// Identities of the storages that other models keep live: every storage of the instances
-    /// holding storage but `instance`, and the storages released instances keep resident.
-    pub(super) fn live_storage_ids(&self, instance: &Arc<Instance>) -> HashSet<u64> {
-        let holding = self.holding().filter(|i| !Arc::ptr_eq(i, instance)).flat_map(|i| i.storage_ids());
-        let kept = self.kept_by_released().flat_map(|i| i.kept.iter().map(|(id, _)| *id));
-        holding.chain(kept).collect()
+    /// Identities of the storages that other models keep live when `batch[index]` is freed,
+    /// the batch's models freed in order: every storage of the instances holding storage but
+    /// that one and those of the batch before it (freed already), and the storages released
+    /// instances keep resident (the batch's so far, its own included: tensors nothing refills).
+    pub(super) fn live_storage_ids_in_batch(&self, batch: &[&Arc<Instance>], index: usize) -> HashSet<u64> {
+        let gone = |i: &Arc<Instance>| batch[..=index].iter().any(|b| Arc::ptr_eq(b, i));
+        let holding = self.holding().filter(|i| !gone(i)).flat_map(|i| i.storage_ids());
+        let kept = self.kept_by_released().chain(batch[..=index].iter().copied());
+        holding.chain(kept.flat_map(|i| i.kept.iter().map(|(id, _)| *id))).collect()
     }
 
     /// Released instances that keep storage resident ([`Instance::kept`]).
@@ -498,6 +505,9 @@ pub(crate) struct Inner {
     /// Unit tests: runs before each copy into the host tier (see `tier_store`).
     #[cfg(test)]
     pub(crate) tier_copy_hook: Option<TierCopyHook>,
+    /// Unit tests: how many times the state lock was taken.
+    #[cfg(test)]
+    pub(crate) state_locks: AtomicU64,
 }
 
 /// Unit tests: what runs before a copy into the host tier (`true`) or out of it, given the
@@ -507,6 +517,8 @@ pub(crate) type TierCopyHook = Arc<dyn Fn(&str, bool) -> Result<(), String> + Se
 
 impl Inner {
     pub(crate) fn state(&self) -> MutexGuard<'_, State> {
+        #[cfg(test)]
+        self.state_locks.fetch_add(1, Ordering::Relaxed);
         lock(&self.state)
     }
 
@@ -661,6 +673,6 @@ impl Inner {
 
 impl instance::Registry for Inner {
     fn release_left_to_unlock(&self, instance: &Arc<Instance>) {
-        self.release_instance(instance);
+        self.release_all(vec![Arc::clone(instance)]);
     }
 }
