@@ -3,15 +3,17 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::path::PathBuf;
-use std::sync::atomic::AtomicBool;
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::Arc;
 
 use super::decide;
+
+use super::background::Background;
 use super::error::{Result, StageError};
 use super::placement::Placement;
-use super::registry::{Entry, Inner, ProgressHook, State};
+use super::registry::{Entry, Inner, State};
 use super::snapshot::Snapshots;
-use super::spec::ModelSpec;
+use super::spec::{Builds, ModelSpec, ProgressHook};
+use super::tier_copy::TierSide;
 use super::StagedModels;
 use crate::checkpoint::Progress;
 use crate::rng::RngSnapshot;
@@ -81,7 +83,7 @@ pub struct StagedModelsBuilder {
     #[cfg(test)]
     tier_on_cpu: bool,
     #[cfg(test)]
-    tier_copy_hook: Option<super::registry::TierCopyHook>,
+    tier_copy_hook: Option<super::tier_copy::TierCopyHook>,
 }
 
 impl StagedModelsBuilder {
@@ -382,34 +384,12 @@ impl StagedModelsBuilder {
         };
         let pinned = self.pinned.into_iter().collect();
         let state = State::new(entries, stages, sequence, pinned, spans, self.host_tier.map(Tier::new));
-        Ok(StagedModels {
-            inner: Arc::new(Inner {
-                state: Mutex::new(state),
-                changed: Condvar::new(),
-                turns: Arc::default(),
-                components: Mutex::new(BTreeMap::new()),
-                sink: self.sink,
-                rngs: self.rngs,
-                preserve_rng: self.preserve_rng,
-                strict: self.strict,
-                progress: self.progress,
-                prefetch_next: self.prefetch_next,
-                prefetch_budget: self.prefetch_budget,
-                stage_working: self.stage_working,
-                prefetching: Mutex::new(Vec::new()),
-                out_of_memory: self.out_of_memory,
-                tier_said_cpu: AtomicBool::new(false),
-                snapshots,
-                host_memory: self.host_memory,
-                untrimmed: Default::default(),
-                #[cfg(test)]
-                tier_on_cpu: self.tier_on_cpu,
-                #[cfg(test)]
-                tier_copy_hook: self.tier_copy_hook,
-                #[cfg(test)]
-                state_locks: Default::default(),
-            }),
-        })
+        let builds = Builds::new(self.rngs, self.preserve_rng, self.strict, self.out_of_memory, self.progress);
+        let background = Background::new(self.prefetch_next, self.prefetch_budget, self.stage_working);
+        let tier_side = TierSide::new(self.host_memory);
+        #[cfg(test)]
+        let tier_side = tier_side.for_tests(self.tier_on_cpu, self.tier_copy_hook);
+        Ok(StagedModels { inner: Arc::new(Inner::new(state, self.sink, builds, background, tier_side, snapshots)) })
     }
 }
 

@@ -23,7 +23,7 @@ use super::turn::{BuildHold, Who};
 use crate::checkpoint::{Checkpoint, CheckpointError};
 use crate::error::{is_out_of_memory, panic_message};
 use crate::names::NameRules;
-use crate::rng::PreservedRng;
+
 use crate::storage::{self, shallow};
 use crate::stream::StreamPlan;
 use crate::sync::lock;
@@ -78,7 +78,7 @@ impl Inner {
     /// The instance of `name`, loaded or brought back if needed (see [`decide::Slot::get`]).
     pub(crate) fn instance(self: &Arc<Self>, name: &str) -> Result<Arc<Instance>> {
         match self.instance_for(name, Purpose::Use) {
-            Err(StageError::OutOfMemory { .. }) if decide::retry_out_of_memory(self.out_of_memory, false) => {
+            Err(StageError::OutOfMemory { .. }) if decide::retry_out_of_memory(self.builds.out_of_memory(), false) => {
                 self.release_unlisted();
                 self.instance_for(name, Purpose::Use)
             }
@@ -111,12 +111,12 @@ impl Inner {
             }
             let planned_here = prefetch || state.planned_here(name);
             let in_tier = state.in_tier(name);
-            let ctx = GetContext { closed: state.closed, strict: self.strict, planned_here, in_tier };
+            let ctx = GetContext { closed: state.closed, strict: self.builds.strict(), planned_here, in_tier };
             let entry = &state.entries()[position];
             let plan = match entry.slot().get(ctx) {
                 GetAction::Use(instance) => return Ok(instance),
                 GetAction::Wait => {
-                    state = crate::sync::wait(&self.changed, state);
+                    state = self.wait_changed(state);
                     continue;
                 }
                 GetAction::Revive(instance) => {
@@ -125,11 +125,11 @@ impl Inner {
                     let freeing = !matches!(instance.mark(), ReleaseMark::Requested(_));
                     if let Some(resident) = entry.slot().revive(freeing) {
                         state.set_state(position, resident);
-                        self.changed.notify_all();
+                        self.notify_changed();
                         return Ok(instance);
                     }
                     // Its storages are being freed right now: wait for that to finish.
-                    state = crate::sync::wait(&self.changed, state);
+                    state = self.wait_changed(state);
                     continue;
                 }
                 GetAction::Refuse(Refusal::Closed) => return Err(StageError::Closed { model: name.to_string() }),
@@ -213,7 +213,7 @@ impl Inner {
         let position = state.index.get(name).copied();
         let outcome = result.as_ref().ok().map(|(instance, ..)| Arc::clone(instance));
         let finish = position.map_or(Finish::Discard, |p| state.entries()[p].slot().finish_load(ticket, outcome));
-        self.changed.notify_all();
+        self.notify_changed();
         let Finish::Install(installed) = finish else {
             drop(state);
             // An insert or a remove overtook this load: what it built is dropped.
@@ -303,7 +303,7 @@ impl Inner {
                 state.set_state(position, back);
             }
         }
-        self.changed.notify_all();
+        self.notify_changed();
     }
 
     /// Runs a loader (a foreground one under preserved RNG and the build turn), catching
@@ -321,11 +321,10 @@ impl Inner {
         let hold = BuildHold::new(&self.turns, who).map_err(|_| StageError::Closed { model: name.to_string() })?;
         // A prefetched build draws nothing (skip_init, see decide::Slot::prefetch): it must not
         // save and restore the generators the foreground is drawing from.
-        let preserve_rng = self.preserve_rng && who == Who::Foreground;
-        let rng = if preserve_rng { Some(PreservedRng::save(&self.rngs).map_err(StageError::Rng)?) } else { None };
+        let rng = self.builds.preserve_rng(who == Who::Foreground).map_err(StageError::Rng)?;
         let context = BuildContext {
             hold: &hold,
-            components: &self.components,
+            components: self.builds.components(),
             model: name,
             device: placement.device,
             shared_tensors: Mutex::new(Vec::new()),
@@ -425,11 +424,9 @@ impl Inner {
         }
         let report = match fill {
             Fill::CheckOnly => checkpoint.check_named(targets, names),
-            Fill::Whole | Fill::Background => checkpoint.load_named(targets, names, |progress| {
-                if let Some(hook) = &self.progress {
-                    hook(model, progress)
-                }
-            }),
+            Fill::Whole | Fill::Background => {
+                checkpoint.load_named(targets, names, |progress| self.builds.tell_progress(model, progress))
+            }
         }
         .map_err(wrap)?;
         if !report.unused.is_empty() || !report.missing.is_empty() {
@@ -466,7 +463,8 @@ impl Inner {
         let filled = match copies {
             Some(copies) => {
                 let device = targets.first().map_or(Device::Cpu, |(_, t)| t.device());
-                self.before_tier_copy(name, false)
+                self.tier_side
+                    .before_copy(name, false)
                     .and_then(|()| tier_copy::copy_in(&targets, copies, device))
                     .map(|()| None)
                     .map_err(|source| StageError::HostTier { model: name.clone(), source })

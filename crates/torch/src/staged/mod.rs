@@ -19,15 +19,25 @@
 //!
 //! Files (all private; what users need is re-exported here and at the crate root): `decide`
 //! (the slot state machine, pure), `registry` (carrying its decisions out:
-//! the state, stage entry), `load` (builds and refills), `release` (frees in place),
-//! `prefetch` (background loads), `placement` (the pipeline file's device and dtype),
-//! `tier_copy` (the host tier's copies; its budget, leases and evictions are the pure
-//! [`stageload_plan::tier`]),
-//! `tier_store` (the registry storing into it),
-//! `instance` (a model object, its handle and guard), `spec` (what loaders get and return),
-//! `snapshot` (weights of checkpoint-less models written to a folder), `builder`, `error`.
+//! the state, stage entry), `load` (builds and refills), `release` (frees in place, in
+//! batches; writes snapshots before), `prefetch` (background loads), `placement` (the pipeline
+//! file's device and dtype), `tier_copy` (the host tier's copies; its budget, leases and
+//! evictions are the pure [`stageload_plan::tier`]), `tier_store` (the registry storing into
+//! it), `instance` (a model object, its handle and guard), `spec` (what loaders get and return,
+//! and what builds go by), `snapshot` (the snapshot folder's files), `builder`, `error`.
+//!
+//! The registry's parts that keep state of their own are owners, each with its fields private
+//! to its file, and none of those files reaches back into the registry: the build turn
+//! (`turn`), what builds go by (`spec::Builds`), what prefetches go by and their threads
+//! (`background`), the host tier's allocator and test hooks (`tier_copy::TierSide`), the
+//! snapshot folder (`snapshot`), the heap's trim (`caches`). The slots, stages and the host
+//! tier's bookkeeping are the state behind one lock (`registry`); the files that carry the
+//! registry's decisions out (`load`, `release`, `prefetch`, `tier_store`) are `impl Inner`
+//! blocks that take it for bookkeeping only.
 
+mod background;
 mod builder;
+mod caches;
 mod decide;
 mod error;
 mod instance;
@@ -95,7 +105,7 @@ pub struct StagedModels {
 impl Drop for StagedModels {
     fn drop(&mut self) {
         self.inner.cancel_prefetches();
-        let running = std::mem::take(&mut *crate::sync::lock(&self.inner.prefetching));
+        let running = self.inner.background.take_threads();
         for handle in running {
             let _ = handle.join();
         }
@@ -144,7 +154,7 @@ impl StagedModels {
     /// the stats returned count what was freed now.
     pub fn enter(&self, stage: &str) -> Result<ReleaseStats> {
         let stats = self.inner.enter(stage)?;
-        if self.inner.prefetch_next {
+        if self.inner.background.after_enter() {
             if let Some(next) = self.inner.next_stage() {
                 self.inner.prefetch(&next)?;
             }

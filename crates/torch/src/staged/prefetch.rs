@@ -32,7 +32,7 @@ impl Inner {
         let trip = decide::Trip { from: state.position, target: index, entered: state.entered };
         let planned = &state.sequence[index].1;
         let resident = state.resident_bytes();
-        let working = state.current.as_ref().and_then(|s| self.stage_working.get(s)).copied().unwrap_or(0);
+        let working = self.background.working_of(state.current.as_deref());
         // (name, bytes it will hold (a streamed model's plan, else its released instance), or
         // its checkpoint files to measure, its CUDA device) — the files are measured once the
         // state lock is dropped.
@@ -50,7 +50,7 @@ impl Inner {
             }
         }
         drop(state);
-        let mut budget_left = match self.prefetch_budget {
+        let mut budget_left = match self.background.budget() {
             Some(budget) => Some(budget.saturating_sub(resident).saturating_sub(working)),
             // Working memory declared and no budget: what the machine has available now (the
             // resident weights are already out of it), less that working memory.
@@ -125,9 +125,7 @@ impl Inner {
             // (A thread that could not start dropped its `Ended`, which took its entry off.)
             match thread {
                 Ok(handle) => {
-                    let mut running = lock(&self.prefetching);
-                    running.retain(|h| !h.is_finished());
-                    running.push(handle);
+                    self.background.track(handle);
                     spawned.push(name);
                 }
                 Err(err) => tracing::warn!(model = name.as_str(), stage, %err, "prefetch not started: no thread"),
@@ -160,7 +158,7 @@ impl Inner {
             });
         }
         while state.prefetches.iter().any(|p| p.stage == stage) {
-            state = crate::sync::wait(&self.changed, state);
+            state = self.wait_changed(state);
         }
         Ok(())
     }
@@ -172,7 +170,7 @@ impl Inner {
     pub(crate) fn cancel_prefetches(&self) {
         self.turns.cancel();
         drop(self.state());
-        self.changed.notify_all();
+        self.notify_changed();
     }
 
     /// The stage after the one entered last, in the plan's sequence.
@@ -195,7 +193,7 @@ impl Drop for Ended {
         let mut state = self.inner.state();
         state.prefetches.retain(|p| p.id != self.id);
         drop(state);
-        self.inner.changed.notify_all();
+        self.inner.notify_changed();
     }
 }
 

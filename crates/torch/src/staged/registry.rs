@@ -57,27 +57,25 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
+use super::background::Background;
+use super::caches::Trim;
 use super::decide::{self, ModelState, SlotState};
 use super::error::{Result, StageError};
 use super::instance::{self, Handle, Instance};
 use super::placement::Placement;
-use super::spec::{Built, Init, Loader, SharedComponents};
-use super::tier_copy::HostCopies;
+use super::snapshot::Snapshots;
+use super::spec::{Builds, Built, Init, Loader};
+use super::tier_copy::{HostCopies, TierSide};
 use super::turn::Turns;
-use crate::checkpoint::Progress;
 use crate::names::NameRules;
-use crate::rng::RngSnapshot;
 use crate::storage::ReleaseStats;
 use crate::stream::StreamPlan;
 use crate::sync::lock;
 use stageload_plan::tier::Tier;
 use stageload_trace::event::{Action, Event, EventKind, EventSink, LoadReport, TierUsage};
-
-/// Told how far a checkpoint load has come: the model and bytes done of the total.
-pub(crate) type ProgressHook = dyn Fn(&str, Progress) + Send + Sync;
 
 /// One model's slot and what it needs to (re)load.
 pub(crate) struct Entry {
@@ -467,55 +465,64 @@ fn covers(from: usize, until: Option<usize>, index: usize) -> bool {
     index >= from && until.is_none_or(|u| index < u)
 }
 
-/// The registry's shared inside; [`super::StagedModels`] is its face.
+/// The registry's shared inside; [`super::StagedModels`] is its face. The state and its
+/// condition variable, and the event sink, are this file's; every other part is an owner with
+/// state of its own, private to its file: the build turn ([`super::turn`]), what builds go by
+/// ([`super::load`]), prefetching ([`super::prefetch`]), the host tier's side
+/// ([`super::tier_store`]), the snapshot folder ([`super::snapshot`]) and the heap's trim
+/// ([`super::release`]).
 pub(crate) struct Inner {
-    pub(crate) state: Mutex<State>,
-    pub(crate) changed: Condvar,
+    state: Mutex<State>,
+    changed: Condvar,
+    sink: Option<Arc<dyn EventSink>>,
     /// The build turn, the foreground's loads before background ones, and the cancellation
-    /// `close` and dropping the registry set (see [`super::turn`]).
-    pub(crate) turns: Arc<Turns>,
-    pub(crate) components: SharedComponents,
-    pub(crate) sink: Option<Arc<dyn EventSink>>,
-    pub(crate) rngs: Vec<Arc<dyn RngSnapshot>>,
-    pub(crate) preserve_rng: bool,
-    pub(crate) strict: bool,
-    pub(crate) progress: Option<Arc<ProgressHook>>,
-    /// After each `enter`, prefetch the next stage of the plan.
-    pub(crate) prefetch_next: bool,
-    /// Prefetch only while the resident weights, the stage's working memory and the prefetched
-    /// ones stay within this.
-    pub(crate) prefetch_budget: Option<u64>,
-    /// Working memory per stage (declared or measured), left free by a prefetch.
-    pub(crate) stage_working: std::collections::BTreeMap<String, u64>,
-    /// What a load that runs out of memory does.
-    pub(crate) out_of_memory: decide::OutOfMemory,
-    /// Background loads' threads (joined when the registry is dropped).
-    pub(crate) prefetching: Mutex<Vec<std::thread::JoinHandle<()>>>,
-    /// The host tier said once that it does not hold CPU models.
-    pub(crate) tier_said_cpu: AtomicBool,
-    /// Where host copies' memory comes from (the host tier's).
-    pub(crate) host_memory: Arc<dyn crate::pinned::HostMemory>,
+    /// `close` and dropping the registry set.
+    pub(super) turns: Arc<Turns>,
+    pub(super) builds: Builds,
+    pub(super) background: Background,
+    pub(super) tier_side: TierSide,
     /// The snapshot folder's files, when the builder named one.
-    pub(crate) snapshots: Option<super::snapshot::Snapshots>,
-    /// Bytes releases freed since the host heap was last trimmed (see [`super::release`]).
-    pub(crate) untrimmed: AtomicU64,
-    /// Unit tests: the host tier holds CPU models too (no device here to test it with).
-    #[cfg(test)]
-    pub(crate) tier_on_cpu: bool,
-    /// Unit tests: runs before each copy into the host tier (see `tier_store`).
-    #[cfg(test)]
-    pub(crate) tier_copy_hook: Option<TierCopyHook>,
+    pub(super) snapshots: Option<Snapshots>,
+    pub(super) trim: Trim,
     /// Unit tests: how many times the state lock was taken.
     #[cfg(test)]
-    pub(crate) state_locks: AtomicU64,
+    pub(crate) state_locks: std::sync::atomic::AtomicU64,
 }
 
-/// Unit tests: what runs before a copy into the host tier (`true`) or out of it, given the
-/// model's name.
-#[cfg(test)]
-pub(crate) type TierCopyHook = Arc<dyn Fn(&str, bool) -> Result<(), String> + Send + Sync>;
-
 impl Inner {
+    pub(crate) fn new(
+        state: State,
+        sink: Option<Arc<dyn EventSink>>,
+        builds: Builds,
+        background: Background,
+        tier_side: TierSide,
+        snapshots: Option<Snapshots>,
+    ) -> Self {
+        Inner {
+            state: Mutex::new(state),
+            changed: Condvar::new(),
+            sink,
+            turns: Arc::default(),
+            builds,
+            background,
+            tier_side,
+            snapshots,
+            trim: Trim::default(),
+            #[cfg(test)]
+            state_locks: Default::default(),
+        }
+    }
+
+    /// Wakes whoever waits for a slot or a prefetch to change.
+    pub(crate) fn notify_changed(&self) {
+        self.changed.notify_all();
+    }
+
+    /// Waits for a slot or a prefetch to change, the state lock let go meanwhile.
+    pub(crate) fn wait_changed<'a>(&'a self, state: MutexGuard<'a, State>) -> MutexGuard<'a, State> {
+        crate::sync::wait(&self.changed, state)
+    }
+
     pub(crate) fn state(&self) -> MutexGuard<'_, State> {
         #[cfg(test)]
         self.state_locks.fetch_add(1, Ordering::Relaxed);
@@ -612,7 +619,7 @@ impl Inner {
             }
         };
         state.install_inserted(position, instance);
-        self.changed.notify_all();
+        self.notify_changed();
         drop(state);
         drop(stale);
         self.release_all(old.into_iter().collect());
@@ -628,7 +635,7 @@ impl Inner {
             if !matches!(state.entries[position].slot.state, SlotState::Loading { .. }) {
                 return Ok((state, position));
             }
-            state = crate::sync::wait(&self.changed, state);
+            state = self.wait_changed(state);
         }
     }
 
@@ -638,7 +645,7 @@ impl Inner {
         let old = if release { state.request_release(position) } else { None };
         let snapshot = state.remove_entry(position).snapshot_file();
         let stale = state.tier.as_mut().and_then(|tier| tier.forget(name));
-        self.changed.notify_all();
+        self.notify_changed();
         drop(state);
         drop(stale);
         self.release_all(old.into_iter().collect());

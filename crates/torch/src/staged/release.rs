@@ -2,23 +2,24 @@
 //! lets go): each released instance's storages freed in place (once the host tier has its
 //! copy), or left to the guard of whoever holds the model; the model object itself dropped when
 //! it will not be refilled in place; the allocators' caches emptied once after the batch, and
-//! the host heap trimmed once releases have freed [`TRIM_AFTER`] bytes since its last trim. A
+//! the host heap trimmed once releases have freed [`caches::TRIM_AFTER`] bytes since its last trim. A
 //! batch is claimed, checked for the storages others keep live, and settled under one taking
 //! of the state lock each, so the lock is not taken per model.
 
 use std::any::Any;
 use std::collections::HashSet;
-use std::sync::atomic::Ordering;
+use std::path::PathBuf;
 use std::sync::{Arc, MutexGuard};
 use std::time::Instant;
 
+use super::caches;
 use super::decide::{self, ReleaseMark};
 use super::error::StageError;
 use super::instance::Instance;
-use super::registry::Inner;
+use super::registry::{Inner, State};
 use crate::storage::{self, ReleaseStats};
 use crate::sync::lock;
-use stageload_trace::event::{Event, EventKind};
+use stageload_trace::event::{Action, Event, EventKind};
 
 /// A release claimed under the state lock: nobody uses the model (its body is held) and no
 /// revival can win any more.
@@ -90,7 +91,7 @@ impl Inner {
             }
             settled.push((comes_back, state.resident_bytes()));
         }
-        self.changed.notify_all();
+        self.notify_changed();
         drop(state);
         let mut total = ReleaseStats::default();
         let mut events = Vec::with_capacity(claimed.len());
@@ -133,19 +134,71 @@ impl Inner {
         }
         if any_dropped || freed_now > 0 {
             // Before the events, so that a meter reading at them sees the memory gone.
-            give_back_caches(any_dropped, self.trim_due(freed_now));
+            caches::give_back(any_dropped, self.trim.due(freed_now));
         }
         for event in events {
             self.emit(event);
         }
         total
     }
+}
 
-    /// Counts `freed` bytes towards the next trim of the host heap; says whether it is due now
-    /// (and starts the count over).
-    fn trim_due(&self, freed: u64) -> bool {
-        let untrimmed = self.untrimmed.fetch_add(freed, Ordering::Relaxed).saturating_add(freed);
-        untrimmed >= TRIM_AFTER && self.untrimmed.swap(0, Ordering::Relaxed) > 0
+impl Inner {
+    /// Removes the snapshot file of a model replaced or removed: no reload reads it any more.
+    pub(super) fn forget_snapshot(&self, path: Option<PathBuf>) {
+        if let (Some(snapshots), Some(path)) = (&self.snapshots, path) {
+            snapshots.forget(&path);
+        }
+    }
+
+    /// Before a release frees a model that has no checkpoint, no copy in the host tier and is
+    /// not streamed: writes its weights as a snapshot ([`super::snapshot`]) and makes that file
+    /// its checkpoint, so that it comes back in place. Runs under the instance's body lock
+    /// (nobody uses the model), with the state lock taken only to decide and to record; says
+    /// what it did in a `snapshot` event.
+    fn snapshot_before_release(&self, instance: &Instance, stage: &Option<String>) {
+        let Some(snapshots) = &self.snapshots else { return };
+        let name = instance.name.as_str();
+        let wanted = |state: &State| {
+            !state.closed
+                && !state.in_tier(name)
+                && state.index.get(name).is_some_and(|&p| {
+                    let entry = &state.entries()[p];
+                    entry.checkpoint.is_empty()
+                        && entry.stream.is_none()
+                        && entry.released().is_some_and(|held| std::ptr::eq(held.as_ref(), instance))
+                })
+        };
+        if !wanted(&self.state()) {
+            return;
+        }
+        let started = Instant::now();
+        let (bytes, written) = snapshots.write_instance(instance);
+        let (action, detail) = match written {
+            Ok(path) => {
+                let mut state = self.state();
+                if wanted(&state) {
+                    let position = state.index[name];
+                    state.entry_mut(position).refill_from_snapshot(path.clone());
+                    (Action::Written, path.display().to_string())
+                } else {
+                    // Replaced or removed meanwhile: the file is nobody's.
+                    drop(state);
+                    snapshots.forget(&path);
+                    (Action::NotWritten, "the model was replaced meanwhile".to_string())
+                }
+            }
+            Err(reason) => (Action::NotWritten, format!("{reason}; '{name}' is rebuilt when needed")),
+        };
+        self.emit(Event {
+            stage: stage.clone(),
+            model: Some(name.to_string()),
+            bytes: Some(bytes),
+            seconds: Some(started.elapsed().as_secs_f64()),
+            note: Some(action.note(Some(&detail))),
+            action: Some(action),
+            ..Event::now(EventKind::Snapshot)
+        });
     }
 }
 
@@ -164,43 +217,6 @@ fn claim(instance: &Arc<Instance>) -> Option<Claimed<'_>> {
     let body = body?;
     let stage = ctl.mark.claim()?;
     Some(Claimed { instance, body, stage })
-}
-
-/// Bytes of storage that releases free before the host heap is trimmed again: a release that
-/// frees this much trims at once (as every release did before), smaller ones add up until they
-/// reach it, so less than this waits in the heap for the next trim. A trim (`malloc_trim`) walks
-/// the whole heap, which grows with the number of models: trimming after every release made each
-/// release cost what the registry holds (a run over 4,000 tiny models spent 90 % of its time
-/// there). The same size as the mmap threshold the registry sets
-/// ([`stageload_torch_sys::map_large_host_blocks`]): blocks that large go back to the OS as they
-/// are freed, without a trim.
-pub(crate) const TRIM_AFTER: u64 = stageload_torch_sys::HOST_MMAP_THRESHOLD as u64;
-
-/// Hands what the allocators keep cached after a release back: the host heap's free pages to
-/// the OS when `trim` (see [`TRIM_AFTER`]), the device caches to their devices, and, when the
-/// model object went (`dropped`), pinned host memory to the OS (not after every release: a copy
-/// into the host tier reuses what a reload from it left cached).
-fn give_back_caches(dropped: bool, trim: bool) {
-    if trim {
-        stageload_torch_sys::trim_host_heap();
-    }
-    let cuda = stageload_torch_sys::cuda_device_count().unwrap_or(0) > 0;
-    let mps = stageload_torch_sys::mps_available().unwrap_or(false);
-    if cuda {
-        if let Err(err) = stageload_torch_sys::cuda_empty_cache() {
-            tracing::warn!(%err, "emptying the CUDA cache after a release failed");
-        }
-    }
-    if mps {
-        if let Err(err) = stageload_torch_sys::mps_empty_cache() {
-            tracing::warn!(%err, "emptying the MPS cache after a release failed");
-        }
-    }
-    if dropped && (cuda || mps) {
-        if let Err(err) = stageload_torch_sys::empty_pinned_cache() {
-            tracing::warn!(%err, "emptying the pinned host memory cache after a release failed");
-        }
-    }
 }
 
 pub(super) fn released_message(model: &str, stage: &Option<String>) -> String {

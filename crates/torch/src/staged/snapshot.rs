@@ -19,15 +19,12 @@ use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
-use std::time::Instant;
 
 use nix::fcntl::{Flock, FlockArg};
 use tch::Tensor;
 
 use super::instance::Instance;
-use super::registry::{Inner, State};
 use crate::sync::lock;
-use stageload_trace::event::{Action, Event, EventKind};
 
 /// What a write leaves free on the snapshot folder's file system by default, for everything
 /// else on the machine (a shared machine's other users, the trace, the OS).
@@ -160,7 +157,7 @@ impl Snapshots {
     }
 
     /// Removes one snapshot that no model uses.
-    fn forget(&self, path: &Path) {
+    pub(crate) fn forget(&self, path: &Path) {
         lock(&self.written).retain(|p| p != path);
         let _ = std::fs::remove_file(path);
     }
@@ -215,39 +212,12 @@ fn remove_stale(dir: &Path) {
     }
 }
 
-impl Inner {
-    /// Removes the snapshot file of a model replaced or removed: no reload reads it any more.
-    pub(super) fn forget_snapshot(&self, path: Option<PathBuf>) {
-        if let (Some(snapshots), Some(path)) = (&self.snapshots, path) {
-            snapshots.forget(&path);
-        }
-    }
-
-    /// Before a release frees a model that has no checkpoint, no copy in the host tier and is
-    /// not streamed: writes its weights as a snapshot and makes that file its checkpoint, so
-    /// that it comes back in place. Runs under the instance's body lock (nobody uses the model),
-    /// with the state lock taken only to decide and to record; says what it did in a `snapshot`
-    /// event.
-    pub(super) fn snapshot_before_release(&self, instance: &Instance, stage: &Option<String>) {
-        let Some(snapshots) = &self.snapshots else { return };
-        let name = instance.name.as_str();
-        let wanted = |state: &State| {
-            !state.closed
-                && !state.in_tier(name)
-                && state.index.get(name).is_some_and(|&p| {
-                    let entry = &state.entries()[p];
-                    entry.checkpoint.is_empty()
-                        && entry.stream.is_none()
-                        && entry.released().is_some_and(|held| std::ptr::eq(held.as_ref(), instance))
-                })
-        };
-        if !wanted(&self.state()) {
-            return;
-        }
-        let started = Instant::now();
+impl Snapshots {
+    /// Writes `instance`'s weights as a new snapshot file (each storage once: a tensor filled
+    /// through another, tied weights, is left out and comes back as its alias). Returns the
+    /// bytes of data and the file's path, or why it was not written.
+    pub(crate) fn write_instance(&self, instance: &Instance) -> (u64, Result<PathBuf, SnapshotError>) {
         let weights = lock(&instance.weights);
-        // Each storage once: a tensor filled through another (tied weights) is left out, and
-        // comes back as its alias.
         let covering = crate::storage::covering(&weights.tensors);
         let tensors: Vec<(String, Tensor)> = covering
             .iter()
@@ -266,33 +236,9 @@ impl Inner {
         let written = match covering {
             Err(err) => Err(SnapshotError::Storages(err)),
             Ok(_) if unallocated > 0 => Err(SnapshotError::Unallocated { count: unallocated }),
-            Ok(_) => snapshots.write(name, &tensors, bytes),
+            Ok(_) => self.write(&instance.name, &tensors, bytes),
         };
-        let (action, detail) = match written {
-            Ok(path) => {
-                let mut state = self.state();
-                if wanted(&state) {
-                    let position = state.index[name];
-                    state.entry_mut(position).refill_from_snapshot(path.clone());
-                    (Action::Written, path.display().to_string())
-                } else {
-                    // Replaced or removed meanwhile: the file is nobody's.
-                    drop(state);
-                    snapshots.forget(&path);
-                    (Action::NotWritten, "the model was replaced meanwhile".to_string())
-                }
-            }
-            Err(reason) => (Action::NotWritten, format!("{reason}; '{name}' is rebuilt when needed")),
-        };
-        self.emit(Event {
-            stage: stage.clone(),
-            model: Some(name.to_string()),
-            bytes: Some(bytes),
-            seconds: Some(started.elapsed().as_secs_f64()),
-            note: Some(action.note(Some(&detail))),
-            action: Some(action),
-            ..Event::now(EventKind::Snapshot)
-        });
+        (bytes, written)
     }
 }
 

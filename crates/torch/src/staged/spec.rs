@@ -9,9 +9,13 @@ use std::sync::{Arc, Mutex};
 use tch::nn::VarStore;
 use tch::Tensor;
 
+use super::decide::OutOfMemory;
 use super::error::BoxError;
+use crate::checkpoint::Progress;
 use crate::names::NameRules;
+use crate::rng::{PreservedRng, RngSnapshot};
 use crate::sync::{lock, Shared};
+use stageload_torch_sys::ShimError;
 
 /// What a loader returns: the model object and the tensors whose storage it owns.
 pub struct Built {
@@ -47,6 +51,60 @@ pub(crate) struct SharedEntry {
 }
 
 pub(crate) type SharedComponents = Mutex<BTreeMap<String, SharedEntry>>;
+
+/// Told how far a checkpoint load has come: the model and bytes done of the total.
+pub(crate) type ProgressHook = dyn Fn(&str, Progress) + Send + Sync;
+
+/// What builds and refills go by: the generators a foreground build leaves as they were, the
+/// components models share, the progress hook, what a load that runs out of memory does, and
+/// whether a `get` outside its stage is refused.
+pub(crate) struct Builds {
+    rngs: Vec<Arc<dyn RngSnapshot>>,
+    preserve_rng: bool,
+    strict: bool,
+    out_of_memory: OutOfMemory,
+    progress: Option<Arc<ProgressHook>>,
+    components: SharedComponents,
+}
+
+impl Builds {
+    pub(crate) fn new(
+        rngs: Vec<Arc<dyn RngSnapshot>>,
+        preserve_rng: bool,
+        strict: bool,
+        out_of_memory: OutOfMemory,
+        progress: Option<Arc<ProgressHook>>,
+    ) -> Self {
+        Builds { rngs, preserve_rng, strict, out_of_memory, progress, components: Default::default() }
+    }
+
+    /// The generators' states saved for a build to put back, when it preserves them: a
+    /// `foreground` build of a registry that preserves them (a prefetched build draws nothing
+    /// and must not touch the generators the foreground draws from).
+    pub(crate) fn preserve_rng(&self, foreground: bool) -> Result<Option<PreservedRng>, ShimError> {
+        (self.preserve_rng && foreground).then(|| PreservedRng::save(&self.rngs)).transpose()
+    }
+
+    /// Whether a `get` of a model its stage does not list is refused.
+    pub(crate) fn strict(&self) -> bool {
+        self.strict
+    }
+
+    pub(crate) fn out_of_memory(&self) -> OutOfMemory {
+        self.out_of_memory
+    }
+
+    pub(crate) fn components(&self) -> &SharedComponents {
+        &self.components
+    }
+
+    /// Tells the progress hook, if any, how far `model`'s checkpoint load has come.
+    pub(crate) fn tell_progress(&self, model: &str, progress: Progress) {
+        if let Some(hook) = &self.progress {
+            hook(model, progress)
+        }
+    }
+}
 
 /// Handed to a loader: the model being built, and shared components.
 pub struct BuildContext<'a> {

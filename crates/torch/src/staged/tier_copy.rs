@@ -10,6 +10,7 @@
 //! once.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use stageload_torch_sys as shim;
@@ -156,6 +157,74 @@ fn copy_all(pairs: &[(&Tensor, &Tensor)], device: Device, pinned: bool) -> Resul
             }
             Ok(())
         }
+    }
+}
+
+/// The host tier's side that is not bookkeeping (that is the state's, under its lock): where
+/// host copies' memory comes from, and whether the tier said once that it does not hold CPU
+/// models.
+pub(crate) struct TierSide {
+    host_memory: Arc<dyn HostMemory>,
+    said_cpu: AtomicBool,
+    /// Unit tests: the host tier holds CPU models too (no device here to test it with).
+    #[cfg(test)]
+    on_cpu: bool,
+    /// Unit tests: runs before each copy into the host tier (`true`) or out of it.
+    #[cfg(test)]
+    copy_hook: Option<TierCopyHook>,
+}
+
+/// Unit tests: what runs before a copy into the host tier (`true`) or out of it, given the
+/// model's name.
+#[cfg(test)]
+pub(crate) type TierCopyHook = Arc<dyn Fn(&str, bool) -> Result<(), String> + Send + Sync>;
+
+impl TierSide {
+    pub(crate) fn new(host_memory: Arc<dyn HostMemory>) -> Self {
+        TierSide {
+            host_memory,
+            said_cpu: AtomicBool::new(false),
+            #[cfg(test)]
+            on_cpu: false,
+            #[cfg(test)]
+            copy_hook: None,
+        }
+    }
+
+    /// Where host copies' memory comes from.
+    pub(crate) fn host_memory(&self) -> &Arc<dyn HostMemory> {
+        &self.host_memory
+    }
+
+    /// Whether this is the first CPU model the tier was asked to hold (it says why it does not,
+    /// once).
+    pub(crate) fn first_cpu_model(&self) -> bool {
+        !self.said_cpu.swap(true, Ordering::Relaxed)
+    }
+
+    /// Whether the host tier holds copies of models on `device`.
+    pub(crate) fn applies(&self, device: Device) -> bool {
+        #[cfg(test)]
+        if self.on_cpu {
+            return true;
+        }
+        applies(device)
+    }
+
+    /// Unit tests: holds or fails a copy into the tier (`into`) or out of it where it races with
+    /// the registry's other calls (the state lock let go); nothing otherwise.
+    pub(crate) fn before_copy(&self, _name: &str, _into: bool) -> Result<(), HostCopyError> {
+        #[cfg(test)]
+        if let Some(hook) = &self.copy_hook {
+            return hook(_name, _into).map_err(HostCopyError::Injected);
+        }
+        Ok(())
+    }
+
+    /// Unit tests: the tier holds CPU models (`on_cpu`), `copy_hook` runs before each copy.
+    #[cfg(test)]
+    pub(crate) fn for_tests(self, on_cpu: bool, copy_hook: Option<TierCopyHook>) -> Self {
+        TierSide { on_cpu, copy_hook, ..self }
     }
 }
 

@@ -5,13 +5,10 @@
 
 use std::time::Instant;
 
-use tch::Device;
-
 use super::error::{Result, StageError};
 use super::instance::Instance;
 use super::registry::Inner;
 use super::tier_copy::{self, HostCopies};
-use crate::pinned::HostCopyError;
 use crate::sync::lock;
 use stageload_plan::tier::{Evicted, Tier};
 use stageload_trace::event::{Action, Event, EventKind, TierUsage};
@@ -35,11 +32,11 @@ impl Inner {
         // Lock order: the state lock, then the instance's weights.
         let weights = lock(&instance.weights);
         let Some(device) = weights.tensors.first().map(|(_, t)| t.device()) else { return };
-        if !self.tier_applies(device) {
+        if !self.tier_side.applies(device) {
             drop(weights);
             let usage = state.tier_usage();
             drop(state);
-            if !self.tier_said_cpu.swap(true, std::sync::atomic::Ordering::Relaxed) {
+            if self.tier_side.first_cpu_model() {
                 let why = format!(
                     "'{name}' lives on the CPU, where its weights are host memory already; the host tier holds device models"
                 );
@@ -79,8 +76,10 @@ impl Inner {
         drop(self.evicted(stage, evicted, usage));
 
         let started = Instant::now();
-        let copied =
-            self.before_tier_copy(name, true).and_then(|()| tier_copy::copy_out(views, device, &self.host_memory));
+        let copied = self
+            .tier_side
+            .before_copy(name, true)
+            .and_then(|()| tier_copy::copy_out(views, device, self.tier_side.host_memory()));
         let mut state = self.state();
         let Some(tier) = state.tier.as_mut() else { return };
         let (what, dropped) = match copied {
@@ -93,25 +92,6 @@ impl Inner {
         drop(state);
         drop(dropped);
         self.tier_event(stage, name, Some(bytes), Some(started.elapsed().as_secs_f64()), what, usage);
-    }
-
-    /// Unit tests: holds or fails a copy into the tier (`into`) or out of it where it races with
-    /// the registry's other calls (the state lock let go); nothing otherwise.
-    pub(super) fn before_tier_copy(&self, _name: &str, _into: bool) -> Result<(), HostCopyError> {
-        #[cfg(test)]
-        if let Some(hook) = &self.tier_copy_hook {
-            return hook(_name, _into).map_err(HostCopyError::Injected);
-        }
-        Ok(())
-    }
-
-    /// Whether the host tier holds copies of models on `device`.
-    fn tier_applies(&self, device: Device) -> bool {
-        #[cfg(test)]
-        if self.tier_on_cpu {
-            return true;
-        }
-        tier_copy::applies(device)
     }
 
     /// Says which copies were evicted (the state lock let go); returns them for the caller to drop.
