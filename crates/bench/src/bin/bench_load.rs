@@ -54,6 +54,10 @@ struct Args {
     /// Output folder for the results.
     #[arg(long, default_value = "traces")]
     out: PathBuf,
+    /// Only these loaders besides stageload and the limit (the ratios' references), by their
+    /// names in the table (`--only torch.load-mmap,safetensors`); all of them by default.
+    #[arg(long, value_delimiter = ',', value_name = "NAMES")]
+    only: Vec<String>,
 }
 
 /// The limit's one reused buffer: larger than this machine's last-level cache (8 MiB), like a
@@ -229,6 +233,18 @@ fn load_average() -> String {
 fn main() -> Result<(), BoxError> {
     stageload_demo_kit::logging::init();
     let args = Args::parse();
+    if let Some(unknown) = args.only.iter().find(|n| !LOADERS.iter().any(|l| l.name() == n.as_str())) {
+        let names: Vec<&str> = LOADERS.iter().map(|l| l.name()).collect();
+        return Err(format!("--only: no loader '{unknown}' (the loaders: {})", names.join(", ")).into());
+    }
+    let loaders: Vec<Loader> = LOADERS
+        .into_iter()
+        .filter(|l| {
+            matches!(l, Loader::Limit | Loader::Stageload)
+                || args.only.is_empty()
+                || args.only.iter().any(|n| n == l.name())
+        })
+        .collect();
     let python =
         args.python.clone().or_else(|| std::env::var("STAGELOAD_PYTHON").ok()).unwrap_or_else(|| "python3".into());
     let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(2);
@@ -276,7 +292,7 @@ fn main() -> Result<(), BoxError> {
             }
         }
         for round in 0..args.rounds {
-            for loader in LOADERS {
+            for &loader in &loaders {
                 if unavailable.contains_key(loader.name()) {
                     continue;
                 }
@@ -362,7 +378,7 @@ fn main() -> Result<(), BoxError> {
         };
         let (stageload, _) = rate_of(Loader::Stageload);
         let (limit, _) = rate_of(Loader::Limit);
-        for loader in LOADERS.into_iter().filter(|l| !unavailable.contains_key(l.name())) {
+        for &loader in loaders.iter().filter(|l| !unavailable.contains_key(l.name())) {
             let name = loader.name();
             let (rate, runs) = rate_of(loader);
             let percent = |bytes: i64| 100.0 * bytes as f64 / model_bytes as f64;

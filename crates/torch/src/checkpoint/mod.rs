@@ -306,9 +306,20 @@ pub struct Checkpoint {
     before_piece: Option<Arc<BeforePiece>>,
 }
 
-/// Asked before every piece of a load: it may wait as long as it likes (the load pauses there),
-/// then says whether the load goes on.
-pub type BeforePiece = dyn Fn() -> bool + Send + Sync;
+/// Asked before every piece of a load: it may wait as long as it likes (the load pauses there)
+/// when told [`PieceWait::May`], then says whether the load goes on.
+pub type BeforePiece = dyn Fn(PieceWait) -> bool + Send + Sync;
+
+/// Whether the hook asked before a piece may make the load wait there.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PieceWait {
+    /// The load holds nothing others need: it may pause.
+    May,
+    /// The load holds what another load would wait for (the process's pinned ring, on the way
+    /// to CUDA): the hook only says whether it goes on, at once. A load paused there would
+    /// leave the load it gave way to waiting for the ring.
+    MustNot,
+}
 
 impl std::fmt::Debug for Checkpoint {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -359,21 +370,22 @@ impl Checkpoint {
     /// Loads from this checkpoint end with [`CheckpointError::Stopped`] at the first piece that
     /// finds `flag` set (checked before each piece is read).
     pub fn stop_when(self, flag: Arc<AtomicBool>) -> Self {
-        self.before_each_piece(Arc::new(move || !flag.load(Ordering::SeqCst)))
+        self.before_each_piece(Arc::new(move |_| !flag.load(Ordering::SeqCst)))
     }
 
     /// Asks `hook` before each piece of a load is read (on the thread reading it; the load's
-    /// readers ask it in turn): a piece waits for its answer, and a `false` ends the load with
-    /// [`CheckpointError::Stopped`].
+    /// readers ask it concurrently): a piece waits for its answer, and a `false` ends the load
+    /// with [`CheckpointError::Stopped`]. Pieces on the way to CUDA through the pinned ring ask
+    /// with [`PieceWait::MustNot`].
     pub fn before_each_piece(mut self, hook: Arc<BeforePiece>) -> Self {
         self.before_piece = Some(hook);
         self
     }
 
     /// `Stopped` once the hook of [`before_each_piece`](Self::before_each_piece) says no.
-    fn go_on(&self) -> Result<(), CheckpointError> {
+    fn go_on(&self, wait: PieceWait) -> Result<(), CheckpointError> {
         match &self.before_piece {
-            Some(hook) if !hook() => Err(CheckpointError::Stopped { files: self.files.clone() }),
+            Some(hook) if !hook(wait) => Err(CheckpointError::Stopped { files: self.files.clone() }),
             _ => Ok(()),
         }
     }
@@ -386,6 +398,25 @@ impl Checkpoint {
     /// Every entry by name.
     pub fn entries(&self) -> &HashMap<String, Entry> {
         &self.entries
+    }
+
+    /// Asks the kernel to start reading `len` bytes at `offset` of file `file` into the page
+    /// cache (`posix_fadvise(WILLNEED)`, which returns at once): the reads a load is about to
+    /// make find them there or on their way, so that a read from the disk has more requests in
+    /// flight than the readers' own. Advice only: a refusal changes nothing, and where the call
+    /// does not exist (macOS) nothing is asked.
+    fn will_need(&self, file: usize, offset: u64, len: usize) {
+        #[cfg(any(target_os = "linux", target_os = "android", target_os = "freebsd"))]
+        if let (Ok(start), Ok(len)) = (i64::try_from(offset), i64::try_from(len)) {
+            let _ = nix::fcntl::posix_fadvise(
+                &self.handles[file],
+                start,
+                len,
+                nix::fcntl::PosixFadviseAdvice::POSIX_FADV_WILLNEED,
+            );
+        }
+        #[cfg(not(any(target_os = "linux", target_os = "android", target_os = "freebsd")))]
+        let _ = (file, offset, len);
     }
 
     /// Drops the bytes of the entries `names` from the page cache (`posix_fadvise(DONTNEED)`
@@ -520,7 +551,7 @@ impl Checkpoint {
         let mut buffer = Vec::new();
         tch::no_grad(|| -> Result<(), CheckpointError> {
             for (_, ((name, target), entry)) in sequential {
-                self.go_on()?;
+                self.go_on(PieceWait::May)?;
                 self.copy_converted(name, target, entry, &mut buffer)?;
                 let bytes = (target.numel() * target.kind().elt_size_in_bytes()) as u64;
                 progress(Progress { done: done.fetch_add(bytes, Ordering::Relaxed) + bytes, total });
@@ -528,7 +559,7 @@ impl Checkpoint {
             Ok(())
         })?;
         // A stop that came during the last report ends the load stopped too.
-        self.go_on()?;
+        self.go_on(PieceWait::May)?;
         Ok(total)
     }
 
@@ -631,7 +662,15 @@ impl Checkpoint {
     ) -> Result<(), CheckpointError> {
         let threads =
             std::thread::available_parallelism().map_or(1, |n| n.get()).min(MAX_THREADS).min(jobs.len()).max(1);
-        let queue = Mutex::new(jobs.into_iter());
+        // Each piece's range, to ask the kernel for [`READ_AHEAD`] pieces ahead of the readers.
+        let ranges: Vec<(usize, u64, usize)> = jobs.iter().map(|j| (j.entry.file, j.offset, j.memory.len())).collect();
+        let will_need = |index: usize| {
+            if let Some(&(file, offset, len)) = ranges.get(index) {
+                self.will_need(file, offset, len);
+            }
+        };
+        (0..READ_AHEAD).for_each(will_need);
+        let queue = Mutex::new(jobs.into_iter().enumerate());
         let failed: Mutex<Option<CheckpointError>> = Mutex::new(None);
         let work = |report: &mut dyn FnMut(u64)| {
             loop {
@@ -639,14 +678,17 @@ impl Checkpoint {
                 let next = lock(&queue).next();
                 // A stop is looked for at every turn, the last (empty queue) too: a load the
                 // caller's thread sees stopped ends stopped, whoever read the last pieces.
-                let read = match (self.go_on(), next) {
+                let read = match (self.go_on(PieceWait::May), next) {
                     (Err(stopped), _) => Err(stopped),
                     (Ok(()), None) => return,
-                    (Ok(()), Some(job)) => self.handles[job.entry.file]
-                        .read_exact_at(job.memory, job.offset)
-                        .inspect(|()| crate::copy_watch::piece())
-                        .map(|()| job.memory.len() as u64)
-                        .map_err(|source| self.read_error(job.name, job.entry, source)),
+                    (Ok(()), Some((index, job))) => {
+                        will_need(index + READ_AHEAD);
+                        self.handles[job.entry.file]
+                            .read_exact_at(job.memory, job.offset)
+                            .inspect(|()| crate::copy_watch::piece())
+                            .map(|()| job.memory.len() as u64)
+                            .map_err(|source| self.read_error(job.name, job.entry, source))
+                    }
                 };
                 let bytes = match read {
                     Ok(bytes) => bytes,
@@ -779,6 +821,10 @@ fn warn_pageable_once(reason: &crate::HostCopyError) {
 }
 /// Threads that read at once.
 const MAX_THREADS: usize = 8;
+
+/// Pieces a load asks the kernel to read ahead of its readers ([`Checkpoint::will_need`]): 64 MiB
+/// of 16 MiB pieces.
+const READ_AHEAD: usize = 4;
 
 /// One piece of a direct copy: `memory.len()` bytes of the file at `offset` into `memory`.
 struct Job<'a> {

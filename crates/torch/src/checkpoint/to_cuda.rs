@@ -9,7 +9,7 @@ use std::sync::{Arc, Condvar, Mutex};
 
 use tch::{Device, Kind, Tensor};
 
-use super::{Checkpoint, CheckpointError, Entry};
+use super::{Checkpoint, CheckpointError, Entry, PieceWait};
 use crate::device_copy;
 use crate::pinned::HostCopyError;
 use crate::sync::lock;
@@ -137,7 +137,8 @@ impl Checkpoint {
                 Err(err)
             };
             for (j, (i, piece)) in work.iter().enumerate() {
-                if let Err(stopped) = self.go_on() {
+                // The ring is this load's until it ends: no pause here, only a stop.
+                if let Err(stopped) = self.go_on(PieceWait::MustNot) {
                     return stop(stopped);
                 }
                 let outcome = {

@@ -420,7 +420,7 @@ impl Inner {
         let mut checkpoint = Checkpoint::open(files).map_err(wrap)?;
         if fill == Fill::Background {
             let turns = Arc::clone(&self.turns);
-            checkpoint = checkpoint.before_each_piece(Arc::new(move || turns.before_background_piece()));
+            checkpoint = checkpoint.before_each_piece(Arc::new(move |wait| turns.before_background_piece(wait)));
         }
         let report = match fill {
             Fill::CheckOnly => checkpoint.check_named(targets, names),

@@ -380,15 +380,34 @@ impl State {
         self.holding.iter().filter_map(|&p| self.entries[p].slot.state.holds_storage())
     }
 
-    /// Identities of the storages that other models keep live when `batch[index]` is freed,
-    /// the batch's models freed in order: every storage of the instances holding storage but
-    /// that one and those of the batch before it (freed already), and the storages released
-    /// instances keep resident (the batch's so far, its own included: tensors nothing refills).
-    pub(super) fn live_storage_ids_in_batch(&self, batch: &[&Arc<Instance>], index: usize) -> HashSet<u64> {
-        let gone = |i: &Arc<Instance>| batch[..=index].iter().any(|b| Arc::ptr_eq(b, i));
-        let holding = self.holding().filter(|i| !gone(i)).flat_map(|i| i.storage_ids());
-        let kept = self.kept_by_released().chain(batch[..=index].iter().copied());
-        holding.chain(kept.flat_map(|i| i.kept.iter().map(|(id, _)| *id))).collect()
+    /// For each model of `batch` (freed in that order), the identities of its storages that
+    /// stay: those other models keep live (the instances holding storage outside the batch, the
+    /// batch's models after it, which still hold theirs), and those released instances keep
+    /// resident (the batch's so far, its own included: tensors nothing refills). Walks each
+    /// storage a few times, however large the batch.
+    pub(super) fn kept_in_batch(&self, batch: &[&Arc<Instance>]) -> Vec<HashSet<u64>> {
+        let in_batch: HashSet<*const Instance> = batch.iter().map(|b| Arc::as_ptr(b)).collect();
+        let outside = self.holding().filter(|i| !in_batch.contains(&Arc::as_ptr(i)));
+        let mut live: HashSet<u64> = outside.flat_map(|i| i.storage_ids()).collect();
+        live.extend(self.kept_by_released().flat_map(|i| i.kept.iter().map(|(id, _)| *id)));
+        // How many of the batch's models not yet freed hold each storage.
+        let mut holders: HashMap<u64, usize> = HashMap::new();
+        for id in batch.iter().flat_map(|b| b.storage_ids()) {
+            *holders.entry(id).or_default() += 1;
+        }
+        batch
+            .iter()
+            .map(|instance| {
+                for id in instance.storage_ids() {
+                    holders.entry(id).and_modify(|n| *n = n.saturating_sub(1));
+                }
+                live.extend(instance.kept.iter().map(|(id, _)| *id));
+                instance
+                    .storage_ids()
+                    .filter(|id| live.contains(id) || holders.get(id).is_some_and(|n| *n > 0))
+                    .collect()
+            })
+            .collect()
     }
 
     /// Released instances that keep storage resident ([`Instance::kept`]).

@@ -58,11 +58,8 @@ impl Inner {
         // refill (tensors its checkpoint lacks): both counted as kept. In the batch, a storage
         // two of its models share is freed by the later one, as if they were released one
         // after the other.
-        let keeps: Vec<HashSet<u64>> = {
-            let state = self.state();
-            let batch: Vec<&Arc<Instance>> = claimed.iter().map(|c| c.instance).collect();
-            (0..claimed.len()).map(|i| state.live_storage_ids_in_batch(&batch, i)).collect()
-        };
+        let batch: Vec<&Arc<Instance>> = claimed.iter().map(|c| c.instance).collect();
+        let keeps: Vec<HashSet<u64>> = self.state().kept_in_batch(&batch);
         let freed: Vec<(Result<ReleaseStats, _>, f64)> = claimed
             .iter()
             .zip(&keeps)
@@ -95,7 +92,7 @@ impl Inner {
         drop(state);
         let mut total = ReleaseStats::default();
         let mut events = Vec::with_capacity(claimed.len());
-        let (mut any_dropped, mut freed_now) = (false, 0u64);
+        let mut any_dropped = false;
         for ((release, (result, seconds)), (comes_back, resident)) in claimed.into_iter().zip(freed).zip(settled) {
             let Claimed { instance, mut body, stage } = release;
             if !comes_back && result.is_ok() {
@@ -109,7 +106,6 @@ impl Inner {
                 Ok(stats) => {
                     total.freed += stats.freed;
                     total.kept += stats.kept;
-                    freed_now = freed_now.saturating_add(stats.freed);
                     Event {
                         stage,
                         model: Some(instance.name.clone()),
@@ -132,9 +128,9 @@ impl Inner {
             };
             events.push(event);
         }
-        if any_dropped || freed_now > 0 {
+        if any_dropped || total.freed > 0 {
             // Before the events, so that a meter reading at them sees the memory gone.
-            caches::give_back(any_dropped, self.trim.due(freed_now));
+            caches::give_back(any_dropped, self.trim.due(total.freed));
         }
         for event in events {
             self.emit(event);

@@ -31,6 +31,7 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
+use crate::checkpoint::PieceWait;
 use crate::sync::lock;
 
 /// Whose load it is.
@@ -133,8 +134,12 @@ impl Turns {
     }
 
     /// Before each piece of a background copy that holds no turn: waits while a foreground load
-    /// is in progress; `false` once the registry is cancelled (the copy stops).
-    pub(crate) fn before_background_piece(&self) -> bool {
+    /// is in progress (unless the piece must not wait: it holds the pinned ring a foreground load
+    /// to CUDA would wait for); `false` once the registry is cancelled (the copy stops).
+    pub(crate) fn before_background_piece(&self, wait: PieceWait) -> bool {
+        if wait == PieceWait::MustNot {
+            return !self.cancelled();
+        }
         let mut state = self.state();
         while state.foreground_loading > 0 && !self.cancelled() {
             state = crate::sync::wait(&self.changed, state);
@@ -272,14 +277,16 @@ mod tests {
     }
 
     #[test]
-    fn a_background_piece_waits_for_the_foreground_loads_and_cancellation_ends_the_wait() {
+    fn a_background_piece_waits_for_the_foreground_loads_unless_it_holds_the_ring_and_cancellation_ends_the_wait() {
         let turns = Arc::new(Turns::default());
-        assert!(turns.before_background_piece(), "nothing in the foreground: go on");
+        assert!(turns.before_background_piece(PieceWait::May), "nothing in the foreground: go on");
         let load = turns.foreground_load();
+        // A piece holding the pinned ring a foreground load to CUDA waits for never pauses.
+        assert!(turns.before_background_piece(PieceWait::MustNot), "holding the ring: go on at once");
         let (done_tx, done) = mpsc::channel();
         let piece = {
             let (turns, done_tx) = (Arc::clone(&turns), done_tx.clone());
-            std::thread::spawn(move || done_tx.send(turns.before_background_piece()).unwrap())
+            std::thread::spawn(move || done_tx.send(turns.before_background_piece(PieceWait::May)).unwrap())
         };
         assert!(done.recv_timeout(Duration::from_millis(200)).is_err(), "paused while the foreground loads");
         drop(load);
@@ -289,10 +296,11 @@ mod tests {
         let _load = turns.foreground_load();
         let piece = {
             let turns = Arc::clone(&turns);
-            std::thread::spawn(move || done_tx.send(turns.before_background_piece()).unwrap())
+            std::thread::spawn(move || done_tx.send(turns.before_background_piece(PieceWait::May)).unwrap())
         };
         turns.cancel();
         assert_eq!(done.recv_timeout(DEADLINE), Ok(false), "cancelled: the copy stops");
+        assert!(!turns.before_background_piece(PieceWait::MustNot), "cancelled: it stops holding the ring too");
         piece.join().unwrap();
         assert!(!turns.take(Who::Background), "cancelled: no background build begins");
         assert!(BuildHold::new(&turns, Who::Foreground).unwrap().holds_turn(), "a foreground build still can");
