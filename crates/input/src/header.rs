@@ -18,7 +18,7 @@ pub const MAX_HEADER_LEN: u64 = 100_000_000;
 #[non_exhaustive]
 pub enum HeaderError {
     /// The file's size could not be read, or its header not read.
-    #[error("{0}")]
+    #[error(transparent)]
     Io(#[from] std::io::Error),
     /// The file is shorter than the 8-byte length field.
     #[error("{file_len} B: too short for a safetensors header")]

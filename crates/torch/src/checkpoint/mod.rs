@@ -241,8 +241,8 @@ pub enum SaveFailure {
         source: tch::TchError,
     },
     /// The safetensors writer failed.
-    #[error("{0}")]
-    Writer(#[source] safetensors::SafeTensorError),
+    #[error(transparent)]
+    Writer(safetensors::SafeTensorError),
 }
 
 /// The names, quoted and comma-separated (error messages).
@@ -398,25 +398,6 @@ impl Checkpoint {
     /// Every entry by name.
     pub fn entries(&self) -> &HashMap<String, Entry> {
         &self.entries
-    }
-
-    /// Asks the kernel to start reading `len` bytes at `offset` of file `file` into the page
-    /// cache (`posix_fadvise(WILLNEED)`, which returns at once): the reads a load is about to
-    /// make find them there or on their way, so that a read from the disk has more requests in
-    /// flight than the readers' own. Advice only: a refusal changes nothing, and where the call
-    /// does not exist (macOS) nothing is asked.
-    fn will_need(&self, file: usize, offset: u64, len: usize) {
-        #[cfg(any(target_os = "linux", target_os = "android", target_os = "freebsd"))]
-        if let (Ok(start), Ok(len)) = (i64::try_from(offset), i64::try_from(len)) {
-            let _ = nix::fcntl::posix_fadvise(
-                &self.handles[file],
-                start,
-                len,
-                nix::fcntl::PosixFadviseAdvice::POSIX_FADV_WILLNEED,
-            );
-        }
-        #[cfg(not(any(target_os = "linux", target_os = "android", target_os = "freebsd")))]
-        let _ = (file, offset, len);
     }
 
     /// Drops the bytes of the entries `names` from the page cache (`posix_fadvise(DONTNEED)`
@@ -662,15 +643,7 @@ impl Checkpoint {
     ) -> Result<(), CheckpointError> {
         let threads =
             std::thread::available_parallelism().map_or(1, |n| n.get()).min(MAX_THREADS).min(jobs.len()).max(1);
-        // Each piece's range, to ask the kernel for [`READ_AHEAD`] pieces ahead of the readers.
-        let ranges: Vec<(usize, u64, usize)> = jobs.iter().map(|j| (j.entry.file, j.offset, j.memory.len())).collect();
-        let will_need = |index: usize| {
-            if let Some(&(file, offset, len)) = ranges.get(index) {
-                self.will_need(file, offset, len);
-            }
-        };
-        (0..READ_AHEAD).for_each(will_need);
-        let queue = Mutex::new(jobs.into_iter().enumerate());
+        let queue = Mutex::new(jobs.into_iter());
         let failed: Mutex<Option<CheckpointError>> = Mutex::new(None);
         let work = |report: &mut dyn FnMut(u64)| {
             loop {
@@ -681,14 +654,11 @@ impl Checkpoint {
                 let read = match (self.go_on(PieceWait::May), next) {
                     (Err(stopped), _) => Err(stopped),
                     (Ok(()), None) => return,
-                    (Ok(()), Some((index, job))) => {
-                        will_need(index + READ_AHEAD);
-                        self.handles[job.entry.file]
-                            .read_exact_at(job.memory, job.offset)
-                            .inspect(|()| crate::copy_watch::piece())
-                            .map(|()| job.memory.len() as u64)
-                            .map_err(|source| self.read_error(job.name, job.entry, source))
-                    }
+                    (Ok(()), Some(job)) => self.handles[job.entry.file]
+                        .read_exact_at(job.memory, job.offset)
+                        .inspect(|()| crate::copy_watch::piece())
+                        .map(|()| job.memory.len() as u64)
+                        .map_err(|source| self.read_error(job.name, job.entry, source)),
                 };
                 let bytes = match read {
                     Ok(bytes) => bytes,
@@ -821,10 +791,6 @@ fn warn_pageable_once(reason: &crate::HostCopyError) {
 }
 /// Threads that read at once.
 const MAX_THREADS: usize = 8;
-
-/// Pieces a load asks the kernel to read ahead of its readers ([`Checkpoint::will_need`]): 64 MiB
-/// of 16 MiB pieces.
-const READ_AHEAD: usize = 4;
 
 /// One piece of a direct copy: `memory.len()` bytes of the file at `offset` into `memory`.
 struct Job<'a> {

@@ -9,9 +9,14 @@
 //!    a few statements. A foreground build holds it for its loader's run (the RNG state it
 //!    preserves is process-wide); any build holds it from its first shared component to its end.
 //!    A prefetch's loader runs without it, and its checkpoint copy pauses between pieces while a
-//!    foreground load runs: a foreground load never queues behind a background one. Waits for
-//!    the turn or at a paused piece are on the turns' own condition variable with no other lock
-//!    held, so that a prefetch gives up when the registry closes or drops. A loader must not ask
+//!    foreground load runs (not on its way to CUDA: it holds the process's pinned ring there,
+//!    which the foreground load would wait for), so a foreground load does not queue behind a
+//!    background one, with one exception: a background build that took a shared component holds
+//!    the turn to its end, its copy included, so that no other build sees the component half
+//!    filled, and a foreground build waits for it. Waits for the turn or at a paused piece are on
+//!    the turns' own condition variable with no other lock held but the paused model's own
+//!    (its body and weights, which nobody else uses while it loads), so that a prefetch gives up
+//!    when the registry closes or drops. A loader must not ask
 //!    its own registry for a model that needs loading (it would wait for the turn it holds, or
 //!    for a prefetched copy paused behind its own load): a model a loader needs is built in that
 //!    loader, or shared through [`super::BuildContext::shared`].

@@ -75,8 +75,8 @@ pub enum SnapshotError {
         keep_free: u64,
     },
     /// Writing the file failed.
-    #[error("{0}")]
-    Write(#[source] Box<crate::checkpoint::CheckpointError>),
+    #[error(transparent)]
+    Write(Box<crate::checkpoint::CheckpointError>),
     /// The model's storages could not be read.
     #[error("reading its storages failed: {0}")]
     Storages(#[source] stageload_torch_sys::ShimError),
