@@ -31,7 +31,7 @@ use stageload::{BoxError, Built, EventSink, ModelSpec, Pipeline, SharedRng, Stag
 use stageload_demo_kit::args::{parse_device, positive_scale};
 use stageload_demo_kit::models::{cascade_seed, cascade_shapes};
 use stageload_demo_kit::sampler::sample_flow_with;
-use stageload_demo_kit::weights::{cache_root, drop_page_cache};
+use stageload_demo_kit::weights::{cache_root, disk_read_rate, drop_page_cache};
 use stageload_demo_kit::{cached_checkpoint, schedule, tokens_at, Transformer, CHANNELS};
 use stageload_plan::{ModelEntry, PipelineFile, StageEntry, StreamEntry};
 use stageload_units::{format_bytes, parse_size};
@@ -70,6 +70,11 @@ struct Args {
     /// the disk
     #[arg(long)]
     cold: bool,
+    /// Measure the disk's sequential read rate on the checkpoint first (one thread, its pages
+    /// dropped before and after), for a from-disk run's limit: `disk_bytes_per_second` in the
+    /// result
+    #[arg(long)]
+    disk_rate: bool,
     /// Serve every host allocation of 1 MiB or more with its own mapping, as a streamed model on
     /// the CPU makes the process do (`map_large_host_blocks`): the resident model's control for
     /// what that costs
@@ -192,6 +197,9 @@ struct Outcome {
     bytes_refilled: u64,
     refill_seconds: f64,
     waited_seconds: f64,
+    /// The disk's read rate measured before set-up (`--disk-rate`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    disk_bytes_per_second: Option<f64>,
 }
 
 /// The model as the registry holds it: whole, or with its streamer.
@@ -245,6 +253,7 @@ fn run(args: Args) -> Result<(), BoxError> {
         stageload_torch_sys::map_large_host_blocks();
     }
     let base = rss()?;
+    let disk_bytes_per_second = if args.disk_rate { Some(disk_read_rate(&file)?) } else { None };
     if args.cold {
         drop_page_cache(&file)?;
     }
@@ -368,6 +377,7 @@ fn run(args: Args) -> Result<(), BoxError> {
             bytes_refilled: stats.bytes_refilled,
             refill_seconds: stats.refill_seconds,
             waited_seconds: stats.waited_seconds,
+            disk_bytes_per_second,
         };
         std::fs::write(path, serde_json::to_string_pretty(&outcome)?)?;
     }

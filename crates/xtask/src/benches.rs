@@ -44,7 +44,7 @@ pub fn hot_set(shell: &mut Shell, out: &Path, runs: u16) -> Result<(), Error> {
             .map(|(name, flags)| {
                 let mut args = words(&["--device", "cpu", "--route", "experts", "--steps", "24", "--tokens", "128"]);
                 if source == "disk" {
-                    args.push("--cold".into());
+                    args.extend(words(&["--cold", "--disk-rate"]));
                     if !name.starts_with("resident") {
                         args.push("--uncached".into());
                     }
@@ -71,6 +71,9 @@ pub fn hot_set(shell: &mut Shell, out: &Path, runs: u16) -> Result<(), Error> {
                 (value("peak_rss", arm) - value("base_rss", arm)) / f64::from(1u32 << 20),
             ));
         }
+        if source == "disk" {
+            disk_limits(&log, &report);
+        }
         for other in ["no-hot", "prefix"] {
             if value("refills", "hot").partial_cmp(&value("refills", other)) != Some(std::cmp::Ordering::Less) {
                 failures.keep(Err(format!("from the {source}: the hot set read no fewer blocks than {other}")));
@@ -78,6 +81,37 @@ pub fn hot_set(shell: &mut Shell, out: &Path, runs: u16) -> Result<(), Error> {
         }
     }
     failures.end()
+}
+
+/// Each streamed arm from the disk against its limit: the flow cannot take less than its
+/// compute (the resident arm's flow) nor than reading what it refilled at the disk's rate (each
+/// run measures it first on the checkpoint, `--disk-rate`: the median over every run of the
+/// comparison), so the limit is the larger of the two.
+fn disk_limits(log: &Log, report: &crate::ab::Report) {
+    let mut rates: Vec<f64> =
+        HOT_SET_ARMS.iter().filter_map(|(arm, _)| report.median("disk_bytes_per_second", arm)).collect();
+    rates.sort_by(f64::total_cmp);
+    let (Some(&rate), Some(compute)) = (rates.get(rates.len() / 2), report.median("seconds", "resident")) else {
+        log.line("   no disk rate or resident time in the results: no limits");
+        return;
+    };
+    log.line(&format!(
+        "== from the disk, against the limit max(compute, bytes read / disk rate): disk {:.2} GB/s (median over the arms' medians {}), compute {compute:.2} s (resident)",
+        rate / 1e9,
+        rates.iter().map(|r| format!("{:.2}", r / 1e9)).collect::<Vec<_>>().join(", "),
+    ));
+    for arm in ["hot", "no-hot", "prefix"] {
+        let (Some(seconds), Some(bytes)) = (report.median("seconds", arm), report.median("bytes_refilled", arm)) else {
+            continue;
+        };
+        let reading = bytes / rate;
+        let limit = compute.max(reading);
+        log.line(&format!(
+            "   {arm:<15} {seconds:.2} s against {limit:.2} s ({:.2} GiB read: {reading:.2} s at the disk's rate): {:.3}x the limit",
+            bytes / f64::from(1u32 << 30),
+            seconds / limit,
+        ));
+    }
 }
 
 /// Staged + prefetch wall time against eager and staged, on a warm and on a cold page cache: the
