@@ -1,0 +1,25 @@
+"""Per-stage compute time from stageload traces: each stage's window (its stage event to the
+next stage event or the close mark) less the foreground loads in it (load/reload events not
+marked prefetched: their seconds). Medians over each arm's runs; ratios to the first arm's."""
+import json, sys, statistics, glob, os, re
+folder, arms = sys.argv[1], sys.argv[2].split(',')
+def compute(path):
+    events = [json.loads(l) for l in open(path) if '"type":"event"' in l]
+    marks = [(e['t'], e.get('stage')) for e in events if e['kind'] == 'stage'] 
+    ends = [e['t'] for e in events if e['kind'] == 'mark']
+    out = {}
+    for i, (t, stage) in enumerate(marks):
+        end = marks[i + 1][0] if i + 1 < len(marks) else (min([x for x in ends if x > t], default=events[-1]['t']))
+        loads = sum(e.get('seconds', 0) for e in events if e['kind'] in ('load', 'reload') and not e.get('prefetched') and t <= e['t'] <= end)
+        out[stage] = out.get(stage, 0) + (end - t - loads)
+    return out
+per = {}
+for arm in arms:
+    runs = [compute(p) for p in sorted(glob.glob(os.path.join(folder, f'{arm}-[0-9].jsonl')))]
+    per[arm] = {s: statistics.median([r[s] for r in runs if s in r]) for s in runs[0]}
+stages = [s for s in per[arms[0]] if s != 'setup']
+print('| stage | ' + ' | '.join([f'{arms[0]} (s)'] + [f'{a} / {arms[0]}' for a in arms[1:]]) + ' |')
+print('|---' * len(arms) + '|---|')
+for s in stages:
+    base = per[arms[0]][s]
+    print(f'| {s} | {base:.2f} | ' + ' | '.join(f'{per[a][s] / base:.3f}' for a in arms[1:]) + ' |')
