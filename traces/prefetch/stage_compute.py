@@ -1,6 +1,11 @@
 """Per-stage compute time from stageload traces: each stage's window (its stage event to the
 next stage event or the close mark) less the foreground loads in it (load/reload events not
-marked prefetched: their seconds). Medians over each arm's runs; ratios to the first arm's."""
+marked prefetched: their seconds) and less the wait for a model of its own whose prefetch ends
+inside it (from the window's start to that load's end: the stage's `get` waits for it; an upper
+bound if the stage computed something first). A prefetched load is the stage's whose `prefetch`
+event, the last before it for that model, names the stage. Medians over each arm's runs; ratios to the first arm's.
+
+    python3 traces/prefetch/stage_compute.py FOLDER eager,staged,prefetch"""
 import json, sys, statistics, glob, os, re
 folder, arms = sys.argv[1], sys.argv[2].split(',')
 def compute(path):
@@ -10,8 +15,13 @@ def compute(path):
     out = {}
     for i, (t, stage) in enumerate(marks):
         end = marks[i + 1][0] if i + 1 < len(marks) else (min([x for x in ends if x > t], default=events[-1]['t']))
-        loads = sum(e.get('seconds', 0) for e in events if e['kind'] in ('load', 'reload') and not e.get('prefetched') and t <= e['t'] <= end)
-        out[stage] = out.get(stage, 0) + (end - t - loads)
+        inside = [e for e in events if e['kind'] in ('load', 'reload') and t <= e['t'] <= end]
+        loads = sum(e.get('seconds', 0) for e in inside if not e.get('prefetched'))
+        def target(load):
+            asked = [e for e in events if e['kind'] == 'prefetch' and e.get('model') == load.get('model') and e['t'] <= load['t']]
+            return asked[-1].get('stage') if asked else None
+        waited = max([e['t'] - t for e in inside if e.get('prefetched') and target(e) == stage], default=0.0)
+        out[stage] = out.get(stage, 0) + (end - t - loads - waited)
     return out
 per = {}
 for arm in arms:
