@@ -137,9 +137,7 @@ impl Inner {
         }
         total
     }
-}
 
-impl Inner {
     /// Removes the snapshot file of a model replaced or removed: no reload reads it any more.
     pub(super) fn forget_snapshot(&self, path: Option<PathBuf>) {
         if let (Some(snapshots), Some(path)) = (&self.snapshots, path) {
