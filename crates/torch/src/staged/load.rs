@@ -111,7 +111,7 @@ impl Inner {
             }
             let planned_here = prefetch || state.planned_here(name);
             let in_tier = state.in_tier(name);
-            let ctx = GetContext { closed: state.closed, strict: self.builds.strict(), planned_here, in_tier };
+            let ctx = GetContext { closed: state.is_closed(), strict: self.builds.strict(), planned_here, in_tier };
             let entry = &state.entries()[position];
             let plan = match entry.slot().get(ctx) {
                 GetAction::Use(instance) => return Ok(instance),
@@ -136,14 +136,14 @@ impl Inner {
                 GetAction::Refuse(Refusal::OutsideStage) => {
                     return Err(StageError::OutsideStage {
                         model: name.to_string(),
-                        stage: state.current.clone().unwrap_or_default(),
+                        stage: state.current().unwrap_or_default().to_string(),
                     })
                 }
                 GetAction::Refuse(Refusal::NoLoader { stage }) => {
                     return Err(StageError::NoLoader { model: name.to_string(), stage })
                 }
                 GetAction::Refill(instance) => {
-                    let leased = state.tier.as_mut().and_then(|tier| tier.lease(name));
+                    let leased = state.tier_mut().and_then(|tier| tier.lease(name));
                     let copies = leased.map(|(ticket, copies)| (ticket, HostCopies::shallow(copies)));
                     LoadPlan::Refill(instance, copies)
                 }
@@ -152,8 +152,7 @@ impl Inner {
                     None => return Err(StageError::NoLoader { model: name.to_string(), stage: None }),
                 },
             };
-            state.next_ticket += 1;
-            let ticket = state.next_ticket;
+            let ticket = state.take_ticket();
             let entry = &state.entries()[position];
             let before = entry.slot().state.clone();
             let loading = entry.slot().start_load(ticket);
@@ -168,7 +167,7 @@ impl Inner {
             state.set_state(position, loading);
             break (ticket, plan, recipe, before);
         };
-        let stage = state.current.clone();
+        let stage = state.current().map(str::to_string);
         let outside_stage = !prefetch && !state.planned_here(name);
         drop(state);
 
@@ -203,14 +202,14 @@ impl Inner {
         };
         let from_tier = leased.is_some();
         let mut restored = None;
-        if let (Some(ticket), Some(tier)) = (leased, state.tier.as_mut()) {
+        if let (Some(ticket), Some(tier)) = (leased, state.tier_mut()) {
             match result {
                 Ok(_) => restored = tier.withdraw(name, ticket),
                 Err(_) => tier.unlease(name, ticket),
             }
         }
         let tier = if from_tier { state.tier_usage() } else { None };
-        let position = state.index.get(name).copied();
+        let position = state.find(name);
         let outcome = result.as_ref().ok().map(|(instance, ..)| Arc::clone(instance));
         let finish = position.map_or(Finish::Discard, |p| state.entries()[p].slot().finish_load(ticket, outcome));
         self.notify_changed();
@@ -231,7 +230,7 @@ impl Inner {
                 // promised its memory back) or overtaken by the stages entered meanwhile (the
                 // current stage's plan does not count it): released at once.
                 let overtaken = match purpose {
-                    Purpose::Prefetch(trip) => state.closed || state.overtaken(name, trip),
+                    Purpose::Prefetch(trip) => state.is_closed() || state.overtaken(name, trip),
                     Purpose::Use => false,
                 };
                 let give_back = if overtaken { state.request_release(position) } else { None };
@@ -298,7 +297,7 @@ impl Inner {
     /// insert or a remove took the slot over meanwhile; wakes whoever waits for the load.
     fn give_up(&self, name: &str, ticket: u64, before: SlotState<Arc<Instance>>) {
         let mut state = self.state();
-        if let Some(position) = state.index.get(name).copied() {
+        if let Some(position) = state.find(name) {
             if let Some(back) = state.entries()[position].slot().give_up(ticket, before) {
                 state.set_state(position, back);
             }

@@ -211,7 +211,7 @@ impl StagedModels {
 
     /// Whether a model of that name exists (never loads).
     pub fn contains(&self, name: &str) -> bool {
-        self.inner.state().index.contains_key(name)
+        self.inner.state().find(name).is_some()
     }
 
     /// Number of models (never loads).
@@ -236,16 +236,12 @@ impl StagedModels {
 
     /// The stage entered last, if any.
     pub fn current_stage(&self) -> Option<String> {
-        self.inner.state().current.clone()
+        self.inner.state().current().map(str::to_string)
     }
 
     /// The models a stage lists.
     pub fn stage_models(&self, stage: &str) -> Result<Vec<String>> {
-        let state = self.inner.state();
-        state.stages.get(stage).map(|m| m.iter().cloned().collect()).ok_or_else(|| StageError::UnknownStage {
-            stage: stage.to_string(),
-            known: state.stages.keys().cloned().collect(),
-        })
+        Ok(self.inner.state().stage_models(stage)?.iter().cloned().collect())
     }
 
     /// Sets the host tier's byte budget at run time (a registry built without a tier gets one).
@@ -269,19 +265,18 @@ impl StagedModels {
     /// Keeps `name` resident across stages. Does not load it.
     pub fn pin(&self, name: &str) -> Result<()> {
         let mut state = self.inner.state();
-        if !state.index.contains_key(name) {
+        if !state.set_pin(name, true) {
             return Err(StageError::UnknownModel {
                 name: name.to_string(),
                 known: state.entries().iter().map(|e| e.name.clone()).collect(),
             });
         }
-        state.pinned.insert(name.to_string());
         Ok(())
     }
 
     /// Ends a pin; the next `enter` releases the model if its stage does not list it.
     pub fn unpin(&self, name: &str) {
-        self.inner.state().pinned.remove(name);
+        self.inner.state().set_pin(name, false);
     }
 
     /// Emits a `mark` event with `label`.

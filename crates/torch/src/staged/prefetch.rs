@@ -8,10 +8,9 @@ use std::sync::Arc;
 
 use tch::Device;
 
-use super::decide;
-use super::error::{Result, StageError};
+use super::error::Result;
 use super::load::Purpose;
-use super::registry::{Entry, Inner, Prefetching};
+use super::registry::{Entry, Inner};
 use crate::sync::lock;
 use stageload_trace::event::{Event, EventKind};
 
@@ -24,24 +23,21 @@ impl Inner {
     pub(crate) fn prefetch(self: &Arc<Self>, stage: &str) -> Result<Vec<String>> {
         let state = self.state();
         let Some(index) = state.occurrence(stage) else {
-            return Err(StageError::UnknownStage {
-                stage: stage.to_string(),
-                known: state.stages.keys().cloned().collect(),
-            });
+            return Err(state.unknown_stage(stage));
         };
-        let trip = decide::Trip { from: state.position, target: index, entered: state.entered };
-        let planned = &state.sequence[index].1;
+        let trip = state.trip_to(index);
+        let planned = state.planned_at(index);
         let resident = state.resident_bytes();
-        let working = self.background.working_of(state.current.as_deref());
+        let working = self.background.working_of(state.current());
         // (name, bytes it will hold (a streamed model's plan, else its released instance), or
         // its checkpoint files to measure, its CUDA device) — the files are measured once the
         // state lock is dropped.
         let mut candidates = Vec::new();
         for name in planned {
-            let Some(&position) = state.index.get(name) else { continue };
+            let Some(position) = state.find(name) else { continue };
             let entry = &state.entries()[position];
             let in_tier = state.in_tier(name);
-            match entry.slot().prefetch(state.closed, entry.init.draws_nothing(), in_tier) {
+            match entry.slot().prefetch(state.is_closed(), entry.init.draws_nothing(), in_tier) {
                 Ok(()) => {
                     let known = entry.stream.as_ref().map(|plan| plan.planned_held).or_else(|| instance_bytes(entry));
                     candidates.push((name.clone(), known, entry.checkpoint.clone(), cuda_device(entry)))
@@ -82,15 +78,7 @@ impl Inner {
         // returns; each thread takes its own off when it ends.
         let ids: Vec<u64> = {
             let mut state = self.state();
-            started
-                .iter()
-                .map(|(name, _, _)| {
-                    state.next_ticket += 1;
-                    let id = state.next_ticket;
-                    state.prefetches.push(Prefetching { id, model: name.clone(), stage: stage.to_string() });
-                    id
-                })
-                .collect()
+            started.iter().map(|(name, _, _)| state.start_prefetch(name, stage)).collect()
         };
         let mut spawned = Vec::with_capacity(started.len());
         for ((name, bytes, cuda), id) in started.into_iter().zip(ids) {
@@ -137,27 +125,15 @@ impl Inner {
     /// The models being prefetched now, in the order their prefetches started (a model named
     /// once however many prefetches of it run).
     pub(crate) fn prefetching(&self) -> Vec<String> {
-        let state = self.state();
-        let mut models: Vec<String> = Vec::new();
-        for prefetch in &state.prefetches {
-            if !models.contains(&prefetch.model) {
-                models.push(prefetch.model.clone());
-            }
-        }
-        models
+        self.state().prefetching()
     }
 
     /// Waits until every prefetch started for `stage` has ended (see
     /// [`super::StagedModels::wait_prefetch`]).
     pub(crate) fn wait_prefetch(&self, stage: &str) -> Result<()> {
         let mut state = self.state();
-        if !state.stages.contains_key(stage) {
-            return Err(StageError::UnknownStage {
-                stage: stage.to_string(),
-                known: state.stages.keys().cloned().collect(),
-            });
-        }
-        while state.prefetches.iter().any(|p| p.stage == stage) {
+        state.stage_models(stage)?;
+        while state.prefetching_for(stage) {
             state = self.wait_changed(state);
         }
         Ok(())
@@ -175,9 +151,7 @@ impl Inner {
 
     /// The stage after the one entered last, in the plan's sequence.
     pub(crate) fn next_stage(&self) -> Option<String> {
-        let state = self.state();
-        let position = state.position?;
-        state.sequence.get(position + 1).map(|(name, _)| name.clone())
+        self.state().next_stage().map(str::to_string)
     }
 }
 
@@ -191,7 +165,7 @@ struct Ended {
 impl Drop for Ended {
     fn drop(&mut self) {
         let mut state = self.inner.state();
-        state.prefetches.retain(|p| p.id != self.id);
+        state.end_prefetch(self.id);
         drop(state);
         self.inner.notify_changed();
     }

@@ -159,18 +159,20 @@ fn keeps_storage(state: &SlotState<Arc<Instance>>) -> bool {
 }
 
 /// A background load started by `prefetch` and not ended yet.
-pub(crate) struct Prefetching {
-    pub(crate) id: u64,
-    pub(crate) model: String,
+struct Prefetching {
+    id: u64,
+    model: String,
     /// The stage it was started for.
-    pub(crate) stage: String,
+    stage: String,
 }
 
+/// The registry's state, behind its one lock. Its fields are this file's: the other files read
+/// and change it through the methods below.
 pub(crate) struct State {
-    /// Private: slots are added and removed by `State`'s own methods, which keep `index` and
-    /// `holding` in step.
+    /// Slots are added and removed by `State`'s own methods, which keep `index` and `holding` in
+    /// step.
     entries: Vec<Entry>,
-    pub(crate) index: HashMap<String, usize>,
+    index: HashMap<String, usize>,
     /// Positions of the slots holding storage (resident, or released with the release pending:
     /// [`SlotState::holds_storage`]), in definition order. Kept by [`State::set_state`].
     holding: BTreeSet<usize>,
@@ -179,29 +181,29 @@ pub(crate) struct State {
     /// [`State::set_state`].
     keeping: BTreeSet<usize>,
     /// Each stage name's models, as its first occurrence lists them.
-    pub(crate) stages: BTreeMap<String, BTreeSet<String>>,
+    stages: BTreeMap<String, BTreeSet<String>>,
     /// The stages in the order the run enters them (a name may come back), each occurrence with
     /// its own models.
-    pub(crate) sequence: Vec<(String, BTreeSet<String>)>,
+    sequence: Vec<(String, BTreeSet<String>)>,
     /// Each stage name's occurrences in `sequence`, ascending.
     occurrences: HashMap<String, Vec<usize>>,
     /// Pins for the whole run (the builder's and `pin`'s).
-    pub(crate) pinned: BTreeSet<String>,
+    pinned: BTreeSet<String>,
     /// Pins over a span of the sequence: (model, from, until).
     spans: Vec<(String, usize, Option<usize>)>,
     /// Each model's spans, as positions in `spans`.
     spans_of: HashMap<String, Vec<usize>>,
-    pub(crate) current: Option<String>,
+    current: Option<String>,
     /// The occurrence of the sequence entered last.
-    pub(crate) position: Option<usize>,
+    position: Option<usize>,
     /// How many times a stage has been entered.
-    pub(crate) entered: u64,
-    pub(crate) closed: bool,
-    pub(crate) next_ticket: u64,
+    entered: u64,
+    closed: bool,
+    next_ticket: u64,
     /// Host copies of released device models (`None`: no host tier).
-    pub(crate) tier: Option<Tier<HostCopies>>,
+    tier: Option<Tier<HostCopies>>,
     /// Prefetches started and not ended, in the order they started.
-    pub(crate) prefetches: Vec<Prefetching>,
+    prefetches: Vec<Prefetching>,
 }
 
 impl State {
@@ -246,6 +248,108 @@ impl State {
     }
 
     /// Every entry, in definition order.
+    /// The slot of model `name`, if it has one.
+    pub(super) fn find(&self, name: &str) -> Option<usize> {
+        self.index.get(name).copied()
+    }
+
+    /// Whether `close` ran.
+    pub(super) fn is_closed(&self) -> bool {
+        self.closed
+    }
+
+    /// The stage entered last.
+    pub(super) fn current(&self) -> Option<&str> {
+        self.current.as_deref()
+    }
+
+    /// A ticket of its own for a load or a prefetch.
+    pub(super) fn take_ticket(&mut self) -> u64 {
+        self.next_ticket += 1;
+        self.next_ticket
+    }
+
+    /// The host tier, if there is one.
+    pub(super) fn tier(&self) -> Option<&Tier<HostCopies>> {
+        self.tier.as_ref()
+    }
+
+    pub(super) fn tier_mut(&mut self) -> Option<&mut Tier<HostCopies>> {
+        self.tier.as_mut()
+    }
+
+    /// The host tier, made with a budget of `bytes` if there was none.
+    pub(super) fn tier_or_new(&mut self, bytes: u64) -> &mut Tier<HostCopies> {
+        self.tier.get_or_insert_with(|| Tier::new(bytes))
+    }
+
+    /// The models stage `stage` lists (its first occurrence), or the error naming the stages.
+    pub(super) fn stage_models(&self, stage: &str) -> Result<&BTreeSet<String>> {
+        self.stages.get(stage).ok_or_else(|| self.unknown_stage(stage))
+    }
+
+    /// The error for a stage the plan does not have, naming the ones it has.
+    pub(super) fn unknown_stage(&self, stage: &str) -> StageError {
+        StageError::UnknownStage { stage: stage.to_string(), known: self.stages.keys().cloned().collect() }
+    }
+
+    /// The models occurrence `index` of the sequence lists.
+    pub(super) fn planned_at(&self, index: usize) -> &BTreeSet<String> {
+        &self.sequence[index].1
+    }
+
+    /// A trip from the occurrence entered last to occurrence `target`, as it stands now.
+    pub(super) fn trip_to(&self, target: usize) -> decide::Trip {
+        decide::Trip { from: self.position, target, entered: self.entered }
+    }
+
+    /// The stage after the one entered last, in the sequence.
+    pub(super) fn next_stage(&self) -> Option<&str> {
+        let position = self.position?;
+        self.sequence.get(position + 1).map(|(name, _)| name.as_str())
+    }
+
+    /// Notes a prefetch of `model` for `stage`; its id.
+    pub(super) fn start_prefetch(&mut self, model: &str, stage: &str) -> u64 {
+        let id = self.take_ticket();
+        self.prefetches.push(Prefetching { id, model: model.to_string(), stage: stage.to_string() });
+        id
+    }
+
+    /// The prefetch `id` ended.
+    pub(super) fn end_prefetch(&mut self, id: u64) {
+        self.prefetches.retain(|p| p.id != id);
+    }
+
+    /// The models being prefetched, in the order their prefetches started, each once.
+    pub(super) fn prefetching(&self) -> Vec<String> {
+        let mut models: Vec<String> = Vec::new();
+        for prefetch in &self.prefetches {
+            if !models.contains(&prefetch.model) {
+                models.push(prefetch.model.clone());
+            }
+        }
+        models
+    }
+
+    /// Whether a prefetch for `stage` has not ended.
+    pub(super) fn prefetching_for(&self, stage: &str) -> bool {
+        self.prefetches.iter().any(|p| p.stage == stage)
+    }
+
+    /// Pins `name` for the whole run (false: no such model) or ends its pin.
+    pub(super) fn set_pin(&mut self, name: &str, pinned: bool) -> bool {
+        if !self.index.contains_key(name) {
+            return false;
+        }
+        if pinned {
+            self.pinned.insert(name.to_string());
+        } else {
+            self.pinned.remove(name);
+        }
+        true
+    }
+
     pub(crate) fn entries(&self) -> &[Entry] {
         &self.entries
     }
@@ -563,10 +667,7 @@ impl Inner {
     pub(crate) fn enter(&self, stage: &str) -> Result<ReleaseStats> {
         let mut state = self.state();
         let Some(index) = state.occurrence(stage) else {
-            return Err(StageError::UnknownStage {
-                stage: stage.to_string(),
-                known: state.stages.keys().cloned().collect(),
-            });
+            return Err(state.unknown_stage(stage));
         };
         let planned = state.sequence[index].1.clone();
         state.current = Some(stage.to_string());

@@ -43,7 +43,7 @@ impl Inner {
         // model whose release is still pending: either the revival or the free happens, never
         // both.
         let claimed: Vec<Claimed<'_>> = instances.iter().filter_map(claim).collect();
-        let tier = state.tier.is_some() && !state.closed;
+        let tier = state.tier().is_some() && !state.is_closed();
         drop(state);
         if claimed.is_empty() {
             return ReleaseStats::default();
@@ -80,7 +80,7 @@ impl Inner {
             let instance = release.instance;
             let in_tier = state.in_tier(&instance.name);
             let mut comes_back = true;
-            if let Some(position) = state.index.get(&instance.name).copied() {
+            if let Some(position) = state.find(&instance.name) {
                 if let Some(done) = state.entries()[position].slot().finish_release(instance, in_tier) {
                     comes_back = done.comes_back;
                     state.set_state(position, done.state);
@@ -154,9 +154,9 @@ impl Inner {
         let Some(snapshots) = &self.snapshots else { return };
         let name = instance.name.as_str();
         let wanted = |state: &State| {
-            !state.closed
+            !state.is_closed()
                 && !state.in_tier(name)
-                && state.index.get(name).is_some_and(|&p| {
+                && state.find(name).is_some_and(|p| {
                     let entry = &state.entries()[p];
                     entry.checkpoint.is_empty()
                         && entry.stream.is_none()
@@ -171,8 +171,7 @@ impl Inner {
         let (action, detail) = match written {
             Ok(path) => {
                 let mut state = self.state();
-                if wanted(&state) {
-                    let position = state.index[name];
+                if let Some(position) = state.find(name).filter(|_| wanted(&state)) {
                     state.entry_mut(position).refill_from_snapshot(path.clone());
                     (Action::Written, path.display().to_string())
                 } else {

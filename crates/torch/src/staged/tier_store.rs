@@ -10,7 +10,7 @@ use super::instance::Instance;
 use super::registry::Inner;
 use super::tier_copy::{self, HostCopies};
 use crate::sync::lock;
-use stageload_plan::tier::{Evicted, Tier};
+use stageload_plan::tier::Evicted;
 use stageload_trace::event::{Action, Event, EventKind, TierUsage};
 
 impl Inner {
@@ -22,11 +22,10 @@ impl Inner {
         let mut state = self.state();
         // Not when closing, nor for an instance that left its slot (removed, replaced).
         let still_held = state
-            .index
-            .get(name)
-            .and_then(|&p| state.entries()[p].released())
+            .find(name)
+            .and_then(|p| state.entries()[p].released())
             .is_some_and(|held| std::ptr::eq(held.as_ref(), instance));
-        if state.tier.is_none() || state.closed || !still_held {
+        if state.tier().is_none() || state.is_closed() || !still_held {
             return;
         }
         // Lock order: the state lock, then the instance's weights.
@@ -65,7 +64,7 @@ impl Inner {
         };
         let bytes = views.bytes();
         let protected = state.pinned_now();
-        let admitted = state.tier.as_mut().map(|tier| tier.admit(name, bytes, &protected));
+        let admitted = state.tier_mut().map(|tier| tier.admit(name, bytes, &protected));
         let usage = state.tier_usage();
         drop(state);
         let (ticket, evicted) = match admitted {
@@ -81,7 +80,7 @@ impl Inner {
             .before_copy(name, true)
             .and_then(|()| tier_copy::copy_out(views, device, self.tier_side.host_memory()));
         let mut state = self.state();
-        let Some(tier) = state.tier.as_mut() else { return };
+        let Some(tier) = state.tier_mut() else { return };
         let (what, dropped) = match copied {
             // The ticket, not the name: the model may have been replaced (and the new instance
             // released into a reservation of its own) while the copy ran.
@@ -135,8 +134,8 @@ impl Inner {
     pub(crate) fn set_tier_budget(&self, bytes: u64) -> Result<()> {
         let mut state = self.state();
         let protected = state.pinned_now();
-        let stage = state.current.clone();
-        let tier = state.tier.get_or_insert_with(|| Tier::new(bytes));
+        let stage = state.current().map(str::to_string);
+        let tier = state.tier_or_new(bytes);
         let old = tier.budget();
         let evicted = tier.set_budget(bytes, &protected).map_err(|refused| StageError::HostTierBudget {
             asked: refused.asked,
