@@ -484,6 +484,19 @@ fn without_a_trace_a_run_over_its_plan_is_in_an_unknown_stage() {
     assert!(over["message"].as_str().unwrap().contains("unknown stage (no --trace: give --trace FILE"), "{over}");
 }
 
+/// A trace's lines for the `denoise` stage within 10 MiB of device memory, and the line that
+/// takes it to 100 MiB.
+fn device_trace_over() -> (String, String) {
+    let sample =
+        |t: f64, mib: u64| format!("{{\"type\":\"sample\",\"t\":{t},\"rss\":1,\"device_allocated\":{}}}", mib * MIB);
+    (trace_lines(&[&stage_event(0.0, "denoise"), &sample(0.1, 10)]), sample(0.5, 100) + "\n")
+}
+
+/// A Python program that writes its second argument to the file of its first, half a second
+/// later its third, then sleeps.
+const WRITE_THEN_GO_OVER: &str = "import sys, time\nf = open(sys.argv[1], 'w')\nf.write(sys.argv[2]); f.flush()\n\
+                                  time.sleep(0.5)\nf.write(sys.argv[3]); f.flush()\ntime.sleep(30)\n";
+
 #[test]
 fn device_memory_over_the_plan_read_from_the_trace_stops_the_run() {
     let folder = scratch("over-plan-device");
@@ -491,13 +504,9 @@ fn device_memory_over_the_plan_read_from_the_trace_stops_the_run() {
     // The denoiser on CUDA: 1 MiB of weights and 16 MiB of device working memory, a 17 MiB limit.
     let pipeline = plan_file(dir, "cuda", "device_memory = \"1G\"", "device_working = \"16M\"");
     let (log, trace) = (dir.join("guard.jsonl"), dir.join("run.jsonl"));
-    let sample =
-        |t: f64, mib: u64| format!("{{\"type\":\"sample\",\"t\":{t},\"rss\":1,\"device_allocated\":{}}}", mib * MIB);
-    let within = trace_lines(&[&stage_event(0.0, "denoise"), &sample(0.1, 10)]);
-    let over = sample(0.5, 100) + "\n";
+    let (within, over) = device_trace_over();
     // Within the plan for a few polls, then over it; its host memory stays within.
-    let program = "import sys, time\nf = open(sys.argv[1], 'w')\nf.write(sys.argv[2]); f.flush()\ntime.sleep(0.5)\n\
-                   f.write(sys.argv[3]); f.flush()\ntime.sleep(30)\n";
+    let program = WRITE_THEN_GO_OVER;
     let started = Instant::now();
     let output = held_python(&pipeline, Some(&trace), &log, program, &[trace.to_str().unwrap(), &within, &over]);
     let text = stderr(&output);
@@ -571,12 +580,8 @@ fn max_device_memory_stops_a_run_whose_trace_passes_it_and_names_the_flag() {
     let folder = scratch("max-device-memory");
     let dir = folder.path();
     let (log, trace) = (dir.join("guard.jsonl"), dir.join("run.jsonl"));
-    let sample =
-        |t: f64, mib: u64| format!("{{\"type\":\"sample\",\"t\":{t},\"rss\":1,\"device_allocated\":{}}}", mib * MIB);
-    let within = trace_lines(&[&stage_event(0.0, "denoise"), &sample(0.1, 10)]);
-    let over = sample(0.5, 100) + "\n";
-    let program = "import sys, time\nf = open(sys.argv[1], 'w')\nf.write(sys.argv[2]); f.flush()\ntime.sleep(0.5)\n\
-                   f.write(sys.argv[3]); f.flush()\ntime.sleep(30)\n";
+    let (within, over) = device_trace_over();
+    let program = WRITE_THEN_GO_OVER;
     let trace_arg = trace.to_str().unwrap();
     let mut args = vec!["--max-device-memory", "64M", "--trace", trace_arg, "--grace", "1s"];
     args.extend(ANY_MACHINE);
