@@ -140,7 +140,7 @@ fn cascade_holds_only_the_planned_models_and_reloads_the_shape_decoder_once() {
         .records
         .into_iter()
         .filter_map(|r| match r {
-            Record::Event(e) if e.kind.is_load() => Some((e.kind, e.model.unwrap_or_default())),
+            Record::Event(e) if e.kind().is_load() => Some((e.kind(), e.model().unwrap_or_default().to_string())),
             _ => None,
         })
         .collect();
@@ -152,7 +152,7 @@ fn cascade_holds_only_the_planned_models_and_reloads_the_shape_decoder_once() {
         .records
         .into_iter()
         .filter_map(|r| match r {
-            Record::Event(e) if e.kind == EventKind::Tier => e.note,
+            Record::Event(e) if e.kind() == EventKind::Tier => e.note(),
             _ => None,
         })
         .collect();

@@ -12,6 +12,7 @@ use std::sync::Arc;
 
 use stageload::{
     EventKind, ListSink, LoadReport, ModelSpec, NameRules, ReloadFrom, StageError, StagedModels, StagedModelsBuilder,
+    What,
 };
 use stageload_test_support::torch as support;
 use tch::{CModule, Tensor};
@@ -56,7 +57,7 @@ fn forward(models: &StagedModels, x: &Tensor) -> Result<Tensor, StageError> {
 fn bytes_of(sink: &ListSink, kind: EventKind) -> u64 {
     let events = sink.of_kind(kind);
     assert_eq!(events.len(), 1, "one {kind:?} event: {events:?}");
-    events[0].bytes.unwrap()
+    events[0].bytes().unwrap()
 }
 
 /// Whether tensors `a` and `b` of the model share one storage (the same memory).
@@ -111,7 +112,7 @@ fn a_tied_weight_needs_one_entry_is_counted_once_and_is_still_tied_after_the_rel
     assert!(report.missing.is_empty() && report.unused.is_empty(), "the strict check passes: {report:?}");
     assert!(shared(&models, "c2.weight", "c3.weight"), "one storage behind both names after the reload");
     let reload = sink.of_kind(EventKind::Reload);
-    assert_eq!(reload[0].from, Some(ReloadFrom::InPlace));
+    assert_eq!(reload[0].reload_from(), Some(ReloadFrom::InPlace));
     counted_once(&sink, total);
 }
 
@@ -145,7 +146,7 @@ fn a_snapshot_writes_and_counts_a_tied_weight_once_and_its_reload_ties_it_again(
     let total = distinct_bytes(&models);
 
     round_trip(&models, "tied");
-    assert_eq!(sink.of_kind(EventKind::Reload)[0].from, Some(ReloadFrom::Snapshot));
+    assert_eq!(sink.of_kind(EventKind::Reload)[0].reload_from(), Some(ReloadFrom::Snapshot));
     for kind in [EventKind::Load, EventKind::Snapshot, EventKind::Release, EventKind::Reload] {
         assert_eq!(bytes_of(&sink, kind), total, "{kind:?} counts the tied weight once");
     }
@@ -184,7 +185,8 @@ fn a_buffer_the_checkpoint_lacks_stays_resident_through_a_release_so_the_reload_
     let kept = (before["freqs"].numel() * 4) as u64;
     assert_eq!((stats.freed, stats.kept), (total - kept, kept), "everything but the buffer no source holds");
     let release = &sink.of_kind(EventKind::Release)[0];
-    assert_eq!((release.bytes, release.kept_bytes), (Some(total - kept), Some(kept)));
+    let What::Release(release) = &release.what else { panic!("{release:?}") };
+    assert_eq!((release.bytes, release.kept_bytes), (Some(total - kept), kept));
     assert_eq!(models.resident_bytes(), kept, "the kept buffer counts as resident");
 
     models.enter("run").unwrap();
@@ -224,7 +226,7 @@ fn a_reload_that_would_leave_a_tensor_unfilled_is_an_error_naming_the_model_and_
     let text = err.to_string();
     assert!(text.contains("'m'") && text.contains("'lin.bias'"), "{text}");
     let events = sink.of_kind(EventKind::Error);
-    assert!(events.iter().any(|e| e.model.as_deref() == Some("m")), "an error event: {events:?}");
+    assert!(events.iter().any(|e| e.model() == Some("m")), "an error event: {events:?}");
     // Put back, the next call refills it whole.
     std::fs::copy(path("buffers.safetensors"), &checkpoint).unwrap();
     assert!(forward(&models, &x).unwrap().equal(&y), "a later call reloads it exactly");

@@ -62,11 +62,11 @@ fn cpu_models_are_not_held_by_the_host_tier_and_a_tier_event_says_so_once() {
     assert!(outputs[0].equal(&outputs[2]), "the encoder came back with its weights");
     let usage = models.host_tier().unwrap();
     assert_eq!((usage.budget, usage.used), (1 << 20, 0), "nothing held");
-    let notes: Vec<String> = sink.of_kind(EventKind::Tier).into_iter().filter_map(|e| e.note).collect();
+    let notes: Vec<String> = sink.of_kind(EventKind::Tier).into_iter().filter_map(|e| e.note()).collect();
     assert_eq!(notes.len(), 1, "said once: {notes:?}");
     assert!(notes[0].contains("'encoder' lives on the CPU"), "{}", notes[0]);
     let reload = sink.of_kind(EventKind::Reload).pop().unwrap();
-    assert_eq!(reload.from, Some(ReloadFrom::InPlace), "from its checkpoint, as without a tier");
+    assert_eq!(reload.reload_from(), Some(ReloadFrom::InPlace), "from its checkpoint, as without a tier");
 }
 
 #[test]

@@ -47,7 +47,7 @@ fn a_metered_run_traces_loads_releases_and_stage_peaks() {
         .records
         .iter()
         .find_map(|r| match r {
-            stageload_trace::Record::Event(e) if e.kind == stageload::EventKind::Release => Some(e.t),
+            stageload_trace::Record::Event(e) if e.kind() == stageload::EventKind::Release => Some(e.t),
             _ => None,
         })
         .unwrap();
@@ -86,6 +86,6 @@ fn a_metered_run_traces_loads_releases_and_stage_peaks() {
             && trace
                 .records
                 .iter()
-                .any(|r| matches!(r, stageload_trace::Record::Event(e) if e.kind == stageload::EventKind::Mark))
+                .any(|r| matches!(r, stageload_trace::Record::Event(e) if e.kind() == stageload::EventKind::Mark))
     );
 }

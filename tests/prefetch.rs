@@ -96,11 +96,11 @@ fn a_prefetched_run_gives_the_same_numbers_as_one_without() {
     }
     let prefetches = sink.of_kind(EventKind::Prefetch);
     let names: Vec<(Option<String>, Option<String>)> =
-        prefetches.iter().map(|e| (e.stage.clone(), e.model.clone())).collect();
+        prefetches.iter().map(|e| (e.stage().map(str::to_string), e.model().map(str::to_string))).collect();
     assert_eq!(names, [(Some("second".into()), Some("b".into())), (Some("third".into()), Some("a".into()))]);
-    let loads: Vec<_> = sink.events().into_iter().filter(|e| e.kind.is_load() && e.prefetched).collect();
+    let loads: Vec<_> = sink.events().into_iter().filter(|e| e.kind().is_load() && e.prefetched()).collect();
     assert_eq!(loads.len(), 2, "both prefetches ended in a load: {loads:?}");
-    assert_eq!(loads[1].from, Some(ReloadFrom::InPlace), "a's return is a refill in place");
+    assert_eq!(loads[1].reload_from(), Some(ReloadFrom::InPlace), "a's return is a refill in place");
 }
 
 #[test]
@@ -246,7 +246,7 @@ fn a_slow_prefetch_is_listed_while_it_runs_and_waited_for_until_it_ends() {
     assert!(models.prefetching().is_empty(), "not listed once it ended");
     assert_eq!(models.state("slow").unwrap(), ModelState::Resident);
     let loads = sink.of_kind(EventKind::Load);
-    assert!(loads.len() == 1 && loads[0].prefetched, "its load event came before the wait returned: {loads:?}");
+    assert!(loads.len() == 1 && loads[0].prefetched(), "its load event came before the wait returned: {loads:?}");
     assert_eq!(builds.load(Ordering::SeqCst), 1);
 
     let err = models.wait_prefetch("nowhere").unwrap_err();
@@ -375,7 +375,7 @@ fn a_foreground_build_goes_ahead_while_a_prefetch_build_runs() {
     }
     assert_eq!(models.state("background").unwrap(), ModelState::Resident);
     let loads: Vec<(Option<String>, bool)> =
-        sink.of_kind(EventKind::Load).iter().map(|e| (e.model.clone(), e.prefetched)).collect();
+        sink.of_kind(EventKind::Load).iter().map(|e| (e.model().map(str::to_string), e.prefetched())).collect();
     assert_eq!(loads, [(Some("foreground".to_string()), false), (Some("background".to_string()), true)]);
 }
 
@@ -451,7 +451,7 @@ fn a_prefetched_copy_pauses_between_pieces_while_a_foreground_load_runs() {
         within("b's refill", move || models.wait_prefetch("both").unwrap());
     }
     assert_eq!(models.state("b").unwrap(), ModelState::Resident);
-    let reloaded: Vec<Option<ReloadFrom>> = sink.of_kind(EventKind::Reload).iter().map(|e| e.from).collect();
+    let reloaded: Vec<Option<ReloadFrom>> = sink.of_kind(EventKind::Reload).iter().map(|e| e.reload_from()).collect();
     assert_eq!(reloaded, [Some(ReloadFrom::InPlace)], "b refilled in place, once");
     let y = models.call("b", |m: &mut Mlp| m.forward(&Tensor::ones([1, 64], (Kind::Float, Device::Cpu))));
     let expected = {

@@ -75,11 +75,11 @@ fn each_exported_module_runs_as_pythons_loader_runs_the_same_package_and_comes_b
         let stats = models.enter("other").unwrap();
         assert_eq!(models.state(name).unwrap(), ModelState::Released);
         let load = &sink.of_kind(EventKind::Load)[0];
-        assert_eq!((load.bytes, stats.kept), (Some(stats.freed), 0), "{name}: every constant freed");
+        assert_eq!((load.bytes(), stats.kept), (Some(stats.freed), 0), "{name}: every constant freed");
         models.enter("run").unwrap();
         assert!(forward(&models, name, &x).unwrap().equal(&python), "{name}: the same output after the reload");
         let reload = &sink.of_kind(EventKind::Reload)[0];
-        assert_eq!((reload.from, reload.bytes), (Some(ReloadFrom::InPlace), Some(stats.freed)), "{name}");
+        assert_eq!((reload.reload_from(), reload.bytes()), (Some(ReloadFrom::InPlace), Some(stats.freed)), "{name}");
     }
 }
 
@@ -235,5 +235,5 @@ fn a_pt2_load_draws_nothing_so_it_is_prefetched() {
     models.enter("run").unwrap();
     let (x, _, python) = io("conv");
     assert!(forward(&models, "conv", &x).unwrap().equal(&python));
-    assert!(sink.of_kind(EventKind::Load)[0].prefetched);
+    assert!(sink.of_kind(EventKind::Load)[0].prefetched());
 }

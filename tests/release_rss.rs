@@ -67,6 +67,6 @@ fn release_returns_memory_and_reload_in_place_brings_it_back_without_drawing() {
     assert_eq!(stageload_torch_sys::generator_state(stageload_torch_sys::GeneratorDevice::Cpu).unwrap(), torch_state);
     assert_eq!(chacha.lock().gen::<u64>(), chacha_next);
     let reload = &sink.of_kind(EventKind::Reload)[0];
-    assert_eq!(reload.from, Some(stageload::ReloadFrom::InPlace));
-    assert_eq!(reload.bytes, Some(model_bytes as u64));
+    assert_eq!(reload.reload_from(), Some(stageload::ReloadFrom::InPlace));
+    assert_eq!(reload.bytes(), Some(model_bytes as u64));
 }

@@ -119,8 +119,8 @@ fn a_torchscript_model_is_released_in_place_and_comes_back_in_place_from_its_che
     assert!(!handle.is_released(), "the same module object came back");
     let reloads = sink.of_kind(EventKind::Reload);
     assert_eq!(reloads.len(), 1);
-    assert_eq!(reloads[0].from, Some(ReloadFrom::InPlace));
-    assert_eq!(reloads[0].bytes, Some(bytes));
+    assert_eq!(reloads[0].reload_from(), Some(ReloadFrom::InPlace));
+    assert_eq!(reloads[0].bytes(), Some(bytes));
 }
 
 #[test]
@@ -137,7 +137,7 @@ fn without_a_checkpoint_a_released_module_is_read_from_its_file_again() {
     assert!(forward(&models, "m", &x).unwrap().equal(&y));
     let reloads = sink.of_kind(EventKind::Reload);
     assert_eq!(reloads.len(), 1);
-    assert_eq!(reloads[0].from, Some(ReloadFrom::Rebuilt));
+    assert_eq!(reloads[0].reload_from(), Some(ReloadFrom::Rebuilt));
 }
 
 #[test]
@@ -157,7 +157,7 @@ fn a_torchscript_load_draws_nothing_so_it_is_prefetched() {
     models.enter("run").unwrap();
     assert!(forward(&models, "m", &x).unwrap().equal(&y));
     let loads = sink.of_kind(EventKind::Load);
-    assert!(loads.len() == 1 && loads[0].prefetched, "{loads:?}");
+    assert!(loads.len() == 1 && loads[0].prefetched(), "{loads:?}");
 }
 
 /// The error of a first call on `m` built from `file` (with `checkpoint`), next to a good model

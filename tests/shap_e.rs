@@ -209,8 +209,8 @@ fn eager_staged_and_prefetch_give_the_same_outputs_bit_for_bit() {
         let events = &runs.prefetch.events;
         let prefetched: Vec<_> = of_kind(events, EventKind::Load)
             .iter()
-            .filter(|e| e.prefetched)
-            .map(|e| e.model.clone().unwrap_or_default())
+            .filter(|e| e.prefetched())
+            .map(|e| e.model().map(str::to_string).unwrap_or_default())
             .collect();
         assert_eq!(prefetched, ["prior", "renderer"], "{events:#?}");
         assert!(of_kind(&runs.eager.events, EventKind::Release).is_empty(), "eager released a model");
@@ -234,7 +234,9 @@ fn a_staged_run_holds_only_the_running_stage_s_model_and_none_while_writing_file
         assert!(run.resident_at_export.is_empty(), "resident while writing files: {:?}", run.resident_at_export);
         let releases: Vec<_> = of_kind(&run.events, EventKind::Release)
             .iter()
-            .map(|e| (e.model.clone().unwrap_or_default(), e.stage.clone().unwrap_or_default()))
+            .map(|e| {
+                (e.model().map(str::to_string).unwrap_or_default(), e.stage().map(str::to_string).unwrap_or_default())
+            })
             .collect();
         let released = |m: &str, s: &str| (m.to_string(), s.to_string());
         assert_eq!(

@@ -10,7 +10,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use stageload::{Action, EventKind, ListSink, ModelSpec, ReloadFrom, StagedModels};
+use stageload::event::{SnapshotAction, SnapshotTaken};
+use stageload::{EventKind, ListSink, ModelSpec, ReloadFrom, StagedModels, What};
 use tch::nn::Module;
 use tch::{Device, Kind, Tensor};
 
@@ -69,10 +70,13 @@ fn a_model_without_a_checkpoint_comes_back_in_place_from_its_snapshot_with_no_bu
     models.enter("other").unwrap();
     let written = sink.of_kind(EventKind::Snapshot);
     assert_eq!(written.len(), 1, "{written:?}");
-    let note = written[0].note.clone().unwrap();
+    let note = written[0].note().unwrap();
     assert!(note.starts_with("written: "), "{note}");
-    assert_eq!(written[0].action, Some(Action::Written), "typed, for readers");
-    assert_eq!(written[0].bytes, Some(2 * (32 * 32 + 32) * 4));
+    assert!(
+        matches!(&written[0].what, What::Snapshot(SnapshotTaken { action: SnapshotAction::Written, .. })),
+        "typed, for readers"
+    );
+    assert_eq!(written[0].bytes(), Some(2 * (32 * 32 + 32) * 4));
     let file = PathBuf::from(note.trim_start_matches("written: "));
     assert_eq!(snapshots(dir.path()), [file.file_name().unwrap().to_string_lossy()]);
     assert_eq!(models.resident(), Vec::<String>::new(), "released as usual");
@@ -86,7 +90,7 @@ fn a_model_without_a_checkpoint_comes_back_in_place_from_its_snapshot_with_no_bu
     assert_eq!(builds.load(Ordering::SeqCst), 1, "no loader call");
     let reloads = sink.of_kind(EventKind::Reload);
     assert_eq!(reloads.len(), 1);
-    assert_eq!(reloads[0].from, Some(ReloadFrom::Snapshot));
+    assert_eq!(reloads[0].reload_from(), Some(ReloadFrom::Snapshot));
     assert!(reloads[0].to_string().contains("from its snapshot"), "{}", reloads[0]);
 
     // Written once: the second release frees, and the reload is a prefetchable refill.
@@ -155,15 +159,15 @@ fn a_pipeline_files_snapshot_dir_gives_the_reloads_its_plan_names() {
     models.enter("other").unwrap();
     let written = sink.of_kind(EventKind::Snapshot);
     assert_eq!(written.len(), 1, "{written:?}");
-    assert_eq!(written[0].bytes, Some(bytes), "the plan's declared weights are the model's");
-    let note = written[0].note.clone().unwrap();
+    assert_eq!(written[0].bytes(), Some(bytes), "the plan's declared weights are the model's");
+    let note = written[0].note().unwrap();
     assert!(note.starts_with(&format!("written: {}", folder.path().join("snapshots").display())), "{note}");
     models.enter("run").unwrap();
     assert!(forward(&models).equal(&first));
     assert_eq!(builds.load(Ordering::SeqCst), 1, "no loader call");
     let reloads = sink.of_kind(EventKind::Reload);
-    assert_eq!((reloads.len(), reloads[0].from), (1, Some(ReloadFrom::Snapshot)));
-    assert_eq!(reloads[0].bytes, Some(bytes), "read what the plan reads");
+    assert_eq!((reloads.len(), reloads[0].reload_from()), (1, Some(ReloadFrom::Snapshot)));
+    assert_eq!(reloads[0].bytes(), Some(bytes), "read what the plan reads");
     models.close();
     assert!(snapshots(&folder.path().join("snapshots")).is_empty());
 }
@@ -181,13 +185,13 @@ fn a_snapshot_that_cannot_be_written_leaves_the_model_to_be_rebuilt_and_says_why
     std::fs::remove_dir_all(&dir).unwrap();
     models.enter("other").unwrap();
     let events = sink.of_kind(EventKind::Snapshot);
-    let note = events[0].note.clone().unwrap();
+    let note = events[0].note().unwrap();
     assert!(note.starts_with("not written: ") && note.contains("'m' is rebuilt when needed"), "{note}");
-    assert_eq!(events[0].action, Some(Action::NotWritten));
+    assert!(matches!(&events[0].what, What::Snapshot(SnapshotTaken { action: SnapshotAction::NotWritten, .. })));
     models.enter("run").unwrap();
     assert!(forward(&models).equal(&first), "rebuilt under preserved RNG: the same weights");
     assert_eq!(builds.load(Ordering::SeqCst), 2);
-    assert_eq!(sink.of_kind(EventKind::Reload)[0].from, Some(ReloadFrom::Rebuilt));
+    assert_eq!(sink.of_kind(EventKind::Reload)[0].reload_from(), Some(ReloadFrom::Rebuilt));
 }
 
 #[test]
@@ -200,7 +204,7 @@ fn a_snapshot_that_would_leave_less_than_the_keep_free_bytes_is_not_begun() {
     models.enter("run").unwrap();
     let first = forward(&models);
     models.enter("other").unwrap();
-    let note = sink.of_kind(EventKind::Snapshot)[0].note.clone().unwrap();
+    let note = sink.of_kind(EventKind::Snapshot)[0].note().unwrap();
     assert!(note.starts_with(&format!("not written: {} has ", dir.path().display())), "{note}");
     assert!(
         note.contains("and the snapshot of 8.2 KiB would leave less than")
@@ -211,7 +215,7 @@ fn a_snapshot_that_would_leave_less_than_the_keep_free_bytes_is_not_begun() {
     models.enter("run").unwrap();
     assert!(forward(&models).equal(&first));
     assert_eq!(builds.load(Ordering::SeqCst), 2);
-    assert_eq!(sink.of_kind(EventKind::Reload)[0].from, Some(ReloadFrom::Rebuilt));
+    assert_eq!(sink.of_kind(EventKind::Reload)[0].reload_from(), Some(ReloadFrom::Rebuilt));
 }
 
 #[test]
@@ -236,7 +240,7 @@ fn a_registry_that_writes_a_snapshot_and_waits_to_be_killed() {
     let _ = forward(&models);
     models.enter("other").unwrap();
     // A snapshot that could not be written (a full disk) ends this process, saying why.
-    let note = sink.of_kind(EventKind::Snapshot).pop().and_then(|e| e.note).unwrap_or_default();
+    let note = sink.of_kind(EventKind::Snapshot).pop().and_then(|e| e.note()).unwrap_or_default();
     assert!(note.starts_with("written: "), "the child's snapshot: {note}");
     // Until the parent kills it (or 120 s, so a lost child does not linger).
     std::thread::sleep(Duration::from_secs(120));

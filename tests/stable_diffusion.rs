@@ -120,16 +120,18 @@ fn eager_staged_and_prefetch_give_the_same_image_embeddings_and_latents_bit_for_
         // Eager loaded everything up front and released nothing before closing.
         let events = &runs.eager.events;
         assert!(of_kind(events, EventKind::Release).is_empty(), "eager released a model: {events:#?}");
-        let loads: Vec<_> =
-            of_kind(events, EventKind::Load).iter().map(|e| (e.model.clone(), e.stage.clone())).collect();
+        let loads: Vec<_> = of_kind(events, EventKind::Load)
+            .iter()
+            .map(|e| (e.model().map(str::to_string), e.stage().map(str::to_string)))
+            .collect();
         let up_front = |m: &str| (Some(m.to_string()), None);
         assert_eq!(loads, [up_front("text_encoder"), up_front("unet"), up_front("vae_decoder")], "{events:#?}");
         // Prefetch loaded the unet and the VAE decoder in the background, once each.
         let events = &runs.prefetch.events;
         let prefetched: Vec<_> = of_kind(events, EventKind::Load)
             .iter()
-            .filter(|e| e.prefetched)
-            .map(|e| e.model.clone().unwrap_or_default())
+            .filter(|e| e.prefetched())
+            .map(|e| e.model().map(str::to_string).unwrap_or_default())
             .collect();
         assert_eq!(prefetched, ["unet", "vae_decoder"], "{events:#?}");
         assert_eq!(of_kind(events, EventKind::Load).len(), 3, "{events:#?}");
@@ -174,7 +176,13 @@ fn a_staged_run_decodes_with_only_the_vae_decoder_resident_the_others_released()
         // with its bytes freed; nothing came back.
         let releases: Vec<_> = of_kind(&run.events, EventKind::Release)
             .iter()
-            .map(|e| (e.model.clone().unwrap_or_default(), e.stage.clone().unwrap_or_default(), e.bytes.unwrap_or(0)))
+            .map(|e| {
+                (
+                    e.model().map(str::to_string).unwrap_or_default(),
+                    e.stage().map(str::to_string).unwrap_or_default(),
+                    e.bytes().unwrap_or(0),
+                )
+            })
             .collect();
         assert_eq!(releases.len(), 2, "{releases:?}");
         assert_eq!((releases[0].0.as_str(), releases[0].1.as_str()), ("text_encoder", "denoise"), "{releases:?}");
@@ -183,7 +191,7 @@ fn a_staged_run_decodes_with_only_the_vae_decoder_resident_the_others_released()
         assert!(of_kind(&run.events, EventKind::Reload).is_empty(), "{:#?}", run.events);
         let loads: Vec<_> = of_kind(&run.events, EventKind::Load)
             .iter()
-            .map(|e| (e.model.clone(), e.stage.clone(), e.prefetched))
+            .map(|e| (e.model().map(str::to_string), e.stage().map(str::to_string), e.prefetched()))
             .collect();
         let in_stage = |m: &str, s: &str| (Some(m.to_string()), Some(s.to_string()), false);
         assert_eq!(

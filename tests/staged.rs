@@ -79,14 +79,14 @@ fn get_loads_once_and_notes_loads_outside_the_stage() {
     assert!(first.equal(&second), "both handles reach the same model");
     let loads = sink.of_kind(EventKind::Load);
     assert_eq!(loads.len(), 1, "built once");
-    assert_eq!(loads[0].model.as_deref(), Some("encoder"));
-    assert_eq!(loads[0].stage.as_deref(), Some("encode"));
-    assert_eq!(loads[0].bytes, Some(2 * (16 * 16 + 16) * 4));
-    assert!(!loads[0].outside_stage);
+    assert_eq!(loads[0].model(), Some("encoder"));
+    assert_eq!(loads[0].stage(), Some("encode"));
+    assert_eq!(loads[0].bytes(), Some(2 * (16 * 16 + 16) * 4));
+    assert!(!loads[0].loaded().unwrap().outside_stage);
 
     models.get::<Mlp>("helper").unwrap();
     let loads = sink.of_kind(EventKind::Load);
-    assert!(loads[1].outside_stage);
+    assert!(loads[1].loaded().unwrap().outside_stage);
 
     let strict =
         StagedModels::builder().model(spec("a", 4)).model(spec("b", 4)).stage("s", ["a"]).strict(true).build().unwrap();
@@ -128,7 +128,7 @@ fn entering_a_stage_releases_in_place_and_handles_name_the_stage() {
     let err = raw_weight.f_sum(Kind::Float).unwrap_err();
     assert!(err.to_string().contains("'encoder' was released"), "{err}");
 
-    let kinds: Vec<EventKind> = sink.events().iter().map(|e| e.kind).collect();
+    let kinds: Vec<EventKind> = sink.events().iter().map(|e| e.kind()).collect();
     assert_eq!(kinds, [EventKind::Stage, EventKind::Load, EventKind::Load, EventKind::Stage, EventKind::Release]);
 
     models.unpin("helper");
@@ -148,7 +148,7 @@ fn reload_without_checkpoint_rebuilds_and_old_handles_stay_released() {
     let new = models.get::<Mlp>("encoder").unwrap();
     assert!(old.lock().is_err() && new.lock().is_ok());
     let reload = &sink.of_kind(EventKind::Reload)[0];
-    assert_eq!(reload.from, Some(stageload::ReloadFrom::Rebuilt));
+    assert_eq!(reload.reload_from(), Some(stageload::ReloadFrom::Rebuilt));
 }
 
 #[test]
@@ -231,13 +231,13 @@ fn a_shared_backbone_is_built_once_and_freed_after_its_last_user() {
     let backbone_bytes = 2 * (256 * 256 + 256) * 4;
     let head_bytes = (256 * 4 + 4) * 4;
     assert_eq!(models.resident_bytes(), backbone_bytes + 2 * head_bytes, "shared storage counted once");
-    let loaded: Vec<Option<u64>> = sink.of_kind(EventKind::Load).iter().map(|e| e.bytes).collect();
+    let loaded: Vec<Option<u64>> = sink.of_kind(EventKind::Load).iter().map(|e| e.bytes()).collect();
     assert_eq!(
         loaded,
         [Some(backbone_bytes + head_bytes), Some(head_bytes)],
         "the reused backbone is not loaded twice"
     );
-    let resident: Vec<Option<u64>> = sink.of_kind(EventKind::Load).iter().map(|e| e.resident).collect();
+    let resident: Vec<Option<u64>> = sink.of_kind(EventKind::Load).iter().map(|e| e.resident()).collect();
     assert_eq!(resident, [Some(backbone_bytes + head_bytes), Some(backbone_bytes + 2 * head_bytes)]);
 
     let stats = models.enter("shape_only").unwrap();
@@ -248,7 +248,7 @@ fn a_shared_backbone_is_built_once_and_freed_after_its_last_user() {
     let stats = models.enter("decode").unwrap();
     assert_eq!((stats.freed, stats.kept), (head_bytes + backbone_bytes, 0), "freed after the last user");
     let release = sink.of_kind(EventKind::Release);
-    assert_eq!(release[0].kept_bytes, Some(backbone_bytes));
+    assert!(matches!(&release[0].what, stageload::What::Release(r) if r.kept_bytes == backbone_bytes), "{release:?}");
 
     // Needed again: the released backbone is rebuilt, not handed out empty.
     models.enter("shape_only").unwrap();
@@ -267,9 +267,9 @@ fn close_releases_pinned_models_and_refuses_later_loads() {
     models.close();
     assert!(helper.lock().is_err());
     let events = sink.events();
-    let close = events.iter().position(|e| e.action == Some(stageload::Action::Close)).expect("a close mark");
-    assert_eq!(events[close].kind, EventKind::Mark);
-    assert!(events[close + 1..].iter().any(|e| e.kind == EventKind::Release), "the releases come after the mark");
+    let close = events.iter().position(stageload::Event::is_close).expect("a close mark");
+    assert_eq!(events[close].kind(), EventKind::Mark);
+    assert!(events[close + 1..].iter().any(|e| e.kind() == EventKind::Release), "the releases come after the mark");
     let err = models.get::<Mlp>("encoder").err().unwrap();
     assert!(matches!(err, StageError::Closed { .. }) && err.to_string().contains("'encoder'"), "{err}");
     assert!(models.pin("ghost").is_err());
@@ -313,7 +313,7 @@ fn a_model_locked_by_this_thread_is_released_when_its_guard_drops() {
     assert!(encoder.is_released());
     let release = sink.of_kind(EventKind::Release);
     assert_eq!(release.len(), 1, "the drop carried the release out");
-    assert!(release[0].bytes.unwrap() > 0 && release[0].stage.as_deref() == Some("decode"));
+    assert!(release[0].bytes().unwrap() > 0 && release[0].stage() == Some("decode"));
     assert_eq!(models.states()[0], ("encoder".to_string(), ModelState::Released));
 }
 
@@ -453,7 +453,7 @@ fn out_of_memory_is_a_typed_error_and_the_policy_releases_others_and_retries_onc
     let (models, sink) = registry(1, OutOfMemory::ReleaseOthersAndRetry);
     models.load("big").unwrap();
     assert_eq!(models.resident(), ["big"], "the stray model went, the retry fitted");
-    assert_eq!(sink.of_kind(EventKind::Release)[0].model.as_deref(), Some("stray"));
+    assert_eq!(sink.of_kind(EventKind::Release)[0].model(), Some("stray"));
 
     let (models, _) = registry(2, OutOfMemory::ReleaseOthersAndRetry);
     assert!(matches!(models.load("big"), Err(StageError::OutOfMemory { .. })), "retried once only");
@@ -522,15 +522,9 @@ fn a_released_model_that_will_be_rebuilt_drops_its_object_at_once_and_one_refill
     assert!(forward("refilled").equal(&first_refilled), "the same object, refilled from its file");
     assert_eq!(refilled.load(Ordering::SeqCst), 0);
     assert_eq!(forward("rebuilt").size(), first_rebuilt.size(), "a new object");
-    let from: Vec<_> =
-        sink.of_kind(EventKind::Reload).into_iter().map(|e| (e.model.unwrap(), e.from.unwrap())).collect();
-    assert_eq!(
-        from,
-        [
-            ("refilled".to_string(), stageload::ReloadFrom::InPlace),
-            ("rebuilt".to_string(), stageload::ReloadFrom::Rebuilt)
-        ]
-    );
+    let reloads = sink.of_kind(EventKind::Reload);
+    let from: Vec<_> = reloads.iter().map(|e| (e.model().unwrap(), e.reload_from().unwrap())).collect();
+    assert_eq!(from, [("refilled", stageload::ReloadFrom::InPlace), ("rebuilt", stageload::ReloadFrom::Rebuilt)]);
     drop(models);
     assert_eq!((rebuilt.load(Ordering::SeqCst), refilled.load(Ordering::SeqCst)), (2, 1), "each object dropped once");
 }

@@ -241,11 +241,17 @@ fn an_out_of_memory_streams_one_more_block_and_the_step_gives_the_same_result() 
     assert_eq!(model.split().resident, 5, "one more block per out-of-memory, three in all");
     assert_eq!(model.stats().retries, 3);
     let residency = sink.of_kind(EventKind::Residency);
-    let reasons: Vec<&str> = residency.iter().map(|e| e.residency.as_ref().unwrap().reason.as_str()).collect();
+    let reasons: Vec<&str> = residency.iter().map(|e| e.residency().unwrap().reason.as_str()).collect();
     assert_eq!(reasons, ["start", "out of memory", "out of memory", "out of memory"]);
-    let last = residency.last().unwrap().residency.clone().unwrap();
+    let last = residency.last().unwrap().residency().cloned().unwrap();
     assert_eq!((last.blocks, last.resident, last.streamed_per_step), (DEPTH, 5, 3 * BLOCK));
-    assert!(residency.last().unwrap().note.as_deref().unwrap().starts_with("net: 5 of 8 blocks resident, 3 streamed"));
+    assert!(residency
+        .last()
+        .unwrap()
+        .note()
+        .as_deref()
+        .unwrap()
+        .starts_with("net: 5 of 8 blocks resident, 3 streamed"));
     // The count only goes down: the next step keeps 5.
     let _ = tch::no_grad(|| model.run(|step| net.forward_streamed(&x, step))).unwrap();
     assert_eq!(model.split().resident, 5);
@@ -489,14 +495,11 @@ fn a_streamed_model_in_staged_models_is_released_with_its_stage_and_rebuilt_the_
     models.enter("decode").unwrap();
     let states: std::collections::HashMap<String, ModelState> = models.states().into_iter().collect();
     assert_eq!(states["flow"], ModelState::Released);
-    assert!(sink
-        .of_kind(EventKind::Release)
-        .iter()
-        .any(|e| e.model.as_deref() == Some("flow") && e.bytes == Some(held)));
+    assert!(sink.of_kind(EventKind::Release).iter().any(|e| e.model() == Some("flow") && e.bytes() == Some(held)));
     models.enter("denoise").unwrap();
     assert!(step(&x).equal(&expected[0]), "rebuilt, the same output");
     let reloads = sink.of_kind(EventKind::Reload);
-    assert!(reloads.iter().any(|e| e.model.as_deref() == Some("flow") && e.from == Some(ReloadFrom::Rebuilt)));
+    assert!(reloads.iter().any(|e| e.model() == Some("flow") && e.reload_from() == Some(ReloadFrom::Rebuilt)));
 }
 
 #[test]
@@ -600,7 +603,7 @@ fn a_streamed_model_of_the_pipeline_file_runs_the_split_its_plan_counts() {
             planned.stages[0].weights,
             "held: what the plan counts, not the whole model"
         );
-        let of_flow = |kind| sink.of_kind(kind).into_iter().filter(|e| e.model.as_deref() == Some("flow")).count();
+        let of_flow = |kind| sink.of_kind(kind).into_iter().filter(|e| e.model() == Some("flow")).count();
         assert_eq!(of_flow(EventKind::Load), 1, "the registry's load, not a second one");
         assert!(of_flow(EventKind::Residency) >= 1, "its split in the run's trace");
     }
@@ -624,7 +627,7 @@ fn a_streamed_model_is_prefetched_as_what_its_plan_holds_not_as_nothing() {
         models.enter("denoise").unwrap();
         models.call("flow", |_: &mut StreamedNet| ()).unwrap();
         let load = sink.of_kind(EventKind::Load).pop().unwrap();
-        assert_eq!(load.prefetched, started, "{load:?}");
+        assert_eq!(load.prefetched(), started, "{load:?}");
         assert_eq!(models.resident_bytes(), held);
     }
 }
@@ -688,7 +691,7 @@ fn the_registry_counts_a_streamed_model_by_what_its_split_holds_after_an_evictio
     assert_eq!(models.resident_bytes(), FIXED + 4 * BLOCK, "the freed block is no longer counted");
     models.enter("denoise").unwrap();
     let stage = sink.of_kind(EventKind::Stage).pop().unwrap();
-    assert_eq!(stage.resident, Some(FIXED + 4 * BLOCK), "what the trace's window reads");
+    assert_eq!(stage.resident(), Some(FIXED + 4 * BLOCK), "what the trace's window reads");
 }
 
 #[test]
@@ -785,7 +788,7 @@ fn the_governor_streams_one_more_block_each_step_while_the_machine_is_short_and_
     }
     assert_eq!(model.split().resident, DEPTH - 2, "one block per short step: {}", model.residency());
     let reasons: Vec<String> =
-        sink.of_kind(EventKind::Residency).iter().map(|e| e.residency.as_ref().unwrap().reason.clone()).collect();
+        sink.of_kind(EventKind::Residency).iter().map(|e| e.residency().unwrap().reason.clone()).collect();
     assert_eq!(reasons, ["start", "memory pressure", "memory pressure"]);
     for (got, want) in outputs.iter().zip(&expected) {
         assert!(got.equal(want));
@@ -821,9 +824,9 @@ fn a_forward_in_order_keeps_the_blocks_it_kept_first_hot_and_refills_only_the_ot
     // When the model goes, one `end` event says what it moved.
     drop(model);
     let end = sink.of_kind(EventKind::Residency).pop().unwrap();
-    let totals = end.residency.unwrap();
+    let totals = end.residency().cloned().unwrap();
     assert_eq!((totals.reason.as_str(), totals.refills, totals.hot_hits), ("end", 15, 9));
-    assert_eq!((end.bytes, end.seconds), (Some(stats.bytes_refilled), Some(stats.refill_seconds)));
+    assert_eq!((end.bytes(), end.seconds()), (Some(stats.bytes_refilled), Some(stats.refill_seconds)));
     // The prefix under the same budget moves the same bytes: in order, the hot set is that prefix.
     let (net, mut prefix) = streamed(&file, budget_for(3)).unwrap();
     let _ = run_steps(&net, &mut prefix, 3);
@@ -912,7 +915,7 @@ fn an_out_of_memory_gives_up_the_hot_set_first_and_the_step_gives_the_same_resul
     assert_eq!((model.split().resident, model.split().hot, model.stats().retries), (0, 0, 1));
     assert_eq!(filled(&tensors), 0, "nothing kept hot after the retry");
     let reasons: Vec<String> =
-        sink.of_kind(EventKind::Residency).iter().map(|e| e.residency.as_ref().unwrap().reason.clone()).collect();
+        sink.of_kind(EventKind::Residency).iter().map(|e| e.residency().unwrap().reason.clone()).collect();
     assert_eq!(reasons, ["start", "out of memory"]);
     let err = tch::no_grad(|| {
         model.run(|step| {

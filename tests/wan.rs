@@ -176,8 +176,8 @@ fn eager_staged_and_prefetch_give_the_same_outputs_bit_for_bit() {
         }
         let prefetched: Vec<_> = of_kind(&runs.prefetch.events, EventKind::Load)
             .iter()
-            .filter(|e| e.prefetched)
-            .map(|e| e.model.clone().unwrap_or_default())
+            .filter(|e| e.prefetched())
+            .map(|e| e.model().map(str::to_string).unwrap_or_default())
             .collect();
         assert_eq!(prefetched, ["transformer", "vae_decoder"], "{:#?}", runs.prefetch.events);
         assert!(of_kind(&runs.eager.events, EventKind::Release).is_empty(), "eager released a model");
@@ -201,7 +201,9 @@ fn a_staged_run_holds_only_the_running_stage_s_model_and_none_while_writing_fram
         assert!(run.resident_at_export.is_empty(), "resident while writing frames: {:?}", run.resident_at_export);
         let releases: Vec<_> = of_kind(&run.events, EventKind::Release)
             .iter()
-            .map(|e| (e.model.clone().unwrap_or_default(), e.stage.clone().unwrap_or_default()))
+            .map(|e| {
+                (e.model().map(str::to_string).unwrap_or_default(), e.stage().map(str::to_string).unwrap_or_default())
+            })
             .collect();
         let released = |m: &str, s: &str| (m.to_string(), s.to_string());
         assert_eq!(
@@ -228,9 +230,9 @@ fn the_text_encoder_without_a_checkpoint_is_read_from_its_file_again_after_a_rel
         .unwrap_or_else(|e| panic!("{e}"));
     models.close();
     let events = sink.events();
-    let of_encoder = |kind| of_kind(&events, kind).into_iter().filter(|e| e.model.as_deref() == Some("text_encoder"));
+    let of_encoder = |kind| of_kind(&events, kind).into_iter().filter(|e| e.model() == Some("text_encoder"));
     assert_eq!(of_encoder(EventKind::Load).count(), 1);
-    let reloads: Vec<_> = of_encoder(EventKind::Reload).map(|e| e.from).collect();
+    let reloads: Vec<_> = of_encoder(EventKind::Reload).map(|e| e.reload_from()).collect();
     assert_eq!(reloads, [Some(ReloadFrom::Rebuilt)], "the text encoder was not built again from its file");
     assert_bits_equal("prompt embeds after a reload", &second.prompt_embeds, &first.prompt_embeds);
     assert_bits_equal("frames after a reload", &second.frames, &first.frames);

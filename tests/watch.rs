@@ -70,7 +70,7 @@ pub fn assert_bits_equal(what: &str, a: &Tensor, b: &Tensor) {
 
 /// The events of `kind`.
 pub fn of_kind(events: &[Event], kind: EventKind) -> Vec<&Event> {
-    events.iter().filter(|e| e.kind == kind).collect()
+    events.iter().filter(|e| e.kind() == kind).collect()
 }
 
 /// A value a module's tests make once and share (its Rust runs, diffusers' reference), or the

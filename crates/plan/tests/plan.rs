@@ -925,6 +925,7 @@ fn two_streamed_models_without_budgets_in_one_stage_are_refused() {
 /// A run of `stages` (name, its place in the sequence, weights resident, RSS peak in MiB) as a
 /// trace's records: each stage event, then a sample of its peak.
 fn run_of(stages: &[(&str, usize, u64, u64)]) -> stageload_trace::Trace {
+    use stageload_trace::event::Entered;
     use stageload_trace::record::{EventRecord, Record, Sample};
     let records = stages
         .iter()
@@ -932,14 +933,10 @@ fn run_of(stages: &[(&str, usize, u64, u64)]) -> stageload_trace::Trace {
         .flat_map(|(i, (name, position, weights, peak))| {
             let t = 1.0 + i as f64;
             [
-                Record::Event(EventRecord {
+                Record::Event(EventRecord::at_t(
                     t,
-                    kind: stageload_trace::EventKind::Stage,
-                    stage: Some(name.to_string()),
-                    position: Some(*position),
-                    resident: Some(weights * MIB),
-                    ..EventRecord::default()
-                }),
+                    Entered { stage: name.to_string(), position: Some(*position), resident: Some(weights * MIB) },
+                )),
                 Record::Sample(Sample { t: t + 0.5, rss: Some(peak * MIB), ..Sample::default() }),
             ]
         })

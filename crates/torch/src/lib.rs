@@ -78,8 +78,8 @@
 //! [`SharedRng`] is a `rand` generator of your own, preserved the same way once registered
 //! ([`StagedModelsBuilder::register_rng`]).
 //!
-//! **What happened.** Every load, reload, release and stage entry is an [`Event`] (its
-//! [`EventKind`], [`Action`], [`ReloadFrom`], [`TierUsage`]) handed to an [`EventSink`]
+//! **What happened.** Every load, reload, release and stage entry is an [`Event`] (one [`What`]
+//! variant per [`EventKind`], each with its own fields: [`event`]) handed to an [`EventSink`]
 //! ([`ListSink`] keeps them; any `Fn(&Event)` is one). [`meter`] writes them with the process's
 //! memory as a JSONL trace that `stageload summary` and `stageload plot` read; [`latents`] records
 //! a run's latents for comparing runs; [`ReleaseStats`] is what a stage entry freed.
@@ -130,8 +130,10 @@ pub use staged::{
 };
 /// The pipeline description `stageload plan` checks; feed it to [`StagedModels::builder`]'s `pipeline`.
 pub use stageload_plan::Pipeline;
-/// Typed events (they live in the torch-free trace crate, so traces read the same fields).
-pub use stageload_trace::event::{Action, Event, EventKind, EventSink, ListSink, LoadReport, ReloadFrom, TierUsage};
+/// Typed events (they live in the torch-free trace crate, so traces read the same fields): one
+/// [`What`] variant per kind, with its fields in [`event`]'s structs.
+pub use stageload_trace::event;
+pub use stageload_trace::event::{Event, EventKind, EventSink, ListSink, LoadReport, ReloadFrom, TierUsage, What};
 pub use storage::ReleaseStats;
 pub use stream::StreamError;
 pub use sync::Shared;

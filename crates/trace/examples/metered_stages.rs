@@ -6,7 +6,8 @@
 
 use std::time::{Duration, Instant};
 
-use stageload_trace::{EventKind, EventRecord, Meter, MeterOptions};
+use stageload_trace::event::{Entered, Loaded, Released};
+use stageload_trace::{Meter, MeterOptions};
 
 fn main() {
     let mut args = std::env::args().skip(1);
@@ -25,35 +26,26 @@ fn main() {
     let mut held: Option<Vec<u8>> = None;
     for index in 0..stages {
         let name = format!("stage_{index}");
-        meter.event(
-            Instant::now(),
-            EventRecord { kind: EventKind::Stage, stage: Some(name.clone()), ..EventRecord::default() },
-        );
+        meter.event(Instant::now(), Entered::new(name.clone()).into());
         if let Some(block) = held.take() {
             let bytes = block.len() as u64;
             drop(block);
-            let record = EventRecord {
-                kind: EventKind::Release,
-                model: Some(format!("block_{}", index - 1)),
-                bytes: Some(bytes),
-                ..EventRecord::default()
-            };
-            meter.event(Instant::now(), record);
+            let release = Released { model: format!("block_{}", index - 1), bytes: Some(bytes), ..Released::default() };
+            meter.event(Instant::now(), release.into());
         }
         let started = Instant::now();
         let mut block = vec![0u8; block_mib << 20];
         for page in block.chunks_mut(4096) {
             page[0] = 1;
         }
-        let record = EventRecord {
-            kind: EventKind::Load,
-            model: Some(format!("block_{index}")),
+        let load = Loaded {
             stage: Some(name),
+            model: format!("block_{index}"),
             bytes: Some(block.len() as u64),
             seconds: Some(started.elapsed().as_secs_f64()),
-            ..EventRecord::default()
+            ..Loaded::default()
         };
-        meter.event(Instant::now(), record);
+        meter.event(Instant::now(), load.into());
         held = Some(block);
         std::thread::sleep(Duration::from_millis(hold_ms));
     }

@@ -123,17 +123,16 @@ mod tests {
 #[cfg(test)]
 mod aggregate_tests {
     use super::*;
+    use crate::event::Entered;
     use crate::record::{EventRecord, PeakRecord, Record};
-    use crate::{summarize, EventKind, Trace};
+    use crate::{summarize, Trace};
 
     /// A run through `stages`, each with its exact peak (MiB).
     fn run(stages: &[(&str, u64)]) -> Summary {
         let mut records = Vec::new();
         for (i, (stage, peak)) in stages.iter().enumerate() {
             let t = i as f64;
-            let event =
-                EventRecord { t, kind: EventKind::Stage, stage: Some(stage.to_string()), ..EventRecord::default() };
-            records.push(Record::Event(event));
+            records.push(Record::Event(EventRecord::at_t(t, Entered::new(*stage))));
             records.push(Record::Peak(PeakRecord {
                 t: t + 0.5,
                 stage: stage.to_string(),

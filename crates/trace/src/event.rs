@@ -2,8 +2,18 @@
 //!
 //! The registry (`stageload::StagedModels`) makes an [`Event`] for every load, reload, release,
 //! stage entry, mark and error and hands it to an [`EventSink`] on the thread that did the work;
-//! the [`crate::Meter`] is a sink and writes the same struct as a trace line. Readers (summary,
-//! plot) use its typed fields, never the free text of `note`.
+//! the [`crate::Meter`] is a sink and writes the same value as a trace line.
+//!
+//! An event is its time and one [`What`]: a variant per kind, each carrying exactly the fields
+//! that kind has (a release has no load report, a stage entry no model, a tier event a
+//! [`TierAction`] and never a snapshot's). Readers match on the variant, or use the accessors
+//! ([`Event::model`], [`Event::bytes`], ...) for what several kinds share.
+//!
+//! In a trace an event is one JSON object: `kind` names the variant and its fields sit beside
+//! it. Traces of every earlier schema are read: each line is read as the superset of all fields
+//! every schema wrote, its free-text notes of schema 1 and 2 are read
+//! into the typed fields, and the line becomes its variant; a line that lacks what its kind
+//! needs (a load without a model) is refused with the kind and the field.
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -13,35 +23,36 @@ use std::time::Instant;
 use serde::{Deserialize, Serialize};
 use stageload_units::format_bytes;
 
-/// What happened. A trace naming any other kind is refused by the reader, with the kind's name.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub use line::MissingField;
+
+mod line;
+
+/// What happened: an event's kind, without its fields. A trace naming any other kind is refused
+/// by the reader, with the kind's name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum EventKind {
     /// A model was built (and filled from its checkpoint) for the first time.
-    #[default]
     Load,
-    /// A released model came back; `from` says how.
+    /// A released model came back; its `from` says how.
     Reload,
     /// A model's storages were freed in place.
     Release,
     /// A stage was entered.
     Stage,
-    /// A user mark (for example the end of a stage's work); `note` is its label.
+    /// A user mark (for example the end of a stage's work), or the registry's `close`.
     Mark,
-    /// Something failed; `note` is the message.
+    /// Something failed.
     Error,
-    /// A background load of `model` for `stage` began (its `load`/`reload` event, marked
+    /// A background load of a model for a stage began (its `load`/`reload` event, marked
     /// `prefetched`, ends it).
     Prefetch,
-    /// A streamed model's split between resident and streamed blocks was set or changed;
-    /// `residency` has the numbers, `note` the one-line report.
+    /// A streamed model's split between resident and streamed blocks was set or changed.
     Residency,
-    /// The host tier stored, evicted or did not store a model's weights, or changed its
-    /// budget: `action` says which, `note` says it in words (why, when not stored), `tier` the
-    /// tier's budget and usage after it.
+    /// The host tier stored, evicted or did not store a model's weights, or changed its budget.
     Tier,
     /// A model's weights were written to the registry's snapshot folder at its first release,
-    /// or could not be (the model is rebuilt): `action` says which, `note` the path or why.
+    /// or could not be (the model is rebuilt).
     Snapshot,
 }
 
@@ -82,57 +93,69 @@ pub enum ReloadFrom {
     Snapshot,
 }
 
-/// What a `tier` or `snapshot` event did, or that a `mark` is the registry's `close`: typed, so
-/// that readers never match `note`'s words. Traces written before it existed say it in `note`
-/// only; the trace reader reads it in from there.
+impl ReloadFrom {
+    /// How an event's line says it: `in place`, `from the host tier`, ...
+    pub fn words(self) -> &'static str {
+        match self {
+            ReloadFrom::InPlace => "in place",
+            ReloadFrom::Rebuilt => "rebuilt",
+            ReloadFrom::HostTier => "from the host tier",
+            ReloadFrom::Snapshot => "from its snapshot",
+        }
+    }
+}
+
+/// What a `tier` event did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
-pub enum Action {
+pub enum TierAction {
     /// The host tier stored the model's weights.
     Stored,
     /// The host tier evicted them to make room.
     Evicted,
-    /// The host tier did not store them; `note` says why.
+    /// The host tier did not store them; the event's `detail` says why.
     NotStored,
     /// The host tier's budget was set.
     Budget,
-    /// The snapshot was written; `note` names the file.
+}
+
+/// What a `snapshot` event did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SnapshotAction {
+    /// The snapshot was written; the event's `detail` names the file.
     Written,
-    /// The snapshot could not be written; `note` says why.
+    /// The snapshot could not be written; the event's `detail` says why.
     NotWritten,
+}
+
+/// What a `mark` is besides its label.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MarkAction {
     /// The registry closed: the releases after this mark are the close's, not the tail of the
     /// last stage's entry.
     Close,
 }
 
-impl Action {
-    /// The words every note of this action begins with (`stored`, `not stored`, `written`, ...).
+impl TierAction {
+    /// The words a line says it in.
     pub fn word(self) -> &'static str {
         match self {
-            Action::Stored => "stored",
-            Action::Evicted => "evicted",
-            Action::NotStored => "not stored",
-            Action::Budget => "budget",
-            Action::Written => "written",
-            Action::NotWritten => "not written",
-            Action::Close => "close",
+            TierAction::Stored => "stored",
+            TierAction::Evicted => "evicted",
+            TierAction::NotStored => "not stored",
+            TierAction::Budget => "budget",
         }
     }
+}
 
-    /// A note of this action: its [`word`](Self::word), then `: detail` when there is one.
-    pub fn note(self, detail: Option<&str>) -> String {
-        match detail {
-            Some(detail) => format!("{}: {detail}", self.word()),
-            None => self.word().to_string(),
-        }
-    }
-
-    /// What a note of this action says after its word (`""` when it is the word alone); `None`
-    /// when the note does not begin with the word.
-    pub fn detail(self, note: &str) -> Option<&str> {
-        match note.strip_prefix(self.word())? {
-            "" => Some(""),
-            rest => rest.strip_prefix(": "),
+impl SnapshotAction {
+    /// The words a line says it in.
+    pub fn word(self) -> &'static str {
+        match self {
+            SnapshotAction::Written => "written",
+            SnapshotAction::NotWritten => "not written",
         }
     }
 }
@@ -216,183 +239,530 @@ fn is_false(b: &bool) -> bool {
     !*b
 }
 
-/// One thing a staged pipeline did: in the process, and as a trace line (`"type": "event"`).
-/// `t` is the end of the work in seconds since the meter started; loads and releases began
-/// `seconds` earlier, at `start`. The meter sets `t` and `start` from `at`.
+/// A `load`: a model built and filled for the first time. Also the body of a `reload`.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Loaded {
+    /// The stage current at the time.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stage: Option<String>,
+    /// The model.
+    pub model: String,
+    /// Bytes that came in.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bytes: Option<u64>,
+    /// How long it took.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub seconds: Option<f64>,
+    /// The current stage does not list the model (nor pins it).
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub outside_stage: bool,
+    /// Done in the background by a prefetch.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub prefetched: bool,
+    /// The resident part of a streamed model (its streamed blocks come in as it runs).
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub streamed: bool,
+    /// From a checkpoint: how its entries met the model's tensors.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub report: Option<Box<LoadReport>>,
+    /// Bytes of model weights resident right after it (shared storage counted once).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resident: Option<u64>,
+}
+
+/// A `reload`: a released model came back.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Reloaded {
+    /// How.
+    pub from: ReloadFrom,
+    /// From the host tier: the tier's budget and usage after it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tier: Option<TierUsage>,
+    /// What came in, as for a first load.
+    #[serde(flatten)]
+    pub load: Loaded,
+}
+
+/// A `release`: a model's storages freed in place.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Released {
+    /// The stage current at the time.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stage: Option<String>,
+    /// The model.
+    pub model: String,
+    /// Bytes freed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bytes: Option<u64>,
+    /// How long it took.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub seconds: Option<f64>,
+    /// Bytes left resident, because another resident model shares them or because nothing
+    /// could refill them (tensors the checkpoint lacks: the load report's `missing`).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub kept_bytes: u64,
+    /// Bytes of model weights resident right after it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resident: Option<u64>,
+}
+
+/// A `stage`: a stage was entered.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Entered {
+    /// The stage entered.
+    pub stage: String,
+    /// Which occurrence of the pipeline's stage sequence was entered, as its place in the
+    /// sequence (0: the first stage listed). The registry decides it; the guard, the summary's
+    /// windows and `stageload plan --from-trace`/`--check` read it, so that a stage listed twice
+    /// (`[a, b, a]`, `[a, a]`) is matched to the right occurrence. `None` in traces written
+    /// before it was recorded: readers then count the stage's entries.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub position: Option<usize>,
+    /// Bytes of model weights resident as it was entered (before its releases).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resident: Option<u64>,
+}
+
+impl Entered {
+    /// The entry of `stage`, with no position or resident bytes recorded.
+    pub fn new(stage: impl Into<String>) -> Self {
+        Entered { stage: stage.into(), ..Entered::default() }
+    }
+}
+
+/// A `mark`: a user's label, or the registry's close.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Marked {
+    /// The stage current at the time.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stage: Option<String>,
+    /// The label.
+    pub note: String,
+    /// `close` for the registry's close.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub action: Option<MarkAction>,
+    /// Bytes of model weights resident at the mark.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resident: Option<u64>,
+}
+
+/// An `error`: something failed.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Failed {
+    /// The stage current at the time.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stage: Option<String>,
+    /// The model it happened to, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
+    /// How long the work ran before it failed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub seconds: Option<f64>,
+    /// The error's message.
+    pub note: String,
+}
+
+/// A `prefetch`: a background load began.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Prefetching {
+    /// The stage the model is loaded for.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stage: Option<String>,
+    /// The model.
+    pub model: String,
+    /// Its bytes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bytes: Option<u64>,
+}
+
+/// A `residency`: a streamed model's split was set or changed, or the model went (`end`).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct ResidencyChanged {
+    /// The stage current at the time.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stage: Option<String>,
+    /// The model.
+    pub model: String,
+    /// The split.
+    pub residency: Residency,
+    /// The one-line report.
+    pub note: String,
+    /// With `end`: bytes its refills read.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bytes: Option<u64>,
+    /// With `end`: how long they took.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub seconds: Option<f64>,
+}
+
+/// A `tier`: the host tier stored, evicted or did not store a model's weights, or its budget
+/// was set (no model).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TierChanged {
+    /// The stage current at the time.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stage: Option<String>,
+    /// The model, except for `budget`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
+    /// What happened.
+    pub action: TierAction,
+    /// Why, for `not stored`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub detail: Option<String>,
+    /// Bytes stored or evicted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bytes: Option<u64>,
+    /// How long the copy took.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub seconds: Option<f64>,
+    /// The tier's budget and usage after it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tier: Option<TierUsage>,
+}
+
+/// A `snapshot`: a model's weights were written to the snapshot folder, or could not be.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SnapshotTaken {
+    /// The stage current at the time.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stage: Option<String>,
+    /// The model.
+    pub model: String,
+    /// What happened.
+    pub action: SnapshotAction,
+    /// The file written, or why none was.
+    pub detail: String,
+    /// Bytes written.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bytes: Option<u64>,
+    /// How long it took.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub seconds: Option<f64>,
+}
+
+/// What happened, with the fields of its kind.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum What {
+    /// See [`Loaded`].
+    Load(Loaded),
+    /// See [`Reloaded`].
+    Reload(Reloaded),
+    /// See [`Released`].
+    Release(Released),
+    /// See [`Entered`].
+    Stage(Entered),
+    /// See [`Marked`].
+    Mark(Marked),
+    /// See [`Failed`].
+    Error(Failed),
+    /// See [`Prefetching`].
+    Prefetch(Prefetching),
+    /// See [`ResidencyChanged`].
+    Residency(ResidencyChanged),
+    /// See [`TierChanged`].
+    Tier(TierChanged),
+    /// See [`SnapshotTaken`].
+    Snapshot(SnapshotTaken),
+}
+
+/// One thing a staged pipeline did: in the process, and as a trace line (`"type": "event"`).
+/// `t` is the end of the work in seconds since the meter started; work that took `seconds`
+/// began at `start`. The meter sets `t` and `start` from `at`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(try_from = "line::EventLine")]
 pub struct Event {
     /// When the work ended, in the process (not written).
     #[serde(skip)]
     pub at: Option<Instant>,
     /// When the work ended, seconds since the meter started.
-    #[serde(default)]
     pub t: f64,
-    /// What happened.
-    pub kind: EventKind,
-    /// The model it happened to, if any.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub model: Option<String>,
-    /// The stage current at the time (for `stage`: the stage entered).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub stage: Option<String>,
-    /// Stage events: which occurrence of the pipeline's stage sequence was entered, as its place
-    /// in the sequence (0: the first stage listed). The registry decides it; the guard, the
-    /// summary's windows and `stageload plan --from-trace`/`--check` read it, so that a stage
-    /// listed twice (`[a, b, a]`, `[a, a]`) is matched to the right occurrence. `None` in traces
-    /// written before it was recorded: readers then count the stage's entries.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub position: Option<usize>,
-    /// Bytes loaded, reloaded or freed.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub bytes: Option<u64>,
-    /// How long the work took.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub seconds: Option<f64>,
-    /// When the work began, seconds since the meter started.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    /// When the work began, seconds since the meter started (work with `seconds`).
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub start: Option<f64>,
-    /// Reloads: in place from the checkpoint, or rebuilt.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub from: Option<ReloadFrom>,
-    /// Loads: the current stage does not list the model (nor pins it).
-    #[serde(default, skip_serializing_if = "is_false")]
-    pub outside_stage: bool,
-    /// Loads: done in the background by a prefetch.
-    #[serde(default, skip_serializing_if = "is_false")]
-    pub prefetched: bool,
-    /// Releases: bytes left resident, because another resident model shares them or because
-    /// nothing could refill them (tensors the checkpoint lacks: the load report's `missing`).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub kept_bytes: Option<u64>,
-    /// Loads from a checkpoint: how its entries met the model's tensors.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub report: Option<Box<LoadReport>>,
-    /// A mark's label or an error's message.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub note: Option<String>,
-    /// Bytes of model weights resident right after the event (shared storage counted once).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub resident: Option<u64>,
-    /// Residency events: a streamed model's split.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub residency: Option<Residency>,
-    /// Tier events, and reloads from the tier: the host tier's budget and usage after it.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub tier: Option<TierUsage>,
-    /// Tier and snapshot events, and the `close` mark: what happened.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub action: Option<Action>,
+    /// What happened.
+    #[serde(flatten)]
+    pub what: What,
 }
 
-impl Event {
-    /// An event of `kind` ending now, with no other fields.
-    pub fn now(kind: EventKind) -> Self {
-        Event { at: Some(Instant::now()), kind, ..Event::default() }
+impl From<What> for Event {
+    fn from(what: What) -> Self {
+        Event { at: None, t: 0.0, start: None, what }
     }
+}
 
-    /// Reads the action of a trace written before events carried it from the words its `note`
-    /// began with (`stored`, `evicted`, `not stored: …`, `budget`; `written: …`,
-    /// `not written: …`; a mark's `close`). The note stays as it was.
-    pub(crate) fn upgrade_action_note(&mut self) {
-        if self.action.is_some() {
-            return;
-        }
-        let note = self.note.as_deref().unwrap_or_default();
-        let actions: &[Action] = match self.kind {
-            EventKind::Tier => &[Action::Stored, Action::Evicted, Action::Budget, Action::NotStored],
-            EventKind::Snapshot => &[Action::Written, Action::NotWritten],
-            EventKind::Mark => &[Action::Close],
-            _ => &[],
-        };
-        self.action = actions.iter().copied().find(|action| action.detail(note).is_some());
-    }
-
-    /// Reads the free-text notes of schema-1 traces (`in_place`, `rebuilt`, `outside_stage`,
-    /// `kept=N`) into the typed fields.
-    pub(crate) fn upgrade_v1_note(&mut self) {
-        if !matches!(self.kind, EventKind::Load | EventKind::Reload | EventKind::Release) {
-            return;
-        }
-        let Some(note) = self.note.take() else { return };
-        for part in note.split(',') {
-            match part.trim() {
-                "in_place" => self.from = Some(ReloadFrom::InPlace),
-                "rebuilt" => self.from = Some(ReloadFrom::Rebuilt),
-                "outside_stage" => self.outside_stage = true,
-                other => match other.strip_prefix("kept=").and_then(|n| n.parse().ok()) {
-                    Some(kept) => self.kept_bytes = Some(kept),
-                    None => self.note = Some(note.clone()),
-                },
+macro_rules! into_what {
+    ($($variant:ident($body:ident)),* $(,)?) => {$(
+        impl From<$body> for What {
+            fn from(body: $body) -> What {
+                What::$variant(body)
             }
         }
+
+        impl From<$body> for Event {
+            fn from(body: $body) -> Event {
+                Event::from(What::$variant(body))
+            }
+        }
+    )*};
+}
+
+into_what!(
+    Load(Loaded),
+    Reload(Reloaded),
+    Release(Released),
+    Stage(Entered),
+    Mark(Marked),
+    Error(Failed),
+    Prefetch(Prefetching),
+    Residency(ResidencyChanged),
+    Tier(TierChanged),
+    Snapshot(SnapshotTaken),
+);
+
+impl Event {
+    /// `what`, ending now.
+    pub fn now(what: impl Into<What>) -> Self {
+        Event { at: Some(Instant::now()), ..Event::from(what.into()) }
+    }
+
+    /// `what`, ending at `t` seconds after the meter started (for traces made by hand).
+    pub fn at_t(t: f64, what: impl Into<What>) -> Self {
+        Event { t, ..Event::from(what.into()) }
+    }
+
+    /// Its kind.
+    pub fn kind(&self) -> EventKind {
+        match &self.what {
+            What::Load(_) => EventKind::Load,
+            What::Reload(_) => EventKind::Reload,
+            What::Release(_) => EventKind::Release,
+            What::Stage(_) => EventKind::Stage,
+            What::Mark(_) => EventKind::Mark,
+            What::Error(_) => EventKind::Error,
+            What::Prefetch(_) => EventKind::Prefetch,
+            What::Residency(_) => EventKind::Residency,
+            What::Tier(_) => EventKind::Tier,
+            What::Snapshot(_) => EventKind::Snapshot,
+        }
+    }
+
+    /// A load's or a reload's fields.
+    pub fn loaded(&self) -> Option<&Loaded> {
+        match &self.what {
+            What::Load(load) | What::Reload(Reloaded { load, .. }) => Some(load),
+            _ => None,
+        }
+    }
+
+    /// The stage: the one entered (a `stage` event), the one a prefetch loads for, or the one
+    /// current at the time.
+    pub fn stage(&self) -> Option<&str> {
+        match &self.what {
+            What::Load(Loaded { stage, .. })
+            | What::Reload(Reloaded { load: Loaded { stage, .. }, .. })
+            | What::Release(Released { stage, .. })
+            | What::Mark(Marked { stage, .. })
+            | What::Error(Failed { stage, .. })
+            | What::Prefetch(Prefetching { stage, .. })
+            | What::Residency(ResidencyChanged { stage, .. })
+            | What::Tier(TierChanged { stage, .. })
+            | What::Snapshot(SnapshotTaken { stage, .. }) => stage.as_deref(),
+            What::Stage(Entered { stage, .. }) => Some(stage),
+        }
+    }
+
+    /// The model it happened to, if any.
+    pub fn model(&self) -> Option<&str> {
+        match &self.what {
+            What::Load(Loaded { model, .. })
+            | What::Reload(Reloaded { load: Loaded { model, .. }, .. })
+            | What::Release(Released { model, .. })
+            | What::Prefetch(Prefetching { model, .. })
+            | What::Residency(ResidencyChanged { model, .. })
+            | What::Snapshot(SnapshotTaken { model, .. }) => Some(model),
+            What::Error(Failed { model, .. }) | What::Tier(TierChanged { model, .. }) => model.as_deref(),
+            What::Stage(_) | What::Mark(_) => None,
+        }
+    }
+
+    /// Bytes loaded, reloaded, freed, prefetched, stored, written or streamed.
+    pub fn bytes(&self) -> Option<u64> {
+        match &self.what {
+            What::Load(Loaded { bytes, .. })
+            | What::Reload(Reloaded { load: Loaded { bytes, .. }, .. })
+            | What::Release(Released { bytes, .. })
+            | What::Prefetch(Prefetching { bytes, .. })
+            | What::Residency(ResidencyChanged { bytes, .. })
+            | What::Tier(TierChanged { bytes, .. })
+            | What::Snapshot(SnapshotTaken { bytes, .. }) => *bytes,
+            What::Stage(_) | What::Mark(_) | What::Error(_) => None,
+        }
+    }
+
+    /// How long the work took.
+    pub fn seconds(&self) -> Option<f64> {
+        match &self.what {
+            What::Load(Loaded { seconds, .. })
+            | What::Reload(Reloaded { load: Loaded { seconds, .. }, .. })
+            | What::Release(Released { seconds, .. })
+            | What::Error(Failed { seconds, .. })
+            | What::Residency(ResidencyChanged { seconds, .. })
+            | What::Tier(TierChanged { seconds, .. })
+            | What::Snapshot(SnapshotTaken { seconds, .. }) => *seconds,
+            What::Stage(_) | What::Mark(_) | What::Prefetch(_) => None,
+        }
+    }
+
+    /// Bytes of model weights resident right after it (loads, releases, stage entries, marks).
+    pub fn resident(&self) -> Option<u64> {
+        match &self.what {
+            What::Load(Loaded { resident, .. })
+            | What::Reload(Reloaded { load: Loaded { resident, .. }, .. })
+            | What::Release(Released { resident, .. })
+            | What::Stage(Entered { resident, .. })
+            | What::Mark(Marked { resident, .. }) => *resident,
+            _ => None,
+        }
+    }
+
+    /// The host tier's budget and usage after it (tier events, reloads from the tier).
+    pub fn tier(&self) -> Option<TierUsage> {
+        match &self.what {
+            What::Tier(TierChanged { tier, .. }) | What::Reload(Reloaded { tier, .. }) => *tier,
+            _ => None,
+        }
+    }
+
+    /// A load or reload done in the background by a prefetch.
+    pub fn prefetched(&self) -> bool {
+        self.loaded().is_some_and(|load| load.prefetched)
+    }
+
+    /// A residency change's split.
+    pub fn residency(&self) -> Option<&Residency> {
+        match &self.what {
+            What::Residency(change) => Some(&change.residency),
+            _ => None,
+        }
+    }
+
+    /// Where a reload's weights came from.
+    pub fn reload_from(&self) -> Option<ReloadFrom> {
+        match &self.what {
+            What::Reload(reload) => Some(reload.from),
+            _ => None,
+        }
+    }
+
+    /// The words a kind carries: a mark's label, an error's message, a residency change's
+    /// report, a tier's or a snapshot's action and detail (`not stored: too big`).
+    pub fn note(&self) -> Option<String> {
+        match &self.what {
+            What::Mark(Marked { note, .. })
+            | What::Error(Failed { note, .. })
+            | What::Residency(ResidencyChanged { note, .. }) => Some(note.clone()),
+            What::Tier(tier) => Some(tier.words()),
+            What::Snapshot(snapshot) => Some(snapshot.words()),
+            _ => None,
+        }
+    }
+
+    /// The registry's `close` mark.
+    pub fn is_close(&self) -> bool {
+        matches!(&self.what, What::Mark(Marked { action: Some(MarkAction::Close), .. }))
     }
 }
 
 /// One line: `reload encoder 12.0 MiB in 0.031 s (in place; stage decode, outside the stage)`.
 impl fmt::Display for Event {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}", self.kind.name())?;
-        if self.kind == EventKind::Stage {
-            return write!(f, " {}", self.stage.as_deref().unwrap_or("?"));
+        write!(f, "{}", self.kind().name())?;
+        if let What::Stage(entered) = &self.what {
+            return write!(f, " {}", entered.stage);
         }
-        if let Some(model) = &self.model {
+        if let Some(model) = self.model() {
             write!(f, " {model}")?;
         }
-        if let Some(bytes) = self.bytes {
+        if let Some(bytes) = self.bytes() {
             write!(f, " {}", format_bytes(bytes))?;
         }
-        if let Some(seconds) = self.seconds {
+        if let Some(seconds) = self.seconds() {
             write!(f, " in {seconds:.3} s")?;
         }
         let mut details = Vec::new();
-        match self.from {
-            Some(ReloadFrom::InPlace) => details.push("in place".to_string()),
-            Some(ReloadFrom::Rebuilt) => details.push("rebuilt".to_string()),
-            Some(ReloadFrom::HostTier) => details.push("from the host tier".to_string()),
-            Some(ReloadFrom::Snapshot) => details.push("from its snapshot".to_string()),
-            None => {}
-        }
-        if let Some(tier) = self.tier {
+        details.extend(self.reload_from().map(|from| from.words().to_string()));
+        if let Some(tier) = self.tier() {
             details.push(format!("host tier {} of {}", format_bytes(tier.used), format_bytes(tier.budget)));
         }
-        if let Some(kept) = self.kept_bytes.filter(|k| *k > 0) {
-            details.push(format!("kept {} resident", format_bytes(kept)));
+        if let What::Release(Released { kept_bytes: kept @ 1.., .. }) = &self.what {
+            details.push(format!("kept {} resident", format_bytes(*kept)));
         }
-        if let Some(report) = &self.report {
-            details.push(format!("{} tensors from the checkpoint", report.used));
-            if !report.converted.is_empty() {
-                details.push(format!("{} converted", report.converted.len()));
-            }
-            if report.ignored > 0 {
-                details.push(format!("{} entries ignored", report.ignored));
-            }
-            if !report.unused.is_empty() {
-                details.push(format!("unused entries: {}", report.unused.join(", ")));
-            }
-            if !report.missing.is_empty() {
-                details.push(format!("not in the checkpoint: {}", report.missing.join(", ")));
-            }
-            if !report.aliases.is_empty() {
-                let tied: Vec<String> = report.aliases.iter().map(|(alias, via)| format!("{alias} = {via}")).collect();
-                details.push(format!("tied: {}", tied.join(", ")));
-            }
+        if let Some(report) = self.loaded().and_then(|load| load.report.as_deref()) {
+            report_details(report, &mut details);
         }
-        if let Some(stage) = &self.stage {
+        if let Some(stage) = self.stage() {
             details.push(format!("stage {stage}"));
         }
-        if self.outside_stage {
-            details.push("outside the stage".to_string());
+        if let Some(load) = self.loaded() {
+            for (flag, words) in [
+                (load.outside_stage, "outside the stage"),
+                (load.prefetched, "prefetched"),
+                (load.streamed, line::STREAMED_NOTE),
+            ] {
+                if flag {
+                    details.push(words.to_string());
+                }
+            }
         }
-        if self.prefetched {
-            details.push("prefetched".to_string());
-        }
-        if let Some(note) = &self.note {
-            details.push(note.clone());
-        }
+        details.extend(self.note());
         if !details.is_empty() {
             write!(f, " ({})", details.join("; "))?;
         }
         Ok(())
+    }
+}
+
+/// `word`, then `: detail` when there is one.
+fn said(word: &str, detail: Option<&str>) -> String {
+    match detail.filter(|d| !d.is_empty()) {
+        Some(detail) => format!("{word}: {detail}"),
+        None => word.to_string(),
+    }
+}
+
+impl TierChanged {
+    /// Its action and why, in words: `not stored: too big`.
+    pub fn words(&self) -> String {
+        said(self.action.word(), self.detail.as_deref())
+    }
+}
+
+impl SnapshotTaken {
+    /// Its action and the file or why, in words: `written: /tmp/s/m.safetensors`.
+    pub fn words(&self) -> String {
+        said(self.action.word(), Some(&self.detail))
+    }
+}
+
+fn report_details(report: &LoadReport, details: &mut Vec<String>) {
+    details.push(format!("{} tensors from the checkpoint", report.used));
+    if !report.converted.is_empty() {
+        details.push(format!("{} converted", report.converted.len()));
+    }
+    if report.ignored > 0 {
+        details.push(format!("{} entries ignored", report.ignored));
+    }
+    if !report.unused.is_empty() {
+        details.push(format!("unused entries: {}", report.unused.join(", ")));
+    }
+    if !report.missing.is_empty() {
+        details.push(format!("not in the checkpoint: {}", report.missing.join(", ")));
+    }
+    if !report.aliases.is_empty() {
+        let tied: Vec<String> = report.aliases.iter().map(|(alias, via)| format!("{alias} = {via}")).collect();
+        details.push(format!("tied: {}", tied.join(", ")));
     }
 }
 
@@ -428,7 +798,7 @@ impl ListSink {
 
     /// The events of one kind, in order.
     pub fn of_kind(&self, kind: EventKind) -> Vec<Event> {
-        self.events().into_iter().filter(|e| e.kind == kind).collect()
+        self.events().into_iter().filter(|e| e.kind() == kind).collect()
     }
 }
 
@@ -442,78 +812,88 @@ impl EventSink for ListSink {
 mod tests {
     use super::*;
 
-    #[test]
-    fn schema_1_notes_become_typed_fields() {
-        let mut reload =
-            Event { kind: EventKind::Reload, note: Some("in_place,outside_stage".into()), ..Event::default() };
-        reload.upgrade_v1_note();
-        assert_eq!((reload.from, reload.outside_stage, reload.note), (Some(ReloadFrom::InPlace), true, None));
-        let mut release = Event { kind: EventKind::Release, note: Some("kept=4096".into()), ..Event::default() };
-        release.upgrade_v1_note();
-        assert_eq!((release.kept_bytes, release.note), (Some(4096), None));
-        let mut mark = Event { kind: EventKind::Mark, note: Some("in_place".into()), ..Event::default() };
-        mark.upgrade_v1_note();
-        assert_eq!(mark.note.as_deref(), Some("in_place"), "a mark's label is left alone");
+    fn read(line: &str) -> Event {
+        serde_json::from_str(line).unwrap_or_else(|e| panic!("{line}: {e}"))
     }
 
     #[test]
-    fn a_note_is_its_actions_words_and_its_detail_reads_back_without_them() {
-        assert_eq!(Action::NotStored.note(Some("too big")), "not stored: too big");
-        assert_eq!(Action::Stored.note(None), "stored");
-        assert_eq!(Action::NotStored.detail("not stored: too big"), Some("too big"));
-        assert_eq!(Action::Stored.detail("stored"), Some(""));
-        assert_eq!(Action::Stored.detail("not stored: too big"), None);
-        assert_eq!(Action::Written.detail("writtenX"), None, "the words end at a colon or the note's end");
-    }
-
-    #[test]
-    fn a_trace_written_before_actions_were_typed_gets_them_from_its_notes() {
-        let upgraded = |kind: EventKind, note: &str| {
-            let mut event = Event { kind, note: Some(note.into()), ..Event::default() };
-            event.upgrade_action_note();
-            assert_eq!(event.note.as_deref(), Some(note), "the note stays");
-            event.action
+    fn every_kind_reads_back_as_it_was_written() {
+        let load = Loaded {
+            stage: Some("s".into()),
+            model: "m".into(),
+            bytes: Some(8),
+            seconds: Some(0.5),
+            outside_stage: true,
+            prefetched: true,
+            streamed: true,
+            report: Some(Box::new(LoadReport { used: 2, ignored: 1, ..LoadReport::default() })),
+            resident: Some(8),
         };
-        assert_eq!(upgraded(EventKind::Tier, "stored"), Some(Action::Stored));
-        assert_eq!(upgraded(EventKind::Tier, "evicted"), Some(Action::Evicted));
-        assert_eq!(upgraded(EventKind::Tier, "budget"), Some(Action::Budget));
-        assert_eq!(upgraded(EventKind::Tier, "not stored: too big"), Some(Action::NotStored));
-        assert_eq!(upgraded(EventKind::Snapshot, "written: /tmp/s/m.safetensors"), Some(Action::Written));
-        assert_eq!(upgraded(EventKind::Snapshot, "not written: disk full"), Some(Action::NotWritten));
-        assert_eq!(upgraded(EventKind::Mark, "close"), Some(Action::Close));
-        assert_eq!(upgraded(EventKind::Mark, "stored"), None, "a user's mark is a label, whatever it says");
-        let mut typed = Event {
-            kind: EventKind::Tier,
-            note: Some("evicted".into()),
-            action: Some(Action::Stored),
-            ..Event::default()
-        };
-        typed.upgrade_action_note();
-        assert_eq!(typed.action, Some(Action::Stored), "a typed action is never overwritten");
-    }
-
-    #[test]
-    fn an_unknown_kind_is_refused_by_name() {
-        let err = serde_json::from_str::<Event>(r#"{"t":1.0,"kind":"teleport"}"#).unwrap_err().to_string();
-        assert!(err.contains("teleport") && err.contains("reload"), "{err}");
+        let residency = Residency { blocks: 4, resident: 1, reason: "end".into(), refills: 3, ..Residency::default() };
+        let whats: Vec<What> = vec![
+            load.clone().into(),
+            Reloaded { from: ReloadFrom::HostTier, tier: Some(TierUsage { budget: 9, used: 8 }), load }.into(),
+            Released { model: "m".into(), bytes: Some(8), seconds: Some(0.1), kept_bytes: 2, ..Released::default() }
+                .into(),
+            Entered { stage: "s".into(), position: Some(2), resident: Some(0) }.into(),
+            Marked { note: "close".into(), action: Some(MarkAction::Close), ..Marked::default() }.into(),
+            Failed { model: Some("m".into()), note: "boom".into(), ..Failed::default() }.into(),
+            Prefetching { stage: Some("s".into()), model: "m".into(), bytes: Some(8) }.into(),
+            ResidencyChanged { model: "m".into(), residency, note: "net".into(), bytes: Some(8), ..Default::default() }
+                .into(),
+            TierChanged {
+                stage: None,
+                model: Some("m".into()),
+                action: TierAction::NotStored,
+                detail: Some("too big".into()),
+                bytes: Some(8),
+                seconds: None,
+                tier: Some(TierUsage { budget: 4, used: 0 }),
+            }
+            .into(),
+            SnapshotTaken {
+                stage: None,
+                model: "m".into(),
+                action: SnapshotAction::Written,
+                detail: "/s/m.safetensors".into(),
+                bytes: Some(8),
+                seconds: Some(0.2),
+            }
+            .into(),
+        ];
+        for what in whats {
+            let mut event = Event::at_t(3.0, what);
+            event.start = event.seconds().map(|s| 3.0 - s);
+            let line = serde_json::to_string(&event).unwrap();
+            assert_eq!(read(&line), event, "{line}");
+        }
     }
 
     #[test]
     fn an_event_prints_as_one_line_with_its_details() {
-        let event = Event {
-            kind: EventKind::Reload,
-            model: Some("encoder".into()),
+        let load = Loaded {
+            stage: Some("decode".into()),
+            model: "encoder".into(),
             bytes: Some(12 << 20),
             seconds: Some(0.031),
-            from: Some(ReloadFrom::InPlace),
-            stage: Some("decode".into()),
             outside_stage: true,
-            ..Event::default()
+            ..Loaded::default()
         };
-        assert_eq!(event.to_string(), "reload encoder 12.0 MiB in 0.031 s (in place; stage decode; outside the stage)");
+        let reload = Event::now(Reloaded { from: ReloadFrom::InPlace, tier: None, load });
         assert_eq!(
-            Event { kind: EventKind::Stage, stage: Some("decode".into()), ..Event::default() }.to_string(),
-            "stage decode"
+            reload.to_string(),
+            "reload encoder 12.0 MiB in 0.031 s (in place; stage decode; outside the stage)"
         );
+        assert_eq!(Event::now(Entered { stage: "decode".into(), ..Entered::default() }).to_string(), "stage decode");
+        let not_stored = TierChanged {
+            stage: None,
+            model: Some("m".into()),
+            action: TierAction::NotStored,
+            detail: Some("too big".into()),
+            bytes: None,
+            seconds: None,
+            tier: None,
+        };
+        assert_eq!(Event::now(not_stored).to_string(), "tier m (not stored: too big)");
     }
 }

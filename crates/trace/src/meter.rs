@@ -22,7 +22,7 @@ use std::time::{Duration, Instant, SystemTime};
 use serde_json::{Map, Value};
 use stageload_probe::{Pressure, ProbeError, ProcessMemory, SystemMemory};
 
-use crate::event::{Event, EventKind, EventSink};
+use crate::event::{Event, EventSink, Marked, What};
 use crate::record::{millis, ErrorRecord, EventRecord, Header, PeakRecord, Record, Sample, SCHEMA_VERSION};
 
 /// Device memory from the torch side (CUDA's caching allocator).
@@ -320,18 +320,18 @@ impl Meter {
     pub fn event(&self, at: Instant, mut record: EventRecord) {
         let t = self.t(at);
         record.t = t;
-        record.start = record.seconds.map(|s| millis(t - s));
+        record.start = record.seconds().map(|s| millis(t - s));
         let mut writer = self.shared.lock();
         if writer.finished {
             return;
         }
-        match record.kind {
-            EventKind::Stage => {
-                let previous = std::mem::replace(&mut writer.window, record.stage.clone().unwrap_or_default());
+        match &record.what {
+            What::Stage(entered) => {
+                let previous = std::mem::replace(&mut writer.window, entered.stage.clone());
                 writer.close_window(t, previous.clone());
                 writer.release_tail = Some(previous);
             }
-            EventKind::Release => {
+            What::Release(_) => {
                 if let Some(previous) = writer.release_tail.clone() {
                     writer.close_window(t, previous);
                 }
@@ -344,10 +344,7 @@ impl Meter {
 
     /// A `mark` event with a label (for example "pipeline loaded").
     pub fn mark(&self, label: &str) {
-        self.event(
-            Instant::now(),
-            EventRecord { kind: EventKind::Mark, note: Some(label.into()), ..EventRecord::default() },
-        );
+        self.event(Instant::now(), Marked { note: label.into(), ..Marked::default() }.into());
     }
 
     /// Takes one sample now.

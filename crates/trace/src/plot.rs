@@ -251,7 +251,7 @@ fn draw<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, traces: &[(String, &T
         for record in &trace.records {
             if let Record::Event(event) = record {
                 let at = (event.t, level_at(event.t));
-                match event.kind {
+                match event.kind() {
                     EventKind::Load | EventKind::Reload => {
                         chart.draw_series(std::iter::once(TriangleMarker::new(at, 6, color.filled())))?;
                     }

@@ -122,15 +122,6 @@ pub fn read_trace(path: impl AsRef<Path>) -> Result<Trace, TraceError> {
         if header.schema > SCHEMA_VERSION {
             return Err(TraceError::Schema { path: path.to_path_buf(), found: header.schema });
         }
-        let v1 = header.schema < 2;
-        for record in &mut records {
-            if let Record::Event(event) = record {
-                if v1 {
-                    event.upgrade_v1_note();
-                }
-                event.upgrade_action_note();
-            }
-        }
     }
     let reordered = sort_by_time(&mut records);
     Ok(Trace { path: path.to_path_buf(), records, skipped_last_line, reordered })

@@ -5,7 +5,7 @@
 //! |---|---|
 //! | `header` | first line: schema version, pid, host, OS, total memory, device, command, interval, user `meta` (its own object, so it cannot overwrite the fields above) |
 //! | `sample` | the process's RSS, swap and high-water mark, the system's available memory and swap, cgroup usage and limit, memory pressure, device memory: each present only where the platform has it |
-//! | `event` | what the pipeline did ([`crate::event::Event`]): `stage`, `load`, `reload`, `release`, `mark`, `error`, with model, stage, bytes, seconds, `start`, and typed details (`from`, `outside_stage`, `kept_bytes`, the load `report`) |
+//! | `event` | what the pipeline did ([`crate::event::Event`]): its `kind` (`stage`, `load`, `reload`, `release`, `mark`, `error`, `prefetch`, `residency`, `tier`, `snapshot`) and that kind's fields beside it ([`crate::event::What`]) |
 //! | `peak` | the exact RSS high-water mark of the window that ends at `t` (Linux: `VmHWM`, reset at every window start), so a peak between two samples is not lost; on CUDA also the allocator's peak (`device`, reset likewise) |
 //! | `error` | a reading that failed, once per distinct error and source |
 //! | `end` | last line; absent when the run was killed |
@@ -15,9 +15,11 @@ use serde::{Deserialize, Serialize};
 pub use crate::event::Event as EventRecord;
 
 /// The version of this format; a reader refuses traces of a newer one.
-/// Schema 2 types the events (`from`, `outside_stage`, `kept_bytes`, `report`); schema-1 notes
-/// are read into those fields.
-pub const SCHEMA_VERSION: u32 = 2;
+/// Schema 2 typed the events' details (`from`, `outside_stage`, `kept_bytes`, `report`), which
+/// schema 1 wrote as words in `note`; schema 3 gives each kind exactly its own fields (a tier's
+/// and a snapshot's `action` and `detail` instead of words in `note`, a streamed load's
+/// `streamed`). Lines of every schema are read into schema 3's [`crate::event::What`].
+pub const SCHEMA_VERSION: u32 = 3;
 
 /// One line of a trace.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

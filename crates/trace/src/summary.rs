@@ -17,7 +17,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::event::{Action, EventKind, ReloadFrom, Residency};
+use crate::event::{EventKind, ReloadFrom, Reloaded, Residency, SnapshotAction, SnapshotTaken, TierAction, What};
 use crate::reader::Trace;
 use crate::record::{millis, EventRecord, Header, PeakRecord, Record, Sample};
 
@@ -166,13 +166,6 @@ pub struct HostTier {
     pub reload_gb_per_s: f64,
 }
 
-/// Why a `not stored` or `not written` event happened: what its note says after its action's
-/// words (the action says what happened).
-fn reason(event: &EventRecord) -> &str {
-    let note = event.note.as_deref().unwrap_or_default();
-    event.action.and_then(|action| action.detail(note)).unwrap_or(note)
-}
-
 /// The host tier's activity; `None` when the trace has no tier event.
 fn host_tier(events: &[&EventRecord]) -> Option<HostTier> {
     let mut tier = HostTier::default();
@@ -180,22 +173,25 @@ fn host_tier(events: &[&EventRecord]) -> Option<HostTier> {
     let mut reload_seconds = 0.0;
     // Every tier event, and every reload from the tier, carries the tier's usage.
     for event in events {
-        if let Some(usage) = event.tier {
+        if let Some(usage) = event.tier() {
             seen = true;
             tier.budget = usage.budget;
             tier.peak_used = tier.peak_used.max(usage.used);
         }
-        match (event.kind, event.action) {
-            (EventKind::Tier, Some(Action::Stored)) => tier.stored += 1,
-            (EventKind::Tier, Some(Action::Evicted)) => tier.evicted += 1,
-            (EventKind::Tier, Some(Action::NotStored)) => {
-                let model = event.model.as_deref().unwrap_or("?");
-                tier.not_stored.push(format!("{model}: {}", reason(event)));
-            }
-            (EventKind::Reload, _) if event.from == Some(ReloadFrom::HostTier) => {
+        match &event.what {
+            What::Tier(change) => match change.action {
+                TierAction::Stored => tier.stored += 1,
+                TierAction::Evicted => tier.evicted += 1,
+                TierAction::NotStored => {
+                    let model = change.model.as_deref().unwrap_or("?");
+                    tier.not_stored.push(format!("{model}: {}", change.detail.as_deref().unwrap_or_default()));
+                }
+                TierAction::Budget => {}
+            },
+            What::Reload(Reloaded { from: ReloadFrom::HostTier, load, .. }) => {
                 tier.reloads += 1;
-                tier.reload_bytes += event.bytes.unwrap_or(0);
-                reload_seconds += event.seconds.unwrap_or(0.0);
+                tier.reload_bytes += load.bytes.unwrap_or(0);
+                reload_seconds += load.seconds.unwrap_or(0.0);
             }
             _ => {}
         }
@@ -237,7 +233,8 @@ pub struct Moved {
 fn streamed(events: &[&EventRecord]) -> Vec<Streamed> {
     let mut models: Vec<Streamed> = Vec::new();
     for event in events {
-        let (Some(model), Some(residency)) = (&event.model, &event.residency) else { continue };
+        let What::Residency(change) = &event.what else { continue };
+        let (model, residency) = (&change.model, &change.residency);
         let position = models.iter().position(|m| m.model == *model).unwrap_or_else(|| {
             models.push(Streamed {
                 model: model.clone(),
@@ -252,8 +249,8 @@ fn streamed(events: &[&EventRecord]) -> Vec<Streamed> {
             let moved = &mut known.moved;
             moved.refills = moved.refills.saturating_add(residency.refills);
             moved.hot_hits = moved.hot_hits.saturating_add(residency.hot_hits);
-            moved.bytes = moved.bytes.saturating_add(event.bytes.unwrap_or(0));
-            moved.seconds += event.seconds.unwrap_or(0.0);
+            moved.bytes = moved.bytes.saturating_add(change.bytes.unwrap_or(0));
+            moved.seconds += change.seconds.unwrap_or(0.0);
         } else {
             known.reasons.push(residency.reason.clone());
             known.residency = residency.clone();
@@ -277,14 +274,12 @@ struct WindowStart {
 fn window_starts(events: &[&EventRecord]) -> Vec<WindowStart> {
     let mut starts = Vec::new();
     for (i, event) in events.iter().enumerate() {
-        if event.kind != EventKind::Stage {
-            continue;
-        }
-        let tail = events[i + 1..].iter().take_while(|e| e.kind == EventKind::Release).count();
+        let What::Stage(entered) = &event.what else { continue };
+        let tail = events[i + 1..].iter().take_while(|e| e.kind() == EventKind::Release).count();
         let start = i + tail;
         starts.push(WindowStart {
-            stage: event.stage.clone().unwrap_or_default(),
-            position: event.position,
+            stage: entered.stage.clone(),
+            position: entered.position,
             t: events[start].t,
             event: Some(start),
         });
@@ -322,7 +317,7 @@ pub fn summarize(trace: &Trace) -> Summary {
     // The resident weights as of each event: `held[k]` is what the events before `k` last said.
     let held: Vec<Option<u64>> = std::iter::once(None)
         .chain(events.iter().scan(None, |last, e| {
-            *last = e.resident.or(*last);
+            *last = e.resident().or(*last);
             Some(*last)
         }))
         .collect();
@@ -355,7 +350,7 @@ pub fn summarize(trace: &Trace) -> Summary {
             let sampled_device = inside.iter().filter_map(|s| s.device_allocated).max();
             let exact_device = closing.iter().filter_map(|p| p.device).max();
             let inherited = held[lo];
-            let during = events[lo..hi].iter().filter_map(|e| e.resident).max();
+            let during = events[lo..hi].iter().filter_map(|e| e.resident()).max();
             StageWindow {
                 stage: window.stage.clone(),
                 position: window.position,
@@ -375,27 +370,29 @@ pub fn summarize(trace: &Trace) -> Summary {
         .chain(peaks.iter().map(|p| (p.t, p.rss)))
         .max_by_key(|(_, rss)| *rss)
         .unwrap_or((0.0, 0));
-    let loaded: Vec<&&EventRecord> = events.iter().filter(|e| e.kind.is_load()).collect();
+    let loaded: Vec<_> = events.iter().filter_map(|e| e.loaded()).collect();
     let (bytes, seconds) =
-        (loaded.iter().filter_map(|e| e.bytes).sum::<u64>(), loaded.iter().filter_map(|e| e.seconds).sum::<f64>());
-    let snapshots: Vec<&&EventRecord> = events.iter().filter(|e| e.kind == EventKind::Snapshot).collect();
+        (loaded.iter().filter_map(|l| l.bytes).sum::<u64>(), loaded.iter().filter_map(|l| l.seconds).sum::<f64>());
+    let reloads: Vec<&Reloaded> =
+        events.iter().filter_map(|e| if let What::Reload(r) = &e.what { Some(r) } else { None }).collect();
+    let snapshots: Vec<&SnapshotTaken> =
+        events.iter().filter_map(|e| if let What::Snapshot(s) = &e.what { Some(s) } else { None }).collect();
     let loads = Loads {
         count: loaded.len(),
-        reloads: loaded.iter().filter(|e| e.kind == EventKind::Reload).count(),
-        from_snapshot: loaded.iter().filter(|e| e.from == Some(ReloadFrom::Snapshot)).count(),
-        snapshots_written: snapshots.iter().filter(|e| e.action == Some(Action::Written)).count(),
+        reloads: reloads.len(),
+        from_snapshot: reloads.iter().filter(|r| r.from == ReloadFrom::Snapshot).count(),
+        snapshots_written: snapshots.iter().filter(|s| s.action == SnapshotAction::Written).count(),
         snapshots_not_written: snapshots
             .iter()
-            .filter(|e| e.action == Some(Action::NotWritten))
-            .map(|e| format!("{}: {}", e.model.as_deref().unwrap_or("?"), reason(e)))
+            .filter(|s| s.action == SnapshotAction::NotWritten)
+            .map(|s| format!("{}: {}", s.model, s.detail))
             .collect(),
         bytes,
         seconds: millis(seconds),
         gb_per_s: if seconds > 0.0 { bytes as f64 / seconds / 1e9 } else { 0.0 },
     };
-    let released: Vec<&&EventRecord> = events.iter().filter(|e| e.kind == EventKind::Release).collect();
-    let mut outside_stage: Vec<String> =
-        loaded.iter().filter(|e| e.outside_stage).filter_map(|e| e.model.clone()).collect();
+    let released: Vec<&&EventRecord> = events.iter().filter(|e| e.kind() == EventKind::Release).collect();
+    let mut outside_stage: Vec<String> = loaded.iter().filter(|l| l.outside_stage).map(|l| l.model.clone()).collect();
     outside_stage.sort();
     outside_stage.dedup();
     let swaps: Vec<u64> = samples.iter().filter_map(|s| s.swap_used).collect();
@@ -407,7 +404,7 @@ pub fn summarize(trace: &Trace) -> Summary {
         peak_t,
         stages,
         loads,
-        releases: Releases { count: released.len(), bytes: released.iter().filter_map(|e| e.bytes).sum() },
+        releases: Releases { count: released.len(), bytes: released.iter().filter_map(|e| e.bytes()).sum() },
         outside_stage,
         streamed: streamed(&events),
         host_tier: host_tier(&events),

@@ -9,8 +9,9 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use stageload_probe::{ProbeError, ProcessMemory, SystemMemory};
+use stageload_trace::event::{Entered, Loaded};
 use stageload_trace::record::{Record, Sample};
-use stageload_trace::{plot::plot, read_trace, summarize, EventKind, EventRecord, Meter, MeterOptions, MeterReadings};
+use stageload_trace::{plot::plot, read_trace, summarize, EventKind, Meter, MeterOptions, MeterReadings};
 
 static ONE_METER: Mutex<()> = Mutex::new(());
 
@@ -22,10 +23,7 @@ fn scratch(name: &str) -> tempfile::TempDir {
 /// Enters a stage 20 ms after the previous one, so that no window is empty.
 fn stage(meter: &Meter, name: &str) {
     std::thread::sleep(Duration::from_millis(20));
-    meter.event(
-        Instant::now(),
-        EventRecord { kind: EventKind::Stage, stage: Some(name.into()), ..EventRecord::default() },
-    );
+    meter.event(Instant::now(), Entered::new(name).into());
 }
 
 #[test]
@@ -36,14 +34,8 @@ fn a_run_writes_header_samples_events_and_end() {
     let options = MeterOptions::default().interval(Duration::from_millis(50)).meta("mode", "staged").meta("pid", 1);
     let meter = Meter::start(&path, options).unwrap();
     stage(&meter, "encode");
-    let load = EventRecord {
-        kind: EventKind::Load,
-        model: Some("encoder".into()),
-        bytes: Some(10),
-        seconds: Some(0.02),
-        ..EventRecord::default()
-    };
-    meter.event(Instant::now(), load);
+    let load = Loaded { model: "encoder".into(), bytes: Some(10), seconds: Some(0.02), ..Loaded::default() };
+    meter.event(Instant::now(), load.into());
     std::thread::sleep(Duration::from_millis(300));
     meter.finish();
     let trace = read_trace(&path).unwrap();
@@ -64,7 +56,7 @@ fn a_run_writes_header_samples_events_and_end() {
     for (i, record) in trace.records.iter().enumerate() {
         if let Record::Event(event) = record {
             assert!(matches!(&trace.records[i + 1], Record::Sample(s) if s.t == event.t), "{record:?}");
-            if event.kind == EventKind::Load {
+            if event.kind() == EventKind::Load {
                 assert_eq!(event.start, Some(((event.t - 0.02) * 1000.0).round() / 1000.0));
             }
         }

@@ -3,8 +3,9 @@
 
 use std::path::PathBuf;
 
+use stageload_trace::event::{Entered, Loaded, Released, ReloadFrom, Reloaded, What};
 use stageload_trace::record::{EventRecord, PeakRecord, Record, Sample};
-use stageload_trace::{read_trace, summarize, table, EventKind, Summary, Trace, TraceError};
+use stageload_trace::{read_trace, summarize, table, Summary, Trace, TraceError};
 
 const MIB: u64 = 1 << 20;
 const GIB: u64 = 1 << 30;
@@ -13,16 +14,21 @@ fn sample(t: f64, rss: u64) -> Record {
     Record::Sample(Sample { t, rss: Some(rss), ..Sample::default() })
 }
 
-fn event(t: f64, kind: EventKind, stage: Option<&str>) -> Record {
-    Record::Event(EventRecord { t, kind, stage: stage.map(Into::into), ..EventRecord::default() })
+fn event(t: f64, what: impl Into<What>) -> Record {
+    Record::Event(EventRecord::at_t(t, what))
 }
 
 fn stage(t: f64, name: &str) -> Record {
-    event(t, EventKind::Stage, Some(name))
+    event(t, Entered::new(name))
 }
 
 fn release(t: f64) -> Record {
-    event(t, EventKind::Release, None)
+    event(t, Released { model: "m".into(), ..Released::default() })
+}
+
+/// A load that leaves `resident` bytes of weights resident.
+fn weights(t: f64, resident: u64) -> Record {
+    event(t, Loaded { model: "m".into(), resident: Some(resident), ..Loaded::default() })
 }
 
 fn summary_of(records: Vec<Record>) -> Summary {
@@ -84,7 +90,7 @@ fn an_explicit_setup_merges_with_the_synthetic_one_and_repeats_merge() {
     let summary = summary_of(vec![
         sample(0.0, 1),
         stage(1.0, "a"),
-        event(1.2, EventKind::Load, Some("a")),
+        event(1.2, Loaded { stage: Some("a".into()), model: "m".into(), ..Loaded::default() }),
         release(1.5),
         sample(2.0, 2),
     ]);
@@ -92,13 +98,7 @@ fn an_explicit_setup_merges_with_the_synthetic_one_and_repeats_merge() {
 }
 
 fn stage_at(t: f64, name: &str, position: usize) -> Record {
-    Record::Event(EventRecord {
-        t,
-        kind: EventKind::Stage,
-        stage: Some(name.into()),
-        position: Some(position),
-        ..EventRecord::default()
-    })
+    event(t, Entered { position: Some(position), ..Entered::new(name) })
 }
 
 #[test]
@@ -151,17 +151,14 @@ fn exact_peak_records_raise_a_window_that_sampling_missed() {
 
 #[test]
 fn loads_releases_outside_stage_swap_and_errors() {
-    let load = |t: f64, kind: EventKind, model: &str, bytes: u64, seconds: f64, outside_stage: bool| {
-        Record::Event(EventRecord {
-            t,
-            kind,
-            model: Some(model.into()),
-            bytes: Some(bytes),
-            seconds: Some(seconds),
-            outside_stage,
-            ..EventRecord::default()
-        })
+    let load = |model: &str, bytes: u64, seconds: f64, outside_stage: bool| Loaded {
+        model: model.into(),
+        bytes: Some(bytes),
+        seconds: Some(seconds),
+        outside_stage,
+        ..Loaded::default()
     };
+    let reload = Reloaded { from: ReloadFrom::InPlace, tier: None, load: load("encoder", 2_000_000_000, 0.5, false) };
     let summary = summary_of(vec![
         Record::Sample(Sample {
             t: 0.0,
@@ -170,15 +167,10 @@ fn loads_releases_outside_stage_swap_and_errors() {
             available: Some(900),
             ..Sample::default()
         }),
-        load(1.0, EventKind::Load, "encoder", 2_000_000_000, 1.0, false),
-        load(2.0, EventKind::Reload, "encoder", 2_000_000_000, 0.5, false),
-        load(2.5, EventKind::Load, "helper", 1_000_000_000, 0.5, true),
-        Record::Event(EventRecord {
-            t: 3.0,
-            kind: EventKind::Release,
-            bytes: Some(2_000_000_000),
-            ..EventRecord::default()
-        }),
+        event(1.0, load("encoder", 2_000_000_000, 1.0, false)),
+        event(2.0, reload),
+        event(2.5, load("helper", 1_000_000_000, 0.5, true)),
+        event(3.0, Released { model: "encoder".into(), bytes: Some(2_000_000_000), ..Released::default() }),
         Record::Error(stageload_trace::record::ErrorRecord {
             t: 3.1,
             source: "system".into(),
@@ -280,7 +272,7 @@ fn the_committed_traces_are_read_summarized_and_plotted_with_typed_events() {
         reloads_in_place += trace
             .records
             .iter()
-            .filter(|r| matches!(r, Record::Event(e) if e.from == Some(stageload_trace::ReloadFrom::InPlace)))
+            .filter(|r| matches!(r, Record::Event(e) if matches!(&e.what, What::Reload(r) if r.from == ReloadFrom::InPlace)))
             .count();
         let chart = out.path().join(format!("{}.svg", path.file_stem().unwrap().to_string_lossy()));
         stageload_trace::plot::plot(&[("run".to_string(), &trace, &summary)], &chart, 800).unwrap();
@@ -306,18 +298,15 @@ fn device_run(weights: [u64; 2], spikes: [u64; 2]) -> Summary {
     let device = |t: f64, bytes: u64| {
         Record::Sample(Sample { t, rss: Some(500), device_allocated: Some(bytes), ..Sample::default() })
     };
-    let weights_event = |t: f64, resident: u64| {
-        Record::Event(EventRecord { t, kind: EventKind::Load, resident: Some(resident), ..EventRecord::default() })
-    };
     summary_of(vec![
         Record::Header(header),
         stage(0.0, "a"),
-        weights_event(0.1, weights[0]),
+        self::weights(0.1, weights[0]),
         device(0.2, weights[0]),
         // The exact device peak of the window, reset at its start: the spike between samples.
         Record::Peak(PeakRecord { t: 1.0, stage: "a".into(), rss: 500, device: Some(weights[0] + spikes[0]) }),
         stage(1.0, "b"),
-        weights_event(1.1, weights[1]),
+        self::weights(1.1, weights[1]),
         device(1.2, weights[1]),
         Record::Peak(PeakRecord { t: 2.0, stage: "b".into(), rss: 500, device: Some(weights[1] + spikes[1]) }),
         device(2.0, weights[1]),
@@ -457,9 +446,7 @@ mod fuzz {
 
 #[test]
 fn a_load_in_the_same_millisecond_as_the_next_stage_counts_in_its_own_window() {
-    let load = |t: f64, resident: u64| {
-        Record::Event(EventRecord { t, kind: EventKind::Load, resident: Some(resident), ..EventRecord::default() })
-    };
+    let load = weights;
     let summary = summary_of(vec![
         stage(0.003, "setup"),
         load(0.040, 100),
@@ -474,33 +461,28 @@ fn a_load_in_the_same_millisecond_as_the_next_stage_counts_in_its_own_window() {
 
 #[test]
 fn a_streamed_model_shows_its_last_split_every_reason_it_changed_and_what_it_moved() {
-    use stageload_trace::event::Residency;
-    let residency = |t: f64, resident: usize, reason: &str| {
-        let mut record = event(t, EventKind::Residency, None);
-        if let Record::Event(e) = &mut record {
-            e.model = Some("flow".into());
-            e.residency = Some(Residency {
-                blocks: 12,
-                resident,
-                streamed_per_step: (12 - resident) as u64 * 48 * MIB,
-                hot: if resident == 1 { 20 * MIB } else { 0 },
-                budget: 500 * MIB,
-                working: 0,
-                reason: reason.into(),
-                ..Residency::default()
-            });
-        }
-        record
+    use stageload_trace::event::{Residency, ResidencyChanged};
+    let split = |resident: usize, reason: &str| ResidencyChanged {
+        model: "flow".into(),
+        residency: Residency {
+            blocks: 12,
+            resident,
+            streamed_per_step: (12 - resident) as u64 * 48 * MIB,
+            hot: if resident == 1 { 20 * MIB } else { 0 },
+            budget: 500 * MIB,
+            working: 0,
+            reason: reason.into(),
+            ..Residency::default()
+        },
+        ..ResidencyChanged::default()
     };
+    let residency = |t: f64, resident: usize, reason: &str| event(t, split(resident, reason));
     // The model went twice (released and rebuilt): its totals add up.
     let end = |t: f64, refills: u64, hot_hits: u64| {
-        let mut record = residency(t, 1, "end");
-        if let Record::Event(e) = &mut record {
-            (e.bytes, e.seconds) = (Some(refills * 48 * MIB), Some(refills as f64 * 0.01));
-            let r = e.residency.as_mut().unwrap();
-            (r.refills, r.hot_hits) = (refills, hot_hits);
-        }
-        record
+        let mut end = split(1, "end");
+        (end.bytes, end.seconds) = (Some(refills * 48 * MIB), Some(refills as f64 * 0.01));
+        (end.residency.refills, end.residency.hot_hits) = (refills, hot_hits);
+        event(t, end)
     };
     let summary = summary_of(vec![
         sample(0.0, 100 * MIB),
@@ -525,34 +507,38 @@ fn a_streamed_model_shows_its_last_split_every_reason_it_changed_and_what_it_mov
 
 #[test]
 fn the_host_tier_shows_its_budget_peak_stores_evictions_and_reloads_from_it() {
-    use stageload_trace::event::{Action, TierUsage};
-    let tier = |t: f64, model: &str, action: Action, note: &str, used: u64| {
-        let mut record = event(t, EventKind::Tier, Some("decode"));
-        if let Record::Event(e) = &mut record {
-            e.model = Some(model.into());
-            e.note = Some(note.into());
-            e.action = Some(action);
-            e.tier = Some(TierUsage { budget: 2 * GIB, used });
-        }
-        record
+    use stageload_trace::event::{TierAction, TierChanged, TierUsage};
+    let tier = |t: f64, model: &str, action: TierAction, detail: Option<&str>, used: u64| {
+        let change = TierChanged {
+            stage: Some("decode".into()),
+            model: Some(model.into()),
+            action,
+            detail: detail.map(Into::into),
+            bytes: None,
+            seconds: None,
+            tier: Some(TierUsage { budget: 2 * GIB, used }),
+        };
+        event(t, change)
     };
-    let mut reload = event(3.0, EventKind::Reload, Some("encode"));
-    if let Record::Event(e) = &mut reload {
-        e.model = Some("encoder".into());
-        e.from = Some(stageload_trace::ReloadFrom::HostTier);
-        (e.bytes, e.seconds) = (Some(GIB), Some(0.02));
-        e.tier = Some(TierUsage { budget: 2 * GIB, used: 0 });
-    }
+    let load = Loaded {
+        stage: Some("encode".into()),
+        model: "encoder".into(),
+        bytes: Some(GIB),
+        seconds: Some(0.02),
+        ..Loaded::default()
+    };
+    let reload =
+        event(3.0, Reloaded { from: ReloadFrom::HostTier, tier: Some(TierUsage { budget: 2 * GIB, used: 0 }), load });
     let summary = summary_of(vec![
         sample(0.0, 100 * MIB),
-        tier(1.0, "encoder", Action::Stored, "stored", GIB),
-        tier(2.0, "encoder", Action::Evicted, "evicted", 0),
-        tier(2.1, "decoder", Action::Stored, "stored", 2 * GIB),
+        tier(1.0, "encoder", TierAction::Stored, None, GIB),
+        tier(2.0, "encoder", TierAction::Evicted, None, 0),
+        tier(2.1, "decoder", TierAction::Stored, None, 2 * GIB),
         tier(
             2.2,
             "vae",
-            Action::NotStored,
-            "not stored: its 3.0 GiB are more than the host tier's budget of 2.0 GiB",
+            TierAction::NotStored,
+            Some("its 3.0 GiB are more than the host tier's budget of 2.0 GiB"),
             2 * GIB,
         ),
         reload,

@@ -162,7 +162,7 @@ fn steps(components: &Path, component: &str, steps: usize) -> Result<Value, BoxE
             models.enter("run")?;
             drop(tch::no_grad(run)?);
         }
-        let reload = sink.of_kind(EventKind::Reload).last().and_then(|e| e.seconds).unwrap_or(f64::NAN);
+        let reload = sink.of_kind(EventKind::Reload).last().and_then(|e| e.seconds()).unwrap_or(f64::NAN);
         figures.insert(format!("{kind}_step_s"), json!(median(seconds)));
         figures.insert(format!("{kind}_reload_s"), json!(reload));
     }

@@ -128,7 +128,8 @@ fn reloads(components: &Path, name: &str) -> Result<(f64, f64, u64), BoxError> {
         drop(targets);
     }
     for reload in sink.of_kind(EventKind::Reload) {
-        reload_rate = reload_rate.max(reload.bytes.unwrap_or(0) as f64 / reload.seconds.unwrap_or(f64::INFINITY) / 1e9);
+        reload_rate =
+            reload_rate.max(reload.bytes().unwrap_or(0) as f64 / reload.seconds().unwrap_or(f64::INFINITY) / 1e9);
     }
     Ok((reload_rate, load_rate, bytes))
 }

@@ -22,9 +22,10 @@ use std::time::Instant;
 
 use clap::Parser;
 use stageload::checkpoint::Checkpoint;
+use stageload::event::TierAction;
 use stageload::pt2::Pt2Module;
 use stageload::stream::{Step, StreamError, StreamedModel};
-use stageload::{BoxError, Built, EventKind, ListSink, ModelSpec, ReloadFrom, StagedModels};
+use stageload::{BoxError, Built, EventKind, ListSink, ModelSpec, ReloadFrom, StagedModels, What};
 use stageload_bench::median;
 use stageload_torch_sys::{cuda_memory, generator_state, GeneratorDevice};
 use tch::nn::{self, Module, VarStore};
@@ -218,7 +219,7 @@ fn tier_checks(device: Device) -> Result<BTreeMap<String, serde_json::Value>, Bo
     models.set_host_tier_budget(0)?;
     let after = rss()?;
     let tier = sink.of_kind(EventKind::Tier);
-    let stored = tier.iter().find(|e| e.action == Some(stageload::Action::Stored));
+    let stored = tier.iter().find(|e| matches!(&e.what, What::Tier(t) if t.action == TierAction::Stored));
     let reload = sink.of_kind(EventKind::Reload).pop();
     let rate = |bytes: Option<u64>, seconds: Option<f64>| match (bytes, seconds) {
         (Some(bytes), Some(seconds)) if seconds > 0.0 => bytes as f64 / seconds / 1e9,
@@ -232,7 +233,7 @@ fn tier_checks(device: Device) -> Result<BTreeMap<String, serde_json::Value>, Bo
     );
     r.insert(
         "tier_reload_from_tier".into(),
-        reload.as_ref().is_some_and(|e| e.from == Some(ReloadFrom::HostTier)).into(),
+        reload.as_ref().is_some_and(|e| e.reload_from() == Some(ReloadFrom::HostTier)).into(),
     );
     r.insert("tier_identical_after_reload".into(), again.equal(&y).into());
     r.insert("tier_held_bytes".into(), held.into());
@@ -251,9 +252,9 @@ fn tier_checks(device: Device) -> Result<BTreeMap<String, serde_json::Value>, Bo
         (before.saturating_sub(after) >= held_again * 9 / 10).into(),
     );
     r.insert("tier_shrink_rss_drop_bytes".into(), before.saturating_sub(after).into());
-    r.insert("tier_store_gb_per_s".into(), stored.map_or(f64::NAN, |e| rate(e.bytes, e.seconds)).into());
+    r.insert("tier_store_gb_per_s".into(), stored.map_or(f64::NAN, |e| rate(e.bytes(), e.seconds())).into());
     r.extend(store_parts(device)?);
-    r.insert("tier_reload_gb_per_s".into(), reload.map_or(f64::NAN, |e| rate(e.bytes, e.seconds)).into());
+    r.insert("tier_reload_gb_per_s".into(), reload.map_or(f64::NAN, |e| rate(e.bytes(), e.seconds())).into());
     Ok(r)
 }
 
@@ -432,7 +433,7 @@ fn pt2_checks(dir: &Path) -> Result<BTreeMap<String, serde_json::Value>, BoxErro
         "pt2_release_frees_device_memory".into(),
         (resident.allocated.saturating_sub(released.allocated) >= bytes).into(),
     );
-    r.insert("pt2_reload_in_place".into(), reload.is_some_and(|e| e.from == Some(ReloadFrom::InPlace)).into());
+    r.insert("pt2_reload_in_place".into(), reload.is_some_and(|e| e.reload_from() == Some(ReloadFrom::InPlace)).into());
     r.insert("pt2_identical_after_reload".into(), again.equal(&y).into());
     r.insert("pt2_first_load_gb_per_s".into(), (bytes as f64 / load_seconds / 1e9).into());
     r.insert("pt2_reload_gb_per_s".into(), (bytes as f64 / reload_seconds / 1e9).into());

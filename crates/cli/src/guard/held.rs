@@ -15,7 +15,8 @@ use serde_json::{json, Value};
 use stageload_guard::{GuardConfig, Readings, Stop};
 use stageload_plan::request::{Mode, Request};
 use stageload_plan::{plan, Budget, Pipeline, Plan};
-use stageload_trace::{EventKind, Record};
+use stageload_trace::event::What;
+use stageload_trace::{Event, Record};
 use stageload_units::format_bytes;
 
 /// Where the run is, from its trace's records in file order.
@@ -38,16 +39,16 @@ impl Progress {
     pub fn apply(&mut self, record: &Record) {
         match record {
             Record::Header(_) => *self = Progress::default(),
-            Record::Event(event) if event.kind == EventKind::Stage => {
-                let Some(name) = event.stage.clone() else { return };
+            Record::Event(Event { what: What::Stage(entered), .. }) => {
+                let (name, position) = (entered.stage.clone(), entered.position);
                 let again = self
                     .stage
                     .as_ref()
-                    .is_some_and(|(current, occurrence)| *current == name && occurrence.position == event.position);
+                    .is_some_and(|(current, occurrence)| *current == name && occurrence.position == position);
                 if !again || self.ended {
                     let count = self.begun.entry(name.clone()).or_default();
                     *count += 1;
-                    self.stage = Some((name, Occurrence { position: event.position, count: *count }));
+                    self.stage = Some((name, Occurrence { position, count: *count }));
                 }
                 self.ended = false;
             }
@@ -468,11 +469,11 @@ impl Readings for TraceTail {
 mod tests {
     use super::*;
     use stageload_guard::LimitFrom;
+    use stageload_trace::event::Entered;
     use stageload_trace::record::{Header, PeakRecord, Sample};
-    use stageload_trace::Event;
 
     fn stage(name: &str) -> Record {
-        Record::Event(Event { kind: EventKind::Stage, stage: Some(name.into()), ..Event::default() })
+        Record::Event(Entered::new(name).into())
     }
 
     fn header() -> Record {
@@ -517,12 +518,7 @@ mod tests {
     }
 
     fn stage_at(name: &str, position: usize) -> Record {
-        Record::Event(Event {
-            kind: EventKind::Stage,
-            stage: Some(name.into()),
-            position: Some(position),
-            ..Event::default()
-        })
+        Record::Event(Entered { position: Some(position), ..Entered::new(name) }.into())
     }
 
     fn at(name: &str, position: usize, count: usize) -> StageAt {

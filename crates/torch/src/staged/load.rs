@@ -28,7 +28,7 @@ use crate::storage::{self, shallow};
 use crate::stream::StreamPlan;
 use crate::sync::lock;
 use stageload_plan::tier::Ticket;
-use stageload_trace::event::{Event, EventKind, LoadReport, ReloadFrom};
+use stageload_trace::event::{Event, Failed, LoadReport, Loaded, ReloadFrom, Reloaded, What};
 
 /// What a load of one model needs besides its loader, taken from its entry under the lock.
 pub(crate) struct Recipe {
@@ -237,28 +237,28 @@ impl Inner {
                 let resident = state.resident_bytes();
                 drop(state);
                 drop(restored);
-                let (kind, from) = match plan {
-                    LoadPlan::Build { reload: false, .. } => (EventKind::Load, None),
-                    LoadPlan::Build { reload: true, .. } => (EventKind::Reload, Some(ReloadFrom::Rebuilt)),
-                    LoadPlan::Refill(_, Some(_)) => (EventKind::Reload, Some(ReloadFrom::HostTier)),
-                    LoadPlan::Refill(_, None) if recipe.from_snapshot => {
-                        (EventKind::Reload, Some(ReloadFrom::Snapshot))
-                    }
-                    LoadPlan::Refill(_, None) => (EventKind::Reload, Some(ReloadFrom::InPlace)),
-                };
-                self.emit(Event {
+                let load = Loaded {
                     stage,
-                    model: Some(name.to_string()),
+                    model: name.to_string(),
                     bytes: Some(bytes),
                     seconds: Some(seconds),
-                    from,
                     outside_stage,
                     prefetched: prefetch,
+                    streamed: false,
                     report: report.map(Box::new),
                     resident: Some(resident),
-                    tier,
-                    ..Event::now(kind)
-                });
+                };
+                let from = match plan {
+                    LoadPlan::Build { reload: false, .. } => None,
+                    LoadPlan::Build { reload: true, .. } => Some(ReloadFrom::Rebuilt),
+                    LoadPlan::Refill(_, Some(_)) => Some(ReloadFrom::HostTier),
+                    LoadPlan::Refill(_, None) if recipe.from_snapshot => Some(ReloadFrom::Snapshot),
+                    LoadPlan::Refill(_, None) => Some(ReloadFrom::InPlace),
+                };
+                self.emit(Event::now(match from {
+                    None => What::Load(load),
+                    Some(from) => What::Reload(Reloaded { from, tier, load }),
+                }));
                 if let Some(released) = give_back {
                     tracing::debug!(model = name, "prefetch ended after close or overtaken: released at once");
                     self.release_all(vec![released]);
@@ -276,13 +276,12 @@ impl Inner {
                     },
                     other => other,
                 };
-                self.emit(Event {
+                self.emit(Event::now(Failed {
                     stage,
                     model: Some(name.to_string()),
                     seconds: Some(seconds),
-                    note: Some(err.to_string()),
-                    ..Event::now(EventKind::Error)
-                });
+                    note: err.to_string(),
+                }));
                 Err(err)
             }
         }

@@ -67,7 +67,7 @@ use crate::error::{is_out_of_memory, panic_message};
 use crate::storage::ReleaseStats;
 use error::Result;
 use registry::Inner;
-use stageload_trace::event::{Event, EventKind, LoadReport};
+use stageload_trace::event::{Event, LoadReport, Marked};
 
 /// Named models loaded on first use and released in place between stages. See the module docs;
 /// made by [`StagedModels::builder`].
@@ -282,7 +282,7 @@ impl StagedModels {
     /// Emits a `mark` event with `label`.
     pub fn mark(&self, label: &str) {
         let stage = self.current_stage();
-        self.inner.emit(Event { stage, note: Some(label.to_string()), ..Event::now(EventKind::Mark) });
+        self.inner.emit(Event::now(Marked { stage, note: label.to_string(), ..Marked::default() }));
     }
 
     /// Releases every resident model, pinned ones too, and refuses further loads. Emits a `close`

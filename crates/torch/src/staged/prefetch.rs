@@ -12,7 +12,7 @@ use super::error::Result;
 use super::load::Purpose;
 use super::registry::{Entry, Inner};
 use crate::sync::lock;
-use stageload_trace::event::{Event, EventKind};
+use stageload_trace::event::{Event, Prefetching};
 
 /// The nice value of a prefetch's thread: the lowest priority.
 const BACKGROUND_NICE: i32 = 19;
@@ -82,12 +82,11 @@ impl Inner {
         };
         let mut spawned = Vec::with_capacity(started.len());
         for ((name, bytes, cuda), id) in started.into_iter().zip(ids) {
-            self.emit(Event {
+            self.emit(Event::now(Prefetching {
                 stage: Some(stage.to_string()),
-                model: Some(name.clone()),
+                model: name.clone(),
                 bytes: Some(bytes),
-                ..Event::now(EventKind::Prefetch)
-            });
+            }));
             let ended = Ended { inner: Arc::clone(self), id };
             let (inner, model) = (Arc::clone(self), name.clone());
             let thread = std::thread::Builder::new().name(format!("prefetch {name}")).spawn(move || {

@@ -80,7 +80,7 @@ use crate::storage::ReleaseStats;
 use crate::stream::StreamPlan;
 use crate::sync::lock;
 use stageload_plan::tier::Tier;
-use stageload_trace::event::{Action, Event, EventKind, EventSink, LoadReport, TierUsage};
+use stageload_trace::event::{Entered, Event, EventSink, LoadReport, MarkAction, Marked, TierUsage};
 
 /// One model's slot and what it needs to (re)load.
 pub(crate) struct Entry {
@@ -683,12 +683,7 @@ impl Inner {
         let positions: Vec<usize> = leaving.iter().filter_map(|n| state.index.get(n).copied()).collect();
         let instances: Vec<Arc<Instance>> = positions.into_iter().filter_map(|p| state.request_release(p)).collect();
         drop(state);
-        self.emit(Event {
-            stage: Some(stage.to_string()),
-            position: Some(index),
-            resident: Some(resident),
-            ..Event::now(EventKind::Stage)
-        });
+        self.emit(Event::now(Entered { stage: stage.to_string(), position: Some(index), resident: Some(resident) }));
         Ok(self.release_all(instances))
     }
 
@@ -708,13 +703,12 @@ impl Inner {
         drop(copies);
         // A `close` mark first, so a trace does not read these releases as the tail of the last
         // stage's entry.
-        self.emit(Event {
+        self.emit(Event::now(Marked {
             stage,
-            note: Some(Action::Close.note(None)),
+            note: "close".to_string(),
+            action: Some(MarkAction::Close),
             resident: Some(resident),
-            action: Some(Action::Close),
-            ..Event::now(EventKind::Mark)
-        });
+        }));
         let stats = self.release_all(instances);
         if let Some(snapshots) = &self.snapshots {
             snapshots.remove_all();

@@ -19,7 +19,7 @@ use super::instance::Instance;
 use super::registry::{Inner, State};
 use crate::storage::{self, ReleaseStats};
 use crate::sync::lock;
-use stageload_trace::event::{Action, Event, EventKind};
+use stageload_trace::event::{Event, Failed, Released, SnapshotAction, SnapshotTaken};
 
 /// A release claimed under the state lock: nobody uses the model (its body is held) and no
 /// revival can win any more.
@@ -106,24 +106,23 @@ impl Inner {
                 Ok(stats) => {
                     total.freed += stats.freed;
                     total.kept += stats.kept;
-                    Event {
+                    Event::now(Released {
                         stage,
-                        model: Some(instance.name.clone()),
+                        model: instance.name.clone(),
                         bytes: Some(stats.freed),
                         seconds: Some(seconds),
-                        kept_bytes: (stats.kept > 0).then_some(stats.kept),
+                        kept_bytes: stats.kept,
                         resident: Some(resident),
-                        ..Event::now(EventKind::Release)
-                    }
+                    })
                 }
                 Err(source) => {
                     let err = StageError::Torch { model: instance.name.clone(), source };
-                    Event {
+                    Event::now(Failed {
                         stage,
                         model: Some(instance.name.clone()),
-                        note: Some(err.to_string()),
-                        ..Event::now(EventKind::Error)
-                    }
+                        seconds: None,
+                        note: err.to_string(),
+                    })
                 }
             };
             events.push(event);
@@ -173,25 +172,24 @@ impl Inner {
                 let mut state = self.state();
                 if let Some(position) = state.find(name).filter(|_| wanted(&state)) {
                     state.entry_mut(position).refill_from_snapshot(path.clone());
-                    (Action::Written, path.display().to_string())
+                    (SnapshotAction::Written, path.display().to_string())
                 } else {
                     // Replaced or removed meanwhile: the file is nobody's.
                     drop(state);
                     snapshots.forget(&path);
-                    (Action::NotWritten, "the model was replaced meanwhile".to_string())
+                    (SnapshotAction::NotWritten, "the model was replaced meanwhile".to_string())
                 }
             }
-            Err(reason) => (Action::NotWritten, format!("{reason}; '{name}' is rebuilt when needed")),
+            Err(reason) => (SnapshotAction::NotWritten, format!("{reason}; '{name}' is rebuilt when needed")),
         };
-        self.emit(Event {
+        self.emit(Event::now(SnapshotTaken {
             stage: stage.clone(),
-            model: Some(name.to_string()),
+            model: name.to_string(),
+            action,
+            detail,
             bytes: Some(bytes),
             seconds: Some(started.elapsed().as_secs_f64()),
-            note: Some(action.note(Some(&detail))),
-            action: Some(action),
-            ..Event::now(EventKind::Snapshot)
-        });
+        }));
     }
 }
 

@@ -11,7 +11,7 @@ use super::registry::Inner;
 use super::tier_copy::{self, HostCopies};
 use crate::sync::lock;
 use stageload_plan::tier::Evicted;
-use stageload_trace::event::{Action, Event, EventKind, TierUsage};
+use stageload_trace::event::{Event, TierAction, TierChanged, TierUsage};
 
 impl Inner {
     /// Copies a device model's weights into the host tier before its release frees them, when
@@ -84,7 +84,7 @@ impl Inner {
         let (what, dropped) = match copied {
             // The ticket, not the name: the model may have been replaced (and the new instance
             // released into a reservation of its own) while the copy ran.
-            Ok(copies) => ((Action::Stored, None), tier.fill(name, ticket, copies)),
+            Ok(copies) => ((TierAction::Stored, None), tier.fill(name, ticket, copies)),
             Err(error) => (not_stored(error.to_string()), tier.withdraw(name, ticket)),
         };
         let usage = state.tier_usage();
@@ -103,7 +103,7 @@ impl Inner {
         let mut copies = Vec::with_capacity(evicted.len());
         for Evicted { model, bytes, copies: copy } in evicted {
             copies.extend(copy);
-            self.tier_event(stage, &model, Some(bytes), None, (Action::Evicted, None), usage);
+            self.tier_event(stage, &model, Some(bytes), None, (TierAction::Evicted, None), usage);
         }
         copies
     }
@@ -114,19 +114,18 @@ impl Inner {
         model: &str,
         bytes: Option<u64>,
         seconds: Option<f64>,
-        (action, detail): (Action, Option<String>),
+        (action, detail): (TierAction, Option<String>),
         tier: Option<TierUsage>,
     ) {
-        self.emit(Event {
+        self.emit(Event::now(TierChanged {
             stage: stage.clone(),
             model: Some(model.to_string()),
+            action,
+            detail,
             bytes,
             seconds,
-            note: Some(action.note(detail.as_deref())),
             tier,
-            action: Some(action),
-            ..Event::now(EventKind::Tier)
-        });
+        }));
     }
 
     /// Sets the host tier's budget (see [`super::StagedModels::set_host_tier_budget`]); the
@@ -145,13 +144,15 @@ impl Inner {
         let usage = state.tier_usage();
         drop(state);
         drop(self.evicted(&stage, evicted, usage));
-        self.emit(Event {
+        self.emit(Event::now(TierChanged {
             stage,
-            note: Some(Action::Budget.note(None)),
+            model: None,
+            action: TierAction::Budget,
+            detail: None,
+            bytes: None,
+            seconds: None,
             tier: usage,
-            action: Some(Action::Budget),
-            ..Event::now(EventKind::Tier)
-        });
+        }));
         Ok(())
     }
 
@@ -161,6 +162,6 @@ impl Inner {
 }
 
 /// A `tier` event's action and detail for a copy the tier does not hold: why.
-fn not_stored(why: impl std::fmt::Display) -> (Action, Option<String>) {
-    (Action::NotStored, Some(why.to_string()))
+fn not_stored(why: impl std::fmt::Display) -> (TierAction, Option<String>) {
+    (TierAction::NotStored, Some(why.to_string()))
 }

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use tch::{Device, Kind, Tensor};
 
 use super::{Built, ModelSpec, StageError, StagedModels, StagedModelsBuilder};
-use stageload_trace::event::{Action, Event, EventKind, ListSink, ReloadFrom};
+use stageload_trace::event::{EventKind, ListSink, ReloadFrom, TierAction, What};
 
 /// A model of one random `[n]` float tensor, no checkpoint, counting its builds.
 fn random_model(name: &str, n: i64, builds: Arc<AtomicUsize>) -> ModelSpec {
@@ -37,8 +37,9 @@ fn weight(models: &StagedModels, name: &str) -> Tensor {
     models.call(name, |w: &mut Tensor| w.copy()).unwrap()
 }
 
-fn tier_actions(sink: &ListSink) -> Vec<(String, Action)> {
-    sink.of_kind(EventKind::Tier).into_iter().filter_map(|e: Event| Some((e.model?, e.action?))).collect()
+fn tier_actions(sink: &ListSink) -> Vec<(String, TierAction)> {
+    let events = sink.events().into_iter();
+    events.filter_map(|e| if let What::Tier(tier) = e.what { Some((tier.model?, tier.action)) } else { None }).collect()
 }
 
 #[test]
@@ -55,11 +56,11 @@ fn a_released_model_comes_back_from_the_host_tier_bit_identical_without_being_re
     models.enter("sa").unwrap();
     assert!(weight(&models, "a").equal(&before), "bit for bit");
     assert_eq!(builds[0].load(Ordering::SeqCst), 1, "no rebuild (it has no checkpoint: it would have been)");
-    let reload = sink.of_kind(EventKind::Reload).into_iter().find(|e| e.model.as_deref() == Some("a")).unwrap();
-    assert_eq!(reload.from, Some(ReloadFrom::HostTier));
+    let reload = sink.of_kind(EventKind::Reload).into_iter().find(|e| e.model() == Some("a")).unwrap();
+    assert_eq!(reload.reload_from(), Some(ReloadFrom::HostTier));
     // b's 32 bytes take a page of their own.
-    assert_eq!(reload.tier.unwrap().used, crate::pinned::booked(&[32]), "a's copy given up, b's stored meanwhile");
-    assert_eq!(tier_actions(&sink), [("a".into(), Action::Stored), ("b".into(), Action::Stored)]);
+    assert_eq!(reload.tier().unwrap().used, crate::pinned::booked(&[32]), "a's copy given up, b's stored meanwhile");
+    assert_eq!(tier_actions(&sink), [("a".into(), TierAction::Stored), ("b".into(), TierAction::Stored)]);
 }
 
 #[test]
@@ -75,15 +76,15 @@ fn the_least_recently_released_copy_is_evicted_and_its_model_rebuilt() {
     assert_eq!(
         actions[..4],
         [
-            ("a".into(), Action::Stored),
-            ("b".into(), Action::Stored),
-            ("a".into(), Action::Evicted),
-            ("c".into(), Action::Stored)
+            ("a".into(), TierAction::Stored),
+            ("b".into(), TierAction::Stored),
+            ("a".into(), TierAction::Evicted),
+            ("c".into(), TierAction::Stored)
         ]
     );
     assert_eq!(builds[0].load(Ordering::SeqCst), 2, "a rebuilt: its copy was evicted");
     let reload = sink.of_kind(EventKind::Reload).pop().unwrap();
-    assert_eq!((reload.model.as_deref(), reload.from), (Some("a"), Some(ReloadFrom::Rebuilt)));
+    assert_eq!((reload.model(), reload.reload_from()), (Some("a"), Some(ReloadFrom::Rebuilt)));
     assert_eq!(models.host_tier().unwrap().used, 8192, "b and c");
 }
 
@@ -94,7 +95,7 @@ fn a_model_larger_than_the_budget_is_not_stored_and_the_event_names_both_sizes()
     models.get::<Tensor>("a").unwrap();
     models.enter("sb").unwrap();
     let event = sink.of_kind(EventKind::Tier).into_iter().next().unwrap();
-    let note = event.note.unwrap();
+    let note = event.note().unwrap();
     assert!(note.starts_with("not stored") && note.contains("4.0 MiB") && note.contains("1.0 MiB"), "{note}");
     assert_eq!(models.host_tier().unwrap().used, 0);
 }
@@ -116,7 +117,7 @@ fn shrinking_the_budget_evicts_what_it_can_and_refuses_below_a_pinned_models_cop
     models.set_host_tier_budget(5000).unwrap();
     let usage = models.host_tier().unwrap();
     assert_eq!((usage.budget, usage.used), (5000, 4096), "a evicted, b (pinned) kept");
-    assert!(tier_actions(&sink).contains(&("a".into(), Action::Evicted)));
+    assert!(tier_actions(&sink).contains(&("a".into(), TierAction::Evicted)));
 }
 
 #[test]
@@ -127,7 +128,7 @@ fn closing_does_not_copy_models_into_the_tier_and_empties_it() {
     models.enter("sb").unwrap();
     models.get::<Tensor>("b").unwrap();
     models.close();
-    assert_eq!(tier_actions(&sink), [("a".into(), Action::Stored)], "b released by close, not stored");
+    assert_eq!(tier_actions(&sink), [("a".into(), TierAction::Stored)], "b released by close, not stored");
     assert_eq!(models.host_tier().unwrap().used, 0);
 }
 
@@ -146,8 +147,8 @@ fn a_prefetch_brings_a_model_back_from_the_tier_in_the_background() {
     models.enter("sa").unwrap();
     assert!(weight(&models, "a").equal(&before));
     assert_eq!(builds[0].load(Ordering::SeqCst), 1);
-    let reload = sink.of_kind(EventKind::Reload).into_iter().find(|e| e.model.as_deref() == Some("a")).unwrap();
-    assert!(reload.prefetched && reload.from == Some(ReloadFrom::HostTier), "{reload:?}");
+    let reload = sink.of_kind(EventKind::Reload).into_iter().find(|e| e.model() == Some("a")).unwrap();
+    assert!(reload.prefetched() && reload.reload_from() == Some(ReloadFrom::HostTier), "{reload:?}");
 }
 
 #[test]
@@ -160,7 +161,7 @@ fn a_model_in_use_when_its_stage_ends_is_stored_when_its_user_lets_go() {
     models.enter("sb").unwrap();
     assert!(tier_actions(&sink).is_empty(), "the release waits for the guard");
     drop(guard);
-    assert_eq!(tier_actions(&sink), [("a".into(), Action::Stored)], "stored by the guard's release");
+    assert_eq!(tier_actions(&sink), [("a".into(), TierAction::Stored)], "stored by the guard's release");
     models.enter("sa").unwrap();
     assert!(weight(&models, "a").equal(&before));
     assert_eq!(builds[0].load(Ordering::SeqCst), 1);
@@ -240,8 +241,8 @@ fn a_streamed_model_is_not_stored_evicts_nothing_and_is_rebuilt_the_same() {
     assert!(forward(&models).equal(&expected), "rebuilt, the same output");
     assert_eq!(s_builds.load(Ordering::SeqCst), 2);
 
-    assert_eq!(tier_actions(&sink)[..2], [("a".into(), Action::Stored), ("s".into(), Action::NotStored)]);
-    let note = sink.of_kind(EventKind::Tier).into_iter().filter_map(|e| e.note).find(|n| n.contains("'s'")).unwrap();
+    assert_eq!(tier_actions(&sink)[..2], [("a".into(), TierAction::Stored), ("s".into(), TierAction::NotStored)]);
+    let note = sink.of_kind(EventKind::Tier).into_iter().filter_map(|e| e.note()).find(|n| n.contains("'s'")).unwrap();
     assert!(note.contains("'s' has 3 tensors with no memory now"), "{note}");
 }
 
@@ -424,7 +425,7 @@ fn host_tier_copies_run_slowly_in_a_process_of_their_own() {
         assert!(weight(&models, model).equal(before), "{model}: the copy back differs");
     }
     assert_eq!(builds.iter().map(|b| b.load(Ordering::SeqCst)).collect::<Vec<_>>(), [1, 1, 1], "no rebuild");
-    assert!(sink.of_kind(EventKind::Reload).iter().all(|e| e.from == Some(ReloadFrom::HostTier)));
+    assert!(sink.of_kind(EventKind::Reload).iter().all(|e| e.reload_from() == Some(ReloadFrom::HostTier)));
     models.close();
     assert_eq!(crate::copy_watch::violations(), Vec::<String>::new());
 }
@@ -530,10 +531,10 @@ fn modules_exported_from_python_come_back_from_the_tier_bit_identical_ties_and_k
         models.enter("run").unwrap();
         assert!(forward().equal(&io["y"]), "{fixture}: bit for bit after the reload from the tier");
         let reload = &sink.of_kind(EventKind::Reload)[0];
-        assert_eq!(reload.from, Some(ReloadFrom::HostTier), "{fixture}");
+        assert_eq!(reload.reload_from(), Some(ReloadFrom::HostTier), "{fixture}");
         let load = &sink.of_kind(EventKind::Load)[0];
-        assert_eq!(load.bytes, Some(stats.freed + stats.kept), "{fixture}: what the load counted, freed or kept");
-        assert_eq!(reload.bytes, Some(stats.freed), "{fixture}: the reload fills what the release freed");
+        assert_eq!(load.bytes(), Some(stats.freed + stats.kept), "{fixture}: what the load counted, freed or kept");
+        assert_eq!(reload.bytes(), Some(stats.freed), "{fixture}: the reload fills what the release freed");
         if fixture == "tied" {
             let tensors: std::collections::HashMap<String, Tensor> =
                 models.get::<tch::CModule>("m").unwrap().tensors().into_iter().collect();

@@ -7,7 +7,7 @@
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
-use stageload_trace::event::{Event, EventKind, Residency};
+use stageload_trace::event::{Event, Residency, ResidencyChanged};
 use tch::Device;
 
 use super::split::{evict, govern, refit, relieve, Refit};
@@ -152,21 +152,17 @@ impl StreamedModel {
     /// Sends an `end` residency event with the model's totals (when it goes).
     pub(super) fn announce_totals(&self) {
         let stats = self.stats;
-        self.residency_event("end", self.residency(), |event| {
-            (event.bytes, event.seconds) = (Some(stats.bytes_refilled), Some(stats.refill_seconds));
-            if let Some(residency) = event.residency.as_mut() {
-                (residency.refills, residency.hot_hits) = (stats.refills, stats.hot_hits);
-            }
+        self.residency_event("end", self.residency(), |change| {
+            (change.bytes, change.seconds) = (Some(stats.bytes_refilled), Some(stats.refill_seconds));
+            (change.residency.refills, change.residency.hot_hits) = (stats.refills, stats.hot_hits);
         });
     }
 
     /// A `residency` event with the split now, `line` as its note, finished by `finish`.
-    fn residency_event(&self, reason: &str, line: String, finish: impl FnOnce(&mut Event)) {
+    fn residency_event(&self, reason: &str, line: String, finish: impl FnOnce(&mut ResidencyChanged)) {
         let Some(sink) = &self.sink else { return };
-        let mut event = Event::now(EventKind::Residency);
-        event.model = Some(self.name.clone());
-        event.note = Some(line);
-        event.residency = Some(Residency {
+        let mut change = ResidencyChanged { model: self.name.clone(), note: line, ..ResidencyChanged::default() };
+        change.residency = Residency {
             blocks: self.split.blocks,
             resident: self.split.resident,
             streamed_per_step: self.sizes.streamed_per_step(self.split.resident),
@@ -177,9 +173,9 @@ impl StreamedModel {
             pinned: self.pinned_bytes(),
             reason: reason.to_string(),
             ..Residency::default()
-        });
-        finish(&mut event);
-        sink.emit(&event);
+        };
+        finish(&mut change);
+        sink.emit(&Event::now(change));
     }
 
     /// The high-water mark of the memory steps are measured in, now.

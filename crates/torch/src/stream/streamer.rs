@@ -10,7 +10,7 @@ use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 use std::time::Instant;
 
-use stageload_trace::event::{Event, EventKind, EventSink};
+use stageload_trace::event::{Event, EventSink, Loaded};
 use tch::{Device, Tensor};
 
 use super::block::{pinned_copies, Ahead, Block, HostBlocks, Parts};
@@ -326,11 +326,14 @@ impl StreamedModel {
     /// Every option of a streamed model takes `&mut self` and returns it (`Result` where it can
     /// fail), so options chain at set-up and can change between steps too.
     pub fn events(&mut self, sink: Arc<dyn EventSink>) -> &mut Self {
-        let mut load = Event::now(EventKind::Load);
-        load.model = Some(self.name.clone());
-        (load.bytes, load.seconds) = (Some(self.setup.0), Some(self.setup.1));
-        load.note = Some("the resident part of a streamed model".into());
-        sink.emit(&load);
+        let load = Loaded {
+            model: self.name.clone(),
+            bytes: Some(self.setup.0),
+            seconds: Some(self.setup.1),
+            streamed: true,
+            ..Loaded::default()
+        };
+        sink.emit(&Event::now(load));
         self.report_to(sink);
         self
     }
