@@ -44,10 +44,10 @@
 //! changes), so `enter`, a load's resident total and a release's shared-storage check walk the
 //! models resident, not every slot; a stage's occurrences and the pin spans are looked up by
 //! name. Listing calls (`states`, `names`) and `remove` (positions shift) walk every slot.
-//! `enter` takes the state lock four times however many models it releases: once to decide,
-//! then once each to claim the batch of releases, to read the storages others keep live, and
-//! to settle them ([`super::release`]); a copy into the host tier or a snapshot adds its own
-//! bookkeeping.
+//! `enter` takes the state lock twice however many models it releases: once to decide, claim
+//! the batch of releases and read the storages others keep live, and once to settle them after
+//! the frees ([`super::release`]); a copy into the host tier or a snapshot before the frees
+//! reads the kept storages again after it and adds its own bookkeeping.
 //!
 //! Identity. A name is never trusted across a let-go of the state lock; identities are. Whatever
 //! is decided under the lock and finished after it names the instance or reservation it was
@@ -682,9 +682,10 @@ impl Inner {
         let resident = state.resident_bytes();
         let positions: Vec<usize> = leaving.iter().filter_map(|n| state.index.get(n).copied()).collect();
         let instances: Vec<Arc<Instance>> = positions.into_iter().filter_map(|p| state.request_release(p)).collect();
+        let batch = self.claim_batch(&state, &instances);
         drop(state);
         self.emit(Event::now(Entered { stage: stage.to_string(), position: Some(index), resident: Some(resident) }));
-        Ok(self.release_all(instances))
+        Ok(self.release_batch(batch))
     }
 
     /// Releases everything and refuses later loads (see [`super::StagedModels::close`]).

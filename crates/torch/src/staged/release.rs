@@ -2,9 +2,15 @@
 //! lets go): each released instance's storages freed in place (once the host tier has its
 //! copy), or left to the guard of whoever holds the model; the model object itself dropped when
 //! it will not be refilled in place; the allocators' caches emptied once after the batch, and
-//! the host heap trimmed once releases have freed [`caches::TRIM_AFTER`] bytes since its last trim. A
-//! batch is claimed, checked for the storages others keep live, and settled under one taking
-//! of the state lock each, so the lock is not taken per model.
+//! the host heap trimmed once releases have freed [`caches::TRIM_AFTER`] bytes since its last trim.
+//!
+//! A batch is decided, then carried out. [`Inner::claim_batch`] runs under the taking of the state
+//! lock that decided the releases (a stage entry's own): it claims them and reads the storages
+//! other models keep live. [`Inner::release_batch`] frees them without the lock and takes it once
+//! more to settle. So a stage entry takes the state lock twice, however many models it lets go.
+//! A copy into the host tier or a snapshot before the frees lets other models load meanwhile:
+//! then the storages kept live are read again after it, and the copy and the snapshot take the
+//! lock for their own bookkeeping.
 
 use std::any::Any;
 use std::collections::HashSet;
@@ -21,6 +27,16 @@ use crate::storage::{self, ReleaseStats};
 use crate::sync::lock;
 use stageload_trace::event::{Event, Failed, Released, SnapshotAction, SnapshotTaken};
 
+/// The releases of one batch, claimed under the state lock.
+pub(super) struct Batch<'a> {
+    claimed: Vec<Claimed<'a>>,
+    /// Copy each into the host tier first.
+    tier: bool,
+    /// For each claim, the storages to keep (others hold them live), when read with the claims;
+    /// `None` when work outside the lock comes before the frees.
+    keeps: Option<Vec<HashSet<u64>>>,
+}
+
 /// A release claimed under the state lock: nobody uses the model (its body is held) and no
 /// revival can win any more.
 struct Claimed<'a> {
@@ -31,20 +47,30 @@ struct Claimed<'a> {
 }
 
 impl Inner {
-    /// Carries out the releases of `instances` (already marked): each is freed now, or left to
-    /// the guard holding it (see the module docs). Adds up what was freed now.
-    ///
-    /// The state lock is taken three times for the whole batch, however many models it holds:
-    /// to claim, to read the storages others keep live, and to settle; a copy into the host tier
-    /// or a snapshot takes it again for its own bookkeeping.
+    /// Releases `instances` (already marked): claims them under one taking of the state lock,
+    /// then carries them out ([`Self::release_batch`]). Adds up what was freed now.
     pub(crate) fn release_all(&self, instances: Vec<Arc<Instance>>) -> ReleaseStats {
-        let state = self.state();
-        // The claims are made under the state lock, under which a `get` decides to revive a
-        // model whose release is still pending: either the revival or the free happens, never
-        // both.
-        let claimed: Vec<Claimed<'_>> = instances.iter().filter_map(claim).collect();
+        let batch = self.claim_batch(&self.state(), &instances);
+        self.release_batch(batch)
+    }
+
+    /// Claims the releases of `instances` under `state`, the caller's taking of the state lock:
+    /// a `get` decides to revive a model whose release is still pending under that lock too, so
+    /// either the revival or the free happens, never both. A release is claimed when still
+    /// requested and its body is free (tried, never waited for); one in use is left to the
+    /// guard holding it.
+    pub(super) fn claim_batch<'a>(&self, state: &State, instances: &'a [Arc<Instance>]) -> Batch<'a> {
+        let claimed: Vec<Claimed<'a>> = instances.iter().filter_map(claim).collect();
         let tier = state.tier().is_some() && !state.is_closed();
-        drop(state);
+        let work_first = tier || self.snapshots.is_some();
+        let keeps = (!work_first && !claimed.is_empty()).then(|| state.kept_in_batch(&instances_of(&claimed)));
+        Batch { claimed, tier, keeps }
+    }
+
+    /// Carries out a claimed batch: each model's storages freed in place (after its copy into
+    /// the host tier or its snapshot), settled under one more taking of the state lock.
+    pub(super) fn release_batch(&self, batch: Batch<'_>) -> ReleaseStats {
+        let Batch { claimed, tier, keeps } = batch;
         if claimed.is_empty() {
             return ReleaseStats::default();
         }
@@ -58,8 +84,7 @@ impl Inner {
         // refill (tensors its checkpoint lacks): both counted as kept. In the batch, a storage
         // two of its models share is freed by the later one, as if they were released one
         // after the other.
-        let batch: Vec<&Arc<Instance>> = claimed.iter().map(|c| c.instance).collect();
-        let keeps: Vec<HashSet<u64>> = self.state().kept_in_batch(&batch);
+        let keeps = keeps.unwrap_or_else(|| self.state().kept_in_batch(&instances_of(&claimed)));
         let freed: Vec<(Result<ReleaseStats, _>, f64)> = claimed
             .iter()
             .zip(&keeps)
@@ -193,6 +218,10 @@ impl Inner {
     }
 }
 
+fn instances_of<'a>(claimed: &[Claimed<'a>]) -> Vec<&'a Arc<Instance>> {
+    claimed.iter().map(|c| c.instance).collect()
+}
+
 /// Claims the release of `instance` if it can be made now (under the state lock): still
 /// requested, and its body free (tried, never waited for). A body in use leaves the release to
 /// whoever holds it ([`decide::on_release`]).
@@ -273,8 +302,8 @@ mod tests {
                 locks
             })
             .collect();
-        // The entry's decision, then the batch: its claims, the storages others keep, settling.
-        assert_eq!(locks, [4, 4, 4]);
+        // The entry's decision with the batch's claims and the storages others keep; settling.
+        assert_eq!(locks, [2, 2, 2]);
     }
 
     #[test]
