@@ -590,3 +590,138 @@ fn a_prefetch_loads_at_the_lowest_priority_and_the_foreground_at_its_own() {
     assert_eq!(*seen.lock().unwrap(), [("now", own), ("next", 19)], "the stage's own load keeps its priority");
     assert_eq!(this_threads_nice(), own, "the caller's thread is left as it was");
 }
+
+/// A model of its own `head` and the component `shared` (a `[rows, 1024]` weight), built once
+/// and held by every model built with it; its checkpoint `file` holds both.
+fn sharing(name: &str, rows: i64, file: &std::path::Path) -> ModelSpec {
+    ModelSpec::new(name, move |ctx| {
+        let head = Tensor::zeros([16], (Kind::Float, Device::Cpu));
+        let shared = ctx.shared("shared", || {
+            let w = Tensor::zeros([rows, 1024], (Kind::Float, Device::Cpu));
+            Ok((w.shallow_clone(), vec![("w".to_string(), w)]))
+        })?;
+        Ok(stageload::Built::from_tensors((head.shallow_clone(), shared), vec![("head".to_string(), head)]))
+    })
+    .checkpoint([file])
+    .skip_init(true)
+}
+
+/// What [`sharing`] builds.
+type Sharing = (Tensor, stageload::Shared<Tensor>);
+
+/// Checkpoints in `dir` for [`sharing`] models `a` and `b` (heads of ones and twos) with one
+/// shared weight of `rows`; that weight, and the files.
+fn sharing_files(dir: &std::path::Path, rows: i64) -> (Tensor, [std::path::PathBuf; 2]) {
+    let weight = Tensor::arange(rows * 1024, (Kind::Float, Device::Cpu)).reshape([rows, 1024]);
+    let files = ["a", "b"].map(|name| {
+        let path = dir.join(format!("{name}.safetensors"));
+        let head = Tensor::full([16], if name == "a" { 1.0 } else { 2.0 }, (Kind::Float, Device::Cpu));
+        stageload::checkpoint::save(&[("head".to_string(), head), ("shared.w".to_string(), weight.copy())], &path)
+            .unwrap();
+        path
+    });
+    (weight, files)
+}
+
+#[test]
+fn a_model_refilled_while_another_keeps_their_shared_component_takes_only_its_own_entries() {
+    let dir = tempfile::tempdir().unwrap();
+    let (weight, [a_file, b_file]) = sharing_files(dir.path(), 64);
+    let models = StagedModels::builder()
+        .model(sharing("a", 64, &a_file))
+        .model(sharing("b", 64, &b_file))
+        .stage("both", ["a", "b"])
+        .stage("uses_b", ["b"])
+        .build()
+        .unwrap();
+    models.enter("both").unwrap();
+    models.load("a").unwrap();
+    models.load("b").unwrap();
+    let stats = models.enter("uses_b").unwrap();
+    assert_eq!((stats.freed, stats.kept), (4 * 16, 4 * 64 * 1024), "the shared weight stays for b");
+    models.enter("both").unwrap();
+    // Strict: the file's shared entry fills no freed tensor, and is not an unused entry.
+    let (head, shared) = models.call("a", |(head, shared): &mut Sharing| (head.copy(), shared.lock().copy())).unwrap();
+    assert!(head.equal(&Tensor::ones([16], (Kind::Float, Device::Cpu))) && shared.equal(&weight));
+}
+
+#[test]
+fn a_model_sharing_a_component_a_prefetch_is_refilling_is_used_only_once_that_copy_ends() {
+    // `a` refilled in place, `c` built for the first time: both take the shared weight b's
+    // refill is filling.
+    for model in ["a", "c"] {
+        loaded_while_a_prefetch_refills_what_it_shares(model);
+    }
+}
+
+/// Models `a`, `b` and `c` share a weight; `a` and `b` were loaded and released; `b`'s refill
+/// (a prefetch) waits after its first piece while `model` loads in the foreground.
+fn loaded_while_a_prefetch_refills_what_it_shares(model: &'static str) {
+    let _one = support::generator();
+    let dir = tempfile::tempdir().unwrap();
+    // 64 MiB of shared weight: four pieces of the refill's copy.
+    let rows = 16 * 1024;
+    let (weight, [a_file, b_file]) = sharing_files(dir.path(), rows);
+    let (piece_tx, pieces) = mpsc::channel();
+    let (next_tx, next_piece) = mpsc::channel::<()>();
+    let armed = Arc::new(AtomicBool::new(false));
+    let models = {
+        let (armed, piece_tx, next_piece) = (armed.clone(), Mutex::new(piece_tx), Mutex::new(next_piece));
+        Arc::new(
+            StagedModels::builder()
+                .model(sharing("a", rows, &a_file))
+                .model(sharing("b", rows, &b_file))
+                .model(sharing("c", rows, &a_file))
+                .stage("both", ["a", "b"])
+                .stage("uses_a", ["a", "c"])
+                .stage("uses_b", ["b"])
+                .stage("between", Vec::<String>::new())
+                .progress(move |model, _| {
+                    if model == "b" && armed.load(Ordering::SeqCst) {
+                        let _ = piece_tx.lock().unwrap().send(());
+                        // Each piece of b's refill waits here until the test lets it go.
+                        let _ = next_piece.lock().unwrap().recv_timeout(Duration::from_secs(60));
+                    }
+                })
+                .build()
+                .unwrap(),
+        )
+    };
+    models.enter("both").unwrap();
+    models.load("a").unwrap();
+    models.load("b").unwrap();
+    let shared_bytes = 4 * (rows * 1024) as u64;
+    assert_eq!(models.resident_bytes(), shared_bytes + 2 * 4 * 16, "the shared weight counted once");
+    models.enter("between").unwrap();
+    assert_eq!(models.resident_bytes(), 0, "both released: the shared weight freed with the last of them");
+    armed.store(true, Ordering::SeqCst);
+    models.enter("uses_a").unwrap();
+    assert_eq!(models.prefetch("uses_b").unwrap(), ["b"]);
+    pieces.recv_timeout(Duration::from_secs(30)).expect("b's refill copied its first piece and waits");
+    // b's refill has the shared weight's memory back but not its values: a's load must not
+    // hand a out with it half filled.
+    let (done_tx, done) = mpsc::channel();
+    let foreground = {
+        let models = models.clone();
+        std::thread::spawn(move || {
+            let loaded = models.load(model);
+            let _ = done_tx.send(());
+            loaded
+        })
+    };
+    assert!(
+        done.recv_timeout(Duration::from_millis(500)).is_err(),
+        "{model}'s load waits for b's copy of the weight they share"
+    );
+    drop(next_tx);
+    let loaded = within("the load once b's copy ends", move || foreground.join().unwrap());
+    assert!(loaded.is_ok(), "{model}: {loaded:?}");
+    let (head, shared) =
+        models.call(model, |(head, shared): &mut Sharing| (head.copy(), shared.lock().copy())).unwrap();
+    assert!(head.equal(&Tensor::ones([16], (Kind::Float, Device::Cpu))), "{model}'s own head");
+    assert!(shared.equal(&weight), "{model} uses the shared weight with the file's values");
+    {
+        let models = models.clone();
+        within("b's refill", move || models.wait_prefetch("uses_b").unwrap());
+    }
+}

@@ -13,13 +13,13 @@ use tch::{Device, Tensor};
 use super::decide::ReleaseMark;
 use super::decide::{self, Finish, GetAction, GetContext, Refusal, SlotState};
 use super::error::{Result, StageError};
-use super::instance::Instance;
+use super::instance::{Instance, Weights};
 use super::placement::Placement;
 use super::registry::Inner;
 use super::release::released_message;
 use super::spec::{BuildContext, Init, Loader};
 use super::tier_copy::{self, HostCopies};
-use super::turn::{BuildHold, Who};
+use super::turn::{BuildHold, ForegroundLoad, Who};
 use crate::checkpoint::{Checkpoint, CheckpointError};
 use crate::error::{is_out_of_memory, panic_message};
 use crate::names::NameRules;
@@ -29,6 +29,15 @@ use crate::stream::StreamPlan;
 use crate::sync::lock;
 use stageload_plan::tier::Ticket;
 use stageload_trace::event::{Event, Failed, LoadReport, Loaded, ReloadFrom, Reloaded, What};
+
+/// Where a refill's bytes come from: the host tier's `copies` of the model, else its
+/// checkpoint (a `prefetch`'s copy pausable between pieces).
+#[derive(Clone, Copy)]
+struct FillFrom<'a> {
+    recipe: &'a Recipe,
+    copies: Option<&'a HostCopies>,
+    prefetch: bool,
+}
 
 /// What a load of one model needs besides its loader, taken from its entry under the lock.
 pub(crate) struct Recipe {
@@ -173,14 +182,17 @@ impl Inner {
 
         let started = Instant::now();
         // Background copies pause while this lives (see super::turn).
-        let _foreground = (!prefetch).then(|| self.turns.foreground_load());
+        let foreground = (!prefetch).then(|| self.turns.foreground_load());
         let result = match &plan {
             LoadPlan::Build { loader, .. } => {
                 let who = if prefetch { Who::Background } else { Who::Foreground };
-                self.build(name, loader, &recipe, who)
+                self.build(name, loader, &recipe, who).and_then(|built| {
+                    self.settle_shared(&built.0, &recipe, prefetch, foreground.as_ref())?;
+                    Ok(built)
+                })
             }
             LoadPlan::Refill(instance, copies) => self
-                .refill(instance, &recipe, copies.as_ref().map(|(_, copies)| copies), prefetch)
+                .refill(instance, &recipe, copies.as_ref().map(|(_, copies)| copies), prefetch, foreground.as_ref())
                 .map(|(bytes, report)| (Arc::clone(instance), bytes, report)),
         };
         if prefetch && matches!(result, Err(StageError::Closed { .. })) {
@@ -443,22 +455,96 @@ impl Inner {
         recipe: &Recipe,
         copies: Option<&HostCopies>,
         prefetch: bool,
+        foreground: Option<&ForegroundLoad<'_>>,
     ) -> Result<(u64, Option<LoadReport>)> {
-        let name = &instance.name;
-        let torch = |source| StageError::Torch { model: name.clone(), source };
         // Waits only for a release of this very instance still freeing its storages.
         let body = lock(&instance.body);
         let weights = lock(&instance.weights);
-        // SAFETY: the body lock keeps every caller of the model away until the refill below has
-        // filled these storages (or freed them again).
-        let reallocated = unsafe { storage::reallocate(&weights.storages) }.map_err(torch)?;
-        let targets: Vec<(String, Tensor)> = weights
+        let filled = self.fill_freed(instance, &weights, FillFrom { recipe, copies, prefetch }, foreground, true);
+        // Live again once the slot installs it as resident (`State::set_state`).
+        drop(weights);
+        drop(body);
+        filled
+    }
+
+    /// After a build: waits for the shared components another refill is filling now (and
+    /// fills those it gave up on), so that the model is not handed out with them half filled.
+    fn settle_shared(
+        &self,
+        instance: &Instance,
+        recipe: &Recipe,
+        prefetch: bool,
+        foreground: Option<&ForegroundLoad<'_>>,
+    ) -> Result<()> {
+        let body = lock(&instance.body);
+        let weights = lock(&instance.weights);
+        self.fill_freed(instance, &weights, FillFrom { recipe, copies: None, prefetch }, foreground, false)?;
+        drop(weights);
+        drop(body);
+        Ok(())
+    }
+
+    /// Reallocates and fills `weights`' freed storages (when `first`, fills once even if none
+    /// is freed, for the checkpoint's report), then waits for those another refill is filling
+    /// now, again until none is left ([`super::fills`]); a `foreground` load counts as not
+    /// loading while it waits. Under the instance's body lock. On failure what it reallocated
+    /// is freed again.
+    fn fill_freed(
+        &self,
+        instance: &Instance,
+        weights: &Weights,
+        from: FillFrom<'_>,
+        foreground: Option<&ForegroundLoad<'_>>,
+        mut first: bool,
+    ) -> Result<(u64, Option<LoadReport>)> {
+        let name = &instance.name;
+        let torch = |source| StageError::Torch { model: name.clone(), source };
+        let (mut bytes, mut report) = (0, None);
+        loop {
+            // SAFETY: the caller's body lock keeps every user of the model away until the fill
+            // below has filled the claimed storages (or freed them again).
+            let (claim, others) = unsafe { self.fills.claim(&weights.storages) }.map_err(torch)?;
+            if first || !claim.ids.is_empty() {
+                match self.fill(instance, weights, &claim.ids, from) {
+                    Ok((filled, read)) => (bytes, report) = (bytes + filled, report.or(read)),
+                    Err(err) => {
+                        let stage = instance.mark().stage().flatten();
+                        let message = released_message(name, &stage);
+                        // SAFETY: still under the body lock; nothing has used the half-filled
+                        // storages. Freed before the claim ends, so a refill waiting for them
+                        // finds them freed and fills them itself.
+                        unsafe { storage::free_ids(&weights.storages, &claim.ids, &message) }.map_err(torch)?;
+                        return Err(err);
+                    }
+                }
+            }
+            first = false;
+            drop(claim);
+            if others.is_empty() {
+                return Ok((bytes, report));
+            }
+            let _waiting = foreground.map(ForegroundLoad::waiting);
+            self.fills.wait_for(&others);
+        }
+    }
+
+    /// Fills the storages `ids` of a refilled instance, from its host tier `copies` or its
+    /// checkpoint; their bytes, and the checkpoint's load report.
+    fn fill(
+        &self,
+        instance: &Instance,
+        weights: &Weights,
+        ids: &HashSet<u64>,
+        FillFrom { recipe, copies, prefetch }: FillFrom<'_>,
+    ) -> Result<(u64, Option<LoadReport>)> {
+        let name = &instance.name;
+        // The others are filled already, or by another refill: their entries are not unused.
+        let (targets, elsewhere): (Vec<_>, Vec<_>) = weights
             .tensors
             .iter()
-            .filter(|(_, t)| stageload_torch_sys::storage_info(t).is_ok_and(|i| reallocated.contains(&i.id)))
             .map(|(n, t)| (n.clone(), t.shallow_clone()))
-            .collect();
-        let filled = match copies {
+            .partition(|(_, t)| stageload_torch_sys::storage_info(t).is_ok_and(|i| ids.contains(&i.id)));
+        let report = match copies {
             Some(copies) => {
                 let device = targets.first().map_or(Device::Cpu, |(_, t)| t.device());
                 self.tier_side
@@ -474,25 +560,12 @@ impl Inner {
                     name,
                     &recipe.checkpoint,
                     &targets,
-                    &recipe.names.clone().complete(),
+                    &recipe.names.clone().complete().filled_elsewhere(elsewhere.into_iter().map(|(n, _)| n)),
                     if prefetch { Fill::Background } else { Fill::Whole },
                 )
                 .map(Some),
-        };
-        let report = match filled {
-            Ok(report) => report,
-            Err(err) => {
-                let stage = instance.mark().stage().flatten();
-                let message = released_message(name, &stage);
-                // SAFETY: still under the body lock; nothing has used the half-filled storages.
-                unsafe { storage::free_ids(&weights.storages, &reallocated, &message) }.map_err(torch)?;
-                return Err(err);
-            }
-        };
-        let bytes = weights.storages.iter().filter(|s| reallocated.contains(&s.id)).map(|s| s.nbytes as u64).sum();
-        // Live again once the slot installs it as resident (`State::set_state`).
-        drop(weights);
-        drop(body);
+        }?;
+        let bytes = weights.storages.iter().filter(|s| ids.contains(&s.id)).map(|s| s.nbytes as u64).sum();
         Ok((bytes, report))
     }
 }

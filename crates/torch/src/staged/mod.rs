@@ -40,6 +40,7 @@ mod builder;
 mod caches;
 mod decide;
 mod error;
+mod fills;
 mod instance;
 mod load;
 mod placement;

@@ -37,7 +37,9 @@
 //! 5. Leaves, held for a few statements with nothing taken under them: an instance's `ctl`
 //!    (its release mark and holder) and `weights` (its tensors and storages), the prefetch
 //!    threads' list (`Inner::prefetching`), the snapshot list, a generator of
-//!    [`crate::rng`] (its state saved and restored around a build).
+//!    [`crate::rng`] (its state saved and restored around a build), the storages refills are
+//!    filling ([`super::fills`]; a refill waits on its condition variable with nothing but its
+//!    own model's body and weights held, and only after its own fill has ended).
 //!
 //! Cost. What a call costs does not grow with the number of models: the slots holding storage
 //! are indexed (`State::holding`, kept by `State::set_state`, the one way a slot's state
@@ -69,6 +71,7 @@ use super::background::Background;
 use super::caches::Trim;
 use super::decide::{self, ModelState, SlotState};
 use super::error::{Result, StageError};
+use super::fills::Fills;
 use super::instance::{self, Handle, Instance};
 use super::placement::Placement;
 use super::snapshot::Snapshots;
@@ -612,6 +615,8 @@ pub(crate) struct Inner {
     /// The snapshot folder's files, when the builder named one.
     pub(super) snapshots: Option<Snapshots>,
     pub(super) trim: Trim,
+    /// The storages refills are filling now.
+    pub(super) fills: Fills,
     /// Unit tests: how many times the state lock was taken.
     #[cfg(test)]
     pub(crate) state_locks: std::sync::atomic::AtomicU64,
@@ -636,6 +641,7 @@ impl Inner {
             tier_side,
             snapshots,
             trim: Trim::default(),
+            fills: Fills::default(),
             #[cfg(test)]
             state_locks: Default::default(),
         }

@@ -21,7 +21,9 @@
 //!    stage) is in progress, a background checkpoint copy that holds no turn waits at its next
 //!    piece boundary (a read of at most 16 MiB) and resumes when the foreground loads are done:
 //!    the foreground's reads get the disk and the cores. A background copy holding the turn
-//!    (shared components) is not paused: a foreground build may be waiting for that turn.
+//!    (shared components) is not paused: a foreground build may be waiting for that turn. A
+//!    foreground load that waits for a background copy to fill storages they share counts as
+//!    not loading while it waits ([`super::fills`]), so that copy goes on.
 //! 4. **Cancellation** (`close`, dropping the registry): background work waiting for the turn
 //!    or paused gives up, and a background copy stops at its next piece.
 //!
@@ -73,6 +75,29 @@ impl Drop for ForegroundLoad<'_> {
         state.foreground_loading = state.foreground_loading.saturating_sub(1);
         drop(state);
         self.0.changed.notify_all();
+    }
+}
+
+impl ForegroundLoad<'_> {
+    /// While the returned value lives, this load counts as not in progress: it waits for
+    /// another load to fill storages it shares ([`super::fills`]), which may be a background
+    /// copy that would otherwise pause for it.
+    pub(crate) fn waiting(&self) -> Waiting<'_> {
+        let mut state = self.0.state();
+        state.foreground_loading = state.foreground_loading.saturating_sub(1);
+        drop(state);
+        self.0.changed.notify_all();
+        Waiting(self.0)
+    }
+}
+
+/// A foreground load waiting ([`ForegroundLoad::waiting`]); in progress again when dropped.
+#[derive(Debug)]
+pub(crate) struct Waiting<'a>(&'a Turns);
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.0.state().foreground_loading += 1;
     }
 }
 
