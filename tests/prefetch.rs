@@ -610,14 +610,14 @@ fn sharing(name: &str, rows: i64, file: &std::path::Path) -> ModelSpec {
 type Sharing = (Tensor, stageload::Shared<Tensor>);
 
 /// Checkpoints in `dir` for [`sharing`] models `a` and `b` (heads of ones and twos) with one
-/// shared weight of `rows`; that weight, and the files.
-fn sharing_files(dir: &std::path::Path, rows: i64) -> (Tensor, [std::path::PathBuf; 2]) {
+/// shared weight of `rows`, each entry's name after `prefix`; that weight, and the files.
+fn sharing_files(dir: &std::path::Path, rows: i64, prefix: &str) -> (Tensor, [std::path::PathBuf; 2]) {
     let weight = Tensor::arange(rows * 1024, (Kind::Float, Device::Cpu)).reshape([rows, 1024]);
     let files = ["a", "b"].map(|name| {
         let path = dir.join(format!("{name}.safetensors"));
         let head = Tensor::full([16], if name == "a" { 1.0 } else { 2.0 }, (Kind::Float, Device::Cpu));
-        stageload::checkpoint::save(&[("head".to_string(), head), ("shared.w".to_string(), weight.copy())], &path)
-            .unwrap();
+        let entries = [(format!("{prefix}head"), head), (format!("{prefix}shared.w"), weight.copy())];
+        stageload::checkpoint::save(&entries, &path).unwrap();
         path
     });
     (weight, files)
@@ -625,11 +625,20 @@ fn sharing_files(dir: &std::path::Path, rows: i64) -> (Tensor, [std::path::PathB
 
 #[test]
 fn a_model_refilled_while_another_keeps_their_shared_component_takes_only_its_own_entries() {
+    for prefix in ["", "net."] {
+        refilled_beside_its_shared_component(prefix);
+    }
+}
+
+/// `a` released while `b` keeps their shared weight, then refilled; their files' entries named
+/// after `prefix`, which the models' name rules strip.
+fn refilled_beside_its_shared_component(prefix: &str) {
     let dir = tempfile::tempdir().unwrap();
-    let (weight, [a_file, b_file]) = sharing_files(dir.path(), 64);
+    let (weight, [a_file, b_file]) = sharing_files(dir.path(), 64, prefix);
+    let named = |spec: ModelSpec| spec.names(stageload::NameRules::default().strip_prefix(prefix));
     let models = StagedModels::builder()
-        .model(sharing("a", 64, &a_file))
-        .model(sharing("b", 64, &b_file))
+        .model(named(sharing("a", 64, &a_file)))
+        .model(named(sharing("b", 64, &b_file)))
         .stage("both", ["a", "b"])
         .stage("uses_b", ["b"])
         .build()
@@ -661,7 +670,7 @@ fn loaded_while_a_prefetch_refills_what_it_shares(model: &'static str) {
     let dir = tempfile::tempdir().unwrap();
     // 64 MiB of shared weight: four pieces of the refill's copy.
     let rows = 16 * 1024;
-    let (weight, [a_file, b_file]) = sharing_files(dir.path(), rows);
+    let (weight, [a_file, b_file]) = sharing_files(dir.path(), rows, "");
     let (piece_tx, pieces) = mpsc::channel();
     let (next_tx, next_piece) = mpsc::channel::<()>();
     let armed = Arc::new(AtomicBool::new(false));

@@ -66,8 +66,9 @@ pub struct NameRules {
     /// How file entry names become model tensor names.
     pub rename: Rename,
     ignore: Vec<glob::Pattern>,
-    /// Entries another model already filled (a shared component it loaded): skipped, counted
-    /// as ignored.
+    /// Model tensors filled already (a shared component another model loaded, a storage
+    /// another model keeps or another refill fills): the entries naming them, after renaming,
+    /// are skipped and counted as ignored.
     filled_elsewhere: HashSet<String>,
     /// Strict: any file entry that fills no tensor (and is not ignored), or any model tensor no
     /// entry fills, is an error. Lenient: loads what matches and reports the rest.
@@ -136,9 +137,9 @@ impl NameRules {
         self
     }
 
-    /// These entries were filled by another model (a shared component): skip them.
-    pub(crate) fn filled_elsewhere(mut self, entries: impl IntoIterator<Item = String>) -> Self {
-        self.filled_elsewhere.extend(entries);
+    /// These model tensors were filled elsewhere: skip the entries that name them.
+    pub(crate) fn filled_elsewhere(mut self, tensors: impl IntoIterator<Item = String>) -> Self {
+        self.filled_elsewhere.extend(tensors);
         self
     }
 
@@ -148,8 +149,11 @@ impl NameRules {
         self
     }
 
-    fn ignores(&self, entry: &str) -> bool {
-        self.filled_elsewhere.contains(entry) || self.ignore.iter().any(|p| p.matches(entry))
+    /// Whether `entry` is skipped: an `ignore` pattern matches it, or it names a tensor filled
+    /// elsewhere (`renamed`: the tensor it names).
+    fn ignores(&self, entry: &str, renamed: Option<&str>) -> bool {
+        renamed.is_some_and(|tensor| self.filled_elsewhere.contains(tensor))
+            || self.ignore.iter().any(|p| p.matches(entry))
     }
 }
 
@@ -193,11 +197,12 @@ pub(crate) fn match_names<'a>(
     let mut entries: Vec<&str> = entries.into_iter().collect();
     entries.sort_unstable();
     for entry in entries {
-        if rules.ignores(entry) {
+        let renamed = rules.rename.apply(entry);
+        if rules.ignores(entry, renamed.as_deref()) {
             found.ignored += 1;
             continue;
         }
-        match rules.rename.apply(entry).filter(|name| wanted.contains(name.as_str())) {
+        match renamed.filter(|name| wanted.contains(name.as_str())) {
             Some(tensor) => {
                 if let Some(first) = claimed.insert(tensor.clone(), entry.to_string()) {
                     return Err(Collision { tensor, first, second: entry.to_string() });

@@ -167,21 +167,34 @@ pub unsafe fn release(
 }
 
 /// Gives every freed storage of `storages` its memory back (uninitialised); returns the ids
-/// reallocated, so the caller refills exactly those.
+/// reallocated, so the caller refills exactly those. On failure (out of memory) the storages
+/// it had reallocated are freed again: none is left allocated and unfilled.
 ///
 /// # Safety
 ///
 /// As [`shim::realloc_storage`]: the caller fills those storages before anything reads them
 /// and keeps every other thread away meanwhile.
-pub unsafe fn reallocate(storages: &[StorageRecord]) -> Result<HashSet<u64>, ShimError> {
+pub unsafe fn reallocate<'a>(
+    storages: impl IntoIterator<Item = &'a StorageRecord> + Clone,
+) -> Result<HashSet<u64>, ShimError> {
     let mut reallocated = HashSet::new();
-    for storage in storages {
-        if storage.nbytes > 0 && !shim::storage_info(&storage.tensor)?.allocated {
-            crate::copy_watch::check_free(storage.id, "given new memory");
-            // SAFETY: this function's own precondition.
-            unsafe { shim::realloc_storage(&storage.tensor, storage.nbytes) }?;
-            reallocated.insert(storage.id);
+    let mut give = || {
+        for storage in storages.clone() {
+            if storage.nbytes > 0 && !shim::storage_info(&storage.tensor)?.allocated {
+                crate::copy_watch::check_free(storage.id, "given new memory");
+                // SAFETY: this function's own precondition.
+                unsafe { shim::realloc_storage(&storage.tensor, storage.nbytes) }?;
+                reallocated.insert(storage.id);
+            }
         }
+        Ok(())
+    };
+    if let Err(error) = give() {
+        for storage in storages.into_iter().filter(|s| reallocated.contains(&s.id)) {
+            // SAFETY: reallocated just now and not handed out.
+            let _ = unsafe { shim::free_storage(&storage.tensor, "stageload: a refill ran out of memory") };
+        }
+        return Err(error);
     }
     Ok(reallocated)
 }
@@ -248,6 +261,28 @@ pub unsafe fn free_ids(storages: &[StorageRecord], ids: &HashSet<u64>, message: 
 mod tests {
     use super::*;
     use tch::{Device, Kind};
+
+    #[test]
+    fn a_reallocation_that_runs_out_of_memory_leaves_nothing_allocated_and_unfilled() {
+        let tensors: Vec<(String, Tensor)> =
+            ["a", "b"].iter().map(|n| (n.to_string(), Tensor::ones([16], (Kind::Float, Device::Cpu)))).collect();
+        let mut records = distinct_storages(&tensors).unwrap();
+        let all: HashSet<u64> = records.iter().map(|r| r.id).collect();
+        // SAFETY: nothing else holds these tensors.
+        unsafe { free_ids(&records, &all, "freed by the test") }.unwrap();
+        // The second asks for more than any machine has: its allocation fails.
+        records[1].nbytes = usize::MAX / 2;
+        // SAFETY: nothing reads the storages.
+        let err = unsafe { reallocate(&records) }.unwrap_err();
+        assert!(!err.to_string().is_empty());
+        let allocated = |t: &Tensor| shim::storage_info(t).unwrap().allocated;
+        assert!(!allocated(&tensors[0].1), "the first, reallocated before the failure, is freed again");
+        assert!(!allocated(&tensors[1].1));
+        records[1].nbytes = 64;
+        // SAFETY: as above.
+        let ids = unsafe { reallocate(&records) }.unwrap();
+        assert_eq!(ids, all, "both come back on a later try");
+    }
 
     #[test]
     fn a_tensor_is_filled_through_another_only_when_that_one_writes_every_byte_it_reaches() {

@@ -240,7 +240,7 @@ fn is_false(b: &bool) -> bool {
 }
 
 /// A `load`: a model built and filled for the first time. Also the body of a `reload`.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
 pub struct Loaded {
     /// The stage current at the time.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -271,7 +271,7 @@ pub struct Loaded {
 }
 
 /// A `reload`: a released model came back.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Reloaded {
     /// How.
     pub from: ReloadFrom,
@@ -284,7 +284,7 @@ pub struct Reloaded {
 }
 
 /// A `release`: a model's storages freed in place.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
 pub struct Released {
     /// The stage current at the time.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -307,7 +307,7 @@ pub struct Released {
 }
 
 /// A `stage`: a stage was entered.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
 pub struct Entered {
     /// The stage entered.
     pub stage: String,
@@ -331,7 +331,7 @@ impl Entered {
 }
 
 /// A `mark`: a user's label, or the registry's close.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
 pub struct Marked {
     /// The stage current at the time.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -347,7 +347,7 @@ pub struct Marked {
 }
 
 /// An `error`: something failed.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
 pub struct Failed {
     /// The stage current at the time.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -363,7 +363,7 @@ pub struct Failed {
 }
 
 /// A `prefetch`: a background load began.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
 pub struct Prefetching {
     /// The stage the model is loaded for.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -376,7 +376,7 @@ pub struct Prefetching {
 }
 
 /// A `residency`: a streamed model's split was set or changed, or the model went (`end`).
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
 pub struct ResidencyChanged {
     /// The stage current at the time.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -397,7 +397,7 @@ pub struct ResidencyChanged {
 
 /// A `tier`: the host tier stored, evicted or did not store a model's weights, or its budget
 /// was set (no model).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct TierChanged {
     /// The stage current at the time.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -422,7 +422,7 @@ pub struct TierChanged {
 }
 
 /// A `snapshot`: a model's weights were written to the snapshot folder, or could not be.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct SnapshotTaken {
     /// The stage current at the time.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -441,8 +441,9 @@ pub struct SnapshotTaken {
     pub seconds: Option<f64>,
 }
 
-/// What happened, with the fields of its kind.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+/// What happened, with the fields of its kind. Written as `kind` with the fields beside it; read
+/// back only as part of an [`Event`], which reads lines of every schema.
+#[derive(Debug, Clone, PartialEq, Serialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
 pub enum What {
     /// See [`Loaded`].
@@ -675,7 +676,7 @@ impl Event {
     }
 }
 
-/// One line: `reload encoder 12.0 MiB in 0.031 s (in place; stage decode, outside the stage)`.
+/// One line: `reload encoder 12.0 MiB in 0.031 s (in place; stage decode; outside the stage)`.
 impl fmt::Display for Event {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}", self.kind().name())?;

@@ -63,9 +63,12 @@ impl Fills {
     pub(crate) unsafe fn claim(&self, storages: &[StorageRecord]) -> Result<(Claim<'_>, Vec<u64>), ShimError> {
         let mut filling = lock(&self.filling);
         let others: Vec<u64> = storages.iter().map(|s| s.id).filter(|id| filling.contains(id)).collect();
+        // A storage another refill claimed stays its own, even freed again by its failure:
+        // its claim ends after that, and this refill reallocates it in a later round.
+        let free = storages.iter().filter(|s| !filling.contains(&s.id));
         // SAFETY: this function's own precondition; under the lock, so no other refill
         // reallocates the same storage.
-        let ids = unsafe { storage::reallocate(storages) }?;
+        let ids = unsafe { storage::reallocate(free) }?;
         filling.extend(ids.iter().copied());
         Ok((Claim { fills: self, ids }, others))
     }

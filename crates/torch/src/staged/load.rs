@@ -186,14 +186,17 @@ impl Inner {
         let result = match &plan {
             LoadPlan::Build { loader, .. } => {
                 let who = if prefetch { Who::Background } else { Who::Foreground };
-                self.build(name, loader, &recipe, who).and_then(|built| {
-                    self.settle_shared(&built.0, &recipe, prefetch, foreground.as_ref())?;
-                    Ok(built)
+                self.build(name, loader, &recipe, who).and_then(|(instance, bytes, report)| {
+                    let from = FillFrom { recipe: &recipe, copies: None, prefetch };
+                    let (waited, _) = self.refill(&instance, from, foreground.as_ref(), false)?;
+                    Ok((instance, bytes + waited, report))
                 })
             }
-            LoadPlan::Refill(instance, copies) => self
-                .refill(instance, &recipe, copies.as_ref().map(|(_, copies)| copies), prefetch, foreground.as_ref())
-                .map(|(bytes, report)| (Arc::clone(instance), bytes, report)),
+            LoadPlan::Refill(instance, copies) => {
+                let from = FillFrom { recipe: &recipe, copies: copies.as_ref().map(|(_, copies)| copies), prefetch };
+                self.refill(instance, from, foreground.as_ref(), true)
+                    .map(|(bytes, report)| (Arc::clone(instance), bytes, report))
+            }
         };
         if prefetch && matches!(result, Err(StageError::Closed { .. })) {
             // The registry closed or dropped while the prefetch waited for the build turn, or
@@ -445,67 +448,34 @@ impl Inner {
         Ok(report)
     }
 
-    /// Brings a released instance back in place: reallocates its freed storages and refills
-    /// them from its host tier `copies` when it has them, else from the checkpoint (a
-    /// `prefetch`'s copy stops between pieces when the registry closes). On failure the instance
-    /// stays released as it was.
+    /// Brings an instance's freed storages back: reallocates and fills them (when `first`, it
+    /// fills once even if none is freed, for the checkpoint's report), then waits for the
+    /// storages it shares that another refill is filling now, again until none is left
+    /// ([`super::fills`]); a `foreground` load counts as not loading while it waits. For a
+    /// released instance (a refill in place, `first`) and after a build that reused a shared
+    /// component (not `first`: nothing of its own is freed). Under the instance's body lock,
+    /// which keeps every user of the model away. On failure what the failing round reallocated
+    /// is freed again and the instance stays as it was; storages an earlier round filled (after
+    /// a wait) stay allocated and filled, since another model may share them.
     fn refill(
         &self,
-        instance: &Arc<Instance>,
-        recipe: &Recipe,
-        copies: Option<&HostCopies>,
-        prefetch: bool,
-        foreground: Option<&ForegroundLoad<'_>>,
-    ) -> Result<(u64, Option<LoadReport>)> {
-        // Waits only for a release of this very instance still freeing its storages.
-        let body = lock(&instance.body);
-        let weights = lock(&instance.weights);
-        let filled = self.fill_freed(instance, &weights, FillFrom { recipe, copies, prefetch }, foreground, true);
-        // Live again once the slot installs it as resident (`State::set_state`).
-        drop(weights);
-        drop(body);
-        filled
-    }
-
-    /// After a build: waits for the shared components another refill is filling now (and
-    /// fills those it gave up on), so that the model is not handed out with them half filled.
-    fn settle_shared(
-        &self,
         instance: &Instance,
-        recipe: &Recipe,
-        prefetch: bool,
-        foreground: Option<&ForegroundLoad<'_>>,
-    ) -> Result<()> {
-        let body = lock(&instance.body);
-        let weights = lock(&instance.weights);
-        self.fill_freed(instance, &weights, FillFrom { recipe, copies: None, prefetch }, foreground, false)?;
-        drop(weights);
-        drop(body);
-        Ok(())
-    }
-
-    /// Reallocates and fills `weights`' freed storages (when `first`, fills once even if none
-    /// is freed, for the checkpoint's report), then waits for those another refill is filling
-    /// now, again until none is left ([`super::fills`]); a `foreground` load counts as not
-    /// loading while it waits. Under the instance's body lock. On failure what it reallocated
-    /// is freed again.
-    fn fill_freed(
-        &self,
-        instance: &Instance,
-        weights: &Weights,
         from: FillFrom<'_>,
         foreground: Option<&ForegroundLoad<'_>>,
         mut first: bool,
     ) -> Result<(u64, Option<LoadReport>)> {
         let name = &instance.name;
         let torch = |source| StageError::Torch { model: name.clone(), source };
+        // Waits only for a release of this very instance still freeing its storages.
+        let _body = lock(&instance.body);
+        let weights = lock(&instance.weights);
         let (mut bytes, mut report) = (0, None);
         loop {
-            // SAFETY: the caller's body lock keeps every user of the model away until the fill
-            // below has filled the claimed storages (or freed them again).
+            // SAFETY: the body lock keeps every user of the model away until the fill below has
+            // filled the claimed storages (or freed them again).
             let (claim, others) = unsafe { self.fills.claim(&weights.storages) }.map_err(torch)?;
             if first || !claim.ids.is_empty() {
-                match self.fill(instance, weights, &claim.ids, from) {
+                match self.fill(instance, &weights, &claim.ids, from) {
                     Ok((filled, read)) => (bytes, report) = (bytes + filled, report.or(read)),
                     Err(err) => {
                         let stage = instance.mark().stage().flatten();
@@ -521,6 +491,7 @@ impl Inner {
             first = false;
             drop(claim);
             if others.is_empty() {
+                // Live again once the slot installs it as resident (`State::set_state`).
                 return Ok((bytes, report));
             }
             let _waiting = foreground.map(ForegroundLoad::waiting);

@@ -37,9 +37,12 @@
 //! 5. Leaves, held for a few statements with nothing taken under them: an instance's `ctl`
 //!    (its release mark and holder) and `weights` (its tensors and storages), the prefetch
 //!    threads' list (`Inner::prefetching`), the snapshot list, a generator of
-//!    [`crate::rng`] (its state saved and restored around a build), the storages refills are
-//!    filling ([`super::fills`]; a refill waits on its condition variable with nothing but its
-//!    own model's body and weights held, and only after its own fill has ended).
+//!    [`crate::rng`] (its state saved and restored around a build).
+//! 6. The storages being filled ([`super::fills`]): taken by a refill under its own model's
+//!    body and weights locks, with nothing else of the registry held; it reallocates freed
+//!    storages under it, so refills' allocations are made one at a time. A refill waits on its
+//!    condition variable holding only its own model's body and weights, once its own fill has
+//!    ended.
 //!
 //! Cost. What a call costs does not grow with the number of models: the slots holding storage
 //! are indexed (`State::holding`, kept by `State::set_state`, the one way a slot's state

@@ -8,9 +8,9 @@
 //! lock that decided the releases (a stage entry's own): it claims them and reads the storages
 //! other models keep live. [`Inner::release_batch`] frees them without the lock and takes it once
 //! more to settle. So a stage entry takes the state lock twice, however many models it lets go.
-//! A copy into the host tier or a snapshot before the frees lets other models load meanwhile:
-//! then the storages kept live are read again after it, and the copy and the snapshot take the
-//! lock for their own bookkeeping.
+//! With a host tier or a snapshot folder, a copy into the tier or a snapshot may come before the
+//! frees and lets other models load meanwhile: then the storages kept live are read again after
+//! it, and the copy and the snapshot take the lock for their own bookkeeping.
 
 use std::any::Any;
 use std::collections::HashSet;

@@ -23,7 +23,8 @@
 //!    the foreground's reads get the disk and the cores. A background copy holding the turn
 //!    (shared components) is not paused: a foreground build may be waiting for that turn. A
 //!    foreground load that waits for a background copy to fill storages they share counts as
-//!    not loading while it waits ([`super::fills`]), so that copy goes on.
+//!    not loading while it waits ([`super::fills`]), so that copy goes on (and a background
+//!    build may begin meanwhile).
 //! 4. **Cancellation** (`close`, dropping the registry): background work waiting for the turn
 //!    or paused gives up, and a background copy stops at its next piece.
 //!
@@ -53,7 +54,8 @@ struct TurnState {
     background: bool,
     /// Foreground builds waiting for the turn.
     foreground_waiting: usize,
-    /// Foreground loads in progress (from their start to their end, waiting included).
+    /// Foreground loads in progress (from their start to their end, waiting for the turn
+    /// included; waiting for another load's fill of storages they share not included).
     foreground_loading: usize,
 }
 
