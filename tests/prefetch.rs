@@ -338,6 +338,34 @@ fn gated(name: &str, skip_init: bool, began: mpsc::Sender<String>, go: mpsc::Rec
     .skip_init(skip_init)
 }
 
+/// A progress hook's side that holds one model's copy: once `armed`, each piece of `model`
+/// is said on a channel, then waits (at most 60 s) for a go on another; dropping the sender of
+/// the goes lets every later piece on at once.
+struct HeldPieces {
+    model: &'static str,
+    armed: Arc<AtomicBool>,
+    piece: Mutex<mpsc::Sender<()>>,
+    go: Mutex<mpsc::Receiver<()>>,
+}
+
+impl HeldPieces {
+    /// The holder, the pieces' channel, and the goes' sender.
+    fn of(model: &'static str) -> (HeldPieces, mpsc::Receiver<()>, mpsc::Sender<()>) {
+        let (piece, pieces) = mpsc::channel();
+        let (go_tx, go) = mpsc::channel();
+        let armed = Arc::new(AtomicBool::new(false));
+        (HeldPieces { model, armed, piece: Mutex::new(piece), go: Mutex::new(go) }, pieces, go_tx)
+    }
+
+    /// Called by the hook for a piece of `model`.
+    fn piece(&self, model: &str) {
+        if model == self.model && self.armed.load(Ordering::SeqCst) {
+            let _ = self.piece.lock().unwrap().send(());
+            let _ = self.go.lock().unwrap().recv_timeout(Duration::from_secs(60));
+        }
+    }
+}
+
 #[test]
 fn a_foreground_build_goes_ahead_while_a_prefetch_build_runs() {
     let _one = support::generator();
@@ -393,32 +421,23 @@ fn a_prefetched_copy_pauses_between_pieces_while_a_foreground_load_runs() {
     stageload::checkpoint::save(&doubles, &file).unwrap();
     let (began, has_begun) = mpsc::channel();
     let (go, gate) = mpsc::channel();
-    let (piece_tx, pieces) = mpsc::channel();
-    let (next_tx, next_piece) = mpsc::channel::<()>();
-    let armed = Arc::new(AtomicBool::new(false));
+    let (held, pieces, next_tx) = HeldPieces::of("b");
+    let armed = held.armed.clone();
     let sink = Arc::new(ListSink::new());
-    let models = {
-        let (armed, piece_tx, next_piece) = (armed.clone(), Mutex::new(piece_tx), Mutex::new(next_piece));
-        Arc::new(
-            StagedModels::builder()
-                .model(ModelSpec::new("b", |_| Ok(build_mlp(64))).checkpoint([&file]).skip_init(true))
-                // Draws random numbers: loaded in the foreground only.
-                .model(gated("a", false, began, gate))
-                .stage("uses_b", ["b"])
-                .stage("between", Vec::<String>::new())
-                .stage("both", ["a", "b"])
-                .events(sink.clone())
-                .progress(move |model, _| {
-                    if model == "b" && armed.load(Ordering::SeqCst) {
-                        let _ = piece_tx.lock().unwrap().send(());
-                        // The first piece waits here until the foreground load has begun.
-                        let _ = next_piece.lock().unwrap().recv_timeout(Duration::from_secs(60));
-                    }
-                })
-                .build()
-                .unwrap(),
-        )
-    };
+    let models = Arc::new(
+        StagedModels::builder()
+            .model(ModelSpec::new("b", |_| Ok(build_mlp(64))).checkpoint([&file]).skip_init(true))
+            // Draws random numbers: loaded in the foreground only.
+            .model(gated("a", false, began, gate))
+            .stage("uses_b", ["b"])
+            .stage("between", Vec::<String>::new())
+            .stage("both", ["a", "b"])
+            .events(sink.clone())
+            // The first piece waits until the foreground load has begun.
+            .progress(move |model, _| held.piece(model))
+            .build()
+            .unwrap(),
+    );
     models.enter("uses_b").unwrap();
     models.load("b").unwrap();
     models.enter("between").unwrap();
@@ -671,31 +690,22 @@ fn loaded_while_a_prefetch_refills_what_it_shares(model: &'static str) {
     // 64 MiB of shared weight: four pieces of the refill's copy.
     let rows = 16 * 1024;
     let (weight, [a_file, b_file]) = sharing_files(dir.path(), rows, "");
-    let (piece_tx, pieces) = mpsc::channel();
-    let (next_tx, next_piece) = mpsc::channel::<()>();
-    let armed = Arc::new(AtomicBool::new(false));
-    let models = {
-        let (armed, piece_tx, next_piece) = (armed.clone(), Mutex::new(piece_tx), Mutex::new(next_piece));
-        Arc::new(
-            StagedModels::builder()
-                .model(sharing("a", rows, &a_file))
-                .model(sharing("b", rows, &b_file))
-                .model(sharing("c", rows, &a_file))
-                .stage("both", ["a", "b"])
-                .stage("uses_a", ["a", "c"])
-                .stage("uses_b", ["b"])
-                .stage("between", Vec::<String>::new())
-                .progress(move |model, _| {
-                    if model == "b" && armed.load(Ordering::SeqCst) {
-                        let _ = piece_tx.lock().unwrap().send(());
-                        // Each piece of b's refill waits here until the test lets it go.
-                        let _ = next_piece.lock().unwrap().recv_timeout(Duration::from_secs(60));
-                    }
-                })
-                .build()
-                .unwrap(),
-        )
-    };
+    let (held, pieces, next_tx) = HeldPieces::of("b");
+    let armed = held.armed.clone();
+    let models = Arc::new(
+        StagedModels::builder()
+            .model(sharing("a", rows, &a_file))
+            .model(sharing("b", rows, &b_file))
+            .model(sharing("c", rows, &a_file))
+            .stage("both", ["a", "b"])
+            .stage("uses_a", ["a", "c"])
+            .stage("uses_b", ["b"])
+            .stage("between", Vec::<String>::new())
+            // Each piece of b's refill waits until the test lets it go.
+            .progress(move |model, _| held.piece(model))
+            .build()
+            .unwrap(),
+    );
     models.enter("both").unwrap();
     models.load("a").unwrap();
     models.load("b").unwrap();

@@ -522,6 +522,16 @@ into_what!(
     Snapshot(SnapshotTaken),
 );
 
+/// The fields several kinds carry ([`Event::stage`], [`Event::model`], ...).
+#[derive(Default)]
+struct Shared<'a> {
+    stage: Option<&'a str>,
+    model: Option<&'a str>,
+    bytes: Option<u64>,
+    seconds: Option<f64>,
+    resident: Option<u64>,
+}
+
 impl Event {
     /// `what`, ending now.
     pub fn now(what: impl Into<What>) -> Self {
@@ -557,75 +567,71 @@ impl Event {
         }
     }
 
+    /// The fields several kinds carry, as this event has them: one place that knows which
+    /// kind has which.
+    fn shared(&self) -> Shared<'_> {
+        let none = Shared::default();
+        match &self.what {
+            What::Load(load) | What::Reload(Reloaded { load, .. }) => Shared {
+                stage: load.stage.as_deref(),
+                model: Some(&load.model),
+                bytes: load.bytes,
+                seconds: load.seconds,
+                resident: load.resident,
+            },
+            What::Release(r) => Shared {
+                stage: r.stage.as_deref(),
+                model: Some(&r.model),
+                bytes: r.bytes,
+                seconds: r.seconds,
+                resident: r.resident,
+            },
+            What::Stage(e) => Shared { stage: Some(&e.stage), resident: e.resident, ..none },
+            What::Mark(m) => Shared { stage: m.stage.as_deref(), resident: m.resident, ..none },
+            What::Error(f) => {
+                Shared { stage: f.stage.as_deref(), model: f.model.as_deref(), seconds: f.seconds, ..none }
+            }
+            What::Prefetch(p) => Shared { stage: p.stage.as_deref(), model: Some(&p.model), bytes: p.bytes, ..none },
+            What::Residency(r) => {
+                Shared { stage: r.stage.as_deref(), model: Some(&r.model), bytes: r.bytes, seconds: r.seconds, ..none }
+            }
+            What::Tier(t) => Shared {
+                stage: t.stage.as_deref(),
+                model: t.model.as_deref(),
+                bytes: t.bytes,
+                seconds: t.seconds,
+                ..none
+            },
+            What::Snapshot(s) => {
+                Shared { stage: s.stage.as_deref(), model: Some(&s.model), bytes: s.bytes, seconds: s.seconds, ..none }
+            }
+        }
+    }
+
     /// The stage: the one entered (a `stage` event), the one a prefetch loads for, or the one
     /// current at the time.
     pub fn stage(&self) -> Option<&str> {
-        match &self.what {
-            What::Load(Loaded { stage, .. })
-            | What::Reload(Reloaded { load: Loaded { stage, .. }, .. })
-            | What::Release(Released { stage, .. })
-            | What::Mark(Marked { stage, .. })
-            | What::Error(Failed { stage, .. })
-            | What::Prefetch(Prefetching { stage, .. })
-            | What::Residency(ResidencyChanged { stage, .. })
-            | What::Tier(TierChanged { stage, .. })
-            | What::Snapshot(SnapshotTaken { stage, .. }) => stage.as_deref(),
-            What::Stage(Entered { stage, .. }) => Some(stage),
-        }
+        self.shared().stage
     }
 
     /// The model it happened to, if any.
     pub fn model(&self) -> Option<&str> {
-        match &self.what {
-            What::Load(Loaded { model, .. })
-            | What::Reload(Reloaded { load: Loaded { model, .. }, .. })
-            | What::Release(Released { model, .. })
-            | What::Prefetch(Prefetching { model, .. })
-            | What::Residency(ResidencyChanged { model, .. })
-            | What::Snapshot(SnapshotTaken { model, .. }) => Some(model),
-            What::Error(Failed { model, .. }) | What::Tier(TierChanged { model, .. }) => model.as_deref(),
-            What::Stage(_) | What::Mark(_) => None,
-        }
+        self.shared().model
     }
 
     /// Bytes loaded, reloaded, freed, prefetched, stored, written or streamed.
     pub fn bytes(&self) -> Option<u64> {
-        match &self.what {
-            What::Load(Loaded { bytes, .. })
-            | What::Reload(Reloaded { load: Loaded { bytes, .. }, .. })
-            | What::Release(Released { bytes, .. })
-            | What::Prefetch(Prefetching { bytes, .. })
-            | What::Residency(ResidencyChanged { bytes, .. })
-            | What::Tier(TierChanged { bytes, .. })
-            | What::Snapshot(SnapshotTaken { bytes, .. }) => *bytes,
-            What::Stage(_) | What::Mark(_) | What::Error(_) => None,
-        }
+        self.shared().bytes
     }
 
     /// How long the work took.
     pub fn seconds(&self) -> Option<f64> {
-        match &self.what {
-            What::Load(Loaded { seconds, .. })
-            | What::Reload(Reloaded { load: Loaded { seconds, .. }, .. })
-            | What::Release(Released { seconds, .. })
-            | What::Error(Failed { seconds, .. })
-            | What::Residency(ResidencyChanged { seconds, .. })
-            | What::Tier(TierChanged { seconds, .. })
-            | What::Snapshot(SnapshotTaken { seconds, .. }) => *seconds,
-            What::Stage(_) | What::Mark(_) | What::Prefetch(_) => None,
-        }
+        self.shared().seconds
     }
 
     /// Bytes of model weights resident right after it (loads, releases, stage entries, marks).
     pub fn resident(&self) -> Option<u64> {
-        match &self.what {
-            What::Load(Loaded { resident, .. })
-            | What::Reload(Reloaded { load: Loaded { resident, .. }, .. })
-            | What::Release(Released { resident, .. })
-            | What::Stage(Entered { resident, .. })
-            | What::Mark(Marked { resident, .. }) => *resident,
-            _ => None,
-        }
+        self.shared().resident
     }
 
     /// The host tier's budget and usage after it (tier events, reloads from the tier).
