@@ -744,3 +744,43 @@ fn loaded_while_a_prefetch_refills_what_it_shares(model: &'static str) {
         within("b's refill", move || models.wait_prefetch("uses_b").unwrap());
     }
 }
+
+#[test]
+fn a_release_keeps_a_storage_a_prefetch_in_flight_shares_until_that_model_is_installed() {
+    let _one = support::generator();
+    let dir = tempfile::tempdir().unwrap();
+    let (weight, [a_file, b_file]) = sharing_files(dir.path(), 64, "");
+    let (held, pieces, next_tx) = HeldPieces::of("a");
+    let armed = held.armed.clone();
+    let models = Arc::new(
+        StagedModels::builder()
+            .model(sharing("a", 64, &a_file))
+            .model(sharing("b", 64, &b_file))
+            .stage("both", ["a", "b"])
+            .stage("uses_b", ["b"])
+            .stage("uses_a", ["a"])
+            .progress(move |model, _| held.piece(model))
+            .build()
+            .unwrap(),
+    );
+    models.enter("both").unwrap();
+    models.load("a").unwrap();
+    models.load("b").unwrap();
+    models.enter("uses_b").unwrap();
+    armed.store(true, Ordering::SeqCst);
+    assert_eq!(models.prefetch("uses_a").unwrap(), ["a"]);
+    pieces.recv_timeout(Duration::from_secs(30)).expect("a's refill copied its own head and waits");
+    // a's refill relies on the weight b holds; entering `uses_a` releases b meanwhile.
+    let stats = models.enter("uses_a").unwrap();
+    let shared_bytes = 4 * 64 * 1024;
+    assert_eq!((stats.freed, stats.kept), (4 * 16, shared_bytes), "b's head freed, the weight a relies on kept");
+    drop(next_tx);
+    {
+        let models = models.clone();
+        within("a's refill", move || models.wait_prefetch("uses_a").unwrap());
+    }
+    let (head, shared) = models.call("a", |(head, shared): &mut Sharing| (head.copy(), shared.lock().copy())).unwrap();
+    assert!(head.equal(&Tensor::ones([16], (Kind::Float, Device::Cpu))));
+    assert!(shared.equal(&weight), "a uses the weight with the file's values");
+    assert_eq!(models.resident_bytes(), shared_bytes + 4 * 16, "a holds the weight it relied on");
+}

@@ -1,6 +1,7 @@
 //! Storages being filled. Models that share a component share its storages, so two refills (a
 //! prefetch's and a foreground load's, or two threads' loads) can find the same storage freed.
-//! One owner, [`Fills`], with the set of storages some refill is filling now:
+//! One owner, [`Fills`], with the storages some refill is filling now and those loads in flight
+//! rely on:
 //!
 //! 1. A refill reallocates the freed storages of its model and claims them under the one lock
 //!    here, so each storage is reallocated and filled by exactly one refill.
@@ -10,25 +11,60 @@
 //!    claim while it waits, so no two refills wait on each other.
 //! 3. A fill that fails frees what it claimed: a refill that waited for it reallocates and
 //!    fills those storages itself (its next round of 1 and 2).
+//! 4. The storages a load in flight found allocated and did not fill (another model's, which
+//!    it shares) are borrowed until the load is installed ([`Borrow`]): a release frees its
+//!    storages under the same lock ([`Fills::release`]) and keeps the borrowed ones, so a model
+//!    being loaded never loses a storage it shares to the release of the model that held it.
+//!    (Once installed, the model holds them like any resident model.)
 //!
 //! A foreground load that waits here counts as not loading meanwhile
 //! ([`super::turn::ForegroundLoad::waiting`]): a background copy pauses while foreground loads
 //! run, and this wait may be for that very copy.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Condvar, Mutex};
 
 use stageload_torch_sys::ShimError;
 
-use crate::storage::{self, StorageRecord};
+use crate::storage::{self, ReleaseStats, StorageRecord};
 use crate::sync::{lock, wait};
 
 /// The storages being filled now (see the module docs).
 #[derive(Debug, Default)]
 pub(crate) struct Fills {
-    filling: Mutex<HashSet<u64>>,
+    state: Mutex<FillState>,
     /// Notified whenever a fill ends.
     ended: Condvar,
+}
+
+#[derive(Debug, Default)]
+struct FillState {
+    /// Storages a refill reallocated and fills now.
+    filling: HashSet<u64>,
+    /// Storages loads in flight rely on without filling them, with how many loads do.
+    borrowed: HashMap<u64, usize>,
+}
+
+/// The storages a load in flight relies on without filling them (rule 4 of the module docs);
+/// a release keeps them until this drops, after the load's install.
+#[derive(Debug)]
+pub(crate) struct Borrow<'a> {
+    fills: &'a Fills,
+    ids: Vec<u64>,
+}
+
+impl Drop for Borrow<'_> {
+    fn drop(&mut self) {
+        let mut state = lock(&self.fills.state);
+        for id in &self.ids {
+            if let Some(count) = state.borrowed.get_mut(id) {
+                *count = count.saturating_sub(1);
+                if *count == 0 {
+                    state.borrowed.remove(id);
+                }
+            }
+        }
+    }
 }
 
 /// The storages one refill reallocated and fills; they stop counting as being filled when this
@@ -45,47 +81,76 @@ impl Drop for Claim<'_> {
         if self.ids.is_empty() {
             return;
         }
-        let mut filling = lock(&self.fills.filling);
-        filling.retain(|id| !self.ids.contains(id));
-        drop(filling);
+        let mut state = lock(&self.fills.state);
+        state.filling.retain(|id| !self.ids.contains(id));
+        drop(state);
         self.fills.ended.notify_all();
     }
 }
 
 impl Fills {
     /// Reallocates the freed storages among `storages` and claims them for the caller to fill;
-    /// with them, the ids of the storages among `storages` another refill is filling now.
+    /// with them, the ids of the storages among `storages` another refill is filling now, and
+    /// the borrow of the others, allocated already (rule 4 of the module docs).
     ///
     /// # Safety
     ///
     /// As [`storage::reallocate`]: the caller fills the claimed storages before anything reads
     /// them, and keeps every other user of its model away meanwhile.
-    pub(crate) unsafe fn claim(&self, storages: &[StorageRecord]) -> Result<(Claim<'_>, Vec<u64>), ShimError> {
-        let mut filling = lock(&self.filling);
-        let others: Vec<u64> = storages.iter().map(|s| s.id).filter(|id| filling.contains(id)).collect();
+    pub(crate) unsafe fn claim(
+        &self,
+        storages: &[StorageRecord],
+    ) -> Result<(Claim<'_>, Vec<u64>, Borrow<'_>), ShimError> {
+        let mut state = lock(&self.state);
+        let others: Vec<u64> = storages.iter().map(|s| s.id).filter(|id| state.filling.contains(id)).collect();
         // A storage another refill claimed stays its own, even freed again by its failure:
         // its claim ends after that, and this refill reallocates it in a later round.
-        let free = storages.iter().filter(|s| !filling.contains(&s.id));
+        let free = storages.iter().filter(|s| !state.filling.contains(&s.id));
         // SAFETY: this function's own precondition; under the lock, so no other refill
         // reallocates the same storage.
         let ids = unsafe { storage::reallocate(free) }?;
-        filling.extend(ids.iter().copied());
-        Ok((Claim { fills: self, ids }, others))
+        state.filling.extend(ids.iter().copied());
+        // Everything else is allocated now (a storage of no bytes never is): borrowed.
+        let borrowed: Vec<u64> =
+            storages.iter().map(|s| s.id).filter(|id| !ids.contains(id) && !others.contains(id)).collect();
+        for id in &borrowed {
+            *state.borrowed.entry(*id).or_default() += 1;
+        }
+        Ok((Claim { fills: self, ids }, others, Borrow { fills: self, ids: borrowed }))
+    }
+
+    /// Frees `storages` but those in `keep` and those loads in flight borrow (counted as kept),
+    /// under the lock claims and borrows are made under.
+    ///
+    /// # Safety
+    ///
+    /// As [`storage::release`].
+    pub(crate) unsafe fn release(
+        &self,
+        storages: &[StorageRecord],
+        keep: &HashSet<u64>,
+        message: &str,
+    ) -> Result<ReleaseStats, ShimError> {
+        let state = lock(&self.state);
+        let borrowed = storages.iter().map(|s| s.id).filter(|id| state.borrowed.contains_key(id));
+        let keep: HashSet<u64> = keep.iter().copied().chain(borrowed).collect();
+        // SAFETY: this function's own precondition.
+        unsafe { storage::release(storages, &keep, message) }
     }
 
     /// Waits until no refill is filling any of `ids`.
     pub(crate) fn wait_for(&self, ids: &[u64]) {
-        let mut filling = lock(&self.filling);
-        while ids.iter().any(|id| filling.contains(id)) {
-            filling = wait(&self.ended, filling);
+        let mut state = lock(&self.state);
+        while ids.iter().any(|id| state.filling.contains(id)) {
+            state = wait(&self.ended, state);
         }
     }
 
     /// Whether some refill is filling any of `ids` now.
     #[cfg(test)]
     fn any_filling(&self, ids: &[u64]) -> bool {
-        let filling = lock(&self.filling);
-        ids.iter().any(|id| filling.contains(id))
+        let state = lock(&self.state);
+        ids.iter().any(|id| state.filling.contains(id))
     }
 }
 
@@ -113,15 +178,33 @@ mod tests {
         let storages = freed(8);
         let id = storages[0].id;
         // SAFETY: the test fills nothing and reads nothing.
-        let (first, others) = unsafe { fills.claim(&storages) }.unwrap();
+        let (first, others, _) = unsafe { fills.claim(&storages) }.unwrap();
         assert_eq!((first.ids.iter().copied().collect::<Vec<_>>(), others), (vec![id], vec![]));
-        let (second, others) = unsafe { fills.claim(&storages) }.unwrap();
+        let (second, others, _) = unsafe { fills.claim(&storages) }.unwrap();
         assert!(second.ids.is_empty(), "allocated already: not reallocated again");
         assert_eq!(others, [id], "the first refill still fills it");
         drop(first);
         assert!(!fills.any_filling(&[id]));
-        let (third, others) = unsafe { fills.claim(&storages) }.unwrap();
+        let (third, others, _) = unsafe { fills.claim(&storages) }.unwrap();
         assert!(third.ids.is_empty() && others.is_empty(), "filled: nothing to wait for");
+    }
+
+    #[test]
+    fn a_storage_a_load_in_flight_relies_on_is_kept_by_a_release_until_that_load_lets_go() {
+        let fills = Fills::default();
+        // Another model's storage, allocated: the load finds it and does not fill it.
+        let storages =
+            storage::distinct_storages(&[("w".to_string(), Tensor::ones([8], (Kind::Float, Device::Cpu)))]).unwrap();
+        let allocated = || stageload_torch_sys::storage_info(&storages[0].tensor).unwrap().allocated;
+        // SAFETY: the test fills nothing and reads nothing.
+        let (claim, others, borrow) = unsafe { fills.claim(&storages) }.unwrap();
+        assert!(claim.ids.is_empty() && others.is_empty());
+        // SAFETY: nothing runs on the storage.
+        let kept = unsafe { fills.release(&storages, &HashSet::new(), "released by the test") }.unwrap();
+        assert_eq!((kept.freed, kept.kept, allocated()), (0, 32, true), "borrowed: kept");
+        drop(borrow);
+        let freed = unsafe { fills.release(&storages, &HashSet::new(), "released by the test") }.unwrap();
+        assert_eq!((freed.freed, allocated()), (32, false), "the borrow ended: freed");
     }
 
     #[test]
@@ -129,7 +212,7 @@ mod tests {
         let fills = Arc::new(Fills::default());
         let storages = freed(8);
         let id = storages[0].id;
-        let (claim, _) = unsafe { fills.claim(&storages) }.unwrap();
+        let (claim, _, _) = unsafe { fills.claim(&storages) }.unwrap();
         let (done_tx, done) = std::sync::mpsc::channel();
         let waiter = {
             let fills = Arc::clone(&fills);

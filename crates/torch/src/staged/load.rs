@@ -13,6 +13,7 @@ use tch::{Device, Tensor};
 use super::decide::ReleaseMark;
 use super::decide::{self, Finish, GetAction, GetContext, Refusal, SlotState};
 use super::error::{Result, StageError};
+use super::fills::Borrow;
 use super::instance::{Instance, Weights};
 use super::placement::Placement;
 use super::registry::Inner;
@@ -37,6 +38,14 @@ struct FillFrom<'a> {
     recipe: &'a Recipe,
     copies: Option<&'a HostCopies>,
     prefetch: bool,
+}
+
+/// What [`Inner::refill`] brought in: bytes, the checkpoint's report, and the borrows of the
+/// storages the model relies on without having filled them.
+struct Refilled<'a> {
+    bytes: u64,
+    report: Option<LoadReport>,
+    borrows: Vec<Borrow<'a>>,
 }
 
 /// What a load of one model needs besides its loader, taken from its entry under the lock.
@@ -183,19 +192,25 @@ impl Inner {
         let started = Instant::now();
         // Background copies pause while this lives (see super::turn).
         let foreground = (!prefetch).then(|| self.turns.foreground_load());
+        // The storages the model relies on without having filled them, borrowed until it is
+        // installed (see super::fills).
+        let mut borrows = Vec::new();
         let result = match &plan {
             LoadPlan::Build { loader, .. } => {
                 let who = if prefetch { Who::Background } else { Who::Foreground };
                 self.build(name, loader, &recipe, who).and_then(|(instance, bytes, report)| {
                     let from = FillFrom { recipe: &recipe, copies: None, prefetch };
-                    let (waited, _) = self.refill(&instance, from, foreground.as_ref(), false)?;
-                    Ok((instance, bytes + waited, report))
+                    let refilled = self.refill(&instance, from, foreground.as_ref(), false)?;
+                    borrows = refilled.borrows;
+                    Ok((instance, bytes + refilled.bytes, report))
                 })
             }
             LoadPlan::Refill(instance, copies) => {
                 let from = FillFrom { recipe: &recipe, copies: copies.as_ref().map(|(_, copies)| copies), prefetch };
-                self.refill(instance, from, foreground.as_ref(), true)
-                    .map(|(bytes, report)| (Arc::clone(instance), bytes, report))
+                self.refill(instance, from, foreground.as_ref(), true).map(|refilled| {
+                    borrows = refilled.borrows;
+                    (Arc::clone(instance), refilled.bytes, refilled.report)
+                })
             }
         };
         if prefetch && matches!(result, Err(StageError::Closed { .. })) {
@@ -238,6 +253,8 @@ impl Inner {
         };
         let position = position.expect("a load installs only into a slot that exists");
         state.set_state(position, installed);
+        // Installed: the model holds what it relied on, as any resident model does.
+        drop(borrows);
         match result {
             Ok((instance, bytes, report)) => {
                 state.count_load(position, report.clone());
@@ -463,17 +480,18 @@ impl Inner {
         from: FillFrom<'_>,
         foreground: Option<&ForegroundLoad<'_>>,
         mut first: bool,
-    ) -> Result<(u64, Option<LoadReport>)> {
+    ) -> Result<Refilled<'_>> {
         let name = &instance.name;
         let torch = |source| StageError::Torch { model: name.clone(), source };
         // Waits only for a release of this very instance still freeing its storages.
         let _body = lock(&instance.body);
         let weights = lock(&instance.weights);
-        let (mut bytes, mut report) = (0, None);
+        let (mut bytes, mut report, mut borrows) = (0, None, Vec::new());
         loop {
             // SAFETY: the body lock keeps every user of the model away until the fill below has
             // filled the claimed storages (or freed them again).
-            let (claim, others) = unsafe { self.fills.claim(&weights.storages) }.map_err(torch)?;
+            let (claim, others, borrow) = unsafe { self.fills.claim(&weights.storages) }.map_err(torch)?;
+            borrows.push(borrow);
             if first || !claim.ids.is_empty() {
                 match self.fill(instance, &weights, &claim.ids, from) {
                     Ok((filled, read)) => (bytes, report) = (bytes + filled, report.or(read)),
@@ -491,8 +509,9 @@ impl Inner {
             first = false;
             drop(claim);
             if others.is_empty() {
-                // Live again once the slot installs it as resident (`State::set_state`).
-                return Ok((bytes, report));
+                // Live again once the slot installs it as resident (`State::set_state`); until
+                // then the storages it relies on are borrowed.
+                return Ok(Refilled { bytes, report, borrows });
             }
             let _waiting = foreground.map(ForegroundLoad::waiting);
             self.fills.wait_for(&others);

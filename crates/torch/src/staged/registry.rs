@@ -34,15 +34,16 @@
 //!    another thread is loading waits on the `changed` condition variable, which gives the lock
 //!    up while it waits. The decisions of [`super::decide`] are made under it, a release's
 //!    claim too ([`decide::ReleaseMark::claim`]), so a revival and a release never both win.
-//! 5. Leaves, held for a few statements with nothing taken under them: an instance's `ctl`
-//!    (its release mark and holder) and `weights` (its tensors and storages), the prefetch
-//!    threads' list (`Inner::prefetching`), the snapshot list, a generator of
+//! 5. Leaves, held for a few statements with nothing taken under them but 6: an instance's
+//!    `ctl` (its release mark and holder) and `weights` (its tensors and storages), the
+//!    prefetch threads' list (`Inner::prefetching`), the snapshot list, a generator of
 //!    [`crate::rng`] (its state saved and restored around a build).
-//! 6. The storages being filled ([`super::fills`]): taken by a refill under its own model's
-//!    body and weights locks, with nothing else of the registry held; it reallocates freed
-//!    storages under it, so refills' allocations are made one at a time. A refill waits on its
-//!    condition variable holding only its own model's body and weights, once its own fill has
-//!    ended.
+//! 6. The storages being filled and borrowed ([`super::fills`]), with nothing taken under it:
+//!    a refill takes it under its own model's body and weights locks, reallocating freed
+//!    storages under it (so refills' allocations are made one at a time); a release frees its
+//!    storages under it; a load drops its borrow under the state lock once installed. A refill
+//!    waits on its condition variable holding only its own model's body and weights, once its
+//!    own fill has ended.
 //!
 //! Cost. What a call costs does not grow with the number of models: the slots holding storage
 //! are indexed (`State::holding`, kept by `State::set_state`, the one way a slot's state

@@ -6,8 +6,9 @@
 //!
 //! A batch is decided, then carried out. [`Inner::claim_batch`] runs under the taking of the state
 //! lock that decided the releases (a stage entry's own): it claims them and reads the storages
-//! other models keep live. [`Inner::release_batch`] frees them without the lock and takes it once
-//! more to settle. So a stage entry takes the state lock twice, however many models it lets go.
+//! other models keep live. [`Inner::release_batch`] frees them without the state lock (under the
+//! fills' lock, which keeps what a load in flight borrows, [`super::fills`]) and takes the state
+//! lock once more to settle. So a stage entry takes the state lock twice, however many models it lets go.
 //! With a host tier or a snapshot folder, a copy into the tier or a snapshot may come before the
 //! frees and lets other models load meanwhile: then the storages kept live are read again after
 //! it, and the copy and the snapshot take the lock for their own bookkeeping.
@@ -23,7 +24,7 @@ use super::decide::{self, ReleaseMark};
 use super::error::StageError;
 use super::instance::Instance;
 use super::registry::{Inner, State};
-use crate::storage::{self, ReleaseStats};
+use crate::storage::ReleaseStats;
 use crate::sync::lock;
 use stageload_trace::event::{Event, Failed, Released, SnapshotAction, SnapshotTaken};
 
@@ -91,9 +92,11 @@ impl Inner {
             .map(|(release, keep)| {
                 let started = Instant::now();
                 let message = released_message(&release.instance.name, &release.stage);
+                let weights = lock(&release.instance.weights);
                 // SAFETY: the body lock is held, so no caller of this model runs; storages
-                // another resident model holds are in `keep` and stay.
-                let result = unsafe { storage::release(&lock(&release.instance.weights).storages, keep, &message) };
+                // another resident model holds are in `keep`, those a load in flight borrows
+                // are kept by the fills, and both stay.
+                let result = unsafe { self.fills.release(&weights.storages, keep, &message) };
                 (result, started.elapsed().as_secs_f64())
             })
             .collect();
