@@ -441,33 +441,6 @@ pub struct SnapshotTaken {
     pub seconds: Option<f64>,
 }
 
-/// What happened, with the fields of its kind. Written as `kind` with the fields beside it; read
-/// back only as part of an [`Event`], which reads lines of every schema.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-#[serde(tag = "kind", rename_all = "snake_case")]
-pub enum What {
-    /// See [`Loaded`].
-    Load(Loaded),
-    /// See [`Reloaded`].
-    Reload(Reloaded),
-    /// See [`Released`].
-    Release(Released),
-    /// See [`Entered`].
-    Stage(Entered),
-    /// See [`Marked`].
-    Mark(Marked),
-    /// See [`Failed`].
-    Error(Failed),
-    /// See [`Prefetching`].
-    Prefetch(Prefetching),
-    /// See [`ResidencyChanged`].
-    Residency(ResidencyChanged),
-    /// See [`TierChanged`].
-    Tier(TierChanged),
-    /// See [`SnapshotTaken`].
-    Snapshot(SnapshotTaken),
-}
-
 /// One thing a staged pipeline did: in the process, and as a trace line (`"type": "event"`).
 /// `t` is the end of the work in seconds since the meter started; work that took `seconds`
 /// began at `start`. The meter sets `t` and `start` from `at`.
@@ -493,23 +466,47 @@ impl From<What> for Event {
     }
 }
 
-macro_rules! into_what {
-    ($($variant:ident($body:ident)),* $(,)?) => {$(
-        impl From<$body> for What {
-            fn from(body: $body) -> What {
-                What::$variant(body)
+/// `What`, a variant per [`EventKind`] of the same name with its body, its `kind`, and the
+/// conversions from each body: written once, from one list.
+macro_rules! kinds {
+    ($($variant:ident($body:ident)),* $(,)?) => {
+        /// What happened, with the fields of its kind. Written as `kind` with the fields beside
+        /// it; read back only as part of an [`Event`], which reads lines of every schema.
+        #[derive(Debug, Clone, PartialEq, Serialize)]
+        #[serde(tag = "kind", rename_all = "snake_case")]
+        pub enum What {
+            $(
+                #[doc = concat!("See [`", stringify!($body), "`].")]
+                $variant($body),
+            )*
+        }
+
+        impl What {
+            /// Its kind.
+            pub fn kind(&self) -> EventKind {
+                match self {
+                    $(What::$variant(_) => EventKind::$variant,)*
+                }
             }
         }
 
-        impl From<$body> for Event {
-            fn from(body: $body) -> Event {
-                Event::from(What::$variant(body))
+        $(
+            impl From<$body> for What {
+                fn from(body: $body) -> What {
+                    What::$variant(body)
+                }
             }
-        }
-    )*};
+
+            impl From<$body> for Event {
+                fn from(body: $body) -> Event {
+                    Event::from(What::$variant(body))
+                }
+            }
+        )*
+    };
 }
 
-into_what!(
+kinds!(
     Load(Loaded),
     Reload(Reloaded),
     Release(Released),
@@ -545,18 +542,7 @@ impl Event {
 
     /// Its kind.
     pub fn kind(&self) -> EventKind {
-        match &self.what {
-            What::Load(_) => EventKind::Load,
-            What::Reload(_) => EventKind::Reload,
-            What::Release(_) => EventKind::Release,
-            What::Stage(_) => EventKind::Stage,
-            What::Mark(_) => EventKind::Mark,
-            What::Error(_) => EventKind::Error,
-            What::Prefetch(_) => EventKind::Prefetch,
-            What::Residency(_) => EventKind::Residency,
-            What::Tier(_) => EventKind::Tier,
-            What::Snapshot(_) => EventKind::Snapshot,
-        }
+        self.what.kind()
     }
 
     /// A load's or a reload's fields.

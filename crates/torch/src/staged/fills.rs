@@ -180,11 +180,13 @@ mod tests {
         // SAFETY: the test fills nothing and reads nothing.
         let (first, others, _) = unsafe { fills.claim(&storages) }.unwrap();
         assert_eq!((first.ids.iter().copied().collect::<Vec<_>>(), others), (vec![id], vec![]));
+        // SAFETY: as above.
         let (second, others, _) = unsafe { fills.claim(&storages) }.unwrap();
         assert!(second.ids.is_empty(), "allocated already: not reallocated again");
         assert_eq!(others, [id], "the first refill still fills it");
         drop(first);
         assert!(!fills.any_filling(&[id]));
+        // SAFETY: as above.
         let (third, others, _) = unsafe { fills.claim(&storages) }.unwrap();
         assert!(third.ids.is_empty() && others.is_empty(), "filled: nothing to wait for");
     }
@@ -203,6 +205,7 @@ mod tests {
         let kept = unsafe { fills.release(&storages, &HashSet::new(), "released by the test") }.unwrap();
         assert_eq!((kept.freed, kept.kept, allocated()), (0, 32, true), "borrowed: kept");
         drop(borrow);
+        // SAFETY: as above.
         let freed = unsafe { fills.release(&storages, &HashSet::new(), "released by the test") }.unwrap();
         assert_eq!((freed.freed, allocated()), (32, false), "the borrow ended: freed");
     }
@@ -212,6 +215,7 @@ mod tests {
         let fills = Arc::new(Fills::default());
         let storages = freed(8);
         let id = storages[0].id;
+        // SAFETY: the test fills nothing and reads nothing.
         let (claim, _, _) = unsafe { fills.claim(&storages) }.unwrap();
         let (done_tx, done) = std::sync::mpsc::channel();
         let waiter = {
