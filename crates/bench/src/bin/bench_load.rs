@@ -414,10 +414,11 @@ fn main() -> Result<(), BoxError> {
          Model: {} f32 tensors, {gb:.3} GB, {cores} cores; load average at start {load_at_start}.\n\n{table}\n\
          × stageload and × limit: each median against stageload's and the limit's in the same run and cache. \
          The limit: one thread `pread`ing the file into one reused {} MiB buffer (warm: the page cache's \
-         copy rate; cold: the disk's sequential read rate). stageload and tch: {cores} threads.\n\n{notes}",
+         copy rate; cold: the disk's sequential read rate). stageload: {} reader threads; tch: {cores} threads.\n\n{notes}",
         std::env::args().skip(1).collect::<Vec<_>>().join(" "),
         targets.len(),
-        LIMIT_BUFFER >> 20
+        LIMIT_BUFFER >> 20,
+        stageload::checkpoint::readers()
     );
     let write = |name: &str, text: &str| {
         let path = args.out.join(name);
