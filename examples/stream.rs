@@ -192,6 +192,8 @@ struct Outcome {
     blocks_run: usize,
     refills: u64,
     hot_hits: u64,
+    /// Refills read while the call before ended (the call's first streamed block).
+    carried: u64,
     /// The most the streamed model held at a block boundary, from its storages.
     most_held: u64,
     bytes_refilled: u64,
@@ -306,11 +308,12 @@ fn run(args: Args) -> Result<(), BoxError> {
     let times = schedule(args.steps, &chacha);
     let depth = shape.depth as usize;
     let (mut calls, mut blocks_run) = (0, 0);
+    // The next call's blocks, and the call's after it (the route is fixed).
     let mut next_route = || {
         let blocks = route(args.route, calls, depth);
         calls += 1;
         blocks_run += blocks.len();
-        blocks
+        (blocks, route(args.route, calls, depth))
     };
     // Set-up (the whole load, or the streamer's resident part) before the clock starts.
     models.get::<Flow>(MODEL)?;
@@ -318,11 +321,11 @@ fn run(args: Args) -> Result<(), BoxError> {
     let (latent, stats, streamed) = models.call(MODEL, |flow: &mut Flow| -> Result<_, BoxError> {
         let latent = match flow.streamed.as_mut() {
             Some(streamed) => sample_flow_with(x, &cond, &times, |input| {
-                let blocks = next_route();
-                streamed.run(|step| flow.model.forward_routed_streamed(input, step, &blocks))
+                let (blocks, then) = next_route();
+                streamed.run(|step| flow.model.forward_routed_streamed(input, step, &blocks, &then))
             })?,
             None => sample_flow_with(x, &cond, &times, |input| {
-                Ok::<_, BoxError>(flow.model.forward_routed(input, &next_route()))
+                Ok::<_, BoxError>(flow.model.forward_routed(input, &next_route().0))
             })?,
         };
         let streamed = flow.streamed.as_ref();
@@ -345,9 +348,10 @@ fn run(args: Args) -> Result<(), BoxError> {
     );
     if let Some((residency, _)) = &streamed {
         println!(
-            "{residency}; refilled {} ({} blocks, {} found hot) in {:.3} s ({:.2} GB/s), waited {:.3} s",
+            "{residency}; refilled {} ({} blocks, {} carried from the call before, {} found hot) in {:.3} s ({:.2} GB/s), waited {:.3} s",
             format_bytes(stats.bytes_refilled),
             stats.refills,
+            stats.carried,
             stats.hot_hits,
             stats.refill_seconds,
             stats.bytes_refilled as f64 / stats.refill_seconds.max(1e-9) / 1e9,
@@ -373,6 +377,7 @@ fn run(args: Args) -> Result<(), BoxError> {
             blocks_run,
             refills: stats.refills,
             hot_hits: stats.hot_hits,
+            carried: stats.carried,
             most_held: stats.most_held,
             bytes_refilled: stats.bytes_refilled,
             refill_seconds: stats.refill_seconds,

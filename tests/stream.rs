@@ -116,13 +116,18 @@ fn streamed(file: &Path, budget: u64) -> Result<(Net, StreamedModel), StreamErro
 
 /// Three steps on seeded noise: the outputs of each.
 fn reference(file: &Path) -> Vec<Tensor> {
+    reference_steps(file, 3)
+}
+
+/// `steps` steps on seeded noise: the outputs of each.
+fn reference_steps(file: &Path, steps: usize) -> Vec<Tensor> {
     let vs = VarStore::new(Device::Cpu);
     let net = Net::new(&vs);
     let mut variables: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
     variables.sort_by(|a, b| a.0.cmp(&b.0));
     Checkpoint::open(&[file]).unwrap().load_into(&variables, |_| {}).unwrap();
     tch::manual_seed(11);
-    (0..3).map(|_| tch::no_grad(|| net.forward(&Tensor::randn([16, WIDTH], (Kind::Float, Device::Cpu))))).collect()
+    (0..steps).map(|_| tch::no_grad(|| net.forward(&Tensor::randn([16, WIDTH], (Kind::Float, Device::Cpu))))).collect()
 }
 
 fn run_steps(net: &Net, model: &mut StreamedModel, steps: usize) -> Vec<Tensor> {
@@ -208,11 +213,131 @@ fn at_no_boundary_are_more_than_the_prefix_and_two_slots_filled() {
         .unwrap();
     }
     assert!((3..=4).contains(&most), "two resident blocks, the running one and the one ahead: {most}");
-    assert_eq!(filled(&tensors), 2, "between steps: the prefix alone, nothing in flight");
+    assert_eq!(filled(&tensors), 2, "between steps: the prefix alone (the carried read is in no tensor)");
     assert_eq!(addresses.len(), 2, "18 refills of 6 streamed blocks, all into the same two slots");
     let stats = model.stats();
     assert_eq!(stats.refills, 3 * 6);
     assert!(stats.refill_seconds > 0.0);
+}
+
+/// Runs `steps` steps of the net in order and checks each against `expected`; after each,
+/// no block of the model has memory (the prefix aside) and it holds no more than `budget`.
+fn steps_between_which_no_block_is_filled(
+    net: &Net,
+    model: &mut StreamedModel,
+    tensors: &[(String, Tensor)],
+    expected: &[Tensor],
+    budget: u64,
+) {
+    let resident = model.split().resident;
+    for (s, want) in expected.iter().enumerate() {
+        let x = Tensor::randn([16, WIDTH], (Kind::Float, Device::Cpu));
+        let got = tch::no_grad(|| model.run(|step| net.forward_streamed(&x, step))).unwrap();
+        assert!(got.equal(want), "step {s} differs");
+        assert_eq!(filled(tensors), resident, "after step {s}: the carried read is in no tensor of the model");
+        assert!(model.held_bytes() <= budget, "after step {s}: {} > {budget}", model.held_bytes());
+    }
+}
+
+#[test]
+fn a_step_ends_by_reading_the_next_steps_first_streamed_block_and_no_block_reads_twice() {
+    let (_one, _dir, file) = setup();
+    let expected = reference_steps(&file, 5);
+    let budget = budget_for(2);
+    let (net, mut model, tensors) = streamed_with_tensors(&file, budget).unwrap();
+    tch::manual_seed(11);
+    steps_between_which_no_block_is_filled(&net, &mut model, &tensors, &expected, budget);
+    let stats = model.stats();
+    // While block 7 runs, block 2 (the first streamed) is read for the next step: steps 2 to 5
+    // find it read (the read for a sixth is in flight, not counted).
+    assert_eq!(stats.carried, 4, "{stats:?}");
+    assert_eq!(stats.refills, 5 * 6, "each step reads its 6 streamed blocks once: {stats:?}");
+}
+
+#[test]
+fn a_split_changed_between_steps_frees_the_carried_read_and_the_next_step_gives_the_same_result() {
+    let (_one, _dir, file) = setup();
+    let expected = reference_steps(&file, 4);
+    let budget = budget_for(2);
+    let (net, mut model, tensors) = streamed_with_tensors(&file, budget).unwrap();
+    tch::manual_seed(11);
+    steps_between_which_no_block_is_filled(&net, &mut model, &tensors, &expected[..3], budget);
+    assert_eq!(model.stats().carried, 2);
+    // Block 2 is being read for step 4; with no block resident step 4 begins with block 0.
+    model.limit_resident(0).unwrap();
+    steps_between_which_no_block_is_filled(&net, &mut model, &tensors, &expected[3..], budget);
+    let stats = model.stats();
+    assert_eq!(stats.carried, 2, "the read for the old split is not used: {stats:?}");
+    assert_eq!(stats.refills, 3 * 6 + 1 + 8, "it cost one read: {stats:?}");
+}
+
+#[test]
+fn an_option_that_frees_blocks_between_steps_first_waits_for_the_carried_read() {
+    let (_one, _dir, file) = setup();
+    let expected = reference_steps(&file, 4);
+    let budget = budget_for(2);
+    let (net, mut model, tensors) = streamed_with_tensors(&file, budget).unwrap();
+    tch::manual_seed(11);
+    steps_between_which_no_block_is_filled(&net, &mut model, &tensors, &expected[..3], budget);
+    // Block 2 is being read for step 4; declared working memory frees block 1 now and sizes
+    // the slots again, the taken-out one included.
+    model.working_memory(BLOCK).unwrap();
+    assert_eq!((model.split().resident, filled(&tensors)), (1, 1));
+    assert!(model.held_bytes() <= budget, "{} > {budget}", model.held_bytes());
+    steps_between_which_no_block_is_filled(&net, &mut model, &tensors, &expected[3..], budget);
+    let stats = model.stats();
+    assert_eq!(stats.carried, 2, "{stats:?}");
+    assert_eq!(stats.refills, 3 * 6 + 1 + 7, "{stats:?}");
+}
+
+#[test]
+fn a_carried_read_that_guessed_wrong_is_freed_before_the_step_needs_its_slot() {
+    let (_one, _dir, file) = setup();
+    // Any order with no room for a hot set: step s runs block first(s), then 5, and names
+    // first(s) ahead while 5 runs, guessing that the next step begins as this one did.
+    let first = [0, 0, 3, 3, 3];
+    let budget = FIXED + 2 * BLOCK;
+    let expected: Vec<Tensor> = {
+        let vs = VarStore::new(Device::Cpu);
+        let net = Net::new(&vs);
+        let mut variables: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
+        variables.sort_by(|a, b| a.0.cmp(&b.0));
+        Checkpoint::open(&[&file]).unwrap().load_into(&variables, |_| {}).unwrap();
+        tch::manual_seed(11);
+        first
+            .iter()
+            .map(|&f| {
+                let x = Tensor::randn([16, WIDTH], (Kind::Float, Device::Cpu));
+                tch::no_grad(|| [f, 5].iter().fold(x.apply(&net.input), |x, &i| net.block(i, &x)))
+            })
+            .collect()
+    };
+    let (net, mut model, _tensors) = any_order(&file, budget);
+    assert_eq!(model.split().hot, 0);
+    tch::manual_seed(11);
+    let mut most = 0;
+    for (s, want) in expected.iter().enumerate() {
+        let x = Tensor::randn([16, WIDTH], (Kind::Float, Device::Cpu));
+        let got = tch::no_grad(|| {
+            model.run(|step| {
+                let mut x = x.apply(&net.input);
+                for (k, i) in [first[s], 5].into_iter().enumerate() {
+                    step.block(i)?;
+                    step.prefetch(if k == 0 { 5 } else { first[s] })?;
+                    most = most.max(step.held_bytes());
+                    x = net.block(i, &x);
+                }
+                Ok(x)
+            })
+        })
+        .unwrap();
+        assert!(got.equal(want), "step {s} differs");
+    }
+    assert!(most <= budget, "the wrong guess never held a third slot: {most} > {budget}");
+    let stats = model.stats();
+    // Block 0 read for steps 2 and 3, used by step 2 only; block 3 for steps 4 and 5, used.
+    assert_eq!(stats.carried, 3, "{stats:?}");
+    assert_eq!(stats.refills, 5 * 2 + 1, "the wrong guess cost one read: {stats:?}");
 }
 
 #[test]
@@ -495,7 +620,11 @@ fn a_streamed_model_in_staged_models_is_released_with_its_stage_and_rebuilt_the_
     models.enter("decode").unwrap();
     let states: std::collections::HashMap<String, ModelState> = models.states().into_iter().collect();
     assert_eq!(states["flow"], ModelState::Released);
-    assert!(sink.of_kind(EventKind::Release).iter().any(|e| e.model() == Some("flow") && e.bytes() == Some(held)));
+    // The step ended with block 2's read for the next carried, its slot's buffer out of the slot:
+    // the registry frees the rest, and that buffer goes with the model object.
+    let released = sink.of_kind(EventKind::Release);
+    let freed = released.iter().find(|e| e.model() == Some("flow")).and_then(|e| e.bytes());
+    assert_eq!(freed, Some(held - BLOCK), "{released:?}");
     models.enter("denoise").unwrap();
     assert!(step(&x).equal(&expected[0]), "rebuilt, the same output");
     let reloads = sink.of_kind(EventKind::Reload);
@@ -889,6 +1018,57 @@ fn experts_used_every_step_stay_hot_while_one_used_once_goes_through_a_slot() {
     assert!(is_filled(&tensors, 6) && is_filled(&tensors, 7), "the two experts used every step stay");
     assert!(model.stats().hot_hits >= 10, "{:?}", model.stats());
     let err = tch::no_grad(|| model.run(|step| step.prefetch(DEPTH))).unwrap_err();
+    assert!(matches!(err, StreamError::NoSuchBlock { index: DEPTH, .. }), "{err}");
+}
+
+#[test]
+fn the_next_steps_blocks_named_ahead_read_the_first_not_hot_while_the_hot_ones_run() {
+    let (_one, _dir, file) = setup();
+    // Step s runs 6 and 7 (used every step, soon hot), then a rare expert s % 6; each block
+    // names what runs after it, the next step's blocks included.
+    let order = |s: usize| [6, 7, s % 6];
+    let steps = 8;
+    let expected: Vec<Tensor> = {
+        let vs = VarStore::new(Device::Cpu);
+        let net = Net::new(&vs);
+        let mut variables: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
+        variables.sort_by(|a, b| a.0.cmp(&b.0));
+        Checkpoint::open(&[&file]).unwrap().load_into(&variables, |_| {}).unwrap();
+        tch::manual_seed(11);
+        (0..steps)
+            .map(|s| {
+                let x = Tensor::randn([16, WIDTH], (Kind::Float, Device::Cpu));
+                tch::no_grad(|| order(s).iter().fold(x.apply(&net.input), |x, &i| net.block(i, &x)))
+            })
+            .collect()
+    };
+    let (net, mut model, tensors) = any_order(&file, budget_for(2));
+    tch::manual_seed(11);
+    let mut carried = Vec::new();
+    for (s, want) in expected.iter().enumerate() {
+        let x = Tensor::randn([16, WIDTH], (Kind::Float, Device::Cpu));
+        let before = model.stats().carried;
+        let got = tch::no_grad(|| {
+            model.run(|step| {
+                let blocks = order(s);
+                let mut x = x.apply(&net.input);
+                for (k, &i) in blocks.iter().enumerate() {
+                    step.block(i)?;
+                    let ahead: Vec<usize> = blocks[k + 1..].iter().chain(&order(s + 1)).copied().collect();
+                    step.prefetch_first(&ahead)?;
+                    x = net.block(i, &x);
+                }
+                Ok(x)
+            })
+        })
+        .unwrap();
+        assert!(got.equal(want), "step {s} differs");
+        carried.push(model.stats().carried - before);
+    }
+    assert!(is_filled(&tensors, 6) && is_filled(&tensors, 7), "the two used every step stay hot");
+    // Once 6 and 7 are hot, the rare expert of each step was read while the step before ended.
+    assert_eq!(carried[4..], [1; 4], "{carried:?}");
+    let err = tch::no_grad(|| model.run(|step| step.prefetch_first(&[0, DEPTH]))).unwrap_err();
     assert!(matches!(err, StreamError::NoSuchBlock { index: DEPTH, .. }), "{err}");
 }
 

@@ -83,7 +83,7 @@ impl Transformer {
     /// The same forward as a streamed model's step: `step.block(i)` before block `i`.
     pub fn forward_streamed(&self, x: &Tensor, step: &mut Step<'_>) -> Result<Tensor, StreamError> {
         let all: Vec<usize> = (0..self.blocks.len()).collect();
-        self.forward_routed_streamed(x, step, &all)
+        self.forward_routed_streamed(x, step, &all, &[])
     }
 
     /// The forward through the blocks of `route` only, in its order (a router's choice of
@@ -94,19 +94,25 @@ impl Transformer {
     }
 
     /// [`Self::forward_routed`] as a streamed model's step: `step.block(i)` before block `i`,
-    /// and the route's next block named ahead (`step.prefetch`).
+    /// and the route's next block named ahead (`step.prefetch`); while the last block runs,
+    /// `then`, the next call's route when the router knows it (`step.prefetch_first`: the first
+    /// of its blocks not in memory is read meanwhile, carried into that call).
     pub fn forward_routed_streamed(
         &self,
         x: &Tensor,
         step: &mut Step<'_>,
         route: &[usize],
+        then: &[usize],
     ) -> Result<Tensor, StreamError> {
         let mut x = x.apply(&self.input);
-        let route: Vec<usize> = route.iter().copied().filter(|&i| i < self.blocks.len()).collect();
+        let depth = self.blocks.len();
+        let route: Vec<usize> = route.iter().copied().filter(|&i| i < depth).collect();
+        let then: Vec<usize> = then.iter().copied().filter(|&i| i < depth).collect();
         for (k, &i) in route.iter().enumerate() {
             step.block(i)?;
-            if let Some(&next) = route.get(k + 1) {
-                step.prefetch(next)?;
+            match route.get(k + 1) {
+                Some(&next) => step.prefetch(next)?,
+                None => step.prefetch_first(&then)?,
             }
             x = self.blocks[i].forward(&x);
         }

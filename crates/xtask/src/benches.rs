@@ -61,12 +61,13 @@ pub fn hot_set(shell: &mut Shell, out: &Path, runs: u16) -> Result<(), Error> {
         let value = |field: &str, arm: &str| report.median(field, arm).unwrap_or(f64::NAN);
         for (arm, _) in HOT_SET_ARMS {
             log.line(&format!(
-                "   {arm:<15} {:.2} s ({:.3}x resident); {:.0} of {:.0} block runs read ({:.2} GiB), {:.0} found hot; peak {:.0} MiB",
+                "   {arm:<15} {:.2} s ({:.3}x resident); {:.0} of {:.0} block runs read ({:.2} GiB; {:.0} carried from the call before), {:.0} found hot; peak {:.0} MiB",
                 value("seconds", arm),
                 report.ratio("seconds", arm).unwrap_or(f64::NAN),
                 value("refills", arm),
                 value("blocks_run", arm),
                 value("bytes_refilled", arm) / f64::from(1u32 << 30),
+                value("carried", arm),
                 value("hot_hits", arm),
                 (value("peak_rss", arm) - value("base_rss", arm)) / f64::from(1u32 << 20),
             ));

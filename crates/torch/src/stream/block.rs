@@ -34,10 +34,18 @@ pub(super) struct Block {
     pub(super) slot: Option<usize>,
 }
 
+/// A block's refill as a job for any thread: the seconds it took.
+pub(super) type Job = Box<dyn FnOnce() -> Result<f64, StreamError> + Send + 'static>;
+
 /// A refill running on its own thread.
 pub(super) struct Ahead {
     pub(super) block: usize,
     pub(super) thread: JoinHandle<Result<f64, StreamError>>,
+    /// The slot it reads into (through views of the slot's buffer), which the block's storages
+    /// are pointed into once it is joined; `None`: it gives them memory itself.
+    pub(super) attach: Option<usize>,
+    /// Started for this step while the step before ended ([`super::carry`]).
+    pub(super) carried: bool,
 }
 
 /// A model's tensors as set-up cuts them: the blocks, and the fixed tensors (in no block,

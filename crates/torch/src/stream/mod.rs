@@ -8,7 +8,9 @@
 //! checkpoint just before it runs (`pread` into two reused slot buffers on the CPU; on CUDA an
 //! async copy on a side stream from pinned host copies of every block, read once at set-up) and
 //! freed in place just after, with the next streamed block read on a background
-//! thread while the current one computes. The forward code stays the same except for one call
+//! thread while the current one computes (on the CPU, across the step boundary too: the last
+//! block runs while the next step's first streamed block is read, `carry.rs`).
+//! The forward code stays the same except for one call
 //! at each block boundary, [`Step::block`](step::Step::block):
 //!
 //! ```no_run
@@ -52,9 +54,11 @@
 //! [`split`]: what stays, what streams, when a governor or a step's memory changes that;
 //! [`hot`]: the hot set); `block.rs` what a model is cut into and its host copies;
 //! `streamer.rs` the model's state, set-up and options; `refill.rs` a block's refill and
-//! release; `run.rs` a step and the changes after it; `step.rs` the call at a block boundary.
+//! release; `carry.rs` the read carried across a step boundary; `run.rs` a step and the changes
+//! after it; `step.rs` the call at a block boundary.
 
 mod block;
+mod carry;
 mod refill;
 mod run;
 mod step;

@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use tch::{Device, Tensor};
 
-use super::block::Ahead;
+use super::block::{Ahead, Job};
 use super::streamer::StreamedModel;
 use super::torch;
 use super::StreamError;
@@ -24,10 +24,11 @@ impl StreamedModel {
     /// Waits for the refill ahead, if any; `Ok` once its block is filled (or freed again on
     /// failure, reported here).
     pub(super) fn join_ahead(&mut self) -> Result<(), StreamError> {
-        let Some(Ahead { block, thread }) = self.ahead.take() else { return Ok(()) };
+        let Some(Ahead { block, thread, attach, .. }) = self.ahead.take() else { return Ok(()) };
         let outcome = thread.join().unwrap_or_else(|panic| {
             Err(StreamError::Step { model: self.name.clone(), message: panic_message(&*panic) })
         });
+        let outcome = self.attach_read(block, attach, outcome);
         self.settle(block, outcome)
     }
 
@@ -51,12 +52,12 @@ impl StreamedModel {
         if self.ahead.is_some() || index >= self.blocks.len() || self.blocks[index].allocated {
             return;
         }
-        let job = match self.refill_job(index, running) {
+        let (job, attach) = match self.refill_job(index, running) {
             Ok(job) => job,
             // Refilled (and reported) when the forward reaches the block.
             Err(_) => return,
         };
-        self.ahead = Some(Ahead { block: index, thread: std::thread::spawn(job) });
+        self.ahead = Some(Ahead { block: index, thread: std::thread::spawn(job), attach, carried: false });
     }
 
     /// Brings block `index` in for the forward: found hot (counted), or filled by
@@ -66,20 +67,23 @@ impl StreamedModel {
         if self.hot.holds(index) && self.blocks[index].allocated && !in_flight {
             self.stats.hot_hits += 1;
         }
+        let carried = self.is_carried(index);
         self.ensure(index)?;
+        self.stats.carried += u64::from(carried);
         self.hot.used(index);
         Ok(())
     }
 
     /// The block to read ahead while `index` runs, in order: the next streamed block of this
-    /// step (none without look-ahead, in any order, or after the last block). The first one of
-    /// the next step is read when that step begins, so that nothing runs while no step does.
+    /// step, or after the last block the next step's first (its read carried across the step
+    /// boundary, [`super::carry`]); none without look-ahead or in any order.
     pub(super) fn next_in_order(&self, index: usize) -> Option<usize> {
         if !self.split.look_ahead || self.any_order {
             return None;
         }
         let next = if index + 1 < self.split.resident { self.split.resident } else { index + 1 };
-        (next < self.blocks.len()).then_some(next)
+        let first = self.split.resident;
+        [next, first].into_iter().find(|&block| block < self.blocks.len())
     }
 
     /// Makes block `index` filled: joins its refill ahead, or refills it here.
@@ -91,7 +95,10 @@ impl StreamedModel {
         let outcome = if self.ahead.as_ref().map(|a| a.block) == Some(index) {
             self.join_ahead()
         } else {
-            let outcome = self.refill_job(index, None).and_then(|job| job());
+            let outcome = self.refill_job(index, None).and_then(|(job, attach)| {
+                let outcome = job();
+                self.attach_read(index, attach, outcome)
+            });
             self.settle(index, outcome)
         };
         self.stats.waited_seconds += start.elapsed().as_secs_f64();
@@ -116,8 +123,8 @@ impl StreamedModel {
         Ok(true)
     }
 
-    /// A free slot for streamed block `index` on the CPU: the address of its memory, or `None`
-    /// for the allocator (a resident or hot block, or CUDA). The split's slots always have one
+    /// A free slot for streamed block `index` on the CPU, now the block's, or `None` for the
+    /// allocator (a resident or hot block, or CUDA). The split's slots always have one
     /// free for the block the forward reaches: the block before it left its slot first, and the
     /// one read ahead takes the other.
     pub(super) fn take_slot(&mut self, index: usize) -> Option<usize> {
@@ -136,7 +143,7 @@ impl StreamedModel {
         };
         self.slots[free].1 = Some(index);
         self.blocks[index].slot = Some(free);
-        Some(self.slots[free].0.data_ptr() as usize)
+        Some(free)
     }
 
     /// Gives the slot buffers (CPU) what the split needs: each as large as the largest streamed
@@ -157,7 +164,7 @@ impl StreamedModel {
         let wanted: Vec<i64> = (0..self.slots.len()).map(|i| if i < self.split.slots() { bytes } else { 0 }).collect();
         let changing: Vec<usize> =
             (0..self.slots.len()).filter(|&i| self.slots[i].0.numel() as i64 != wanted[i]).collect();
-        debug_assert!(self.slots.iter().all(|(_, holder)| holder.is_none()), "slots resized while in use");
+        debug_assert!(changing.iter().all(|&i| self.slots[i].1.is_none()), "a slot resized while in use");
         for &i in &changing {
             self.slots[i].0.f_set_data(&empty()?)?;
         }
@@ -176,36 +183,56 @@ impl StreamedModel {
     }
 
     /// The refill of block `index` as a job any thread can run (while the forward runs
-    /// `running`): checks shapes, gives the storages memory (kept hot: the allocator's; else a
-    /// slot, or the allocator's), reads the checkpoint into them; frees them again when the
-    /// read fails.
+    /// `running`), and the slot it reads into. Into a slot it reads through views of the slot's
+    /// buffer and touches none of the block's storages: [`attach_read`](Self::attach_read)
+    /// points them into the slot once the job is done, on the model's thread. Otherwise (kept
+    /// hot, no slot free, CUDA) it gives the storages the allocator's memory and reads or
+    /// copies into them, freeing them again when that fails. Refused before anything is taken:
+    /// a tensor reshaped since set-up.
     pub(super) fn refill_job(
         &mut self,
         index: usize,
         running: Option<usize>,
-    ) -> Result<impl FnOnce() -> Result<f64, StreamError> + Send + 'static, StreamError> {
-        self.keep_hot(index, running)?;
-        let slot = self.take_slot(index);
+    ) -> Result<(Job, Option<usize>), StreamError> {
         let block = &self.blocks[index];
-        let offsets = block.offsets.clone();
+        for ((tensor, was), (_, target)) in block.shapes.iter().zip(&block.targets) {
+            let now = target.size();
+            if now != *was {
+                let (model, block) = (self.name.clone(), block.name.clone());
+                return Err(StreamError::Reshaped { model, block, tensor: tensor.clone(), was: was.clone(), now });
+            }
+        }
+        self.keep_hot(index, running)?;
+        let model = self.name.clone();
+        let checkpoint = Arc::clone(&self.checkpoint);
+        let uncached = self.uncached;
+        let read = move |targets: &[(String, Tensor)]| {
+            checkpoint
+                .load_into(targets, |_| {})
+                .and_then(|_| match uncached {
+                    true => checkpoint.drop_cached(targets.iter().map(|(entry, _)| entry.as_str())),
+                    false => Ok(()),
+                })
+                .map_err(|source| StreamError::Checkpoint { model: model.clone(), source: Box::new(source) })
+        };
+        if let Some(slot) = self.take_slot(index) {
+            let views = self.views_in(index, &self.slots[slot].0).inspect_err(|_| self.let_go_of_slot(index))?;
+            let job = move || {
+                let start = Instant::now();
+                read(&views).map(|()| start.elapsed().as_secs_f64())
+            };
+            return Ok((Box::new(job), Some(slot)));
+        }
+        let block = &self.blocks[index];
         let model = self.name.clone();
         let block_name = block.name.clone();
         let targets = storage::shallow(&block.targets);
-        let shapes = block.shapes.clone();
         let storages = shallow(&block.storages);
-        let checkpoint = Arc::clone(&self.checkpoint);
         let host: Option<Vec<Tensor>> =
             self.host.as_ref().map(|copies| copies.block(index).iter().map(Tensor::shallow_clone).collect());
         let device = self.device;
-        let uncached = self.uncached;
-        Ok(move || {
+        let job = move || {
             let start = Instant::now();
-            for ((tensor, was), (_, target)) in shapes.into_iter().zip(&targets) {
-                let now = target.size();
-                if now != was {
-                    return Err(StreamError::Reshaped { model, block: block_name, tensor, was, now });
-                }
-            }
             // On CUDA the block's memory comes from a side stream's pool, where its copy runs:
             // memory from the forward stream's pool can be an activation just freed whose kernels
             // are still queued there, and the copy, on another stream, would write under them.
@@ -215,29 +242,16 @@ impl StreamedModel {
                 ),
                 _ => None,
             };
-            // The block's storages are free and no thread uses them: the forward reaches this
-            // block only through `Step::block`, which waits for this job first.
-            let ids = match slot {
-                // SAFETY: as above; and the slot is this block's alone until the block is freed,
-                // and the model frees every block in a slot before the slot goes (`Drop`), after
-                // joining this job.
-                Some(base) => unsafe { storage::attach(&storages, base as *mut u8, &offsets) },
-                // SAFETY: as above; the allocator's fresh memory is filled below before use.
-                None => unsafe { storage::reallocate(&storages) },
-            }
-            .map_err(torch(&model, "give a block memory"))?;
+            // SAFETY: the block's storages are free and no thread uses them: the forward reaches
+            // this block only through `Step::block`, which waits for this job first; the
+            // allocator's fresh memory is filled below before use.
+            let ids = unsafe { storage::reallocate(&storages) }.map_err(torch(&model, "give a block memory"))?;
             let filled = match (&host, device) {
                 (Some(host), Device::Cuda(index)) => {
                     let pairs: Vec<(&Tensor, &Tensor)> = targets.iter().map(|(_, t)| t).zip(host).collect();
                     crate::device_copy::copy_and_wait(&pairs, index).map_err(torch(&model, "copy a block to the GPU"))
                 }
-                _ => checkpoint
-                    .load_into(&targets, |_| {})
-                    .and_then(|_| match uncached {
-                        true => checkpoint.drop_cached(targets.iter().map(|(entry, _)| entry.as_str())),
-                        false => Ok(()),
-                    })
-                    .map_err(|source| StreamError::Checkpoint { model: model.clone(), source: Box::new(source) }),
+                _ => read(&targets),
             };
             if let Err(err) = filled {
                 let message = format!("block '{block_name}' of streamed model '{model}' failed to load: {err}");
@@ -246,7 +260,28 @@ impl StreamedModel {
                 return Err(err);
             }
             Ok(start.elapsed().as_secs_f64())
-        })
+        };
+        Ok((Box::new(job), None))
+    }
+
+    /// A finished read of block `index` into `slot` (when it read into one): points the
+    /// block's storages into the slot, where the read put their bytes.
+    pub(super) fn attach_read(
+        &mut self,
+        index: usize,
+        slot: Option<usize>,
+        outcome: Result<f64, StreamError>,
+    ) -> Result<f64, StreamError> {
+        let (Some(slot), Ok(seconds)) = (slot, &outcome) else { return outcome };
+        let block = &self.blocks[index];
+        let base = self.slots[slot].0.data_ptr() as *mut u8;
+        // SAFETY: the slot's buffer is this block's alone while the block is its holder, it is
+        // as large as the block's layout and aligned as the allocator aligns (the offsets come
+        // from that layout), and the model frees every block in a slot before the slot changes
+        // or goes (`fit_slots`, `Drop`).
+        unsafe { storage::attach(&block.storages, base, &block.offsets) }
+            .map(|_| *seconds)
+            .map_err(torch(&self.name, "give a block its slot"))
     }
 
     /// Whether block `index` is freed after it runs: streamed and not held hot.

@@ -26,9 +26,16 @@ impl StreamedModel {
             self.begin()?;
             let base = self.measure_point();
             let peak = self.peak_now();
-            let mut step = Step { model: &mut *self, active: None, base, peak, most_held: 0, working: 0 };
+            let mut step =
+                Step { model: &mut *self, active: None, base, peak, most_held: 0, working: 0, streamed_yet: false };
             let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(&mut step)));
-            let working = step.finish().and_then(|working| self.join_ahead().map(|()| working));
+            let working = step.finish();
+            // A read ahead still in flight is carried to the next step after a step that ran.
+            let tidy = match (&outcome, &working) {
+                (Ok(Ok(_)), Ok(_)) => self.carry(),
+                _ => self.join_ahead(),
+            };
+            let working = working.and_then(|working| tidy.map(|()| working));
             let error = match outcome {
                 Ok(Ok(result)) => {
                     let working = working?;
@@ -69,7 +76,8 @@ impl StreamedModel {
     /// Frees what the split no longer holds (a block that became resident leaves its slot and
     /// comes back from the allocator; streamed blocks a shrunk split still held go; hot blocks
     /// past a shrunk room go, weakest first), sizes the slots for it and starts the first
-    /// streamed block's refill. Nothing is in flight between steps.
+    /// streamed block's refill (unless a read carried from the step before has it,
+    /// [`super::carry`]).
     fn begin(&mut self) -> Result<(), StreamError> {
         if let Some((floor, available)) = self.governor.as_mut() {
             if let Some(next) = available().and_then(|now| govern(&self.sizes, self.split, now, *floor)) {
@@ -85,6 +93,7 @@ impl StreamedModel {
                 self.set_split(next, "memory pressure (PSI)", None);
             }
         }
+        self.resume_carried(true)?;
         self.let_go()?;
         if self.split.look_ahead && !self.any_order {
             self.start_ahead(self.split.resident, None);
@@ -94,9 +103,11 @@ impl StreamedModel {
     }
 
     /// Frees what the split no longer holds: hot blocks past the room (weakest first), and
-    /// every streamed block not kept hot or still in a slot; then sizes the slots for the split.
-    /// Nothing may run on the blocks.
+    /// every streamed block not kept hot or still in a slot (a read carried from the step
+    /// before stays when the step's start took it, [`super::carry`]); then sizes the slots for
+    /// the split. Nothing may run on the blocks.
     pub(super) fn let_go(&mut self) -> Result<(), StreamError> {
+        self.resume_carried(false)?;
         for victim in self.hot.over(&self.sizes.blocks, self.split.hot, &[]) {
             self.drop_hot(victim)?;
         }
@@ -105,7 +116,7 @@ impl StreamedModel {
                 // Resident now: its memory stays, wherever it came from.
                 self.hot.drop_block(index, self.sizes.blocks[index]);
             }
-            if self.passes(index) || self.blocks[index].slot.is_some() {
+            if (self.passes(index) || self.blocks[index].slot.is_some()) && !self.is_carried(index) {
                 self.release(index)?;
             }
         }

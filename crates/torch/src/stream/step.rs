@@ -18,6 +18,8 @@ pub struct Step<'a> {
     pub(super) most_held: u64,
     /// The largest working memory seen at a block boundary.
     pub(super) working: u64,
+    /// Whether a streamed block has run in this step.
+    pub(super) streamed_yet: bool,
 }
 
 impl Step<'_> {
@@ -30,6 +32,15 @@ impl Step<'_> {
         model.check_index(index)?;
         if let Some(previous) = self.active.filter(|&p| p != index && model.passes(p)) {
             model.release(previous)?;
+        }
+        if !self.streamed_yet && model.passes(index) {
+            self.streamed_yet = true;
+            // A read carried from the step before for another block guessed wrong: its slot
+            // is needed.
+            if let Some(guess) = model.ahead.as_ref().filter(|a| a.carried && a.block != index) {
+                let guess = guess.block;
+                model.release(guess)?;
+            }
         }
         model.bring_in(index)?;
         self.active = Some(index);
@@ -52,6 +63,23 @@ impl Step<'_> {
             model.start_ahead(index, self.active);
         }
         Ok(())
+    }
+
+    /// [`prefetch`](Self::prefetch) of the first of `next` that is neither in memory nor being
+    /// read: `next` lists the blocks the forward runs next, in order, this step's and, when it
+    /// knows them, the next step's (a read still in flight when the step ends is carried into
+    /// it). Blocks kept hot or resident are passed over, so that a read goes on while they run.
+    pub fn prefetch_first(&mut self, next: &[usize]) -> Result<(), StreamError> {
+        let model = &*self.model;
+        for &index in next {
+            model.check_index(index)?;
+        }
+        let coming = |index: usize| model.ahead.as_ref().is_some_and(|a| a.block == index);
+        let wanted = next.iter().copied().find(|&i| Some(i) != self.active && !model.blocks[i].allocated && !coming(i));
+        match wanted {
+            Some(index) => self.prefetch(index),
+            None => Ok(()),
+        }
     }
 
     /// How the blocks are held in this step.

@@ -4,7 +4,9 @@
 //! block boundary in [`super::step`].
 //!
 //! Nothing here takes a lock: the model is `&mut` for a step, and the only other thread is the
-//! one refilling the block ahead, whose storages nothing else touches until it is joined.
+//! one refilling the block ahead, whose storages nothing else touches until it is joined (a read
+//! into a slot touches none of them: it writes through views of the slot's buffer, which between
+//! steps no tensor of the model holds, [`super::carry`]).
 
 use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
@@ -15,6 +17,7 @@ use tch::{Device, Tensor};
 
 use super::block::{pinned_copies, Ahead, Block, HostBlocks, Parts};
 use super::blocks::BlockSpec;
+use super::carry::Carried;
 use super::hot::HotSet;
 use super::split::{describe, fit_within, Sizes, Split};
 use super::{torch, StreamError};
@@ -35,6 +38,9 @@ pub struct StreamStats {
     pub refill_seconds: f64,
     /// Seconds [`Step::block`](super::Step::block) waited for a block (a refill not finished, or not started).
     pub waited_seconds: f64,
+    /// Refills read for a step while the step before it ended, its last block running (counted
+    /// once the forward used them; among [`refills`](Self::refills)).
+    pub carried: u64,
     /// Steps run again after an out-of-memory.
     pub retries: u64,
     /// Streamed blocks found in the hot set when the forward reached them (refills saved).
@@ -117,6 +123,9 @@ pub struct StreamedModel {
     pub(super) working: u64,
     pub(super) checkpoint: Arc<Checkpoint>,
     pub(super) ahead: Option<Ahead>,
+    /// CPU, between steps: the read ahead in flight when the last step ended, for the next
+    /// ([`super::carry`]).
+    pub(super) carried: Option<Carried>,
     pub(super) reading: Reading,
     /// The high-water mark of the same memory (VmHWM; the CUDA allocator's peak), which sees
     /// the transients inside a block that boundary readings miss. Never reset here: a meter
@@ -256,6 +265,7 @@ impl StreamedModel {
             working,
             checkpoint: Arc::new(checkpoint),
             ahead: None,
+            carried: None,
             reading,
             peak,
             governor: None,
@@ -510,7 +520,12 @@ impl StreamedModel {
         let slots = self.slots.iter().map(|(buffer, _)| storage::allocated_bytes(buffer));
         let blocks = self.blocks.iter().enumerate().filter(|(i, b)| b.slot.is_none() && Some(*i) != ahead);
         let storages = self.fixed.iter().chain(blocks.flat_map(|(_, b)| &b.storages));
-        storages.map(|s| storage::allocated_bytes(&s.tensor)).chain(slots).fold(0u64, u64::saturating_add)
+        let carried = self.carried.as_ref().map(Carried::bytes);
+        storages
+            .map(|s| storage::allocated_bytes(&s.tensor))
+            .chain(slots)
+            .chain(carried)
+            .fold(0u64, u64::saturating_add)
     }
 
     /// Keeps at most `resident` blocks resident, and none hot, from the next step on (to stream
@@ -585,6 +600,9 @@ impl Drop for StreamedModel {
     /// Joins the refill ahead, says what the model moved (an `end` residency event), then frees
     /// every block in a slot before the slots go.
     fn drop(&mut self) {
+        if let Some(carried) = self.carried.take() {
+            carried.abandon();
+        }
         let _ = self.join_ahead();
         self.announce_totals();
         for index in 0..self.blocks.len() {
