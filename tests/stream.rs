@@ -1073,6 +1073,27 @@ fn the_next_steps_blocks_named_ahead_read_the_first_not_hot_while_the_hot_ones_r
 }
 
 #[test]
+fn naming_the_block_that_runs_now_for_the_next_step_reads_nothing_past_it() {
+    let (_one, _dir, file) = setup();
+    let (net, mut model, _tensors) = any_order(&file, FIXED + 2 * BLOCK);
+    let x = Tensor::randn([16, WIDTH], (Kind::Float, Device::Cpu));
+    for _ in 0..4 {
+        // Each step runs block 3 alone and names 3 (then 4) for the next: 3 cannot be read
+        // while it runs, and reading 4 instead would be thrown away when the next step begins with 3.
+        tch::no_grad(|| {
+            model.run(|step| {
+                step.block(3)?;
+                step.prefetch_first(&[3, 4])?;
+                Ok(net.block(3, &x))
+            })
+        })
+        .unwrap();
+    }
+    let stats = model.stats();
+    assert_eq!((stats.refills, stats.carried), (4, 0), "{stats:?}");
+}
+
+#[test]
 fn an_out_of_memory_gives_up_the_hot_set_first_and_the_step_gives_the_same_result() {
     let (_one, _dir, file) = setup();
     let expected = reference(&file);

@@ -223,7 +223,8 @@ pub(crate) fn aligned_offsets(sizes: impl IntoIterator<Item = usize>) -> (Vec<us
 pub const ALIGNMENT: usize = stageload_plan::split::SLOT_ALIGNMENT as usize;
 
 /// Points every freed storage of `storages` at its part of the buffer at `base` (offsets from
-/// [`layout`]); returns the ids attached, so the caller fills exactly those.
+/// [`layout`]); returns the ids attached, so the caller fills exactly those. On an error the
+/// storages it had attached are freed again, so none is left pointing into the buffer.
 ///
 /// # Safety
 ///
@@ -232,12 +233,26 @@ pub const ALIGNMENT: usize = stageload_plan::split::SLOT_ALIGNMENT as usize;
 pub unsafe fn attach(storages: &[StorageRecord], base: *mut u8, offsets: &[usize]) -> Result<HashSet<u64>, ShimError> {
     let mut attached = HashSet::new();
     for (storage, &offset) in storages.iter().zip(offsets) {
-        if storage.nbytes > 0 && !shim::storage_info(&storage.tensor)?.allocated {
+        let attach = || -> Result<bool, ShimError> {
+            if storage.nbytes == 0 || shim::storage_info(&storage.tensor)?.allocated {
+                return Ok(false);
+            }
             crate::copy_watch::check_free(storage.id, "given a slot's memory");
             // SAFETY: `offset + nbytes` lies inside the buffer (the layout) and this function's
             // own precondition covers the rest.
             unsafe { shim::attach_storage(&storage.tensor, base.add(offset), storage.nbytes) }?;
-            attached.insert(storage.id);
+            Ok(true)
+        };
+        match attach() {
+            Ok(true) => {
+                attached.insert(storage.id);
+            }
+            Ok(false) => {}
+            Err(err) => {
+                // SAFETY: the storages attached above hold nothing anyone has used yet.
+                let _ = unsafe { free_ids(storages, &attached, "a slot's memory given back after a failed attach") };
+                return Err(err);
+            }
         }
     }
     Ok(attached)

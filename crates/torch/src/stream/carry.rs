@@ -17,25 +17,22 @@
 //! and freed. A step whose first streamed block is another frees it first
 //! ([`super::Step::block`]).
 
-use std::thread::JoinHandle;
-
-use tch::{Device, Tensor};
+use tch::Tensor;
 
 use super::block::Ahead;
+use super::refill::empty_buffer;
 use super::split::Split;
 use super::streamer::StreamedModel;
 use super::{torch, StreamError};
 
 /// A read ahead in flight when its step ended, for the next step.
 pub(super) struct Carried {
-    block: usize,
-    /// The slot whose buffer it reads into, empty meanwhile.
-    slot: usize,
-    /// The slot's buffer, taken out of it.
+    /// The read, into the slot `read.attach` names.
+    read: Ahead,
+    /// That slot's buffer, taken out of it (the slot empty meanwhile).
     buffer: Tensor,
     /// The split it was started under: the read stays only if the next step's is the same.
     split: Split,
-    thread: JoinHandle<Result<f64, StreamError>>,
 }
 
 impl Carried {
@@ -46,7 +43,7 @@ impl Carried {
 
     /// Waits for the read (the model is going).
     pub(super) fn abandon(self) {
-        let _ = self.thread.join();
+        let _ = self.read.thread.join();
     }
 }
 
@@ -54,16 +51,23 @@ impl StreamedModel {
     /// At the end of a step: a read ahead still in flight into a slot goes on as the carried
     /// read, its buffer taken out of the slot; any other read ahead is joined.
     pub(super) fn carry(&mut self) -> Result<(), StreamError> {
-        let Some(slot) = self.ahead.as_ref().and_then(|ahead| ahead.attach) else { return self.join_ahead() };
-        let taken = self.slots[slot].0.f_alias().and_then(|buffer| {
-            self.slots[slot].0.f_set_data(&Tensor::f_zeros([0], (tch::Kind::Uint8, Device::Cpu))?)?;
-            Ok(buffer)
+        let Some(read) = self.ahead.take() else { return Ok(()) };
+        let taken = read.attach.map(|slot| {
+            let buffer = self.slots[slot].0.f_alias()?;
+            self.slots[slot].0.f_set_data(&empty_buffer()?)?;
+            Ok::<_, tch::TchError>(buffer)
         });
-        let Ok(buffer) = taken else { return self.join_ahead() };
-        let Some(Ahead { block, thread, .. }) = self.ahead.take() else { return Ok(()) };
-        self.let_go_of_slot(block);
-        self.carried = Some(Carried { block, slot, buffer, split: self.split, thread });
-        Ok(())
+        match taken {
+            Some(Ok(buffer)) => {
+                self.let_go_of_slot(read.block);
+                self.carried = Some(Carried { read, buffer, split: self.split });
+                Ok(())
+            }
+            _ => {
+                self.ahead = Some(read);
+                self.join_ahead()
+            }
+        }
     }
 
     /// Block `index`'s tensors (under their entries' names) as views of `buffer` where the
@@ -75,8 +79,7 @@ impl StreamedModel {
         for (entry, tensor) in &block.targets {
             let id =
                 stageload_torch_sys::storage_info(tensor).map_err(torch(&self.name, "read storage identities"))?.id;
-            let position = block.storages.iter().position(|s| s.id == id);
-            let Some(position) = position else {
+            let Some(position) = block.storages.iter().position(|s| s.id == id) else {
                 return Err(StreamError::Step {
                     model: self.name.clone(),
                     message: format!("tensor '{entry}' of block '{}' is in none of its storages", block.name),
@@ -84,27 +87,34 @@ impl StreamedModel {
             };
             let (offset, nbytes) = (block.offsets[position], block.storages[position].nbytes);
             let kind = tensor.kind();
-            let element = kind.elt_size_in_bytes().max(1);
-            let start = i64::try_from(offset / element).unwrap_or(i64::MAX);
-            let whole = buffer.f_narrow(0, offset as i64, nbytes as i64)?.f_view_dtype(kind)?;
-            let view = whole.f_as_strided(tensor.size(), tensor.stride(), Some(start + tensor.storage_offset()))?;
+            // Offsets are multiples of the slot alignment (64), so of every element size.
+            let start = (offset / kind.elt_size_in_bytes()) as i64;
+            let storage = buffer.f_narrow(0, offset as i64, nbytes as i64)?.f_view_dtype(kind)?;
+            let view = storage.f_as_strided(tensor.size(), tensor.stride(), Some(start + tensor.storage_offset()))?;
             views.push((entry.clone(), view));
         }
         Ok(views)
     }
 
     /// Puts the carried read's buffer back in its slot. At a step's start (`keep`), under the
-    /// split it was started under, the read becomes the read ahead of its block (pointed into
-    /// the slot when joined); otherwise it is joined and freed, so that nothing is in flight in
-    /// a slot between steps.
+    /// split it was started under, the read becomes the read ahead of its block again (pointed
+    /// into the slot when joined); otherwise it is joined and thrown away, so that nothing is
+    /// in flight in a slot between steps.
     pub(super) fn resume_carried(&mut self, keep: bool) -> Result<(), StreamError> {
-        let Some(Carried { block, slot, buffer, split, thread }) = self.carried.take() else { return Ok(()) };
-        self.slots[slot].0.f_set_data(&buffer)?;
-        self.slots[slot].1 = Some(block);
-        self.blocks[block].slot = Some(slot);
-        self.ahead = Some(Ahead { block, thread, attach: Some(slot), carried: true });
+        let Some(Carried { read, buffer, split }) = self.carried.take() else { return Ok(()) };
+        let (block, slot) = (read.block, read.attach);
+        if let Some(slot) = slot {
+            if let Err(err) = self.slots[slot].0.f_set_data(&buffer) {
+                // The slot stays empty (the next `fit_slots` gives it memory); the read is waited for.
+                let _ = read.thread.join();
+                return Err(err.into());
+            }
+            self.slots[slot].1 = Some(block);
+            self.blocks[block].slot = Some(slot);
+        }
+        self.ahead = Some(Ahead { carried: true, ..read });
         if !keep || split != self.split || !self.passes(block) {
-            self.release(block)?;
+            self.discard_ahead()?;
         }
         Ok(())
     }
@@ -112,5 +122,18 @@ impl StreamedModel {
     /// Whether `index` is the block a carried read brought back for this step.
     pub(super) fn is_carried(&self, index: usize) -> bool {
         self.ahead.as_ref().is_some_and(|a| a.block == index && a.carried)
+    }
+
+    /// Throws away the read ahead (a guess not taken): waits for it and frees its block. Its
+    /// failure is no error of the caller's, which never asked for that block: it is logged.
+    pub(super) fn discard_ahead(&mut self) -> Result<(), StreamError> {
+        let Some(block) = self.ahead.as_ref().map(|a| a.block) else { return Ok(()) };
+        match self.join_ahead() {
+            Ok(()) => self.release(block),
+            Err(err) => {
+                tracing::warn!("streamed model '{}': a read ahead not used failed: {err}", self.name);
+                Ok(())
+            }
+        }
     }
 }

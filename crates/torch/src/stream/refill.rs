@@ -82,8 +82,9 @@ impl StreamedModel {
             return None;
         }
         let next = if index + 1 < self.split.resident { self.split.resident } else { index + 1 };
-        let first = self.split.resident;
-        [next, first].into_iter().find(|&block| block < self.blocks.len())
+        // Past the last block only where a read can be carried: into a slot, on the CPU.
+        let first = Some(self.split.resident).filter(|_| self.device == Device::Cpu);
+        [Some(next), first].into_iter().flatten().find(|&block| block < self.blocks.len())
     }
 
     /// Makes block `index` filled: joins its refill ahead, or refills it here.
@@ -156,9 +157,8 @@ impl StreamedModel {
         if self.device != Device::Cpu {
             return Ok(());
         }
-        let empty = || Tensor::f_zeros([0], (tch::Kind::Uint8, Device::Cpu));
         while self.slots.len() < 2 {
-            self.slots.push((empty()?, None));
+            self.slots.push((empty_buffer()?, None));
         }
         let bytes = i64::try_from(self.sizes.slot(self.split.resident)).unwrap_or(i64::MAX);
         let wanted: Vec<i64> = (0..self.slots.len()).map(|i| if i < self.split.slots() { bytes } else { 0 }).collect();
@@ -166,7 +166,7 @@ impl StreamedModel {
             (0..self.slots.len()).filter(|&i| self.slots[i].0.numel() as i64 != wanted[i]).collect();
         debug_assert!(changing.iter().all(|&i| self.slots[i].1.is_none()), "a slot resized while in use");
         for &i in &changing {
-            self.slots[i].0.f_set_data(&empty()?)?;
+            self.slots[i].0.f_set_data(&empty_buffer()?)?;
         }
         for &i in &changing {
             // Zeroed, so that its pages are faulted in once, here.
@@ -322,4 +322,9 @@ impl StreamedModel {
         self.let_go_of_slot(index);
         Ok(())
     }
+}
+
+/// A slot buffer without memory.
+pub(super) fn empty_buffer() -> Result<Tensor, tch::TchError> {
+    Tensor::f_zeros([0], (tch::Kind::Uint8, Device::Cpu))
 }

@@ -23,7 +23,11 @@ impl StreamedModel {
     /// errors and panics come back as errors; the model stays usable.
     pub fn run<R>(&mut self, mut f: impl FnMut(&mut Step<'_>) -> Result<R, StreamError>) -> Result<R, StreamError> {
         loop {
-            self.begin()?;
+            if let Err(err) = self.begin() {
+                // A read carried into this step may be in flight again: nothing is, after.
+                let _ = self.join_ahead();
+                return Err(err);
+            }
             let base = self.measure_point();
             let peak = self.peak_now();
             let mut step =

@@ -37,9 +37,8 @@ impl Step<'_> {
             self.streamed_yet = true;
             // A read carried from the step before for another block guessed wrong: its slot
             // is needed.
-            if let Some(guess) = model.ahead.as_ref().filter(|a| a.carried && a.block != index) {
-                let guess = guess.block;
-                model.release(guess)?;
+            if model.ahead.as_ref().is_some_and(|a| a.carried && a.block != index) {
+                model.discard_ahead()?;
             }
         }
         model.bring_in(index)?;
@@ -68,17 +67,20 @@ impl Step<'_> {
     /// [`prefetch`](Self::prefetch) of the first of `next` that is neither in memory nor being
     /// read: `next` lists the blocks the forward runs next, in order, this step's and, when it
     /// knows them, the next step's (a read still in flight when the step ends is carried into
-    /// it). Blocks kept hot or resident are passed over, so that a read goes on while they run.
+    /// it). Blocks kept hot or resident are passed over, so that a read goes on while they run;
+    /// at the block running now, freed after it runs, nothing is read (it cannot be read again
+    /// while it runs).
     pub fn prefetch_first(&mut self, next: &[usize]) -> Result<(), StreamError> {
         let model = &*self.model;
         for &index in next {
             model.check_index(index)?;
         }
         let coming = |index: usize| model.ahead.as_ref().is_some_and(|a| a.block == index);
-        let wanted = next.iter().copied().find(|&i| Some(i) != self.active && !model.blocks[i].allocated && !coming(i));
+        let running = |index: usize| Some(index) == self.active && model.passes(index);
+        let wanted = next.iter().copied().find(|&i| running(i) || !model.blocks[i].allocated && !coming(i));
         match wanted {
-            Some(index) => self.prefetch(index),
-            None => Ok(()),
+            Some(index) if Some(index) != self.active => self.prefetch(index),
+            _ => Ok(()),
         }
     }
 
