@@ -1080,7 +1080,7 @@ fn naming_the_block_that_runs_now_for_the_next_step_reads_nothing_past_it() {
     for _ in 0..4 {
         // Each step runs block 3 alone and names 3 (then 4) for the next: 3 cannot be read
         // while it runs, and reading 4 instead would be thrown away when the next step begins with 3.
-        tch::no_grad(|| {
+        let _ = tch::no_grad(|| {
             model.run(|step| {
                 step.block(3)?;
                 step.prefetch_first(&[3, 4])?;
