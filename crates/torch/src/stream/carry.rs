@@ -2,7 +2,8 @@
 //! nothing read beside it, and the next step begin by waiting for its first streamed block: from
 //! the disk, one block's read per step with nothing to overlap it. So the read ahead goes on past
 //! the last block: in order, the look-ahead names the next step's first streamed block while the
-//! last one runs; in any order, the forward may name it with [`super::Step::prefetch`]. A read
+//! last one runs; in any order, the forward may name it with [`super::Step::prefetch`] or
+//! [`super::Step::prefetch_first`]. A read
 //! still in flight when the step ends is carried to the next step.
 //!
 //! Between steps the model may be released by a registry (which frees every tensor it was given,
@@ -23,7 +24,7 @@ use super::block::Ahead;
 use super::refill::empty_buffer;
 use super::split::Split;
 use super::streamer::StreamedModel;
-use super::{torch, StreamError};
+use super::StreamError;
 
 /// A read ahead in flight when its step ended, for the next step.
 pub(super) struct Carried {
@@ -68,32 +69,6 @@ impl StreamedModel {
                 self.join_ahead()
             }
         }
-    }
-
-    /// Block `index`'s tensors (under their entries' names) as views of `buffer` where the
-    /// block's layout puts them: each storage at its offset, each tensor at its own offset and
-    /// strides in it. They hold the buffer, never the block's storages.
-    pub(super) fn views_in(&self, index: usize, buffer: &Tensor) -> Result<Vec<(String, Tensor)>, StreamError> {
-        let block = &self.blocks[index];
-        let mut views = Vec::with_capacity(block.targets.len());
-        for (entry, tensor) in &block.targets {
-            let id =
-                stageload_torch_sys::storage_info(tensor).map_err(torch(&self.name, "read storage identities"))?.id;
-            let Some(position) = block.storages.iter().position(|s| s.id == id) else {
-                return Err(StreamError::Step {
-                    model: self.name.clone(),
-                    message: format!("tensor '{entry}' of block '{}' is in none of its storages", block.name),
-                });
-            };
-            let (offset, nbytes) = (block.offsets[position], block.storages[position].nbytes);
-            let kind = tensor.kind();
-            // Offsets are multiples of the slot alignment (64), so of every element size.
-            let start = (offset / kind.elt_size_in_bytes()) as i64;
-            let storage = buffer.f_narrow(0, offset as i64, nbytes as i64)?.f_view_dtype(kind)?;
-            let view = storage.f_as_strided(tensor.size(), tensor.stride(), Some(start + tensor.storage_offset()))?;
-            views.push((entry.clone(), view));
-        }
-        Ok(views)
     }
 
     /// Puts the carried read's buffer back in its slot. At a step's start (`keep`), under the

@@ -264,6 +264,32 @@ impl StreamedModel {
         Ok((Box::new(job), None))
     }
 
+    /// Block `index`'s tensors (under their entries' names) as views of `buffer` where the
+    /// block's layout puts them: each storage at its offset, each tensor at its own offset and
+    /// strides in it. They hold the buffer, never the block's storages.
+    pub(super) fn views_in(&self, index: usize, buffer: &Tensor) -> Result<Vec<(String, Tensor)>, StreamError> {
+        let block = &self.blocks[index];
+        let mut views = Vec::with_capacity(block.targets.len());
+        for (entry, tensor) in &block.targets {
+            let id =
+                stageload_torch_sys::storage_info(tensor).map_err(torch(&self.name, "read storage identities"))?.id;
+            let Some(position) = block.storages.iter().position(|s| s.id == id) else {
+                return Err(StreamError::Step {
+                    model: self.name.clone(),
+                    message: format!("tensor '{entry}' of block '{}' is in none of its storages", block.name),
+                });
+            };
+            let (offset, nbytes) = (block.offsets[position], block.storages[position].nbytes);
+            let kind = tensor.kind();
+            // Offsets are multiples of the slot alignment (64), so of every element size.
+            let start = (offset / kind.elt_size_in_bytes()) as i64;
+            let storage = buffer.f_narrow(0, offset as i64, nbytes as i64)?.f_view_dtype(kind)?;
+            let view = storage.f_as_strided(tensor.size(), tensor.stride(), Some(start + tensor.storage_offset()))?;
+            views.push((entry.clone(), view));
+        }
+        Ok(views)
+    }
+
     /// A finished read of block `index` into `slot` (when it read into one): points the
     /// block's storages into the slot, where the read put their bytes.
     pub(super) fn attach_read(
