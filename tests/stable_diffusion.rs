@@ -50,6 +50,12 @@ fn run(export: &Export, loading: Loading) -> Result<Run, BoxError> {
     let latents = export.initial_latents(SEED);
     let watch = Watch::new(&models);
     let generated = generate(&watch, export, &latents, SAMPLING)?;
+    // A prefetch installs its model (waking the stage that waits for it) before it sends its
+    // `load` event: the events are read once every prefetch has ended (a CI run read them
+    // between the two, without the VAE decoder's).
+    for stage in ["encode", "denoise", "decode"] {
+        models.wait_prefetch(stage)?;
+    }
     let events = sink.events();
     models.close();
     let calls = watch.into_calls();
