@@ -80,6 +80,11 @@ fn run(export: &Export, loading: Loading) -> Result<Run, BoxError> {
     let generator_kept = Tensor::randn([8], (Kind::Float, tch::Device::Cpu)).equal(&expected);
     models.enter("export")?;
     let resident_at_export = models.resident();
+    // A prefetch installs its model (waking the stage that waits for it) before it sends its
+    // `load` event: the events are read once every prefetch has ended.
+    for stage in ["encode", "denoise", "decode", "export"] {
+        models.wait_prefetch(stage)?;
+    }
     let events = sink.events();
     models.close();
     let calls = watch.into_calls();

@@ -64,6 +64,11 @@ fn run(export: &Export, loading: Loading) -> Result<Run, BoxError> {
     let generated = generate(&watch, export, export.prompt_ids(), export.negative_ids(), &latents, SAMPLING)?;
     models.enter("export")?;
     let resident_at_export = models.resident();
+    // A prefetch installs its model (waking the stage that waits for it) before it sends its
+    // `load` event: the events are read once every prefetch has ended.
+    for stage in ["encode", "denoise", "decode", "export"] {
+        models.wait_prefetch(stage)?;
+    }
     let events = sink.events();
     models.close();
     Ok(Run {
