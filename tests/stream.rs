@@ -130,6 +130,23 @@ fn reference_steps(file: &Path, steps: usize) -> Vec<Tensor> {
     (0..steps).map(|_| tch::no_grad(|| net.forward(&Tensor::randn([16, WIDTH], (Kind::Float, Device::Cpu))))).collect()
 }
 
+/// `steps` steps on seeded noise through the blocks `route(s)` names for step `s` (and not the
+/// output layer), the whole net loaded: the outputs of each.
+fn routed_reference(file: &Path, steps: usize, route: impl Fn(usize) -> Vec<usize>) -> Vec<Tensor> {
+    let vs = VarStore::new(Device::Cpu);
+    let net = Net::new(&vs);
+    let mut variables: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
+    variables.sort_by(|a, b| a.0.cmp(&b.0));
+    Checkpoint::open(&[file]).unwrap().load_into(&variables, |_| {}).unwrap();
+    tch::manual_seed(11);
+    (0..steps)
+        .map(|s| {
+            let x = Tensor::randn([16, WIDTH], (Kind::Float, Device::Cpu));
+            tch::no_grad(|| route(s).iter().fold(x.apply(&net.input), |x, &i| net.block(i, &x)))
+        })
+        .collect()
+}
+
 fn run_steps(net: &Net, model: &mut StreamedModel, steps: usize) -> Vec<Tensor> {
     tch::manual_seed(11);
     (0..steps)
@@ -297,21 +314,7 @@ fn a_carried_read_that_guessed_wrong_is_freed_before_the_step_needs_its_slot() {
     // first(s) ahead while 5 runs, guessing that the next step begins as this one did.
     let first = [0, 0, 3, 3, 3];
     let budget = FIXED + 2 * BLOCK;
-    let expected: Vec<Tensor> = {
-        let vs = VarStore::new(Device::Cpu);
-        let net = Net::new(&vs);
-        let mut variables: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
-        variables.sort_by(|a, b| a.0.cmp(&b.0));
-        Checkpoint::open(&[&file]).unwrap().load_into(&variables, |_| {}).unwrap();
-        tch::manual_seed(11);
-        first
-            .iter()
-            .map(|&f| {
-                let x = Tensor::randn([16, WIDTH], (Kind::Float, Device::Cpu));
-                tch::no_grad(|| [f, 5].iter().fold(x.apply(&net.input), |x, &i| net.block(i, &x)))
-            })
-            .collect()
-    };
+    let expected = routed_reference(&file, first.len(), |s| vec![first[s], 5]);
     let (net, mut model, _tensors) = any_order(&file, budget);
     assert_eq!(model.split().hot, 0);
     tch::manual_seed(11);
@@ -975,20 +978,7 @@ fn experts_used_every_step_stay_hot_while_one_used_once_goes_through_a_slot() {
     // block ahead; the room holds two (at first 0 and 1, set-up's prefix).
     let order = |s: usize| [s % 6, 6, 7];
     let steps = 8;
-    let expected: Vec<Tensor> = {
-        let vs = VarStore::new(Device::Cpu);
-        let net = Net::new(&vs);
-        let mut variables: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
-        variables.sort_by(|a, b| a.0.cmp(&b.0));
-        Checkpoint::open(&[&file]).unwrap().load_into(&variables, |_| {}).unwrap();
-        tch::manual_seed(11);
-        (0..steps)
-            .map(|s| {
-                let x = Tensor::randn([16, WIDTH], (Kind::Float, Device::Cpu));
-                tch::no_grad(|| order(s).iter().fold(x.apply(&net.input), |x, &i| net.block(i, &x)))
-            })
-            .collect()
-    };
+    let expected = routed_reference(&file, steps, |s| order(s).to_vec());
     let (net, mut model, tensors) = any_order(&file, budget_for(2));
     tch::manual_seed(11);
     let mut refills = Vec::new();
@@ -1028,20 +1018,7 @@ fn the_next_steps_blocks_named_ahead_read_the_first_not_hot_while_the_hot_ones_r
     // names what runs after it, the next step's blocks included.
     let order = |s: usize| [6, 7, s % 6];
     let steps = 8;
-    let expected: Vec<Tensor> = {
-        let vs = VarStore::new(Device::Cpu);
-        let net = Net::new(&vs);
-        let mut variables: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
-        variables.sort_by(|a, b| a.0.cmp(&b.0));
-        Checkpoint::open(&[&file]).unwrap().load_into(&variables, |_| {}).unwrap();
-        tch::manual_seed(11);
-        (0..steps)
-            .map(|s| {
-                let x = Tensor::randn([16, WIDTH], (Kind::Float, Device::Cpu));
-                tch::no_grad(|| order(s).iter().fold(x.apply(&net.input), |x, &i| net.block(i, &x)))
-            })
-            .collect()
-    };
+    let expected = routed_reference(&file, steps, |s| order(s).to_vec());
     let (net, mut model, tensors) = any_order(&file, budget_for(2));
     tch::manual_seed(11);
     let mut carried = Vec::new();

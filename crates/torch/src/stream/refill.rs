@@ -301,10 +301,10 @@ impl StreamedModel {
         let (Some(slot), Ok(seconds)) = (slot, &outcome) else { return outcome };
         let block = &self.blocks[index];
         let base = self.slots[slot].0.data_ptr() as *mut u8;
-        // SAFETY: the slot's buffer is this block's alone while the block is its holder, it is
-        // as large as the block's layout and aligned as the allocator aligns (the offsets come
-        // from that layout), and the model frees every block in a slot before the slot changes
-        // or goes (`fit_slots`, `Drop`).
+        // The slot's buffer is this block's alone while the block is its holder, as large as the
+        // block's layout and aligned as the allocator aligns (the offsets come from that layout);
+        // the model frees every block in a slot before the slot changes or goes (`fit_slots`, `Drop`).
+        // SAFETY: as said above, the buffer at `base` holds the layout for as long as the storages do.
         unsafe { storage::attach(&block.storages, base, &block.offsets) }
             .map(|_| *seconds)
             .map_err(torch(&self.name, "give a block its slot"))
