@@ -222,7 +222,7 @@ fn loads_into_storage_that_was_released_then_reallocated() {
 #[test]
 fn large_entries_load_in_pieces_with_and_without_conversion() {
     let _generator = support::generator();
-    // 20 MiB and 6 MiB entries: several 16 MiB pieces shared out over the CPUs.
+    // 20 MiB and 6 MiB entries: several pieces shared out over the CPUs.
     let big = Tensor::randn([5 << 20], (Kind::Float, Device::Cpu));
     let medium = Tensor::randn([1536, 1024], (Kind::Float, Device::Cpu));
     let small = Tensor::randn([3, 7], (Kind::Float, Device::Cpu));
@@ -324,7 +324,7 @@ fn a_load_stops_at_the_first_piece_that_finds_its_stop_flag_set() {
     let _generator = support::generator();
     use std::sync::atomic::{AtomicBool, Ordering};
     use std::sync::Arc;
-    // 48 MiB in pieces of 16 MiB, one converted entry (f32 → f64, the sequential path) beside.
+    // 48 MiB in pieces, one converted entry (f32 → f64, the sequential path) beside.
     let big = sample(Kind::Float, &[12, 1 << 20]);
     let small = sample(Kind::Float, &[4, 4]);
     let (_folder, path) = tmp("stop.safetensors");

@@ -687,7 +687,7 @@ fn a_model_sharing_a_component_a_prefetch_is_refilling_is_used_only_once_that_co
 fn loaded_while_a_prefetch_refills_what_it_shares(model: &'static str) {
     let _one = support::generator();
     let dir = tempfile::tempdir().unwrap();
-    // 64 MiB of shared weight: four pieces of the refill's copy.
+    // 64 MiB of shared weight: several pieces of the refill's copy.
     let rows = 16 * 1024;
     let (weight, [a_file, b_file]) = sharing_files(dir.path(), rows, "");
     let (held, pieces, next_tx) = HeldPieces::of("b");

@@ -3,7 +3,7 @@
 
 use std::path::{Path, PathBuf};
 
-use stageload::BoxError;
+use stageload::{checkpoint, BoxError};
 use tch::nn::VarStore;
 use tch::Device;
 
@@ -38,18 +38,19 @@ pub fn drop_page_cache(path: &Path) -> std::io::Result<()> {
 }
 
 /// The disk's read rate for `path`, in bytes per second: its pages dropped from the page cache,
-/// the file read once in 16 MiB `pread`s by one thread per core (this virtual disk serves more
-/// with more requests in flight: one thread measured about half of two), each into one reused
-/// buffer, and its pages dropped again, so that what runs next reads the disk as it would have.
+/// the file read once the way checkpoint loads read it ([`checkpoint::readers`] threads taking
+/// [`checkpoint::PIECE`]-byte `pread`s in turn, each into a reused buffer of its own: the fastest
+/// way to read this virtual disk measured here, which serves more with more requests in flight),
+/// and its pages dropped again, so that what runs next reads the disk as it would have.
 pub fn disk_read_rate(path: &Path) -> std::io::Result<f64> {
     use std::os::unix::fs::FileExt;
     use std::sync::atomic::{AtomicU64, Ordering};
-    const PIECE: u64 = 16 << 20;
+    const PIECE: u64 = checkpoint::PIECE as u64;
     drop_page_cache(path)?;
     let file = std::fs::File::open(path)?;
     let length = file.metadata()?.len();
     let next = AtomicU64::new(0);
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let threads = checkpoint::readers();
     let started = std::time::Instant::now();
     std::thread::scope(|scope| {
         let readers: Vec<_> = (0..threads)

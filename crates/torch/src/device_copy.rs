@@ -19,7 +19,8 @@ use tch::{Device, Kind, Tensor};
 use crate::pinned::{HostCopyError, LibtorchError};
 use crate::sync::lock;
 
-/// Bytes of one pinned buffer (and of the largest piece) by default, and of the CPU path's pieces.
+/// Bytes of one pinned buffer (and of the largest piece) by default, and of the buffer that CPU
+/// conversions read through.
 pub const WINDOW: usize = 16 << 20;
 
 /// The ring's shape: its pinned buffers, the bytes of each (the largest piece), and the reader

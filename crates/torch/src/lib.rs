@@ -55,7 +55,7 @@
 //! that runs out).
 //!
 //! **Checkpoints and names.** [`checkpoint`] reads safetensors files with `pread`, each entry
-//! once and straight into the model's storage, in 16 MiB pieces over the CPUs (no transient copy,
+//! once and straight into the model's storage, in 4 MiB pieces over the CPUs (no transient copy,
 //! no mapping counted in RSS); into CUDA through a ring of pinned buffers
 //! ([`checkpoint::RingShape`]). [`checkpoint::save`] writes one tensor's copy at a time.
 //! [`names`] meets a file's entry names with a model's ([`NameRules`]: prefixes, renames,
