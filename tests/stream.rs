@@ -308,6 +308,45 @@ fn an_option_that_frees_blocks_between_steps_first_waits_for_the_carried_read() 
 }
 
 #[test]
+fn a_forward_in_order_that_names_its_blocks_reads_only_those_it_names_once_it_names_one() {
+    let (_one, _dir, file) = setup();
+    // A resident prefix (blocks 0 and 1) and a router: step s runs 0, 1 and one of the six
+    // streamed blocks, naming each next block and, at its last, the next step's route.
+    let route = |s: usize| vec![0, 1, 2 + (5 * s) % 6];
+    let steps = 7;
+    let expected = routed_reference(&file, steps, route);
+    let (net, mut model, _tensors) = streamed_with_tensors(&file, budget_for(2)).unwrap();
+    assert_eq!(model.split().resident, 2);
+    tch::manual_seed(11);
+    for (s, want) in expected.iter().enumerate() {
+        let x = Tensor::randn([16, WIDTH], (Kind::Float, Device::Cpu));
+        let blocks = route(s);
+        let got = tch::no_grad(|| {
+            model.run(|step| {
+                let mut x = x.apply(&net.input);
+                for (k, &i) in blocks.iter().enumerate() {
+                    step.block(i)?;
+                    match blocks.get(k + 1) {
+                        Some(&next) => step.prefetch(next)?,
+                        None => step.prefetch_first(&route(s + 1))?,
+                    }
+                    x = net.block(i, &x);
+                }
+                Ok(x)
+            })
+        })
+        .unwrap();
+        assert!(got.equal(want), "step {s} differs");
+    }
+    let stats = model.stats();
+    // Guessing by index would read block 2 after block 1 at every step, and block 2 again at
+    // every step's start: each step reads its one streamed block, named by the step before from
+    // the second on (the first step's guess by index, block 2, was the block it ran).
+    assert_eq!(stats.refills, steps as u64, "{stats:?}");
+    assert_eq!(stats.carried, steps as u64 - 1, "{stats:?}");
+}
+
+#[test]
 fn a_carried_read_that_guessed_wrong_is_freed_before_the_step_needs_its_slot() {
     let (_one, _dir, file) = setup();
     // Any order with no room for a hot set: step s runs block first(s), then 5, and names

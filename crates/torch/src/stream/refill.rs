@@ -76,9 +76,10 @@ impl StreamedModel {
 
     /// The block to read ahead while `index` runs, in order: the next streamed block of this
     /// step, or after the last block the next step's first (its read carried across the step
-    /// boundary, [`super::carry`]); none without look-ahead or in any order.
+    /// boundary, [`super::carry`]); none without look-ahead, in any order, or once the forward
+    /// names its next blocks itself.
     pub(super) fn next_in_order(&self, index: usize) -> Option<usize> {
-        if !self.split.look_ahead || self.any_order {
+        if !self.split.look_ahead || self.any_order || self.named {
             return None;
         }
         let next = if index + 1 < self.split.resident { self.split.resident } else { index + 1 };

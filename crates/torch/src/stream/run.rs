@@ -79,9 +79,9 @@ impl StreamedModel {
 
     /// Frees what the split no longer holds (a block that became resident leaves its slot and
     /// comes back from the allocator; streamed blocks a shrunk split still held go; hot blocks
-    /// past a shrunk room go, weakest first), sizes the slots for it and starts the first
-    /// streamed block's refill (unless a read carried from the step before has it,
-    /// [`super::carry`]).
+    /// past a shrunk room go, weakest first), sizes the slots for it and, in order, starts the
+    /// first streamed block's refill (unless a read carried from the step before has it,
+    /// [`super::carry`], or the forward names its blocks itself).
     fn begin(&mut self) -> Result<(), StreamError> {
         if let Some((floor, available)) = self.governor.as_mut() {
             if let Some(next) = available().and_then(|now| govern(&self.sizes, self.split, now, *floor)) {
@@ -99,7 +99,7 @@ impl StreamedModel {
         }
         self.resume_carried(true)?;
         self.let_go()?;
-        if self.split.look_ahead && !self.any_order {
+        if self.split.look_ahead && !self.any_order && !self.named {
             self.start_ahead(self.split.resident, None);
         }
         self.note_held();

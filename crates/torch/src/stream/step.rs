@@ -53,11 +53,15 @@ impl Step<'_> {
     }
 
     /// Starts reading block `index` ahead while the current block runs (when a slot for it is
-    /// free and nothing else is read ahead): the forward's guess at the block it runs next.
-    /// Needed only with [`StreamedModel::any_order`]; a wrong guess costs a read, never a result.
+    /// free and nothing else is read ahead): the forward's guess at the block it runs next; a
+    /// wrong guess costs a read, never a result. With [`StreamedModel::any_order`] nothing else
+    /// is read ahead. In order, the blocks are read ahead by index until the forward first names
+    /// one (here or with [`prefetch_first`](Self::prefetch_first)), and from then on only what
+    /// it names: a router's model with a resident prefix reads the blocks its router picks.
     pub fn prefetch(&mut self, index: usize) -> Result<(), StreamError> {
         let model = &mut *self.model;
         model.check_index(index)?;
+        model.named = true;
         if model.split().look_ahead && Some(index) != self.active {
             model.start_ahead(index, self.active);
         }
@@ -71,10 +75,11 @@ impl Step<'_> {
     /// at the block running now, freed after it runs, nothing is read (it cannot be read again
     /// while it runs).
     pub fn prefetch_first(&mut self, next: &[usize]) -> Result<(), StreamError> {
-        let model = &*self.model;
         for &index in next {
-            model.check_index(index)?;
+            self.model.check_index(index)?;
         }
+        self.model.named = true;
+        let model = &*self.model;
         let coming = |index: usize| model.ahead.as_ref().is_some_and(|a| a.block == index);
         let running = |index: usize| Some(index) == self.active && model.passes(index);
         let wanted = next.iter().copied().find(|&i| running(i) || !model.blocks[i].allocated && !coming(i));

@@ -117,6 +117,9 @@ pub struct StreamedModel {
     pub(super) hot: HotSet,
     /// The forward runs blocks in any order or only some of them ([`Self::any_order`]).
     pub(super) any_order: bool,
+    /// The forward has named a block it runs next ([`Step::prefetch`](super::Step::prefetch)):
+    /// from then on only what it names is read ahead, in order too (no guess by index).
+    pub(super) named: bool,
     /// Refills drop what they read from the page cache ([`Self::uncached`]).
     pub(super) uncached: bool,
     /// Working memory measured so far (the largest step).
@@ -261,6 +264,7 @@ impl StreamedModel {
             split,
             hot: HotSet::new(split.blocks),
             any_order,
+            named: false,
             uncached: false,
             working,
             checkpoint: Arc::new(checkpoint),
