@@ -201,8 +201,8 @@ struct Outcome {
     waited_seconds: f64,
     /// The disk's read rate over its two measurements (`--disk-rate`): the checkpoint read
     /// once before set-up and once after the flow, bytes over seconds of both. This shared
-    /// virtual disk's rate drifts by a quarter from one minute to the next; the two reads
-    /// bracket the flow.
+    /// virtual disk's rate drifts (up to 1.7x between the two reads of one run here); the two
+    /// reads bracket the flow.
     #[serde(skip_serializing_if = "Option::is_none")]
     disk_bytes_per_second: Option<f64>,
     /// Each of the two measurements, before and after.

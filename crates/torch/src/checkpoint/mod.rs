@@ -4,11 +4,11 @@
 //! `tch::nn::VarStore::load` reads the whole file into a `Vec`, builds a tensor per entry and then
 //! copies it into the variable: two transient copies of the model. Here only the headers are read
 //! at open. At load, an entry whose target is a contiguous CPU tensor of the same dtype is read
-//! with `pread` straight into the target's memory, in pieces of at most 4 MiB ([`PIECE`]) that the
-//! CPUs take in turn: no copy, and no mapping whose pages would count in the process's RSS. (On the load
-//! benchmark's checkpoint, copying from the file mapped a window at a time measured 10.0 GB/s
-//! against 11.2 for this path, and from one mapping of the whole file 10.7–10.9 against
-//! 11.8–12.4, with the whole file in RSS during the load.) Entries for contiguous CUDA targets go
+//! with `pread` straight into the target's memory, in pieces of at most 4 MiB ([`PIECE`]) that
+//! the CPUs take in turn: no copy, and no mapping whose pages would count in the process's RSS.
+//! (On the load benchmark's checkpoint, copying from the file mapped a window at a time
+//! measured 10.0 GB/s against 11.2 for this path, and from one mapping of the whole file
+//! 10.7–10.9 against 11.8–12.4, with the whole file in RSS during the load.) Entries for contiguous CUDA targets go
 //! through the pinned ring of `device_copy` ([`RingShape`]; 36.7 GB/s on the H200, against 55 for a
 //! pinned copy). Entries that need a dtype conversion on the CPU, go to another device, or land in
 //! strided or overlapping (tied) targets are read a window of rows at a time into one reused buffer

@@ -19,8 +19,8 @@
 //!    while no foreground load runs: a loader's run (a TorchScript file's read) cannot pause.
 //! 3. **Background copies pause.** While a foreground load (a build or a refill for the current
 //!    stage) is in progress, a background checkpoint copy that holds no turn waits at its next
-//!    piece boundary (a read of at most 4 MiB, or a converted window of 16) and resumes when the foreground loads are done:
-//!    the foreground's reads get the disk and the cores. A background copy holding the turn
+//!    piece boundary (a read of at most 4 MiB, or a converted window of 16) and resumes when the
+//!    foreground loads are done: the foreground's reads get the disk and the cores. A background copy holding the turn
 //!    (shared components) is not paused: a foreground build may be waiting for that turn. A
 //!    foreground load that waits for a background copy to fill storages they share counts as
 //!    not loading while it waits ([`super::fills`]), so that copy goes on (and a background
