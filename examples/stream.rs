@@ -343,10 +343,7 @@ fn run(args: Args) -> Result<(), BoxError> {
         Ok((latent, stats, streamed.map(|s| (s.residency(), s.split().resident))))
     })??;
     let seconds = start.elapsed().as_secs_f64();
-    let disk_rates = match rate_before {
-        Some(before) => Some([before, disk_read_rate(&file)?]),
-        None => None,
-    };
+    let disk_rates = rate_before.map(|before| disk_read_rate(&file).map(|after| [before, after])).transpose()?;
     // Both reads are of the whole checkpoint: their combined rate is the harmonic mean.
     let disk_bytes_per_second = disk_rates.map(|[before, after]| 2.0 / (1.0 / before + 1.0 / after));
     let mut latents = stageload::latents::Latents::with_env(args.latents.clone());

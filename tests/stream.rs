@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use stageload::checkpoint::Checkpoint;
-use stageload::stream::{BlockSpec, Step, StreamError, StreamedModel};
+use stageload::stream::{BlockSpec, Step, StreamError, StreamStats, StreamedModel};
 use stageload::{EventKind, ListSink, NameRules};
 use stageload_test_support::torch as support;
 use tch::nn::{self, VarStore};
@@ -147,6 +147,29 @@ fn routed_reference(file: &Path, steps: usize, route: impl Fn(usize) -> Vec<usiz
         .collect()
 }
 
+/// One step through `blocks` in their order on `x` (not the output layer), `name(step, k)`
+/// called after `step.block(blocks[k])` (what the forward names ahead): the output.
+fn routed_step(
+    net: &Net,
+    model: &mut StreamedModel,
+    x: &Tensor,
+    blocks: &[usize],
+    mut name: impl FnMut(&mut Step<'_>, usize) -> Result<(), StreamError>,
+) -> Tensor {
+    tch::no_grad(|| {
+        model.run(|step| {
+            let mut x = x.apply(&net.input);
+            for (k, &i) in blocks.iter().enumerate() {
+                step.block(i)?;
+                name(step, k)?;
+                x = net.block(i, &x);
+            }
+            Ok(x)
+        })
+    })
+    .unwrap()
+}
+
 fn run_steps(net: &Net, model: &mut StreamedModel, steps: usize) -> Vec<Tensor> {
     tch::manual_seed(11);
     (0..steps)
@@ -271,38 +294,41 @@ fn a_step_ends_by_reading_the_next_steps_first_streamed_block_and_no_block_reads
     assert_eq!(stats.refills, 5 * 6, "each step reads its 6 streamed blocks once: {stats:?}");
 }
 
-#[test]
-fn a_split_changed_between_steps_frees_the_carried_read_and_the_next_step_gives_the_same_result() {
+/// Four steps of the whole forward under the budget for two resident blocks, no block filled
+/// between steps, with `between(model, tensors)` after the third (while the read for the fourth
+/// is carried): the model's stats at the end.
+fn carried_across(between: impl FnOnce(&mut StreamedModel, &[(String, Tensor)])) -> StreamStats {
     let (_one, _dir, file) = setup();
     let expected = reference_steps(&file, 4);
     let budget = budget_for(2);
     let (net, mut model, tensors) = streamed_with_tensors(&file, budget).unwrap();
     tch::manual_seed(11);
     steps_between_which_no_block_is_filled(&net, &mut model, &tensors, &expected[..3], budget);
-    assert_eq!(model.stats().carried, 2);
-    // Block 2 is being read for step 4; with no block resident step 4 begins with block 0.
-    model.limit_resident(0).unwrap();
+    between(&mut model, &tensors);
     steps_between_which_no_block_is_filled(&net, &mut model, &tensors, &expected[3..], budget);
-    let stats = model.stats();
+    model.stats()
+}
+
+#[test]
+fn a_split_changed_between_steps_frees_the_carried_read_and_the_next_step_gives_the_same_result() {
+    let stats = carried_across(|model, _| {
+        assert_eq!(model.stats().carried, 2);
+        // Block 2 is being read for step 4; with no block resident step 4 begins with block 0.
+        model.limit_resident(0).unwrap();
+    });
     assert_eq!(stats.carried, 2, "the read for the old split is not used: {stats:?}");
     assert_eq!(stats.refills, 3 * 6 + 1 + 8, "it cost one read: {stats:?}");
 }
 
 #[test]
 fn an_option_that_frees_blocks_between_steps_first_waits_for_the_carried_read() {
-    let (_one, _dir, file) = setup();
-    let expected = reference_steps(&file, 4);
-    let budget = budget_for(2);
-    let (net, mut model, tensors) = streamed_with_tensors(&file, budget).unwrap();
-    tch::manual_seed(11);
-    steps_between_which_no_block_is_filled(&net, &mut model, &tensors, &expected[..3], budget);
-    // Block 2 is being read for step 4; declared working memory frees block 1 now and sizes
-    // the slots again, the taken-out one included.
-    model.working_memory(BLOCK).unwrap();
-    assert_eq!((model.split().resident, filled(&tensors)), (1, 1));
-    assert!(model.held_bytes() <= budget, "{} > {budget}", model.held_bytes());
-    steps_between_which_no_block_is_filled(&net, &mut model, &tensors, &expected[3..], budget);
-    let stats = model.stats();
+    let stats = carried_across(|model, tensors| {
+        // Block 2 is being read for step 4; declared working memory frees block 1 now and sizes
+        // the slots again, the taken-out one included.
+        model.working_memory(BLOCK).unwrap();
+        assert_eq!((model.split().resident, filled(tensors)), (1, 1));
+        assert!(model.held_bytes() <= budget_for(2), "{} > {}", model.held_bytes(), budget_for(2));
+    });
     assert_eq!(stats.carried, 2, "{stats:?}");
     assert_eq!(stats.refills, 3 * 6 + 1 + 7, "{stats:?}");
 }
@@ -321,21 +347,10 @@ fn a_forward_in_order_that_names_its_blocks_reads_only_those_it_names_once_it_na
     for (s, want) in expected.iter().enumerate() {
         let x = Tensor::randn([16, WIDTH], (Kind::Float, Device::Cpu));
         let blocks = route(s);
-        let got = tch::no_grad(|| {
-            model.run(|step| {
-                let mut x = x.apply(&net.input);
-                for (k, &i) in blocks.iter().enumerate() {
-                    step.block(i)?;
-                    match blocks.get(k + 1) {
-                        Some(&next) => step.prefetch(next)?,
-                        None => step.prefetch_first(&route(s + 1))?,
-                    }
-                    x = net.block(i, &x);
-                }
-                Ok(x)
-            })
-        })
-        .unwrap();
+        let got = routed_step(&net, &mut model, &x, &blocks, |step, k| match blocks.get(k + 1) {
+            Some(&next) => step.prefetch(next),
+            None => step.prefetch_first(&route(s + 1)),
+        });
         assert!(got.equal(want), "step {s} differs");
     }
     let stats = model.stats();
@@ -360,19 +375,11 @@ fn a_carried_read_that_guessed_wrong_is_freed_before_the_step_needs_its_slot() {
     let mut most = 0;
     for (s, want) in expected.iter().enumerate() {
         let x = Tensor::randn([16, WIDTH], (Kind::Float, Device::Cpu));
-        let got = tch::no_grad(|| {
-            model.run(|step| {
-                let mut x = x.apply(&net.input);
-                for (k, i) in [first[s], 5].into_iter().enumerate() {
-                    step.block(i)?;
-                    step.prefetch(if k == 0 { 5 } else { first[s] })?;
-                    most = most.max(step.held_bytes());
-                    x = net.block(i, &x);
-                }
-                Ok(x)
-            })
-        })
-        .unwrap();
+        let got = routed_step(&net, &mut model, &x, &[first[s], 5], |step, k| {
+            step.prefetch(if k == 0 { 5 } else { first[s] })?;
+            most = most.max(step.held_bytes());
+            Ok(())
+        });
         assert!(got.equal(want), "step {s} differs");
     }
     assert!(most <= budget, "the wrong guess never held a third slot: {most} > {budget}");
@@ -1024,21 +1031,11 @@ fn experts_used_every_step_stay_hot_while_one_used_once_goes_through_a_slot() {
     for (s, want) in expected.iter().enumerate() {
         let x = Tensor::randn([16, WIDTH], (Kind::Float, Device::Cpu));
         let before = model.stats().refills;
-        let got = tch::no_grad(|| {
-            model.run(|step| {
-                let blocks = order(s);
-                let mut x = x.apply(&net.input);
-                for (k, &i) in blocks.iter().enumerate() {
-                    step.block(i)?;
-                    if let Some(&next) = blocks.get(k + 1) {
-                        step.prefetch(next)?;
-                    }
-                    x = net.block(i, &x);
-                }
-                Ok(x)
-            })
-        })
-        .unwrap();
+        let blocks = order(s);
+        let got = routed_step(&net, &mut model, &x, &blocks, |step, k| match blocks.get(k + 1) {
+            Some(&next) => step.prefetch(next),
+            None => Ok(()),
+        });
         assert!(got.equal(want), "step {s} differs");
         refills.push(model.stats().refills - before);
     }
@@ -1064,20 +1061,11 @@ fn the_next_steps_blocks_named_ahead_read_the_first_not_hot_while_the_hot_ones_r
     for (s, want) in expected.iter().enumerate() {
         let x = Tensor::randn([16, WIDTH], (Kind::Float, Device::Cpu));
         let before = model.stats().carried;
-        let got = tch::no_grad(|| {
-            model.run(|step| {
-                let blocks = order(s);
-                let mut x = x.apply(&net.input);
-                for (k, &i) in blocks.iter().enumerate() {
-                    step.block(i)?;
-                    let ahead: Vec<usize> = blocks[k + 1..].iter().chain(&order(s + 1)).copied().collect();
-                    step.prefetch_first(&ahead)?;
-                    x = net.block(i, &x);
-                }
-                Ok(x)
-            })
-        })
-        .unwrap();
+        let blocks = order(s);
+        let got = routed_step(&net, &mut model, &x, &blocks, |step, k| {
+            let ahead: Vec<usize> = blocks[k + 1..].iter().chain(&order(s + 1)).copied().collect();
+            step.prefetch_first(&ahead)
+        });
         assert!(got.equal(want), "step {s} differs");
         carried.push(model.stats().carried - before);
     }

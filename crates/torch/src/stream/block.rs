@@ -29,6 +29,8 @@ pub(super) struct Block {
     pub(super) storages: Vec<StorageRecord>,
     /// Where each storage starts in a slot.
     pub(super) offsets: Vec<usize>,
+    /// Each target's storage: its index in `storages` (and `offsets`).
+    pub(super) homes: Vec<usize>,
     pub(super) allocated: bool,
     /// The slot its storages borrow, while they do.
     pub(super) slot: Option<usize>,
@@ -83,23 +85,26 @@ impl Parts {
         }
         // Every tensor has its entry now, or is filled through another of its group's (an alias
         // on the same storage, which `Owners::claim` keeps in one group).
-        let targets = |members: &[usize]| -> Vec<(String, Tensor)> {
-            members
-                .iter()
-                .filter_map(|&i| found.pairs.get(names[i]).map(|entry| (entry.clone(), tensors[i].1.shallow_clone())))
-                .collect()
+        // The members with an entry, by their position among `members`.
+        let with_entries = |members: &[usize]| -> Vec<(usize, (String, Tensor))> {
+            let entry =
+                |&i: &usize| found.pairs.get(names[i]).map(|entry| (entry.clone(), tensors[i].1.shallow_clone()));
+            members.iter().enumerate().filter_map(|(k, i)| entry(i).map(|target| (k, target))).collect()
         };
+        let targets = |members: &[usize]| with_entries(members).into_iter().map(|(_, target)| target).collect();
         let mut owners = Owners { model, tensors, owner: HashMap::new() };
-        let fixed_storages = owners.claim("the resident tensors", &layout.fixed)?;
+        let (fixed_storages, _) = owners.claim("the resident tensors", &layout.fixed)?;
         let mut blocks = Vec::with_capacity(layout.blocks.len());
         for (name, members) in &layout.blocks {
-            let storages = owners.claim(name, members)?;
+            let (storages, storage_of) = owners.claim(name, members)?;
+            let (homes, targets) = with_entries(members).into_iter().map(|(k, target)| (storage_of[k], target)).unzip();
             blocks.push(Block {
                 name: name.clone(),
-                targets: targets(members),
+                targets,
                 shapes: members.iter().map(|&i| (names[i].to_string(), tensors[i].1.size())).collect(),
                 offsets: storage::layout(&storages).0,
                 storages,
+                homes,
                 allocated: true,
                 slot: None,
             });
@@ -125,11 +130,12 @@ struct Owners<'a> {
 }
 
 impl Owners<'_> {
-    /// The distinct storages of the tensors at `members`, now `group`'s: refused when another
-    /// group owns one. A storage freed before set-up ([`super::place`]) counts what its tensors
-    /// reach.
-    fn claim(&mut self, group: &str, members: &[usize]) -> Result<Vec<StorageRecord>, StreamError> {
+    /// The distinct storages of the tensors at `members`, now `group`'s, and each member's
+    /// index among them: refused when another group owns one. A storage freed before set-up
+    /// ([`super::place`]) counts what its tensors reach.
+    fn claim(&mut self, group: &str, members: &[usize]) -> Result<(Vec<StorageRecord>, Vec<usize>), StreamError> {
         let mut records: Vec<StorageRecord> = Vec::new();
+        let mut storage_of = Vec::with_capacity(members.len());
         for &i in members {
             let (tensor, t) = (&self.tensors[i].0, &self.tensors[i].1);
             let info = stageload_torch_sys::storage_info(t).map_err(torch(self.model, "read storage identities"))?;
@@ -143,12 +149,18 @@ impl Owners<'_> {
             }
             self.owner.insert(info.id, group.to_string());
             let nbytes = if info.allocated { info.nbytes } else { storage::needed_bytes(t) };
-            match records.iter_mut().find(|r| r.id == info.id) {
-                Some(record) => record.nbytes = record.nbytes.max(nbytes),
-                None => records.push(StorageRecord { id: info.id, nbytes, tensor: t.shallow_clone() }),
+            match records.iter().position(|r| r.id == info.id) {
+                Some(k) => {
+                    records[k].nbytes = records[k].nbytes.max(nbytes);
+                    storage_of.push(k);
+                }
+                None => {
+                    storage_of.push(records.len());
+                    records.push(StorageRecord { id: info.id, nbytes, tensor: t.shallow_clone() });
+                }
             }
         }
-        Ok(records)
+        Ok((records, storage_of))
     }
 }
 

@@ -79,13 +79,19 @@ impl StreamedModel {
     /// boundary, [`super::carry`]); none without look-ahead, in any order, or once the forward
     /// names its next blocks itself.
     pub(super) fn next_in_order(&self, index: usize) -> Option<usize> {
-        if !self.split.look_ahead || self.any_order || self.named {
+        if !self.guesses_by_index() {
             return None;
         }
         let next = if index + 1 < self.split.resident { self.split.resident } else { index + 1 };
         // Past the last block only where a read can be carried: into a slot, on the CPU.
         let first = Some(self.split.resident).filter(|_| self.device == Device::Cpu);
         [Some(next), first].into_iter().flatten().find(|&block| block < self.blocks.len())
+    }
+
+    /// Whether the look-ahead reads the next block by index: in order, until the forward names
+    /// its next blocks itself ([`super::Step::prefetch`]).
+    pub(super) fn guesses_by_index(&self) -> bool {
+        self.split.look_ahead && !self.any_order && !self.named
     }
 
     /// Makes block `index` filled: joins its refill ahead, or refills it here.
@@ -271,16 +277,8 @@ impl StreamedModel {
     pub(super) fn views_in(&self, index: usize, buffer: &Tensor) -> Result<Vec<(String, Tensor)>, StreamError> {
         let block = &self.blocks[index];
         let mut views = Vec::with_capacity(block.targets.len());
-        for (entry, tensor) in &block.targets {
-            let id =
-                stageload_torch_sys::storage_info(tensor).map_err(torch(&self.name, "read storage identities"))?.id;
-            let Some(position) = block.storages.iter().position(|s| s.id == id) else {
-                return Err(StreamError::Step {
-                    model: self.name.clone(),
-                    message: format!("tensor '{entry}' of block '{}' is in none of its storages", block.name),
-                });
-            };
-            let (offset, nbytes) = (block.offsets[position], block.storages[position].nbytes);
+        for ((entry, tensor), &home) in block.targets.iter().zip(&block.homes) {
+            let (offset, nbytes) = (block.offsets[home], block.storages[home].nbytes);
             let kind = tensor.kind();
             // Offsets are multiples of the slot alignment (64), so of every element size.
             let start = (offset / kind.elt_size_in_bytes()) as i64;

@@ -99,7 +99,7 @@ impl StreamedModel {
         }
         self.resume_carried(true)?;
         self.let_go()?;
-        if self.split.look_ahead && !self.any_order && !self.named {
+        if self.guesses_by_index() {
             self.start_ahead(self.split.resident, None);
         }
         self.note_held();
