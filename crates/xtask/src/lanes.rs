@@ -31,8 +31,29 @@ const TORCH: [&str; 6] = [
     "stageload-test-support",
 ];
 
-/// Runs the lanes (see the module docs); `args` go to both `cargo test` runs.
+/// Runs the lanes (see the module docs); `args` go to both `cargo test` runs. A failure says
+/// how much disk the repository's file system has left: a linker that writes into a full disk dies of
+/// SIGBUS ("ld terminated with signal 7"), which does not name the disk.
 pub fn test(shell: &mut Shell, torch_free_only: bool, args: &[String]) -> Result<(), Error> {
+    lanes(shell, torch_free_only, args).map_err(|e| {
+        let root = shell.root();
+        match nix::sys::statvfs::statvfs(root) {
+            Ok(s) => format!(
+                "{e} (the file system of {} has {} free now)",
+                root.display(),
+                gib(s.blocks_available(), s.fragment_size())
+            ),
+            Err(read) => format!("{e} (the free space of {} could not be read: {read})", root.display()),
+        }
+    })
+}
+
+/// `blocks` of `size` bytes, in GiB with one decimal.
+fn gib(blocks: u64, size: u64) -> String {
+    format!("{:.1} GiB", blocks.saturating_mul(size) as f64 / (1u64 << 30) as f64)
+}
+
+fn lanes(shell: &mut Shell, torch_free_only: bool, args: &[String]) -> Result<(), Error> {
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let torch_free = || TORCH_FREE.iter().flat_map(|p| ["-p", p]);
     shell.run(&mut shell.cargo(&["fmt", "--all", "--check"]))?;
