@@ -6,8 +6,10 @@
 //!
 //! One checkpoint of about 1.04 GB (f32 linear layers of three sizes) is written once, and the same
 //! weights as a `.pt` beside it for `torch.load`. Each round loads it with each loader in turn
-//! (alternating), into an existing model's parameters on the CPU, with the warm page cache; with
-//! `--cold`, rounds that drop the loader's file's pages first (posix_fadvise) are added. The
+//! (alternating), into an existing model's parameters on the CPU, warm (the loader's file read
+//! whole just before, untimed); with `--cold`, rounds that drop the file's pages first
+//! (posix_fadvise) are added. The fraction of the file in the page cache as each load starts is
+//! read (`fincore`) and reported. The
 //! loaders: the limit (a plain `pread` loop into one reused buffer: the page cache's copy rate warm,
 //! the disk's sequential read rate cold), stageload, `tch::nn::VarStore::load`, and the Python
 //! peers of `python/bench_load.py` (safetensors, runai-model-streamer, fastsafetensors,
@@ -172,9 +174,31 @@ fn drop_page_cache(path: &Path) -> Result<(), BoxError> {
         .map_err(|e| format!("drop the pages of {} from the page cache: {e}", path.display()).into())
 }
 
-/// Reads the file once so that the first warm round does not read it from the disk.
+/// Reads the file once, so that a warm load finds all of it in the page cache: this machine's
+/// DAMON `pageout` scheme takes a file's pages out of the cache within a minute or two of its
+/// last read, and a round of every loader takes about that long.
 fn warm_page_cache(path: &Path) -> Result<(), BoxError> {
     pread_all(path, &mut vec![0; LIMIT_BUFFER]).map(drop)
+}
+
+/// The fraction of `path` in the page cache now, by util-linux's `fincore`.
+fn cached_fraction(path: &Path) -> Result<f64, BoxError> {
+    let out = Command::new("fincore")
+        .args(["--bytes", "--noheadings", "--raw", "--output", "RES,SIZE"])
+        .arg(path)
+        .output()
+        .map_err(|e| format!("cannot run fincore (util-linux) on {}: {e}", path.display()))?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let numbers: Vec<f64> = text.split_whitespace().filter_map(|n| n.parse().ok()).collect();
+    match numbers[..] {
+        [resident, size] if out.status.success() && size > 0.0 => Ok(resident / size),
+        _ => Err(format!("fincore {}: unexpected answer {text:?} ({})", path.display(), out.status).into()),
+    }
+}
+
+/// Writes zeros into `tensors`.
+fn rewrite<'a>(tensors: impl Iterator<Item = &'a Tensor>) {
+    tch::no_grad(|| tensors.for_each(|t| drop(t.shallow_clone().zero_())));
 }
 
 /// The sum of every parameter in f64: what each Python peer loaded must give the same.
@@ -278,27 +302,33 @@ fn main() -> Result<(), BoxError> {
 
     let show_bar = std::io::IsTerminal::is_terminal(&std::io::stderr());
     let mut buffer = vec![1u8; LIMIT_BUFFER];
-    let mut results: Vec<(Loader, &str, Measure)> = Vec::new();
+    // (loader, cache, the fraction of its file cached at the start, the measure)
+    let mut results: Vec<(Loader, &str, f64, Measure)> = Vec::new();
     let mut unavailable: BTreeMap<&str, String> = BTreeMap::new();
     // peer -> (version, configuration -> the caches it ran in)
     let mut configurations: BTreeMap<&str, (String, BTreeMap<String, Vec<&str>>)> = BTreeMap::new();
     let mut loaded_sum = None;
     let modes: &[&str] = if args.cold { &["warm", "cold"] } else { &["warm"] };
     for &mode in modes {
-        if mode == "warm" {
-            warm_page_cache(checkpoint)?;
-            if pt.exists() {
-                warm_page_cache(&pt)?;
-            }
-        }
         for round in 0..args.rounds {
             for &loader in &loaders {
                 if unavailable.contains_key(loader.name()) {
                     continue;
                 }
                 let file = loader.file(checkpoint);
-                if mode == "cold" && file.exists() {
-                    drop_page_cache(&file)?;
+                match mode {
+                    "cold" if file.exists() => drop_page_cache(&file)?,
+                    "warm" if file.exists() => warm_page_cache(&file)?,
+                    _ => {}
+                }
+                let cached = if file.exists() { cached_fraction(&file)? } else { f64::NAN };
+                // Each destination written just before its load, as the Python peers' models are
+                // (made and zeroed in their own process).
+                match loader {
+                    Loader::Limit => buffer.fill(1),
+                    Loader::Stageload => rewrite(targets.iter().map(|(_, t)| t)),
+                    Loader::Tch => rewrite(vs_tch.variables().values()),
+                    Loader::Python(_) => {}
                 }
                 let measure = match loader {
                     Loader::Limit => {
@@ -352,7 +382,7 @@ fn main() -> Result<(), BoxError> {
                         }
                     },
                 };
-                results.push((loader, mode, measure));
+                results.push((loader, mode, cached, measure));
             }
             eprintln!("{mode} round {} done", round + 1);
         }
@@ -368,13 +398,13 @@ fn main() -> Result<(), BoxError> {
 
     let mut summary = serde_json::Map::new();
     let mut table = String::from(
-        "| loader | cache | GB/s (median) | GB/s runs | × stageload | × limit | peak over model, anonymous (median) | with mapped file pages (median) |\n|---|---|---|---|---|---|---|---|\n",
+        "| loader | cache | file in page cache at start (min-max) | GB/s (median) | GB/s runs | × stageload | × limit | peak over model, anonymous (median) | with mapped file pages (median) |\n|---|---|---|---|---|---|---|---|---|\n",
     );
     for &mode in modes {
         let rate_of = |loader: Loader| {
-            let runs: Vec<&Measure> =
-                results.iter().filter(|(l, m, _)| *l == loader && *m == mode).map(|(_, _, m)| m).collect();
-            (median(runs.iter().map(|m| gb / m.seconds).collect()), runs)
+            let runs: Vec<(f64, &Measure)> =
+                results.iter().filter(|(l, m, ..)| *l == loader && *m == mode).map(|(_, _, c, m)| (*c, m)).collect();
+            (median(runs.iter().map(|(_, m)| gb / m.seconds).collect()), runs)
         };
         let (stageload, _) = rate_of(Loader::Stageload);
         let (limit, _) = rate_of(Loader::Limit);
@@ -382,11 +412,13 @@ fn main() -> Result<(), BoxError> {
             let name = loader.name();
             let (rate, runs) = rate_of(loader);
             let percent = |bytes: i64| 100.0 * bytes as f64 / model_bytes as f64;
-            let over = median(runs.iter().map(|m| percent(m.peak_over)).collect());
-            let with_file = median(runs.iter().map(|m| percent(m.peak_with_file)).collect());
-            let rates: Vec<String> = runs.iter().map(|m| format!("{:.2}", gb / m.seconds)).collect();
+            let over = median(runs.iter().map(|(_, m)| percent(m.peak_over)).collect());
+            let with_file = median(runs.iter().map(|(_, m)| percent(m.peak_with_file)).collect());
+            let rates: Vec<String> = runs.iter().map(|(_, m)| format!("{:.2}", gb / m.seconds)).collect();
+            let cached = runs.iter().map(|(cached, _)| 100.0 * cached);
+            let (least, most) = (cached.clone().fold(f64::NAN, f64::min), cached.fold(f64::NAN, f64::max));
             table += &format!(
-                "| {name} | {mode} | {rate:.2} | {} | {:.2} | {:.2} | {over:.1} % | {with_file:.1} % |\n",
+                "| {name} | {mode} | {least:.1}-{most:.1} % | {rate:.2} | {} | {:.2} | {:.2} | {over:.1} % | {with_file:.1} % |\n",
                 rates.join(", "),
                 rate / stageload,
                 rate / limit
@@ -414,7 +446,7 @@ fn main() -> Result<(), BoxError> {
          Model: {} f32 tensors, {gb:.3} GB, {cores} cores; load average at start {load_at_start}.\n\n{table}\n\
          × stageload and × limit: each median against stageload's and the limit's in the same run and cache. \
          The limit: one thread `pread`ing the file into one reused {} MiB buffer (warm: the page cache's \
-         copy rate; cold: the disk's sequential read rate). stageload: {} reader threads; tch: {cores} threads.\n\n{notes}",
+         copy rate; cold: the disk's sequential read rate). Warm: the file read whole just before each load, untimed. stageload: {} reader threads; tch: {cores} threads.\n\n{notes}",
         std::env::args().skip(1).collect::<Vec<_>>().join(" "),
         targets.len(),
         LIMIT_BUFFER >> 20,
