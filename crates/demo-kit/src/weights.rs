@@ -38,25 +38,35 @@ pub fn drop_page_cache(path: &Path) -> std::io::Result<()> {
 }
 
 /// The disk's read rate for `path`, in bytes per second: its pages dropped from the page cache,
-/// the file read once the way checkpoint loads read it ([`checkpoint::readers`] threads taking
-/// [`checkpoint::PIECE`]-byte `pread`s in turn, each into a reused buffer of its own: the fastest
-/// way to read this virtual disk measured here, which serves more with more requests in flight),
-/// and its pages dropped again, so that what runs next reads the disk as it would have.
+/// the file read once as [`read_rate`] reads it, and its pages dropped again, so that what runs
+/// next reads the disk as it would have.
 pub fn disk_read_rate(path: &Path) -> std::io::Result<f64> {
+    drop_page_cache(path)?;
+    let rate = read_rate(path)?;
+    drop_page_cache(path)?;
+    Ok(rate)
+}
+
+/// The rate at which `path` reads, in bytes per second, from wherever its pages are now, the way
+/// checkpoint loads read it: [`checkpoint::readers`] threads taking [`checkpoint::PIECE`]-byte
+/// `pread`s in turn, each into a reused buffer of its own, written before the clock starts (the
+/// fastest way to read this virtual disk measured here, which serves more with more requests in
+/// flight; from the page cache, the copy rate with the loads' parallelism).
+pub fn read_rate(path: &Path) -> std::io::Result<f64> {
     use std::os::unix::fs::FileExt;
     use std::sync::atomic::{AtomicU64, Ordering};
     const PIECE: u64 = checkpoint::PIECE as u64;
-    drop_page_cache(path)?;
     let file = std::fs::File::open(path)?;
     let length = file.metadata()?.len();
     let next = AtomicU64::new(0);
-    let threads = checkpoint::readers();
+    let mut buffers = vec![vec![1u8; PIECE as usize]; checkpoint::readers()];
     let started = std::time::Instant::now();
     std::thread::scope(|scope| {
-        let readers: Vec<_> = (0..threads)
-            .map(|_| {
-                scope.spawn(|| -> std::io::Result<()> {
-                    let mut buffer = vec![0u8; PIECE as usize];
+        let readers: Vec<_> = buffers
+            .iter_mut()
+            .map(|buffer| {
+                let (file, next) = (&file, &next);
+                scope.spawn(move || -> std::io::Result<()> {
                     loop {
                         let offset = next.fetch_add(PIECE, Ordering::Relaxed);
                         if offset >= length {
@@ -72,9 +82,7 @@ pub fn disk_read_rate(path: &Path) -> std::io::Result<f64> {
             .into_iter()
             .try_for_each(|reader| reader.join().unwrap_or_else(|_| Err(std::io::Error::other("a reader panicked"))))
     })?;
-    let seconds = started.elapsed().as_secs_f64();
-    drop_page_cache(path)?;
-    Ok(length as f64 / seconds.max(1e-9))
+    Ok(length as f64 / started.elapsed().as_secs_f64().max(1e-9))
 }
 
 /// The checkpoint of `shape` under `folder`, written once from weights drawn with `seed` (same

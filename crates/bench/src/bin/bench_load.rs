@@ -9,13 +9,13 @@
 //! (alternating), into an existing model's parameters on the CPU, warm (the loader's file read
 //! whole just before, untimed); with `--cold`, rounds that drop the file's pages first
 //! (posix_fadvise) are added. The fraction of the file in the page cache as each load starts is
-//! read (`fincore`) and reported. The
-//! loaders: the limit (a plain `pread` loop into one reused buffer: the page cache's copy rate warm,
-//! the disk's sequential read rate cold), stageload, `tch::nn::VarStore::load`, and the Python
+//! read (`fincore`) and reported. The loaders: the limits (a plain `pread` loop into one reused
+//! buffer, and `pread`s with stageload's parallelism, the ratios' reference: the page cache's copy
+//! rate warm, the disk's rate cold), stageload, `tch::nn::VarStore::load`, and the Python
 //! peers of `python/bench_load.py` (safetensors, runai-model-streamer, fastsafetensors,
 //! instanttensor, torch.load with and without mmap), each a fresh process per load (startup not
 //! timed). A peer that cannot be installed or cannot load to the CPU is reported with why, and the
-//! rest run. Reported: GB/s (medians), ratios against stageload and the limit in the same run, and
+//! rest run. Reported: GB/s (medians), ratios against stageload and the parallel limit in the same run, and
 //! the transient peak of anonymous memory over the model (VmHWM reset before each load, pages of
 //! the mapped file subtracted; the table also shows the peak with them). Results go to
 //! `traces/load-bench.json` and `.md`.
@@ -75,10 +75,14 @@ enum Loader {
     Tch,
     /// A peer of python/bench_load.py, by its name there.
     Python(&'static str),
+    /// `pread`s with stageload's parallelism, into reused buffers
+    /// ([`stageload_demo_kit::weights::read_rate`]): the limit the ratios are taken against.
+    Parallel,
 }
 
-const LOADERS: [Loader; 9] = [
+const LOADERS: [Loader; 10] = [
     Loader::Limit,
+    Loader::Parallel,
     Loader::Stageload,
     Loader::Tch,
     Loader::Python("safetensors"),
@@ -93,6 +97,7 @@ impl Loader {
     fn name(self) -> &'static str {
         match self {
             Loader::Limit => "limit (pread)",
+            Loader::Parallel => "limit (parallel pread)",
             Loader::Stageload => "stageload",
             Loader::Tch => "tch",
             Loader::Python(peer) => peer,
@@ -264,7 +269,7 @@ fn main() -> Result<(), BoxError> {
     let loaders: Vec<Loader> = LOADERS
         .into_iter()
         .filter(|l| {
-            matches!(l, Loader::Limit | Loader::Stageload)
+            matches!(l, Loader::Limit | Loader::Parallel | Loader::Stageload)
                 || args.only.is_empty()
                 || args.only.iter().any(|n| n == l.name())
         })
@@ -328,7 +333,7 @@ fn main() -> Result<(), BoxError> {
                     Loader::Limit => buffer.fill(1),
                     Loader::Stageload => rewrite(targets.iter().map(|(_, t)| t)),
                     Loader::Tch => rewrite(vs_tch.variables().values()),
-                    Loader::Python(_) => {}
+                    Loader::Parallel | Loader::Python(_) => {}
                 }
                 let measure = match loader {
                     Loader::Limit => {
@@ -337,6 +342,14 @@ fn main() -> Result<(), BoxError> {
                         m.peak_over += LIMIT_BUFFER as i64;
                         m.peak_with_file += LIMIT_BUFFER as i64;
                         m
+                    }
+                    Loader::Parallel => {
+                        let rate = stageload_demo_kit::weights::read_rate(&file)
+                            .map_err(|e| format!("read {} with parallel preads: {e}", file.display()))?;
+                        let length = file.metadata().map_err(|e| format!("stat {}: {e}", file.display()))?.len();
+                        // Its buffers, allocated and written before the clock starts.
+                        let buffers = (stageload::checkpoint::readers() * stageload::checkpoint::PIECE) as i64;
+                        Measure { seconds: length as f64 / rate, peak_over: buffers, peak_with_file: buffers }
                     }
                     Loader::Stageload => {
                         let bar = show_bar.then(|| indicatif::ProgressBar::new(model_bytes as u64));
@@ -407,7 +420,7 @@ fn main() -> Result<(), BoxError> {
             (median(runs.iter().map(|(_, m)| gb / m.seconds).collect()), runs)
         };
         let (stageload, _) = rate_of(Loader::Stageload);
-        let (limit, _) = rate_of(Loader::Limit);
+        let (limit, _) = rate_of(Loader::Parallel);
         for &loader in loaders.iter().filter(|l| !unavailable.contains_key(l.name())) {
             let name = loader.name();
             let (rate, runs) = rate_of(loader);
@@ -444,13 +457,16 @@ fn main() -> Result<(), BoxError> {
     let report = format!(
         "# Checkpoint load benchmark\n\nCommand: `cargo xtask bench-load -- {}` ({command})\n\n\
          Model: {} f32 tensors, {gb:.3} GB, {cores} cores; load average at start {load_at_start}.\n\n{table}\n\
-         × stageload and × limit: each median against stageload's and the limit's in the same run and cache. \
-         The limit: one thread `pread`ing the file into one reused {} MiB buffer (warm: the page cache's \
-         copy rate; cold: the disk's sequential read rate). Warm: the file read whole just before each load, untimed. stageload: {} reader threads; tch: {cores} threads.\n\n{notes}",
+         × stageload and × limit: each median against stageload's and the parallel limit's in the same run and \
+         cache. The limits: one thread `pread`ing the file into one reused {} MiB buffer, and {readers} threads \
+         taking {} MiB `pread`s in turn, each into a reused buffer of its own, as stageload's loads read (warm: \
+         the page cache's copy rate; cold: the disk's rate). Warm: the file read whole just before each load, \
+         untimed. stageload: {readers} reader threads; tch: {cores} threads.\n\n{notes}",
         std::env::args().skip(1).collect::<Vec<_>>().join(" "),
         targets.len(),
         LIMIT_BUFFER >> 20,
-        stageload::checkpoint::readers()
+        stageload::checkpoint::PIECE >> 20,
+        readers = stageload::checkpoint::readers()
     );
     let write = |name: &str, text: &str| {
         let path = args.out.join(name);
