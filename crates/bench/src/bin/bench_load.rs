@@ -15,10 +15,10 @@
 //! peers of `python/bench_load.py` (safetensors, runai-model-streamer, fastsafetensors,
 //! instanttensor, torch.load with and without mmap), each a fresh process per load (startup not
 //! timed). A peer that cannot be installed or cannot load to the CPU is reported with why, and the
-//! rest run. Reported: GB/s (medians), ratios against stageload and the parallel limit in the same run, and
-//! the transient peak of anonymous memory over the model (VmHWM reset before each load, pages of
-//! the mapped file subtracted; the table also shows the peak with them). Results go to
-//! `traces/load-bench.json` and `.md`.
+//! rest run. Reported: GB/s (medians), ratios against stageload and the parallel limit in the
+//! same run, and the transient peak of anonymous memory over the model (VmHWM reset before each
+//! load, pages of the mapped file subtracted; the table also shows the peak with them). Results
+//! go to `traces/load-bench.json` and `.md`.
 
 use std::collections::BTreeMap;
 use std::error::Error;
