@@ -27,7 +27,7 @@ use stageload_demo_kit::shap_e::{
 use stageload_test_support::torch as support;
 use tch::{CModule, Kind, Tensor};
 
-use crate::watch::{assert_bits_equal, of_kind, with_shared, Call, Shared, Watch};
+use crate::watch::{assert_bits_equal, of_kind, prefetched_models, with_shared, Call, Shared, Watch};
 
 const SAMPLING: Sampling = Sampling { steps: 2, guidance: 4.0, frame_size: 32, views: true, mesh: true };
 const SEED: i64 = 5;
@@ -212,14 +212,7 @@ fn eager_staged_and_prefetch_give_the_same_outputs_bit_for_bit() {
         }
         // Prefetch loaded the prior and the renderer in the background, once each.
         let events = &runs.prefetch.events;
-        // In either order: the second stage's prefetch may start while the first's still copies,
-        // and the smaller model's load end first.
-        let mut prefetched: Vec<_> = of_kind(events, EventKind::Load)
-            .iter()
-            .filter(|e| e.prefetched())
-            .map(|e| e.model().map(str::to_string).unwrap_or_default())
-            .collect();
-        prefetched.sort();
+        let prefetched = prefetched_models(events);
         assert_eq!(prefetched, ["prior", "renderer"], "{events:#?}");
         assert!(of_kind(&runs.eager.events, EventKind::Release).is_empty(), "eager released a model");
     });

@@ -19,7 +19,7 @@ use stageload_demo_kit::stable_diffusion::{
 use stageload_test_support::torch as support;
 use tch::Kind;
 
-use crate::watch::{assert_bits_equal, of_kind, with_shared, Call, Shared, Watch};
+use crate::watch::{assert_bits_equal, of_kind, prefetched_models, with_shared, Call, Shared, Watch};
 
 const SAMPLING: Sampling = Sampling { steps: 4, guidance: 7.5 };
 const SEED: i64 = 11;
@@ -134,14 +134,7 @@ fn eager_staged_and_prefetch_give_the_same_image_embeddings_and_latents_bit_for_
         assert_eq!(loads, [up_front("text_encoder"), up_front("unet"), up_front("vae_decoder")], "{events:#?}");
         // Prefetch loaded the unet and the VAE decoder in the background, once each.
         let events = &runs.prefetch.events;
-        // In either order: the second stage's prefetch may start while the first's still copies,
-        // and the smaller model's load end first.
-        let mut prefetched: Vec<_> = of_kind(events, EventKind::Load)
-            .iter()
-            .filter(|e| e.prefetched())
-            .map(|e| e.model().map(str::to_string).unwrap_or_default())
-            .collect();
-        prefetched.sort();
+        let prefetched = prefetched_models(events);
         assert_eq!(prefetched, ["unet", "vae_decoder"], "{events:#?}");
         assert_eq!(of_kind(events, EventKind::Load).len(), 3, "{events:#?}");
     });

@@ -24,7 +24,7 @@ use stageload_demo_kit::wan::{generate, Export, ExportError, Generated, RunError
 use stageload_test_support::torch as support;
 use tch::{Kind, Tensor};
 
-use crate::watch::{assert_bits_equal, of_kind, with_shared, Call, Shared, Watch};
+use crate::watch::{assert_bits_equal, of_kind, prefetched_models, with_shared, Call, Shared, Watch};
 
 const SAMPLING: Sampling = Sampling { steps: 4, guidance: 5.0 };
 const SEED: i64 = 7;
@@ -179,14 +179,7 @@ fn eager_staged_and_prefetch_give_the_same_outputs_bit_for_bit() {
             assert_bits_equal(&format!("{mode} video"), &g.video, &eager.video);
             assert_bits_equal(&format!("{mode} frames"), &g.frames, &eager.frames);
         }
-        // In either order: the second stage's prefetch may start while the first's still copies,
-        // and the smaller model's load end first.
-        let mut prefetched: Vec<_> = of_kind(&runs.prefetch.events, EventKind::Load)
-            .iter()
-            .filter(|e| e.prefetched())
-            .map(|e| e.model().map(str::to_string).unwrap_or_default())
-            .collect();
-        prefetched.sort();
+        let prefetched = prefetched_models(&runs.prefetch.events);
         assert_eq!(prefetched, ["transformer", "vae_decoder"], "{:#?}", runs.prefetch.events);
         assert!(of_kind(&runs.eager.events, EventKind::Release).is_empty(), "eager released a model");
     });

@@ -73,6 +73,19 @@ pub fn of_kind(events: &[Event], kind: EventKind) -> Vec<&Event> {
     events.iter().filter(|e| e.kind() == kind).collect()
 }
 
+/// The models loaded by a prefetch, sorted: two stages' prefetches may overlap (the second may
+/// start while the first still copies) and the smaller model's load end first, so a test claims
+/// which models were prefetched, not in what order.
+pub fn prefetched_models(events: &[Event]) -> Vec<String> {
+    let mut models: Vec<String> = of_kind(events, EventKind::Load)
+        .iter()
+        .filter(|e| e.prefetched())
+        .map(|e| e.model().map(str::to_string).unwrap_or_default())
+        .collect();
+    models.sort();
+    models
+}
+
 /// A value a module's tests make once and share (its Rust runs, diffusers' reference), or the
 /// error making it gave.
 pub type Shared<T> = Mutex<Option<Result<T, String>>>;

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 
 use crate::ab::{build, cascade_arms, guard_flags, string_field, Arm, Comparison, Report};
 use crate::benches;
-use crate::shell::{check, words, Error, Failures, Log, Setup, Shell};
+use crate::shell::{check, free_bytes, words, Error, Failures, Log, Setup, Shell};
 
 /// Runs example `name` of the library's package with `args`, libtorch set up first.
 pub fn example(shell: &mut Shell, name: &str, release: bool, args: &[String]) -> Result<(), Error> {
@@ -445,9 +445,7 @@ pub fn wan_demo(shell: &mut Shell, out: &Path) -> Result<(), Error> {
     let cache = components.parent().unwrap_or(Path::new("."));
     let available =
         stageload_probe::system_memory().map_err(|e| format!("cannot read the free memory: {e}"))?.available;
-    let free = nix::sys::statvfs::statvfs(cache)
-        .map(|s| s.blocks_available().saturating_mul(s.fragment_size()))
-        .map_err(|e| format!("cannot read the free space of {}: {e}", cache.display()))?;
+    let free = free_bytes(cache)?;
     if let Some(reason) = wan_skip_reason(available, free, export_weights(&components)) {
         let out = shell.folder(out)?;
         let line = format!("Wan2.1 at its published size SKIPPED: {reason}");

@@ -6,7 +6,8 @@
 //! first use), clippy of the whole workspace, the tests of every crate that links libtorch, and
 //! the docs lane (every crate's documentation, broken links and bad markup refused).
 
-use crate::shell::{Error, Setup, Shell};
+use crate::shell::{free_bytes, Error, Setup, Shell};
+use stageload_units::format_bytes;
 
 /// The crates that need no libtorch: the torch-free lane's.
 const TORCH_FREE: [&str; 9] = [
@@ -31,26 +32,14 @@ const TORCH: [&str; 6] = [
     "stageload-test-support",
 ];
 
-/// Runs the lanes (see the module docs); `args` go to both `cargo test` runs. A failure says
-/// how much disk the repository's file system has left: a linker that writes into a full disk dies of
-/// SIGBUS ("ld terminated with signal 7"), which does not name the disk.
+/// Runs the lanes (see the module docs); `args` go to both `cargo test` runs. A failure says how
+/// much disk the repository's file system has left: a linker that writes into a full disk dies
+/// of SIGBUS ("ld terminated with signal 7"), which does not name the disk.
 pub fn test(shell: &mut Shell, torch_free_only: bool, args: &[String]) -> Result<(), Error> {
-    lanes(shell, torch_free_only, args).map_err(|e| {
-        let root = shell.root();
-        match nix::sys::statvfs::statvfs(root) {
-            Ok(s) => format!(
-                "{e} (the file system of {} has {} free now)",
-                root.display(),
-                gib(s.blocks_available(), s.fragment_size())
-            ),
-            Err(read) => format!("{e} (the free space of {} could not be read: {read})", root.display()),
-        }
+    lanes(shell, torch_free_only, args).map_err(|e| match free_bytes(shell.root()) {
+        Ok(free) => format!("{e} (the file system of {} has {} free now)", shell.root().display(), format_bytes(free)),
+        Err(read) => format!("{e} ({read})"),
     })
-}
-
-/// `blocks` of `size` bytes, in GiB with one decimal.
-fn gib(blocks: u64, size: u64) -> String {
-    format!("{:.1} GiB", blocks.saturating_mul(size) as f64 / (1u64 << 30) as f64)
 }
 
 fn lanes(shell: &mut Shell, torch_free_only: bool, args: &[String]) -> Result<(), Error> {

@@ -165,6 +165,13 @@ pub fn check(command: &Command, status: ExitStatus) -> Result<(), Error> {
     }
 }
 
+/// Bytes free to this user on the file system that holds `path`.
+pub fn free_bytes(path: &Path) -> Result<u64, Error> {
+    nix::sys::statvfs::statvfs(path)
+        .map(|s| s.blocks_available().saturating_mul(s.fragment_size()))
+        .map_err(|e| format!("cannot read the free space of {}: {e}", path.display()))
+}
+
 /// Words for a command line.
 pub fn words(words: &[&str]) -> Vec<String> {
     words.iter().map(|w| w.to_string()).collect()

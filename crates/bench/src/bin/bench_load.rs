@@ -321,12 +321,15 @@ fn main() -> Result<(), BoxError> {
                     continue;
                 }
                 let file = loader.file(checkpoint);
-                match mode {
-                    "cold" if file.exists() => drop_page_cache(&file)?,
-                    "warm" if file.exists() => warm_page_cache(&file)?,
-                    _ => {}
-                }
-                let cached = if file.exists() { cached_fraction(&file)? } else { f64::NAN };
+                let cached = if file.exists() {
+                    match mode {
+                        "cold" => drop_page_cache(&file)?,
+                        _ => warm_page_cache(&file)?,
+                    }
+                    cached_fraction(&file)?
+                } else {
+                    f64::NAN
+                };
                 // Each destination written just before its load, as the Python peers' models are
                 // (made and zeroed in their own process).
                 match loader {
