@@ -181,9 +181,9 @@ fn drop_page_cache(path: &Path) -> Result<(), BoxError> {
 
 /// Reads the file once, so that a warm load finds all of it in the page cache: this machine's
 /// DAMON `pageout` scheme takes a file's pages out of the cache within a minute or two of its
-/// last read, and a round of every loader takes about that long.
-fn warm_page_cache(path: &Path) -> Result<(), BoxError> {
-    pread_all(path, &mut vec![0; LIMIT_BUFFER]).map(drop)
+/// last read, and a round of every loader takes about that long. Into `buffer`, the limit's own.
+fn warm_page_cache(path: &Path, buffer: &mut [u8]) -> Result<(), BoxError> {
+    pread_all(path, buffer).map(drop)
 }
 
 /// The fraction of `path` in the page cache now, by util-linux's `fincore`.
@@ -324,7 +324,7 @@ fn main() -> Result<(), BoxError> {
                 let cached = if file.exists() {
                     match mode {
                         "cold" => drop_page_cache(&file)?,
-                        _ => warm_page_cache(&file)?,
+                        _ => warm_page_cache(&file, &mut buffer)?,
                     }
                     cached_fraction(&file)?
                 } else {
