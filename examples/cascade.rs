@@ -152,6 +152,7 @@ fn main() -> Result<(), BoxError> {
         .events(demo.meter())
         .register_rng(Arc::new(chacha.clone()))
         .preserve_rng(!args.no_preserve_rng)
+        .cache_host_blocks(!args.no_host_cache)
         .prefetch_next(args.prefetch)
         .pipeline(demo.plan());
     for model in spec.models {

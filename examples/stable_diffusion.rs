@@ -157,6 +157,7 @@ fn run(args: &Args) -> Result<(), BoxError> {
         .events(demo.meter())
         .register_rng(std::sync::Arc::new(chacha))
         .preserve_rng(!common.no_preserve_rng)
+        .cache_host_blocks(!common.no_host_cache)
         .prefetch_next(common.prefetch)
         .pipeline(demo.plan());
     for model in spec.models {

@@ -88,6 +88,7 @@ fn main() -> Result<(), BoxError> {
         .events(demo.meter())
         .register_rng(Arc::new(chacha.clone()))
         .preserve_rng(!common.no_preserve_rng)
+        .cache_host_blocks(!common.no_host_cache)
         .prefetch_next(common.prefetch)
         .pipeline(demo.plan());
     for model in spec.models {

@@ -159,6 +159,7 @@ fn run(args: &Args) -> Result<(), BoxError> {
     let mut builder = StagedModels::builder()
         .events(demo.meter())
         .preserve_rng(!common.no_preserve_rng)
+        .cache_host_blocks(!common.no_host_cache)
         .prefetch_next(common.prefetch)
         .pipeline(demo.plan());
     for model in spec.models {

@@ -2,7 +2,8 @@
 //! each in a process of its own (the setting is process-wide, and glibc serves a request from
 //! the free blocks of its heap before it maps new memory, whatever the threshold): weight-sized
 //! tensors freed between tensors that stay alive are kept by the heap by default and go back to
-//! the OS with it.
+//! the OS with it. And the host block cache the builder installs beside it: it keeps such blocks
+//! for the next request of their size until the next stage begins.
 #![cfg(all(target_os = "linux", target_env = "gnu"))]
 
 use std::process::{Command, Stdio};
@@ -17,6 +18,7 @@ use support::rss_bytes;
 const BLOCK: i64 = 4 << 20;
 const BLOCKS: usize = 32;
 const KEEPER: i64 = 64 << 10;
+const NO_MODELS: [&str; 0] = [];
 
 /// Which threshold [`one_round_of_large_blocks_freed_between_live_ones`] runs with.
 const MODE: &str = "STAGELOAD_HOST_MEMORY_MODE";
@@ -35,8 +37,9 @@ fn bytes_kept_after_freeing() -> (i64, Vec<Tensor>) {
     (BLOCK * BLOCKS as i64 - (before - rss_bytes()), keepers)
 }
 
-/// The bytes kept by one round run in a fresh process: this binary again, on the round alone.
-fn kept_in_a_process_of_its_own(mode: &str) -> i64 {
+/// The counts one round prints (`kept N`, and `after entering N` in the cached mode), run in a
+/// fresh process: this binary again, on the round alone.
+fn round_in_a_process_of_its_own(mode: &str) -> String {
     let mut child = Command::new(std::env::current_exe().unwrap())
         .args(["one_round_of_large_blocks_freed_between_live_ones", "--exact", "--ignored", "--nocapture"])
         .env(MODE, mode)
@@ -55,16 +58,25 @@ fn kept_in_a_process_of_its_own(mode: &str) -> i64 {
         std::thread::sleep(Duration::from_millis(20));
     }
     let out = child.wait_with_output().unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
     assert!(out.status.success(), "the {mode} round failed:\n{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
     stdout
+}
+
+/// The count a round printed after `label `.
+fn count(stdout: &str, label: &str) -> i64 {
+    stdout
         .lines()
-        .find_map(|line| line.strip_prefix("kept ")?.parse().ok())
-        .unwrap_or_else(|| panic!("the {mode} round printed no count:\n{stdout}"))
+        .find_map(|line| line.strip_prefix(label)?.strip_prefix(' ')?.parse().ok())
+        .unwrap_or_else(|| panic!("the round printed no {label} count:\n{stdout}"))
+}
+
+fn kept_in_a_process_of_its_own(mode: &str) -> i64 {
+    count(&round_in_a_process_of_its_own(mode), "kept")
 }
 
 #[test]
-#[ignore = "one round of freed_large_blocks_go_back_to_the_os_once_a_registry_is_built, which runs it in a process of its own"]
+#[ignore = "one round of the tests below, each of which runs it in a process of its own"]
 fn one_round_of_large_blocks_freed_between_live_ones() {
     match std::env::var(MODE).as_deref() {
         // glibc's default: freeing one mapped block raises the threshold above it, so the blocks
@@ -74,11 +86,23 @@ fn one_round_of_large_blocks_freed_between_live_ones() {
             StagedModels::builder().map_large_host_blocks(false).build().unwrap();
         }
         Ok("fixed") => {
-            StagedModels::builder().build().unwrap();
+            StagedModels::builder().cache_host_blocks(false).build().unwrap();
+        }
+        Ok("cached") => {
+            let models = StagedModels::builder().stage("compute", NO_MODELS).stage("next", NO_MODELS).build().unwrap();
+            models.enter("compute").unwrap();
+            let before = rss_bytes();
+            let (kept, _keepers) = bytes_kept_after_freeing();
+            let freed = before - rss_bytes();
+            models.enter("next").unwrap();
+            // What entering the stage gave back, against what freeing the blocks had.
+            println!("kept {kept}");
+            println!("after entering {}", kept - (before - freed - rss_bytes()).max(0));
+            return;
         }
         // Asked for by a run of the ignored tests: only a process of its own measures anything.
         Err(_) => return,
-        Ok(other) => panic!("{MODE} is {other:?}, not default or fixed"),
+        Ok(other) => panic!("{MODE} is {other:?}, not default, fixed or cached"),
     }
     let (kept, _keepers) = bytes_kept_after_freeing();
     println!("kept {kept}");
@@ -101,4 +125,15 @@ fn freed_large_blocks_go_back_to_the_os_once_a_registry_is_built() {
     let kept = kept_in_a_process_of_its_own("fixed");
     eprintln!("fixed threshold: {kept} of {total} bytes kept");
     assert!(kept <= slack, "{kept} of {total} bytes still held after freeing (slack {slack})");
+}
+
+#[test]
+fn the_host_block_cache_keeps_freed_large_blocks_until_the_next_stage_begins() {
+    let total = BLOCK * BLOCKS as i64;
+    let slack = 2 * stageload_probe::rss_counter_slack() as i64;
+    let out = round_in_a_process_of_its_own("cached");
+    let (kept, after_entering) = (count(&out, "kept"), count(&out, "after entering"));
+    eprintln!("cached: {kept} of {total} bytes kept, {after_entering} after entering the next stage");
+    assert!(kept + slack >= total, "the cache kept {kept} of {total} bytes (slack {slack})");
+    assert!(after_entering <= slack, "{after_entering} of {total} bytes still held in the next stage (slack {slack})");
 }

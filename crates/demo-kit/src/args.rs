@@ -68,6 +68,10 @@ pub struct CommonArgs {
     /// Control experiment: do not preserve the generators around lazy builds
     #[arg(long)]
     pub no_preserve_rng: bool,
+    /// Control experiment: run without the host block cache (every freed activation block goes
+    /// back to the OS and the next step faults it in again)
+    #[arg(long)]
+    pub no_host_cache: bool,
     /// Staged: load the next stage's models in the background while a stage computes (models
     /// built without random initialisation)
     #[arg(long)]

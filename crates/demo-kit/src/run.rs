@@ -149,6 +149,7 @@ impl Demo {
             .meta("scale", args.scale)
             .meta("seed", args.seed)
             .meta("preserve_rng", !args.no_preserve_rng)
+            .meta("host_cache", !args.no_host_cache)
             .meta("prefetch", args.prefetch)
             .meta("host_tier", args.host_tier.unwrap_or(0))
             .meta("cold", args.cold)

@@ -10,6 +10,8 @@
 #include <ATen/detail/MPSHooksInterface.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <c10/core/Allocator.h>
+#include <c10/core/CPUAllocator.h>
+#include <c10/core/impl/alloc_cpu.h>
 #include <c10/core/CachingDeviceAllocator.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
@@ -26,9 +28,12 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <list>
 #include <mutex>
 #include <string>
 #include <unordered_map>
@@ -160,6 +165,162 @@ void skip_init_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack)
   c10::impl::ExcludeDispatchKeyGuard outside(kSkipInitKey);
   op.callBoxed(stack);
 }
+
+// The host block cache: libtorch's CPU allocator hands every block back to `free` (and, with the
+// mmap threshold stageload sets, blocks of 1 MiB and more back to the OS) the moment a tensor
+// dies, so a forward that allocates the same activations at every step faults every page of them
+// in again: a diffusion step spent a third of its CPU time in the kernel doing that. This
+// allocator keeps freed blocks of `min_block` bytes or more (sizes rounded up to whole pages) and
+// gives one back to the next request of the same size. What it holds stays bounded: a request it
+// cannot serve first frees the oldest kept blocks until live plus kept fits under the most the
+// live blocks alone reached since the last flush (`high_`) plus two of the largest block asked for
+// since then (`largest_`). (With no room above the mark, a step that alternates two sizes in the
+// same memory, as attention and MLP blocks do, missed at every layer.) Smaller blocks go straight
+// to libtorch's own `alloc_cpu`/`free_cpu`.
+class HostBlockCache final : public c10::Allocator {
+ public:
+  explicit HostBlockCache(size_t min_block) : min_block_(min_block) {}
+
+  c10::DataPtr allocate(size_t n) override {
+    // Beyond a quarter of the address space nothing can be allocated, and the bound's sum stays
+    // clear of wrapping.
+    if (n < min_block_ || n > SIZE_MAX / 4) {
+      void* p = c10::alloc_cpu(n);
+      return {p, p, &c10::free_cpu, c10::Device(c10::kCPU)};
+    }
+    size_t size = (n + kPage - 1) / kPage * kPage;
+    std::vector<Block> victims;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      auto hit = by_size_.find(size);
+      if (hit != by_size_.end()) {
+        void* p = hit->second->data;
+        order_.erase(hit->second);
+        by_size_.erase(hit);
+        kept_ -= size;
+        live_bytes_ += size;
+        high_ = std::max(high_, live_bytes_);
+        live_.emplace(p, size);
+        ++hits_;
+        return {p, p, &release, c10::Device(c10::kCPU)};
+      }
+      ++misses_;
+      // Booked before the allocation, so that concurrent requests see it; the marks move only
+      // once it succeeded.
+      live_bytes_ += size;
+      size_t bound = std::max(high_, live_bytes_) + 2 * std::max(largest_, size);
+      while (kept_ + live_bytes_ > bound && !order_.empty()) victims.push_back(take_oldest());
+    }
+    for (const Block& b : victims) c10::free_cpu(b.data);
+    void* p = nullptr;
+    try {
+      p = c10::alloc_cpu(size);
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(mutex_);
+      live_bytes_ -= size;
+      throw;
+    }
+    std::lock_guard<std::mutex> lock(mutex_);
+    live_.emplace(p, size);
+    high_ = std::max(high_, live_bytes_);
+    largest_ = std::max(largest_, size);
+    return {p, p, &release, c10::Device(c10::kCPU)};
+  }
+
+  c10::DeleterFnPtr raw_deleter() const override { return &release; }
+
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    default_copy_data(dest, src, count);
+  }
+
+  // Frees every kept block and starts the high-water mark over from what is live; returns the
+  // bytes freed.
+  size_t flush() {
+    std::vector<Block> all;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      while (!order_.empty()) all.push_back(take_oldest());
+      high_ = live_bytes_;
+      largest_ = 0;
+    }
+    size_t bytes = 0;
+    for (const Block& b : all) {
+      bytes += b.size;
+      c10::free_cpu(b.data);
+    }
+    return bytes;
+  }
+
+  void stats(size_t* out) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    out[0] = kept_;
+    out[1] = live_bytes_;
+    out[2] = high_;
+    out[3] = largest_;
+    out[4] = hits_;
+    out[5] = misses_;
+  }
+
+  static std::atomic<HostBlockCache*> instance;
+
+ private:
+  static constexpr size_t kPage = 4096;
+  struct Block {
+    void* data;
+    size_t size;
+  };
+
+  // A block's deleter (and the raw deleter): a block this cache handed out is kept, anything
+  // else (a small block freed through `raw_deleter`) goes back to `free_cpu`.
+  static void release(void* p) { instance.load()->keep(p); }
+
+  void keep(void* p) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      auto it = live_.find(p);
+      if (it != live_.end()) {
+        size_t size = it->second;
+        live_.erase(it);
+        live_bytes_ -= size;
+        order_.push_back(Block{p, size});
+        by_size_.emplace(size, std::prev(order_.end()));
+        kept_ += size;
+        return;
+      }
+    }
+    c10::free_cpu(p);
+  }
+
+  // Caller holds the lock and has checked that something is kept.
+  Block take_oldest() {
+    Block b = order_.front();
+    auto range = by_size_.equal_range(b.size);
+    for (auto it = range.first; it != range.second; ++it) {
+      if (it->second == order_.begin()) {
+        by_size_.erase(it);
+        break;
+      }
+    }
+    order_.pop_front();
+    kept_ -= b.size;
+    return b;
+  }
+
+  const size_t min_block_;
+  std::mutex mutex_;
+  std::list<Block> order_;  // kept blocks, oldest first
+  std::unordered_multimap<size_t, std::list<Block>::iterator> by_size_;
+  std::unordered_map<void*, size_t> live_;  // blocks handed out, by address
+  size_t kept_ = 0;
+  size_t live_bytes_ = 0;  // bytes of the blocks in live_
+  size_t high_ = 0;        // the most live_bytes_ reached since the last flush
+  size_t largest_ = 0;     // the largest block asked for since the last flush
+  size_t hits_ = 0;
+  size_t misses_ = 0;
+};
+
+std::atomic<HostBlockCache*> HostBlockCache::instance{nullptr};
+std::once_flag host_block_cache_once;
 
 }  // namespace
 
@@ -378,6 +539,37 @@ char* sl_cuda_device_count(int64_t* out) {
 
 char* sl_mps_available(bool* out) {
   return guarded([&] { *out = at::hasMPS(); });
+}
+
+char* sl_host_cache_install(size_t min_block, bool* installed_now) {
+  return guarded([&] {
+    *installed_now = false;
+    std::call_once(host_block_cache_once, [&] {
+      // Never freed: storages keep a pointer to their allocator for as long as they live.
+      auto* cache = new HostBlockCache(min_block);
+      HostBlockCache::instance.store(cache);
+      c10::SetCPUAllocator(cache, /*priority=*/1);
+      *installed_now = true;
+    });
+  });
+}
+
+char* sl_host_cache_flush(size_t* freed) {
+  return guarded([&] {
+    HostBlockCache* cache = HostBlockCache::instance.load();
+    *freed = cache == nullptr ? 0 : cache->flush();
+  });
+}
+
+// `out` has room for six counters: kept, live, high, largest, hits, misses (zeros when the cache
+// is not installed).
+char* sl_host_cache_stats(bool* installed, size_t* out) {
+  return guarded([&] {
+    HostBlockCache* cache = HostBlockCache::instance.load();
+    *installed = cache != nullptr;
+    std::fill(out, out + 6, 0);
+    if (cache != nullptr) cache->stats(out);
+  });
 }
 
 char* sl_storage_info(const at::Tensor* t, uint64_t* id, size_t* nbytes, bool* allocated) {

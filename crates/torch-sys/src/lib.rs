@@ -70,6 +70,9 @@ mod ffi {
         pub fn sl_copy_async(dst: *const C_tensor, src: *const C_tensor) -> *mut c_char;
         pub fn sl_pin_memory(t: *const C_tensor, out: *mut *mut C_tensor) -> *mut c_char;
         pub fn sl_empty_pinned_cache() -> *mut c_char;
+        pub fn sl_host_cache_install(min_block: usize, installed_now: *mut bool) -> *mut c_char;
+        pub fn sl_host_cache_flush(freed: *mut usize) -> *mut c_char;
+        pub fn sl_host_cache_stats(installed: *mut bool, out: *mut usize) -> *mut c_char;
         pub fn sl_host_buffer(bytes: i64, pin: c_int, out: *mut *mut C_tensor, mapped: *mut i64) -> *mut c_char;
         pub fn sl_cuda_event_record(index: c_int, out: *mut *mut std::ffi::c_void) -> *mut c_char;
         pub fn sl_event_synchronize(event: *mut std::ffi::c_void) -> *mut c_char;
@@ -559,6 +562,70 @@ pub fn map_large_host_blocks() -> bool {
     }
     #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
     false
+}
+
+/// Makes libtorch's CPU tensors allocate through the host block cache, for the whole process
+/// (once; later calls do nothing and return false): freed blocks of [`HOST_MMAP_THRESHOLD`] or
+/// more are kept and handed to the next request of the same size (rounded up to whole pages)
+/// instead of going back to the OS, so a forward that allocates the same activations at every
+/// step stops faulting their pages in again at every step (a diffusion step spent a third of its
+/// CPU time in the kernel doing that). A request the cache cannot serve first frees its oldest
+/// kept blocks until live plus kept blocks are at most [`HostCacheStats::bound`]: the most the
+/// live blocks reached since the last [`flush_host_cache`] plus two of the largest block asked for
+/// since. Tensors allocated before the call keep libtorch's own allocator.
+pub fn cache_host_blocks() -> ShimResult<bool> {
+    let mut installed_now = false;
+    // SAFETY: the out-pointer is valid for the call; the shim installs its allocator once.
+    let err = unsafe { ffi::sl_host_cache_install(HOST_MMAP_THRESHOLD, &mut installed_now) };
+    check("install the host block cache", err)?;
+    Ok(installed_now)
+}
+
+/// Frees every block the host block cache keeps (see [`cache_host_blocks`]); returns their bytes
+/// (0 when the cache is not installed).
+pub fn flush_host_cache() -> ShimResult<u64> {
+    let mut freed = 0usize;
+    // SAFETY: the out-pointer is valid for the call.
+    let err = unsafe { ffi::sl_host_cache_flush(&mut freed) };
+    check("flush the host block cache", err)?;
+    Ok(freed as u64)
+}
+
+/// The host block cache's counters (see [`cache_host_blocks`]); bytes count whole pages.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct HostCacheStats {
+    /// Whether the cache is installed.
+    pub installed: bool,
+    /// Bytes of freed blocks kept for reuse now.
+    pub kept: u64,
+    /// Bytes of the blocks the cache handed out that are still in use.
+    pub live: u64,
+    /// The most `live` reached since the last flush.
+    pub high: u64,
+    /// The largest block asked for since the last flush.
+    pub largest: u64,
+    /// Requests served with a kept block, since the cache was installed.
+    pub hits: u64,
+    /// Requests of a cached size that found no kept block of their size.
+    pub misses: u64,
+}
+
+impl HostCacheStats {
+    /// What live plus kept blocks stay within: `high` plus two of `largest`.
+    pub fn bound(&self) -> u64 {
+        self.high.saturating_add(self.largest.saturating_mul(2))
+    }
+}
+
+/// Reads the host block cache's counters.
+pub fn host_cache_stats() -> ShimResult<HostCacheStats> {
+    let mut installed = false;
+    let mut out = [0usize; 6];
+    // SAFETY: `out` has the six counters' room the shim writes.
+    let err = unsafe { ffi::sl_host_cache_stats(&mut installed, out.as_mut_ptr()) };
+    check("read the host block cache's counters", err)?;
+    let [kept, live, high, largest, hits, misses] = out.map(|n| n as u64);
+    Ok(HostCacheStats { installed, kept, live, high, largest, hits, misses })
 }
 
 /// Hands free heap memory back to the OS. libtorch's CPU allocator uses `malloc`; glibc keeps

@@ -67,6 +67,7 @@ pub struct StagedModelsBuilder {
     preserve_rng: bool,
     strict: bool,
     map_large_host_blocks: bool,
+    cache_host_blocks: bool,
     progress: Option<Arc<ProgressHook>>,
     prefetch_next: bool,
     prefetch_budget: Option<u64>,
@@ -291,12 +292,26 @@ impl StagedModelsBuilder {
         self
     }
 
+    /// Whether [`Self::build`] makes libtorch's CPU tensors allocate through the host block
+    /// cache (default on; a process-wide setting, see
+    /// [`stageload_torch_sys::cache_host_blocks`]): freed blocks of 1 MiB or more are kept for
+    /// the next request of their size, so a forward that allocates the same activations at every
+    /// step does not fault their pages in again at every step. The registry empties the cache as
+    /// each stage begins and at every release, so a stage's peak holds neither the last stage's
+    /// activations nor a released model's weights; within a stage the cache never holds more
+    /// than the stage's live blocks reached.
+    pub fn cache_host_blocks(mut self, on: bool) -> Self {
+        self.cache_host_blocks = on;
+        self
+    }
+
     /// Validates the plan: every model named once, every name in stages and pins has a loader.
     ///
     /// Once the plan is valid, and unless [`Self::map_large_host_blocks`] turned it off, this
     /// also fixes glibc's mmap threshold for the process (see
     /// [`stageload_torch_sys::map_large_host_blocks`]), so that the memory of released models
-    /// and of finished stages goes back to the OS.
+    /// and of finished stages goes back to the OS; and unless [`Self::cache_host_blocks`]
+    /// turned it off, it installs the host block cache.
     pub fn build(self) -> Result<StagedModels> {
         let mut entries: Vec<Entry> = Vec::new();
         let mut seen: HashSet<String> = HashSet::new();
@@ -375,6 +390,9 @@ impl StagedModelsBuilder {
         if self.map_large_host_blocks {
             stageload_torch_sys::map_large_host_blocks();
         }
+        if self.cache_host_blocks {
+            stageload_torch_sys::cache_host_blocks().map_err(StageError::HostCache)?;
+        }
         let snapshots = match &self.snapshot_dir {
             Some(dir) => Some(
                 Snapshots::open(dir, self.snapshot_keep_free)
@@ -408,6 +426,7 @@ impl StagedModels {
             preserve_rng: true,
             strict: false,
             map_large_host_blocks: true,
+            cache_host_blocks: true,
             progress: None,
             prefetch_next: false,
             prefetch_budget: None,

@@ -1,5 +1,6 @@
-//! What releases give back to the allocators: the host heap's free pages (trimmed once enough
-//! was freed since the last trim), the device caches, and pinned host memory.
+//! What releases give back to the allocators: the host block cache's blocks, the host heap's
+//! free pages (trimmed once enough was freed since the last trim), the device caches, and pinned
+//! host memory.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -26,11 +27,22 @@ impl Trim {
 /// are freed, without a trim.
 pub(crate) const TRIM_AFTER: u64 = stageload_torch_sys::HOST_MMAP_THRESHOLD as u64;
 
+/// Frees the blocks the host block cache keeps (a no-op when it is not installed): at every
+/// release, so that the model's memory goes back to the OS, and as each stage begins, so that
+/// the stage's peak does not hold the last stage's activations.
+pub(crate) fn flush_host_blocks() {
+    if let Err(err) = stageload_torch_sys::flush_host_cache() {
+        tracing::warn!(%err, "flushing the host block cache failed");
+    }
+}
+
 /// Hands what the allocators keep cached after a release back: the host heap's free pages to
 /// the OS when `trim` (see [`TRIM_AFTER`]), the device caches to their devices, and, when the
 /// model object went (`dropped`), pinned host memory to the OS (not after every release: a copy
 /// into the host tier reuses what a reload from it left cached).
 pub(crate) fn give_back(dropped: bool, trim: bool) {
+    // A released model's blocks went into the host block cache: free them first.
+    flush_host_blocks();
     if trim {
         stageload_torch_sys::trim_host_heap();
     }

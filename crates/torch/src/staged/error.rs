@@ -162,6 +162,9 @@ pub enum StageError {
     /// Saving or restoring the random generators around a build failed.
     #[error("saving or restoring random generators: {0}")]
     Rng(ShimError),
+    /// Installing the host block cache failed (see [`super::StagedModelsBuilder::cache_host_blocks`]).
+    #[error("installing the host block cache: {0}; build with StagedModelsBuilder::cache_host_blocks(false) to run without it")]
+    HostCache(ShimError),
     /// A copy into or out of the host tier failed.
     #[error("host tier, model '{model}': {source}")]
     HostTier {

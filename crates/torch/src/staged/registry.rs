@@ -72,7 +72,7 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 use super::background::Background;
-use super::caches::Trim;
+use super::caches::{self, Trim};
 use super::decide::{self, ModelState, SlotState};
 use super::error::{Result, StageError};
 use super::fills::Fills;
@@ -694,6 +694,8 @@ impl Inner {
         let instances: Vec<Arc<Instance>> = positions.into_iter().filter_map(|p| state.request_release(p)).collect();
         let batch = self.claim_batch(&state, &instances);
         drop(state);
+        // Before the event, so that the new stage's meter window starts without them.
+        caches::flush_host_blocks();
         self.emit(Event::now(Entered { stage: stage.to_string(), position: Some(index), resident: Some(resident) }));
         Ok(self.release_batch(batch))
     }
