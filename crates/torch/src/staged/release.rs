@@ -26,7 +26,7 @@ use super::instance::Instance;
 use super::registry::{Inner, State};
 use crate::storage::ReleaseStats;
 use crate::sync::lock;
-use stageload_trace::event::{Event, Failed, Released, SnapshotAction, SnapshotTaken};
+use stageload_trace::event::{Event, Failed, Released, SnapshotAction, SnapshotTaken, What};
 
 /// The releases of one batch, claimed under the state lock.
 pub(super) struct Batch<'a> {
@@ -134,7 +134,7 @@ impl Inner {
                 Ok(stats) => {
                     total.freed += stats.freed;
                     total.kept += stats.kept;
-                    Event::now(Released {
+                    What::from(Released {
                         stage,
                         model: instance.name.clone(),
                         bytes: Some(stats.freed),
@@ -145,7 +145,7 @@ impl Inner {
                 }
                 Err(source) => {
                     let err = StageError::Torch { model: instance.name.clone(), source };
-                    Event::now(Failed {
+                    What::from(Failed {
                         stage,
                         model: Some(instance.name.clone()),
                         seconds: None,
@@ -159,8 +159,10 @@ impl Inner {
             // Before the events, so that a meter reading at them sees the memory gone.
             caches::give_back(any_dropped, self.trim.due(total.freed));
         }
-        for event in events {
-            self.emit(event);
+        // Stamped now, after the memory went back (the host block cache's flush included): a
+        // sample taken during the give-back falls before them, in the stage being left.
+        for what in events {
+            self.emit(Event::now(what));
         }
         total
     }
