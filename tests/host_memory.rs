@@ -91,13 +91,12 @@ fn one_round_of_large_blocks_freed_between_live_ones() {
         Ok("cached") => {
             let models = StagedModels::builder().stage("compute", NO_MODELS).stage("next", NO_MODELS).build().unwrap();
             models.enter("compute").unwrap();
-            let before = rss_bytes();
             let (kept, _keepers) = bytes_kept_after_freeing();
-            let freed = before - rss_bytes();
+            let after_freeing = rss_bytes();
             models.enter("next").unwrap();
-            // What entering the stage gave back, against what freeing the blocks had.
+            // What entering the stage gave back, against what freeing the blocks had kept.
             println!("kept {kept}");
-            println!("after entering {}", kept - (before - freed - rss_bytes()).max(0));
+            println!("after entering {}", kept - (after_freeing - rss_bytes()).max(0));
             return;
         }
         // Asked for by a run of the ignored tests: only a process of its own measures anything.
