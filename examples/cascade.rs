@@ -153,6 +153,7 @@ fn main() -> Result<(), BoxError> {
         .register_rng(Arc::new(chacha.clone()))
         .preserve_rng(!args.no_preserve_rng)
         .cache_host_blocks(!args.no_host_cache)
+        .huge_host_pages(!args.no_huge_pages)
         .prefetch_next(args.prefetch)
         .pipeline(demo.plan());
     for model in spec.models {

@@ -158,6 +158,7 @@ fn run(args: &Args) -> Result<(), BoxError> {
         .register_rng(std::sync::Arc::new(chacha))
         .preserve_rng(!common.no_preserve_rng)
         .cache_host_blocks(!common.no_host_cache)
+        .huge_host_pages(!common.no_huge_pages)
         .prefetch_next(common.prefetch)
         .pipeline(demo.plan());
     for model in spec.models {

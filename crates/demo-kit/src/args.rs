@@ -72,6 +72,10 @@ pub struct CommonArgs {
     /// back to the OS and the next step faults it in again)
     #[arg(long)]
     pub no_host_cache: bool,
+    /// Control experiment: the host block cache's blocks get no huge pages (every 4 KiB page of
+    /// fresh memory faults in on its own)
+    #[arg(long)]
+    pub no_huge_pages: bool,
     /// Staged: load the next stage's models in the background while a stage computes (models
     /// built without random initialisation)
     #[arg(long)]

@@ -150,6 +150,7 @@ impl Demo {
             .meta("seed", args.seed)
             .meta("preserve_rng", !args.no_preserve_rng)
             .meta("host_cache", !args.no_host_cache)
+            .meta("huge_pages", !args.no_huge_pages)
             .meta("prefetch", args.prefetch)
             .meta("host_tier", args.host_tier.unwrap_or(0))
             .meta("cold", args.cold)

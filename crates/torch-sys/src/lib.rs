@@ -71,6 +71,7 @@ mod ffi {
         pub fn sl_pin_memory(t: *const C_tensor, out: *mut *mut C_tensor) -> *mut c_char;
         pub fn sl_empty_pinned_cache() -> *mut c_char;
         pub fn sl_host_cache_install(min_block: usize, installed_now: *mut bool) -> *mut c_char;
+        pub fn sl_host_cache_huge_pages(on: bool);
         pub fn sl_host_cache_flush(freed: *mut usize) -> *mut c_char;
         pub fn sl_host_cache_stats(installed: *mut bool, out: *mut usize) -> *mut c_char;
         pub fn sl_host_buffer(bytes: i64, pin: c_int, out: *mut *mut C_tensor, mapped: *mut i64) -> *mut c_char;
@@ -579,6 +580,23 @@ pub fn cache_host_blocks() -> ShimResult<bool> {
     let err = unsafe { ffi::sl_host_cache_install(HOST_MMAP_THRESHOLD, &mut installed_now) };
     check("install the host block cache", err)?;
     Ok(installed_now)
+}
+
+/// The size from which the host block cache's own blocks may get huge pages
+/// ([`huge_host_pages`]).
+pub const HUGE_PAGE: usize = 2 << 20;
+
+/// Whether the host block cache's blocks of [`HUGE_PAGE`] or more allocated from now on start at
+/// a 2 MiB boundary and are advised as huge-page candidates (`MADV_HUGEPAGE`, as libtorch's own
+/// allocator does with `C10_THP_MEM_ALLOC_ENABLE=1`), for the whole process; on by default.
+/// Where the kernel gives advised memory huge pages (`/sys/kernel/mm/transparent_hugepage/enabled`
+/// is `always` or `madvise`), the first touch of such a block takes one page fault per 2 MiB
+/// instead of 512, which is most of the time of a load into fresh memory. Only whole, aligned
+/// 2 MiB ranges of a block get a huge page, at their first touch, and then all of the range is
+/// resident: the same memory for a tensor that is written whole, as weights and activations are.
+pub fn huge_host_pages(on: bool) {
+    // SAFETY: the call stores a flag; it cannot fail.
+    unsafe { ffi::sl_host_cache_huge_pages(on) }
 }
 
 /// Frees every block the host block cache keeps (see [`cache_host_blocks`]); returns their bytes

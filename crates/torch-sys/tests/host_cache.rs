@@ -1,12 +1,15 @@
 //! The host block cache against real libtorch on the CPU: a freed block goes to the next request
 //! of its size, small blocks pass by, what it holds stays within its bound (and a step that
 //! alternates sizes stops missing after its first round), a flush gives everything back, and a
-//! request that cannot be met books nothing. The cache is process-wide, so it has this binary of
+//! request that cannot be met books nothing; its blocks of 2 MiB or more start at a huge-page
+//! boundary and are advised for huge pages, unless that is turned off. The cache is process-wide, so it has this binary of
 //! its own and its tests take turns.
 
 use std::sync::{Mutex, MutexGuard};
 
-use stageload_torch_sys::{cache_host_blocks, flush_host_cache, host_cache_stats, HostCacheStats};
+use stageload_torch_sys::{
+    cache_host_blocks, flush_host_cache, host_cache_stats, huge_host_pages, HostCacheStats, HUGE_PAGE,
+};
 use tch::{Device, Kind, Tensor};
 
 const MIB: i64 = 1 << 20;
@@ -140,4 +143,53 @@ fn a_request_that_cannot_be_met_is_an_error_and_books_nothing() {
     let after = stats();
     assert_eq!((after.live, after.high, after.largest), (before.live, before.high, before.largest), "{after:?}");
     drop(stays);
+}
+
+/// The kernel's transparent huge page mode: the bracketed word of its setting (`always`,
+/// `madvise` or `never`).
+fn thp_mode() -> String {
+    let setting = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled").unwrap();
+    let start = setting.find('[').expect("a bracketed mode") + 1;
+    let end = setting[start..].find(']').expect("a closing bracket") + start;
+    setting[start..end].to_string()
+}
+
+/// Whether the kernel may back the mapping that holds `address` with huge pages: its
+/// `THPeligible` in `/proc/self/smaps`.
+fn thp_eligible(address: usize) -> bool {
+    let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
+    let mut inside = false;
+    for line in smaps.lines() {
+        let first = line.split_whitespace().next().unwrap_or_default();
+        if let Some((start, end)) = first.split_once('-') {
+            if let (Ok(start), Ok(end)) = (usize::from_str_radix(start, 16), usize::from_str_radix(end, 16)) {
+                inside = (start..end).contains(&address);
+                continue;
+            }
+        }
+        if let (true, Some(value)) = (inside, line.strip_prefix("THPeligible:")) {
+            return value.trim() == "1";
+        }
+    }
+    panic!("no mapping with THPeligible holds {address:#x}");
+}
+
+#[test]
+fn a_block_of_two_mebibytes_or_more_starts_at_a_huge_page_boundary_and_may_get_huge_pages() {
+    let _turn = alone();
+    huge_host_pages(true);
+    let weights = block(6 * MIB + 4096);
+    let address = weights.data_ptr() as usize;
+    assert_eq!(address % HUGE_PAGE, 0, "{address:#x}");
+    assert_eq!(thp_eligible(address), thp_mode() != "never", "mode {}", thp_mode());
+}
+
+#[test]
+fn with_huge_pages_off_a_block_is_left_to_the_kernel_s_default() {
+    let _turn = alone();
+    huge_host_pages(false);
+    let weights = block(6 * MIB + 8192);
+    let eligible = thp_eligible(weights.data_ptr() as usize);
+    huge_host_pages(true);
+    assert_eq!(eligible, thp_mode() == "always", "mode {}", thp_mode());
 }

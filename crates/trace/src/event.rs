@@ -294,7 +294,8 @@ pub struct Released {
     /// Bytes freed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub bytes: Option<u64>,
-    /// How long it took.
+    /// How long it took: the frees, and this release's share (by bytes freed) of giving its
+    /// batch's memory back to the OS.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub seconds: Option<f64>,
     /// Bytes left resident, because another resident model shares them or because nothing

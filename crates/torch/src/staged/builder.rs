@@ -68,6 +68,7 @@ pub struct StagedModelsBuilder {
     strict: bool,
     map_large_host_blocks: bool,
     cache_host_blocks: bool,
+    huge_host_pages: bool,
     progress: Option<Arc<ProgressHook>>,
     prefetch_next: bool,
     prefetch_budget: Option<u64>,
@@ -306,6 +307,15 @@ impl StagedModelsBuilder {
         self
     }
 
+    /// Whether the host block cache's blocks of 2 MiB or more get huge pages where the kernel
+    /// gives them to advised memory (default on; a process-wide setting, see
+    /// [`stageload_torch_sys::huge_host_pages`]; nothing without the cache): a load into fresh
+    /// memory, as every staged load is, then takes one page fault per 2 MiB instead of 512.
+    pub fn huge_host_pages(mut self, on: bool) -> Self {
+        self.huge_host_pages = on;
+        self
+    }
+
     /// Validates the plan: every model named once, every name in stages and pins has a loader.
     ///
     /// Once the plan is valid, and unless [`Self::map_large_host_blocks`] turned it off, this
@@ -392,6 +402,7 @@ impl StagedModelsBuilder {
             stageload_torch_sys::map_large_host_blocks();
         }
         if self.cache_host_blocks {
+            stageload_torch_sys::huge_host_pages(self.huge_host_pages);
             stageload_torch_sys::cache_host_blocks().map_err(StageError::HostCache)?;
         }
         let snapshots = match &self.snapshot_dir {
@@ -428,6 +439,7 @@ impl StagedModels {
             strict: false,
             map_large_host_blocks: true,
             cache_host_blocks: true,
+            huge_host_pages: true,
             progress: None,
             prefetch_next: false,
             prefetch_budget: None,

@@ -157,7 +157,9 @@ impl Inner {
         }
         if any_dropped || total.freed > 0 {
             // Before the events, so that a meter reading at them sees the memory gone.
+            let started = Instant::now();
             caches::give_back(any_dropped, self.trim.due(total.freed));
+            share_give_back(&mut events, started.elapsed().as_secs_f64(), total.freed);
         }
         // Stamped now, after the memory went back (the host block cache's flush included): a
         // sample taken during the give-back falls before them, in the stage being left.
@@ -249,6 +251,20 @@ pub(super) fn released_message(model: &str, stage: &Option<String>) -> String {
     format!("stageload: model '{model}' was released{at} and its weights are gone; get it from the registry again")
 }
 
+/// Adds to each release's seconds its share, by bytes freed, of `seconds` spent giving a batch's
+/// memory back to the OS (the host block cache's flush and the heap's trim, where most of a
+/// release's time goes: the frees themselves only hand blocks to the cache), so that the
+/// releases' seconds add up to the time they took.
+fn share_give_back(events: &mut [What], seconds: f64, freed: u64) {
+    for what in events {
+        if let What::Release(Released { bytes: Some(bytes), seconds: Some(own), .. }) = what {
+            // u64 to f64: a ratio, exact enough at any size.
+            let share = if freed == 0 { 0.0 } else { *bytes as f64 / freed as f64 };
+            *own += seconds * share;
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::sync::atomic::Ordering;
@@ -320,5 +336,28 @@ mod tests {
         // m0 and m1 each keep it for the ones after them (as released one after the other).
         assert_eq!((stats.freed, stats.kept), (heads + 4 * 64, 2 * 4 * 64));
         assert_eq!(models.resident_bytes(), 0);
+    }
+
+    #[test]
+    fn the_give_back_is_shared_among_a_batch_s_releases_by_bytes_freed() {
+        use super::{share_give_back, Released, What};
+        let released = |bytes, seconds| {
+            What::from(Released {
+                model: "m".into(),
+                bytes: Some(bytes),
+                seconds: Some(seconds),
+                ..Released::default()
+            })
+        };
+        let mut events = vec![released(300, 0.5), released(100, 0.25)];
+        share_give_back(&mut events, 2.0, 400);
+        let seconds: Vec<_> = events
+            .iter()
+            .map(|what| match what {
+                What::Release(Released { seconds, .. }) => *seconds,
+                _ => None,
+            })
+            .collect();
+        assert_eq!(seconds, [Some(2.0), Some(0.75)]);
     }
 }
