@@ -2,8 +2,8 @@
 //! of its size, small blocks pass by, what it holds stays within its bound (and a step that
 //! alternates sizes stops missing after its first round), a flush gives everything back, and a
 //! request that cannot be met books nothing; its blocks of 2 MiB or more start at a huge-page
-//! boundary and are advised for huge pages, unless that is turned off. The cache is process-wide, so it has this binary of
-//! its own and its tests take turns.
+//! boundary and are advised for huge pages, unless that is turned off. The cache is
+//! process-wide, so it has this binary of its own and its tests take turns.
 
 use std::sync::{Mutex, MutexGuard};
 
