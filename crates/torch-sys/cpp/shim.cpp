@@ -282,8 +282,9 @@ class HostBlockCache final : public c10::Allocator {
     bool huge = size >= kHugePage && huge_pages.load();
     void* p = nullptr;
     int err = posix_memalign(&p, huge ? kHugePage : c10::gAlignment, size);
-    TORCH_CHECK(err == 0 && p != nullptr, "the host block cache could not allocate ", size,
-                " bytes: ", std::strerror(err));
+    // Worded as libtorch's own allocator words it, which stageload reads as an out-of-memory.
+    TORCH_CHECK(err == 0 && p != nullptr, "host block cache: can't allocate memory: you tried to allocate ",
+                size, " bytes. Error code ", err, " (", std::strerror(err), ")");
 #ifdef MADV_HUGEPAGE
     // Advice only: where the kernel gives no huge pages (THP off) the block has small ones.
     if (huge) madvise(p, size, MADV_HUGEPAGE);
