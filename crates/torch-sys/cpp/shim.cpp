@@ -187,7 +187,7 @@ void skip_init_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack)
 // staged load is, spends most of its time in those faults.
 class HostBlockCache final : public c10::Allocator {
  public:
-  explicit HostBlockCache(size_t min_block) : min_block_(min_block) {}
+  HostBlockCache(size_t min_block, size_t huge_block) : min_block_(min_block), huge_block_(huge_block) {}
 
   c10::DataPtr allocate(size_t n) override {
     // Beyond a quarter of the address space nothing can be allocated, and the bound's sum stays
@@ -275,13 +275,12 @@ class HostBlockCache final : public c10::Allocator {
 
  private:
   static constexpr size_t kPage = 4096;
-  static constexpr size_t kHugePage = 2 << 20;
 
   // A block of `size` bytes (whole pages), freed with `std::free`.
-  static void* alloc_block(size_t size) {
-    bool huge = size >= kHugePage && huge_pages.load();
+  void* alloc_block(size_t size) const {
+    bool huge = size >= huge_block_ && huge_pages.load();
     void* p = nullptr;
-    int err = posix_memalign(&p, huge ? kHugePage : c10::gAlignment, size);
+    int err = posix_memalign(&p, huge ? huge_block_ : c10::gAlignment, size);
     // Worded as libtorch's own allocator words it, which stageload reads as an out-of-memory.
     TORCH_CHECK(err == 0 && p != nullptr, "host block cache: can't allocate memory: you tried to allocate ",
                 size, " bytes. Error code ", err, " (", std::strerror(err), ")");
@@ -333,6 +332,7 @@ class HostBlockCache final : public c10::Allocator {
   }
 
   const size_t min_block_;
+  const size_t huge_block_;  // the huge page size: from it blocks may get huge pages
   std::mutex mutex_;
   std::list<Block> order_;  // kept blocks, oldest first
   std::unordered_multimap<size_t, std::list<Block>::iterator> by_size_;
@@ -568,12 +568,12 @@ char* sl_mps_available(bool* out) {
   return guarded([&] { *out = at::hasMPS(); });
 }
 
-char* sl_host_cache_install(size_t min_block, bool* installed_now) {
+char* sl_host_cache_install(size_t min_block, size_t huge_block, bool* installed_now) {
   return guarded([&] {
     *installed_now = false;
     std::call_once(host_block_cache_once, [&] {
       // Never freed: storages keep a pointer to their allocator for as long as they live.
-      auto* cache = new HostBlockCache(min_block);
+      auto* cache = new HostBlockCache(min_block, huge_block);
       HostBlockCache::instance.store(cache);
       c10::SetCPUAllocator(cache, /*priority=*/1);
       *installed_now = true;

@@ -70,7 +70,7 @@ mod ffi {
         pub fn sl_copy_async(dst: *const C_tensor, src: *const C_tensor) -> *mut c_char;
         pub fn sl_pin_memory(t: *const C_tensor, out: *mut *mut C_tensor) -> *mut c_char;
         pub fn sl_empty_pinned_cache() -> *mut c_char;
-        pub fn sl_host_cache_install(min_block: usize, installed_now: *mut bool) -> *mut c_char;
+        pub fn sl_host_cache_install(min_block: usize, huge_block: usize, installed_now: *mut bool) -> *mut c_char;
         pub fn sl_host_cache_huge_pages(on: bool);
         pub fn sl_host_cache_flush(freed: *mut usize) -> *mut c_char;
         pub fn sl_host_cache_stats(installed: *mut bool, out: *mut usize) -> *mut c_char;
@@ -577,7 +577,7 @@ pub fn map_large_host_blocks() -> bool {
 pub fn cache_host_blocks() -> ShimResult<bool> {
     let mut installed_now = false;
     // SAFETY: the out-pointer is valid for the call; the shim installs its allocator once.
-    let err = unsafe { ffi::sl_host_cache_install(HOST_MMAP_THRESHOLD, &mut installed_now) };
+    let err = unsafe { ffi::sl_host_cache_install(HOST_MMAP_THRESHOLD, HUGE_PAGE, &mut installed_now) };
     check("install the host block cache", err)?;
     Ok(installed_now)
 }
