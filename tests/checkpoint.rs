@@ -1,7 +1,7 @@
 //! Checkpoint I/O against real safetensors files written by the test: round trips for every
 //! dtype, conversions, and every bad input leaving the targets as they were.
 
-use stageload::checkpoint::{save, Checkpoint, CheckpointError};
+use stageload::checkpoint::{save, Checkpoint, CheckpointError, HostRead, MAPPED_MIN};
 use stageload_test_support::torch as support;
 use tch::{Device, Kind, Tensor};
 
@@ -317,6 +317,53 @@ fn a_file_truncated_after_it_was_opened_is_an_error_not_a_crash() {
     assert!(matches!(err, CheckpointError::Read { ref tensor, .. } if tensor == "big"), "{err}");
     let message = err.to_string();
     assert!(message.contains("shrinks.safetensors") && message.contains("reading tensor 'big'"), "{message}");
+}
+
+#[test]
+fn both_host_read_paths_load_the_same_bytes_from_any_offset() {
+    let _generator = support::generator();
+    // A 3-byte entry first puts every later entry at an offset no page or vector boundary
+    // aligns; the sizes straddle the smallest mapped piece and the 4 MiB piece.
+    let odd = sample(Kind::Uint8, &[3]);
+    let sizes = [MAPPED_MIN as i64 / 4 - 1, MAPPED_MIN as i64 / 4, (4 << 20) / 4 + 5, 3 << 20, 17];
+    let tensors: Vec<Tensor> = sizes.iter().map(|&n| sample(Kind::Float, &[n])).collect();
+    let mut entries = vec![named("odd", &odd)];
+    entries.extend(tensors.iter().enumerate().map(|(i, t)| named(&format!("t{i}"), t)));
+    let (_folder, path) = tmp("offsets.safetensors");
+    save(&entries, &path).unwrap();
+    for how in [HostRead::Mapped, HostRead::Pread] {
+        let targets: Vec<(String, Tensor)> = entries.iter().map(|(name, t)| (name.clone(), t.full_like(7))).collect();
+        Checkpoint::open(&[&path]).unwrap().host_reads(how).load_into(&targets, |_| {}).unwrap();
+        for ((name, target), (_, want)) in targets.iter().zip(&entries) {
+            assert!(target.equal(want), "{how:?}: {name} differs");
+        }
+    }
+}
+
+#[test]
+fn a_file_truncated_during_a_load_is_an_error_not_a_crash() {
+    let _generator = support::generator();
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+    // 48 MiB in 12 pieces; the hook asked before the third piece cuts the file to a third, while
+    // other readers may be copying theirs (from a mapping, the cut pages fault: SIGBUS).
+    let big = sample(Kind::Float, &[12, 1 << 20]);
+    for how in [HostRead::Mapped, HostRead::Pread] {
+        let (_folder, path) = tmp("shrinking.safetensors");
+        save(&[named("big", &big)], &path).unwrap();
+        let length = std::fs::metadata(&path).unwrap().len();
+        let asked = Arc::new(AtomicUsize::new(0));
+        let cut = path.clone();
+        let checkpoint = Checkpoint::open(&[&path]).unwrap().host_reads(how).before_each_piece(Arc::new(move |_| {
+            if asked.fetch_add(1, Ordering::SeqCst) == 2 {
+                std::fs::OpenOptions::new().write(true).open(&cut).unwrap().set_len(length / 3).unwrap();
+            }
+            true
+        }));
+        let err = checkpoint.load_into(&[named("big", &big.zeros_like())], |_| {}).unwrap_err();
+        assert!(matches!(err, CheckpointError::Read { ref tensor, .. } if tensor == "big"), "{how:?}: {err}");
+        assert!(err.to_string().contains("shrinking.safetensors"), "{err}");
+    }
 }
 
 #[test]

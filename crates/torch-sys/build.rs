@@ -30,6 +30,9 @@ fn main() {
         .warnings(false)
         .file("cpp/shim.cpp");
     build.compile("stageload_shim");
+    // The mapped read needs no libtorch header.
+    println!("cargo:rerun-if-changed=cpp/mapped.cpp");
+    cc::Build::new().cpp(true).pic(true).std("c++17").warnings(true).file("cpp/mapped.cpp").compile("stageload_mapped");
     println!("cargo:libtorch_lib={}", lib.display());
     // The crate's own unit tests link libtorch too.
     stageload_build::link_libtorch_at(&lib);

@@ -30,6 +30,8 @@ pub type ShimResult<T> = Result<T, ShimError>;
 
 mod aoti;
 pub use aoti::{aoti_package_metadata, AotiConstant, AotiPackage};
+mod mapped;
+pub use mapped::{read_mapped, MappedReadError};
 
 mod ffi {
     use super::*;

@@ -11,7 +11,8 @@
 //! (posix_fadvise) are added. The fraction of the file in the page cache as each load starts is
 //! read (`fincore`) and reported. The loaders: the limits (a plain `pread` loop into one reused
 //! buffer, and `pread`s with stageload's parallelism, the ratios' reference: the page cache's copy
-//! rate warm, the disk's rate cold), stageload, `tch::nn::VarStore::load`, and the Python
+//! rate warm, the disk's rate cold), stageload (its default, `pread` straight into the targets,
+//! and `HostRead::Mapped`, pieces copied from mappings), `tch::nn::VarStore::load`, and the Python
 //! peers of `python/bench_load.py` (safetensors, runai-model-streamer, fastsafetensors,
 //! instanttensor, torch.load with and without mmap), each a fresh process per load (startup not
 //! timed). A peer that cannot be installed or cannot load to the CPU is reported with why, and the
@@ -29,7 +30,7 @@ use std::process::Command;
 use std::time::Instant;
 
 use clap::Parser;
-use stageload::checkpoint::{Checkpoint, Progress};
+use stageload::checkpoint::{Checkpoint, HostRead, Progress};
 use stageload_bench::median;
 use stageload_probe::ProcessMemory;
 use tch::nn::{self, VarStore};
@@ -71,7 +72,8 @@ const LIMIT_BUFFER: usize = 16 << 20;
 enum Loader {
     /// A `pread` loop into one reused buffer of [`LIMIT_BUFFER`] bytes, one thread.
     Limit,
-    Stageload,
+    /// stageload's checkpoint load, reading host pieces as it says.
+    Stageload(HostRead),
     Tch,
     /// A peer of python/bench_load.py, by its name there.
     Python(&'static str),
@@ -80,10 +82,11 @@ enum Loader {
     Parallel,
 }
 
-const LOADERS: [Loader; 10] = [
+const LOADERS: [Loader; 11] = [
     Loader::Limit,
     Loader::Parallel,
-    Loader::Stageload,
+    Loader::Stageload(HostRead::Pread),
+    Loader::Stageload(HostRead::Mapped),
     Loader::Tch,
     Loader::Python("safetensors"),
     Loader::Python("runai-model-streamer"),
@@ -98,7 +101,8 @@ impl Loader {
         match self {
             Loader::Limit => "limit (pread)",
             Loader::Parallel => "limit (parallel pread)",
-            Loader::Stageload => "stageload",
+            Loader::Stageload(HostRead::Pread) => "stageload",
+            Loader::Stageload(HostRead::Mapped) => "stageload (mapped)",
             Loader::Tch => "tch",
             Loader::Python(peer) => peer,
         }
@@ -269,7 +273,7 @@ fn main() -> Result<(), BoxError> {
     let loaders: Vec<Loader> = LOADERS
         .into_iter()
         .filter(|l| {
-            matches!(l, Loader::Limit | Loader::Parallel | Loader::Stageload)
+            matches!(l, Loader::Limit | Loader::Parallel | Loader::Stageload(HostRead::Pread))
                 || args.only.is_empty()
                 || args.only.iter().any(|n| n == l.name())
         })
@@ -334,7 +338,7 @@ fn main() -> Result<(), BoxError> {
                 // (made and zeroed in their own process).
                 match loader {
                     Loader::Limit => buffer.fill(1),
-                    Loader::Stageload => rewrite(targets.iter().map(|(_, t)| t)),
+                    Loader::Stageload(_) => rewrite(targets.iter().map(|(_, t)| t)),
                     Loader::Tch => rewrite(vs_tch.variables().values()),
                     Loader::Parallel | Loader::Python(_) => {}
                 }
@@ -354,10 +358,10 @@ fn main() -> Result<(), BoxError> {
                         let buffers = (stageload::checkpoint::readers() * stageload::checkpoint::PIECE) as i64;
                         Measure { seconds: length as f64 / rate, peak_over: buffers, peak_with_file: buffers }
                     }
-                    Loader::Stageload => {
+                    Loader::Stageload(how) => {
                         let bar = show_bar.then(|| indicatif::ProgressBar::new(model_bytes as u64));
                         let m = measured(|| {
-                            let opened = Checkpoint::open(&[&file])?;
+                            let opened = Checkpoint::open(&[&file])?.host_reads(how);
                             opened.load_into(&targets, |p: Progress| {
                                 if let Some(bar) = &bar {
                                     bar.set_position(p.done)
@@ -368,7 +372,12 @@ fn main() -> Result<(), BoxError> {
                         if let Some(bar) = bar {
                             bar.finish_and_clear();
                         }
-                        loaded_sum.get_or_insert_with(|| checksum(&targets));
+                        let sum = checksum(&targets);
+                        if *loaded_sum.get_or_insert(sum) != sum {
+                            return Err(
+                                format!("{} loaded other numbers than stageload's other arm", loader.name()).into()
+                            );
+                        }
                         m
                     }
                     Loader::Tch => measured(|| Ok(vs_tch.load(&file)?))?,
@@ -422,7 +431,7 @@ fn main() -> Result<(), BoxError> {
                 results.iter().filter(|(l, m, ..)| *l == loader && *m == mode).map(|(_, _, c, m)| (*c, m)).collect();
             (median(runs.iter().map(|(_, m)| gb / m.seconds).collect()), runs)
         };
-        let (stageload, _) = rate_of(Loader::Stageload);
+        let (stageload, _) = rate_of(Loader::Stageload(HostRead::Pread));
         let (limit, _) = rate_of(Loader::Parallel);
         for &loader in loaders.iter().filter(|l| !unavailable.contains_key(l.name())) {
             let name = loader.name();

@@ -6,9 +6,10 @@
 //! at open. At load, an entry whose target is a contiguous CPU tensor of the same dtype is read
 //! with `pread` straight into the target's memory, in pieces of at most 4 MiB ([`PIECE`]) that
 //! the CPUs take in turn: no copy, and no mapping whose pages would count in the process's RSS.
-//! (On the load benchmark's checkpoint, copying from the file mapped a window at a time
-//! measured 10.0 GB/s against 11.2 for this path, and from one mapping of the whole file
-//! 10.7–10.9 against 11.8–12.4, with the whole file in RSS during the load.) Entries for contiguous CUDA targets go
+//! (On the load benchmark's checkpoint, copying from one mapping of the whole file measured
+//! 10.7–10.9 GB/s against 11.8–12.4 for this path, with the whole file in RSS during the load;
+//! copying each piece from a mapping of just its pages with non-temporal stores,
+//! [`HostRead::Mapped`], between 0.88x and 1.14x this path from one run to the next.) Entries for contiguous CUDA targets go
 //! through the pinned ring of `device_copy` ([`RingShape`]; 36.7 GB/s on the H200, against 55 for a
 //! pinned copy). Entries that need a dtype conversion on the CPU, go to another device, or land in
 //! strided or overlapping (tied) targets are read a window of rows at a time into one reused buffer
@@ -37,6 +38,7 @@ use stageload_trace::event::LoadReport as NamedLoad;
 use tch::{Device, Kind, Tensor};
 
 use crate::device_copy;
+use stageload_torch_sys::MappedReadError;
 
 mod kinds;
 mod save;
@@ -304,7 +306,28 @@ pub struct Checkpoint {
     handles: Vec<File>,
     entries: HashMap<String, Entry>,
     before_piece: Option<Arc<BeforePiece>>,
+    host_reads: HostRead,
 }
+
+/// How a checkpoint's pieces for CPU targets of the file's dtype reach the targets' memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+pub enum HostRead {
+    /// Every piece is read with `pread` straight into the target's memory. The default.
+    #[default]
+    Pread,
+    /// Each piece of at least [`MAPPED_MIN`] bytes whose pages are in the page cache is copied
+    /// from a mapping of just those pages with non-temporal stores
+    /// ([`stageload_torch_sys::read_mapped`]); a smaller piece, one read from the disk, or one
+    /// whose mapping fails for any reason is read with `pread`, which reports the file's own
+    /// error if it has one. Not the default: on the load benchmark's checkpoint it measured
+    /// between 0.88x and 1.14x the rate of `pread` from one run to the next
+    /// (`traces/load-bench-mapped/`).
+    Mapped,
+}
+
+/// The smallest piece [`HostRead::Mapped`] copies from a mapping: below it the mapping's three
+/// calls and the TLB flush at its unmap cost more than the copy saves.
+pub const MAPPED_MIN: usize = 256 << 10;
 
 /// Asked before every piece of a load: it may wait as long as it likes (the load pauses there)
 /// when told [`PieceWait::May`], then says whether the load goes on.
@@ -331,8 +354,13 @@ impl Checkpoint {
     /// Opens every file and checks its header: valid JSON, offsets inside the file and covering
     /// its data, supported dtypes, no tensor name in two files.
     pub fn open<P: AsRef<Path>>(files: &[P]) -> Result<Self, CheckpointError> {
-        let mut checkpoint =
-            Checkpoint { files: Vec::new(), handles: Vec::new(), entries: HashMap::new(), before_piece: None };
+        let mut checkpoint = Checkpoint {
+            files: Vec::new(),
+            handles: Vec::new(),
+            entries: HashMap::new(),
+            before_piece: None,
+            host_reads: HostRead::default(),
+        };
         for path in files {
             let path = path.as_ref().to_path_buf();
             let mut file = stageload_input::open_regular(&path)
@@ -380,6 +408,27 @@ impl Checkpoint {
     pub fn before_each_piece(mut self, hook: Arc<BeforePiece>) -> Self {
         self.before_piece = Some(hook);
         self
+    }
+
+    /// How pieces for CPU targets of the file's dtype are read ([`HostRead::Mapped`] unless set).
+    pub fn host_reads(mut self, how: HostRead) -> Self {
+        self.host_reads = how;
+        self
+    }
+
+    /// Fills `memory` with the bytes of file `file` at `offset`, as [`HostRead`] says.
+    fn read_piece(&self, file: usize, memory: &mut [u8], offset: u64) -> std::io::Result<()> {
+        let handle = &self.handles[file];
+        if self.host_reads == HostRead::Mapped && memory.len() >= MAPPED_MIN {
+            match stageload_torch_sys::read_mapped(handle, offset, memory) {
+                Ok(()) => return Ok(()),
+                Err(MappedReadError::Unsupported | MappedReadError::NotCached { .. }) => {}
+                Err(err) => {
+                    tracing::debug!(file = %self.files[file].display(), %err, "mapped read failed; reading with pread")
+                }
+            }
+        }
+        handle.read_exact_at(memory, offset)
     }
 
     /// `Stopped` once the hook of [`before_each_piece`](Self::before_each_piece) says no.
@@ -653,8 +702,8 @@ impl Checkpoint {
                 let read = match (self.go_on(PieceWait::May), next) {
                     (Err(stopped), _) => Err(stopped),
                     (Ok(()), None) => return,
-                    (Ok(()), Some(job)) => self.handles[job.entry.file]
-                        .read_exact_at(job.memory, job.offset)
+                    (Ok(()), Some(job)) => self
+                        .read_piece(job.entry.file, job.memory, job.offset)
                         .inspect(|()| crate::copy_watch::piece())
                         .map(|()| job.memory.len() as u64)
                         .map_err(|source| self.read_error(job.name, job.entry, source)),
