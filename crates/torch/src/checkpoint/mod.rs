@@ -9,9 +9,9 @@
 //! (On the load benchmark's checkpoint, copying from one mapping of the whole file measured
 //! 10.7–10.9 GB/s against 11.8–12.4 for this path, with the whole file in RSS during the load;
 //! copying each piece from a mapping of just its pages with non-temporal stores,
-//! [`HostRead::Mapped`], between 0.88x and 1.14x this path from one run to the next.) Entries for contiguous CUDA targets go
-//! through the pinned ring of `device_copy` ([`RingShape`]; 36.7 GB/s on the H200, against 55 for a
-//! pinned copy). Entries that need a dtype conversion on the CPU, go to another device, or land in
+//! [`HostRead::Mapped`], between 0.88x and 1.14x this path from one run to the next.) Entries
+//! for contiguous CUDA targets go through the pinned ring of `device_copy` ([`RingShape`]; 36.7
+//! GB/s on the H200, against 55 for a pinned copy). Entries that need a dtype conversion on the CPU, go to another device, or land in
 //! strided or overlapping (tied) targets are read a window of rows at a time into one reused buffer
 //! of at most 16 MiB and handed to libtorch's `copy_`, one after the other in the caller's order,
 //! so that of tied targets the one listed last wins. `load_named` meets the targets' names with
@@ -325,8 +325,9 @@ pub enum HostRead {
     Mapped,
 }
 
-/// The smallest piece [`HostRead::Mapped`] copies from a mapping: below it the mapping's three
-/// calls and the TLB flush at its unmap cost more than the copy saves.
+/// The smallest piece [`HostRead::Mapped`] copies from a mapping; a smaller one is read with
+/// `pread`. The mapping's fixed costs (its calls, the TLB flush at the unmap) grow as a share of
+/// the piece as it shrinks; this bound was chosen, not measured.
 pub const MAPPED_MIN: usize = 256 << 10;
 
 /// Asked before every piece of a load: it may wait as long as it likes (the load pauses there)
