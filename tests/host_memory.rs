@@ -7,7 +7,7 @@
 #![cfg(all(target_os = "linux", target_env = "gnu"))]
 
 use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use stageload::StagedModels;
 use tch::{Device, Kind, Tensor};
@@ -48,14 +48,8 @@ fn round_in_a_process_of_its_own(mode: &str) -> String {
         .spawn()
         .unwrap();
     // A round takes about a second; a child that hangs is stopped, by its own pid.
-    let deadline = Instant::now() + Duration::from_secs(120);
-    while child.try_wait().unwrap().is_none() {
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("the {mode} round ran past 120 s");
-        }
-        std::thread::sleep(Duration::from_millis(20));
+    if stageload_test_support::pids::wait_for(&mut child, Duration::from_secs(120)).is_none() {
+        panic!("the {mode} round ran past 120 s");
     }
     let out = child.wait_with_output().unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout).into_owned();

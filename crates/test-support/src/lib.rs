@@ -1,6 +1,7 @@
 //! What the workspace's tests share, one concern per module:
 //!
-//! - [`pids`]: the pid a test command wrote, and whether a pid still runs.
+//! - [`pids`]: the pid a test command wrote, whether a pid still runs, a child waited for with a
+//!   deadline.
 //! - [`build`]: a binary or example of this workspace built now (never stale) for a test to run.
 //! - [`fixtures`]: fixtures a Python script of the workspace writes with the cached torch.
 //! - `torch` (feature `torch`): a small real tch model, the process's RSS, and the one lock on

@@ -1,4 +1,5 @@
-//! Process-id helpers for tests that start commands: the guard's, the CLI's guard tests.
+//! Process helpers for tests that start commands: the pid a command wrote, whether a pid runs,
+//! and waiting for a child with a deadline.
 
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -20,4 +21,21 @@ pub fn running(pid: i32) -> bool {
     std::fs::read_to_string(format!("/proc/{pid}/stat"))
         .map(|stat| stat.rsplit_once(')').is_some_and(|(_, rest)| !rest.trim_start().starts_with('Z')))
         .unwrap_or(false)
+}
+
+/// Waits up to `limit` for `child`, a process the caller started; past it, stops the child by its
+/// own pid, reaps it and returns `None`.
+pub fn wait_for(child: &mut std::process::Child, limit: Duration) -> Option<std::process::ExitStatus> {
+    let deadline = Instant::now() + limit;
+    loop {
+        if let Some(status) = child.try_wait().expect("wait for the child") {
+            return Some(status);
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
 }

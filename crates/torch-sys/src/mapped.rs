@@ -231,18 +231,8 @@ mod tests {
             .stdout(std::process::Stdio::piped())
             .spawn()
             .unwrap();
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
-        let status = loop {
-            if let Some(status) = child.try_wait().unwrap() {
-                break status;
-            }
-            if std::time::Instant::now() > deadline {
-                child.kill().unwrap();
-                child.wait().unwrap();
-                panic!("the faulting child did not end within 60 s");
-            }
-            std::thread::sleep(std::time::Duration::from_millis(20));
-        };
+        let status = stageload_test_support::pids::wait_for(&mut child, std::time::Duration::from_secs(60))
+            .expect("the faulting child ends within 60 s");
         let mut stdout = String::new();
         std::io::Read::read_to_string(&mut child.stdout.take().unwrap(), &mut stdout).unwrap();
         assert_eq!(status.signal(), Some(libc::SIGBUS), "{status:?}: {stdout}");

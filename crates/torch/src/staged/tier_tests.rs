@@ -440,19 +440,8 @@ fn slow_host_tier_copies_change_no_output_and_free_nothing_a_copy_uses() {
         .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
-    let status = loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            break status;
-        }
-        if std::time::Instant::now() > deadline {
-            // By its pid: the child this test started.
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("the slow host-tier run did not end within 60 s");
-        }
-        std::thread::sleep(std::time::Duration::from_millis(20));
-    };
+    let status = stageload_test_support::pids::wait_for(&mut child, std::time::Duration::from_secs(60))
+        .expect("the slow host-tier run ends within 60 s");
     let output = child.wait_with_output().unwrap();
     let (stdout, stderr) = (String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
     assert!(status.success() && stdout.contains("1 passed"), "{stdout}\n{stderr}");
