@@ -29,6 +29,7 @@ use rand_chacha::ChaCha8Rng;
 use stageload::stream::StreamedModel;
 use stageload::{BoxError, Built, EventSink, ModelSpec, Pipeline, SharedRng, StagedModels};
 use stageload_demo_kit::args::{parse_device, positive_scale};
+use stageload_demo_kit::beside::ReadsBeside;
 use stageload_demo_kit::models::{cascade_seed, cascade_shapes};
 use stageload_demo_kit::sampler::sample_flow_with;
 use stageload_demo_kit::weights::{cache_root, disk_read_rate, drop_page_cache};
@@ -63,9 +64,14 @@ struct Args {
     #[arg(long)]
     any_order: bool,
     /// Refills read past the page cache (each drops what it read), as a model bigger than
-    /// memory streams from disk
+    /// memory streams from disk (with `--read-beside`, those reads do)
     #[arg(long)]
     uncached: bool,
+    /// Whole model only: read this many blocks of the checkpoint beside the flow, spread over
+    /// its calls, as refills read them but waited for by nothing (`ReadsBeside`): the least
+    /// time a streamed flow reading as many blocks can take on this machine
+    #[arg(long, value_name = "BLOCKS", conflicts_with = "budget")]
+    read_beside: Option<usize>,
     /// Drop the checkpoint's pages from the page cache before set-up: its first reads come from
     /// the disk
     #[arg(long)]
@@ -208,7 +214,10 @@ struct Outcome {
     /// Each of the two measurements, before and after.
     #[serde(skip_serializing_if = "Option::is_none")]
     disk_rates: Option<[f64; 2]>,
-    /// `bytes_refilled` read at `disk_bytes_per_second`: the time the flow cannot go below when
+    /// Bytes read beside a whole model's flow (`--read-beside`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    bytes_read_beside: Option<u64>,
+    /// `bytes_refilled` (or `bytes_read_beside`) read at `disk_bytes_per_second`: the time the flow cannot go below when
     /// its reads are what bounds it.
     #[serde(skip_serializing_if = "Option::is_none")]
     reading_seconds: Option<f64>,
@@ -327,6 +336,18 @@ fn run(args: Args) -> Result<(), BoxError> {
     };
     // Set-up (the whole load, or the streamer's resident part) before the clock starts.
     models.get::<Flow>(MODEL)?;
+    let beside = match args.read_beside {
+        Some(_) => {
+            if args.uncached {
+                drop_page_cache(&file)?;
+            }
+            Some(ReadsBeside::start(&file, "model.blocks", args.uncached)?)
+        }
+        None => None,
+    };
+    // Block reads asked for beside call `call` of `steps`: reads spread evenly over the calls.
+    let (reads, steps) = (args.read_beside.unwrap_or(0), args.steps as usize);
+    let (mut call, mut asked) = (0, 0);
     let start = Instant::now();
     let (latent, stats, streamed) = models.call(MODEL, |flow: &mut Flow| -> Result<_, BoxError> {
         let latent = match flow.streamed.as_mut() {
@@ -335,6 +356,13 @@ fn run(args: Args) -> Result<(), BoxError> {
                 streamed.run(|step| flow.model.forward_routed_streamed(input, step, &blocks, &then))
             })?,
             None => sample_flow_with(x, &cond, &times, |input| {
+                if let Some(beside) = &beside {
+                    while asked < reads && asked * steps / reads <= call {
+                        beside.read(asked % depth);
+                        asked += 1;
+                    }
+                }
+                call += 1;
                 Ok::<_, BoxError>(flow.model.forward_routed(input, &next_route().0))
             })?,
         };
@@ -342,6 +370,7 @@ fn run(args: Args) -> Result<(), BoxError> {
         let stats = streamed.map(|s| s.stats()).unwrap_or_default();
         Ok((latent, stats, streamed.map(|s| (s.residency(), s.split().resident))))
     })??;
+    let bytes_read_beside = beside.map(ReadsBeside::finish).transpose()?;
     let seconds = start.elapsed().as_secs_f64();
     let disk_rates = rate_before.map(|before| disk_read_rate(&file).map(|after| [before, after])).transpose()?;
     // Both reads are of the whole checkpoint: their combined rate is the harmonic mean.
@@ -397,7 +426,9 @@ fn run(args: Args) -> Result<(), BoxError> {
             waited_seconds: stats.waited_seconds,
             disk_bytes_per_second,
             disk_rates,
-            reading_seconds: disk_bytes_per_second.map(|rate| stats.bytes_refilled as f64 / rate),
+            bytes_read_beside,
+            reading_seconds: disk_bytes_per_second
+                .map(|rate| (stats.bytes_refilled + bytes_read_beside.unwrap_or(0)) as f64 / rate),
         };
         std::fs::write(path, serde_json::to_string_pretty(&outcome)?)?;
     }

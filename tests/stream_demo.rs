@@ -86,6 +86,43 @@ fn the_largest_model_streamed_under_a_budget_below_its_size_gives_the_same_laten
 }
 
 #[test]
+fn blocks_read_beside_a_whole_flow_are_all_read_and_change_nothing_it_computes() {
+    let folder = tempfile::TempDir::new().unwrap();
+    let (cache, result) = (folder.path().join("cache"), folder.path().join("result.json"));
+    let whole = run(&cache, &result, &[]);
+    // Five blocks over the two calls, dropped from the page cache as they are read.
+    let beside = run(&cache, &result, &["--read-beside", "5", "--uncached"]);
+    assert_eq!(beside["fingerprint"], whole["fingerprint"], "{beside}");
+    // Blocks 0-4, each its tensors' bytes in the checkpoint (all blocks are the same size).
+    let file = std::fs::read_dir(cache.join("cascade-scale-0.25"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.file_name().unwrap().to_string_lossy().starts_with("texture_flow"))
+        .unwrap();
+    let checkpoint = stageload::checkpoint::Checkpoint::open(&[file]).unwrap();
+    let block: u64 = checkpoint
+        .entries()
+        .iter()
+        .filter(|(name, _)| name.starts_with("model.blocks.0."))
+        .map(|(_, entry)| entry.end - entry.start)
+        .sum();
+    assert!(block > 0);
+    assert_eq!(beside["bytes_read_beside"].as_u64(), Some(5 * block), "{beside}");
+    assert_eq!(beside["bytes_refilled"].as_u64(), Some(0), "{beside}");
+}
+
+#[test]
+fn reads_beside_a_streamed_model_are_refused_naming_both_flags() {
+    let out = Command::new(example("stream"))
+        .args(["--device", "cpu", "--read-beside", "3", "--budget", "60MiB"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("--read-beside") && stderr.contains("--budget"), "{stderr}");
+}
+
+#[test]
 fn a_run_told_its_files_through_the_environment_writes_its_result_and_latent_there() {
     // As `stageload ab` tells each run (STAGELOAD_RESULT, STAGELOAD_LATENTS), without flags.
     let folder = tempfile::TempDir::new().unwrap();

@@ -30,6 +30,7 @@
 #![warn(missing_docs)]
 
 pub mod args;
+pub mod beside;
 pub mod clip_image;
 pub mod ddim;
 pub mod heun;

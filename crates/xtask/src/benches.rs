@@ -8,7 +8,7 @@ use crate::ab::{build, cascade_arms, guard_flags, Arm, Comparison};
 use crate::shell::{check, words, Error, Failures, Log, Setup, Shell};
 
 /// The hot set's arms: name, and the stream example's flags for it.
-const HOT_SET_ARMS: [(&str, &[&str]); 5] = [
+const HOT_SET_ARMS: [(&str, &[&str]); 8] = [
     // The whole model loaded.
     ("resident", &[]),
     // The same with the allocator setting a streamed model makes on the CPU (every block of
@@ -21,7 +21,16 @@ const HOT_SET_ARMS: [(&str, &[&str]); 5] = [
     ("no-hot", &["--budget", "550MiB", "--working", "150MiB", "--any-order", "--resident-at-most", "0"]),
     // The same budget as a resident prefix (blocks 0-5, which the router does not favour).
     ("prefix", &["--budget", "550MiB", "--working", "150MiB"]),
+    // The whole model with as many blocks read beside its flow as each streamed arm refills
+    // (checked against their medians; the route and the policies are fixed, so the counts are
+    // too): the least time each can take here, its reads' CPU shared with the compute's.
+    ("beside-hot", &["--read-beside", "27"]),
+    ("beside-no-hot", &["--read-beside", "96"]),
+    ("beside-prefix", &["--read-beside", "34"]),
 ];
+
+/// Each streamed arm and the arm reading as much beside the whole model's flow.
+const BESIDE: [(&str, &str); 3] = [("hot", "beside-hot"), ("no-hot", "beside-no-hot"), ("prefix", "beside-prefix")];
 
 /// The hot set of a streamed model whose forward runs only some blocks per call (a fixed router
 /// over texture_flow's 12 blocks at scale 1: blocks 0 and 1 every call, one of the last three and
@@ -46,6 +55,7 @@ pub fn hot_set(shell: &mut Shell, out: &Path, runs: u16) -> Result<(), Error> {
                 if source == "disk" {
                     args.extend(words(&["--cold", "--disk-rate"]));
                     if !name.starts_with("resident") {
+                        // Refills (and reads beside) drop what they read.
                         args.push("--uncached".into());
                     }
                 }
@@ -66,14 +76,24 @@ pub fn hot_set(shell: &mut Shell, out: &Path, runs: u16) -> Result<(), Error> {
                 report.ratio("seconds", arm).unwrap_or(f64::NAN),
                 value("refills", arm),
                 value("blocks_run", arm),
-                value("bytes_refilled", arm) / f64::from(1u32 << 30),
+                // A streamed arm's refills, or the reads beside a whole model's flow.
+                value("bytes_refilled", arm).max(value("bytes_read_beside", arm)) / f64::from(1u32 << 30),
                 value("carried", arm),
                 value("hot_hits", arm),
                 (value("peak_rss", arm) - value("base_rss", arm)) / f64::from(1u32 << 20),
             ));
         }
+        beside_limits(&log, &report);
         if source == "disk" {
             disk_limits(&log, &report);
+        }
+        for (streamed, beside) in BESIDE {
+            if report.median("bytes_refilled", streamed) != report.median("bytes_read_beside", beside) {
+                failures.keep(Err(format!(
+                    "from the {source}: {beside} read another number of blocks than {streamed} refilled: set its --read-beside to {streamed}'s refills ({:.0})",
+                    value("refills", streamed)
+                )));
+            }
         }
         for other in ["no-hot", "prefix"] {
             if value("refills", "hot").partial_cmp(&value("refills", other)) != Some(std::cmp::Ordering::Less) {
@@ -82,6 +102,19 @@ pub fn hot_set(shell: &mut Shell, out: &Path, runs: u16) -> Result<(), Error> {
         }
     }
     failures.end()
+}
+
+/// Each streamed arm against the whole model's flow with the same blocks read beside it, which
+/// waits for none of them: what streaming costs beyond sharing the cores with its reads.
+fn beside_limits(log: &Log, report: &crate::ab::Report) {
+    log.line("== each streamed arm against the whole model's flow with as many blocks read beside it");
+    for (streamed, beside) in BESIDE {
+        let (Some(seconds), Some(floor)) = (report.median("seconds", streamed), report.median("seconds", beside))
+        else {
+            continue;
+        };
+        log.line(&format!("   {streamed:<15} {seconds:.2} s against {floor:.2} s ({beside}): {:.3}x", seconds / floor));
+    }
 }
 
 /// Each streamed arm from the disk against its limit: the flow cannot take less than its
