@@ -77,7 +77,7 @@ enum Loader {
     Tch,
     /// A peer of python/bench_load.py, by its name there.
     Python(&'static str),
-    /// `pread`s with stageload's parallelism, into reused buffers
+    /// `pread`s as stageload's loads read (contiguous runs, a handle each), into reused buffers
     /// ([`stageload_demo_kit::weights::read_rate`]): the limit the ratios are taken against.
     Parallel,
 }
@@ -471,7 +471,8 @@ fn main() -> Result<(), BoxError> {
          Model: {} f32 tensors, {gb:.3} GB, {cores} cores; load average at start {load_at_start}.\n\n{table}\n\
          × stageload and × limit: each median against stageload's and the parallel limit's in the same run and \
          cache. The limits: one thread `pread`ing the file into one reused {} MiB buffer, and {readers} threads \
-         taking {} MiB `pread`s in turn, each into a reused buffer of its own, as stageload's loads read (warm: \
+         each reading a contiguous share of the file in {} MiB `pread`s through a handle and into a reused buffer \
+         of its own, as stageload's loads read (warm: \
          the page cache's copy rate; cold: the disk's rate). Warm: the file read whole just before each load, \
          untimed. stageload: {readers} reader threads; tch: {cores} threads.\n\n{notes}",
         std::env::args().skip(1).collect::<Vec<_>>().join(" "),
