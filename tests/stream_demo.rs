@@ -165,3 +165,41 @@ fn flags_out_of_range_are_refused_naming_the_flag() {
         assert!(stderr.contains(flag), "{flag} {value}: {stderr}");
     }
 }
+
+/// Three blocks of a weight and a bias each, under `m.blocks`.
+fn blocks_checkpoint(folder: &std::path::Path) -> std::path::PathBuf {
+    let path = folder.join("blocks.safetensors");
+    let tensors: Vec<(String, tch::Tensor)> = (0..3)
+        .flat_map(|block| {
+            [
+                (format!("m.blocks.{block}.weight"), tch::Tensor::ones([4, 8], (tch::Kind::Float, tch::Device::Cpu))),
+                (format!("m.blocks.{block}.bias"), tch::Tensor::ones([8], (tch::Kind::Float, tch::Device::Cpu))),
+            ]
+        })
+        .collect();
+    stageload::checkpoint::save(&tensors, &path).unwrap();
+    path
+}
+
+#[test]
+fn blocks_asked_to_be_read_beside_are_each_read_once_per_ask() {
+    let folder = tempfile::TempDir::new().unwrap();
+    let beside =
+        stageload_demo_kit::beside::ReadsBeside::start(&blocks_checkpoint(folder.path()), "m.blocks", true).unwrap();
+    for block in [0, 2, 0] {
+        beside.read(block);
+    }
+    assert_eq!(beside.finish().unwrap(), 3 * (32 + 8) * 4);
+}
+
+#[test]
+fn reading_beside_a_block_the_checkpoint_lacks_is_an_error_naming_the_file_and_the_block() {
+    let folder = tempfile::TempDir::new().unwrap();
+    let path = blocks_checkpoint(folder.path());
+    let beside = stageload_demo_kit::beside::ReadsBeside::start(&path, "m.blocks", false).unwrap();
+    beside.read(1);
+    beside.read(7);
+    beside.read(2);
+    let message = beside.finish().unwrap_err().to_string();
+    assert!(message.contains(&path.display().to_string()) && message.contains("m.blocks.7.*"), "{message}");
+}
