@@ -11,6 +11,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use stageload_test_support::build::example;
+use stageload_test_support::pids::wait_for;
 
 const MIB: u64 = 1 << 20;
 
@@ -24,18 +25,10 @@ fn demo(cache: &Path, args: &[&str]) -> Command {
     command
 }
 
-/// Runs `command` to its end within 300 s (killed and failed past that); it must succeed.
+/// Runs `command` to its end within 300 s (stopped and failed past that); it must succeed.
 fn finish(command: &mut Command) {
     let mut child = command.stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped()).spawn().unwrap();
-    let deadline = std::time::Instant::now() + Duration::from_secs(300);
-    while child.try_wait().unwrap().is_none() {
-        if std::time::Instant::now() > deadline {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("the stream demo ran past 300 s");
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    wait_for(&mut child, Duration::from_secs(300)).expect("the stream demo ends within 300 s");
     let out = child.wait_with_output().unwrap();
     assert!(out.status.success(), "{command:?}: {}", String::from_utf8_lossy(&out.stderr));
 }

@@ -69,20 +69,22 @@ impl ReadsBeside {
 
     /// Waits for every block asked for; the bytes read.
     pub fn finish(mut self) -> Result<u64, BoxError> {
-        self.requests = None;
-        match self.reader.take().map(JoinHandle::join) {
+        match self.stop() {
             Some(Ok(read)) => read,
             Some(Err(_)) => Err("the reads beside the flow panicked".into()),
             None => Ok(0),
         }
     }
+
+    /// Tells the reader no more blocks come and waits for it (once).
+    fn stop(&mut self) -> Option<std::thread::Result<Result<u64, BoxError>>> {
+        self.requests = None;
+        self.reader.take().map(JoinHandle::join)
+    }
 }
 
 impl Drop for ReadsBeside {
     fn drop(&mut self) {
-        self.requests = None;
-        if let Some(reader) = self.reader.take() {
-            let _ = reader.join();
-        }
+        let _ = self.stop();
     }
 }

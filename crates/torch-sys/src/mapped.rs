@@ -212,9 +212,10 @@ mod tests {
     #[ignore = "run by a_sigbus_outside_a_copy_still_ends_the_process"]
     fn fault_outside_a_copy() {
         let file = file_of(&pattern(8));
-        read_mapped(&file, 0, &mut [0u8; 8]).unwrap(); // the handler is installed
-                                                       // SAFETY: none: this maps a page past the end of the file and reads it, which raises
-                                                       // SIGBUS, to show that the guard does not swallow it; the process is meant to end here.
+        // The handler is installed.
+        read_mapped(&file, 0, &mut [0u8; 8]).unwrap();
+        // SAFETY: none: this maps a page past the end of the file and reads it, which raises
+        // SIGBUS, to show that the guard does not swallow it; the process is meant to end here.
         unsafe {
             let map = libc::mmap(std::ptr::null_mut(), 8192, libc::PROT_READ, libc::MAP_SHARED, file.as_raw_fd(), 0);
             assert_ne!(map, libc::MAP_FAILED);

@@ -704,7 +704,8 @@ impl Checkpoint {
         // Set once a reader fails: the others stop at their next piece.
         let stop = AtomicBool::new(false);
         let work = |run: Vec<Job<'_>>, report: &mut dyn FnMut(u64)| {
-            let mut handles = OwnHandles::new(self);
+            // One reader has no other to keep its read-ahead apart from.
+            let mut handles = OwnHandles::new(self, threads > 1);
             let mut run = run.into_iter();
             loop {
                 if stop.load(Ordering::Relaxed) {
@@ -889,21 +890,25 @@ fn contiguous_runs(jobs: Vec<Job<'_>>, runs: usize) -> Vec<Vec<Job<'_>>> {
 /// A reader's handles on the checkpoint's files: each file opened again, once, on first use,
 /// through `/proc/self/fd` (the same file even if its path now names another), so that the
 /// kernel keeps the reader's read-ahead apart from the other readers'. Where that open fails
-/// (no `/proc`), the checkpoint's shared handle.
+/// (no `/proc`), or when the reader is the load's only one, the checkpoint's shared handle.
 struct OwnHandles<'a> {
     checkpoint: &'a Checkpoint,
-    /// Per file: not opened yet, or what opening it again gave.
+    /// Per file: not opened yet, or what opening it again gave. Empty: the shared handles.
     own: Vec<Option<Option<File>>>,
 }
 
 impl<'a> OwnHandles<'a> {
-    fn new(checkpoint: &'a Checkpoint) -> Self {
-        Self { checkpoint, own: (0..checkpoint.handles.len()).map(|_| None).collect() }
+    fn new(checkpoint: &'a Checkpoint, reopen: bool) -> Self {
+        let files = if reopen { checkpoint.handles.len() } else { 0 };
+        Self { checkpoint, own: (0..files).map(|_| None).collect() }
     }
 
     fn of(&mut self, file: usize) -> &File {
         let shared = &self.checkpoint.handles[file];
-        self.own[file].get_or_insert_with(|| reopen(shared)).as_ref().unwrap_or(shared)
+        match self.own.get_mut(file) {
+            Some(own) => own.get_or_insert_with(|| reopen(shared)).as_ref().unwrap_or(shared),
+            None => shared,
+        }
     }
 }
 
