@@ -367,6 +367,41 @@ fn a_file_truncated_during_a_load_is_an_error_not_a_crash() {
 }
 
 #[test]
+fn pieces_in_the_page_cache_come_from_mappings_and_a_reader_that_meets_the_disk_keeps_to_pread() {
+    let _generator = support::generator();
+    use stageload::checkpoint::{readers, PIECE};
+    // Eight entries of one piece each; every page in the page cache but those of the first.
+    let pieces = 8;
+    let entries: Vec<(String, Tensor)> =
+        (0..pieces).map(|i| named(&format!("t{i}"), &sample(Kind::Float, &[PIECE as i64 / 4]))).collect();
+    let (_folder, path) = tmp("half-cached.safetensors");
+    save(&entries, &path).unwrap();
+    // Written back, so that its pages can be dropped.
+    std::fs::File::open(&path).unwrap().sync_all().unwrap();
+    let targets: Vec<(String, Tensor)> = entries.iter().map(|(n, t)| (n.clone(), t.zeros_like())).collect();
+    let total = (pieces * PIECE) as u64;
+
+    std::fs::read(&path).unwrap();
+    let report = Checkpoint::open(&[&path]).unwrap().load_into(&targets, |_| {}).unwrap();
+    assert_eq!(report.mapped, total, "a load whose file is all in the page cache maps every piece");
+
+    let checkpoint = Checkpoint::open(&[&path]).unwrap();
+    std::fs::read(&path).unwrap();
+    checkpoint.drop_cached(["t0"]).unwrap();
+    let report = checkpoint.load_into(&targets, |_| {}).unwrap();
+    // The first reader's run starts at t0, on the disk: it reads its whole run with pread (the
+    // kernel's read-ahead keeps that run one sequential stream); every other reader maps.
+    let threads = readers().min(pieces);
+    let first_run = pieces.div_ceil(threads) * PIECE;
+    assert_eq!(report.mapped, total - first_run as u64, "{threads} readers");
+    for ((name, target), (_, want)) in targets.iter().zip(&entries) {
+        assert!(target.equal(want), "{name} differs");
+    }
+    let report = Checkpoint::open(&[&path]).unwrap().host_reads(HostRead::Pread).load_into(&targets, |_| {}).unwrap();
+    assert_eq!(report.mapped, 0, "HostRead::Pread maps nothing");
+}
+
+#[test]
 fn a_load_stops_at_the_first_piece_that_finds_its_stop_flag_set() {
     let _generator = support::generator();
     use std::sync::atomic::{AtomicBool, Ordering};

@@ -11,8 +11,9 @@
 //! (posix_fadvise) are added. The fraction of the file in the page cache as each load starts is
 //! read (`fincore`) and reported. The loaders: the limits (a plain `pread` loop into one reused
 //! buffer, and `pread`s with stageload's parallelism, the ratios' reference: the page cache's copy
-//! rate warm, the disk's rate cold), stageload (its default, `pread` straight into the targets,
-//! and `HostRead::Mapped`, pieces copied from mappings), `tch::nn::VarStore::load`, and the Python
+//! rate warm, the disk's rate cold), stageload (its default, `HostRead::Mapped`: pieces in the
+//! page cache copied from mappings, and `HostRead::Pread`: every piece `pread` straight into
+//! its target), `tch::nn::VarStore::load`, and the Python
 //! peers of `python/bench_load.py` (safetensors, runai-model-streamer, fastsafetensors,
 //! instanttensor, torch.load with and without mmap), each a fresh process per load (startup not
 //! timed). A peer that cannot be installed or cannot load to the CPU is reported with why, and the
@@ -85,8 +86,8 @@ enum Loader {
 const LOADERS: [Loader; 11] = [
     Loader::Limit,
     Loader::Parallel,
-    Loader::Stageload(HostRead::Pread),
     Loader::Stageload(HostRead::Mapped),
+    Loader::Stageload(HostRead::Pread),
     Loader::Tch,
     Loader::Python("safetensors"),
     Loader::Python("runai-model-streamer"),
@@ -101,8 +102,8 @@ impl Loader {
         match self {
             Loader::Limit => "limit (pread)",
             Loader::Parallel => "limit (parallel pread)",
-            Loader::Stageload(HostRead::Pread) => "stageload",
-            Loader::Stageload(HostRead::Mapped) => "stageload (mapped)",
+            Loader::Stageload(HostRead::Mapped) => "stageload",
+            Loader::Stageload(HostRead::Pread) => "stageload (pread)",
             Loader::Tch => "tch",
             Loader::Python(peer) => peer,
         }
@@ -273,7 +274,7 @@ fn main() -> Result<(), BoxError> {
     let loaders: Vec<Loader> = LOADERS
         .into_iter()
         .filter(|l| {
-            matches!(l, Loader::Limit | Loader::Parallel | Loader::Stageload(HostRead::Pread))
+            matches!(l, Loader::Limit | Loader::Parallel | Loader::Stageload(HostRead::Mapped))
                 || args.only.is_empty()
                 || args.only.iter().any(|n| n == l.name())
         })
@@ -431,7 +432,7 @@ fn main() -> Result<(), BoxError> {
                 results.iter().filter(|(l, m, ..)| *l == loader && *m == mode).map(|(_, _, c, m)| (*c, m)).collect();
             (median(runs.iter().map(|(_, m)| gb / m.seconds).collect()), runs)
         };
-        let (stageload, _) = rate_of(Loader::Stageload(HostRead::Pread));
+        let (stageload, _) = rate_of(Loader::Stageload(HostRead::Mapped));
         let (limit, _) = rate_of(Loader::Parallel);
         for &loader in loaders.iter().filter(|l| !unavailable.contains_key(l.name())) {
             let name = loader.name();

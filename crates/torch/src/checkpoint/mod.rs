@@ -4,18 +4,18 @@
 //! `tch::nn::VarStore::load` reads the whole file into a `Vec`, builds a tensor per entry and then
 //! copies it into the variable: two transient copies of the model. Here only the headers are read
 //! at open. At load, an entry whose target is a contiguous CPU tensor of the same dtype is read
-//! with `pread` straight into the target's memory, in pieces of at most 4 MiB ([`PIECE`]), each
-//! of [`readers`] threads reading one contiguous run of them in file order through a handle of
-//! its own: no copy, and no mapping whose pages would count in the process's RSS.
-//! (On the load benchmark's checkpoint, copying from one mapping of the whole file measured
-//! 10.7–10.9 GB/s against 11.8–12.4 for this path, with the whole file in RSS during the load;
-//! copying each piece from a mapping of just its pages with non-temporal stores,
-//! [`HostRead::Mapped`], between 0.88x and 1.14x this path from one run to the next.) Entries
-//! for contiguous CUDA targets go through the pinned ring of `device_copy` ([`RingShape`]; 36.7
-//! GB/s on the H200, against 55 for a pinned copy). Entries that need a dtype conversion on the CPU, go to another device, or land in
-//! strided or overlapping (tied) targets are read a window of rows at a time into one reused buffer
-//! of at most 16 MiB and handed to libtorch's `copy_`, one after the other in the caller's order,
-//! so that of tied targets the one listed last wins. `load_named` meets the targets' names with
+//! straight into the target's memory, in pieces of at most 4 MiB ([`PIECE`]), each of [`readers`]
+//! threads reading one contiguous run of them in file order through a handle of its own: no
+//! transient copy. A piece in the page cache is copied from a mapping of just its pages with
+//! non-temporal stores, one from the disk read with `pread` ([`HostRead`]); at most one piece
+//! per reader is mapped at a time. (On the load benchmark's checkpoint, copying from one mapping
+//! of the whole file measured 10.7–10.9 GB/s against 11.8–12.4 for `pread`, with the whole file
+//! in RSS during the load.) Entries for contiguous CUDA targets go through the pinned ring of
+//! `device_copy` ([`RingShape`]; 36.7 GB/s on the H200, against 55 for a pinned copy). Entries
+//! that need a dtype conversion on the CPU, go to another device, or land in strided or
+//! overlapping (tied) targets are read a window of rows at a time into one reused buffer of at
+//! most 16 MiB and handed to libtorch's `copy_`, one after the other in the caller's order, so
+//! that of tied targets the one listed last wins. `load_named` meets the targets' names with
 //! the files' under a model's [`crate::NameRules`].
 //!
 //! Every check happens before the first byte is read: each target has an entry, shapes match,
@@ -282,6 +282,9 @@ pub struct LoadReport {
     pub tensors: usize,
     /// Entries of the files that no target asked for (reported, not an error).
     pub unused: Vec<String>,
+    /// Of `bytes`, those copied from mappings of the page cache ([`HostRead::Mapped`]); the
+    /// rest were read with `pread` or went through `copy_`.
+    pub mapped: u64,
 }
 
 /// Bytes done out of the total, for progress bars.
@@ -313,16 +316,20 @@ pub struct Checkpoint {
 /// How a checkpoint's pieces for CPU targets of the file's dtype reach the targets' memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
 pub enum HostRead {
-    /// Every piece is read with `pread` straight into the target's memory. The default.
-    #[default]
+    /// Every piece is read with `pread` straight into the target's memory.
     Pread,
-    /// Each piece of at least [`MAPPED_MIN`] bytes whose pages are in the page cache is copied
-    /// from a mapping of just those pages with non-temporal stores
-    /// ([`stageload_torch_sys::read_mapped`]); a smaller piece, one read from the disk, or one
-    /// whose mapping fails for any reason is read with `pread`, which reports the file's own
-    /// error if it has one. Not the default: on the load benchmark's checkpoint it measured
-    /// between 0.88x and 1.14x the rate of `pread` from one run to the next
-    /// (`traces/load-bench-mapped/`).
+    /// The default. Each piece of at least [`MAPPED_MIN`] bytes whose pages are in the page
+    /// cache is copied from a mapping of just those pages with non-temporal stores, the widest
+    /// the CPU has ([`stageload_torch_sys::read_mapped`]); a smaller piece, or one whose mapping
+    /// fails for any reason, is read with `pread`, which reports the file's own error if it has
+    /// one. A reader that meets a piece not in the page cache reads the rest of its run with
+    /// `pread`: from the disk, each run stays one sequential stream for the kernel's read-ahead.
+    /// On the load benchmark's checkpoint (1 GB, warm, 7 rounds) 1.26x the rate of `pread`, with
+    /// 64-byte stores (`traces/load-bench-mapped-stores.c`); cold 0.96x before a reader kept to
+    /// `pread` after its first uncached piece (`traces/load-bench-mapped/`). At most one piece per
+    /// reader is mapped at a time: [`readers`] × [`PIECE`] bytes of the file's pages in the
+    /// process's RSS during a load.
+    #[default]
     Mapped,
 }
 
@@ -419,18 +426,27 @@ impl Checkpoint {
     }
 
     /// Fills `memory` with the bytes of file `file` at `offset` through `handle` (one of that
-    /// file's), as [`HostRead`] says.
-    fn read_piece(&self, handle: &File, file: usize, memory: &mut [u8], offset: u64) -> std::io::Result<()> {
-        if self.host_reads == HostRead::Mapped && memory.len() >= MAPPED_MIN {
+    /// file's), as [`HostRead`] says; whether it copied them from a mapping. `mapping`: whether
+    /// this reader still copies from mappings, cleared at its first piece not in the page cache
+    /// (or where mappings are unsupported).
+    fn read_piece(
+        &self,
+        handle: &File,
+        file: usize,
+        memory: &mut [u8],
+        offset: u64,
+        mapping: &mut bool,
+    ) -> std::io::Result<bool> {
+        if *mapping && memory.len() >= MAPPED_MIN {
             match stageload_torch_sys::read_mapped(handle, offset, memory) {
-                Ok(()) => return Ok(()),
-                Err(MappedReadError::Unsupported | MappedReadError::NotCached { .. }) => {}
+                Ok(()) => return Ok(true),
+                Err(MappedReadError::Unsupported | MappedReadError::NotCached { .. }) => *mapping = false,
                 Err(err) => {
                     tracing::debug!(file = %self.files[file].display(), %err, "mapped read failed; reading with pread")
                 }
             }
         }
-        handle.read_exact_at(memory, offset)
+        handle.read_exact_at(memory, offset).map(|()| false)
     }
 
     /// `Stopped` once the hook of [`before_each_piece`](Self::before_each_piece) says no.
@@ -528,19 +544,19 @@ impl Checkpoint {
         targets: &[(String, Tensor)],
         progress: impl FnMut(Progress),
     ) -> Result<LoadReport, CheckpointError> {
-        let bytes = self.copy_all(targets, progress)?;
+        let Copied { bytes, mapped } = self.copy_all(targets, progress)?;
         let wanted: HashSet<&str> = targets.iter().map(|(n, _)| n.as_str()).collect();
         let mut unused: Vec<String> = self.entries.keys().filter(|n| !wanted.contains(n.as_str())).cloned().collect();
         unused.sort();
-        Ok(LoadReport { bytes, tensors: targets.len(), unused })
+        Ok(LoadReport { bytes, tensors: targets.len(), unused, mapped })
     }
 
-    /// Checks the targets, then copies every entry into its target; returns the bytes copied.
+    /// Checks the targets, then copies every entry into its target.
     fn copy_all(
         &self,
         targets: &[(String, Tensor)],
         mut progress: impl FnMut(Progress),
-    ) -> Result<u64, CheckpointError> {
+    ) -> Result<Copied, CheckpointError> {
         let plan = self.check(targets)?;
         let _watched = crate::copy_watch::copying(targets.iter().map(|(_, t)| t));
         let total: u64 = targets.iter().map(|(_, t)| (t.numel() * t.kind().elt_size_in_bytes()) as u64).sum();
@@ -574,7 +590,7 @@ impl Checkpoint {
                 jobs.push(Job { name, entry, offset: entry.start + (i * PIECE) as u64, memory: chunk });
             }
         }
-        self.run_jobs(jobs, &done, |done| progress(Progress { done, total }))?;
+        let mapped = self.run_jobs(jobs, &done, |done| progress(Progress { done, total }))?;
         let on_device: Vec<(&str, &Tensor, &Entry)> = cuda.iter().map(|(_, ((n, t), e))| (n.as_str(), t, *e)).collect();
         if let Err(reason) = self.copy_to_cuda(&on_device, &done, &mut |done| progress(Progress { done, total }))? {
             warn_pageable_once(&reason);
@@ -592,7 +608,7 @@ impl Checkpoint {
         })?;
         // A stop that came during the last report ends the load stopped too.
         self.go_on(PieceWait::May)?;
-        Ok(total)
+        Ok(Copied { bytes: total, mapped })
     }
 
     /// Like [`load_into`](Self::load_into), with the targets' names met under `rules`: file
@@ -689,13 +705,14 @@ impl Checkpoint {
     /// are split into one contiguous run per reader of about the same bytes, each read in order
     /// through the reader's own handles ([`OwnHandles`]): from the disk, each run is then a
     /// sequential stream with read-ahead of its own (`traces/load-bench-cold-runs.c`: 1.11-1.25x
-    /// the rate of readers taking pieces in turn through one handle).
+    /// the rate of readers taking pieces in turn through one handle). Returns the bytes copied
+    /// from mappings.
     fn run_jobs(
         &self,
         mut jobs: Vec<Job<'_>>,
         done: &AtomicU64,
         mut progress: impl FnMut(u64),
-    ) -> Result<(), CheckpointError> {
+    ) -> Result<u64, CheckpointError> {
         let threads = readers().min(jobs.len()).max(1);
         jobs.sort_by_key(|job| (job.entry.file, job.offset));
         let mut runs = contiguous_runs(jobs, threads).into_iter();
@@ -703,9 +720,11 @@ impl Checkpoint {
         let failed: Mutex<Option<CheckpointError>> = Mutex::new(None);
         // Set once a reader fails: the others stop at their next piece.
         let stop = AtomicBool::new(false);
+        let mapped = AtomicU64::new(0);
         let work = |run: Vec<Job<'_>>, report: &mut dyn FnMut(u64)| {
             // One reader has no other to keep its read-ahead apart from.
             let mut handles = OwnHandles::new(self, threads > 1);
+            let mut mapping = self.host_reads == HostRead::Mapped;
             let mut run = run.into_iter();
             loop {
                 if stop.load(Ordering::Relaxed) {
@@ -717,9 +736,15 @@ impl Checkpoint {
                     (Err(stopped), _) => Err(stopped),
                     (Ok(()), None) => return,
                     (Ok(()), Some(job)) => self
-                        .read_piece(handles.of(job.entry.file), job.entry.file, job.memory, job.offset)
-                        .inspect(|()| crate::copy_watch::piece())
-                        .map(|()| job.memory.len() as u64)
+                        .read_piece(handles.of(job.entry.file), job.entry.file, job.memory, job.offset, &mut mapping)
+                        .inspect(|_| crate::copy_watch::piece())
+                        .map(|from_mapping| {
+                            let bytes = job.memory.len() as u64;
+                            if from_mapping {
+                                mapped.fetch_add(bytes, Ordering::Relaxed);
+                            }
+                            bytes
+                        })
                         .map_err(|source| self.read_error(job.name, job.entry, source)),
                 };
                 let bytes = match read {
@@ -744,7 +769,7 @@ impl Checkpoint {
         }
         // The other threads may have finished the last pieces.
         progress(done.load(Ordering::Relaxed));
-        Ok(())
+        Ok(mapped.into_inner())
     }
 
     /// Copies an entry through libtorch's `copy_` (dtype conversion, other devices, strided or
@@ -919,6 +944,12 @@ fn reopen(file: &File) -> Option<File> {
     let again = File::open(format!("/proc/self/fd/{}", file.as_raw_fd())).ok()?;
     let (first, second) = (file.metadata().ok()?, again.metadata().ok()?);
     (first.dev() == second.dev() && first.ino() == second.ino()).then_some(again)
+}
+
+/// What a load copied: all its bytes, and those of them copied from mappings.
+struct Copied {
+    bytes: u64,
+    mapped: u64,
 }
 
 /// One piece of a direct copy: `memory.len()` bytes of the file at `offset` into `memory`.
