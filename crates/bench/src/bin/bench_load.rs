@@ -64,8 +64,9 @@ struct Args {
     only: Vec<String>,
 }
 
-/// The limit's one reused buffer: larger than this machine's last-level cache (8 MiB), like a
-/// model's weights.
+/// The limit's one reused buffer. It (and the parallel limit's four 4 MiB buffers) stays in
+/// this machine's L3 (300 MiB): the limits are the page cache's copy rate into the cache, above
+/// what `pread` into a model's memory reaches (`traces/load-bench-stores/README.md`: 1.35x).
 const LIMIT_BUFFER: usize = 16 << 20;
 
 /// A loader the benchmark measures, in the order each round runs them.
