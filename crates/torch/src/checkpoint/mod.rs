@@ -328,7 +328,8 @@ pub enum HostRead {
     /// 64-byte stores (`traces/load-bench-mapped-stores.c`); cold 0.96x before a reader kept to
     /// `pread` after its first uncached piece (`traces/load-bench-mapped/`). At most one piece per
     /// reader is mapped at a time: [`readers`] × [`PIECE`] bytes of the file's pages in the
-    /// process's RSS during a load.
+    /// process's RSS during a load (streamed models, whose budget covers the RSS, read with
+    /// [`HostRead::Pread`]).
     #[default]
     Mapped,
 }

@@ -21,7 +21,7 @@ use super::carry::Carried;
 use super::hot::HotSet;
 use super::split::{describe, fit_within, Sizes, Split};
 use super::{torch, StreamError};
-use crate::checkpoint::Checkpoint;
+use crate::checkpoint::{Checkpoint, HostRead};
 use crate::names::NameRules;
 use crate::storage::{self, StorageRecord};
 
@@ -246,6 +246,9 @@ impl StreamedModel {
         spec: &BlockSpec,
         Fit { budget, working, any_order }: Fit,
     ) -> Result<Self, StreamError> {
+        // Refills read with `pread`: a mapped piece would hold up to readers × PIECE bytes of
+        // the file's pages in the RSS beyond the budget while it is copied.
+        let checkpoint = checkpoint.host_reads(HostRead::Pread);
         let Parts { blocks, fixed, fixed_storages } = Parts::of(&name, &tensors, &checkpoint, rules, spec)?;
         let sizes = Parts::sizes_of(&fixed_storages, &blocks);
         let split = fit_within(&sizes, budget, working, if any_order { 0 } else { blocks.len() }, true)
