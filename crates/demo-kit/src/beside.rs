@@ -23,7 +23,7 @@ pub struct ReadsBeside {
 impl ReadsBeside {
     /// Opens `path`, whose block `i` is every entry named `{prefix}.{i}.*`, and starts the reader.
     pub fn start(path: &Path, prefix: &str, uncached: bool) -> Result<Self, BoxError> {
-        let checkpoint = Checkpoint::open(&[path])?;
+        let checkpoint = Checkpoint::open(&[path])?.host_reads(stageload::stream::REFILL_READS);
         let file = path.display().to_string();
         let prefix = format!("{prefix}.");
         let (requests, received) = mpsc::channel::<usize>();

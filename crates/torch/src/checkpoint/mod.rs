@@ -329,7 +329,7 @@ pub enum HostRead {
     /// `pread` after its first uncached piece (`traces/load-bench-mapped/`). At most one piece per
     /// reader is mapped at a time: [`readers`] × [`PIECE`] bytes of the file's pages in the
     /// process's RSS during a load (streamed models, whose budget covers the RSS, read with
-    /// [`HostRead::Pread`]).
+    /// `pread`: [`crate::stream::REFILL_READS`]).
     #[default]
     Mapped,
 }

@@ -73,7 +73,12 @@ pub use split::{Split, TooSmall};
 pub use step::Step;
 pub use streamer::{place, StreamPlan, StreamStats, StreamedModel};
 
-use crate::checkpoint::CheckpointError;
+use crate::checkpoint::{CheckpointError, HostRead};
+
+/// How a streamed model's checkpoint reads (whatever the checkpoint it is given was set to): with
+/// `pread`, since a mapped piece would hold up to `readers` × `PIECE` bytes of the file's pages in
+/// the RSS, beyond the budget, while it is copied.
+pub const REFILL_READS: HostRead = HostRead::Pread;
 
 /// Why a streamed model could not be set up or could not run a step. Each names the model.
 #[derive(Debug, thiserror::Error)]

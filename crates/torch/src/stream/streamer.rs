@@ -21,7 +21,7 @@ use super::carry::Carried;
 use super::hot::HotSet;
 use super::split::{describe, fit_within, Sizes, Split};
 use super::{torch, StreamError};
-use crate::checkpoint::{Checkpoint, HostRead};
+use crate::checkpoint::Checkpoint;
 use crate::names::NameRules;
 use crate::storage::{self, StorageRecord};
 
@@ -221,7 +221,7 @@ impl StreamedModel {
     ///
     /// On the CPU this makes glibc return every freed block of 1 MiB or more to the OS at once
     /// ([`stageload_torch_sys::map_large_host_blocks`], process-wide), so a freed block leaves
-    /// the RSS.
+    /// the RSS. The checkpoint reads as [`super::REFILL_READS`] says.
     pub fn new(
         name: impl Into<String>,
         tensors: Vec<(String, Tensor)>,
@@ -246,9 +246,7 @@ impl StreamedModel {
         spec: &BlockSpec,
         Fit { budget, working, any_order }: Fit,
     ) -> Result<Self, StreamError> {
-        // Refills read with `pread`: a mapped piece would hold up to readers × PIECE bytes of
-        // the file's pages in the RSS beyond the budget while it is copied.
-        let checkpoint = checkpoint.host_reads(HostRead::Pread);
+        let checkpoint = checkpoint.host_reads(super::REFILL_READS);
         let Parts { blocks, fixed, fixed_storages } = Parts::of(&name, &tensors, &checkpoint, rules, spec)?;
         let sizes = Parts::sizes_of(&fixed_storages, &blocks);
         let split = fit_within(&sizes, budget, working, if any_order { 0 } else { blocks.len() }, true)
