@@ -1,7 +1,8 @@
 //! Prefetch on the CPU: the next stage's models load in a background thread while the current
 //! stage computes; only loads that draw no random number are started, so a seeded run gives the
 //! same numbers with and without prefetch; a failed prefetch surfaces at the `get`; the
-//! prefetches running are listed and can be waited for; closing or dropping the registry gives
+//! prefetches running are listed and can be waited for, and load one at a time in the order
+//! asked for; closing or dropping the registry gives
 //! up the prefetches that have not begun and waits only for a loader already running; a
 //! foreground load never waits for a prefetch: a foreground build goes ahead while a prefetch
 //! builds, and a prefetched copy pauses between pieces while a foreground load runs.
@@ -280,13 +281,13 @@ fn dropping_the_registry_waits_for_the_loader_running_and_cancels_the_prefetch_b
     let (dropped_after, later) = within("the drop, and a registry after it", move || {
         let (models, has_begun) = two_slow(5.0, &counted);
         assert_eq!(models.prefetch("next").unwrap(), ["a", "b"]);
-        // One background build at a time: the first loader holds the background slot, the other
-        // prefetch has not begun (it waits for the slot, or its thread has not got there yet).
-        let first = has_begun.recv_timeout(Duration::from_secs(30)).expect("a loader begins");
+        // One prefetch at a time, in the order asked for: a's loader runs, b's prefetch waits
+        // its turn.
+        assert_eq!(has_begun.recv_timeout(Duration::from_secs(30)).as_deref(), Ok("a"), "a's loader begins");
         let started = Instant::now();
         drop(models);
         let dropped_after = started.elapsed();
-        assert!(has_begun.try_recv().is_err(), "the other loader never began (the first was {first})");
+        assert!(has_begun.try_recv().is_err(), "b's loader never began");
         // The process stays sound: a registry made afterwards prefetches and loads.
         let fresh = Arc::new(AtomicUsize::new(0));
         let (models, _began) = two_slow(0.0, &fresh);
@@ -305,20 +306,19 @@ fn dropping_the_registry_waits_for_the_loader_running_and_cancels_the_prefetch_b
 }
 
 #[test]
-fn closing_gives_up_at_once_a_prefetch_waiting_for_the_background_build_before_it() {
+fn closing_gives_up_at_once_a_prefetch_waiting_for_the_one_before_it() {
     let _one = support::generator();
     let builds = Arc::new(AtomicUsize::new(0));
     let counted = builds.clone();
     let (closed_after, states) = within("close and the prefetches' end", move || {
         let (models, has_begun) = two_slow(3.0, &counted);
         assert_eq!(models.prefetch("next").unwrap(), ["a", "b"]);
-        let first = has_begun.recv_timeout(Duration::from_secs(30)).expect("a loader begins");
+        assert_eq!(has_begun.recv_timeout(Duration::from_secs(30)).as_deref(), Ok("a"), "a's loader begins");
         let started = Instant::now();
         models.close();
         let closed_after = started.elapsed();
         models.wait_prefetch("next").unwrap();
-        let other = if first == "a" { "b" } else { "a" };
-        (closed_after, (models.state(&first).unwrap(), models.state(other).unwrap()))
+        (closed_after, (models.state("a").unwrap(), models.state("b").unwrap()))
     });
     assert!(closed_after < Duration::from_secs(2), "close waited for no loader: {closed_after:?}");
     assert_eq!(builds.load(Ordering::SeqCst), 1, "the prefetch behind the running one never began");
@@ -407,18 +407,83 @@ fn a_foreground_build_goes_ahead_while_a_prefetch_build_runs() {
     assert_eq!(loads, [(Some("foreground".to_string()), false), (Some("background".to_string()), true)]);
 }
 
+/// A width-64 MLP's checkpoint in f64, `dir/name.safetensors`: loaded into the f32 model, every
+/// tensor is converted, one piece after the other on the copying thread, each reported.
+fn doubles(dir: &std::path::Path, name: &str) -> std::path::PathBuf {
+    let file = dir.join(format!("{name}.safetensors"));
+    let vs = VarStore::new(Device::Cpu);
+    let _ = mlp(&vs, 64);
+    let doubles: Vec<(String, Tensor)> =
+        vs.variables().into_iter().map(|(n, t)| (n, t.to_kind(Kind::Double))).collect();
+    stageload::checkpoint::save(&doubles, &file).unwrap();
+    file
+}
+
+#[test]
+fn prefetches_load_one_at_a_time_in_the_order_they_were_asked_for_and_the_foreground_does_not_queue() {
+    let _one = support::generator();
+    let dir = tempfile::tempdir().unwrap();
+    let (held, pieces, next_tx) = HeldPieces::of("a");
+    let armed = held.armed.clone();
+    let copied = Arc::new(Mutex::new(Vec::<String>::new()));
+    let log = copied.clone();
+    let spec = |name: &str| ModelSpec::new(name, |_| Ok(build_mlp(64))).checkpoint([doubles(dir.path(), name)]);
+    let models = Arc::new(
+        StagedModels::builder()
+            .model(spec("a").skip_init(true))
+            .model(spec("b").skip_init(true))
+            .model(spec("c").skip_init(true))
+            .stage("now", Vec::<String>::new())
+            .stage("second", ["a"])
+            .stage("third", ["b"])
+            .stage("fourth", ["c"])
+            .progress(move |model, _| {
+                log.lock().unwrap().push(model.to_string());
+                held.piece(model);
+            })
+            .build()
+            .unwrap(),
+    );
+    models.enter("now").unwrap();
+    armed.store(true, Ordering::SeqCst);
+    assert_eq!(models.prefetch("second").unwrap(), ["a"]);
+    pieces.recv_timeout(Duration::from_secs(30)).expect("a's copy begins");
+    assert_eq!(models.prefetch("third").unwrap(), ["b"]);
+    assert_eq!(models.prefetch("fourth").unwrap(), ["c"]);
+    // a's copy is held at its first piece: b's and c's prefetches wait for it.
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(models.prefetching(), ["a", "b", "c"]);
+    assert_eq!(models.state("b").unwrap(), ModelState::Unloaded, "b's prefetch has not begun");
+    // A foreground load of a model whose prefetch waits its turn does not wait with it.
+    let loaded = {
+        let models = models.clone();
+        within("c's foreground load while a's prefetch is held", move || models.load("c").map(|_| ()))
+    };
+    assert!(loaded.is_ok(), "{loaded:?}");
+    assert_eq!(models.state("b").unwrap(), ModelState::Unloaded, "b's prefetch still waits for a's");
+    drop(next_tx);
+    {
+        let models = models.clone();
+        within("the prefetches' end", move || {
+            models.wait_prefetch("third").unwrap();
+            models.wait_prefetch("fourth").unwrap();
+        });
+    }
+    assert!(["a", "b", "c"].iter().all(|m| models.state(m).unwrap() == ModelState::Resident));
+    // Every piece of a's copy came before b's first; c was loaded in the foreground before both
+    // (its prefetch found it resident).
+    let copied = copied.lock().unwrap().clone();
+    let runs: Vec<&str> = copied.chunk_by(|x, y| x == y).map(|run| run[0].as_str()).collect();
+    assert_eq!(runs, ["a", "c", "a", "b"], "one copy at a time, in the order asked for: {copied:?}");
+}
+
 #[test]
 fn a_prefetched_copy_pauses_between_pieces_while_a_foreground_load_runs() {
     let _one = support::generator();
     let dir = tempfile::tempdir().unwrap();
     // b's checkpoint in f64 for its f32 model: every tensor is converted, one piece after the
     // other on the copying thread, each asked before it is read and reported after.
-    let file = dir.path().join("b.safetensors");
-    let vs = VarStore::new(Device::Cpu);
-    let _ = mlp(&vs, 64);
-    let doubles: Vec<(String, Tensor)> =
-        vs.variables().into_iter().map(|(n, t)| (n, t.to_kind(Kind::Double))).collect();
-    stageload::checkpoint::save(&doubles, &file).unwrap();
+    let file = doubles(dir.path(), "b");
     let (began, has_begun) = mpsc::channel();
     let (go, gate) = mpsc::channel();
     let (held, pieces, next_tx) = HeldPieces::of("b");

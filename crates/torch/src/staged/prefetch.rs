@@ -91,8 +91,9 @@ impl Inner {
             let (inner, model) = (Arc::clone(self), name.clone());
             let thread = std::thread::Builder::new().name(format!("prefetch {name}")).spawn(move || {
                 let _ended = ended;
-                // Closed or dropped before this thread got going: nothing begun, nothing to do.
-                if inner.cancelled() {
+                // One prefetch loads at a time, in the order they were asked for; closed or
+                // dropped before this one's turn came: nothing begun, nothing to do.
+                if !inner.prefetch_turn(id) {
                     return;
                 }
                 // The stage computing now goes first for the cores: this thread, and the readers
@@ -119,6 +120,18 @@ impl Inner {
             }
         }
         Ok(spawned)
+    }
+
+    /// Waits until prefetch `id` is the earliest not ended: prefetches load one at a time, in
+    /// the order they were asked for, so that the model needed first is in first (on shared
+    /// cores or a shared bus two loads at once finish no sooner together, and each later).
+    /// `false` once the registry is closed or dropped.
+    fn prefetch_turn(&self, id: u64) -> bool {
+        let mut state = self.state();
+        while !self.cancelled() && !state.prefetch_first(id) {
+            state = self.wait_changed(state);
+        }
+        !self.cancelled()
     }
 
     /// The models being prefetched now, in the order their prefetches started (a model named

@@ -339,6 +339,11 @@ impl State {
         models
     }
 
+    /// Whether prefetch `id` is the earliest not ended (its load's turn).
+    pub(super) fn prefetch_first(&self, id: u64) -> bool {
+        self.prefetches.first().is_some_and(|p| p.id == id)
+    }
+
     /// Whether a prefetch for `stage` has not ended.
     pub(super) fn prefetching_for(&self, stage: &str) -> bool {
         self.prefetches.iter().any(|p| p.stage == stage)

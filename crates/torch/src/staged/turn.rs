@@ -13,10 +13,11 @@
 //! 2. **Foreground first.** A prefetch's build draws nothing (it is built without random
 //!    initialisation, [`super::decide::Slot::prefetch`]), so its loader runs without the turn,
 //!    beside whatever the foreground does; it takes the turn only for shared components, and
-//!    then only when no foreground build holds it or waits for it. Background builds run one
-//!    at a time among themselves (the background slot, held for a whole build), so that
-//!    prefetches do not pile onto the cores the current stage computes on, and one begins only
-//!    while no foreground load runs: a loader's run (a TorchScript file's read) cannot pause.
+//!    then only when no foreground build holds it or waits for it. Prefetches load one at a
+//!    time, in the order they were asked for (their list, [`super::prefetch`]), so that they
+//!    do not pile onto the cores the current stage computes on, and a background build begins
+//!    only while no foreground load runs: a loader's run (a TorchScript file's read) cannot
+//!    pause.
 //! 3. **Background copies pause.** While a foreground load (a build or a refill for the current
 //!    stage) is in progress, a background checkpoint copy that holds no turn waits at its next
 //!    piece boundary (a read of at most 4 MiB, or a converted window of 16) and resumes when the
@@ -50,8 +51,6 @@ pub(crate) enum Who {
 struct TurnState {
     /// A build holds the turn.
     held: bool,
-    /// A background build runs (one at a time).
-    background: bool,
     /// Foreground builds waiting for the turn.
     foreground_waiting: usize,
     /// Foreground loads in progress (from their start to their end, waiting for the turn
@@ -137,21 +136,14 @@ impl Turns {
         }
     }
 
-    /// Waits for the background slot and takes it, once no foreground load runs (a build that
-    /// begins beside one could not pause where a copy can); `false` once the registry is
-    /// cancelled.
-    fn take_background_slot(&self) -> bool {
+    /// Waits until no foreground load runs (a build that begins beside one could not pause
+    /// where a copy can); `false` once the registry is cancelled.
+    fn no_foreground_load(&self) -> bool {
         let mut state = self.state();
-        loop {
-            if self.cancelled() {
-                return false;
-            }
-            if !state.background && state.foreground_loading == 0 {
-                state.background = true;
-                return true;
-            }
+        while state.foreground_loading > 0 && !self.cancelled() {
             state = crate::sync::wait(&self.changed, state);
         }
+        !self.cancelled()
     }
 
     /// Ends the turn [`Turns::take`] gave.
@@ -191,16 +183,13 @@ impl Turns {
 
 /// One build's hold on the turn (rule 1 and 2 of the module docs): a foreground build takes the
 /// turn at its start and gives it back once its loader has run ([`BuildHold::loader_done`]); a
-/// background build holds the background slot to its end and has no turn until its loader asks
-/// for a shared component. Either keeps the turn from its first shared component to the build's
-/// end.
+/// background build has no turn until its loader asks for a shared component. Either keeps the
+/// turn from its first shared component to the build's end.
 #[derive(Debug)]
 pub(crate) struct BuildHold {
     turns: Arc<Turns>,
     /// The build holds the turn.
     turn: Mutex<bool>,
-    /// A background build's: it holds the background slot.
-    background: bool,
     /// The loader asked for a shared component.
     shared: AtomicBool,
 }
@@ -211,15 +200,15 @@ pub(crate) struct BuildHold {
 pub(crate) struct Cancelled;
 
 impl BuildHold {
-    /// A build's hold: a foreground build waits for the turn here, a background one for the
-    /// background slot (giving up once the registry is cancelled).
+    /// A build's hold: a foreground build waits for the turn here, a background one until no
+    /// foreground load runs (giving up once the registry is cancelled).
     pub(crate) fn new(turns: &Arc<Turns>, who: Who) -> Result<Self, Cancelled> {
-        let (turn, background) = match who {
-            Who::Foreground => (turns.take(Who::Foreground), false),
-            Who::Background if turns.take_background_slot() => (false, true),
+        let turn = match who {
+            Who::Foreground => turns.take(Who::Foreground),
+            Who::Background if turns.no_foreground_load() => false,
             Who::Background => return Err(Cancelled),
         };
-        Ok(BuildHold { turns: Arc::clone(turns), turn: Mutex::new(turn), background, shared: AtomicBool::new(false) })
+        Ok(BuildHold { turns: Arc::clone(turns), turn: Mutex::new(turn), shared: AtomicBool::new(false) })
     }
 
     /// Before the loader touches the shared components: the build holds the turn from now on
@@ -260,10 +249,6 @@ impl BuildHold {
 impl Drop for BuildHold {
     fn drop(&mut self) {
         self.give_back();
-        if self.background {
-            self.turns.state().background = false;
-            self.turns.changed.notify_all();
-        }
     }
 }
 
@@ -343,21 +328,25 @@ mod tests {
         assert!(!foreground.holds_turn(), "no shared component: its copy runs without the turn");
         let background = BuildHold::new(&turns, Who::Background).unwrap();
         assert!(!background.holds_turn(), "a background loader runs without it");
-        assert!(turns.state().background, "one background build at a time");
         background.for_shared().unwrap();
         background.loader_done();
         assert!(background.holds_turn(), "kept to the build's end");
         drop(background);
-        assert!(!turns.state().background && !turns.state().held, "both given back at its end");
+        assert!(!turns.state().held, "given back at its end");
         // A background build begins only once the foreground's loads are done.
         let load = turns.foreground_load();
+        let (began_tx, began) = mpsc::channel();
         let waiting = {
             let turns = Arc::clone(&turns);
-            std::thread::spawn(move || BuildHold::new(&turns, Who::Background).map(|_| ()))
+            std::thread::spawn(move || {
+                let hold = BuildHold::new(&turns, Who::Background).map(|_| ());
+                began_tx.send(()).unwrap();
+                hold
+            })
         };
-        std::thread::sleep(Duration::from_millis(100));
-        assert!(!turns.state().background, "not begun beside a foreground load");
+        assert!(began.recv_timeout(Duration::from_millis(200)).is_err(), "not begun beside a foreground load");
         drop(load);
+        assert_eq!(began.recv_timeout(DEADLINE), Ok(()), "begun once it ended");
         assert_eq!(waiting.join().unwrap(), Ok(()));
         let shared = BuildHold::new(&turns, Who::Foreground).unwrap();
         shared.for_shared().unwrap();
