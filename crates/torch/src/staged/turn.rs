@@ -159,11 +159,7 @@ impl Turns {
         if wait == PieceWait::MustNot {
             return !self.cancelled();
         }
-        let mut state = self.state();
-        while state.foreground_loading > 0 && !self.cancelled() {
-            state = crate::sync::wait(&self.changed, state);
-        }
-        !self.cancelled()
+        self.no_foreground_load()
     }
 
     /// Whether the registry closed or dropped.
