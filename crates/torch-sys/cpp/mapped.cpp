@@ -76,12 +76,17 @@ void install() {
 // 16-byte stores 12.5 GB/s, 32-byte 12.7, 64-byte 15.6, `pread` 10.5; in an hour when the
 // machine's memory was busier, 8.5, 8.9, 9.5 and 8.6 (traces/load-bench-mapped-stores.c).
 //
-// Each copies single bytes up to the destination's alignment, then whole blocks, and returns
-// how many bytes it copied: copy_with copies the tail and fences. Not inlined into guarded_copy:
-// a function calling sigsetjmp is compiled with fewer optimisations.
-__attribute__((noinline)) size_t copy_sse2(char* dst, const char* src, size_t n) {
+// Each copies single bytes up to the destination's alignment (align_dst), then whole blocks,
+// and returns how many bytes it copied: copy_with copies the tail and fences. Not inlined into
+// guarded_copy: a function calling sigsetjmp is compiled with fewer optimisations.
+inline size_t align_dst(char* dst, const char* src, size_t n, uintptr_t align) {
   size_t i = 0;
-  for (; i < n && (reinterpret_cast<uintptr_t>(dst + i) & 15) != 0; i++) dst[i] = src[i];
+  for (; i < n && (reinterpret_cast<uintptr_t>(dst + i) & (align - 1)) != 0; i++) dst[i] = src[i];
+  return i;
+}
+
+__attribute__((noinline)) size_t copy_sse2(char* dst, const char* src, size_t n) {
+  size_t i = align_dst(dst, src, n, 16);
   for (; i + 64 <= n; i += 64) {
     __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
     __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 16));
@@ -96,8 +101,7 @@ __attribute__((noinline)) size_t copy_sse2(char* dst, const char* src, size_t n)
 }
 
 __attribute__((noinline, target("avx2"))) size_t copy_avx2(char* dst, const char* src, size_t n) {
-  size_t i = 0;
-  for (; i < n && (reinterpret_cast<uintptr_t>(dst + i) & 31) != 0; i++) dst[i] = src[i];
+  size_t i = align_dst(dst, src, n, 32);
   for (; i + 64 <= n; i += 64) {
     __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
     __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i + 32));
@@ -108,8 +112,7 @@ __attribute__((noinline, target("avx2"))) size_t copy_avx2(char* dst, const char
 }
 
 __attribute__((noinline, target("avx512f"))) size_t copy_avx512(char* dst, const char* src, size_t n) {
-  size_t i = 0;
-  for (; i < n && (reinterpret_cast<uintptr_t>(dst + i) & 63) != 0; i++) dst[i] = src[i];
+  size_t i = align_dst(dst, src, n, 64);
   for (; i + 128 <= n; i += 128) {
     __m512i a = _mm512_loadu_si512(src + i);
     __m512i b = _mm512_loadu_si512(src + i + 64);
