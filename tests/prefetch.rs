@@ -2,10 +2,10 @@
 //! stage computes; only loads that draw no random number are started, so a seeded run gives the
 //! same numbers with and without prefetch; a failed prefetch surfaces at the `get`; the
 //! prefetches running are listed and can be waited for, and load one at a time in the order
-//! asked for; closing or dropping the registry gives
-//! up the prefetches that have not begun and waits only for a loader already running; a
-//! foreground load never waits for a prefetch: a foreground build goes ahead while a prefetch
-//! builds, and a prefetched copy pauses between pieces while a foreground load runs.
+//! asked for; closing or dropping the registry gives up the prefetches that have not begun and
+//! waits only for a loader already running; a foreground load never waits for a prefetch: a
+//! foreground build goes ahead while a prefetch builds, and a prefetched copy pauses between
+//! pieces while a foreground load runs.
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc;
@@ -481,8 +481,7 @@ fn prefetches_load_one_at_a_time_in_the_order_they_were_asked_for_and_the_foregr
 fn a_prefetched_copy_pauses_between_pieces_while_a_foreground_load_runs() {
     let _one = support::generator();
     let dir = tempfile::tempdir().unwrap();
-    // b's checkpoint in f64 for its f32 model: every tensor is converted, one piece after the
-    // other on the copying thread, each asked before it is read and reported after.
+    // Each of b's converted pieces is asked for before it is read and reported after.
     let file = doubles(dir.path(), "b");
     let (began, has_begun) = mpsc::channel();
     let (go, gate) = mpsc::channel();
