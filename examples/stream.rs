@@ -203,6 +203,9 @@ struct Outcome {
     /// The most the streamed model held at a block boundary, from its storages.
     most_held: u64,
     bytes_refilled: u64,
+    /// Of those, bytes read past the page cache straight into the slots (`--uncached`, after a
+    /// step limited by its compute).
+    bytes_direct: u64,
     refill_seconds: f64,
     waited_seconds: f64,
     /// The disk's read rate over its two measurements (`--disk-rate`): the checkpoint read
@@ -390,11 +393,12 @@ fn run(args: Args) -> Result<(), BoxError> {
     );
     if let Some((residency, _)) = &streamed {
         println!(
-            "{residency}; refilled {} ({} blocks, {} carried from the call before, {} found hot) in {:.3} s ({:.2} GB/s), waited {:.3} s",
+            "{residency}; refilled {} ({} blocks, {} carried from the call before, {} found hot; {} read direct) in {:.3} s ({:.2} GB/s), waited {:.3} s",
             format_bytes(stats.bytes_refilled),
             stats.refills,
             stats.carried,
             stats.hot_hits,
+            format_bytes(stats.bytes_direct),
             stats.refill_seconds,
             stats.bytes_refilled as f64 / stats.refill_seconds.max(1e-9) / 1e9,
             stats.waited_seconds
@@ -422,6 +426,7 @@ fn run(args: Args) -> Result<(), BoxError> {
             carried: stats.carried,
             most_held: stats.most_held,
             bytes_refilled: stats.bytes_refilled,
+            bytes_direct: stats.bytes_direct,
             refill_seconds: stats.refill_seconds,
             waited_seconds: stats.waited_seconds,
             disk_bytes_per_second,

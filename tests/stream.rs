@@ -5,6 +5,7 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::time::Duration;
 
 use stageload::checkpoint::Checkpoint;
 use stageload::stream::{BlockSpec, Step, StreamError, StreamStats, StreamedModel};
@@ -15,8 +16,11 @@ use tch::{Device, Kind, Tensor};
 
 const WIDTH: i64 = 128;
 const DEPTH: usize = 8;
-/// Bytes of one block: two WIDTH×WIDTH weights and their biases, f32.
-const BLOCK: u64 = (2 * WIDTH * WIDTH + 2 * WIDTH) as u64 * 4;
+/// Bytes of one block's tensors: two WIDTH×WIDTH weights and their biases, f32.
+const BLOCK_TENSORS: u64 = (2 * WIDTH * WIDTH + 2 * WIDTH) as u64 * 4;
+/// Bytes one block counts for in a split: its tensors, and the room a slot keeps to lay them out
+/// at their file phase.
+const BLOCK: u64 = BLOCK_TENSORS + stageload_plan::split::FILE_PHASE_ROOM;
 /// Bytes of the tensors in no block: input and output layers.
 const FIXED: u64 = 2 * (WIDTH * WIDTH + WIDTH) as u64 * 4;
 
@@ -216,7 +220,11 @@ fn outputs_are_bit_identical_with_none_one_half_and_all_blocks_streamed() {
         assert!(after.equal(&Tensor::randn([4], (Kind::Float, Device::Cpu))));
         let stats = model.stats();
         assert_eq!(stats.steps, 3);
-        assert_eq!(stats.bytes_refilled, 3 * BLOCK * streamed_blocks as u64, "each streamed block once per step");
+        assert_eq!(
+            stats.bytes_refilled,
+            3 * BLOCK_TENSORS * streamed_blocks as u64,
+            "each streamed block once per step"
+        );
     }
 }
 
@@ -665,7 +673,7 @@ fn a_streamed_model_in_staged_models_is_released_with_its_stage_and_rebuilt_the_
     assert!(step(&x).equal(&expected[0]));
     let held = models.resident_bytes();
     // Resident part and two slots: the fixed layers, 2 blocks, 2 slots; never the whole model.
-    assert!(held >= FIXED + 4 * BLOCK && held < FIXED + DEPTH as u64 * BLOCK, "{held}");
+    assert!(held >= FIXED + 2 * BLOCK_TENSORS + 2 * BLOCK && held < FIXED + DEPTH as u64 * BLOCK, "{held}");
     models.enter("decode").unwrap();
     let states: std::collections::HashMap<String, ModelState> = models.states().into_iter().collect();
     assert_eq!(states["flow"], ModelState::Released);
@@ -1218,6 +1226,42 @@ fn refills_past_the_page_cache_give_the_same_outputs() {
     // Dropping pages of entries it has and skipping names it has not is not an error.
     let checkpoint = Checkpoint::open(&[&file]).unwrap();
     checkpoint.drop_cached(["blocks.0.fc1.weight", "no.such.tensor"]).unwrap();
+}
+
+#[test]
+fn refills_past_the_page_cache_go_direct_after_a_step_limited_by_its_compute_and_back_after_one_limited_by_its_reads() {
+    let (_one, _dir, file) = setup();
+    let expected = reference_steps(&file, 5);
+    let (net, mut model) = streamed(&file, budget_for(2)).unwrap();
+    model.uncached();
+    // Every block lies in the file as its slot lays it out (f32 tensors of whole 64-byte lines).
+    let reads_direct = nix::sys::statfs::statfs(&file).unwrap().filesystem_type() != nix::sys::statfs::TMPFS_MAGIC;
+    tch::manual_seed(11);
+    let mut step = |compute: Duration| {
+        let x = Tensor::randn([16, WIDTH], (Kind::Float, Device::Cpu));
+        // A block that computes for `compute`: its successor's read ahead finishes meanwhile.
+        let out = tch::no_grad(|| model.run(|step| net.forward_observed(&x, step, |_| std::thread::sleep(compute))));
+        (out.unwrap(), model.stats().bytes_direct)
+    };
+    // Limited by its compute (20 ms a block, reads of 130 KiB ahead): the next step reads direct.
+    let slow = Duration::from_millis(20);
+    let (first, after_first) = step(slow);
+    assert!(first.equal(&expected[0]));
+    assert_eq!(after_first, 0, "the first step reads buffered");
+    let (second, after_second) = step(slow);
+    assert!(second.equal(&expected[1]), "read direct, the same output");
+    // Where the file system has no O_DIRECT (tmpfs) every read stays buffered.
+    assert_eq!(after_second > 0, reads_direct, "bytes read direct: {after_second}");
+    // Limited by its reads (no compute to hide them): the steps after read buffered again, but
+    // for the read the third step carried into the fourth, started before the third ended.
+    let after: Vec<u64> = (2..5)
+        .map(|i| {
+            let (out, after) = step(Duration::ZERO);
+            assert!(out.equal(&expected[i]), "step {i}");
+            after
+        })
+        .collect();
+    assert_eq!(after[2], after[1], "a step after one that waited for its reads reads buffered");
 }
 
 /// Hidden widths of the uneven net's six blocks: the largest first, in the middle, last.

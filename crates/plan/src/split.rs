@@ -117,15 +117,49 @@ fn sum(bytes: &[u64]) -> u64 {
 /// CPU allocator aligns to 64).
 pub const SLOT_ALIGNMENT: u64 = 64;
 
+/// The unit of a read past the page cache (`O_DIRECT`): its file offset, length and memory all
+/// multiples of it (the logical block size of the disks this runs on, at most a page).
+pub const DIRECT_UNIT: u64 = 4096;
+
+/// Bytes a slot keeps beside a block's tensors so that it can lay them out at their place in
+/// the file's [`DIRECT_UNIT`]s, where a read past the page cache lands them straight in the slot:
+/// up to one unit to reach the slot buffer's first unit boundary, and one for the block's
+/// first byte's place in its unit.
+pub const FILE_PHASE_ROOM: u64 = 2 * DIRECT_UNIT;
+
 /// A block's bytes as a slot lays it out: each of its tensors' `bytes`, in order, at a multiple
-/// of [`SLOT_ALIGNMENT`]. The size a block counts for in [`Sizes`], in the plan (from a
-/// checkpoint's entries) and in the streamer (from the model's storages), so a slot buffer holds
-/// exactly what the split counts.
+/// of [`SLOT_ALIGNMENT`], and [`FILE_PHASE_ROOM`]. The size a block counts for in [`Sizes`], in
+/// the plan (from a checkpoint's entries) and in the streamer (from the model's storages), so a
+/// slot buffer holds exactly what the split counts.
 pub fn block_bytes(bytes: impl IntoIterator<Item = u64>) -> u64 {
-    bytes
-        .into_iter()
-        .fold(0u64, |total, b| total.saturating_add(b.div_ceil(SLOT_ALIGNMENT).saturating_mul(SLOT_ALIGNMENT)))
+    bytes.into_iter().fold(FILE_PHASE_ROOM, |total, b| {
+        total.saturating_add(b.div_ceil(SLOT_ALIGNMENT).saturating_mul(SLOT_ALIGNMENT))
+    })
 }
+
+/// Whether the next step's refills read past the page cache straight into their slots
+/// (`O_DIRECT`; `direct` now) after a step that waited `waited` of its `step` seconds for
+/// refills. A direct read costs the forward's cores almost none of a buffered read's CPU (the
+/// kernel's copy out of the page cache, the drop after it) but reads the disk more slowly
+/// (`traces/hot-set/direct-reads/`): it pays where the forward, not the disk, is the limit.
+/// So a step that waited under [`DIRECT_BELOW`] of its time switches to direct reads, and one
+/// that waited over [`BUFFERED_ABOVE`] back to buffered ones; between the two nothing changes.
+pub fn direct_reads(direct: bool, waited: f64, step: f64) -> bool {
+    if !(step > 0.0 && waited.is_finite()) {
+        return direct;
+    }
+    let share = waited / step;
+    match direct {
+        false => share < DIRECT_BELOW,
+        true => share <= BUFFERED_ABOVE,
+    }
+}
+
+/// A step that waited less than this share of its time for refills is limited by its compute.
+pub const DIRECT_BELOW: f64 = 0.05;
+
+/// A step that waited more than this share of its time for refills is limited by its reads.
+pub const BUFFERED_ABOVE: f64 = 0.1;
 
 /// The budget cannot hold the model's fixed tensors and one streamed block.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -471,6 +505,29 @@ mod tests {
         assert_eq!(relieve(&s, cold, 80.0, 10.0, long_ago), Some(Split { resident: 2, ..cold }));
         let all = Split { resident: 0, blocks: 8, look_ahead: true, hot: 0 };
         assert_eq!(relieve(&s, all, 100.0, 10.0, long_ago), None, "nothing left to stream");
+    }
+
+    #[test]
+    fn a_block_counts_its_tensors_at_slot_alignment_and_the_room_for_its_file_phase() {
+        assert_eq!(block_bytes([64, 1, 100]), 64 + 64 + 128 + FILE_PHASE_ROOM);
+        assert_eq!(block_bytes([]), FILE_PHASE_ROOM);
+        assert_eq!(block_bytes([u64::MAX, 64]), u64::MAX);
+    }
+
+    #[test]
+    fn reads_go_direct_after_a_step_limited_by_its_compute_and_back_after_one_limited_by_its_reads() {
+        // Buffered: a step that waited 4 % of its time switches; 5 % or more does not.
+        assert!(direct_reads(false, 0.04, 1.0));
+        assert!(!direct_reads(false, 0.05, 1.0));
+        // Direct: kept up to a tenth of the step waiting, so that its slower reads do not flip
+        // it back and forth; past that, buffered again.
+        assert!(direct_reads(true, 0.1, 1.0));
+        assert!(!direct_reads(true, 0.11, 1.0));
+        // A step without a measured time, or a wait that is not a number, changes nothing.
+        for direct in [false, true] {
+            assert_eq!(direct_reads(direct, 0.0, 0.0), direct);
+            assert_eq!(direct_reads(direct, f64::NAN, 1.0), direct);
+        }
     }
 
     #[test]

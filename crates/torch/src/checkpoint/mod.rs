@@ -41,6 +41,7 @@ use tch::{Device, Kind, Tensor};
 use crate::device_copy;
 use stageload_torch_sys::MappedReadError;
 
+mod direct;
 mod kinds;
 mod save;
 mod to_cuda;
@@ -49,6 +50,7 @@ mod to_cuda;
 pub use crate::device_copy::{RingShape, RingShapeError};
 use crate::names::{match_names, Collision, NameMatch, NameMismatch, NameRules};
 use crate::sync::lock;
+pub(crate) use direct::Direct;
 pub(crate) use kinds::{converts, device_holds, dtype_of, is_float, kind_of};
 pub use save::{save, save_with_metadata};
 

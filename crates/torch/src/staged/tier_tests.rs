@@ -181,9 +181,10 @@ fn streamed_model(file: std::path::PathBuf, builds: Arc<AtomicUsize>) -> ModelSp
         let tensors = blocks.iter().enumerate().map(|(i, t)| (format!("blocks.{i}"), t.shallow_clone())).collect();
         let checkpoint = crate::checkpoint::Checkpoint::open(&[&file])?;
         let spec = crate::stream::BlockSpec::new(["blocks.*"]);
-        // One resident block and two slots.
+        // One resident block and two slots, each block 1 KiB and the room for its file phase.
+        let budget = 3 * (1024 + stageload_plan::split::FILE_PHASE_ROOM);
         let mut streamed =
-            crate::stream::StreamedModel::new("s", tensors, checkpoint, &crate::NameRules::default(), &spec, 3 * 1024)?;
+            crate::stream::StreamedModel::new("s", tensors, checkpoint, &crate::NameRules::default(), &spec, budget)?;
         streamed.reading(|| None);
         let tensors = streamed.tensors();
         Ok(Built::from_tensors(Streamed { streamed, blocks }, tensors))

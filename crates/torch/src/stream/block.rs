@@ -34,6 +34,51 @@ pub(super) struct Block {
     pub(super) allocated: bool,
     /// The slot its storages borrow, while they do.
     pub(super) slot: Option<usize>,
+    /// Where its storages start in their slot beyond `offsets`: the room a read past the page
+    /// cache needs to land them at their file phase ([`FileSpan`]); 0 otherwise.
+    pub(super) shift: usize,
+    /// Its bytes in the file, where they lie as a slot lays them out (`offsets`).
+    pub(super) span: Option<FileSpan>,
+}
+
+/// A block whose tensors lie in one file exactly as a slot lays them out, one entry per storage
+/// in the file's dtype: the file's bytes from `start` to `end`, read as one range, are the
+/// slot's from the block's first storage on, so a read past the page cache can land them in
+/// place (`refill.rs`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct FileSpan {
+    pub(super) file: usize,
+    pub(super) start: u64,
+    pub(super) end: u64,
+}
+
+impl FileSpan {
+    /// The span of a block whose storages sit at `offsets` in a slot, `storages[k]` of `nbytes[k]`
+    /// bytes, filled by `targets` (entry, storage index, contiguous from its storage's start in
+    /// the entry's dtype): `None` unless each storage is one entry's whole bytes in one file at
+    /// its slot offset from the first.
+    pub(super) fn of(
+        offsets: &[usize],
+        nbytes: &[usize],
+        targets: &[(&crate::checkpoint::Entry, usize, bool)],
+    ) -> Option<FileSpan> {
+        if targets.len() != nbytes.len() || targets.is_empty() {
+            return None;
+        }
+        let (first, _, _) = targets.iter().min_by_key(|(entry, _, _)| entry.start)?;
+        let (file, start) = (first.file, first.start);
+        let mut homes: Vec<usize> = targets.iter().map(|(_, home, _)| *home).collect();
+        homes.sort_unstable();
+        homes.dedup();
+        let each_in_place = targets.iter().all(|(entry, home, whole)| {
+            *whole
+                && entry.file == file
+                && entry.end.checked_sub(entry.start) == Some(nbytes[*home] as u64)
+                && entry.start - start == offsets[*home] as u64
+        });
+        let end = targets.iter().map(|(entry, _, _)| entry.end).max()?;
+        (homes.len() == nbytes.len() && each_in_place).then_some(FileSpan { file, start, end })
+    }
 }
 
 /// A block's refill as a job for any thread: the seconds it took.
@@ -97,16 +142,21 @@ impl Parts {
         let mut blocks = Vec::with_capacity(layout.blocks.len());
         for (name, members) in &layout.blocks {
             let (storages, storage_of) = owners.claim(name, members)?;
-            let (homes, targets) = with_entries(members).into_iter().map(|(k, target)| (storage_of[k], target)).unzip();
+            let (homes, targets): (Vec<usize>, Vec<(String, Tensor)>) =
+                with_entries(members).into_iter().map(|(k, target)| (storage_of[k], target)).unzip();
+            let offsets = storage::layout(&storages).0;
+            let span = file_span(checkpoint, &targets, &homes, &storages, &offsets);
             blocks.push(Block {
                 name: name.clone(),
                 targets,
                 shapes: members.iter().map(|&i| (names[i].to_string(), tensors[i].1.size())).collect(),
-                offsets: storage::layout(&storages).0,
+                offsets,
                 storages,
                 homes,
                 allocated: true,
                 slot: None,
+                shift: 0,
+                span,
             });
         }
         Ok(Parts { blocks, fixed: targets(&layout.fixed), fixed_storages })
@@ -117,9 +167,30 @@ impl Parts {
     pub(super) fn sizes_of(fixed_storages: &[StorageRecord], blocks: &[Block]) -> Sizes {
         Sizes {
             fixed: fixed_storages.iter().fold(0u64, |sum, s| sum.saturating_add(s.nbytes as u64)),
-            blocks: blocks.iter().map(|b| storage::layout(&b.storages).1 as u64).collect(),
+            blocks: blocks
+                .iter()
+                .map(|b| stageload_plan::split::block_bytes(b.storages.iter().map(|s| s.nbytes as u64)))
+                .collect(),
         }
     }
+}
+
+/// [`FileSpan::of`] a block's `targets` (entry name, tensor), each filling `storages[homes[i]]`.
+fn file_span(
+    checkpoint: &Checkpoint,
+    targets: &[(String, Tensor)],
+    homes: &[usize],
+    storages: &[StorageRecord],
+    offsets: &[usize],
+) -> Option<FileSpan> {
+    let mut described = Vec::with_capacity(targets.len());
+    for ((entry, tensor), &home) in targets.iter().zip(homes) {
+        let entry = checkpoint.entries().get(entry)?;
+        let whole = entry.kind == tensor.kind() && tensor.is_contiguous() && tensor.storage_offset() == 0;
+        described.push((entry, home, whole));
+    }
+    let nbytes: Vec<usize> = storages.iter().map(|s| s.nbytes).collect();
+    FileSpan::of(offsets, &nbytes, &described)
 }
 
 /// Which group (a block, or the fixed tensors) owns each storage seen so far.

@@ -4,15 +4,19 @@
 //! stream; and the release in place after the block ran.
 
 use std::collections::HashSet;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
 
+use stageload_plan::split::DIRECT_UNIT;
+
 use tch::{Device, Tensor};
 
-use super::block::{Ahead, Job};
+use super::block::{Ahead, FileSpan, Job};
 use super::streamer::StreamedModel;
 use super::torch;
 use super::StreamError;
+use crate::checkpoint::Direct;
 use crate::error::panic_message;
 use crate::storage::{self, StorageRecord};
 
@@ -41,7 +45,7 @@ impl StreamedModel {
         }
         let seconds = outcome?;
         self.stats.refills += 1;
-        self.stats.bytes_refilled += self.sizes.blocks[block];
+        self.stats.bytes_refilled += storage::layout(&self.blocks[block].storages).1 as u64;
         self.stats.refill_seconds += seconds;
         Ok(())
     }
@@ -223,10 +227,23 @@ impl StreamedModel {
                 .map_err(|source| StreamError::Checkpoint { model: model.clone(), source: Box::new(source) })
         };
         if let Some(slot) = self.take_slot(index) {
+            let direct = self.direct_read(index, slot);
             let views = self.views_in(index, &self.slots[slot].0).inspect_err(|_| self.let_go_of_slot(index))?;
+            let (checkpoint, model, read_directly) =
+                (Arc::clone(&self.checkpoint), self.name.clone(), Arc::clone(&self.read_directly));
             let job = move || {
                 let start = Instant::now();
-                read(&views).map(|()| start.elapsed().as_secs_f64())
+                let direct = match direct {
+                    Some(direct) => direct
+                        .run(&checkpoint)
+                        .map_err(|source| StreamError::Checkpoint { model, source: Box::new(source) })?,
+                    None => None,
+                };
+                match direct {
+                    Some(bytes) => _ = read_directly.fetch_add(bytes, Ordering::Relaxed),
+                    None => read(&views)?,
+                }
+                Ok(start.elapsed().as_secs_f64())
             };
             return Ok((Box::new(job), Some(slot)));
         }
@@ -271,16 +288,40 @@ impl StreamedModel {
         Ok((Box::new(job), None))
     }
 
+    /// The read past the page cache of block `index` into `slot`, when this step's refills read
+    /// that way ([`stageload_plan::split::direct_reads`]) and the block lies in its file as the
+    /// slot lays it out ([`FileSpan`]): the block then sits in the slot at its file phase
+    /// (`shift`; 0 for any other read), in the room [`FILE_PHASE_ROOM`](stageload_plan::split::FILE_PHASE_ROOM)
+    /// keeps for it.
+    fn direct_read(&mut self, index: usize, slot: usize) -> Option<DirectRead> {
+        let buffer = &self.slots[slot].0;
+        let block = &mut self.blocks[index];
+        block.shift = 0;
+        let span = block.span.clone().filter(|_| self.uncached && self.direct)?;
+        let unit = DIRECT_UNIT as usize;
+        let at = (unit - buffer.data_ptr() as usize % unit) % unit;
+        let shift = at + (span.start % DIRECT_UNIT) as usize;
+        let layout = block.offsets.last().zip(block.storages.last()).map(|(o, s)| o + s.nbytes)?;
+        if shift.saturating_add(layout) > buffer.numel() {
+            return None;
+        }
+        block.shift = shift;
+        let name = block.targets.first().map(|(entry, _)| entry.clone())?;
+        Some(DirectRead { buffer: buffer.shallow_clone(), at, span, name })
+    }
+
     /// Block `index`'s tensors (under their entries' names) as views of `buffer` where the
-    /// block's layout puts them: each storage at its offset, each tensor at its own offset and
-    /// strides in it. They hold the buffer, never the block's storages.
+    /// block's layout puts them: each storage at its offset (beyond the block's shift), each
+    /// tensor at its own offset and strides in it. They hold the buffer, never the block's
+    /// storages.
     pub(super) fn views_in(&self, index: usize, buffer: &Tensor) -> Result<Vec<(String, Tensor)>, StreamError> {
         let block = &self.blocks[index];
         let mut views = Vec::with_capacity(block.targets.len());
         for ((entry, tensor), &home) in block.targets.iter().zip(&block.homes) {
-            let (offset, nbytes) = (block.offsets[home], block.storages[home].nbytes);
+            let (offset, nbytes) = (block.shift + block.offsets[home], block.storages[home].nbytes);
             let kind = tensor.kind();
-            // Offsets are multiples of the slot alignment (64), so of every element size.
+            // Offsets are multiples of the slot alignment (64), so of every element size; a
+            // shift keeps each storage at its file offset's place, a multiple of its element size.
             let start = (offset / kind.elt_size_in_bytes()) as i64;
             let storage = buffer.f_narrow(0, offset as i64, nbytes as i64)?.f_view_dtype(kind)?;
             let view = storage.f_as_strided(tensor.size(), tensor.stride(), Some(start + tensor.storage_offset()))?;
@@ -299,7 +340,7 @@ impl StreamedModel {
     ) -> Result<f64, StreamError> {
         let (Some(slot), Ok(seconds)) = (slot, &outcome) else { return outcome };
         let block = &self.blocks[index];
-        let base = self.slots[slot].0.data_ptr() as *mut u8;
+        let base = (self.slots[slot].0.data_ptr() as *mut u8).wrapping_add(block.shift);
         // The slot's buffer is this block's alone while the block is its holder, as large as the
         // block's layout and aligned as the allocator aligns (the offsets come from that layout);
         // the model frees every block in a slot before the slot changes or goes (`fit_slots`, `Drop`).
@@ -352,4 +393,46 @@ impl StreamedModel {
 /// A slot buffer without memory.
 pub(super) fn empty_buffer() -> Result<Tensor, tch::TchError> {
     Tensor::f_zeros([0], (tch::Kind::Uint8, Device::Cpu))
+}
+
+/// A refill read past the page cache straight into its slot: the file's whole units from the
+/// one holding the block's first byte, into the slot buffer from its first unit boundary `at`
+/// (the block's storages start `shift` into it, [`StreamedModel::direct_read`]); the part of the
+/// last unit the block ends in through the page cache, dropped after.
+pub(super) struct DirectRead {
+    buffer: Tensor,
+    at: usize,
+    span: FileSpan,
+    /// The block's first entry, for errors.
+    name: String,
+}
+
+impl DirectRead {
+    /// Reads the block; the bytes read past the page cache, or `None` where the file system
+    /// cannot read that way (nothing read: read it buffered).
+    fn run(&self, checkpoint: &crate::checkpoint::Checkpoint) -> Result<Option<u64>, crate::CheckpointError> {
+        let FileSpan { file, start, end } = self.span;
+        let first = start - start % DIRECT_UNIT;
+        let whole = end - end % DIRECT_UNIT;
+        let total = usize::try_from(end - first).unwrap_or(usize::MAX);
+        debug_assert!(self.at + total <= self.buffer.numel(), "checked in direct_read");
+        // SAFETY: the slot buffer is the block's alone until its refill is joined (`take_slot`
+        // gave it; only `attach_read` or `let_go_of_slot`, after the join, give it up), and it
+        // holds `at + total` bytes (checked in `direct_read` against the block's layout, which
+        // holds its span). No other reference to this memory exists meanwhile.
+        let memory =
+            unsafe { std::slice::from_raw_parts_mut((self.buffer.data_ptr() as *mut u8).wrapping_add(self.at), total) };
+        let direct = usize::try_from(whole.saturating_sub(first)).unwrap_or(0);
+        let (units, rest) = memory.split_at_mut(direct.min(total));
+        if !units.is_empty() && checkpoint.read_direct(file, first, units, &self.name)? == Direct::Unsupported {
+            return Ok(None);
+        }
+        // The last unit's part, and a block inside one unit whole: from its first byte on.
+        let from = start.max(whole);
+        let skip = usize::try_from(from - whole.max(first)).unwrap_or(0);
+        if let Some(tail) = rest.get_mut(skip..).filter(|tail| !tail.is_empty()) {
+            checkpoint.read_and_drop(file, from, tail, &self.name)?;
+        }
+        Ok(Some(units.len() as u64))
+    }
 }

@@ -10,7 +10,7 @@ use std::time::Instant;
 use stageload_trace::event::{Event, Residency, ResidencyChanged};
 use tch::Device;
 
-use super::split::{evict, govern, refit, relieve, Refit};
+use super::split::{direct_reads, evict, govern, refit, relieve, Refit};
 use super::step::Step;
 use super::streamer::StreamedModel;
 use super::StreamError;
@@ -30,6 +30,7 @@ impl StreamedModel {
             }
             let base = self.measure_point();
             let peak = self.peak_now();
+            let (started, waited) = (Instant::now(), self.stats.waited_seconds);
             let mut step =
                 Step { model: &mut *self, active: None, base, peak, most_held: 0, working: 0, streamed_yet: false };
             let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(&mut step)));
@@ -44,6 +45,8 @@ impl StreamedModel {
                 Ok(Ok(result)) => {
                     let working = working?;
                     self.stats.steps += 1;
+                    let waited = self.stats.waited_seconds - waited;
+                    self.direct = direct_reads(self.direct, waited, started.elapsed().as_secs_f64());
                     self.after_step(working);
                     return Ok(result);
                 }

@@ -8,7 +8,7 @@
 //! into a slot touches none of them: it writes through views of the slot's buffer, which between
 //! steps no tensor of the model holds, [`super::carry`]).
 
-use std::sync::atomic::AtomicU64;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -48,6 +48,10 @@ pub struct StreamStats {
     /// The most the model held at any block boundary or step's start, from its storages
     /// ([`StreamedModel::held_bytes`]).
     pub most_held: u64,
+    /// Bytes refills read past the page cache straight into their slots (`O_DIRECT`; among
+    /// [`bytes_refilled`](Self::bytes_refilled)): with [`StreamedModel::uncached`], after a step
+    /// limited by its compute ([`stageload_plan::split::direct_reads`]).
+    pub bytes_direct: u64,
 }
 
 /// Reads the memory a step's working set shows up in (process RSS, or the CUDA allocator's).
@@ -122,6 +126,11 @@ pub struct StreamedModel {
     pub(super) named: bool,
     /// Refills drop what they read from the page cache ([`Self::uncached`]).
     pub(super) uncached: bool,
+    /// Uncached refills read past the page cache straight into their slots this step
+    /// ([`stageload_plan::split::direct_reads`]).
+    pub(super) direct: bool,
+    /// Bytes refills read that way ([`StreamStats::bytes_direct`]), added to by their threads.
+    pub(super) read_directly: Arc<AtomicU64>,
     /// Working memory measured so far (the largest step).
     pub(super) working: u64,
     pub(super) checkpoint: Arc<Checkpoint>,
@@ -267,6 +276,8 @@ impl StreamedModel {
             any_order,
             named: false,
             uncached: false,
+            direct: false,
+            read_directly: Arc::default(),
             working,
             checkpoint: Arc::new(checkpoint),
             ahead: None,
@@ -468,7 +479,7 @@ impl StreamedModel {
 
     /// What has moved so far.
     pub fn stats(&self) -> StreamStats {
-        self.stats
+        StreamStats { bytes_direct: self.read_directly.load(Ordering::Relaxed), ..self.stats }
     }
 
     /// `NoSuchBlock` unless the model has block `index`.
@@ -572,7 +583,11 @@ impl StreamedModel {
     /// Refills from the checkpoint read past the page cache: each drops the block's bytes from
     /// it once read ([`Checkpoint::drop_cached`]), so streaming a model bigger than the machine's
     /// memory does not push other programs' files out, and every refill reads the disk (what
-    /// such a model costs; the hot set then saves disk reads).
+    /// such a model costs; the hot set then saves disk reads). After a step limited by its
+    /// compute, not its reads ([`stageload_plan::split::direct_reads`]), a block that lies in its
+    /// file as its slot lays it out is read with `O_DIRECT` straight into the slot instead
+    /// ([`StreamStats::bytes_direct`]), which leaves the forward's cores the CPU a buffered
+    /// read takes.
     pub fn uncached(&mut self) -> &mut Self {
         self.uncached = true;
         self
