@@ -67,6 +67,10 @@ struct Args {
     /// memory streams from disk (with `--read-beside`, those reads do)
     #[arg(long)]
     uncached: bool,
+    /// With `--uncached`: every refill reads through the page cache, never straight into its
+    /// slot with `O_DIRECT` (`StreamedModel::direct_reads(false)`)
+    #[arg(long, requires = "uncached")]
+    buffered: bool,
     /// Whole model only: read this many blocks of the checkpoint beside the flow, spread over
     /// its calls, as refills read them but waited for by nothing (`ReadsBeside`): the least
     /// time a streamed flow reading as many blocks can take on this machine
@@ -281,8 +285,8 @@ fn run(args: Args) -> Result<(), BoxError> {
     if args.cold {
         drop_page_cache(&file)?;
     }
-    let (device, uncached, resident_at_most, built) =
-        (args.device, args.uncached, args.resident_at_most, shape.clone());
+    let (device, uncached, buffered, resident_at_most, built) =
+        (args.device, args.uncached, args.buffered, args.resident_at_most, shape.clone());
     let mut builder = StagedModels::builder().pipeline(&pipeline);
     if let Some(meter) = &meter {
         builder = builder.events(Arc::clone(meter) as Arc<dyn EventSink>);
@@ -307,7 +311,7 @@ fn run(args: Args) -> Result<(), BoxError> {
                 }
                 let mut streamed = StreamedModel::planned(MODEL, tensors, plan)?;
                 if uncached {
-                    streamed.uncached();
+                    streamed.uncached().direct_reads(!buffered);
                 }
                 if let Some(at_most) = resident_at_most {
                     streamed.limit_resident(at_most)?;

@@ -1264,6 +1264,22 @@ fn refills_past_the_page_cache_go_direct_after_a_step_limited_by_its_compute_and
     assert_eq!(after[2], after[1], "a step after one that waited for its reads reads buffered");
 }
 
+#[test]
+fn refills_past_the_page_cache_stay_buffered_when_direct_reads_are_off() {
+    let (_one, _dir, file) = setup();
+    let expected = reference(&file);
+    let (net, mut model) = streamed(&file, budget_for(2)).unwrap();
+    model.uncached().direct_reads(false);
+    tch::manual_seed(11);
+    for (i, want) in expected.iter().enumerate() {
+        let x = Tensor::randn([16, WIDTH], (Kind::Float, Device::Cpu));
+        let slow = |_| std::thread::sleep(Duration::from_millis(20));
+        let out = tch::no_grad(|| model.run(|step| net.forward_observed(&x, step, slow))).unwrap();
+        assert!(out.equal(want), "step {i}");
+    }
+    assert_eq!(model.stats().bytes_direct, 0, "{:?}", model.stats());
+}
+
 /// Hidden widths of the uneven net's six blocks: the largest first, in the middle, last.
 const UNEVEN: [[i64; 6]; 3] = [[512, 64, 128, 64, 256, 64], [64, 128, 512, 64, 256, 64], [64, 128, 64, 256, 64, 512]];
 

@@ -46,7 +46,8 @@ impl StreamedModel {
                     let working = working?;
                     self.stats.steps += 1;
                     let waited = self.stats.waited_seconds - waited;
-                    self.direct = direct_reads(self.direct, waited, started.elapsed().as_secs_f64());
+                    let seconds = started.elapsed().as_secs_f64();
+                    self.direct = self.direct_allowed && direct_reads(self.direct, waited, seconds);
                     self.after_step(working);
                     return Ok(result);
                 }

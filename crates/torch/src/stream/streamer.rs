@@ -129,6 +129,8 @@ pub struct StreamedModel {
     /// Uncached refills read past the page cache straight into their slots this step
     /// ([`stageload_plan::split::direct_reads`]).
     pub(super) direct: bool,
+    /// They may ([`Self::direct_reads`]).
+    pub(super) direct_allowed: bool,
     /// Bytes refills read that way ([`StreamStats::bytes_direct`]), added to by their threads.
     pub(super) read_directly: Arc<AtomicU64>,
     /// Working memory measured so far (the largest step).
@@ -277,6 +279,7 @@ impl StreamedModel {
             named: false,
             uncached: false,
             direct: false,
+            direct_allowed: true,
             read_directly: Arc::default(),
             working,
             checkpoint: Arc::new(checkpoint),
@@ -590,6 +593,16 @@ impl StreamedModel {
     /// read takes.
     pub fn uncached(&mut self) -> &mut Self {
         self.uncached = true;
+        self
+    }
+
+    /// Whether uncached refills may read with `O_DIRECT` straight into their slots after a step
+    /// limited by its compute (on by default; see [`uncached`](Self::uncached)). Off, every
+    /// refill reads through the page cache: for a file system whose direct reads are slow, or
+    /// to measure what they save. From the next refill on.
+    pub fn direct_reads(&mut self, allowed: bool) -> &mut Self {
+        self.direct_allowed = allowed;
+        self.direct &= allowed;
         self
     }
 
