@@ -228,8 +228,9 @@ pub const ALIGNMENT: usize = stageload_plan::split::SLOT_ALIGNMENT as usize;
 ///
 /// # Safety
 ///
-/// As [`shim::attach_storage`]: `base` is valid and [`ALIGNMENT`]-aligned for the whole layout
-/// for as long as the storages hold it, and no other storage uses that buffer meanwhile.
+/// As [`shim::attach_storage`]: `base` is valid for the whole layout for as long as the storages
+/// hold it, each storage's place aligned for its dtype (`base` [`ALIGNMENT`]-aligned, or at a
+/// block's file phase where its first byte is), and no other storage uses that buffer meanwhile.
 pub unsafe fn attach(storages: &[StorageRecord], base: *mut u8, offsets: &[usize]) -> Result<HashSet<u64>, ShimError> {
     let mut attached = HashSet::new();
     for (storage, &offset) in storages.iter().zip(offsets) {

@@ -190,7 +190,10 @@ fn file_span(
         described.push((entry, home, whole));
     }
     let nbytes: Vec<usize> = storages.iter().map(|s| s.nbytes).collect();
-    FileSpan::of(offsets, &nbytes, &described)
+    // At its file phase each storage sits where its bytes sit in the file, a multiple of the
+    // slot alignment from the block's first: aligned for its dtype when the first byte is.
+    let element = targets.iter().map(|(_, t)| t.kind().elt_size_in_bytes() as u64).max()?;
+    FileSpan::of(offsets, &nbytes, &described).filter(|span| span.start.is_multiple_of(element))
 }
 
 /// Which group (a block, or the fixed tensors) owns each storage seen so far.
@@ -272,4 +275,40 @@ pub(super) fn pinned_copies(blocks: &[Block], checkpoint: &Checkpoint) -> Result
     }
     checkpoint.load_into(&targets, |_| {}).map_err(|e| HostCopyError::Read(Box::new(e)))?;
     Ok(HostBlocks { set, ranges })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::FileSpan;
+    use crate::checkpoint::Entry;
+
+    fn entry(file: usize, start: u64, end: u64) -> Entry {
+        Entry { file, kind: tch::Kind::Uint8, shape: vec![(end - start) as i64], start, end }
+    }
+
+    #[test]
+    fn a_block_whose_entries_lie_in_one_file_as_its_slot_lays_them_out_has_a_span() {
+        // Two storages of 128 and 64 bytes at 0 and 128 in the slot, their entries from 1000 on,
+        // listed in either order.
+        let (a, b) = (entry(0, 1000, 1128), entry(0, 1128, 1192));
+        let span = FileSpan { file: 0, start: 1000, end: 1192 };
+        assert_eq!(FileSpan::of(&[0, 128], &[128, 64], &[(&a, 0, true), (&b, 1, true)]), Some(span.clone()));
+        assert_eq!(FileSpan::of(&[0, 128], &[128, 64], &[(&b, 1, true), (&a, 0, true)]), Some(span));
+    }
+
+    #[test]
+    fn a_gap_another_file_a_partial_entry_or_a_storage_without_one_has_no_span() {
+        let a = entry(0, 1000, 1128);
+        // The slot pads a 100-byte storage to 128; the file does not.
+        let short = entry(0, 1128, 1228);
+        let after_short = entry(0, 1228, 1292);
+        assert_eq!(FileSpan::of(&[0, 128], &[100, 64], &[(&short, 0, true), (&after_short, 1, true)]), None);
+        let elsewhere = entry(1, 1128, 1192);
+        assert_eq!(FileSpan::of(&[0, 128], &[128, 64], &[(&a, 0, true), (&elsewhere, 1, true)]), None);
+        let b = entry(0, 1128, 1192);
+        assert_eq!(FileSpan::of(&[0, 128], &[128, 64], &[(&a, 0, true), (&b, 1, false)]), None);
+        assert_eq!(FileSpan::of(&[0, 128], &[128, 64], &[(&a, 0, true)]), None);
+        assert_eq!(FileSpan::of(&[0, 128], &[128, 64], &[(&a, 0, true), (&b, 0, true)]), None);
+        assert_eq!(FileSpan::of(&[], &[], &[]), None);
+    }
 }

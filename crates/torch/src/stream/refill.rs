@@ -342,7 +342,9 @@ impl StreamedModel {
         let block = &self.blocks[index];
         let base = (self.slots[slot].0.data_ptr() as *mut u8).wrapping_add(block.shift);
         // The slot's buffer is this block's alone while the block is its holder, as large as the
-        // block's layout and aligned as the allocator aligns (the offsets come from that layout);
+        // block's layout beyond its shift, and each storage's place is aligned for its dtype (the
+        // allocator aligns to 64, the offsets are multiples of 64, and a shift is taken only where
+        // the block's first byte in the file is aligned for every dtype in it, `file_span`);
         // the model frees every block in a slot before the slot changes or goes (`fit_slots`, `Drop`).
         // SAFETY: as said above, the buffer at `base` holds the layout for as long as the storages do.
         unsafe { storage::attach(&block.storages, base, &block.offsets) }
@@ -415,11 +417,14 @@ impl DirectRead {
         let first = start - start % DIRECT_UNIT;
         let whole = end - end % DIRECT_UNIT;
         let total = usize::try_from(end - first).unwrap_or(usize::MAX);
-        debug_assert!(self.at + total <= self.buffer.numel(), "checked in direct_read");
+        if self.at.saturating_add(total) > self.buffer.numel() {
+            // Cannot be (`direct_read` checked the layout, which holds the span): read buffered.
+            return Ok(None);
+        }
         // SAFETY: the slot buffer is the block's alone until its refill is joined (`take_slot`
         // gave it; only `attach_read` or `let_go_of_slot`, after the join, give it up), and it
-        // holds `at + total` bytes (checked in `direct_read` against the block's layout, which
-        // holds its span). No other reference to this memory exists meanwhile.
+        // holds `at + total` bytes (checked above). No other reference to this memory exists
+        // meanwhile.
         let memory =
             unsafe { std::slice::from_raw_parts_mut((self.buffer.data_ptr() as *mut u8).wrapping_add(self.at), total) };
         let direct = usize::try_from(whole.saturating_sub(first)).unwrap_or(0);
