@@ -6,11 +6,11 @@
 //! reads reach 1.6.
 
 use std::fs::File;
-use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::os::unix::fs::FileExt;
 
 use stageload_plan::split::DIRECT_UNIT;
 
-use super::{Checkpoint, CheckpointError, PIECE};
+use super::{reopen, Checkpoint, CheckpointError, PIECE};
 
 /// Threads that read one range at once: the C measurement's best CPU per byte with 4 MiB pieces.
 const DIRECT_READERS: usize = 4;
@@ -27,11 +27,11 @@ pub(crate) enum Direct {
 
 impl Checkpoint {
     /// Reads `memory.len()` bytes of file `file` from `offset` past the page cache, straight
-    /// into `memory`, by up to [`DIRECT_READERS`] threads in [`PIECE`]s, each through a handle
-    /// of its own opened with `O_DIRECT`. The offset, the length and the memory's address must
-    /// be multiples of [`DIRECT_UNIT`] and the range inside the file; otherwise, or where the
-    /// file system refuses `O_DIRECT`, nothing is read ([`Direct::Unsupported`]). `tensor`
-    /// names the range in an error.
+    /// into `memory`, by up to [`DIRECT_READERS`] threads in [`PIECE`]s through one handle on
+    /// the file opened again with `O_DIRECT` (once per checkpoint). The offset, the length and
+    /// the memory's address must be multiples of [`DIRECT_UNIT`] and the range inside the file;
+    /// otherwise, or where the file cannot be opened that way, nothing is read
+    /// ([`Direct::Unsupported`]). `tensor` names the range in an error.
     pub(crate) fn read_direct(
         &self,
         file: usize,
@@ -43,34 +43,20 @@ impl Checkpoint {
         let aligned = offset.is_multiple_of(DIRECT_UNIT)
             && memory.len().is_multiple_of(unit)
             && (memory.as_ptr() as usize).is_multiple_of(unit);
-        let Some(path) = self.files.get(file) else { return Ok(Direct::Unsupported) };
-        if !aligned || memory.is_empty() {
+        let Some(handle) = self.direct_handle(file).filter(|_| aligned && !memory.is_empty()) else {
             return Ok(Direct::Unsupported);
-        }
-        let read_error = |source| CheckpointError::Read { tensor: tensor.to_string(), path: path.clone(), source };
-        let open = || std::fs::OpenOptions::new().read(true).custom_flags(nix::libc::O_DIRECT).open(path);
-        // The first handle tells whether the file system reads past its cache at all.
-        let first = match open() {
-            Ok(handle) => handle,
-            Err(err) if err.raw_os_error() == Some(nix::libc::EINVAL) => return Ok(Direct::Unsupported),
-            Err(err) => return Err(read_error(err)),
         };
         let share = memory.len().div_ceil(DIRECT_READERS).div_ceil(unit).saturating_mul(unit).max(unit);
         let outcomes: Vec<std::io::Result<()>> = std::thread::scope(|scope| {
             let mut parts = memory.chunks_mut(share).enumerate();
             let mine = parts.next();
-            let others: Vec<_> = parts
-                .map(|(i, part)| {
-                    let at = offset.saturating_add((i * share) as u64);
-                    scope.spawn(move || open().and_then(|handle| read_pieces(&handle, at, part)))
-                })
-                .collect();
-            let mut outcomes = vec![mine.map_or(Ok(()), |(_, part)| read_pieces(&first, offset, part))];
-            outcomes.extend(
-                others
-                    .into_iter()
-                    .map(|h| h.join().unwrap_or_else(|_| Err(std::io::Error::other("a reader panicked")))),
-            );
+            let at = |i: usize| offset.saturating_add((i * share) as u64);
+            let others: Vec<_> = parts.map(|(i, part)| scope.spawn(move || read_pieces(handle, at(i), part))).collect();
+            let mut outcomes = vec![mine.map_or(Ok(()), |(_, part)| read_pieces(handle, offset, part))];
+            let joined = others
+                .into_iter()
+                .map(|h| h.join().unwrap_or_else(|_| Err(std::io::Error::other("a reader panicked"))));
+            outcomes.extend(joined);
             outcomes
         });
         for outcome in outcomes {
@@ -78,14 +64,24 @@ impl Checkpoint {
                 Ok(()) => {}
                 // Refused by the file system for this range after all: read it buffered.
                 Err(err) if err.raw_os_error() == Some(nix::libc::EINVAL) => return Ok(Direct::Unsupported),
-                Err(err) => return Err(read_error(err)),
+                Err(source) => {
+                    return Err(CheckpointError::Read {
+                        tensor: tensor.to_string(),
+                        path: self.files[file].clone(),
+                        source,
+                    })
+                }
             }
         }
         Ok(Direct::Read)
     }
-}
 
-impl Checkpoint {
+    /// File `file` opened again with `O_DIRECT`, on first use; `None` where that fails.
+    fn direct_handle(&self, file: usize) -> Option<&File> {
+        let (once, shared) = (self.direct_handles.get(file)?, self.handles.get(file)?);
+        once.get_or_init(|| reopen(shared, nix::libc::O_DIRECT)).as_ref()
+    }
+
     /// Reads `memory.len()` bytes of file `file` from `offset` through the page cache, then
     /// drops them from it: the ends of a range read past the cache that are not whole units.
     pub(crate) fn read_and_drop(
@@ -95,23 +91,11 @@ impl Checkpoint {
         memory: &mut [u8],
         tensor: &str,
     ) -> Result<(), CheckpointError> {
-        let (Some(path), Some(handle)) = (self.files.get(file), self.handles.get(file)) else {
-            return Err(CheckpointError::Read {
-                tensor: tensor.to_string(),
-                path: Default::default(),
-                source: std::io::Error::other(format!("the checkpoint has no file {file}")),
-            });
-        };
-        handle.read_exact_at(memory, offset).map_err(|source| CheckpointError::Read {
-            tensor: tensor.to_string(),
-            path: path.clone(),
-            source,
-        })?;
-        let (Ok(start), Ok(len)) = (i64::try_from(offset), i64::try_from(memory.len())) else { return Ok(()) };
-        nix::fcntl::posix_fadvise(handle, start, len, nix::fcntl::PosixFadviseAdvice::POSIX_FADV_DONTNEED).map_err(
-            |errno| CheckpointError::Uncache { tensor: tensor.to_string(), path: path.clone(), source: errno.into() },
-        )?;
-        Ok(())
+        let path = self.files.get(file).cloned().unwrap_or_default();
+        let read = |source| CheckpointError::Read { tensor: tensor.to_string(), path: path.clone(), source };
+        let handle = self.handles.get(file).ok_or_else(|| read(std::io::Error::other("no such file")))?;
+        handle.read_exact_at(memory, offset).map_err(read)?;
+        self.drop_range(file, offset, memory.len() as u64, tensor)
     }
 }
 

@@ -313,6 +313,9 @@ pub struct Checkpoint {
     entries: HashMap<String, Entry>,
     before_piece: Option<Arc<BeforePiece>>,
     host_reads: HostRead,
+    /// Per file, once a read past the page cache asked for it: the file opened again with
+    /// `O_DIRECT`, or `None` where that open failed (a file system without it, no `/proc`).
+    direct_handles: Vec<std::sync::OnceLock<Option<File>>>,
 }
 
 /// How a checkpoint's pieces for CPU targets of the file's dtype reach the targets' memory.
@@ -372,6 +375,7 @@ impl Checkpoint {
             entries: HashMap::new(),
             before_piece: None,
             host_reads: HostRead::default(),
+            direct_handles: Vec::new(),
         };
         for path in files {
             let path = path.as_ref().to_path_buf();
@@ -403,6 +407,7 @@ impl Checkpoint {
             }
             checkpoint.files.push(path);
             checkpoint.handles.push(file);
+            checkpoint.direct_handles.push(std::sync::OnceLock::new());
         }
         Ok(checkpoint)
     }
@@ -476,26 +481,27 @@ impl Checkpoint {
     /// its next read comes from the disk. Names the checkpoint does not have are skipped; where
     /// the call does not exist (macOS) nothing is dropped.
     pub fn drop_cached<'a>(&self, names: impl IntoIterator<Item = &'a str>) -> Result<(), CheckpointError> {
-        #[cfg(any(target_os = "linux", target_os = "android", target_os = "freebsd"))]
         for entry_name in names {
             let Some(entry) = self.entries.get(entry_name) else { continue };
-            let (Ok(start), Ok(len)) = (i64::try_from(entry.start), i64::try_from(entry.end - entry.start)) else {
-                continue;
-            };
-            nix::fcntl::posix_fadvise(
-                &self.handles[entry.file],
-                start,
-                len,
-                nix::fcntl::PosixFadviseAdvice::POSIX_FADV_DONTNEED,
-            )
-            .map_err(|errno| CheckpointError::Uncache {
-                tensor: entry_name.to_string(),
-                path: self.files[entry.file].clone(),
-                source: errno.into(),
-            })?;
+            self.drop_range(entry.file, entry.start, entry.end - entry.start, entry_name)?;
+        }
+        Ok(())
+    }
+
+    /// Drops `len` bytes of file `file` from `start` from the page cache (see
+    /// [`drop_cached`](Self::drop_cached)); `tensor` names them in an error.
+    fn drop_range(&self, file: usize, start: u64, len: u64, tensor: &str) -> Result<(), CheckpointError> {
+        #[cfg(any(target_os = "linux", target_os = "android", target_os = "freebsd"))]
+        if let (Some(handle), Ok(start), Ok(len)) = (self.handles.get(file), i64::try_from(start), i64::try_from(len)) {
+            nix::fcntl::posix_fadvise(handle, start, len, nix::fcntl::PosixFadviseAdvice::POSIX_FADV_DONTNEED)
+                .map_err(|errno| CheckpointError::Uncache {
+                    tensor: tensor.to_string(),
+                    path: self.files[file].clone(),
+                    source: errno.into(),
+                })?;
         }
         #[cfg(not(any(target_os = "linux", target_os = "android", target_os = "freebsd")))]
-        drop(names.into_iter());
+        let _ = (file, start, len, tensor);
         Ok(())
     }
 
@@ -934,17 +940,19 @@ impl<'a> OwnHandles<'a> {
     fn of(&mut self, file: usize) -> &File {
         let shared = &self.checkpoint.handles[file];
         match self.own.get_mut(file) {
-            Some(own) => own.get_or_insert_with(|| reopen(shared)).as_ref().unwrap_or(shared),
+            Some(own) => own.get_or_insert_with(|| reopen(shared, 0)).as_ref().unwrap_or(shared),
             None => shared,
         }
     }
 }
 
-/// A new open file description of `file`'s own file (Linux), or `None`.
-fn reopen(file: &File) -> Option<File> {
+/// A new open file description of `file`'s own file (Linux) with the open `flags` added, or
+/// `None`.
+fn reopen(file: &File, flags: i32) -> Option<File> {
     use std::os::fd::AsRawFd;
-    use std::os::unix::fs::MetadataExt;
-    let again = File::open(format!("/proc/self/fd/{}", file.as_raw_fd())).ok()?;
+    use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+    let path = format!("/proc/self/fd/{}", file.as_raw_fd());
+    let again = std::fs::OpenOptions::new().read(true).custom_flags(flags).open(path).ok()?;
     let (first, second) = (file.metadata().ok()?, again.metadata().ok()?);
     (first.dev() == second.dev() && first.ino() == second.ino()).then_some(again)
 }
@@ -1011,7 +1019,7 @@ mod tests {
         let file = std::fs::File::open(&path).unwrap();
         std::fs::rename(&path, folder.path().join("old")).unwrap();
         std::fs::write(&path, b"another file").unwrap();
-        let again = reopen(&file).expect("/proc/self/fd is there on Linux");
+        let again = reopen(&file, 0).expect("/proc/self/fd is there on Linux");
         let mut bytes = [0u8; 14];
         again.read_exact_at(&mut bytes, 0).unwrap();
         assert_eq!(&bytes, b"the checkpoint");

@@ -421,20 +421,21 @@ impl DirectRead {
             // Cannot be (`direct_read` checked the layout, which holds the span): read buffered.
             return Ok(None);
         }
+        let base = (self.buffer.data_ptr() as *mut u8).wrapping_add(self.at);
         // SAFETY: the slot buffer is the block's alone until its refill is joined (`take_slot`
         // gave it; only `attach_read` or `let_go_of_slot`, after the join, give it up), and it
         // holds `at + total` bytes (checked above). No other reference to this memory exists
         // meanwhile.
-        let memory =
-            unsafe { std::slice::from_raw_parts_mut((self.buffer.data_ptr() as *mut u8).wrapping_add(self.at), total) };
+        let memory = unsafe { std::slice::from_raw_parts_mut(base, total) };
         let direct = usize::try_from(whole.saturating_sub(first)).unwrap_or(0);
         let (units, rest) = memory.split_at_mut(direct.min(total));
         if !units.is_empty() && checkpoint.read_direct(file, first, units, &self.name)? == Direct::Unsupported {
             return Ok(None);
         }
-        // The last unit's part, and a block inside one unit whole: from its first byte on.
+        // The last unit's part (`rest` starts at `whole`), or a block inside one unit whole:
+        // from its first byte on.
         let from = start.max(whole);
-        let skip = usize::try_from(from - whole.max(first)).unwrap_or(0);
+        let skip = usize::try_from(from - whole).unwrap_or(0);
         if let Some(tail) = rest.get_mut(skip..).filter(|tail| !tail.is_empty()) {
             checkpoint.read_and_drop(file, from, tail, &self.name)?;
         }
