@@ -26,7 +26,7 @@ use std::time::Instant;
 use clap::Parser;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
-use stageload::stream::StreamedModel;
+use stageload::stream::{DirectReads, StreamedModel};
 use stageload::{BoxError, Built, EventSink, ModelSpec, Pipeline, SharedRng, StagedModels};
 use stageload_demo_kit::args::{parse_device, positive_scale};
 use stageload_demo_kit::beside::ReadsBeside;
@@ -68,7 +68,7 @@ struct Args {
     #[arg(long)]
     uncached: bool,
     /// With `--uncached`: every refill reads through the page cache, never straight into its
-    /// slot with `O_DIRECT` (`StreamedModel::direct_reads(false)`)
+    /// slot with `O_DIRECT` (`StreamedModel::direct_reads(DirectReads::Never)`)
     #[arg(long, requires = "uncached")]
     buffered: bool,
     /// Whole model only: read this many blocks of the checkpoint beside the flow, spread over
@@ -311,7 +311,8 @@ fn run(args: Args) -> Result<(), BoxError> {
                 }
                 let mut streamed = StreamedModel::planned(MODEL, tensors, plan)?;
                 if uncached {
-                    streamed.uncached().direct_reads(!buffered);
+                    let direct = if buffered { DirectReads::Never } else { DirectReads::Adaptive };
+                    streamed.uncached().direct_reads(direct);
                 }
                 if let Some(at_most) = resident_at_most {
                     streamed.limit_resident(at_most)?;

@@ -5,10 +5,9 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Duration;
 
 use stageload::checkpoint::Checkpoint;
-use stageload::stream::{BlockSpec, Step, StreamError, StreamStats, StreamedModel};
+use stageload::stream::{BlockSpec, DirectReads, Step, StreamError, StreamStats, StreamedModel};
 use stageload::{EventKind, ListSink, NameRules};
 use stageload_test_support::torch as support;
 use tch::nn::{self, VarStore};
@@ -1229,31 +1228,32 @@ fn refills_past_the_page_cache_give_the_same_outputs() {
 }
 
 #[test]
-fn refills_past_the_page_cache_go_direct_after_a_step_limited_by_its_compute_until_turned_off() {
+fn refills_past_the_page_cache_read_direct_into_their_slots_when_asked_and_buffered_when_not() {
     let (_one, _dir, file) = setup();
     let expected = reference_steps(&file, 5);
     let (net, mut model) = streamed(&file, budget_for(2)).unwrap();
     model.uncached();
-    // Every block lies in the file as its slot lays it out (f32 tensors of whole 64-byte lines).
+    // Every block lies in the file as its slot lays it out (f32 tensors of whole 64-byte lines);
+    // where the file system has no O_DIRECT (tmpfs) every read stays buffered.
     let reads_direct = nix::sys::statfs::statfs(&file).unwrap().filesystem_type() != nix::sys::statfs::TMPFS_MAGIC;
     tch::manual_seed(11);
-    // Each block computes for 20 ms, its successor's read of 130 KiB ahead finishing meanwhile:
-    // the steps are limited by their compute (when a step is limited by its reads is decided
-    // from the measured waits, `stageload_plan::split::direct_reads`, tested there).
     let step = |model: &mut StreamedModel, i: usize| {
         let x = Tensor::randn([16, WIDTH], (Kind::Float, Device::Cpu));
-        let slow = |_| std::thread::sleep(Duration::from_millis(20));
-        let out = tch::no_grad(|| model.run(|step| net.forward_observed(&x, step, slow))).unwrap();
+        let out = tch::no_grad(|| model.run(|step| net.forward_streamed(&x, step))).unwrap();
         assert!(out.equal(&expected[i]), "step {i}");
         model.stats().bytes_direct
     };
+    // Adaptive (the default) reads buffered until a step has shown it is limited by its compute
+    // (when it is is decided from the measured waits, `stageload_plan::split::direct_reads`,
+    // tested there).
     assert_eq!(step(&mut model, 0), 0, "the first step reads buffered");
+    // Always: every refill from the next on lands in its slot from the disk, the same outputs.
+    model.direct_reads(DirectReads::Always);
     let after_second = step(&mut model, 1);
-    // Where the file system has no O_DIRECT (tmpfs) every read stays buffered.
     assert_eq!(after_second > 0, reads_direct, "bytes read direct: {after_second}");
-    // Turned off: the next step reads buffered but for the read the step before carried into
-    // it, already direct; the one after reads buffered only.
-    model.direct_reads(false);
+    // Never: the next step reads buffered but for the read the step before carried into it,
+    // already direct; the one after reads buffered only.
+    model.direct_reads(DirectReads::Never);
     let after: Vec<u64> = (2..5).map(|i| step(&mut model, i)).collect();
     assert_eq!(after[2], after[1], "turned off, every read buffered");
 }

@@ -155,6 +155,31 @@ pub fn direct_reads(direct: bool, waited: f64, step: f64) -> bool {
     }
 }
 
+/// When a streamed model's uncached refills read past the page cache straight into their slots
+/// (`O_DIRECT`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DirectReads {
+    /// Never: every refill reads through the page cache.
+    Never,
+    /// After a step limited by its compute, until one limited by its reads ([`direct_reads`]).
+    #[default]
+    Adaptive,
+    /// Always, from the next refill on.
+    Always,
+}
+
+impl DirectReads {
+    /// Whether the next step's refills read direct (`direct` now) after a step that waited
+    /// `waited` of its `step` seconds for refills.
+    pub fn next(self, direct: bool, waited: f64, step: f64) -> bool {
+        match self {
+            DirectReads::Never => false,
+            DirectReads::Adaptive => direct_reads(direct, waited, step),
+            DirectReads::Always => true,
+        }
+    }
+}
+
 /// A step that waited less than this share of its time for refills is limited by its compute.
 pub const DIRECT_BELOW: f64 = 0.05;
 
@@ -527,6 +552,15 @@ mod tests {
         for direct in [false, true] {
             assert_eq!(direct_reads(direct, 0.0, 0.0), direct);
             assert_eq!(direct_reads(direct, f64::NAN, 1.0), direct);
+        }
+    }
+
+    #[test]
+    fn reads_never_or_always_direct_whatever_a_step_waited() {
+        for (direct, waited) in [(false, 0.0), (false, 0.9), (true, 0.0), (true, 0.9)] {
+            assert!(!DirectReads::Never.next(direct, waited, 1.0));
+            assert!(DirectReads::Always.next(direct, waited, 1.0));
+            assert_eq!(DirectReads::Adaptive.next(direct, waited, 1.0), direct_reads(direct, waited, 1.0));
         }
     }
 

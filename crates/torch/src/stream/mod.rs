@@ -69,7 +69,7 @@ mod streamer;
 pub use stageload_plan::{blocks, hot, split};
 
 pub use blocks::{BlockError, BlockSpec};
-pub use split::{Split, TooSmall};
+pub use split::{DirectReads, Split, TooSmall};
 pub use step::Step;
 pub use streamer::{place, StreamPlan, StreamStats, StreamedModel};
 

@@ -10,7 +10,7 @@ use std::time::Instant;
 use stageload_trace::event::{Event, Residency, ResidencyChanged};
 use tch::Device;
 
-use super::split::{direct_reads, evict, govern, refit, relieve, Refit};
+use super::split::{evict, govern, refit, relieve, Refit};
 use super::step::Step;
 use super::streamer::StreamedModel;
 use super::StreamError;
@@ -47,7 +47,7 @@ impl StreamedModel {
                     self.stats.steps += 1;
                     let waited = self.stats.waited_seconds - waited;
                     let seconds = started.elapsed().as_secs_f64();
-                    self.direct = self.direct_allowed && direct_reads(self.direct, waited, seconds);
+                    self.direct = self.direct_mode.next(self.direct, waited, seconds);
                     self.after_step(working);
                     return Ok(result);
                 }

@@ -19,7 +19,7 @@ use super::block::{pinned_copies, Ahead, Block, HostBlocks, Parts};
 use super::blocks::BlockSpec;
 use super::carry::Carried;
 use super::hot::HotSet;
-use super::split::{describe, fit_within, Sizes, Split};
+use super::split::{describe, fit_within, DirectReads, Sizes, Split};
 use super::{torch, StreamError};
 use crate::checkpoint::Checkpoint;
 use crate::names::NameRules;
@@ -129,8 +129,8 @@ pub struct StreamedModel {
     /// Uncached refills read past the page cache straight into their slots this step
     /// ([`stageload_plan::split::direct_reads`]).
     pub(super) direct: bool,
-    /// They may ([`Self::direct_reads`]).
-    pub(super) direct_allowed: bool,
+    /// When they do ([`Self::direct_reads`]).
+    pub(super) direct_mode: DirectReads,
     /// Bytes refills read that way ([`StreamStats::bytes_direct`]), added to by their threads.
     pub(super) read_directly: Arc<AtomicU64>,
     /// Working memory measured so far (the largest step).
@@ -279,7 +279,7 @@ impl StreamedModel {
             named: false,
             uncached: false,
             direct: false,
-            direct_allowed: true,
+            direct_mode: DirectReads::Adaptive,
             read_directly: Arc::default(),
             working,
             checkpoint: Arc::new(checkpoint),
@@ -596,13 +596,18 @@ impl StreamedModel {
         self
     }
 
-    /// Whether uncached refills may read with `O_DIRECT` straight into their slots after a step
-    /// limited by its compute (on by default; see [`uncached`](Self::uncached)). Off, every
-    /// refill reads through the page cache: for a file system whose direct reads are slow, or
-    /// to measure what they save. From the next refill on.
-    pub fn direct_reads(&mut self, allowed: bool) -> &mut Self {
-        self.direct_allowed = allowed;
-        self.direct &= allowed;
+    /// When uncached refills read with `O_DIRECT` straight into their slots (see
+    /// [`uncached`](Self::uncached)): after a step limited by its compute
+    /// ([`DirectReads::Adaptive`], the default), [`Never`](DirectReads::Never) (every refill
+    /// through the page cache: for a file system whose direct reads are slow, or to measure what
+    /// they save) or [`Always`](DirectReads::Always). From the next refill on.
+    pub fn direct_reads(&mut self, mode: DirectReads) -> &mut Self {
+        self.direct_mode = mode;
+        self.direct = match mode {
+            DirectReads::Never => false,
+            DirectReads::Adaptive => self.direct,
+            DirectReads::Always => true,
+        };
         self
     }
 
