@@ -155,6 +155,7 @@ fn main() -> Result<(), BoxError> {
         .cache_host_blocks(!args.no_host_cache)
         .huge_host_pages(!args.no_huge_pages)
         .prefetch_next(args.prefetch)
+        .prefetch_pace(args.prefetch_pace)
         .pipeline(demo.plan());
     for model in spec.models {
         // Prefetched builds must draw nothing: every weight comes from the checkpoint.

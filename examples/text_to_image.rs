@@ -91,6 +91,7 @@ fn main() -> Result<(), BoxError> {
         .cache_host_blocks(!common.no_host_cache)
         .huge_host_pages(!common.no_huge_pages)
         .prefetch_next(common.prefetch)
+        .prefetch_pace(common.prefetch_pace)
         .pipeline(demo.plan());
     for model in spec.models {
         builder = builder.model(if common.prefetch { model.skip_init(true) } else { model });

@@ -12,7 +12,7 @@ use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use stageload::{EventKind, ListSink, ModelSpec, ModelState, ReloadFrom, StageError, StagedModels};
+use stageload::{EventKind, ListSink, ModelSpec, ModelState, PrefetchPace, ReloadFrom, StageError, StagedModels};
 use tch::nn::{Module, VarStore};
 use tch::{Device, Kind, Tensor};
 
@@ -547,6 +547,72 @@ fn a_prefetched_copy_pauses_between_pieces_while_a_foreground_load_runs() {
         model.forward(&Tensor::ones([1, 64], (Kind::Float, Device::Cpu)))
     };
     assert!(y.unwrap().equal(&expected), "the paused copy finished with the file's values");
+}
+
+/// This thread's CPU time (user and system).
+fn thread_cpu_time() -> Duration {
+    Duration::from(nix::time::clock_gettime(nix::time::ClockId::CLOCK_THREAD_CPUTIME_ID).unwrap())
+}
+
+#[test]
+fn a_paced_prefetch_pauses_while_nothing_waits_for_it_and_goes_at_full_speed_once_its_model_is_asked_for() {
+    let _one = support::generator();
+    let dir = tempfile::tempdir().unwrap();
+    let file = doubles(dir.path(), "b");
+    let (piece, pieces) = mpsc::channel();
+    let piece = Mutex::new(piece);
+    let first = AtomicBool::new(true);
+    let models = Arc::new(
+        StagedModels::builder()
+            .model(ModelSpec::new("b", |_| Ok(build_mlp(64))).checkpoint([&file]).skip_init(true))
+            .stage("before", Vec::<String>::new())
+            .stage("uses_b", ["b"])
+            .prefetch_pace(PrefetchPace::Paced)
+            // b's first converted piece costs its copying thread 1 s of CPU: the next one owes
+            // a pause of at least 3 s (a quarter of a core, one reader), of 15 s with 4 readers.
+            .progress(move |model, _| {
+                if model == "b" {
+                    if first.swap(false, Ordering::SeqCst) {
+                        let start = thread_cpu_time();
+                        let deadline = Instant::now() + Duration::from_secs(30);
+                        while thread_cpu_time() < start + Duration::from_secs(1) && Instant::now() < deadline {
+                            std::hint::black_box((0..1000u64).sum::<u64>());
+                        }
+                    }
+                    let _ = piece.lock().unwrap().send(());
+                }
+            })
+            .build()
+            .unwrap(),
+    );
+    models.enter("before").unwrap();
+    assert_eq!(models.prefetch("uses_b").unwrap(), ["b"]);
+    pieces.recv_timeout(Duration::from_secs(30)).expect("b's first piece");
+    assert!(pieces.recv_timeout(Duration::from_millis(500)).is_err(), "paused: nothing waits for b");
+    assert_eq!(models.state("b").unwrap(), ModelState::Loading);
+    models.enter("uses_b").unwrap();
+    let asked = Instant::now();
+    let y = {
+        let models = models.clone();
+        within("b asked for", move || {
+            models.call("b", |m: &mut Mlp| m.forward(&Tensor::ones([1, 64], (Kind::Float, Device::Cpu))))
+        })
+    };
+    assert!(
+        asked.elapsed() < Duration::from_secs(3),
+        "the get ended the pause (owed >= 3 s): b in after {:?}",
+        asked.elapsed()
+    );
+    let expected = {
+        let vs = VarStore::new(Device::Cpu);
+        let model = mlp(&vs, 64);
+        stageload::checkpoint::Checkpoint::open(&[&file])
+            .unwrap()
+            .load_into(&vs.variables().into_iter().collect::<Vec<_>>(), |_| {})
+            .unwrap();
+        model.forward(&Tensor::ones([1, 64], (Kind::Float, Device::Cpu)))
+    };
+    assert!(y.unwrap().equal(&expected), "the paced copy finished with the file's values");
 }
 
 /// How a test lets go of the registry.

@@ -2,6 +2,7 @@
 
 use std::path::PathBuf;
 
+use stageload::PrefetchPace;
 use tch::Device;
 
 use crate::weights::cache_root;
@@ -80,6 +81,11 @@ pub struct CommonArgs {
     /// built without random initialisation)
     #[arg(long)]
     pub prefetch: bool,
+    /// With --prefetch: how the background copy into CPU memory goes while the stage computes:
+    /// auto (paced to a quarter of one core where torch's threads take every core), paced, or
+    /// full
+    #[arg(long, default_value = "auto", value_parser = |t: &str| t.parse::<PrefetchPace>().map_err(|e| e.to_string()))]
+    pub prefetch_pace: PrefetchPace,
     /// Staged: keep released device models' weights in this much pinned host memory (e.g.
     /// 4GiB) and reload them from it; CPU models are not held (a `tier` event says so)
     #[arg(long, value_name = "SIZE", value_parser = |t: &str| stageload_units::parse_size(t).map_err(|e| e.to_string()))]

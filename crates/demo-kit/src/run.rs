@@ -152,6 +152,7 @@ impl Demo {
             .meta("host_cache", !args.no_host_cache)
             .meta("huge_pages", !args.no_huge_pages)
             .meta("prefetch", args.prefetch)
+            .meta("prefetch_pace", args.prefetch_pace.to_string())
             .meta("host_tier", args.host_tier.unwrap_or(0))
             .meta("cold", args.cold)
             .meta("device", stageload::device::name(args.device));

@@ -4,7 +4,7 @@
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
-pub use stageload_trace::sync::{lock, wait};
+pub use stageload_trace::sync::{lock, wait, wait_timeout};
 
 /// A value several owners share and lock to use: a component several models share
 /// ([`crate::BuildContext::shared`]), or a generator the registry preserves

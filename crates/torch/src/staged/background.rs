@@ -6,6 +6,7 @@ use std::collections::BTreeMap;
 use std::sync::Mutex;
 use std::thread::JoinHandle;
 
+use super::turn::PrefetchPace;
 use crate::sync::lock;
 
 /// What prefetches go by, and the threads they run on (joined when the registry drops).
@@ -17,12 +18,24 @@ pub(crate) struct Background {
     budget: Option<u64>,
     /// Working memory per stage (declared or measured), left free by a prefetch.
     stage_working: BTreeMap<String, u64>,
+    /// How a prefetch's copy into CPU memory goes while nothing waits for it.
+    pace: PrefetchPace,
     threads: Mutex<Vec<JoinHandle<()>>>,
 }
 
 impl Background {
-    pub(crate) fn new(next: bool, budget: Option<u64>, stage_working: BTreeMap<String, u64>) -> Self {
-        Background { next, budget, stage_working, threads: Mutex::new(Vec::new()) }
+    pub(crate) fn new(
+        next: bool,
+        budget: Option<u64>,
+        stage_working: BTreeMap<String, u64>,
+        pace: PrefetchPace,
+    ) -> Self {
+        Background { next, budget, stage_working, pace, threads: Mutex::new(Vec::new()) }
+    }
+
+    /// How a prefetch's copy into CPU memory goes while nothing waits for it.
+    pub(crate) fn pace(&self) -> PrefetchPace {
+        self.pace
     }
 
     /// Whether each `enter` prefetches the next stage.

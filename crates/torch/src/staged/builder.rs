@@ -14,6 +14,7 @@ use super::registry::{Entry, Inner, State};
 use super::snapshot::Snapshots;
 use super::spec::{Builds, ModelSpec, ProgressHook};
 use super::tier_copy::TierSide;
+use super::turn::PrefetchPace;
 use super::StagedModels;
 use crate::checkpoint::Progress;
 use crate::rng::RngSnapshot;
@@ -72,6 +73,7 @@ pub struct StagedModelsBuilder {
     progress: Option<Arc<ProgressHook>>,
     prefetch_next: bool,
     prefetch_budget: Option<u64>,
+    prefetch_pace: PrefetchPace,
     /// Working memory each stage needs beyond its weights (declared, or measured by an earlier
     /// run and written into the pipeline file).
     stage_working: BTreeMap<String, u64>,
@@ -195,6 +197,15 @@ impl StagedModelsBuilder {
     /// [`StagedModels::prefetch`](super::StagedModels::prefetch)).
     pub fn prefetch_next(mut self, on: bool) -> Self {
         self.prefetch_next = on;
+        self
+    }
+
+    /// How a prefetch's checkpoint copy into CPU memory goes while no foreground call waits
+    /// for a background load (default [`PrefetchPace::Auto`]: paced where torch's intra-op
+    /// threads take every core, so that the copy does not slow the stage computing beside it;
+    /// at full speed once the foreground waits for the prefetched model).
+    pub fn prefetch_pace(mut self, pace: PrefetchPace) -> Self {
+        self.prefetch_pace = pace;
         self
     }
 
@@ -415,7 +426,8 @@ impl StagedModelsBuilder {
         let pinned = self.pinned.into_iter().collect();
         let state = State::new(entries, stages, sequence, pinned, spans, self.host_tier.map(Tier::new));
         let builds = Builds::new(self.rngs, self.preserve_rng, self.strict, self.out_of_memory, self.progress);
-        let background = Background::new(self.prefetch_next, self.prefetch_budget, self.stage_working);
+        let background =
+            Background::new(self.prefetch_next, self.prefetch_budget, self.stage_working, self.prefetch_pace);
         let tier_side = TierSide::new(self.host_memory);
         #[cfg(test)]
         let tier_side = tier_side.for_tests(self.tier_on_cpu, self.tier_copy_hook);
@@ -443,6 +455,7 @@ impl StagedModels {
             progress: None,
             prefetch_next: false,
             prefetch_budget: None,
+            prefetch_pace: PrefetchPace::Auto,
             stage_working: BTreeMap::new(),
             out_of_memory: decide::OutOfMemory::Fail,
             host_tier: None,

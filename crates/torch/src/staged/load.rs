@@ -20,7 +20,7 @@ use super::registry::Inner;
 use super::release::released_message;
 use super::spec::{BuildContext, Init, Loader};
 use super::tier_copy::{self, HostCopies};
-use super::turn::{BuildHold, ForegroundLoad, Who};
+use super::turn::{BuildHold, ForegroundLoad, Pacer, Who};
 use crate::checkpoint::{Checkpoint, CheckpointError};
 use crate::error::{is_out_of_memory, panic_message};
 use crate::names::NameRules;
@@ -134,6 +134,8 @@ impl Inner {
             let plan = match entry.slot().get(ctx) {
                 GetAction::Use(instance) => return Ok(instance),
                 GetAction::Wait => {
+                    // A prefetch's paced copy goes at full speed while the foreground waits.
+                    let _awaiting = (!prefetch).then(|| self.turns.awaiting());
                     state = self.wait_changed(state);
                     continue;
                 }
@@ -450,7 +452,16 @@ impl Inner {
         let mut checkpoint = Checkpoint::open(files).map_err(wrap)?;
         if fill == Fill::Background {
             let turns = Arc::clone(&self.turns);
-            checkpoint = checkpoint.before_each_piece(Arc::new(move |wait| turns.before_background_piece(wait)));
+            let to_cpu = targets.iter().all(|(_, t)| t.device() == Device::Cpu);
+            let compute_threads = usize::try_from(tch::get_num_threads()).unwrap_or(1);
+            let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+            let pacer = self
+                .background
+                .pace()
+                .paces(to_cpu, compute_threads, cores)
+                .then(|| Pacer::new(crate::checkpoint::readers()));
+            checkpoint =
+                checkpoint.before_each_piece(Arc::new(move |wait| turns.before_background_piece(wait, pacer.as_ref())));
         }
         let report = match fill {
             Fill::CheckOnly => checkpoint.check_named(targets, names),

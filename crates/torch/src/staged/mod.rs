@@ -63,6 +63,7 @@ pub use error::{BoxError, StageError};
 pub use instance::{Handle, ModelGuard};
 pub use snapshot::SnapshotError;
 pub use spec::{named_tensors, BuildContext, Built, ModelSpec};
+pub use turn::{PrefetchPace, UnknownPace};
 
 use crate::error::{is_out_of_memory, panic_message};
 use crate::storage::ReleaseStats;

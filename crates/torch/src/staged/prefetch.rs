@@ -145,6 +145,7 @@ impl Inner {
     pub(crate) fn wait_prefetch(&self, stage: &str) -> Result<()> {
         let mut state = self.state();
         state.stage_models(stage)?;
+        let _awaiting = self.turns.awaiting();
         while state.prefetching_for(stage) {
             state = self.wait_changed(state);
         }

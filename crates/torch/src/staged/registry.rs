@@ -767,6 +767,7 @@ impl Inner {
     /// Waits until `name` is not loading; the state lock comes back held.
     fn settled(&self, name: &str) -> Result<(MutexGuard<'_, State>, usize)> {
         let mut state = self.state();
+        let _awaiting = self.turns.awaiting();
         loop {
             let position = state.position(name)?;
             if !matches!(state.entries[position].slot.state, SlotState::Loading { .. }) {
