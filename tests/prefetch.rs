@@ -537,16 +537,19 @@ fn a_prefetched_copy_pauses_between_pieces_while_a_foreground_load_runs() {
     let reloaded: Vec<Option<ReloadFrom>> = sink.of_kind(EventKind::Reload).iter().map(|e| e.reload_from()).collect();
     assert_eq!(reloaded, [Some(ReloadFrom::InPlace)], "b refilled in place, once");
     let y = models.call("b", |m: &mut Mlp| m.forward(&Tensor::ones([1, 64], (Kind::Float, Device::Cpu))));
-    let expected = {
-        let vs = VarStore::new(Device::Cpu);
-        let model = mlp(&vs, 64);
-        stageload::checkpoint::Checkpoint::open(&[&file])
-            .unwrap()
-            .load_into(&vs.variables().into_iter().collect::<Vec<_>>(), |_| {})
-            .unwrap();
-        model.forward(&Tensor::ones([1, 64], (Kind::Float, Device::Cpu)))
-    };
+    let expected = forward_of(&file);
     assert!(y.unwrap().equal(&expected), "the paused copy finished with the file's values");
+}
+
+/// A fresh width-64 MLP loaded from `file`, on a row of ones: what a model refilled from it gives.
+fn forward_of(file: &std::path::Path) -> Tensor {
+    let vs = VarStore::new(Device::Cpu);
+    let model = mlp(&vs, 64);
+    stageload::checkpoint::Checkpoint::open(&[file])
+        .unwrap()
+        .load_into(&vs.variables().into_iter().collect::<Vec<_>>(), |_| {})
+        .unwrap();
+    model.forward(&Tensor::ones([1, 64], (Kind::Float, Device::Cpu)))
 }
 
 /// This thread's CPU time (user and system).
@@ -603,15 +606,7 @@ fn a_paced_prefetch_pauses_while_nothing_waits_for_it_and_goes_at_full_speed_onc
         "the get ended the pause (owed >= 3 s): b in after {:?}",
         asked.elapsed()
     );
-    let expected = {
-        let vs = VarStore::new(Device::Cpu);
-        let model = mlp(&vs, 64);
-        stageload::checkpoint::Checkpoint::open(&[&file])
-            .unwrap()
-            .load_into(&vs.variables().into_iter().collect::<Vec<_>>(), |_| {})
-            .unwrap();
-        model.forward(&Tensor::ones([1, 64], (Kind::Float, Device::Cpu)))
-    };
+    let expected = forward_of(&file);
     assert!(y.unwrap().equal(&expected), "the paced copy finished with the file's values");
 }
 
