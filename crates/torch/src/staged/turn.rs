@@ -35,8 +35,9 @@
 //!    of a model loading in the background, a wait for storages a background copy fills,
 //!    `wait_prefetch`, a removal or insertion waiting for a load to end), the pause ends and the
 //!    copy goes at full speed: what the foreground waits for is all there is to do. On this
-//!    2-core machine a full-speed copy beside a two-thread compute made it 1.22-1.29x slower, a
-//!    quarter-core one 0.99x (`traces/prefetch/pace/`).
+//!    2-core machine a full-speed copy beside a two-thread compute made it 1.17-1.29x slower, a
+//!    quarter-core one 0.99-1.16x (two runs), and in the cascade every stage computed faster
+//!    beside the paced copy than beside the full-speed one (`traces/prefetch/pace/`).
 //! 5. **Cancellation** (`close`, dropping the registry): background work waiting for the turn
 //!    or paused gives up, and a background copy stops at its next piece.
 //!
@@ -85,9 +86,7 @@ impl PrefetchPace {
                 PrefetchPace::Paced => true,
             }
     }
-}
 
-impl PrefetchPace {
     const NAMES: [(&'static str, PrefetchPace); 3] =
         [("auto", PrefetchPace::Auto), ("full", PrefetchPace::Full), ("paced", PrefetchPace::Paced)];
 }
