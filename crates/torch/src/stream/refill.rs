@@ -422,10 +422,10 @@ impl DirectRead {
             return Ok(None);
         }
         let base = (self.buffer.data_ptr() as *mut u8).wrapping_add(self.at);
-        // SAFETY: the slot buffer is the block's alone until its refill is joined (`take_slot`
-        // gave it; only `attach_read` or `let_go_of_slot`, after the join, give it up), and it
-        // holds `at + total` bytes (checked above). No other reference to this memory exists
-        // meanwhile.
+        // The slot buffer is the block's alone until its refill is joined (`take_slot` gave it;
+        // only `attach_read` or `let_go_of_slot`, after the join, give it up).
+        // SAFETY: so no other reference to this memory exists meanwhile; it holds `at + total`
+        // bytes (checked above).
         let memory = unsafe { std::slice::from_raw_parts_mut(base, total) };
         let direct = usize::try_from(whole.saturating_sub(first)).unwrap_or(0);
         let (units, rest) = memory.split_at_mut(direct.min(total));
