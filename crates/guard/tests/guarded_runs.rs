@@ -287,19 +287,29 @@ fn max_memory_stops_a_command_that_allocates_past_it() {
 }
 
 /// The machine's readings, real, plus the command's device memory from a script (one per
-/// call, then nothing new): what `stageload guard --trace` reads from a trace.
-struct DeviceScript(Vec<Option<u64>>);
+/// call, then nothing new): what `stageload guard --trace` reads from a trace. Counts the
+/// device readings the guard asked for, and how many of them it was given.
+struct DeviceScript {
+    script: Vec<Option<u64>>,
+    asked: usize,
+    given: usize,
+}
+
+impl DeviceScript {
+    fn new(script: Vec<Option<u64>>) -> Self {
+        DeviceScript { script, asked: 0, given: 0 }
+    }
+}
 
 impl Readings for DeviceScript {
     fn memory(&mut self) -> Result<SystemMemory, ProbeError> {
         Ok(memory(90, 0))
     }
     fn command_device_memory(&mut self) -> Option<u64> {
-        if self.0.is_empty() {
-            None
-        } else {
-            self.0.remove(0)
-        }
+        self.asked += 1;
+        let reading = if self.script.is_empty() { None } else { self.script.remove(0) };
+        self.given += usize::from(reading.is_some());
+        reading
     }
 }
 
@@ -307,8 +317,8 @@ impl Readings for DeviceScript {
 fn a_device_reading_over_the_device_limit_stops_the_command() {
     let _alone = one_guard();
     let config = GuardConfig { max_device_memory: Some(GIB), ..config() };
-    let script = DeviceScript(vec![None, Some(GIB / 2), None, Some(GIB), Some(2 * GIB)]);
-    let (outcome, lines, elapsed) = guard(&sh("exec sleep 30"), &config, &mut { script });
+    let mut script = DeviceScript::new(vec![None, Some(GIB / 2), None, Some(GIB), Some(2 * GIB)]);
+    let (outcome, lines, elapsed) = guard(&sh("exec sleep 30"), &config, &mut script);
     assert_eq!(
         outcome,
         Outcome::Stopped(Stop::MaxDeviceMemory { used: 2 * GIB, max: GIB, from: LimitFrom::Flag }),
@@ -320,9 +330,21 @@ fn a_device_reading_over_the_device_limit_stops_the_command() {
 }
 
 #[test]
-fn without_a_device_limit_device_readings_are_not_asked_for() {
+fn without_a_device_limit_device_readings_over_anything_are_read_and_never_stop_the_command() {
     let _alone = one_guard();
-    // A reading far over anything: with no limit set it is never read, and the command ends itself.
-    let (outcome, lines, _) = guard(&sh("sleep 0.3"), &config(), &mut DeviceScript(vec![Some(u64::MAX); 100]));
+    // The guard asks for the command's device memory every poll, limit or not (a reader that
+    // follows the command's trace keeps up with it); with no limit set, a reading far over
+    // anything is read and ignored, and the command ends itself.
+    let mut script = DeviceScript::new(vec![Some(u64::MAX); 100]);
+    let (outcome, lines, _) = guard(&sh("sleep 0.3"), &config(), &mut script);
     assert_eq!(outcome, Outcome::Exited(0), "{lines:?}");
+    // Read, not merely left unread: the 0.3 s command spans several 50 ms polls, and each
+    // poll was given one of the readings over anything.
+    assert!(
+        script.given >= 2 && script.given == script.asked,
+        "{} of {} asked readings given",
+        script.given,
+        script.asked
+    );
+    assert!(!lines.iter().any(|line| line.contains("device memory")), "{lines:?}");
 }
