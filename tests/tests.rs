@@ -10,7 +10,7 @@
 //! - The registry: `staged`, `threads`, `prefetch`, `names`, `snapshot`, `pipeline_file`,
 //!   `host_tier`, `script` (TorchScript), `every_tensor` (modules exported the ordinary way: tied
 //!   weights, buffers a checkpoint lacks), `pt2` (AOTInductor packages), `stream` (block streaming),
-//!   `checkpoint` (I/O).
+//!   `checkpoint` (I/O), `changed_files` (a file changed between a release and its reload).
 //! - The examples run as users run them: `readme_example` (two_models), `determinism` (cascade
 //!   and text_to_image, staged against eager), `stream_demo`, `minilm` (a published checkpoint
 //!   against its reference implementation), `stable_diffusion` and `ddim` (against diffusers),
@@ -20,6 +20,7 @@
 //! - `reference`: running a reference script for `ddim`, `heun` and `unipc`; `watch`: what the
 //!   `stable_diffusion`, `shap_e` and `wan` tests share (a registry watched at every call).
 
+mod changed_files;
 mod checkpoint;
 mod clip_image;
 mod ddim;

@@ -115,6 +115,7 @@ mod pinned;
 pub mod pt2;
 pub mod rng;
 pub mod script;
+pub mod source;
 pub mod staged;
 mod storage;
 pub mod stream;

@@ -268,6 +268,10 @@ pub struct Loaded {
     /// Bytes of model weights resident right after it (shared storage counted once).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub resident: Option<u64>,
+    /// Files it read that had changed since the model's first load, taken as they are now
+    /// because the user accepted the change (`path: what changed`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub accepted: Vec<String>,
 }
 
 /// A `reload`: a released model came back.
@@ -709,6 +713,7 @@ impl fmt::Display for Event {
                     details.push(words.to_string());
                 }
             }
+            details.extend(load.accepted.iter().map(|change| format!("accepted the changed file {change}")));
         }
         details.extend(self.note());
         if !details.is_empty() {
@@ -822,6 +827,7 @@ mod tests {
             streamed: true,
             report: Some(Box::new(LoadReport { used: 2, ignored: 1, ..LoadReport::default() })),
             resident: Some(8),
+            accepted: vec!["m.safetensors: another file was put at its path".into()],
         };
         let residency = Residency { blocks: 4, resident: 1, reason: "end".into(), refills: 3, ..Residency::default() };
         let whats: Vec<What> = vec![
@@ -877,6 +883,15 @@ mod tests {
         assert_eq!(
             reload.to_string(),
             "reload encoder 12.0 MiB in 0.031 s (in place; stage decode; outside the stage)"
+        );
+        let accepted = Loaded {
+            model: "unet".into(),
+            accepted: vec!["unet.safetensors: it was written in place".into()],
+            ..Loaded::default()
+        };
+        assert_eq!(
+            Event::now(accepted).to_string(),
+            "load unet (accepted the changed file unet.safetensors: it was written in place)"
         );
         assert_eq!(Event::now(Entered { stage: "decode".into(), ..Entered::default() }).to_string(), "stage decode");
         let not_stored = TierChanged {

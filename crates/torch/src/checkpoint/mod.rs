@@ -39,6 +39,7 @@ use stageload_trace::event::LoadReport as NamedLoad;
 use tch::{Device, Kind, Tensor};
 
 use crate::device_copy;
+use crate::source::{FileChange, FileStamp};
 use stageload_torch_sys::MappedReadError;
 
 mod direct;
@@ -216,6 +217,15 @@ pub enum CheckpointError {
         /// The shim's error.
         source: stageload_torch_sys::ShimError,
     },
+    /// A file is no longer what [`Checkpoint::open`] found (see [`crate::source`]): written,
+    /// resized or replaced since, or while it was read.
+    #[error("checkpoint {path} changed since it was opened: {change}; what a load read from it may mix its old and new bytes: load it again once it is written")]
+    Changed {
+        /// The file.
+        path: PathBuf,
+        /// What changed.
+        change: FileChange,
+    },
     /// The load's hook ([`Checkpoint::before_each_piece`], [`Checkpoint::stop_when`]) said no
     /// before its end.
     #[error("loading from {} was stopped before its end (the targets are partly written)", paths(files))]
@@ -310,6 +320,8 @@ pub struct Progress {
 pub struct Checkpoint {
     files: Vec<PathBuf>,
     handles: Vec<File>,
+    /// Each file as its open found it ([`Checkpoint::stamps`]).
+    stamps: Vec<FileStamp>,
     entries: HashMap<String, Entry>,
     before_piece: Option<Arc<BeforePiece>>,
     host_reads: HostRead,
@@ -372,6 +384,7 @@ impl Checkpoint {
         let mut checkpoint = Checkpoint {
             files: Vec::new(),
             handles: Vec::new(),
+            stamps: Vec::new(),
             entries: HashMap::new(),
             before_piece: None,
             host_reads: HostRead::default(),
@@ -381,6 +394,7 @@ impl Checkpoint {
             let path = path.as_ref().to_path_buf();
             let mut file = stageload_input::open_regular(&path)
                 .map_err(|source| CheckpointError::Open { path: path.clone(), source })?;
+            let stamp = FileStamp::of(&file).map_err(|source| CheckpointError::Open { path: path.clone(), source })?;
             let stageload_input::Header { data_start, metadata } = stageload_input::read_header(&mut file)
                 .map_err(|reason| CheckpointError::Invalid { path: path.clone(), reason })?;
             let index = checkpoint.files.len();
@@ -407,6 +421,7 @@ impl Checkpoint {
             }
             checkpoint.files.push(path);
             checkpoint.handles.push(file);
+            checkpoint.stamps.push(stamp);
             checkpoint.direct_handles.push(std::sync::OnceLock::new());
         }
         Ok(checkpoint)
@@ -468,6 +483,27 @@ impl Checkpoint {
     /// The files, in the order given.
     pub fn files(&self) -> &[PathBuf] {
         &self.files
+    }
+
+    /// Each file's stamp as [`open`](Self::open) found it, in the order of
+    /// [`files`](Self::files): a caller that opens the same paths again later compares them to
+    /// know it reads the same files ([`FileStamp::change_since`]).
+    pub fn stamps(&self) -> &[FileStamp] {
+        &self.stamps
+    }
+
+    /// `Changed` for the first file that is no longer as its open found it: every load looks
+    /// before its first read and after its last, so that a file written in place under a
+    /// long-lived checkpoint (a streamed model's), or during a load, is an error instead of
+    /// weights that mix two versions.
+    pub(crate) fn unchanged(&self) -> Result<(), CheckpointError> {
+        for ((path, handle), first) in self.files.iter().zip(&self.handles).zip(&self.stamps) {
+            let now = FileStamp::of(handle).map_err(|source| CheckpointError::Open { path: path.clone(), source })?;
+            if let Some(change) = now.change_since(first) {
+                return Err(CheckpointError::Changed { path: path.clone(), change });
+            }
+        }
+        Ok(())
     }
 
     /// Every entry by name.
@@ -567,6 +603,7 @@ impl Checkpoint {
         mut progress: impl FnMut(Progress),
     ) -> Result<Copied, CheckpointError> {
         let plan = self.check(targets)?;
+        self.unchanged()?;
         let _watched = crate::copy_watch::copying(targets.iter().map(|(_, t)| t));
         let total: u64 = targets.iter().map(|(_, t)| (t.numel() * t.kind().elt_size_in_bytes()) as u64).sum();
         let done = AtomicU64::new(0);
@@ -617,6 +654,8 @@ impl Checkpoint {
         })?;
         // A stop that came during the last report ends the load stopped too.
         self.go_on(PieceWait::May)?;
+        // Written while it was read: the targets may hold a mix of both versions.
+        self.unchanged()?;
         Ok(Copied { bytes: total, mapped })
     }
 

@@ -370,6 +370,7 @@ impl StagedModelsBuilder {
                         sink: self.sink.clone(),
                         held: Default::default(),
                         planned_held: streamed.held,
+                        first_reads: Default::default(),
                     })
                 });
             entries.push(Entry::new(spec.name, Some(spec.loader), checkpoint, names, placement, stream, spec.init));

@@ -151,6 +151,10 @@ pub enum StageError {
         /// The checkpoint's error.
         source: Box<CheckpointError>,
     },
+    /// A file the model was first loaded from changed since (see [`crate::source`]): nothing
+    /// was filled, the model stays as it was, and the registry goes on.
+    #[error(transparent)]
+    SourceChanged(#[from] crate::source::SourceChanged),
     /// A storage operation through the shim failed (release, reallocation, copy).
     #[error("'{model}': {source}")]
     Torch {

@@ -24,6 +24,7 @@ use super::turn::{BuildHold, ForegroundLoad, Pacer, Who};
 use crate::checkpoint::{Checkpoint, CheckpointError};
 use crate::error::{is_out_of_memory, panic_message};
 use crate::names::NameRules;
+use crate::source::{changed_source, FirstReads};
 
 use crate::storage::{self, shallow};
 use crate::stream::StreamPlan;
@@ -56,6 +57,7 @@ pub(crate) struct Recipe {
     from_snapshot: bool,
     placement: Placement,
     stream: Option<Arc<StreamPlan>>,
+    first_reads: Arc<FirstReads>,
 }
 
 /// How a load meets the model's checkpoint.
@@ -183,6 +185,7 @@ impl Inner {
                 from_snapshot: entry.from_snapshot,
                 placement: entry.placement,
                 stream: entry.stream.clone(),
+                first_reads: Arc::clone(&entry.first_reads),
             };
             state.set_state(position, loading);
             break (ticket, plan, recipe, before);
@@ -223,6 +226,7 @@ impl Inner {
             return result.map(|(instance, ..)| instance);
         }
         let seconds = started.elapsed().as_secs_f64();
+        let accepted = recipe.first_reads.end_load();
 
         let mut state = self.state();
         // A reload from the tier gives its copy up (the weights are on the device again); a
@@ -281,6 +285,7 @@ impl Inner {
                     streamed: false,
                     report: report.map(Box::new),
                     resident: Some(resident),
+                    accepted,
                 };
                 let from = match plan {
                     LoadPlan::Build { reload: false, .. } => None,
@@ -348,7 +353,7 @@ impl Inner {
         recipe: &Recipe,
         who: Who,
     ) -> Result<(Arc<Instance>, u64, Option<LoadReport>)> {
-        let Recipe { checkpoint, names, init, placement, stream, .. } = recipe;
+        let Recipe { checkpoint, names, init, placement, stream, first_reads, .. } = recipe;
         // A prefetch whose build has not begun gives up when the registry closes or drops.
         let hold = BuildHold::new(&self.turns, who).map_err(|_| StageError::Closed { model: name.to_string() })?;
         // A prefetched build draws nothing (skip_init, see decide::Slot::prefetch): it must not
@@ -362,6 +367,7 @@ impl Inner {
             shared_tensors: Mutex::new(Vec::new()),
             stream: stream.as_deref(),
             stream_taken: Default::default(),
+            first_reads,
         };
         let run = || {
             if *init == Init::Skipped {
@@ -381,7 +387,13 @@ impl Inner {
             Ok(Err(_)) if who == Who::Background && self.cancelled() => {
                 return Err(StageError::Closed { model: name.to_string() })
             }
-            Ok(Err(source)) => return Err(StageError::LoaderFailed { model: name.to_string(), source }),
+            // A file it read is not what the model's first load read.
+            Ok(Err(source)) => {
+                return Err(match changed_source(&*source) {
+                    Some(changed) => StageError::SourceChanged(changed),
+                    None => StageError::LoaderFailed { model: name.to_string(), source },
+                })
+            }
             Err(panic) => {
                 return Err(StageError::LoaderPanicked { model: name.to_string(), message: panic_message(&*panic) })
             }
@@ -418,7 +430,7 @@ impl Inner {
                 (_, Who::Background) if !hold.holds_turn() => Fill::Background,
                 _ => Fill::Whole,
             };
-            report = Some(self.load_checkpoint(name, checkpoint, &targets, &names, fill)?);
+            report = Some(self.load_checkpoint(name, checkpoint, first_reads, &targets, &names, fill)?);
         }
         // Shared components another model already built are not loaded again: not counted.
         let reused: Vec<(String, Tensor)> =
@@ -436,11 +448,13 @@ impl Inner {
         Ok((instance, bytes, report))
     }
 
-    /// Meets `targets` with the model's checkpoint `files` as `fill` says.
+    /// Meets `targets` with the model's checkpoint `files` as `fill` says, once the files are
+    /// found to be what the model's first load read (`first_reads`).
     fn load_checkpoint(
         &self,
         model: &str,
         files: &[PathBuf],
+        first_reads: &FirstReads,
         targets: &[(String, Tensor)],
         names: &NameRules,
         fill: Fill,
@@ -450,6 +464,7 @@ impl Inner {
             source => StageError::Checkpoint { model: model.to_string(), source: Box::new(source) },
         };
         let mut checkpoint = Checkpoint::open(files).map_err(wrap)?;
+        first_reads.meet_all(model, checkpoint.files(), checkpoint.stamps())?;
         if fill == Fill::Background {
             let turns = Arc::clone(&self.turns);
             let to_cpu = targets.iter().all(|(_, t)| t.device() == Device::Cpu);
@@ -560,6 +575,7 @@ impl Inner {
                 .load_checkpoint(
                     name,
                     &recipe.checkpoint,
+                    &recipe.first_reads,
                     &targets,
                     &recipe.names.clone().complete().filled_elsewhere(elsewhere.into_iter().map(|(n, _)| n)),
                     if prefetch { Fill::Background } else { Fill::Whole },

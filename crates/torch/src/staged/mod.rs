@@ -211,6 +211,32 @@ impl StagedModels {
         self.inner.load_report(name)
     }
 
+    /// Takes the files of `name` that changed since its first load as they are now, at its next
+    /// load only: that load records them anew and says which in its event (`accepted`). Without
+    /// this, a load that finds a file the model was first loaded from written, resized or
+    /// replaced since is refused with [`StageError::SourceChanged`] (the model stays as it was),
+    /// since the reload would differ from the first load.
+    ///
+    /// ```no_run
+    /// # fn run(models: &stageload::StagedModels) -> Result<(), stageload::StageError> {
+    /// models.enter("decode")?;
+    /// match models.load("decoder") {
+    ///     Err(stageload::StageError::SourceChanged(changed)) => {
+    ///         eprintln!("{changed}; taking the new weights");
+    ///         models.accept_changed_files(&changed.model)?;
+    ///         models.load("decoder")?;
+    ///     }
+    ///     other => other?,
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub fn accept_changed_files(&self, name: &str) -> Result<()> {
+        let state = self.inner.state();
+        let position = state.position(name)?;
+        state.entries()[position].first_reads.accept_changes();
+        Ok(())
+    }
+
     /// Whether a model of that name exists (never loads).
     pub fn contains(&self, name: &str) -> bool {
         self.inner.state().find(name).is_some()

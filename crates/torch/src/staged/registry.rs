@@ -83,6 +83,7 @@ use super::spec::{Builds, Built, Init, Loader};
 use super::tier_copy::{HostCopies, TierSide};
 use super::turn::Turns;
 use crate::names::NameRules;
+use crate::source::{FileStamp, FirstReads};
 use crate::storage::ReleaseStats;
 use crate::stream::StreamPlan;
 use crate::sync::lock;
@@ -101,6 +102,8 @@ pub(crate) struct Entry {
     pub(crate) init: Init,
     /// Its checkpoint is the registry's snapshot of it (see [`super::snapshot`]).
     pub(crate) from_snapshot: bool,
+    /// The files its first load read, as that load found them: every later load compares.
+    pub(crate) first_reads: Arc<FirstReads>,
     /// Private: its state changes only through [`State::set_state`], which keeps the index of
     /// the slots holding storage.
     slot: decide::Slot<Arc<Instance>>,
@@ -124,12 +127,27 @@ impl Entry {
             has_checkpoint: !checkpoint.is_empty(),
             loads: 0,
         };
-        Entry { name, loader, checkpoint, names, placement, stream, init, from_snapshot: false, slot, report: None }
+        // A streamed model's set-up reads its files through its plan: the same record.
+        let first_reads = stream.as_ref().map_or_else(Default::default, |plan| Arc::clone(&plan.first_reads));
+        Entry {
+            name,
+            loader,
+            checkpoint,
+            names,
+            placement,
+            stream,
+            init,
+            from_snapshot: false,
+            first_reads,
+            slot,
+            report: None,
+        }
     }
 
-    /// Its weights are in the snapshot at `path` now: later reloads refill it in place from
-    /// there, under the file's own names.
-    pub(crate) fn refill_from_snapshot(&mut self, path: PathBuf) {
+    /// Its weights are in the snapshot at `path` now, the file as `stamp` says the write left
+    /// it: later reloads refill it in place from there, under the file's own names.
+    pub(crate) fn refill_from_snapshot(&mut self, path: PathBuf, stamp: FileStamp) {
+        self.first_reads.record(&path, stamp);
         self.checkpoint = vec![path];
         self.names = NameRules::default();
         self.from_snapshot = true;
@@ -594,6 +612,7 @@ impl State {
         entry.loader = None;
         entry.checkpoint.clear();
         entry.from_snapshot = false;
+        entry.first_reads = Default::default();
         entry.report = None;
         self.set_slot(position, decide::Slot::inserted(instance));
     }

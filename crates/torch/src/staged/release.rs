@@ -200,10 +200,10 @@ impl Inner {
         let started = Instant::now();
         let (bytes, written) = snapshots.write_instance(instance);
         let (action, detail) = match written {
-            Ok(path) => {
+            Ok((path, stamp)) => {
                 let mut state = self.state();
                 if let Some(position) = state.find(name).filter(|_| wanted(&state)) {
-                    state.entry_mut(position).refill_from_snapshot(path.clone());
+                    state.entry_mut(position).refill_from_snapshot(path.clone(), stamp);
                     (SnapshotAction::Written, path.display().to_string())
                 } else {
                     // Replaced or removed meanwhile: the file is nobody's.

@@ -24,6 +24,7 @@ use nix::fcntl::{Flock, FlockArg};
 use tch::Tensor;
 
 use super::instance::Instance;
+use crate::source::FileStamp;
 use crate::sync::lock;
 
 /// What a write leaves free on the snapshot folder's file system by default, for everything
@@ -141,7 +142,7 @@ impl Snapshots {
         model: &str,
         tensors: &[(String, Tensor)],
         bytes: u64,
-    ) -> Result<PathBuf, SnapshotError> {
+    ) -> Result<(PathBuf, FileStamp), SnapshotError> {
         let free = free_bytes(&self.dir)?;
         if !leaves_enough(free, bytes, self.keep_free) {
             return Err(SnapshotError::NoRoom { dir: self.dir.clone(), free, bytes, keep_free: self.keep_free });
@@ -153,7 +154,11 @@ impl Snapshots {
         crate::checkpoint::save_with_metadata(tensors, Some(metadata), &path)
             .map_err(|e| SnapshotError::Write(Box::new(e)))?;
         lock(&self.written).push(path.clone());
-        Ok(path)
+        // The file as written: its reloads must find it so.
+        let stamp = FileStamp::at(&path).map_err(|source| {
+            SnapshotError::Write(Box::new(crate::CheckpointError::Open { path: path.clone(), source }))
+        })?;
+        Ok((path, stamp))
     }
 
     /// Removes one snapshot that no model uses.
@@ -216,7 +221,7 @@ impl Snapshots {
     /// Writes `instance`'s weights as a new snapshot file (each storage once: a tensor filled
     /// through another, tied weights, is left out and comes back as its alias). Returns the
     /// bytes of data and the file's path, or why it was not written.
-    pub(crate) fn write_instance(&self, instance: &Instance) -> (u64, Result<PathBuf, SnapshotError>) {
+    pub(crate) fn write_instance(&self, instance: &Instance) -> (u64, Result<(PathBuf, FileStamp), SnapshotError>) {
         let weights = lock(&instance.weights);
         let covering = crate::storage::covering(&weights.tensors);
         let tensors: Vec<(String, Tensor)> = covering

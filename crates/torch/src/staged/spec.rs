@@ -120,6 +120,8 @@ pub struct BuildContext<'a> {
     pub(crate) stream: Option<&'a crate::stream::StreamPlan>,
     /// Whether the loader asked for [`Self::stream`] (a streamed model's loader must).
     pub(crate) stream_taken: std::sync::atomic::AtomicBool,
+    /// The files the model's first load read, as it found them ([`Self::source_file`]).
+    pub(crate) first_reads: &'a crate::source::FirstReads,
 }
 
 impl BuildContext<'_> {
@@ -142,6 +144,41 @@ impl BuildContext<'_> {
     pub fn stream(&self) -> Option<&crate::stream::StreamPlan> {
         self.stream_taken.store(true, std::sync::atomic::Ordering::Relaxed);
         self.stream
+    }
+
+    /// Reads the file at `path` with `read`, as a file the model's weights come from: a file
+    /// the model's first load read must be the same at every later build (a rebuild after a
+    /// release), or the build is refused with
+    /// [`StageError::SourceChanged`](crate::StageError::SourceChanged) before `read` runs. The
+    /// file is stamped before and after `read` ([`crate::source::FileStamp`]); one written
+    /// meanwhile is refused too. [`ModelSpec::torchscript`] and [`ModelSpec::pt2`] read their
+    /// files through it; a loader that reads a file of its own (a state dict, a config that
+    /// shapes the weights) should too.
+    ///
+    /// ```no_run
+    /// # use stageload::{BoxError, BuildContext, Built};
+    /// fn loader(ctx: &BuildContext) -> Result<Built, BoxError> {
+    ///     let (module, tensors) = ctx.source_file("unet.pt".as_ref(), |path| {
+    ///         Ok(stageload::script::load(path, tch::Device::Cpu)?)
+    ///     })?;
+    ///     Ok(Built::from_tensors(module, tensors))
+    /// }
+    /// ```
+    pub fn source_file<T>(
+        &self,
+        path: &std::path::Path,
+        read: impl FnOnce(&std::path::Path) -> Result<T, BoxError>,
+    ) -> Result<T, BoxError> {
+        use crate::source::FileStamp;
+        let stamp = |path: &std::path::Path| {
+            FileStamp::at(path).map_err(|e| -> BoxError { format!("cannot read {}: {e}", path.display()).into() })
+        };
+        let before = stamp(path)?;
+        self.first_reads.meet(self.model, path, before)?;
+        let value = read(path)?;
+        // Written while `read` ran: what it read may be either version, or both.
+        self.first_reads.meet(self.model, path, stamp(path)?)?;
+        Ok(value)
     }
 
     /// The component under `key`, built by `build` if it is not there or its storage was
@@ -306,7 +343,8 @@ impl ModelSpec {
     pub fn torchscript(name: impl Into<String>, path: impl Into<PathBuf>) -> Self {
         let path: PathBuf = path.into();
         let mut spec = ModelSpec::new(name, move |ctx| {
-            let (module, tensors) = crate::script::load(&path, ctx.device().unwrap_or(tch::Device::Cpu))?;
+            let device = ctx.device().unwrap_or(tch::Device::Cpu);
+            let (module, tensors) = ctx.source_file(&path, |path| Ok(crate::script::load(path, device)?))?;
             Ok(Built::from_tensors(module, tensors))
         });
         spec.init = Init::Deserialized;
@@ -345,7 +383,9 @@ impl ModelSpec {
         let files: Vec<PathBuf> = checkpoint.into_iter().map(Into::into).collect();
         let shapes_from = files.clone();
         let mut spec = ModelSpec::new(name, move |ctx| {
-            let (module, tensors) = crate::pt2::load(&package, ctx.device().unwrap_or(tch::Device::Cpu), &shapes_from)?;
+            let device = ctx.device().unwrap_or(tch::Device::Cpu);
+            let (module, tensors) =
+                ctx.source_file(&package, |path| Ok(crate::pt2::load(path, device, &shapes_from)?))?;
             Ok(Built::from_tensors(module, tensors))
         });
         spec.checkpoint = files;

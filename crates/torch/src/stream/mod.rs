@@ -84,6 +84,9 @@ pub const REFILL_READS: HostRead = HostRead::Pread;
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum StreamError {
+    /// A file its first set-up read changed since (a rebuild after a release reads it again).
+    #[error("streamed model: {0}")]
+    SourceChanged(#[from] crate::source::SourceChanged),
     /// The block list does not cover the model's tensors exactly once.
     #[error("streamed model '{model}': {source}")]
     Blocks {

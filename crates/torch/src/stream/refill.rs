@@ -421,6 +421,7 @@ impl DirectRead {
             // Cannot be (`direct_read` checked the layout, which holds the span): read buffered.
             return Ok(None);
         }
+        checkpoint.unchanged()?;
         let base = (self.buffer.data_ptr() as *mut u8).wrapping_add(self.at);
         // The slot buffer is the block's alone until its refill is joined (`take_slot` gave it;
         // only `attach_read` or `let_go_of_slot`, after the join, give it up).
@@ -439,6 +440,8 @@ impl DirectRead {
         if let Some(tail) = rest.get_mut(skip..).filter(|tail| !tail.is_empty()) {
             checkpoint.read_and_drop(file, from, tail, &self.name)?;
         }
+        // Written while it was read: the block may hold a mix of both versions.
+        checkpoint.unchanged()?;
         Ok(Some(units.len() as u64))
     }
 }

@@ -81,6 +81,8 @@ pub struct StreamPlan {
     pub(crate) held: Arc<AtomicU64>,
     /// What the plan counts it to hold once built (what a prefetch of it must find room for).
     pub(crate) planned_held: u64,
+    /// The files its first set-up read, as it found them (its registry entry's record).
+    pub(crate) first_reads: Arc<crate::source::FirstReads>,
 }
 
 impl std::fmt::Debug for StreamPlan {
@@ -212,6 +214,7 @@ impl StreamedModel {
         let name = name.into();
         let checkpoint = Checkpoint::open(&plan.files)
             .map_err(|source| StreamError::Checkpoint { model: name.clone(), source: Box::new(source) })?;
+        plan.first_reads.meet_all(&name, checkpoint.files(), checkpoint.stamps())?;
         let fit = Fit { budget: plan.budget, working: plan.working, any_order: plan.any_order };
         let mut model = StreamedModel::set_up(name, tensors, checkpoint, &plan.names, &plan.spec, fit)?;
         model.held_for_registry = Some(Arc::clone(&plan.held));

@@ -54,6 +54,8 @@ pub(super) struct EventLine {
     tier: Option<TierUsage>,
     #[serde(default)]
     action: Option<LineAction>,
+    #[serde(default)]
+    accepted: Vec<String>,
 }
 
 /// Every action any kind's line has named (schema 2 had one list for all kinds).
@@ -150,6 +152,7 @@ impl EventLine {
             streamed: self.streamed,
             report: self.report.take(),
             resident: self.resident,
+            accepted: std::mem::take(&mut self.accepted),
         })
     }
 }
