@@ -13,7 +13,7 @@ use stageload::StagedModels;
 use tch::{Device, Kind, Tensor};
 
 use stageload_test_support::torch as support;
-use support::rss_bytes;
+use support::{rss_bytes, rss_slack};
 
 const BLOCK: i64 = 4 << 20;
 const BLOCKS: usize = 32;
@@ -104,11 +104,12 @@ fn one_round_of_large_blocks_freed_between_live_ones() {
 #[test]
 fn freed_large_blocks_go_back_to_the_os_once_a_registry_is_built() {
     let total = BLOCK * BLOCKS as i64;
-    // Nothing else runs in a round's process between the two readings of its count, so they
-    // differ from the pages freed only by what the kernel's per-CPU counters leave out of each.
-    // A block served by a mapping of its own goes back whole, with the page its header shares
-    // (so `kept` is then below 0); a block in the heap between two live tensors stays whole.
-    let slack = 2 * stageload_probe::rss_counter_slack() as i64;
+    // Nothing else runs in a round's process between the two readings of its count, and the
+    // readings are exact (`rss_bytes`), so they differ from the pages freed only by what the
+    // round touches or frees beside the blocks (`rss_slack`, at most a quarter of them). A
+    // block served by a mapping of its own goes back whole, with the page its header shares (so
+    // `kept` is then below 0); a block in the heap between two live tensors stays whole.
+    let slack = rss_slack(total);
     let kept_by_default = kept_in_a_process_of_its_own("default");
     eprintln!("glibc's default: {kept_by_default} of {total} bytes kept");
     assert!(
@@ -123,7 +124,7 @@ fn freed_large_blocks_go_back_to_the_os_once_a_registry_is_built() {
 #[test]
 fn the_host_block_cache_keeps_freed_large_blocks_until_the_next_stage_begins() {
     let total = BLOCK * BLOCKS as i64;
-    let slack = 2 * stageload_probe::rss_counter_slack() as i64;
+    let slack = rss_slack(total);
     let out = round_in_a_process_of_its_own("cached");
     let (kept, after_entering) = (count(&out, "kept"), count(&out, "after entering"));
     eprintln!("cached: {kept} of {total} bytes kept, {after_entering} after entering the next stage");
