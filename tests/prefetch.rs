@@ -809,7 +809,16 @@ fn a_model_sharing_a_component_a_prefetch_is_refilling_is_used_only_once_that_co
 }
 
 /// Models `a`, `b` and `c` share a weight; `a` and `b` were loaded and released; `b`'s refill
-/// (a prefetch) waits after its first piece while `model` loads in the foreground.
+/// (a prefetch) is held after each piece while `model` loads in the foreground, and before it
+/// `d`, which shares nothing (the control).
+///
+/// What shows the wait, with no window of time: a background copy pauses at its next piece
+/// while a foreground load runs, and a foreground load that waits for another load's fill of a
+/// storage it shares counts as not running meanwhile (`staged::turn`, rule 3). So once the
+/// foreground load has copied a piece of its own, b's copy takes its next piece only when that
+/// load has ended (it is resident then: it counts as running until installed) or waits for a
+/// fill; for `model`, still loading then, that fill can only be b's. The control shows that the
+/// same observation sees a load that does not wait: `d` is resident when b's copy goes on.
 fn loaded_while_a_prefetch_refills_what_it_shares(model: &'static str) {
     let _one = support::generator();
     let dir = tempfile::tempdir().unwrap();
@@ -818,17 +827,26 @@ fn loaded_while_a_prefetch_refills_what_it_shares(model: &'static str) {
     let (weight, [a_file, b_file]) = sharing_files(dir.path(), rows, "");
     let (held, pieces, next_tx) = HeldPieces::of("b");
     let armed = held.armed.clone();
+    // Every piece of another model than b, by the model's name.
+    let (other_piece, other_pieces) = mpsc::channel::<String>();
+    let other_piece = Mutex::new(other_piece);
     let models = Arc::new(
         StagedModels::builder()
             .model(sharing("a", rows, &a_file))
             .model(sharing("b", rows, &b_file))
             .model(sharing("c", rows, &a_file))
+            .model(ModelSpec::new("d", |_| Ok(build_mlp(64))).checkpoint([doubles(dir.path(), "d")]).skip_init(true))
             .stage("both", ["a", "b"])
-            .stage("uses_a", ["a", "c"])
+            .stage("uses_a", ["a", "c", "d"])
             .stage("uses_b", ["b"])
             .stage("between", Vec::<String>::new())
             // Each piece of b's refill waits until the test lets it go.
-            .progress(move |model, _| held.piece(model))
+            .progress(move |name, _| {
+                if name != "b" {
+                    let _ = other_piece.lock().unwrap().send(name.to_string());
+                }
+                held.piece(name)
+            })
             .build()
             .unwrap(),
     );
@@ -839,32 +857,50 @@ fn loaded_while_a_prefetch_refills_what_it_shares(model: &'static str) {
     assert_eq!(models.resident_bytes(), shared_bytes + 2 * 4 * 16, "the shared weight counted once");
     models.enter("between").unwrap();
     assert_eq!(models.resident_bytes(), 0, "both released: the shared weight freed with the last of them");
+    while other_pieces.try_recv().is_ok() {}
     armed.store(true, Ordering::SeqCst);
     models.enter("uses_a").unwrap();
     assert_eq!(models.prefetch("uses_b").unwrap(), ["b"]);
     pieces.recv_timeout(Duration::from_secs(30)).expect("b's refill copied its first piece and waits");
-    // b's refill has the shared weight's memory back but not its values: a's load must not
-    // hand a out with it half filled.
-    let (done_tx, done) = mpsc::channel();
-    let foreground = {
-        let models = models.clone();
-        std::thread::spawn(move || {
-            let loaded = models.load(model);
-            let _ = done_tx.send(());
-            loaded
-        })
+
+    // Loads `name` in the foreground; once it has copied a piece of its own, lets b's copy end
+    // its held piece and waits for b's next one; returns the load's thread and `name`'s state then.
+    let load_beside_b = |name: &'static str| {
+        let foreground = {
+            let models = models.clone();
+            std::thread::spawn(move || {
+                let loaded = models.load(name);
+                // What the load handed out, read as soon as it returns (b's copy is held then,
+                // unless the load waited for it): a `Sharing` model's head and shared weight.
+                let values = models.call(name, |(head, shared): &mut Sharing| (head.copy(), shared.lock().copy()));
+                (loaded, values.ok())
+            })
+        };
+        let piece = other_pieces.recv_timeout(Duration::from_secs(30));
+        assert_eq!(piece.as_deref(), Ok(name), "{name}'s load copies a piece of its own");
+        next_tx.send(()).unwrap();
+        pieces
+            .recv_timeout(Duration::from_secs(30))
+            .unwrap_or_else(|_| panic!("b's copy took no next piece within 30 s of {name}'s load copying its own"));
+        (foreground, models.state(name).unwrap())
     };
-    assert!(
-        done.recv_timeout(Duration::from_millis(500)).is_err(),
-        "{model}'s load waits for b's copy of the weight they share"
-    );
+
+    // The control: d shares nothing with b; b's copy goes on once d's load has ended.
+    let (control, d_then) = load_beside_b("d");
+    assert_eq!(d_then, ModelState::Resident, "control: b's copy went on only once d's foreground load ended");
+    assert!(within("d's load", move || control.join().unwrap().0.is_ok()));
+    while other_pieces.try_recv().is_ok() {} // d's later pieces
+
+    // b's refill has the shared weight's memory back but not its values: the load of `model`
+    // must not hand it out half filled, and waits for b's copy instead, which goes on meanwhile.
+    let (foreground, then) = load_beside_b(model);
+    assert_eq!(then, ModelState::Loading, "{model}'s load waits for b's copy of the weight they share, still loading");
     drop(next_tx);
-    let loaded = within("the load once b's copy ends", move || foreground.join().unwrap());
+    let (loaded, values) = within("the load once b's copy ends", move || foreground.join().unwrap());
     assert!(loaded.is_ok(), "{model}: {loaded:?}");
-    let (head, shared) =
-        models.call(model, |(head, shared): &mut Sharing| (head.copy(), shared.lock().copy())).unwrap();
+    let (head, shared) = values.expect("the loaded model's values");
     assert!(head.equal(&Tensor::ones([16], (Kind::Float, Device::Cpu))), "{model}'s own head");
-    assert!(shared.equal(&weight), "{model} uses the shared weight with the file's values");
+    assert!(shared.equal(&weight), "{model}'s load handed out the shared weight with the file's values");
     {
         let models = models.clone();
         within("b's refill", move || models.wait_prefetch("uses_b").unwrap());
