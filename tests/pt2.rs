@@ -6,6 +6,9 @@
 //! for the same package, bit for bit; they are released and come back in place with the same
 //! outputs; staged equals eager with random draws between stages; and every bad package or
 //! checkpoint is a typed error naming the model and the file, with the registry still usable.
+//! Packages exported the ordinary way (`plain*`: no helper, the checkpoint `ep.state_dict` and
+//! `ep.constants` as they are) run the same, and are checked as strictly: a transposed weight of
+//! the right size, weights inside the library, another machine, an ISA this CPU lacks.
 //! RSS figures are `tests/pt2_rss.rs`'s (a binary of its own).
 
 use std::collections::HashMap;
@@ -163,18 +166,18 @@ fn a_bad_package_or_checkpoint_is_a_typed_error_naming_the_model_and_the_file() 
     let err = first_call_error(ModelSpec::pt2("bad", &script, checkpoint()));
     assert!(matches!(pt2_error(&err), Pt2Error::NotAPackage { .. }), "a TorchScript file is no package: {err}");
 
-    let foreign = path("foreign.pt2");
-    if std::arch::is_x86_feature_detected!("avx512f") {
-        eprintln!("this CPU has AVX-512: the package compiled for x86-64-v4 runs here");
-    } else {
-        let err = first_call_error(ModelSpec::pt2("bad", &foreign, checkpoint()));
-        match pt2_error(&err) {
+    // The package compiled for x86-64-v4 runs where the CPU has AVX-512, else it is refused.
+    let foreign = first_load(ModelSpec::pt2("bad", path("foreign.pt2"), checkpoint()));
+    match (std::arch::is_x86_feature_detected!("avx512f"), &foreign) {
+        (true, Ok(())) => {}
+        (false, Err(err)) => match pt2_error(err) {
             Pt2Error::Target { target, lacking, .. } => {
                 assert_eq!(target, "x86-64-v4");
                 assert!(lacking.contains(&"avx512f"), "{err}");
             }
             other => panic!("not a target error: {other}"),
-        }
+        },
+        (avx512, other) => panic!("AVX-512 here: {avx512}; the load gave {other:?}"),
     }
 
     let without = changed_checkpoint(dir.path(), |e| e.retain(|(n, _)| n != "down.bias"));
@@ -209,8 +212,96 @@ fn a_bad_package_or_checkpoint_is_a_typed_error_naming_the_model_and_the_file() 
     });
     let err = first_call_error(ModelSpec::pt2("bad", &package, [&double]));
     match pt2_error(&err) {
-        Pt2Error::Dtype { constant, found, .. } => assert_eq!((constant.as_str(), *found), ("up.bias", Kind::Double)),
+        Pt2Error::Dtype { constant, found, checkpoint, .. } => {
+            assert_eq!((constant.as_str(), *found, checkpoint), ("up.bias", Kind::Double, &double))
+        }
         other => panic!("not a dtype error: {other}"),
+    }
+    assert!(err.to_string().contains("changed.safetensors"), "names the checkpoint file: {err}");
+}
+
+/// The first load of `bad` alone in a registry.
+fn first_load(bad: ModelSpec) -> Result<(), StageError> {
+    let models = StagedModels::builder().model(bad).stage("run", ["bad"]).build().unwrap();
+    models.enter("run").unwrap();
+    models.load("bad")
+}
+
+#[test]
+fn a_package_exported_the_ordinary_way_runs_as_pythons_loader_runs_it_with_its_checkpoints_extra_entries_unused() {
+    let _one = support::generator();
+    let sink = Arc::new(ListSink::new());
+    let models = StagedModels::builder()
+        .model(spec("plain"))
+        .stage("run", ["plain"])
+        .stage("other", Vec::<String>::new())
+        .events(sink.clone())
+        .build()
+        .unwrap();
+    let (x, eager, python) = io("plain");
+    models.enter("run").unwrap();
+    let y = forward(&models, "plain", &x).unwrap();
+    assert!(y.equal(&python), "Python's aoti_load_package gave the same package other numbers");
+    assert!((&y - &eager).abs().max().double_value(&[]) < 1e-5);
+    let report = models.load_report("plain").unwrap().unwrap();
+    assert!(report.missing.is_empty(), "every constant filled: {report:?}");
+    assert!(report.unused.contains(&"bn.num_batches_tracked".to_string()), "read by no constant: {report:?}");
+    models.enter("other").unwrap();
+    models.enter("run").unwrap();
+    assert!(forward(&models, "plain", &x).unwrap().equal(&python), "the same after the reload");
+}
+
+#[test]
+fn an_ordinary_package_refuses_a_transposed_weight_weights_inside_its_library_and_another_machine() {
+    let _one = support::generator();
+    let dir = tempfile::TempDir::new().unwrap();
+    let checkpoint = || [path("plain.safetensors")];
+
+    // The right byte count, the wrong shape: what the package records for its runner says so.
+    let mut entries = Tensor::read_safetensors(path("plain.safetensors")).unwrap();
+    for (_, t) in entries.iter_mut().filter(|(n, _)| n == "up.weight") {
+        *t = t.tr().contiguous();
+    }
+    let transposed = dir.path().join("transposed.safetensors");
+    stageload::checkpoint::save(&entries, &transposed).unwrap();
+    let err = first_load(ModelSpec::pt2("bad", path("plain.pt2"), [&transposed])).unwrap_err();
+    match pt2_error(&err) {
+        Pt2Error::Shape { constant, expected, found, checkpoint, .. } => {
+            assert_eq!(
+                (constant.as_str(), expected.as_slice(), found.as_slice()),
+                ("up.weight", &[128, 64][..], &[64, 128][..])
+            );
+            assert_eq!(checkpoint, &transposed);
+        }
+        other => panic!("not a shape error: {other}"),
+    }
+    assert!(err.to_string().contains("transposed.safetensors"), "{err}");
+
+    let err = first_load(ModelSpec::pt2("bad", path("plain_inside.pt2"), checkpoint())).unwrap_err();
+    assert!(matches!(pt2_error(&err), Pt2Error::WeightsInside { .. }), "{err}");
+    assert!(err.to_string().contains("package_constants_in_so"), "says what to do: {err}");
+
+    let err = first_load(ModelSpec::pt2("bad", path("plain_arm.pt2"), checkpoint())).unwrap_err();
+    match pt2_error(&err) {
+        Pt2Error::Machine { recorded, this, .. } => {
+            assert_eq!(recorded, &format!("{} aarch64", std::env::consts::OS));
+            assert!(this.contains(std::env::consts::ARCH), "{err}");
+        }
+        other => panic!("not a machine error: {other}"),
+    }
+
+    // The widest vector ISA this CPU lacks, recorded in the package: refused, naming what it
+    // lacks. A CPU that has them all cannot show this: that fails here rather than passing.
+    let lacked = ["isa_avx2", "isa_avx512", "isa_vnni", "isa_amx"]
+        .into_iter()
+        .map(|name| (name, first_load(ModelSpec::pt2("bad", path(&format!("{name}.pt2")), checkpoint()))))
+        .find(|(_, loaded)| loaded.is_err());
+    let Some((name, Err(err))) = lacked else {
+        panic!("this CPU has every vector ISA a package can record, AMX included: the lacking-target check cannot run here")
+    };
+    match pt2_error(&err) {
+        Pt2Error::Target { lacking, .. } => assert!(!lacking.is_empty(), "{name}: {err}"),
+        other => panic!("{name}: not a target error: {other}"),
     }
 }
 

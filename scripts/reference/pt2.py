@@ -17,12 +17,10 @@ package was compiled for recorded in the package itself.
   tensors (a conv's bias, a BatchNorm's statistics) into the compiled kernels as literals.
 - The target: compiled with `-march=x86-64-v3` and 256-bit vectors (AVX2 and FMA; portable to
   every x86-64 CPU of the last decade, not only the compiling one, which `-march=native` would
-  tie it to) and recorded in the package's metadata as `stageload.target`, with each constant's
-  shape and dtype as `stageload.constants`, so that a load on a CPU without those instructions
-  is a clear error instead of an illegal instruction, and a checkpoint of other shapes is refused
-  before the first run.
+  tie it to) and recorded in the package's metadata as `stageload.target`, so that a load on a
+  CPU without those instructions is a clear error instead of an illegal instruction. (Each
+  constant's shape stageload reads from what the package records for its runner.)
 """
-import json
 from pathlib import Path
 
 import torch
@@ -43,13 +41,8 @@ def export(module, args, out, dynamic_shapes=None, target=TARGET):
     with torch.no_grad():
         ep = torch.export.export(module, tuple(args), dynamic_shapes=dynamic_shapes)
     candidates = {**ep.state_dict, **ep.constants}
-    record = {
-        name: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
-        for name, t in candidates.items()
-        if isinstance(t, torch.Tensor)
-    }
     package = out.with_suffix(".pt2")
-    metadata = {"stageload.constants": json.dumps(record)}
+    metadata = {}
     configs = {
         "aot_inductor.package_constants_in_so": False,
         # Small tensors (a conv's bias, a BatchNorm's statistics) are otherwise inlined into the

@@ -11,12 +11,17 @@
 //! place. So release and reload in place work as for any model, and a run after a reload
 //! registers the refilled constants again (the runner caches their addresses).
 //!
-//! Checked at load, before the package's compiled code is loaded or run: the CPU it was compiled
-//! for (`stageload.target`, recorded by the export helper, or libtorch's own `AOTI_CPU_ISA`) against
-//! this one (a clear error instead of an illegal instruction), its device kind against the
-//! model's, and every constant against the checkpoint: present (a non-persistent buffer is easy
-//! to leave out; libtorch would warn and then crash), of the dtype the package was compiled for
-//! and, where the package records it, of its shape.
+//! Checked at load, before the package's compiled code is loaded or run ([`target`]): the
+//! platform and machine it was compiled for, and the instructions its code needs
+//! (`stageload.target`, recorded by the export helper, or libtorch's own `AOTI_CPU_ISA`), against
+//! this one (a clear error instead of an illegal instruction or a library that will not load),
+//! its device kind against the model's, that its weights are not inside its library ([`record`]),
+//! and every constant against the checkpoint: present (a non-persistent buffer is easy to leave
+//! out; libtorch would warn and then crash), of the dtype and the shape the package was compiled
+//! for (the shape as the package records it for its runner, so a transposed weight of the right
+//! size is refused). The checkpoint may hold entries no constant reads (`ep.state_dict`'s
+//! `num_batches_tracked`, small tensors Inductor inlined as literals): the load report lists
+//! them as unused.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -25,6 +30,9 @@ use stageload_torch_sys::{aoti_package_metadata, AotiPackage};
 use tch::{Device, Kind, Tensor};
 
 use crate::checkpoint::{paths, quoted, Checkpoint, CheckpointError};
+
+mod record;
+mod target;
 
 /// Why an AOTInductor package could not be loaded or run. Each variant names the package.
 #[derive(Debug, thiserror::Error)]
@@ -62,12 +70,32 @@ pub enum Pt2Error {
         lacking: Vec<&'static str>,
     },
     /// The package records a target stageload does not know how to check.
-    #[error("{path} records the target '{target}', which stageload cannot check on this machine; export it for x86-64-v2, x86-64-v3 or x86-64-v4")]
+    #[error("{path} records the target '{target}', which stageload cannot check against this machine ({this}); export it on this kind of machine, or for x86-64-v2, x86-64-v3 or x86-64-v4 with scripts/reference/pt2.py")]
     UnknownTarget {
         /// The package.
         path: PathBuf,
         /// What it records.
         target: String,
+        /// This machine: platform, architecture, widest vector ISA.
+        this: String,
+    },
+    /// The package was compiled for another platform or machine.
+    #[error("{path} was compiled for {recorded}, and this machine is {this}: export it again on (or for) this kind of machine")]
+    Machine {
+        /// The package.
+        path: PathBuf,
+        /// The platform and machine it records (`AOTI_PLATFORM`, `AOTI_MACHINE`).
+        recorded: String,
+        /// This machine's.
+        this: String,
+    },
+    /// The package's weights are compiled into its library: no release could free them.
+    #[error(
+        "{path} holds its weights inside its compiled library (aot_inductor.package_constants_in_so=True, the default), where they stay resident as file pages that no release frees: export it again with inductor_configs={{\"aot_inductor.package_constants_in_so\": False}} and its weights as a safetensors checkpoint of ep.state_dict and ep.constants (scripts/reference/pt2.py does both)"
+    )]
+    WeightsInside {
+        /// The package.
+        path: PathBuf,
     },
     /// The package was compiled for another kind of device than the model's.
     #[error("{path} was compiled for '{compiled}' and the model is on {device:?}: compile it on and for that device")]
@@ -108,10 +136,10 @@ pub enum Pt2Error {
         /// The constants without an entry.
         constants: Vec<String>,
     },
-    /// The package's `stageload.constants` record (written by the export helper) is not the
-    /// JSON it writes: nothing checks the checkpoint's shapes against a record that cannot be read.
+    /// What the package records of its constants for its runner (their shapes, where its weights
+    /// are) cannot be read: nothing could check the checkpoint against it.
     #[error(
-        "AOTInductor package {path}: its stageload.constants record cannot be read ({message}); export it again with scripts/reference/pt2.py"
+        "AOTInductor package {path}: what it records of its constants cannot be read ({message}); write it whole with torch._inductor.aoti_compile_and_package"
     )]
     Metadata {
         /// The package.
@@ -120,10 +148,12 @@ pub enum Pt2Error {
         message: String,
     },
     /// A checkpoint entry has another shape than the package recorded for its constant.
-    #[error("AOTInductor package {path}: constant '{constant}' was compiled with shape {expected:?}, the checkpoint has {found:?}")]
+    #[error("AOTInductor package {path}: constant '{constant}' was compiled with shape {expected:?}, and {checkpoint} has {found:?}")]
     Shape {
         /// The package.
         path: PathBuf,
+        /// The checkpoint file holding the entry.
+        checkpoint: PathBuf,
         /// The constant.
         constant: String,
         /// The shape the package records.
@@ -133,11 +163,13 @@ pub enum Pt2Error {
     },
     /// A checkpoint entry has another dtype than the package was compiled for.
     #[error(
-        "AOTInductor package {path}: constant '{constant}' was compiled as {expected}, the checkpoint has {found:?}"
+        "AOTInductor package {path}: constant '{constant}' was compiled as {expected}, and {checkpoint} has {found:?}"
     )]
     Dtype {
         /// The package.
         path: PathBuf,
+        /// The checkpoint file holding the entry.
+        checkpoint: PathBuf,
         /// The constant.
         constant: String,
         /// The dtype the package was compiled for.
@@ -202,8 +234,12 @@ pub fn load(
         let message = "it records no AOTInductor model (no AOTI_DEVICE_KEY in its metadata)".to_string();
         return Err(Pt2Error::NotAPackage { path: path.into(), message });
     }
-    check_target(path, &metadata)?;
+    target::check(path, &metadata)?;
     check_device(path, &metadata, device)?;
+    let record = record::read(path).map_err(|message| Pt2Error::Metadata { path: path.into(), message })?;
+    if record.weights_inside {
+        return Err(Pt2Error::WeightsInside { path: path.into() });
+    }
     let index = match device {
         Device::Cuda(i) => i32::try_from(i).unwrap_or(i32::MAX),
         _ => -1,
@@ -214,7 +250,6 @@ pub fn load(
     let constants = package.constants().map_err(runner)?;
     let files = Checkpoint::open(checkpoint)
         .map_err(|source| Pt2Error::Checkpoint { path: path.into(), source: Box::new(source) })?;
-    let recorded = recorded_shapes(path, &metadata)?;
     let missing: Vec<String> =
         constants.iter().filter(|c| !files.entries().contains_key(&c.fqn)).map(|c| c.fqn.clone()).collect();
     if !missing.is_empty() {
@@ -227,17 +262,24 @@ pub fn load(
     let mut tensors = Vec::with_capacity(constants.len());
     for constant in &constants {
         let entry = &files.entries()[&constant.fqn];
+        let checkpoint = files.files()[entry.file].clone();
         if constant.kind != Some(entry.kind) {
             return Err(Pt2Error::Dtype {
                 path: path.into(),
+                checkpoint,
                 constant: constant.fqn.clone(),
                 expected: constant.kind.map_or_else(|| "a dtype tch has no kind for".into(), |k| format!("{k:?}")),
                 found: entry.kind,
             });
         }
-        if let Some(expected) = recorded.get(&constant.fqn).filter(|shape| **shape != entry.shape) {
+        let expected = record.shapes.get(&constant.fqn).ok_or_else(|| Pt2Error::Metadata {
+            path: path.into(),
+            message: format!("its runner expects constant '{}', for which it records no shape", constant.fqn),
+        })?;
+        if *expected != entry.shape {
             return Err(Pt2Error::Shape {
                 path: path.into(),
+                checkpoint,
                 constant: constant.fqn.clone(),
                 expected: expected.clone(),
                 found: entry.shape.clone(),
@@ -249,19 +291,6 @@ pub fn load(
     Ok((Pt2Module { package, path: path.into() }, tensors))
 }
 
-/// Each constant's shape as the export helper recorded it in the package (`stageload.constants`);
-/// empty for a package written otherwise, an error for a record that cannot be read.
-fn recorded_shapes(path: &Path, metadata: &HashMap<String, String>) -> Result<HashMap<String, Vec<i64>>, Pt2Error> {
-    #[derive(serde::Deserialize)]
-    struct Recorded {
-        shape: Vec<i64>,
-    }
-    let Some(text) = metadata.get("stageload.constants") else { return Ok(HashMap::new()) };
-    let parsed: HashMap<String, Recorded> =
-        serde_json::from_str(text).map_err(|e| Pt2Error::Metadata { path: path.into(), message: e.to_string() })?;
-    Ok(parsed.into_iter().map(|(name, r)| (name, r.shape)).collect())
-}
-
 /// The device kind the package was compiled for against the model's.
 fn check_device(path: &Path, metadata: &HashMap<String, String>, device: Device) -> Result<(), Pt2Error> {
     let compiled = metadata.get("AOTI_DEVICE_KEY").map_or("", String::as_str);
@@ -270,140 +299,4 @@ fn check_device(path: &Path, metadata: &HashMap<String, String>, device: Device)
         return Err(Pt2Error::Device { path: path.into(), compiled: compiled.to_string(), device });
     }
     Ok(())
-}
-
-/// The CPU the package was compiled for against this one: the export helper's
-/// `stageload.target` (a `-march` level), else libtorch's `AOTI_CPU_ISA`.
-fn check_target(path: &Path, metadata: &HashMap<String, String>) -> Result<(), Pt2Error> {
-    let (target, needs) = match (metadata.get("stageload.target"), metadata.get("AOTI_CPU_ISA")) {
-        (Some(target), _) => match level_features(target) {
-            Some(needs) => (target.clone(), needs),
-            None => return Err(Pt2Error::UnknownTarget { path: path.into(), target: target.clone() }),
-        },
-        (None, Some(isa)) => (format!("the CPU capability {isa}"), isa_features(isa)),
-        (None, None) => return Ok(()),
-    };
-    let lacking: Vec<&'static str> = needs.into_iter().filter(|f| !cpu_has(f)).collect();
-    if !lacking.is_empty() {
-        return Err(Pt2Error::Target { path: path.into(), target, lacking });
-    }
-    Ok(())
-}
-
-const V2: &[&str] = &["sse3", "ssse3", "sse4.1", "sse4.2", "popcnt", "cmpxchg16b"];
-const V3: &[&str] = &["avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "lzcnt", "movbe"];
-const V4: &[&str] = &["avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"];
-
-/// The instruction sets an x86-64 `-march` level needs (`None`: not a level this knows).
-fn level_features(level: &str) -> Option<Vec<&'static str>> {
-    let levels: &[&[&str]] = match level {
-        "x86-64" => &[],
-        "x86-64-v2" => &[V2],
-        "x86-64-v3" => &[V2, V3],
-        "x86-64-v4" => &[V2, V3, V4],
-        _ => return None,
-    };
-    Some(levels.concat())
-}
-
-/// The instruction sets libtorch's CPU capability names need (`AVX2`, `AVX512 AVX512_VNNI`).
-fn isa_features(isa: &str) -> Vec<&'static str> {
-    let mut needs = Vec::new();
-    if isa.contains("AVX2") || isa.contains("AVX512") {
-        needs.extend(["avx2", "fma"]);
-    }
-    if isa.contains("AVX512") {
-        needs.extend(V4);
-    }
-    needs
-}
-
-/// Whether this CPU has instruction set `feature` (x86-64 only; elsewhere none of these).
-fn cpu_has(feature: &str) -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        macro_rules! detect {
-            ($($name:tt),*) => {
-                match feature {
-                    $($name => std::arch::is_x86_feature_detected!($name),)*
-                    _ => false,
-                }
-            };
-        }
-        detect!(
-            "sse3",
-            "ssse3",
-            "sse4.1",
-            "sse4.2",
-            "popcnt",
-            "cmpxchg16b",
-            "avx",
-            "avx2",
-            "bmi1",
-            "bmi2",
-            "f16c",
-            "fma",
-            "lzcnt",
-            "movbe",
-            "avx512f",
-            "avx512bw",
-            "avx512cd",
-            "avx512dq",
-            "avx512vl"
-        )
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        let _ = feature;
-        false
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn each_level_needs_the_ones_below_it_and_an_unknown_level_is_none() {
-        let v3 = level_features("x86-64-v3").unwrap();
-        assert!(v3.contains(&"sse4.2") && v3.contains(&"avx2") && !v3.contains(&"avx512f"));
-        assert!(level_features("x86-64-v4").unwrap().contains(&"avx512f"));
-        assert_eq!(level_features("native"), None, "native is no level: it names no instruction set");
-    }
-
-    #[test]
-    fn a_shape_record_that_cannot_be_read_is_an_error_and_no_record_checks_nothing() {
-        let path = Path::new("m.pt2");
-        let record = |text: &str| HashMap::from([("stageload.constants".to_string(), text.to_string())]);
-        let shapes = recorded_shapes(path, &record(r#"{"w": {"shape": [4, 2], "dtype": "float32"}}"#)).unwrap();
-        assert_eq!(shapes["w"], [4, 2]);
-        assert!(recorded_shapes(path, &HashMap::new()).unwrap().is_empty());
-        for bad in [r#"{"w": {"shape": "4x2"}}"#, "[", r#"{"w": {}}"#] {
-            let err = recorded_shapes(path, &record(bad)).unwrap_err();
-            assert!(matches!(err, Pt2Error::Metadata { .. }), "{bad}: {err}");
-            assert!(err.to_string().contains("m.pt2") && err.to_string().contains("stageload.constants"), "{err}");
-        }
-    }
-
-    #[test]
-    fn libtorchs_capability_names_map_to_their_instruction_sets() {
-        assert_eq!(isa_features("AVX2"), ["avx2", "fma"]);
-        assert!(isa_features("AVX512 AVX512_VNNI").contains(&"avx512bw"));
-        assert!(isa_features("DEFAULT").is_empty());
-    }
-
-    #[test]
-    fn a_package_for_a_level_this_cpu_lacks_is_refused_naming_what_it_lacks() {
-        let metadata = HashMap::from([("stageload.target".to_string(), "x86-64-v4".to_string())]);
-        match check_target(Path::new("m.pt2"), &metadata) {
-            // A CPU with AVX-512 runs it: nothing to refuse here.
-            Ok(()) => assert!(V4.iter().all(|f| cpu_has(f))),
-            Err(err) => {
-                let text = err.to_string();
-                assert!(text.contains("m.pt2") && text.contains("x86-64-v4") && text.contains("avx512"), "{text}");
-            }
-        }
-        let unknown = HashMap::from([("stageload.target".to_string(), "native".to_string())]);
-        assert!(matches!(check_target(Path::new("m.pt2"), &unknown), Err(Pt2Error::UnknownTarget { .. })));
-    }
 }

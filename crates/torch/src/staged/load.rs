@@ -417,11 +417,11 @@ impl Inner {
             let mut targets = shallow(&built.tensors);
             targets.extend(fresh);
             // Shared components another model loaded are not filled again, and a model built
-            // without initial values must get every tensor from the file.
-            let names = names
-                .clone()
-                .filled_elsewhere(shared.iter().filter(|(_, _, fresh)| !fresh).map(|(n, _, _)| n.clone()))
-                .strict(names.strict || *init == Init::Skipped);
+            // without initial values must get every tensor from the file (entries no tensor
+            // reads are refused only by strict rules).
+            let names =
+                names.clone().filled_elsewhere(shared.iter().filter(|(_, _, fresh)| !fresh).map(|(n, _, _)| n.clone()));
+            let names = if *init == Init::Skipped { names.complete() } else { names };
             // The file a deserialised model came from holds its weights: its checkpoint is only
             // checked now (it refills the model after a release). A background build that holds
             // no turn copies as background work.

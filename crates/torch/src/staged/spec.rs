@@ -274,7 +274,7 @@ pub(crate) enum Init {
     /// checkpoint fills them afterwards.
     Loader,
     /// [`ModelSpec::skip_init`]: built without initial values; the checkpoint writes every
-    /// weight (strict).
+    /// weight (a load leaving one out is refused, whatever the name rules).
     Skipped,
     /// Read from a file by the loader ([`ModelSpec::torchscript`]): nothing is drawn, and a
     /// declared checkpoint is only checked against the model after a build (it refills the
@@ -390,6 +390,9 @@ impl ModelSpec {
         });
         spec.checkpoint = files;
         spec.init = Init::Skipped;
+        // Every constant is filled (skip_init makes the load complete); entries no constant
+        // reads (`num_batches_tracked`, tensors Inductor inlined) are listed as unused.
+        spec.names = NameRules::default().strict(false);
         spec
     }
 
