@@ -12,6 +12,8 @@
 //! - [`outcome`]: how a run ends, and the exit codes.
 //! - [`log`]: every decision as a stderr line and, with `--log`, a JSON line with its readings.
 //! - [`signals`]: SIGINT/SIGTERM/SIGHUP to the guard, recorded and acted on between polls.
+//! - [`queue`]: the queue's rules (`stageload run`): lane names, who goes next, stale entries,
+//!   and the wait for a lane's turn.
 //!
 //! One guarded command per process at a time: the guard makes its process a child subreaper and
 //! counts every process below it as the command's.
@@ -24,6 +26,7 @@ pub mod decide;
 pub mod log;
 pub mod machine;
 pub mod outcome;
+pub mod queue;
 pub mod signals;
 pub mod stop;
 pub mod supervise;
@@ -35,4 +38,4 @@ pub use log::GuardLog;
 pub use machine::{Clock, Readings, SystemClock, SystemReadings};
 pub use outcome::{exit, Outcome};
 pub use signals::Signals;
-pub use supervise::{run_guarded, run_guarded_with_env};
+pub use supervise::{run_admitted, run_guarded, run_guarded_with_env};

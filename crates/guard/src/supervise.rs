@@ -61,14 +61,31 @@ pub fn run_guarded_with_env(
     log: &mut GuardLog,
     signals: &Signals,
 ) -> Outcome {
-    let at_start = match wait_for_room(config, readings, clock, log, signals) {
-        Admitted::Start(memory) => memory,
-        Admitted::NoRoom(_) => return Outcome::NoRoom,
+    match wait_for_room(config, readings, clock, log, signals) {
+        Admitted::Start(memory) => run_admitted(command, env, &memory, config, readings, clock, log, signals),
+        Admitted::NoRoom(_) => Outcome::NoRoom,
         Admitted::Signal(signal) => {
             log.note("signal", &format!("got {} before starting the command", signal_name(signal)), None);
-            return Outcome::GuardSignal(signal);
+            Outcome::GuardSignal(signal)
         }
-    };
+    }
+}
+
+/// The part of [`run_guarded_with_env`] after admission: starts `command` now and watches it,
+/// `at_start` being the readings that admitted it (the swap budget counts from them). For a
+/// caller that does more between admission and the start (`stageload run` starts its meter).
+#[allow(clippy::too_many_arguments)]
+pub fn run_admitted(
+    command: &[OsString],
+    env: &[(OsString, OsString)],
+    at_start: &SystemMemory,
+    config: &GuardConfig,
+    readings: &mut dyn Readings,
+    clock: &mut dyn Clock,
+    log: &mut GuardLog,
+    signals: &Signals,
+) -> Outcome {
+    let at_start = at_start.clone();
     let watch = Watch::new(config, &at_start);
     let message = start_message(config, &at_start, watch.stop_above());
     let limits = json!({
