@@ -1,5 +1,6 @@
 //! `stageload`: the torch-free command line. `guard` runs one heavy command only when there is
-//! room and stops it before it takes the machine down (see [`guard`]); `plan` says before a run
+//! room and stops it before it takes the machine down (see [`guard`]); `run` does the same in
+//! turn with the other runs of its lane, and `queue` lists them (see [`queue`]); `plan` says before a run
 //! whether a staged pipeline fits this machine (see [`plan`]); `summary` and `plot` show where a
 //! recorded run's memory went (see [`trace`]); `ab` runs commands alternately under the guard and
 //! compares them, `latents` compares latents files (see [`ab`]); `libtorch` finds or installs
@@ -12,6 +13,7 @@ mod guard;
 mod libtorch;
 mod out;
 mod plan;
+mod queue;
 mod trace;
 
 use std::process::ExitCode;
@@ -33,6 +35,8 @@ stageload: run staged libtorch pipelines without taking the machine down (torch-
 A tour, in the order a pipeline meets it:
   stageload plan pipeline.toml                        will the staged pipeline fit, stage by stage?
   stageload guard --max-memory 20G -- python run.py   start when there is room, stop before the machine goes down
+  stageload run --lane ram -- python run.py           the same, queued behind the lane's other runs, metered
+  stageload queue                                     what runs and what waits, lane by lane
   stageload summary staged.jsonl                      where a recorded run's memory went, stage by stage
   stageload plot eager.jsonl staged.jsonl -o mem.svg  the same as a chart (.svg or .png)
   stageload ab --out ab/ -- CMD_A -- CMD_B            two commands run alternately under the guard, compared
@@ -44,6 +48,8 @@ A tour, in the order a pipeline meets it:
 #[derive(Subcommand)]
 enum Commands {
     Guard(guard::GuardArgs),
+    Run(queue::RunArgs),
+    Queue(queue::QueueArgs),
     Plan(plan::PlanArgs),
     Summary(trace::SummaryArgs),
     Plot(trace::PlotArgs),
@@ -63,6 +69,8 @@ fn main() -> ExitCode {
     };
     let code = match command {
         Commands::Guard(args) => guard::run(args),
+        Commands::Run(args) => queue::run(args),
+        Commands::Queue(args) => queue::queue(args),
         Commands::Plan(args) => plan::run(args),
         Commands::Summary(args) => trace::summary(args),
         Commands::Plot(args) => trace::plot(args),
