@@ -106,6 +106,72 @@ fn cascade_with_prefetch_holds_the_stage_and_the_next_stages_models_and_gives_ea
     assert_eq!(prefetch.latents, eager.latents, "prefetch latents equal eager ones bit for bit");
     let calls = prefetch.result["calls"].as_array().unwrap();
     assert!(!calls.is_empty(), "every model call was checked: {}", prefetch.result);
+    // The prefetch did prefetch: models of the next stage were loaded in the background (a
+    // `--prefetch` that loads nothing ahead would pass every check above), each asked for on
+    // entering the stage before the one that lists it.
+    let prefetches = prefetches(&prefetch.trace);
+    let held: Vec<&Prefetched> = prefetches.loaded.iter().filter(|p| p.before_its_stage).collect();
+    assert!(!prefetches.loaded.is_empty(), "no model was loaded in the background: {prefetches:#?}");
+    for (asked_in, loads_for, model) in &prefetches.asked {
+        let next = prefetches.entered.iter().position(|s| s == asked_in).and_then(|i| prefetches.entered.get(i + 1));
+        assert_eq!(next, Some(loads_for), "{model} prefetched in {asked_in} for {loads_for}: {prefetches:#?}");
+    }
+    for loaded in &prefetches.loaded {
+        assert!(
+            prefetches.asked.iter().any(|(_, _, model)| *model == loaded.model),
+            "{} loaded in the background without a prefetch asking for it: {prefetches:#?}",
+            loaded.model
+        );
+    }
+    eprintln!(
+        "prefetched {} models, {} of them held before their stage began: {prefetches:?}",
+        prefetches.loaded.len(),
+        held.len()
+    );
+}
+
+/// What a run's trace says its prefetches did.
+#[derive(Debug)]
+struct Prefetches {
+    /// The stages entered, in order.
+    entered: Vec<String>,
+    /// Each background load begun: the stage current then, the stage it loads for, the model.
+    asked: Vec<(String, String, String)>,
+    /// Each load or reload done in the background.
+    loaded: Vec<Prefetched>,
+}
+
+/// A load or reload done in the background.
+#[derive(Debug)]
+struct Prefetched {
+    model: String,
+    /// Its event (sent after the install) came before the stage it was loaded for began: the
+    /// stage before held it beside its own models. (One installed just before that stage began
+    /// and said just after is not counted.)
+    before_its_stage: bool,
+}
+
+fn prefetches(trace: &Path) -> Prefetches {
+    let mut found = Prefetches { entered: Vec::new(), asked: Vec::new(), loaded: Vec::new() };
+    for record in read_trace(trace).unwrap().records {
+        let Record::Event(event) = record else { continue };
+        let name = |s: Option<&str>| s.unwrap_or_default().to_string();
+        match event.kind() {
+            EventKind::Stage => found.entered.push(name(event.stage())),
+            EventKind::Prefetch => {
+                let current = found.entered.last().cloned().unwrap_or_default();
+                found.asked.push((current, name(event.stage()), name(event.model())));
+            }
+            kind if kind.is_load() && event.prefetched() => {
+                let model = name(event.model());
+                let loads_for = found.asked.iter().rev().find(|(_, _, asked)| *asked == model).map(|(_, s, _)| s);
+                let before_its_stage = loads_for.is_some_and(|stage| !found.entered.contains(stage));
+                found.loaded.push(Prefetched { model, before_its_stage });
+            }
+            _ => {}
+        }
+    }
+    found
 }
 
 #[test]
