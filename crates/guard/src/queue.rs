@@ -244,8 +244,17 @@ pub fn is_stale(recorded_start: Option<u64>, seen: Seen) -> bool {
     }
 }
 
-/// The lane as the wait for a turn sees it: its live entries and the lock.
+/// The lane as the wait for a turn sees it: its live entries and the lock. Each look is
+/// [`hold_joins`](LaneFiles::hold_joins), [`entries`](LaneFiles::entries), maybe
+/// [`try_lock`](LaneFiles::try_lock), then [`release_joins`](LaneFiles::release_joins), never
+/// held across a sleep: a run that joins takes its time and writes its entry under the same
+/// hold, so no run takes the lock on a look that misses an older entry being written.
 pub trait LaneFiles {
+    /// Holds off runs joining the lane for one look (best effort: a hold not had in a moment is
+    /// gone without; the lock alone keeps runs exclusive).
+    fn hold_joins(&mut self) {}
+    /// Lets runs join again.
+    fn release_joins(&mut self) {}
     /// The lane's live entries now (stale ones cleared on the way; unreadable ones left out) and
     /// when each owner last started; Err: why the lane could not be read.
     fn entries(&mut self) -> Result<(Vec<Entry>, LastStarts), String>;
@@ -292,6 +301,20 @@ pub enum Turn {
     Signal(i32),
 }
 
+/// One look at the lane: `Ok` when `me` is first and took the lock, else why it waits.
+fn look_once(lane: &mut dyn LaneFiles, me: Ticket) -> Result<(), TurnWait> {
+    let (entries, last_starts) = lane.entries().map_err(TurnWait::Unreadable)?;
+    let ahead = entries_ahead(&entries, &last_starts, me);
+    if !ahead.is_empty() {
+        return Err(TurnWait::Ahead { count: ahead.len(), names: ahead.iter().take(3).map(Entry::name).collect() });
+    }
+    match lane.try_lock() {
+        Ok(true) => Ok(()),
+        Ok(false) => Err(TurnWait::LockHeld),
+        Err(error) => Err(TurnWait::Unreadable(error)),
+    }
+}
+
 /// Waits until `me` is first in `lane` and holds its lock, polling every `poll`, at most
 /// `timeout`, ending early on a signal. Logs why it waits whenever that changes.
 #[allow(clippy::too_many_arguments)]
@@ -312,20 +335,12 @@ pub fn wait_turn(
         if let Some(signal) = signals.received() {
             return Turn::Signal(signal);
         }
-        let wait = match lane.entries() {
-            Err(error) => TurnWait::Unreadable(error),
-            Ok((entries, last_starts)) => {
-                let ahead = entries_ahead(&entries, &last_starts, me);
-                if !ahead.is_empty() {
-                    TurnWait::Ahead { count: ahead.len(), names: ahead.iter().take(3).map(Entry::name).collect() }
-                } else {
-                    match lane.try_lock() {
-                        Ok(true) => return Turn::Taken(clock.now().saturating_sub(began)),
-                        Ok(false) => TurnWait::LockHeld,
-                        Err(error) => TurnWait::Unreadable(error),
-                    }
-                }
-            }
+        lane.hold_joins();
+        let look = look_once(lane, me);
+        lane.release_joins();
+        let wait = match look {
+            Ok(()) => return Turn::Taken(clock.now().saturating_sub(began)),
+            Err(wait) => wait,
         };
         if last.as_ref() != Some(&wait) {
             log.note("queue_waiting", &format!("waiting in lane {name} ({wait})"), None);
@@ -466,15 +481,27 @@ mod tests {
         looks: VecDeque<(Result<Vec<Entry>, String>, bool)>,
         locks_tried: usize,
         lock_free: bool,
+        /// Holds taken and not released; the most seen at once.
+        holding: usize,
+        most_held: usize,
     }
 
     impl LaneFiles for Scripted {
+        fn hold_joins(&mut self) {
+            self.holding += 1;
+            self.most_held = self.most_held.max(self.holding);
+        }
+        fn release_joins(&mut self) {
+            self.holding -= 1;
+        }
         fn entries(&mut self) -> Result<(Vec<Entry>, LastStarts), String> {
+            assert_eq!(self.holding, 1, "read under the hold");
             let (entries, lock_free) = self.looks.pop_front().unwrap_or((Ok(Vec::new()), true));
             self.lock_free = lock_free;
             entries.map(|e| (e, LastStarts::new()))
         }
         fn try_lock(&mut self) -> Result<bool, String> {
+            assert_eq!(self.holding, 1, "locked under the hold");
             self.locks_tried += 1;
             Ok(self.lock_free)
         }
@@ -512,10 +539,13 @@ mod tests {
             ]),
             locks_tried: 0,
             lock_free: false,
+            holding: 0,
+            most_held: 0,
         };
         let (turn, lines) = wait(&mut lane, me.ticket, Duration::from_secs(60), &Signals::none());
         assert_eq!(turn, Turn::Taken(Duration::from_millis(300)));
         assert_eq!(lane.locks_tried, 2, "the lock is tried only when nobody is ahead");
+        assert_eq!((lane.holding, lane.most_held), (0, 1), "joins held for each look, never across a sleep");
         assert_eq!(
             lines,
             [
@@ -529,12 +559,25 @@ mod tests {
     fn a_lane_that_never_frees_ends_the_wait_at_the_timeout_and_an_unreadable_one_too() {
         let me = waiting(2, "b");
         let held = (Ok(vec![me.clone()]), false);
-        let mut lane = Scripted { looks: VecDeque::from(vec![held; 100]), locks_tried: 0, lock_free: false };
+        let mut lane = Scripted {
+            looks: VecDeque::from(vec![held; 100]),
+            locks_tried: 0,
+            lock_free: false,
+            holding: 0,
+            most_held: 0,
+        };
         let (turn, lines) = wait(&mut lane, me.ticket, Duration::from_secs(1), &Signals::none());
         assert_eq!(turn, Turn::NoTurn(TurnWait::LockHeld));
+        assert_eq!(lane.holding, 0);
         assert!(lines.last().unwrap().starts_with("guard: no turn in lane ram after 1 s"), "{lines:?}");
         let unreadable = (Err("permission denied".to_string()), true);
-        let mut lane = Scripted { looks: VecDeque::from(vec![unreadable; 100]), locks_tried: 0, lock_free: true };
+        let mut lane = Scripted {
+            looks: VecDeque::from(vec![unreadable; 100]),
+            locks_tried: 0,
+            lock_free: true,
+            holding: 0,
+            most_held: 0,
+        };
         let (turn, _) = wait(&mut lane, me.ticket, Duration::from_millis(500), &Signals::none());
         assert_eq!(turn, Turn::NoTurn(TurnWait::Unreadable("permission denied".into())));
         assert_eq!(lane.locks_tried, 0);
@@ -547,6 +590,8 @@ mod tests {
             looks: VecDeque::from(vec![(Ok(vec![waiting(1, "a"), me.clone()]), true); 10]),
             locks_tried: 0,
             lock_free: true,
+            holding: 0,
+            most_held: 0,
         };
         let signals = Signals::none();
         signals.simulate(libc::SIGTERM);

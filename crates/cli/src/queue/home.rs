@@ -3,6 +3,7 @@
 //! ```text
 //! queue/LANE/NNNNNNNNNNNNNNNNNNNN-PID.json   one entry per run of the lane (written aside, renamed in)
 //! queue/LANE/run.lock                        the lane's lock (flock), inherited by the command
+//! queue/LANE/join.lock                       held for an instant while a run joins or looks
 //! queue/LANE/owners.json                     when each owner last started in the lane
 //! history.jsonl                              one line per finished run
 //! traces/                                    each run's trace, unless --trace names another file
@@ -153,7 +154,8 @@ impl Home {
                 path: path.clone(),
                 line: index + 1,
                 pattern: line.to_string(),
-                error: error.to_string(),
+                // The regex's own message spans lines; its last says what is wrong.
+                error: error.to_string().lines().last().unwrap_or("").trim().to_string(),
             })?;
             patterns.push(regex);
         }
@@ -379,11 +381,32 @@ impl LaneDir {
         Ok(live)
     }
 
-    /// Writes this run's entry; it is removed when the returned [`Joined`] is dropped.
-    pub fn join(&self, ticket: Ticket, file: &EntryFile) -> Result<Joined, QueueError> {
+    /// Holds off joins to this lane for one look (see [`LaneFiles`]): an `flock` on
+    /// `join.lock`, tried for at most a second and gone without after that (the lane's own lock
+    /// keeps runs exclusive; this only keeps the order exact). Held while the result lives.
+    pub fn hold_joins(&self) -> Option<JoinHold> {
+        let file = OpenOptions::new().create(true).append(true).open(self.path.join("join.lock")).ok()?;
+        for _ in 0..500 {
+            #[allow(deprecated)]
+            match nix::fcntl::flock(file.as_raw_fd(), FlockArg::LockExclusiveNonblock) {
+                Ok(()) => return Some(JoinHold { _file: file }),
+                Err(Errno::EWOULDBLOCK) => std::thread::sleep(std::time::Duration::from_millis(2)),
+                Err(_) => return None,
+            }
+        }
+        None
+    }
+
+    /// Writes this run's entry, named by the time now and `pid` (taken under
+    /// [`hold_joins`](Self::hold_joins), so no look sees a later entry without this one); it is
+    /// removed when the returned [`Joined`] is dropped.
+    pub fn join(&self, pid: i32, file: &EntryFile) -> Result<(Joined, Ticket), QueueError> {
+        let hold = self.hold_joins();
+        let ticket = Ticket { joined_ns: now_ns(), pid };
         let joined = Joined { path: self.path.join(ticket.file_name()) };
         joined.write(file)?;
-        Ok(joined)
+        drop(hold);
+        Ok((joined, ticket))
     }
 
     /// Opens the lane's lock file (not locked yet).
@@ -396,6 +419,12 @@ impl LaneDir {
             .map_err(|source| QueueError::Write { path: path.clone(), source })?;
         Ok(LaneLock { file, path })
     }
+}
+
+/// Joins to a lane held off; closing the file lets them go (it is opened close-on-exec and
+/// dropped before any command starts, so no other process shares it).
+pub struct JoinHold {
+    _file: File,
 }
 
 /// This run's entry file; removed on drop.
@@ -464,9 +493,19 @@ pub struct LaneView<'a> {
     pub joined: &'a Joined,
     /// What it holds.
     pub file: &'a EntryFile,
+    /// Joins held off during a look.
+    pub hold: Option<JoinHold>,
 }
 
 impl LaneFiles for LaneView<'_> {
+    fn hold_joins(&mut self) {
+        self.hold = self.dir.hold_joins();
+    }
+
+    fn release_joins(&mut self) {
+        self.hold = None;
+    }
+
     fn entries(&mut self) -> Result<(Vec<Entry>, LastStarts), String> {
         if !self.joined.exists() {
             self.joined.write(self.file).map_err(|e| e.to_string())?;

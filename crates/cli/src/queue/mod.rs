@@ -19,7 +19,7 @@ use std::time::Duration;
 
 use clap::Args;
 use serde_json::json;
-use stageload_guard::queue::{self as rules, wait_turn, Lane, Ticket, Turn, DEFAULT_LANE};
+use stageload_guard::queue::{self as rules, wait_turn, Lane, Turn, DEFAULT_LANE};
 use stageload_guard::{exit, run_admitted, wait_for_room, Admitted, Clock, Outcome, Readings, SystemClock};
 use stageload_probe::{ProbeError, ProcessEntry};
 use stageload_units::format_bytes;
@@ -55,8 +55,8 @@ pub struct RunArgs {
     #[command(flatten)]
     flags: GuardFlags,
     /// Commands of one lane run one at a time; lanes do not wait for each other
-    #[arg(long, value_name = "LANE", default_value = DEFAULT_LANE, value_parser = lane)]
-    lane: Lane,
+    #[arg(long, value_name = "LANE", default_value = DEFAULT_LANE)]
+    lane: String,
     /// Who queued it, shown by `stageload queue`
     #[arg(long, value_name = "WHO", env = "STAGELOAD_WHO", default_value = "")]
     who: String,
@@ -82,18 +82,14 @@ pub struct RunArgs {
 #[command(after_help = "Example:\n  stageload queue --lane ram --history 5")]
 pub struct QueueArgs {
     /// Only this lane
-    #[arg(long, value_name = "LANE", value_parser = lane)]
-    lane: Option<Lane>,
+    #[arg(long, value_name = "LANE")]
+    lane: Option<String>,
     /// Print JSON: the entries, or with --history an object of `queue` and `history`
     #[arg(long)]
     json: bool,
     /// Also show the last N finished runs
     #[arg(long, value_name = "N", default_value_t = 0)]
     history: usize,
-}
-
-fn lane(text: &str) -> Result<Lane, String> {
-    Lane::parse(text).map_err(|e| e.to_string())
 }
 
 /// The command as one line for the queue's files, cut to 300 characters.
@@ -136,16 +132,17 @@ impl From<QueueError> for Refused {
 }
 
 fn queued(args: RunArgs) -> Result<i32, Refused> {
+    // Read here, not by clap, so a refusal is one line.
+    let lane = Lane::parse(&args.lane).map_err(|e| Refused::Usage(e.to_string()))?;
     let mut config = args.flags.config().map_err(Refused::Usage)?;
     let home = Home::from_env()?;
-    if args.lane.as_str() == DEFAULT_LANE {
+    let dir = home.lane(&lane)?;
+    if lane.as_str() == DEFAULT_LANE {
         // The engines that fill the memory, named once for every session.
         config.busy.extend(home.busy_patterns()?);
     }
-    let dir = home.lane(&args.lane)?;
     let lock = dir.lock_file()?;
     let pid = std::process::id() as i32;
-    let me = Ticket { joined_ns: home::now_ns(), pid };
     let owner = rules::owner_of(&args.who, args.owner.as_deref());
     let start_time = match look(pid) {
         rules::Seen::Alive { start_time } => start_time,
@@ -156,16 +153,17 @@ fn queued(args: RunArgs) -> Result<i32, Refused> {
         start_time,
         who: args.who.clone(),
         owner: owner.clone(),
-        lane: args.lane.to_string(),
+        lane: lane.to_string(),
         cmd: command_line(&args.command),
         since: utc_now(),
         state: FileState::Waiting,
     };
-    let joined = dir.join(me, &entry)?;
+    // Before joining: a signal from here on removes the entry on the way out.
     let (mut log, signals) = log_and_signals("run", args.log.as_deref(), true).map_err(Refused::Said)?;
+    let (joined, me) = dir.join(pid, &entry)?;
     let mut clock = SystemClock::new();
-    let mut view = LaneView { dir: &dir, lock: &lock, joined: &joined, file: &entry };
-    let turn = wait_turn(&mut view, &args.lane, me, config.poll, config.start_timeout, &mut clock, &mut log, &signals);
+    let mut view = LaneView { dir: &dir, lock: &lock, joined: &joined, file: &entry, hold: None };
+    let turn = wait_turn(&mut view, &lane, me, config.poll, config.start_timeout, &mut clock, &mut log, &signals);
     match turn {
         Turn::Taken(_) => {}
         Turn::NoTurn(_) => return Ok(exit::NO_ROOM),
@@ -197,7 +195,7 @@ fn queued(args: RunArgs) -> Result<i32, Refused> {
         log.note("queue_file", &error.to_string(), None);
     }
     let trace = (!args.no_trace).then(|| args.trace.clone().unwrap_or_else(|| home.default_trace(&args.who)));
-    let meta = json!({ "who": args.who, "owner": owner, "lane": args.lane.as_str(), "cmd": entry.cmd });
+    let meta = json!({ "who": args.who, "owner": owner, "lane": lane.as_str(), "cmd": entry.cmd });
     let metered = trace.as_ref().and_then(|path| match meter::start(path, meta) {
         Ok(meter) => Some(meter),
         Err(error) => {
@@ -206,12 +204,12 @@ fn queued(args: RunArgs) -> Result<i32, Refused> {
             None
         }
     });
-    let message = format!("start in lane {} after {:.0} s", args.lane, waited.as_secs_f64());
+    let message = format!("start in lane {} after {:.0} s", lane, waited.as_secs_f64());
     log.record(
         "queue_start",
         &message,
         Some(&at_start),
-        json!({ "lane": args.lane.as_str(), "waited_s": waited.as_secs_f64() }),
+        json!({ "lane": lane.as_str(), "waited_s": waited.as_secs_f64() }),
     );
     if let Err(error) = lock.inherit() {
         // The lane stays this run's while it watches; only a SIGKILL of it frees the lane early.
@@ -224,7 +222,7 @@ fn queued(args: RunArgs) -> Result<i32, Refused> {
     let code = outcome.exit_code();
     let finished = Finished {
         end: utc_now(),
-        lane: args.lane.to_string(),
+        lane: lane.to_string(),
         who: args.who.clone(),
         owner,
         cmd: entry.cmd.clone(),
@@ -299,15 +297,14 @@ pub fn queue(args: QueueArgs) -> i32 {
     }
 }
 
-fn show(args: &QueueArgs) -> Result<(), QueueError> {
-    let home = Home::from_env()?;
-    let lanes = match &args.lane {
-        Some(lane) => home.lanes()?.into_iter().filter(|dir| dir.lane() == lane).collect(),
-        None => home.lanes()?,
-    };
+fn show(args: &QueueArgs) -> Result<(), String> {
+    let only = args.lane.as_deref().map(Lane::parse).transpose().map_err(|e| e.to_string())?;
+    let home = Home::from_env().map_err(|e| e.to_string())?;
+    let lanes = home.lanes().map_err(|e| e.to_string())?;
+    let lanes: Vec<_> = lanes.into_iter().filter(|dir| only.is_none() || only.as_ref() == Some(dir.lane())).collect();
     let mut rows = Vec::new();
     for dir in &lanes {
-        let live = dir.live()?;
+        let live = dir.live().map_err(|e| e.to_string())?;
         let entries: Vec<rules::Entry> = live.iter().map(|l| l.entry.clone()).collect();
         for (position, entry) in rules::listing(&entries, &dir.last_starts()).into_iter().enumerate() {
             let Some(file) = live.iter().find(|l| l.entry.ticket == entry.ticket).map(|l| &l.file) else { continue };
@@ -327,7 +324,8 @@ fn show(args: &QueueArgs) -> Result<(), QueueError> {
             }));
         }
     }
-    let history = if args.history > 0 { home.last_finished(args.history)? } else { Vec::new() };
+    let history =
+        if args.history > 0 { home.last_finished(args.history).map_err(|e| e.to_string())? } else { Vec::new() };
     if args.json {
         let value = if args.history > 0 { json!({ "queue": rows, "history": history }) } else { json!(rows) };
         out::line(&serde_json::to_string_pretty(&value).unwrap_or_default());
