@@ -1375,3 +1375,25 @@ fn what_a_streamed_model_holds_by_its_storages_stays_within_its_budget_whatever_
         }
     }
 }
+
+#[test]
+fn a_checkpoint_written_in_place_under_a_live_streamer_fails_the_next_refill_instead_of_mixing_versions() {
+    let (_one, _dir, file) = setup();
+    let expected = reference(&file);
+    let (net, mut model) = streamed(&file, budget_for(1)).unwrap();
+    tch::manual_seed(11);
+    let x = Tensor::randn([16, WIDTH], (Kind::Float, Device::Cpu));
+    let y = tch::no_grad(|| model.run(|step| net.forward_streamed(&x, step))).unwrap();
+    assert!(y.equal(&expected[0]), "the blocks refilled from the file as it was");
+    // The same bytes written over it, in place: the file the streamer keeps open changed.
+    let bytes = std::fs::read(&file).unwrap();
+    std::io::Write::write_all(&mut std::fs::OpenOptions::new().write(true).open(&file).unwrap(), &bytes).unwrap();
+    let err = tch::no_grad(|| model.run(|step| net.forward_streamed(&x, step))).unwrap_err();
+    match &err {
+        StreamError::Checkpoint { model, source } => {
+            assert_eq!(model, "net");
+            assert!(matches!(**source, stageload::CheckpointError::Changed { ref path, .. } if *path == file), "{err}");
+        }
+        other => panic!("not a changed checkpoint: {other}"),
+    }
+}

@@ -170,14 +170,15 @@ impl BuildContext<'_> {
         read: impl FnOnce(&std::path::Path) -> Result<T, BoxError>,
     ) -> Result<T, BoxError> {
         use crate::source::FileStamp;
-        let stamp = |path: &std::path::Path| {
-            FileStamp::at(path).map_err(|e| -> BoxError { format!("cannot read {}: {e}", path.display()).into() })
-        };
-        let before = stamp(path)?;
-        self.first_reads.meet(self.model, path, before)?;
+        // A file that cannot be looked at is left to `read`, whose error names what is wrong.
+        if let Ok(before) = FileStamp::at(path) {
+            self.first_reads.meet(self.model, path, before)?;
+        }
         let value = read(path)?;
         // Written while `read` ran: what it read may be either version, or both.
-        self.first_reads.meet(self.model, path, stamp(path)?)?;
+        let after =
+            FileStamp::at(path).map_err(|e| -> BoxError { format!("cannot read {}: {e}", path.display()).into() })?;
+        self.first_reads.meet(self.model, path, after)?;
         Ok(value)
     }
 
