@@ -12,9 +12,10 @@
 //! usual atomic write, or a delete and a new write), its size, and its modification and
 //! status-change times in nanoseconds (written in place, even to the same size; the
 //! status-change time also moves when a writer sets the modification time back, which no
-//! user can set). No content hash: hashing a checkpoint costs a read of every byte at each
-//! reload, which the reload itself avoids for what its copy does not touch, and a rewrite that
-//! keeps inode, size and both times would need the clock set back.
+//! user can set). No content hash: the fastest checksum measured here (CRC-32, 3.2 GB/s a core)
+//! would make a warm reload (11.55 GB/s) about 2.8 times as long on both cores, while a stamp
+//! is one `fstat` (1.5 µs; `traces/changed-files/`), and a rewrite that keeps inode, size and
+//! both times would need the clock set back.
 
 use std::collections::HashMap;
 use std::fs::{File, Metadata};
