@@ -1397,3 +1397,42 @@ fn a_checkpoint_written_in_place_under_a_live_streamer_fails_the_next_refill_ins
         other => panic!("not a changed checkpoint: {other}"),
     }
 }
+
+#[test]
+fn a_streamed_models_checkpoint_replaced_between_a_release_and_its_rebuild_is_refused_naming_the_file() {
+    let (_one, dir, file) = setup();
+    let stream = format!(
+        r#"{{ blocks = ["blocks.*"], resident = ["input", "output"], working = "{BLOCK}", budget = "{}" }}"#,
+        budget_for(3) + BLOCK
+    );
+    let path = dir.path().join("pipeline.toml");
+    std::fs::write(
+        &path,
+        format!(
+            "[[models]]\nname = \"flow\"\nfiles = [\"net.safetensors\"]\nstream = {stream}\n\n\
+             [[stages]]\nname = \"denoise\"\nmodels = [\"flow\"]\n\n[[stages]]\nname = \"other\"\nmodels = []\n"
+        ),
+    )
+    .unwrap();
+    let pipeline = stageload::Pipeline::load(&path).unwrap();
+    let sink = Arc::new(ListSink::new());
+    let models = flow_builder(&pipeline, sink.clone(), Default::default()).build().unwrap();
+    models.enter("denoise").unwrap();
+    models.call("flow", |_: &mut StreamedNet| ()).unwrap();
+    models.enter("other").unwrap();
+    // Another checkpoint of the same names and shapes renamed over it (a re-export).
+    let beside = dir.path().join("new.safetensors");
+    std::fs::copy(&file, &beside).unwrap();
+    std::fs::rename(&beside, &file).unwrap();
+    models.enter("denoise").unwrap();
+    match models.call("flow", |_: &mut StreamedNet| ()) {
+        Err(stageload::StageError::SourceChanged(changed)) => {
+            assert_eq!((changed.model.as_str(), changed.path.as_path()), ("flow", file.as_path()));
+            assert_eq!(changed.change, stageload::source::FileChange::Replaced);
+        }
+        other => panic!("not a changed source: {other:?}"),
+    }
+    assert!(sink.of_kind(EventKind::Error).iter().any(|e| e.model() == Some("flow")), "an error event");
+    models.accept_changed_files("flow").unwrap();
+    models.call("flow", |_: &mut StreamedNet| ()).unwrap();
+}
