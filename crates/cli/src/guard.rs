@@ -17,7 +17,7 @@ use stageload_units::format_gb;
 use crate::args::{duration, size};
 use crate::out;
 
-mod held;
+pub(crate) mod held;
 use held::{Held, TraceTail};
 
 const EXIT_CODES: &str = "\

@@ -479,3 +479,59 @@ fn the_command_holds_the_lanes_lock_file_open() {
     let lock = scene.home().join("queue/ram/run.lock");
     assert!(fds.lines().any(|line| Path::new(line) == lock), "{fds}");
 }
+
+#[test]
+fn two_runs_whose_plans_fit_together_run_side_by_side_and_a_third_waits_for_memory() {
+    let scene = Scene::new("pack");
+    // The memory the runs pack into, as the run reads it (the trace's header says it).
+    let trace = scene.path("probe.jsonl");
+    let probe = scene.run(&["--trace", trace.to_str().unwrap()], "true").finish();
+    assert_eq!(probe.status.code(), Some(0), "{}", stderr(&probe));
+    let header: Value = serde_json::from_str(fs::read_to_string(&trace).unwrap().lines().next().unwrap()).unwrap();
+    let total = header["total_memory"].as_u64().unwrap();
+    // Two fit with the margin (2 x 40 % + 10 %), three do not.
+    let (request, margin) = ((total / 5 * 2).to_string(), (total / 10).to_string());
+    let declared = |who: &'static str| ["--who", who, "--memory", request.as_str(), "--margin", margin.as_str()];
+    let mut first = scene.run(&declared("a"), &gated("a", "go"));
+    scene.until("a runs", || scene.order().len() == 1);
+    let mut second = scene.run(&declared("b"), &gated("b", "go"));
+    scene.until("b runs beside a", || scene.order().len() == 2);
+    let mut third = scene.run(&declared("c"), &gated("c", "go"));
+    scene.until("c waits for memory", || {
+        let listing = scene.listing();
+        listing.len() == 3 && listing[2]["waits_for"].as_str().is_some_and(|w| w.starts_with("memory: 2 running plan"))
+    });
+    assert_eq!(scene.order(), ["a start", "b start"], "c has not started");
+    let listing = scene.listing();
+    assert_eq!(listing[0]["request"].as_u64(), Some(total / 5 * 2), "{listing:?}");
+    assert_eq!(
+        listing.iter().map(|row| row["state"].as_str().unwrap()).collect::<Vec<_>>(),
+        ["running", "running", "waiting"]
+    );
+    fs::write(scene.path("go"), "").unwrap();
+    for run in [&mut first, &mut second, &mut third] {
+        let output = run.finish();
+        assert_eq!(output.status.code(), Some(0), "{}", stderr(&output));
+    }
+    let order = scene.order();
+    let first_end = order.iter().position(|line| line.ends_with(" end")).unwrap();
+    let c_start = order.iter().position(|line| line == "c start").unwrap();
+    assert!(c_start > first_end, "c started only once a or b had ended: {order:?}");
+}
+
+#[test]
+fn a_run_that_declares_nothing_does_not_start_beside_declared_ones() {
+    let scene = Scene::new("pack-alone");
+    let mut first = scene.run(&["--who", "a", "--memory", "64M"], &gated("a", "go"));
+    scene.until("a runs", || scene.order().len() == 1);
+    let mut second = scene.run(&["--who", "b"], &gated("b", "go"));
+    scene.until("b waits", || scene.states().len() == 2);
+    let mut third = scene.run(&["--who", "c", "--memory", "64M"], &gated("c", "go"));
+    scene.until("c waits behind b", || scene.states().len() == 3);
+    assert_eq!(scene.order(), ["a start"], "neither b nor c started beside a");
+    fs::write(scene.path("go"), "").unwrap();
+    for run in [&mut first, &mut second, &mut third] {
+        assert_eq!(run.finish().status.code(), Some(0));
+    }
+    assert_eq!(scene.order(), ["a start", "a end", "b start", "b end", "c start", "c end"]);
+}

@@ -17,6 +17,7 @@ use crate::admit::sleep_until;
 use crate::log::GuardLog;
 use crate::machine::Clock;
 use crate::signals::Signals;
+use stageload_units::format_bytes;
 
 /// The lane a `run` takes when it names none: the machine's memory.
 pub const DEFAULT_LANE: &str = "ram";
@@ -138,6 +139,9 @@ pub struct Entry {
     pub owner: String,
     /// Waiting or running.
     pub state: EntryState,
+    /// What it declared it will hold at most (its plan's memory limit, or `--memory`), bytes;
+    /// `None`: nothing declared, so it runs alone in its lane.
+    pub request: Option<u64>,
 }
 
 impl Entry {
@@ -220,6 +224,56 @@ pub fn entries_ahead(entries: &[Entry], last_starts: &LastStarts, me: Ticket) ->
         .collect()
 }
 
+/// How a run that may start takes the lane's lock.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Hold {
+    /// Alone: a run that declared nothing.
+    Exclusive,
+    /// Beside other runs that declared what they hold.
+    Shared,
+}
+
+/// What a run asks of its lane: its entry, what it declared it will hold, the margin it wants
+/// kept free beside the sum of the plans.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Asking {
+    /// Its entry.
+    pub ticket: Ticket,
+    /// What it declared (`None`: it runs alone).
+    pub request: Option<u64>,
+    /// The margin, bytes.
+    pub margin: u64,
+    /// The memory the machine has (its total, or the cgroup's limit), bytes; `None` when it
+    /// could not be read, and then nothing starts beside another run.
+    pub total: Option<u64>,
+}
+
+/// Whether the run `asking` may take its lane now, and how; else why it waits. No entry that
+/// joined before it in [`fair_order`] may be waiting (packing never skips the order). With
+/// nothing running it goes alone or shared as it declared; beside running entries only when it
+/// and every one of them declared what they hold, and the sum of those plus its own plus the
+/// margin fits the machine's memory.
+pub fn decide_turn(entries: &[Entry], last_starts: &LastStarts, asking: &Asking) -> Result<Hold, TurnWait> {
+    let ahead = entries_ahead(entries, last_starts, asking.ticket);
+    let waiting_ahead = ahead.iter().filter(|e| e.state == EntryState::Waiting).count();
+    let running: Vec<&Entry> = ahead.iter().filter(|e| e.state != EntryState::Waiting).collect();
+    let hold = if asking.request.is_some() { Hold::Shared } else { Hold::Exclusive };
+    if waiting_ahead > 0 || running.is_empty() {
+        return if ahead.is_empty() { Ok(hold) } else { Err(TurnWait::ahead(&ahead)) };
+    }
+    let planned: Option<Vec<u64>> = running.iter().map(|e| e.request).collect();
+    let (Some(request), Some(planned), Some(total)) = (asking.request, planned, asking.total) else {
+        return Err(TurnWait::ahead(&ahead));
+    };
+    let running_sum = planned.iter().fold(0u64, |sum, r| sum.saturating_add(*r));
+    let needed = running_sum.saturating_add(request).saturating_add(asking.margin);
+    if needed <= total {
+        Ok(Hold::Shared)
+    } else {
+        Err(TurnWait::Memory { running: planned.len(), running_sum, request, margin: asking.margin, total })
+    }
+}
+
 /// What a look at an entry's pid found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Seen {
@@ -258,9 +312,11 @@ pub trait LaneFiles {
     /// The lane's live entries now (stale ones cleared on the way; unreadable ones left out) and
     /// when each owner last started; Err: why the lane could not be read.
     fn entries(&mut self) -> Result<(Vec<Entry>, LastStarts), String>;
-    /// Takes the lane's lock without waiting: `Ok(true)` when it is this run's now, `Ok(false)`
-    /// when something holds it.
-    fn try_lock(&mut self) -> Result<bool, String>;
+    /// Takes the lane's lock without waiting, alone or shared: `Ok(true)` when it is this run's
+    /// now, `Ok(false)` when something holds it.
+    fn try_lock(&mut self, hold: Hold) -> Result<bool, String>;
+    /// This run waits, for this reason now (called when the reason changes).
+    fn waiting(&mut self, _why: &TurnWait) {}
 }
 
 /// Why a run waits for its turn.
@@ -273,6 +329,19 @@ pub enum TurnWait {
         /// The first three, as [`Entry::name`] gives them.
         names: Vec<String>,
     },
+    /// Its plan would fit beside the running ones' only with more memory than the machine has.
+    Memory {
+        /// How many run.
+        running: usize,
+        /// The sum of their plans, bytes.
+        running_sum: u64,
+        /// Its own plan, bytes.
+        request: u64,
+        /// The margin asked for, bytes.
+        margin: u64,
+        /// The machine's memory, bytes.
+        total: u64,
+    },
     /// No entry ahead, but the lock is held: a command whose run is gone still holds it (its
     /// queuer was killed) until every process of that command has ended.
     LockHeld,
@@ -280,10 +349,24 @@ pub enum TurnWait {
     Unreadable(String),
 }
 
+impl TurnWait {
+    fn ahead(ahead: &[Entry]) -> TurnWait {
+        TurnWait::Ahead { count: ahead.len(), names: ahead.iter().take(3).map(Entry::name).collect() }
+    }
+}
+
 impl fmt::Display for TurnWait {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             TurnWait::Ahead { count, names } => write!(f, "{count} ahead: {}", names.join(", ")),
+            TurnWait::Memory { running, running_sum, request, margin, total } => write!(
+                f,
+                "memory: {running} running plan {} + this plan {} + margin {} > {}",
+                format_bytes(*running_sum),
+                format_bytes(*request),
+                format_bytes(*margin),
+                format_bytes(*total)
+            ),
             TurnWait::LockHeld => f.write_str("the lane is still held by a command whose run is gone"),
             TurnWait::Unreadable(error) => write!(f, "the lane cannot be read: {error}"),
         }
@@ -301,27 +384,24 @@ pub enum Turn {
     Signal(i32),
 }
 
-/// One look at the lane: `Ok` when `me` is first and took the lock, else why it waits.
-fn look_once(lane: &mut dyn LaneFiles, me: Ticket) -> Result<(), TurnWait> {
+/// One look at the lane: `Ok` when the run may go and took the lock, else why it waits.
+fn look_once(lane: &mut dyn LaneFiles, asking: &Asking) -> Result<(), TurnWait> {
     let (entries, last_starts) = lane.entries().map_err(TurnWait::Unreadable)?;
-    let ahead = entries_ahead(&entries, &last_starts, me);
-    if !ahead.is_empty() {
-        return Err(TurnWait::Ahead { count: ahead.len(), names: ahead.iter().take(3).map(Entry::name).collect() });
-    }
-    match lane.try_lock() {
+    let hold = decide_turn(&entries, &last_starts, asking)?;
+    match lane.try_lock(hold) {
         Ok(true) => Ok(()),
         Ok(false) => Err(TurnWait::LockHeld),
         Err(error) => Err(TurnWait::Unreadable(error)),
     }
 }
 
-/// Waits until `me` is first in `lane` and holds its lock, polling every `poll`, at most
+/// Waits until `asking` may go in `lane` ([`decide_turn`]) and holds its lock, polling every `poll`, at most
 /// `timeout`, ending early on a signal. Logs why it waits whenever that changes.
 #[allow(clippy::too_many_arguments)]
 pub fn wait_turn(
     lane: &mut dyn LaneFiles,
     name: &Lane,
-    me: Ticket,
+    asking: &Asking,
     poll: Duration,
     timeout: Duration,
     clock: &mut dyn Clock,
@@ -336,13 +416,14 @@ pub fn wait_turn(
             return Turn::Signal(signal);
         }
         lane.hold_joins();
-        let look = look_once(lane, me);
+        let look = look_once(lane, asking);
         lane.release_joins();
         let wait = match look {
             Ok(()) => return Turn::Taken(clock.now().saturating_sub(began)),
             Err(wait) => wait,
         };
         if last.as_ref() != Some(&wait) {
+            lane.waiting(&wait);
             log.note("queue_waiting", &format!("waiting in lane {name} ({wait})"), None);
             last = Some(wait.clone());
         }
@@ -371,7 +452,16 @@ mod tests {
             who: format!("{owner}-{joined_ns}"),
             owner: owner.into(),
             state: EntryState::Waiting,
+            request: None,
         }
+    }
+
+    fn declared(entry: Entry, request: u64) -> Entry {
+        Entry { request: Some(request), ..entry }
+    }
+
+    fn asking(entry: &Entry, margin: u64, total: u64) -> Asking {
+        Asking { ticket: entry.ticket, request: entry.request, margin, total: Some(total) }
     }
 
     fn running(joined_ns: u64, owner: &str, started_ns: u64) -> Entry {
@@ -466,6 +556,58 @@ mod tests {
     }
 
     #[test]
+    fn a_declared_run_starts_beside_declared_runs_when_their_plans_and_the_margin_fit() {
+        let gib = 1u64 << 30;
+        let one = declared(running(1, "a", 5), 4 * gib);
+        let two = declared(running(2, "b", 6), 4 * gib);
+        let third = declared(waiting(3, "c"), 4 * gib);
+        let none = LastStarts::new();
+        assert_eq!(decide_turn(&[one.clone(), third.clone()], &none, &asking(&third, gib, 10 * gib)), Ok(Hold::Shared));
+        let full = decide_turn(&[one.clone(), two.clone(), third.clone()], &none, &asking(&third, gib, 10 * gib));
+        assert_eq!(
+            full.unwrap_err().to_string(),
+            "memory: 2 running plan 8.0 GiB + this plan 4.0 GiB + margin 1.0 GiB > 10.0 GiB"
+        );
+        // The margin counts: 4 + 4 + 3 > 10.
+        let tight = decide_turn(&[one.clone(), third.clone()], &none, &asking(&third, 3 * gib, 10 * gib));
+        assert!(matches!(tight, Err(TurnWait::Memory { .. })), "{tight:?}");
+        // Nothing running: it goes, and shares the lock with whoever declares next.
+        assert_eq!(decide_turn(std::slice::from_ref(&third), &none, &asking(&third, 0, gib)), Ok(Hold::Shared));
+        // An unknown total never packs.
+        let blind = Asking { total: None, ..asking(&third, 0, 10 * gib) };
+        assert!(matches!(decide_turn(&[one, third], &none, &blind), Err(TurnWait::Ahead { .. })));
+    }
+
+    #[test]
+    fn a_run_that_declares_nothing_runs_alone_and_nothing_starts_beside_it() {
+        let gib = 1u64 << 30;
+        let undeclared = running(1, "a", 5);
+        let small = declared(waiting(2, "b"), gib);
+        let none = LastStarts::new();
+        let beside = decide_turn(&[undeclared.clone(), small.clone()], &none, &asking(&small, 0, 100 * gib));
+        assert!(matches!(beside, Err(TurnWait::Ahead { count: 1, .. })), "{beside:?}");
+        let alone = waiting(3, "c");
+        let planned = declared(running(1, "a", 5), gib);
+        let after = decide_turn(&[planned, alone.clone()], &none, &asking(&alone, 0, 100 * gib));
+        assert!(matches!(after, Err(TurnWait::Ahead { count: 1, .. })), "{after:?}");
+        assert_eq!(
+            decide_turn(std::slice::from_ref(&alone), &none, &asking(&alone, 0, 100 * gib)),
+            Ok(Hold::Exclusive)
+        );
+    }
+
+    #[test]
+    fn packing_never_skips_the_order() {
+        let gib = 1u64 << 30;
+        let running_one = declared(running(1, "a", 5), 6 * gib);
+        let big = declared(waiting(2, "b"), 6 * gib);
+        let small = declared(waiting(3, "c"), gib);
+        let entries = [running_one, big, small.clone()];
+        let turn = decide_turn(&entries, &LastStarts::new(), &asking(&small, 0, 10 * gib));
+        assert_eq!(turn.unwrap_err().to_string(), "2 ahead: a-1, b-2", "the small one waits behind the big one");
+    }
+
+    #[test]
     fn an_entry_is_stale_when_its_process_is_gone_or_its_pid_was_reused() {
         assert!(is_stale(Some(7), Seen::Gone));
         assert!(is_stale(None, Seen::Gone));
@@ -500,7 +642,7 @@ mod tests {
             self.lock_free = lock_free;
             entries.map(|e| (e, LastStarts::new()))
         }
-        fn try_lock(&mut self) -> Result<bool, String> {
+        fn try_lock(&mut self, _: Hold) -> Result<bool, String> {
             assert_eq!(self.holding, 1, "locked under the hold");
             self.locks_tried += 1;
             Ok(self.lock_free)
@@ -521,8 +663,17 @@ mod tests {
         let mut log = GuardLog::silent();
         let lane_name = Lane::parse("ram").unwrap();
         let poll = Duration::from_millis(100);
-        let turn =
-            wait_turn(lane, &lane_name, me, poll, timeout, &mut FakeClock(Duration::from_secs(5)), &mut log, signals);
+        let asking = Asking { ticket: me, request: None, margin: 0, total: None };
+        let turn = wait_turn(
+            lane,
+            &lane_name,
+            &asking,
+            poll,
+            timeout,
+            &mut FakeClock(Duration::from_secs(5)),
+            &mut log,
+            signals,
+        );
         (turn, log.lines().to_vec())
     }
 

@@ -24,7 +24,7 @@ use nix::errno::Errno;
 use nix::fcntl::{fcntl, FcntlArg, FdFlag, FlockArg};
 use regex::Regex;
 use serde::{Deserialize, Serialize};
-use stageload_guard::queue::{is_stale, Entry, EntryState, Lane, LaneFiles, LastStarts, Seen, Ticket};
+use stageload_guard::queue::{is_stale, Entry, EntryState, Hold, Lane, LaneFiles, LastStarts, Seen, Ticket, TurnWait};
 
 /// The most of any queue file read (an entry is a few hundred bytes): a larger one is corrupt.
 const MOST_READ: u64 = 1 << 20;
@@ -244,6 +244,11 @@ impl Home {
 pub enum FileState {
     /// Waiting for its turn or for room.
     Waiting,
+    /// It holds the lane and waits for room (the guard's admission).
+    Starting {
+        /// When it took the lane, nanoseconds since the Unix epoch.
+        took_ns: u64,
+    },
     /// Its command runs.
     Running {
         /// When it started, RFC 3339.
@@ -272,9 +277,15 @@ pub struct EntryFile {
     pub cmd: String,
     /// When it joined, RFC 3339.
     pub since: String,
-    /// Waiting or running.
+    /// Waiting, starting or running.
     #[serde(flatten)]
     pub state: FileState,
+    /// What it declared it will hold (`--plan`, `--memory`), bytes; none: it runs alone.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub request: Option<u64>,
+    /// What it waits for, as it last said.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub waits_for: Option<String>,
 }
 
 /// A live entry read back: the rules' view and its file.
@@ -371,9 +382,12 @@ impl LaneDir {
             if let Some(file) = file {
                 let state = match file.state {
                     FileState::Waiting => EntryState::Waiting,
+                    // A run that holds the lane counts as running from then on.
+                    FileState::Starting { took_ns } => EntryState::Running { started_ns: took_ns },
                     FileState::Running { started_ns, .. } => EntryState::Running { started_ns },
                 };
-                let entry = Entry { ticket, who: file.who.clone(), owner: file.owner.clone(), state };
+                let entry =
+                    Entry { ticket, who: file.who.clone(), owner: file.owner.clone(), state, request: file.request };
                 live.push(Live { entry, file });
             }
         }
@@ -462,12 +476,17 @@ pub struct LaneLock {
 }
 
 impl LaneLock {
-    /// Takes the lock without waiting: `Ok(false)` when another open file holds it.
-    pub fn try_lock(&self) -> Result<bool, String> {
+    /// Takes the lock without waiting, alone or shared: `Ok(false)` when another open file
+    /// holds it in a way that excludes this.
+    pub fn try_lock(&self, hold: Hold) -> Result<bool, String> {
+        let how = match hold {
+            Hold::Exclusive => FlockArg::LockExclusiveNonblock,
+            Hold::Shared => FlockArg::LockSharedNonblock,
+        };
         // `Flock` would unlock when dropped (see the type's docs); the plain call leaves the
         // lock to the open file's lifetime.
         #[allow(deprecated)]
-        match nix::fcntl::flock(self.file.as_raw_fd(), FlockArg::LockExclusiveNonblock) {
+        match nix::fcntl::flock(self.file.as_raw_fd(), how) {
             Ok(()) => Ok(true),
             Err(Errno::EWOULDBLOCK) => Ok(false),
             Err(error) => Err(format!("cannot lock {}: {error}", self.path.display())),
@@ -491,8 +510,8 @@ pub struct LaneView<'a> {
     pub lock: &'a LaneLock,
     /// This run's entry, written again if it disappears while waiting.
     pub joined: &'a Joined,
-    /// What it holds.
-    pub file: &'a EntryFile,
+    /// What it holds; written again as it waits and when it takes the lane.
+    pub file: EntryFile,
     /// Joins held off during a look.
     pub hold: Option<JoinHold>,
 }
@@ -508,14 +527,27 @@ impl LaneFiles for LaneView<'_> {
 
     fn entries(&mut self) -> Result<(Vec<Entry>, LastStarts), String> {
         if !self.joined.exists() {
-            self.joined.write(self.file).map_err(|e| e.to_string())?;
+            self.joined.write(&self.file).map_err(|e| e.to_string())?;
         }
         let live = self.dir.live().map_err(|e| e.to_string())?;
         Ok((live.into_iter().map(|l| l.entry).collect(), self.dir.last_starts()))
     }
 
-    fn try_lock(&mut self) -> Result<bool, String> {
-        self.lock.try_lock()
+    fn try_lock(&mut self, hold: Hold) -> Result<bool, String> {
+        let taken = self.lock.try_lock(hold)?;
+        if taken {
+            // Still under the join hold: the next look sees this run holding the lane.
+            self.file.state = FileState::Starting { took_ns: now_ns() };
+            self.file.waits_for = Some("room (the guard's admission)".to_string());
+            self.joined.write(&self.file).map_err(|e| e.to_string())?;
+        }
+        Ok(taken)
+    }
+
+    fn waiting(&mut self, why: &TurnWait) {
+        self.file.waits_for = Some(why.to_string());
+        // Shown by `stageload queue`; a failed write only leaves the last reason there.
+        let _ = self.joined.write(&self.file);
     }
 }
 

@@ -14,16 +14,21 @@ mod home;
 mod meter;
 
 use std::ffi::OsString;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use clap::Args;
 use serde_json::json;
-use stageload_guard::queue::{self as rules, wait_turn, Lane, Turn, DEFAULT_LANE};
-use stageload_guard::{exit, run_admitted, wait_for_room, Admitted, Clock, Outcome, Readings, SystemClock};
+use stageload_guard::queue::{self as rules, wait_turn, Asking, Lane, Turn, DEFAULT_LANE};
+use stageload_guard::{
+    exit, run_admitted, wait_for_room, Admitted, Clock, GuardConfig, Outcome, Readings, SystemClock,
+};
+use stageload_plan::request::Mode;
 use stageload_probe::{ProbeError, ProcessEntry};
 use stageload_units::format_bytes;
 
+use crate::args::size;
+use crate::guard::held::Held;
 use crate::guard::{log_and_signals, GuardFlags};
 use crate::out;
 use home::{look, utc_now, EntryFile, FileState, Finished, Home, LaneView, QueueError};
@@ -72,6 +77,21 @@ pub struct RunArgs {
     /// Do not meter the command
     #[arg(long)]
     no_trace: bool,
+    /// Declare what the command will hold by this pipeline file's plan and hold it there, as
+    /// `stageload guard --plan` does (its --max-memory; --wait-free, --kill-free, --busy and
+    /// --quiet-for skipped): it may start beside other runs of its lane that declared theirs
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["max_memory", "wait_free", "kill_free", "busy", "quiet_for", "memory"])]
+    plan: Option<PathBuf>,
+    /// With --plan: the eager request, every model loaded up front
+    #[arg(long, requires = "plan")]
+    eager: bool,
+    /// Declare that the command holds at most SIZE (and hold it there: its --max-memory): it may
+    /// start beside other runs of its lane that declared theirs
+    #[arg(long, value_name = "SIZE", value_parser = size, conflicts_with = "max_memory")]
+    memory: Option<u64>,
+    /// With --plan or --memory: memory to keep free beside the sum of the declared plans
+    #[arg(long, value_name = "SIZE", value_parser = size, default_value = "0")]
+    margin: u64,
     /// The command and its arguments, after --
     #[arg(last = true, value_name = "COMMAND")]
     command: Vec<OsString>,
@@ -135,6 +155,7 @@ fn queued(args: RunArgs) -> Result<i32, Refused> {
     // Read here, not by clap, so a refusal is one line.
     let lane = Lane::parse(&args.lane).map_err(|e| Refused::Usage(e.to_string()))?;
     let mut config = args.flags.config().map_err(Refused::Usage)?;
+    let request = declared(args.plan.as_deref(), args.eager, args.memory, &mut config)?;
     let home = Home::from_env()?;
     let dir = home.lane(&lane)?;
     if lane.as_str() == DEFAULT_LANE {
@@ -148,7 +169,7 @@ fn queued(args: RunArgs) -> Result<i32, Refused> {
         rules::Seen::Alive { start_time } => start_time,
         rules::Seen::Gone => None,
     };
-    let mut entry = EntryFile {
+    let entry = EntryFile {
         pid,
         start_time,
         who: args.who.clone(),
@@ -157,13 +178,18 @@ fn queued(args: RunArgs) -> Result<i32, Refused> {
         cmd: command_line(&args.command),
         since: utc_now(),
         state: FileState::Waiting,
+        request,
+        waits_for: None,
     };
     // Before joining: a signal from here on removes the entry on the way out.
     let (mut log, signals) = log_and_signals("run", args.log.as_deref(), true).map_err(Refused::Said)?;
     let (joined, me) = dir.join(pid, &entry)?;
     let mut clock = SystemClock::new();
-    let mut view = LaneView { dir: &dir, lock: &lock, joined: &joined, file: &entry, hold: None };
-    let turn = wait_turn(&mut view, &lane, me, config.poll, config.start_timeout, &mut clock, &mut log, &signals);
+    let total = stageload_probe::system_memory().ok().map(|memory| memory.budget_total());
+    let asking = Asking { ticket: me, request, margin: args.margin, total };
+    let mut view = LaneView { dir: &dir, lock: &lock, joined: &joined, file: entry, hold: None };
+    let turn = wait_turn(&mut view, &lane, &asking, config.poll, config.start_timeout, &mut clock, &mut log, &signals);
+    let mut entry = view.file;
     match turn {
         Turn::Taken(_) => {}
         Turn::NoTurn(_) => return Ok(exit::NO_ROOM),
@@ -188,6 +214,7 @@ fn queued(args: RunArgs) -> Result<i32, Refused> {
     let waited = clock.now();
     let started_ns = home::now_ns();
     entry.state = FileState::Running { started: utc_now(), started_ns };
+    entry.waits_for = None;
     if let Err(error) = joined.write(&entry) {
         log.note("queue_file", &error.to_string(), None);
     }
@@ -257,6 +284,30 @@ fn queued(args: RunArgs) -> Result<i32, Refused> {
     Ok(code)
 }
 
+/// What the run declares it will hold (`--plan`, `--memory`), with the guard held to it;
+/// `None`: nothing, it runs alone in its lane.
+fn declared(
+    plan: Option<&Path>,
+    eager: bool,
+    memory: Option<u64>,
+    config: &mut GuardConfig,
+) -> Result<Option<u64>, Refused> {
+    if let Some(file) = plan {
+        let mode = if eager { Mode::Eager } else { Mode::Staged };
+        // No trace of the command's is read here: a device limit of the plan is not enforced.
+        let held = Held::load(file, mode, None).map_err(Refused::Usage)?;
+        held.hold(config);
+        config.max_device_memory = None;
+        return Ok(config.max_memory);
+    }
+    if let Some(memory) = memory {
+        config.max_memory = Some(memory);
+        config.limits_from = Some(format!("held to --memory {}", format_bytes(memory)));
+        return Ok(Some(memory));
+    }
+    Ok(None)
+}
+
 fn round1(duration: Duration) -> f64 {
     (duration.as_secs_f64() * 10.0).round() / 10.0
 }
@@ -310,7 +361,12 @@ fn show(args: &QueueArgs) -> Result<(), String> {
             let Some(file) = live.iter().find(|l| l.entry.ticket == entry.ticket).map(|l| &l.file) else { continue };
             let (state, since) = match &file.state {
                 FileState::Waiting => ("waiting", file.since.clone()),
+                FileState::Starting { .. } => ("starting", file.since.clone()),
                 FileState::Running { started, .. } => ("running", started.clone()),
+            };
+            let waits_for = match &file.state {
+                FileState::Running { .. } => None,
+                _ => file.waits_for.clone(),
             };
             rows.push(json!({
                 "lane": dir.lane().as_str(),
@@ -320,6 +376,8 @@ fn show(args: &QueueArgs) -> Result<(), String> {
                 "owner": file.owner,
                 "pid": entry.ticket.pid,
                 "since": since,
+                "request": file.request,
+                "waits_for": waits_for,
                 "cmd": file.cmd,
             }));
         }
@@ -338,8 +396,10 @@ fn show(args: &QueueArgs) -> Result<(), String> {
     for row in &rows {
         let who = text(row, "who");
         let cmd: String = text(row, "cmd").chars().take(80).collect();
+        let request = row["request"].as_u64().map_or("-".to_string(), format_bytes);
+        let waits = row["waits_for"].as_str().map(|w| format!("  waits for {w}")).unwrap_or_default();
         out::line(&format!(
-            "{:6} {:>2} {:8} {:20} {:10} pid {:<7} since {}  {}",
+            "{:6} {:>2} {:8} {:20} {:10} pid {:<7} since {}  request {request}  {}{waits}",
             text(row, "lane"),
             row["position"],
             text(row, "state"),
