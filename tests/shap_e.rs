@@ -157,12 +157,38 @@ fn the_embedding_latents_views_and_mesh_match_diffusers_bit_for_bit() {
         let rays = stageload_demo_kit::shap_e::pan_rays(SAMPLING.frame_size).unwrap_or_else(|e| panic!("{e}"));
         assert_bits_equal("the cameras' rays", &rays, &reference.tensors["rays"]);
         assert_eq!(generated.timesteps, [1023.0, 0.0, 0.0]);
-        // A surface with faces and colours that vary: the mesh comparison is not of a trivial mesh.
+        // A surface with faces and colours that vary over it: the mesh comparison is not of a
+        // trivial mesh, and a vertex given another's colour would differ from diffusers.
         let mesh = mesh(generated);
         assert!(mesh.faces.size()[0] > 1000, "{:?} faces", mesh.faces.size());
-        let spread = (mesh.colors.max() - mesh.colors.min()).double_value(&[]);
-        assert!(spread > 0.01, "the vertex colours hardly vary ({spread})");
+        assert_colours_vary_across_vertices(&mesh.colors);
     });
+}
+
+/// The PLY file's step between two colour levels: colours are written as 8-bit values.
+const COLOUR_STEP: f64 = 1.0 / 255.0;
+
+/// Asserts that `colors` (float32 [V, 3]) vary across the vertices, channel by channel, by more
+/// than the PLY's 8-bit levels can hide: each channel's standard deviation across the vertices
+/// is above four levels (a channel that is one colour everywhere, quantised, has at most half a
+/// level), and the vertices have at least 100 distinct 8-bit colours.
+fn assert_colours_vary_across_vertices(colors: &Tensor) {
+    let values = Vec::<f32>::try_from(colors.contiguous().view([-1])).unwrap();
+    let vertices = values.len() / 3;
+    assert!(vertices > 0 && values.len() == 3 * vertices, "{:?}", colors.size());
+    for (channel, name) in ["red", "green", "blue"].iter().enumerate() {
+        let channel: Vec<f64> = values.iter().skip(channel).step_by(3).map(|&v| f64::from(v)).collect();
+        let mean = channel.iter().sum::<f64>() / vertices as f64;
+        let deviation = (channel.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / vertices as f64).sqrt();
+        assert!(
+            deviation > 4.0 * COLOUR_STEP,
+            "{name} hardly varies across the {vertices} vertices: standard deviation {deviation}, mean {mean}"
+        );
+    }
+    let levels: std::collections::HashSet<[u8; 3]> =
+        values.chunks(3).map(|rgb| [0, 1, 2].map(|c| (f64::from(rgb[c]) / COLOUR_STEP).round() as u8)).collect();
+    assert!(levels.len() >= 100, "{} distinct 8-bit colours over {vertices} vertices", levels.len());
+    eprintln!("{} distinct 8-bit colours over {vertices} vertices", levels.len());
 }
 
 #[test]

@@ -32,10 +32,20 @@ Writes into DIR (atomically: DIR.tmp-<pid>, renamed at the end):
 Weights: torch.manual_seed(0) before building each component. The renderer's marching-cubes tables
 (buffers diffusers leaves all zero at init; the published checkpoint carries OpenAI's) are built
 here (mc_tables below). So that the random renderer gives a small closed surface rather than
-millions of faces, its params_proj tensors are scaled by 0.01 and the signed-distance output's
-bias set to +0.3 (the surface is then the box's boundary, coloured by the MLP); so that the rendered
-views are not blank, the two density outputs' biases are raised by 2 (the box is then a cloud whose
-opacity grows with the ray's path through it).
+millions of faces, the signed-distance output's bias is set to +0.3 and the field made positive
+all over the box (the surface is then the box's boundary, coloured by the MLP); so that the
+rendered views are not blank, the two density outputs' biases are raised by 2 (the box is then a
+cloud whose opacity grows with the ray's path through it). How the field is kept positive differs
+by size (RENDERER_WEIGHTS):
+  published  params_proj's tensors scaled by 0.01: the four layers it makes have weights near 0.
+  small      the signed-distance output's weights (mlp.mlp.6.weight[0]) set to 0, params_proj left
+             as initialised. Scaled by 0.01 as the published size is, the four layers' weights
+             have a standard deviation of 0.0088, a gain of at most 0.09 a layer (93 inputs, then
+             16), under 1e-5 over the four: the position's part vanishes in the biases' rounding
+             and every vertex got the same colour to the last bit (measured), so the colour
+             comparison with diffusers could not see a vertex given another's colour. As
+             initialised, the colours vary over the surface (per channel standard deviations of
+             0.07-0.3 across the vertices on a random latent).
 
 Every traced method is checked against diffusers' eager code, bit for bit, on its trace inputs and
 on other inputs, in memory and after torch.jit.save/load; the whole render and mesh recipes built
@@ -62,7 +72,10 @@ RAY_BATCH = 4096  # decode_to_image's ray_batch_size
 QUERY_BATCH = 4096  # decode_to_mesh's query_batch_size
 N_COARSE, N_FINE = 64, 128  # decode_to_image's defaults
 GRID = 128  # decode_to_mesh's grid_size
-PROJ_SCALE, SDF_BIAS, DENSITY_RAISE = 0.01, 0.3, 2.0
+SDF_BIAS, DENSITY_RAISE = 0.3, 2.0
+# How the random renderer's field is kept positive over the box, per size (see the module doc):
+# params_proj's scale, and whether the signed-distance output's weights are set to 0.
+RENDERER_WEIGHTS = {"published": dict(proj_scale=0.01, flat_sdf=False), "small": dict(proj_scale=1.0, flat_sdf=True)}
 
 sys.dont_write_bytecode = True
 
@@ -132,8 +145,9 @@ PREPROCESSOR = dict(
 
 
 def size_spec(size):
-    """(clip vision config, prior config, renderer config): the published ones (openai/shap-e-img2img's
-    config.json files) or a small configuration of the same block types."""
+    """(clip vision config, prior config, renderer config, the renderer's weight adjustments): the
+    published ones (openai/shap-e-img2img's config.json files) or a small configuration of the same
+    block types, and RENDERER_WEIGHTS[size]."""
     if size == "published":
         clip = dict(hidden_size=1024, intermediate_size=4096, projection_dim=768, num_hidden_layers=24,
                     num_attention_heads=16, num_channels=3, image_size=224, patch_size=14,
@@ -160,7 +174,7 @@ def size_spec(size):
         d_latent=prior["embedding_dim"], d_hidden=hidden, n_output=12, n_hidden_layers=6, act_fn="swish",
         insert_direction_at=4, background=[255.0, 255.0, 255.0],
     )
-    return clip, prior, renderer
+    return clip, prior, renderer, RENDERER_WEIGHTS[size]
 
 
 def mc_tables():
@@ -248,7 +262,7 @@ def mc_tables():
 
 def build(component, spec):
     """The eager module, built after torch.manual_seed(0) (shap_e_reference.py rebuilds them alike)."""
-    clip_cfg, prior_cfg, renderer_cfg = spec
+    clip_cfg, prior_cfg, renderer_cfg, adjust = spec
     torch.manual_seed(0)
     if component == "image_encoder":
         from transformers import CLIPVisionConfig, CLIPVisionModel
@@ -273,8 +287,11 @@ def build(component, spec):
     with torch.no_grad():
         renderer.mesh_decoder.cases.copy_(cases)
         renderer.mesh_decoder.masks.copy_(masks)
-        for p in renderer.params_proj.parameters():
-            p.mul_(PROJ_SCALE)
+        if adjust["proj_scale"] != 1.0:
+            for p in renderer.params_proj.parameters():
+                p.mul_(adjust["proj_scale"])
+        if adjust["flat_sdf"]:
+            renderer.mlp.mlp[-1].weight[0] = 0.0
         renderer.mlp.mlp[-1].bias[0] = SDF_BIAS
         renderer.mlp.mlp[-1].bias[1:3] += DENSITY_RAISE
     return renderer
@@ -424,7 +441,7 @@ def pan_rays(size):
 
 def export_component(component, spec, tmp):
     """Builds, traces, checks and writes one component into tmp; returns its config entry."""
-    clip_cfg, prior_cfg, renderer_cfg = spec
+    clip_cfg, prior_cfg, renderer_cfg, _ = spec
     t0 = time.time()
     model = build(component, spec)
     log(f"{component}: built in {time.time() - t0:.1f} s")
@@ -464,7 +481,7 @@ def export_component(component, spec, tmp):
 
 
 def export_renderer(model, spec, g, path):
-    _, prior_cfg, renderer_cfg = spec
+    _, prior_cfg, renderer_cfg, adjust = spec
     e, d = prior_cfg["num_embeddings"], prior_cfg["embedding_dim"]
     wrapper = Renderer(model)
     latents = [torch.randn(1, e, d, generator=g) for _ in range(2)]
@@ -501,7 +518,9 @@ def export_renderer(model, spec, g, path):
     check_sphere(wrapper, 0.6)
     entry = {"config": renderer_cfg, "cls": "diffusers.pipelines.shap_e.renderer.ShapERenderer",
              "methods": ["forward", "render_rays", "sdf", "texture", "marching_cubes"],
-             "weights_note": f"params_proj scaled by {PROJ_SCALE}, mlp.mlp.6.bias[0] = {SDF_BIAS}, "
+             "weights_note": f"params_proj scaled by {adjust['proj_scale']}, "
+                             f"mlp.mlp.6.weight[0] {'= 0' if adjust['flat_sdf'] else 'as initialised'}, "
+                             f"mlp.mlp.6.bias[0] = {SDF_BIAS}, "
                              f"mlp.mlp.6.bias[1:3] raised by {DENSITY_RAISE}; "
                              "mesh_decoder.cases/masks from shap_e_export.mc_tables"}
     entry["recipe_checks"] = check_recipes(traced, model, latents[0])
@@ -631,7 +650,7 @@ def main(args):
 
         shap_e_scheduler.write_config(os.path.join(tmp, "scheduler.json"))
         CLIPImageProcessor(**PREPROCESSOR).to_json_file(os.path.join(tmp, "preprocessor_config.json"))
-        _, prior_cfg, _ = spec
+        _, prior_cfg, _, _ = spec
         config = {
             "format": FORMAT,
             "size": args.size,
