@@ -535,3 +535,67 @@ fn a_run_that_declares_nothing_does_not_start_beside_declared_ones() {
     }
     assert_eq!(scene.order(), ["a start", "a end", "b start", "b end", "c start", "c end"]);
 }
+
+/// A pipeline of two 1 MiB f32 models used in turn, written into the scene's folder.
+fn pipeline(scene: &Scene) -> PathBuf {
+    let data = vec![0u8; 1 << 20];
+    for model in ["encoder", "decoder"] {
+        let view = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![512, 512], &data).unwrap();
+        safetensors::serialize_to_file([("w", view)], None, &scene.path(&format!("{model}.safetensors"))).unwrap();
+    }
+    let path = scene.path("pipeline.toml");
+    fs::write(
+        &path,
+        "[[models]]\nname = \"encoder\"\nfiles = [\"encoder.safetensors\"]\n\n\
+         [[models]]\nname = \"decoder\"\nfiles = [\"decoder.safetensors\"]\n\n\
+         [[stages]]\nname = \"encode\"\nmodels = [\"encoder\"]\n\n\
+         [[stages]]\nname = \"decode\"\nmodels = [\"decoder\"]\n",
+    )
+    .unwrap();
+    path
+}
+
+#[test]
+fn runs_declared_by_their_plans_run_side_by_side_each_held_to_its_plan() {
+    let scene = Scene::new("plan");
+    let file = pipeline(&scene);
+    let file = file.to_str().unwrap();
+    // The plan's request, as `stageload plan --request json` says it.
+    let planned = scene.output(&["plan", file, "--request", "json"]);
+    assert!(planned.status.success(), "{}", stderr(&planned));
+    let request: Value = serde_json::from_slice(&planned.stdout).unwrap();
+    let memory = request["memory"].as_u64().unwrap_or_else(|| panic!("{request}"));
+    let plan_flags = |who: &'static str| ["--who", who, "--plan", file];
+    // --plan skips --wait-free and --kill-free, as guard --plan does; QUICK's are refused with it.
+    let mut first = scene.command(
+        &[
+            &["run", "--poll", "20ms", "--start-timeout", "60s"][..],
+            &plan_flags("a"),
+            &["--", "sh", "-c", &gated("a", "go")],
+        ]
+        .concat(),
+    );
+    let mut first = Queued { child: Some(first.spawn().unwrap()) };
+    scene.until("a runs", || scene.order().len() == 1);
+    let mut second = scene.command(
+        &[
+            &["run", "--poll", "20ms", "--start-timeout", "60s"][..],
+            &plan_flags("b"),
+            &["--", "sh", "-c", &gated("b", "go")],
+        ]
+        .concat(),
+    );
+    let mut second = Queued { child: Some(second.spawn().unwrap()) };
+    scene.until("b runs beside a", || scene.order().len() == 2);
+    let listing = scene.listing();
+    assert_eq!(listing.iter().map(|row| row["request"].as_u64()).collect::<Vec<_>>(), [Some(memory), Some(memory)]);
+    fs::write(scene.path("go"), "").unwrap();
+    for run in [&mut first, &mut second] {
+        let output = run.finish();
+        assert_eq!(output.status.code(), Some(0), "{}", stderr(&output));
+        assert!(stderr(&output).contains("held to plan"), "{}", stderr(&output));
+    }
+    // A file that does not load is refused before joining.
+    let output = scene.output(&["run", "--plan", "missing.toml", "--", "true"]);
+    refused_in_one_line(&output, "missing.toml");
+}
