@@ -6,7 +6,7 @@
 //!    (in event order), at the last of those releases: until they finish, the memory still
 //!    belongs to the previous stage.
 //! 2. A synthetic `setup` window covers the time from 0 to the first stage (replaced by that
-//!    stage when it begins at 0).
+//!    stage when it begins at 0, and merged with it when it is named `setup` too).
 //! 3. Consecutive windows of the same name merge (the first start wins).
 //! 4. A window runs to the next one's start; the last one to the last sample.
 //! 5. Its peak is the largest of the samples in `[start, end)` (the last window includes its
@@ -326,7 +326,10 @@ pub fn summarize(trace: &Trace) -> Summary {
     // its window unless the stage event says it is another occurrence (`[a, a]`).
     let mut windows = vec![WindowStart { stage: "setup".to_string(), position: None, t: 0.0, event: None }];
     for start in window_starts(&events) {
-        if windows.len() == 1 && start.t <= 0.0 {
+        // The first stage replaces the synthetic setup when it begins at 0 or is a setup
+        // itself (whichever occurrence its event names: one window, from 0).
+        let synthetic = windows.len() == 1 && windows[0].event.is_none();
+        if synthetic && (start.t <= 0.0 || start.stage == windows[0].stage) {
             windows[0] = WindowStart { t: 0.0, ..start };
         } else if windows.last().is_some_and(|last| last.stage == start.stage && last.position == start.position) {
             continue;

@@ -126,6 +126,15 @@ fn a_stage_listed_twice_in_a_row_gets_a_window_per_occurrence_the_registry_enter
 }
 
 #[test]
+fn a_registrys_own_setup_stage_is_one_window_with_the_synthetic_setup_before_it() {
+    // The cascade enters `setup` (occurrence 0) 2 ms after the trace begins: one row, not a
+    // zero-length synthetic one and then the real one.
+    let summary = summary_of(vec![sample(0.0, 1), stage_at(0.002, "setup", 0), sample(0.2, 4), stage_at(0.3, "a", 1)]);
+    assert_eq!(windows(&summary), [("setup", 0.3, Some(4)), ("a", 0.0, None)]);
+    assert_eq!(summary.stages[0].position, Some(0));
+}
+
+#[test]
 fn exact_peak_records_raise_a_window_that_sampling_missed() {
     let summary = summary_of(vec![
         sample(0.0, 100),
