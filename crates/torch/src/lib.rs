@@ -54,10 +54,13 @@
 //! wrong and names the model, the stage or the file ([`OutOfMemory`] is the policy for a load
 //! that runs out).
 //!
-//! **Checkpoints and names.** [`checkpoint`] reads safetensors files with `pread`, each entry
-//! once and straight into the model's storage, in 4 MiB pieces over the CPUs (no transient copy,
-//! no mapping counted in RSS); into CUDA through a ring of pinned buffers
-//! ([`checkpoint::RingShape`]). [`checkpoint::save`] writes one tensor's copy at a time.
+//! **Checkpoints and names.** [`checkpoint`] reads safetensors files each entry once and
+//! straight into the model's storage, in 4 MiB pieces over the CPUs (no transient copy): a piece
+//! in the page cache copied from a mapping of just its pages, one from the disk read with `pread`
+//! ([`checkpoint::HostRead`]); into CUDA through a ring of pinned buffers
+//! ([`checkpoint::RingShape`]). [`checkpoint::save`] writes one tensor's copy at a time. Every
+//! file a model loads from is stamped at its first load and must be the same at each reload
+//! ([`source`], [`StagedModels::accept_changed_files`]).
 //! [`names`] meets a file's entry names with a model's ([`NameRules`]: prefixes, renames,
 //! ignored entries, strictness) and explains a mismatch; [`StagedModels::load_report`] says how
 //! the last load met the file ([`LoadReport`]).
