@@ -4,7 +4,7 @@
 use std::process::Command;
 
 const STAGELOAD: &str = env!("CARGO_BIN_EXE_stageload");
-const COMMANDS: [&str; 7] = ["guard", "plan", "summary", "plot", "ab", "latents", "libtorch"];
+const COMMANDS: [&str; 9] = ["guard", "run", "queue", "plan", "summary", "plot", "ab", "latents", "libtorch"];
 
 fn stdout(args: &[&str]) -> String {
     let out = Command::new(STAGELOAD).args(args).output().unwrap();
