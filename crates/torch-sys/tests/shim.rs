@@ -15,12 +15,14 @@ fn alone() -> MutexGuard<'static, ()> {
     ONE_AT_A_TIME.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
+/// The process's RSS, read exactly (a page-table walk, no per-CPU counter's slack).
 fn rss_bytes() -> u64 {
-    let statm = std::fs::read_to_string("/proc/self/statm").expect("read /proc/self/statm");
-    let pages: u64 = statm.split_whitespace().nth(1).unwrap().parse().unwrap();
-    // SAFETY: sysconf has no preconditions.
-    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) } as u64;
-    pages * page
+    stageload_test_support::memory::rss_bytes().max(0) as u64
+}
+
+/// What a check of `covered` bytes of RSS allows beside them (at most a quarter of them).
+fn slack_for(covered: u64) -> u64 {
+    stageload_test_support::memory::rss_slack(i64::try_from(covered).unwrap_or(i64::MAX)).max(0) as u64
 }
 
 #[test]
@@ -58,9 +60,8 @@ fn freeing_a_storage_returns_its_memory_and_reallocating_restores_values() {
     let after = rss_bytes();
     assert_eq!(freed as i64, BYTES);
     // The storage has a mapping of its own (far above glibc's mmap threshold), every page written
-    // by `arange`, unmapped by the free: RSS falls by all of it, but for what the kernel's per-CPU
-    // counters leave out of each of the two readings.
-    let slack = 2 * stageload_probe::rss_counter_slack();
+    // by `arange`, unmapped by the free: RSS falls by all of it, but for what may move beside it.
+    let slack = slack_for(BYTES as u64);
     let dropped = before.saturating_sub(after);
     assert!(dropped + slack >= BYTES as u64, "RSS dropped by {dropped} bytes of {BYTES} (slack {slack})");
     let info = storage_info(&tensor).unwrap();
@@ -201,7 +202,7 @@ fn a_host_buffer_maps_exactly_its_pages_and_gives_them_back_when_its_tensor_goes
     const BYTES: usize = (64 << 20) + 1;
     // SAFETY: sysconf has no preconditions.
     let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) } as u64;
-    let slack = 2 * stageload_probe::rss_counter_slack();
+    let slack = slack_for(BYTES as u64);
     // The fill below is this process's first op for some test orders: its thread pool starts
     // here, outside the measurement.
     let _ = Tensor::zeros([1 << 20], (Kind::Uint8, Device::Cpu)).fill_(1);
