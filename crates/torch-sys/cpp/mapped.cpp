@@ -74,7 +74,8 @@ void install() {
 // stores the CPU has: a 64-byte store fills a whole line at once. Copying a 1 GB checkpoint from
 // the page cache into a model's memory with 4 threads here (Xeon, AVX-512), medians of 9 rounds:
 // 16-byte stores 12.5 GB/s, 32-byte 12.7, 64-byte 15.6, `pread` 10.5; in an hour when the
-// machine's memory was busier, 8.5, 8.9, 9.5 and 8.6 (traces/load-bench-mapped-stores.c).
+// machine's memory was busier, 8.5, 8.9, 9.5 and 8.6
+// (crates/bench/c/load-bench-mapped-stores.c).
 //
 // Each copies single bytes up to the destination's alignment (align_dst), then whole blocks,
 // and returns how many bytes it copied: copy_with copies the tail and fences. Not inlined into

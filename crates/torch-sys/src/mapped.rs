@@ -6,7 +6,7 @@
 //! writes a whole line without reading it. A C program filling fresh memory from the page cache
 //! this way ran at 1.10x to 1.49x the rate of `pread`s into the same memory with 64-byte stores,
 //! depending on the hour, and 0.98x to 1.33x with 16-byte ones
-//! (`traces/load-bench-mapped-stores.c`, `traces/load-bench-mapped.c`).
+//! (`crates/bench/c/load-bench-mapped-stores.c`, `crates/bench/c/load-bench-mapped.c`).
 //!
 //! A mapping turns a file that shrinks while it is copied (or a disk that fails) into a SIGBUS,
 //! which would end the process. The shim installs a handler (once, chaining to the one before

@@ -1,9 +1,9 @@
 //! Reads past the page cache straight into memory (`O_DIRECT`): the disk's DMA writes the bytes
 //! where they go, so the CPU does none of a buffered read's work (the kernel's copy out of the
 //! page cache, dropping the pages after). Measured beside a two-thread compute on this 2-core
-//! machine (`traces/hot-set/direct-reads/read-beside-compute.c`): it slows the compute 1.10-1.12x
-//! where buffered reads slow it 1.24-1.35x, but reads the disk at 1.15-1.2 GB/s where buffered
-//! reads reach 1.6.
+//! machine (`crates/bench/c/read-beside-compute.c`): it slows the compute 1.10-1.12x where
+//! buffered reads slow it 1.24-1.35x, but reads the disk at 1.15-1.2 GB/s where buffered reads
+//! reach 1.6.
 
 use std::fs::File;
 use std::os::unix::fs::FileExt;

@@ -342,10 +342,10 @@ pub enum HostRead {
     /// one. A reader that meets a piece not in the page cache reads the rest of its run with
     /// `pread`: from the disk, each run stays one sequential stream for the kernel's read-ahead.
     /// On the load benchmark's checkpoint (1 GB, warm, 7 rounds) 1.26x the rate of `pread`, with
-    /// 64-byte stores (`traces/load-bench-mapped-stores.c`); cold 0.96x before a reader kept to
-    /// `pread` after its first uncached piece (`traces/load-bench-mapped/`). At most one piece per
-    /// reader is mapped at a time: [`readers`] × [`PIECE`] bytes of the file's pages in the
-    /// process's RSS during a load (streamed models, whose budget covers the RSS, read with
+    /// 64-byte stores (`crates/bench/c/load-bench-mapped-stores.c`); cold 0.96x before a reader
+    /// kept to `pread` after its first uncached piece (`traces/load-bench-mapped/`). At most one
+    /// piece per reader is mapped at a time: [`readers`] × [`PIECE`] bytes of the file's pages in
+    /// the process's RSS during a load (streamed models, whose budget covers the RSS, read with
     /// `pread`: [`crate::stream::REFILL_READS`]).
     #[default]
     Mapped,
@@ -752,9 +752,9 @@ impl Checkpoint {
     /// them (only it calls `progress`, with the bytes done by all). The pieces, in file order,
     /// are split into one contiguous run per reader of about the same bytes, each read in order
     /// through the reader's own handles ([`OwnHandles`]): from the disk, each run is then a
-    /// sequential stream with read-ahead of its own (`traces/load-bench-cold-runs.c`: 1.11-1.25x
-    /// the rate of readers taking pieces in turn through one handle). Returns the bytes copied
-    /// from mappings.
+    /// sequential stream with read-ahead of its own (`crates/bench/c/load-bench-cold-runs.c`:
+    /// 1.11-1.25x the rate of readers taking pieces in turn through one handle). Returns the
+    /// bytes copied from mappings.
     fn run_jobs(
         &self,
         mut jobs: Vec<Job<'_>>,

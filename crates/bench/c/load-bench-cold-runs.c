@@ -9,7 +9,7 @@
  *   quart4-fds  the same, each thread with its own fd (stageload's loads since 2026-12-06);
  *   chunk4-fds  4 threads taking 64 MiB chunks in turn, each read in order in 4 MiB preads, own fds.
  *
- *     gcc -O2 -pthread traces/load-bench-cold-runs.c -o /tmp/runs
+ *     gcc -O2 -pthread crates/bench/c/load-bench-cold-runs.c -o /tmp/runs
  *     /tmp/runs target/stageload-bench/model.safetensors 9 [warm]
  *
  * 2026-12-06, this machine (2 cores, virtual disk), each arm's rate over inter4's in the same

@@ -11,7 +11,7 @@
  * Prints each arm's GB/s per round, the medians, and the most file pages each arm had mapped at
  * once (RssFile, sampled after every piece).
  *
- *     gcc -O2 -pthread traces/load-bench-mapped.c -o /tmp/mapped
+ *     gcc -O2 -pthread crates/bench/c/load-bench-mapped.c -o /tmp/mapped
  *     /tmp/mapped target/stageload-bench/model.safetensors 7
  */
 #define _GNU_SOURCE

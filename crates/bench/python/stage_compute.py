@@ -6,7 +6,7 @@ inside it (from the window's start to that load's end: the stage's `get` waits f
 bound if the stage computed something first). A prefetched load is the stage's whose `prefetch`
 event, the last before it for that model, names the stage. Medians over each arm's runs; ratios to the first arm's.
 
-    python3 traces/prefetch/stage_compute.py FOLDER eager,staged,prefetch"""
+    python3 crates/bench/python/stage_compute.py FOLDER eager,staged,prefetch"""
 import json, sys, statistics, glob, os, re
 folder, arms = sys.argv[1], sys.argv[2].split(',')
 def compute(path):

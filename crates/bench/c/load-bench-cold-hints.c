@@ -9,7 +9,7 @@
  *   map-pop-par4   the same, each piece populated first (MADV_POPULATE_READ);
  *   map-seq-par4   map-par4 with madvise(SEQUENTIAL).
  *
- *     gcc -O2 -pthread traces/load-bench-cold-hints.c -o /tmp/hints
+ *     gcc -O2 -pthread crates/bench/c/load-bench-cold-hints.c -o /tmp/hints
  *     /tmp/hints target/stageload-bench/model.safetensors 9
  *
  * 2026-12-06, two runs of 9 rounds, each arm over par4 in the same round, median: seq1 1.03,

@@ -11,7 +11,7 @@
  *   reused    pread into a reused 4 MiB buffer per thread, not the destination: the load
  *             benchmark's parallel limit, whose 16 MiB of buffers stay in this machine's L3.
  *
- *     gcc -O2 -pthread traces/load-bench-mapped-stores.c -o /tmp/stores
+ *     gcc -O2 -pthread crates/bench/c/load-bench-mapped-stores.c -o /tmp/stores
  *     /tmp/stores target/stageload-bench/model.safetensors 9
  *
  * 2026-12-06, this machine (2 cores of a Xeon with AVX-512, L3 300 MiB), GB/s, median of 9

@@ -2,7 +2,7 @@
  * loads), three times each: into memory written just before, and into memory written IDLE seconds
  * before. Cited by traces/load-bench.md.
  *
- *     gcc -O2 -pthread traces/load-bench-idle.c -o /tmp/idle
+ *     gcc -O2 -pthread crates/bench/c/load-bench-idle.c -o /tmp/idle
  *     /tmp/idle target/stageload-bench/model.safetensors 75   (then 5)
  *
  * 2026-12-05, this machine (2 cores, DAMON pageout scheme on, no swap):
