@@ -5,6 +5,11 @@
 //! compiles each document as the library's doc-tests (`crates/torch/src/lib.rs`, module `guide`),
 //! a pipeline description by the reader `stageload plan` uses, Python by Python.
 //!
+//! And the house around it (issue 72): each cell of the README's measured table is one short
+//! claim ([`TABLE_CELL_BUDGET`]), `traces/` holds results and no source files (the programs
+//! behind them are in `crates/bench/`), and `docs/layout.md`'s tree names every top-level folder,
+//! crate, example and test file of the checkout, and nothing that is not there.
+//!
 //! The tasks and commands are read from the clap definitions, as text: the `#[derive(Parser)]`
 //! struct of `crates/xtask/src` and of `crates/cli/src`, its `#[command(subcommand)]` field's
 //! enum, and that enum's variants in kebab case (clap's default), a `#[command(name = ...)]` or
@@ -21,6 +26,20 @@ use std::path::{Component, Path, PathBuf};
 
 /// The most lines `README.md` may have.
 const README_BUDGET: usize = 300;
+
+/// The most characters a cell of the README's measured table may have: one claim with its figure
+/// (the run's conditions, dates and earlier figures belong in the trace's own README).
+const TABLE_CELL_BUDGET: usize = 200;
+
+/// The heading of the README's measured table.
+const MEASURED_HEADING: &str = "## What it is measured to do";
+
+/// File extensions that are source code, not results: none may live under `traces/`.
+const SOURCE_EXTENSIONS: [&str; 9] = ["c", "h", "cc", "cpp", "py", "sh", "rs", "patch", "diff"];
+
+/// The source files `traces/` may still hold, each with its reason: the queue's driver, being
+/// written by its owner while this check was (issue 71); its place is `crates/bench/python/`.
+const TRACE_SOURCES_ALLOWED: [&str; 1] = ["traces/queue/bench.py"];
 
 /// The languages of fenced blocks whose lines are commands.
 const SHELL: [&str; 4] = ["sh", "bash", "shell", "console"];
@@ -442,6 +461,188 @@ fn the_task_and_command_lists_are_read_from_the_clap_definitions() {
     for command in ["guard", "plan", "summary", "plot", "ab", "latents", "libtorch"] {
         assert!(commands.contains(command), "`stageload {command}` not read from the clap definitions: {commands:?}");
     }
+}
+
+/// The cells of a markdown table row (`| a | b |` → `["a", "b"]`), trimmed; a `|` inside a code
+/// span or escaped (`\|`) does not end a cell.
+fn table_cells(row: &str) -> Vec<String> {
+    let inner = row.trim().trim_start_matches('|');
+    let inner = inner.strip_suffix('|').unwrap_or(inner);
+    let (mut cells, mut cell, mut in_code, mut escaped) = (Vec::new(), String::new(), false, false);
+    for c in inner.chars() {
+        match c {
+            '|' if !in_code && !escaped => cells.push(std::mem::take(&mut cell).trim().to_string()),
+            '`' => {
+                in_code = !in_code;
+                cell.push(c);
+            }
+            _ => cell.push(c),
+        }
+        escaped = c == '\\';
+    }
+    cells.push(cell.trim().to_string());
+    cells
+}
+
+/// The rows of the first table after `heading` in `text` (header and delimiter row left out), as
+/// (line number from 1, cells).
+fn table_after(text: &str, heading: &str) -> Vec<(usize, Vec<String>)> {
+    let lines: Vec<&str> = text.lines().collect();
+    let Some(start) = lines.iter().position(|line| line.trim_end() == heading) else { return Vec::new() };
+    let rows = lines.iter().enumerate().skip(start + 1).skip_while(|(_, line)| !line.starts_with('|'));
+    rows.take_while(|(_, line)| line.starts_with('|'))
+        .skip(2)
+        .map(|(number, line)| (number + 1, table_cells(line)))
+        .collect()
+}
+
+#[test]
+fn every_cell_of_the_readmes_measured_table_is_one_short_claim() {
+    let readme = fs::read_to_string(checkout().join("README.md")).unwrap();
+    let rows = table_after(&readme, MEASURED_HEADING);
+    assert!(rows.len() >= 10, "README.md: {} rows found under `{MEASURED_HEADING}`: the reader is broken", rows.len());
+    let long: Vec<String> = rows
+        .iter()
+        .flat_map(|(line, cells)| cells.iter().map(move |cell| (line, cell)))
+        .filter(|(_, cell)| cell.chars().count() > TABLE_CELL_BUDGET)
+        .map(|(line, cell)| format!("README.md:{line}: {} characters: {cell}", cell.chars().count()))
+        .collect();
+    assert!(
+        long.is_empty(),
+        "cells of the measured table over {TABLE_CELL_BUDGET} characters: one claim and its figure per \
+         row; the run's conditions and history go in the trace's README:\n{}",
+        long.join("\n")
+    );
+}
+
+/// Every file under `folder` (a path relative to the checkout), as paths relative to the checkout.
+fn files_under(folder: &str) -> Vec<PathBuf> {
+    let root = checkout();
+    let mut files = Vec::new();
+    let mut folders = vec![root.join(folder)];
+    while let Some(folder) = folders.pop() {
+        for entry in fs::read_dir(&folder).unwrap_or_else(|e| panic!("{}: {e}", folder.display())) {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                folders.push(path);
+            } else {
+                files.push(path.strip_prefix(&root).unwrap().to_path_buf());
+            }
+        }
+    }
+    files.sort();
+    files
+}
+
+#[test]
+fn traces_hold_results_and_no_source_files() {
+    let files = files_under("traces");
+    assert!(files.len() > 100, "{} files under traces/: the walk is broken", files.len());
+    let sources: Vec<String> = files
+        .iter()
+        .filter(|path| path.extension().is_some_and(|ext| SOURCE_EXTENSIONS.iter().any(|s| ext == *s)))
+        .map(|path| path.display().to_string())
+        .filter(|path| !TRACE_SOURCES_ALLOWED.contains(&path.as_str()))
+        .collect();
+    assert!(
+        sources.is_empty(),
+        "source files under traces/: move them beside the bench binaries (crates/bench/c/, python/, \
+         patches/) and point the trace's README at them:\n{}",
+        sources.join("\n")
+    );
+}
+
+/// The entries of the folder tree in `docs/layout.md` (its first `text` block): each line that
+/// starts at the margin opens one, named by its first word (`crates/torch/`, `Cargo.toml`); the
+/// indented lines after it are its text.
+fn layout_entries() -> Vec<(String, String)> {
+    let layout = fs::read_to_string(checkout().join("docs/layout.md")).unwrap();
+    let tree =
+        split(&layout).blocks.into_iter().find(|block| block.info == "text").expect("docs/layout.md has no tree");
+    let mut entries: Vec<(String, String)> = Vec::new();
+    for line in tree.text.lines() {
+        match (line.starts_with(char::is_whitespace), entries.last_mut()) {
+            (true, Some((_, text))) => {
+                text.push('\n');
+                text.push_str(line.trim());
+            }
+            _ => {
+                let (name, text) = line.split_once(char::is_whitespace).unwrap_or((line, ""));
+                entries.push((name.to_string(), text.trim().to_string()));
+            }
+        }
+    }
+    entries
+}
+
+/// The names of the folders (`folders`) or of the files with extension `ext`, less it, in
+/// `folder` of the checkout; hidden ones and `target` left out.
+fn names_in(folder: &str, folders: bool, ext: Option<&str>) -> Vec<String> {
+    let mut names: Vec<String> = fs::read_dir(checkout().join(folder))
+        .unwrap_or_else(|e| panic!("{folder}: {e}"))
+        .map(|entry| entry.unwrap().path())
+        .filter(|path| path.is_dir() == folders)
+        .filter(|path| ext.is_none_or(|ext| path.extension().is_some_and(|e| e == ext)))
+        .filter_map(|path| Some(path.file_stem()?.to_str()?.to_string()))
+        .filter(|name| !name.starts_with('.') && name != "target")
+        .collect();
+    names.sort();
+    names
+}
+
+/// The words of `text`: runs of letters, digits and `_`.
+fn words(text: &str) -> BTreeSet<&str> {
+    text.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_')).filter(|w| !w.is_empty()).collect()
+}
+
+#[test]
+fn the_layout_doc_names_every_folder_crate_example_and_test_of_the_tree_and_nothing_else() {
+    let entries = layout_entries();
+    assert!(entries.len() > 10, "{} entries read from docs/layout.md's tree: the reader is broken", entries.len());
+    let named: BTreeSet<&str> = entries.iter().map(|(name, _)| name.as_str()).collect();
+    let text_of =
+        |name: &str| entries.iter().find(|(entry, _)| entry == name).map(|(_, text)| words(text)).unwrap_or_default();
+    let mut wrong = Vec::new();
+    for name in &named {
+        if !checkout().join(name).exists() {
+            wrong.push(format!("`{name}` is in the tree but not in the checkout"));
+        }
+    }
+    for folder in names_in(".", true, None) {
+        // A folder is named by its own entry or by entries inside it (`crates/torch/`).
+        if !named.iter().any(|name| name.starts_with(&format!("{folder}/"))) {
+            wrong.push(format!("the folder `{folder}/` is not in the tree"));
+        }
+    }
+    for krate in names_in("crates", true, None) {
+        if !named.contains(format!("crates/{krate}/").as_str()) {
+            wrong.push(format!("the crate `crates/{krate}/` is not in the tree"));
+        }
+    }
+    let mut within = |entry: &str, names: Vec<String>, kind: &str| {
+        let text = text_of(entry);
+        for name in names.iter().filter(|name| !text.contains(name.as_str())) {
+            wrong.push(format!("the {kind} `{name}` is not named in `{entry}`"));
+        }
+    };
+    within("examples/", names_in("examples", false, Some("rs")), "example");
+    within("tests/", names_in("tests", false, Some("rs")), "test file");
+    within("tests/", names_in("tests", true, None), "test folder");
+    assert!(wrong.is_empty(), "docs/layout.md has drifted from the tree:\n{}", wrong.join("\n"));
+}
+
+#[test]
+fn table_cells_and_layout_entries_are_read_as_written() {
+    assert_eq!(table_cells("| a | `x | y` b | c \\| d |"), ["a", "`x | y` b", "c \\| d"]);
+    let text =
+        "# T\n\n## What it is measured to do\n\nSome text:\n\n| h | i |\n|---|---|\n| a | b |\n| c | d |\n\nAfter.\n";
+    let rows = table_after(text, MEASURED_HEADING);
+    assert_eq!(rows, [(9, vec!["a".to_string(), "b".to_string()]), (10, vec!["c".to_string(), "d".to_string()])]);
+    assert!(table_after(text, "## Elsewhere").is_empty());
+    assert_eq!(
+        words("two_models (the README example), cascade;"),
+        BTreeSet::from(["README", "cascade", "example", "the", "two_models"])
+    );
 }
 
 /// Every fenced block of the documents, as (document, block).
