@@ -98,11 +98,11 @@ def main():
     three = 3 * 1.5 * GIB
     margin = int(machine - three - 0.1 * GIB)
     ways = [
-        ("one at a time (run, nothing declared)", lambda i: ["run", "--lane", "seq", "--no-trace", "--who", f"job-{i}"]),
+        ("one at a time (run, nothing declared)", lambda i: ["run", "--lane", "seq", "--no-meter", "--who", f"job-{i}"]),
         ("packed by the plan (run --memory 1.5G --margin 2G)",
-         lambda i: ["run", "--lane", "pack", "--no-trace", "--who", f"job-{i}", "--memory", "1.5G", "--margin", "2G"]),
+         lambda i: ["run", "--lane", "pack", "--no-meter", "--who", f"job-{i}", "--memory", "1.5G", "--margin", "2G"]),
         (f"packed, margin leaving room for three (--margin {margin})",
-         lambda i: ["run", "--lane", "three", "--no-trace", "--who", f"job-{i}", "--memory", "1.5G", "--margin", str(margin)]),
+         lambda i: ["run", "--lane", "three", "--no-meter", "--who", f"job-{i}", "--memory", "1.5G", "--margin", str(margin)]),
         ("guards at once", lambda i: ["guard"]),
     ]
     results = []

@@ -427,7 +427,7 @@ fn bad_input_is_one_line_and_exit_2() {
 fn a_run_is_metered_into_a_trace_that_summary_reads_and_its_history_line_says_so() {
     let scene = Scene::new("trace");
     let trace = scene.path("run.jsonl");
-    let output = scene.run(&["--who", "t-1", "--trace", trace.to_str().unwrap()], "sleep 0.6; exit 3").finish();
+    let output = scene.run(&["--who", "t-1", "--meter", trace.to_str().unwrap()], "sleep 0.6; exit 3").finish();
     assert_eq!(output.status.code(), Some(3), "{}", stderr(&output));
     let summary = scene.output(&["summary", trace.to_str().unwrap()]);
     assert!(summary.status.success(), "{}", stderr(&summary));
@@ -445,8 +445,8 @@ fn a_run_is_metered_into_a_trace_that_summary_reads_and_its_history_line_says_so
     let shown = scene.output(&["queue", "--history", "1"]);
     let text = String::from_utf8_lossy(&shown.stdout);
     assert!(text.contains("queue: empty") && text.contains("done   ram    exit 3"), "{text}");
-    // --no-trace: no trace, still a history line.
-    let output = scene.run(&["--no-trace"], "true").finish();
+    // --no-meter: no trace, still a history line.
+    let output = scene.run(&["--no-meter"], "true").finish();
     assert_eq!(output.status.code(), Some(0));
     assert!(scene.history()[1]["trace"].is_null());
 }
@@ -485,7 +485,7 @@ fn two_runs_whose_plans_fit_together_run_side_by_side_and_a_third_waits_for_memo
     let scene = Scene::new("pack");
     // The memory the runs pack into, as the run reads it (the trace's header says it).
     let trace = scene.path("probe.jsonl");
-    let probe = scene.run(&["--trace", trace.to_str().unwrap()], "true").finish();
+    let probe = scene.run(&["--meter", trace.to_str().unwrap()], "true").finish();
     assert_eq!(probe.status.code(), Some(0), "{}", stderr(&probe));
     let header: Value = serde_json::from_str(fs::read_to_string(&trace).unwrap().lines().next().unwrap()).unwrap();
     let total = header["total_memory"].as_u64().unwrap();
@@ -598,4 +598,54 @@ fn runs_declared_by_their_plans_run_side_by_side_each_held_to_its_plan() {
     // A file that does not load is refused before joining.
     let output = scene.output(&["run", "--plan", "missing.toml", "--", "true"]);
     refused_in_one_line(&output, "missing.toml");
+}
+
+/// A pipeline in the scene's folder whose `denoise` stage runs on CUDA: 1 MiB of weights and
+/// 16 MiB of device working memory, a device limit of 17 MiB.
+fn cuda_pipeline(scene: &Scene) -> PathBuf {
+    let data = vec![0u8; 1 << 20];
+    let view = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![512, 512], &data).unwrap();
+    safetensors::serialize_to_file([("w", view)], None, &scene.path("denoiser.safetensors")).unwrap();
+    let path = scene.path("cuda.toml");
+    fs::write(
+        &path,
+        "device_memory = \"1G\"\n\n[[models]]\nname = \"denoiser\"\nfiles = [\"denoiser.safetensors\"]\n\
+         device = \"cuda\"\n\n[[stages]]\nname = \"denoise\"\nmodels = [\"denoiser\"]\nworking = \"64M\"\n\
+         device_working = \"16M\"\n",
+    )
+    .unwrap();
+    path
+}
+
+#[test]
+fn a_run_held_to_its_plan_reads_the_commands_trace_and_is_stopped_over_its_device_limit() {
+    let scene = Scene::new("device");
+    let file = cuda_pipeline(&scene);
+    let (trace, log) = (scene.path("command.jsonl"), scene.path("run-log.jsonl"));
+    let header = "{\"type\":\"header\",\"schema\":2,\"utc\":\"x\",\"pid\":1,\"host\":\"h\",\"os\":\"linux\",\
+                  \"total_memory\":1,\"device\":\"cuda:0\",\"command\":[],\"interval\":0.25,\"meta\":{}}";
+    let stage = "{\"type\":\"event\",\"t\":0.0,\"kind\":\"stage\",\"stage\":\"denoise\",\"resident\":0}";
+    let over = format!("{{\"type\":\"sample\",\"t\":0.5,\"rss\":1,\"device_allocated\":{}}}", 100u64 << 20);
+    // The command writes its trace: the stage, then device memory over the plan; then waits.
+    let script = format!("printf '%s\\n' '{header}' '{stage}' '{over}' > command.jsonl; exec sleep 60");
+    let flags = ["--plan", file.to_str().unwrap(), "--trace", trace.to_str().unwrap(), "--log", log.to_str().unwrap()];
+    let mut args = vec!["run", "--poll", "20ms", "--start-timeout", "60s", "--grace", "1s"];
+    args.extend(flags);
+    args.extend(["--", "sh", "-c", &script]);
+    let output = Queued { child: Some(scene.command(&args).spawn().unwrap()) }.finish();
+    let text = stderr(&output);
+    assert_eq!(output.status.code(), Some(3), "{text}");
+    assert!(text.contains("command's device memory 100.0 MiB > the plan's device memory limit 17.0 MiB"), "{text}");
+    let records: Vec<Value> =
+        fs::read_to_string(&log).unwrap().lines().map(|line| serde_json::from_str(line).unwrap()).collect();
+    let record = records.iter().find(|r| r["event"] == "over_plan").unwrap_or_else(|| panic!("{records:?}"));
+    assert_eq!((&record["detail"]["memory"], &record["detail"]["stage"]), (&"device".into(), &"denoise".into()));
+    assert_eq!(scene.history()[0]["exit"], 3);
+    assert!(
+        scene.history()[0]["stopped"].as_str().is_some_and(|s| s.contains("device memory")),
+        "{:?}",
+        scene.history()
+    );
+    // --trace is the command's own trace: alone it is refused, naming --meter.
+    refused_in_one_line(&scene.output(&["run", "--trace", "x.jsonl", "--", "true"]), "--meter FILE");
 }

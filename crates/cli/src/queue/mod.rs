@@ -28,7 +28,7 @@ use stageload_probe::{ProbeError, ProcessEntry};
 use stageload_units::format_bytes;
 
 use crate::args::size;
-use crate::guard::held::Held;
+use crate::guard::held::{Held, TraceTail};
 use crate::guard::{log_and_signals, GuardFlags};
 use crate::out;
 use home::{look, utc_now, EntryFile, FileState, Finished, Home, LaneView, QueueError};
@@ -41,7 +41,8 @@ busy.txt.
 
 Files under STAGELOAD_HOME (default ~/.stageload): queue/LANE/ (one entry per run, the lane's
 lock run.lock, owners.json), history.jsonl (one line per finished run), traces/ (each run's
-trace), busy.txt (--busy patterns every run of lane ram adds, one a line).
+own trace, unless --meter names another file; --trace is the command's own, as for guard),
+busy.txt (--busy patterns every run of lane ram adds, one a line).
 
 Order: a command starts when no older entry of its lane is alive and it holds the lane's lock;
 the owner (--owner, else --who up to its first dash) who started least recently goes next, each
@@ -71,12 +72,21 @@ pub struct RunArgs {
     /// Also write every decision, with the readings behind it, as JSON lines to FILE
     #[arg(long, value_name = "FILE")]
     log: Option<PathBuf>,
-    /// Where the run's trace goes (default STAGELOAD_HOME/traces/STAMP-WHO-PID.jsonl)
-    #[arg(long, value_name = "FILE", conflicts_with = "no_trace")]
-    trace: Option<PathBuf>,
+    /// Where the run's own trace goes, the memory of the command's processes metered from
+    /// outside (default STAGELOAD_HOME/traces/STAMP-WHO-PID.jsonl)
+    #[arg(long, value_name = "FILE", conflicts_with = "no_meter")]
+    meter: Option<PathBuf>,
     /// Do not meter the command
     #[arg(long)]
-    no_trace: bool,
+    no_meter: bool,
+    /// With --plan or --max-device-memory: the trace the command writes, read as `stageload
+    /// guard --trace` reads it (its device memory, and the stage a run over its plan was in)
+    #[arg(long, value_name = "FILE")]
+    trace: Option<PathBuf>,
+    /// Stop the command when its device memory (read from --trace) passes SIZE; with --plan
+    /// the plan sets it
+    #[arg(long, value_name = "SIZE", value_parser = size, requires = "trace", conflicts_with = "plan")]
+    max_device_memory: Option<u64>,
     /// Declare what the command will hold by this pipeline file's plan and hold it there, as
     /// `stageload guard --plan` does (its --max-memory; --wait-free, --kill-free, --busy and
     /// --quiet-for skipped): it may start beside other runs of its lane that declared theirs
@@ -155,7 +165,13 @@ fn queued(args: RunArgs) -> Result<i32, Refused> {
     // Read here, not by clap, so a refusal is one line.
     let lane = Lane::parse(&args.lane).map_err(|e| Refused::Usage(e.to_string()))?;
     let mut config = args.flags.config().map_err(Refused::Usage)?;
-    let request = declared(args.plan.as_deref(), args.eager, args.memory, &mut config)?;
+    if args.trace.is_some() && args.plan.is_none() && args.max_device_memory.is_none() {
+        let message = "--trace is the command's own trace, read for --plan or --max-device-memory: give one of them, \
+                       or --meter FILE for where the run's trace goes";
+        return Err(Refused::Usage(message.to_string()));
+    }
+    config.max_device_memory = args.max_device_memory;
+    let (request, held) = declared(args.plan.as_deref(), args.eager, args.memory, args.trace.as_deref(), &mut config)?;
     let home = Home::from_env()?;
     let dir = home.lane(&lane)?;
     if lane.as_str() == DEFAULT_LANE {
@@ -201,7 +217,7 @@ fn queued(args: RunArgs) -> Result<i32, Refused> {
     }
     // One --start-timeout from joining to the start.
     config.start_timeout = config.start_timeout.saturating_sub(clock.now());
-    let mut readings = WithoutQueue { home: home.clone() };
+    let mut readings = WithoutQueue { home: home.clone(), tail: None };
     let at_start = match wait_for_room(&config, &mut readings, &mut clock, &mut log, &signals) {
         Admitted::Start(memory) => memory,
         Admitted::NoRoom(_) => return Ok(exit::NO_ROOM),
@@ -221,7 +237,7 @@ fn queued(args: RunArgs) -> Result<i32, Refused> {
     if let Err(error) = dir.note_start(&owner, started_ns) {
         log.note("queue_file", &error.to_string(), None);
     }
-    let trace = (!args.no_trace).then(|| args.trace.clone().unwrap_or_else(|| home.default_trace(&args.who)));
+    let trace = (!args.no_meter).then(|| args.meter.clone().unwrap_or_else(|| home.default_trace(&args.who)));
     let meta = json!({ "who": args.who, "owner": owner, "lane": lane.as_str(), "cmd": entry.cmd });
     let metered = trace.as_ref().and_then(|path| match meter::start(path, meta) {
         Ok(meter) => Some(meter),
@@ -242,9 +258,25 @@ fn queued(args: RunArgs) -> Result<i32, Refused> {
         // The lane stays this run's while it watches; only a SIGKILL of it frees the lane early.
         log.note("queue_lock", &error, None);
     }
+    // Made before the command starts: a trace already there is a previous run's.
+    readings.tail = args.trace.as_deref().map(TraceTail::new);
     let began = clock.now();
     let outcome = run_admitted(&args.command, &[], &at_start, &config, &mut readings, &mut clock, &mut log, &signals);
     let ran = clock.now().saturating_sub(began);
+    if let (Some(held), Outcome::Stopped(stop)) = (&held, &outcome) {
+        if let Some(over) = held.over_plan(stop, readings.tail.as_ref()) {
+            log.record("over_plan", &over.message(), None, over.detail());
+        }
+    }
+    if let (Some(tail), Some(_)) = (&readings.tail, config.max_device_memory) {
+        if tail.never_read_device() {
+            let message = format!(
+                "the trace {} carried no device reading: the device limit was never checked",
+                tail.path().display()
+            );
+            log.note("device_unread", &message, None);
+        }
+    }
     let footprint = metered.map(|meter| meter.finish()).unwrap_or_default();
     let code = outcome.exit_code();
     let finished = Finished {
@@ -284,28 +316,27 @@ fn queued(args: RunArgs) -> Result<i32, Refused> {
     Ok(code)
 }
 
-/// What the run declares it will hold (`--plan`, `--memory`), with the guard held to it;
-/// `None`: nothing, it runs alone in its lane.
+/// What the run declares it will hold (`--plan`, `--memory`), with the guard held to it (and
+/// the plan, for what a stop over it says); `None`: nothing, it runs alone in its lane.
 fn declared(
     plan: Option<&Path>,
     eager: bool,
     memory: Option<u64>,
+    trace: Option<&Path>,
     config: &mut GuardConfig,
-) -> Result<Option<u64>, Refused> {
+) -> Result<(Option<u64>, Option<Held>), Refused> {
     if let Some(file) = plan {
         let mode = if eager { Mode::Eager } else { Mode::Staged };
-        // No trace of the command's is read here: a device limit of the plan is not enforced.
-        let held = Held::load(file, mode, None).map_err(Refused::Usage)?;
+        let held = Held::load(file, mode, trace).map_err(Refused::Usage)?;
         held.hold(config);
-        config.max_device_memory = None;
-        return Ok(config.max_memory);
+        return Ok((config.max_memory, Some(held)));
     }
     if let Some(memory) = memory {
         config.max_memory = Some(memory);
         config.limits_from = Some(format!("held to --memory {}", format_bytes(memory)));
-        return Ok(Some(memory));
+        return Ok((Some(memory), None));
     }
-    Ok(None)
+    Ok((None, None))
 }
 
 fn round1(duration: Duration) -> f64 {
@@ -317,6 +348,8 @@ fn round1(duration: Duration) -> f64 {
 /// lane would wait for the runs behind it and none would ever start. What they started counts.
 struct WithoutQueue {
     home: Home,
+    /// The command's own trace (`--trace`), read for its device memory.
+    tail: Option<TraceTail>,
 }
 
 /// A `stageload guard` or `stageload run` command line (not yet its command).
@@ -335,6 +368,10 @@ impl Readings for WithoutQueue {
         let queued = self.home.queued_pids();
         let table = stageload_probe::processes()?;
         Ok(table.into_iter().filter(|p| !queued.contains(&p.pid) && !is_wrapper(&p.cmdline)).collect())
+    }
+
+    fn command_device_memory(&mut self) -> Option<u64> {
+        self.tail.as_mut().and_then(|tail| tail.command_device_memory())
     }
 }
 
