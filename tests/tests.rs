@@ -1,6 +1,7 @@
 //! The integration tests of `stageload`, one binary of modules (as ripgrep's `tests/tests.rs`).
 //! A test with process-wide state has a binary of its own (`host_memory`, `metered`,
-//! `release_rss`, `rng`, `slow_copies`; each module doc says why).
+//! `release_rss`, `pt2_rss`, `rng`, `slow_copies`; each module doc says why), and so has
+//! `docs_check` (torch-free: it reads files only).
 //!
 //! Every test here that runs libtorch in this process and draws from torch's global generator
 //! (seeding it, building a model with random initialisation, drawing a tensor) holds
