@@ -595,6 +595,12 @@ fn runs_declared_by_their_plans_run_side_by_side_each_held_to_its_plan() {
         assert_eq!(output.status.code(), Some(0), "{}", stderr(&output));
         assert!(stderr(&output).contains("held to plan"), "{}", stderr(&output));
     }
+    // The run's own trace is read by `plan --from-trace`: it has no stage window to measure, so
+    // the plan keeps the file's working memory.
+    let traces: Vec<PathBuf> = fs::read_dir(scene.home().join("traces")).unwrap().flatten().map(|d| d.path()).collect();
+    assert_eq!(traces.len(), 2, "{traces:?}");
+    let output = scene.output(&["plan", file, "--from-trace", traces[0].to_str().unwrap()]);
+    assert!(output.status.success(), "{}", stderr(&output));
     // A file that does not load is refused before joining.
     let output = scene.output(&["run", "--plan", "missing.toml", "--", "true"]);
     refused_in_one_line(&output, "missing.toml");
