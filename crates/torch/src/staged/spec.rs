@@ -360,9 +360,12 @@ impl ModelSpec {
     /// makes one tensor per constant the package expects and the registry fills them from the
     /// checkpoint (a load draws no random number, so it may be prefetched); release frees them
     /// in place and reload refills them in place, and the next run registers them with the
-    /// runner again. Errors name the file: a package for another CPU or device, a checkpoint
-    /// without a constant or with one of another shape or dtype ([`crate::pt2::Pt2Error`],
-    /// inside [`StageError::LoaderFailed`](crate::StageError::LoaderFailed)).
+    /// runner again. Exported the ordinary way or by the helper, it is checked as strictly:
+    /// errors name the file, for a package for another machine, CPU or device, one whose weights
+    /// are inside its library, a checkpoint without a constant or with one of another shape (as
+    /// the package records it) or dtype ([`crate::pt2::Pt2Error`], inside
+    /// [`StageError::LoaderFailed`](crate::StageError::LoaderFailed)); checkpoint entries no
+    /// constant reads are listed as unused in the load report.
     ///
     /// ```no_run
     /// # use stageload::{ModelSpec, StagedModels};
