@@ -112,7 +112,8 @@ impl Scene {
         let mut names: Vec<String> = listing
             .flatten()
             .map(|d| d.file_name().to_string_lossy().into_owned())
-            .filter(|n| n.ends_with(".json") && n != "owners.json")
+            // Tickets only (`<joined ns>-<pid>.json`), not a writer's `.tmp-` file or owners.json.
+            .filter(|n| n.ends_with(".json") && n.starts_with(|c: char| c.is_ascii_digit()))
             .collect();
         names.sort();
         names
@@ -393,9 +394,9 @@ fn refused_in_one_line(output: &Output, words: &str) {
 #[test]
 fn bad_input_is_one_line_and_exit_2() {
     let scene = Scene::new("bad");
-    for lane in ["a/b", "..", "../x", ""] {
+    for lane in ["a/b", "..", "../x", "", "a\nb"] {
         let output = scene.output(&["run", "--lane", lane, "--", "true"]);
-        let name = if lane.is_empty() { "the lane name is empty".to_string() } else { format!("lane '{lane}'") };
+        let name = if lane.is_empty() { "the lane name is empty".to_string() } else { format!("lane {lane:?}") };
         refused_in_one_line(&output, &name);
         refused_in_one_line(&scene.output(&["queue", "--lane", lane]), &name);
     }
@@ -534,6 +535,23 @@ fn a_run_that_declares_nothing_does_not_start_beside_declared_ones() {
         assert_eq!(run.finish().status.code(), Some(0));
     }
     assert_eq!(scene.order(), ["a start", "a end", "b start", "b end", "c start", "c end"]);
+}
+
+#[test]
+fn declared_runs_pack_beside_each_other_whatever_busy_txt_names() {
+    let scene = Scene::new("pack-busy");
+    fs::create_dir_all(scene.home()).unwrap();
+    // An engine pattern that names the first run's own command: a declared run is held to its
+    // plan, not to the busy patterns (as guard --plan skips --busy).
+    fs::write(scene.home().join("busy.txt"), "a start\n").unwrap();
+    let mut first = scene.run(&["--who", "a", "--memory", "64M"], &gated("a", "go"));
+    scene.until("a runs", || scene.order().len() == 1);
+    let mut second = scene.run(&["--who", "b", "--memory", "64M"], &gated("b", "go"));
+    scene.until("b runs beside a", || scene.order().len() == 2);
+    fs::write(scene.path("go"), "").unwrap();
+    for run in [&mut first, &mut second] {
+        assert_eq!(run.finish().status.code(), Some(0));
+    }
 }
 
 /// A pipeline of two 1 MiB f32 models used in turn, written into the scene's folder.

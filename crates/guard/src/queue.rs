@@ -40,7 +40,7 @@ pub enum LaneError {
     #[error("the lane name is {0} characters long: at most {LANE_MAX}")]
     TooLong(usize),
     /// Not one plain folder name.
-    #[error("lane '{0}' is not a plain folder name: use letters, digits, '.', '_' and '-' (no '/', not '.' or '..')")]
+    #[error("lane {0:?} is not a plain folder name: use letters, digits, '.', '_' and '-' (no '/', not '.' or '..')")]
     NotAName(String),
 }
 
@@ -483,7 +483,8 @@ mod tests {
             let error = Lane::parse(bad).unwrap_err();
             assert!(matches!(error, LaneError::NotAName(_)), "{bad:?}: {error}");
         }
-        assert!(Lane::parse("a/b").unwrap_err().to_string().starts_with("lane 'a/b' is not a plain folder name"));
+        assert!(Lane::parse("a/b").unwrap_err().to_string().starts_with("lane \"a/b\" is not a plain folder name"));
+        assert!(!Lane::parse("a\nb").unwrap_err().to_string().contains('\n'), "one line, whatever the name holds");
     }
 
     #[test]

@@ -92,6 +92,9 @@ fn read_small(path: &Path) -> io::Result<String> {
     Ok(text)
 }
 
+/// What `owners.json` is written as before it is renamed over it, followed by the writer's pid.
+const OWNERS_ASIDE: &str = ".owners-";
+
 /// Writes `data` beside `path` and renames it into place: a reader sees the old file or the new
 /// one, never half of one.
 fn write_atomic(path: &Path, data: &[u8]) -> io::Result<()> {
@@ -301,8 +304,17 @@ pub struct Live {
 pub fn look(pid: i32) -> Seen {
     #[cfg(target_os = "linux")]
     {
-        let Ok(stat) = fs::read_to_string(format!("/proc/{pid}/stat")) else {
-            return Seen::Gone;
+        let stat = match fs::read_to_string(format!("/proc/{pid}/stat")) {
+            Ok(stat) => stat,
+            Err(error) if error.kind() == io::ErrorKind::NotFound => return Seen::Gone,
+            // Not readable here (hidepid, no file handles left): alive unless the kernel says
+            // there is no such process, never removed on a reading that failed.
+            Err(_) => {
+                return match nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), None) {
+                    Err(Errno::ESRCH) => Seen::Gone,
+                    _ => Seen::Alive { start_time: None },
+                }
+            }
         };
         // Fields after the command name, which may hold spaces and parentheses: state is the
         // first, the start time the 20th.
@@ -344,13 +356,20 @@ impl LaneDir {
         read_small(&self.owners_path()).ok().and_then(|text| serde_json::from_str(&text).ok()).unwrap_or_default()
     }
 
-    /// Notes that `owner` started now (only the holder of the lane's lock writes it).
+    /// Notes that `owner` started now. Runs packed side by side hold the lane's lock together,
+    /// so the read and the write happen under [`hold_joins`](Self::hold_joins).
     pub fn note_start(&self, owner: &str, at_ns: u64) -> Result<(), QueueError> {
+        let _hold = self.hold_joins();
         let mut starts = self.last_starts();
         starts.insert(owner.to_string(), at_ns);
         let path = self.owners_path();
         let text = serde_json::to_vec(&starts).unwrap_or_default();
-        write_atomic(&path, &text).map_err(|source| QueueError::Write { path, source })
+        // Written aside under this run's pid (two writers never share one file, should the hold
+        // not be had), then renamed over the file whole.
+        let aside = self.path.join(format!("{OWNERS_ASIDE}{}.json", std::process::id()));
+        fs::write(&aside, &text)
+            .and_then(|()| fs::rename(&aside, &path))
+            .map_err(|source| QueueError::Write { path, source })
     }
 
     /// The lane's live entries, oldest first; entries of processes that are gone (or whose pid
@@ -364,6 +383,13 @@ impl LaneDir {
             let name = item.file_name().to_string_lossy().into_owned();
             if let Some(ticket) = name.strip_prefix(".tmp-").and_then(Ticket::parse) {
                 if look(ticket.pid) == Seen::Gone {
+                    let _ = fs::remove_file(item.path());
+                }
+                continue;
+            }
+            let aside = name.strip_prefix(OWNERS_ASIDE).and_then(|rest| rest.strip_suffix(".json"));
+            if let Some(writer) = aside.and_then(|pid| pid.parse::<i32>().ok()) {
+                if look(writer) == Seen::Gone {
                     let _ = fs::remove_file(item.path());
                 }
                 continue;

@@ -174,8 +174,9 @@ fn queued(args: RunArgs) -> Result<i32, Refused> {
     let (request, held) = declared(args.plan.as_deref(), args.eager, args.memory, args.trace.as_deref(), &mut config)?;
     let home = Home::from_env()?;
     let dir = home.lane(&lane)?;
-    if lane.as_str() == DEFAULT_LANE {
-        // The engines that fill the memory, named once for every session.
+    if lane.as_str() == DEFAULT_LANE && request.is_none() {
+        // The engines that fill the memory, named once for every session (a run that declares
+        // what it holds is held to that instead, as guard --plan skips --busy).
         config.busy.extend(home.busy_patterns()?);
     }
     let lock = dir.lock_file()?;
@@ -247,6 +248,8 @@ fn queued(args: RunArgs) -> Result<i32, Refused> {
             None
         }
     });
+    // The history and the last line name a trace only where one is written.
+    let trace = trace.filter(|_| metered.is_some());
     let message = format!("start in lane {} after {:.0} s", lane, waited.as_secs_f64());
     log.record(
         "queue_start",
