@@ -494,8 +494,9 @@ impl Drop for Joined {
 /// The lane's lock file. The lock is an `flock` on it: it belongs to the open file, so the
 /// command, which inherits the open file, keeps the lane taken after this process is gone, and
 /// it is let go only when every process holding the file has closed it (by exiting). Never
-/// unlocked explicitly: an unlock would free the lane for everyone sharing the open file, the
-/// command's surviving processes included.
+/// unlocked explicitly once the command may hold it: an unlock would free the lane for everyone
+/// sharing the open file, the command's surviving processes included ([`let_go`](Self::let_go)
+/// is for a lock taken and not passed on).
 pub struct LaneLock {
     file: File,
     path: PathBuf,
@@ -517,6 +518,13 @@ impl LaneLock {
             Err(Errno::EWOULDBLOCK) => Ok(false),
             Err(error) => Err(format!("cannot lock {}: {error}", self.path.display())),
         }
+    }
+
+    /// Lets go of a lock this run took and has not passed on yet (a look that cannot say it
+    /// holds the lane must not keep it).
+    pub fn let_go(&self) {
+        #[allow(deprecated)]
+        let _ = nix::fcntl::flock(self.file.as_raw_fd(), FlockArg::Unlock);
     }
 
     /// Lets the next program this process starts inherit the open lock file (clears its
@@ -560,12 +568,24 @@ impl LaneFiles for LaneView<'_> {
     }
 
     fn try_lock(&mut self, hold: Hold) -> Result<bool, String> {
+        // Without the join hold a run joining now could be missed, and runs sharing the lane
+        // could both find room: this look takes nothing, the next one tries again.
+        if self.hold.is_none() {
+            return Err(format!(
+                "{} was not had within a second; looking again",
+                self.dir.path.join("join.lock").display()
+            ));
+        }
         let taken = self.lock.try_lock(hold)?;
         if taken {
             // Still under the join hold: the next look sees this run holding the lane.
             self.file.state = FileState::Starting { took_ns: now_ns() };
             self.file.waits_for = Some("room (the guard's admission)".to_string());
-            self.joined.write(&self.file).map_err(|e| e.to_string())?;
+            if let Err(error) = self.joined.write(&self.file) {
+                // Not said in its entry, so not held: the others could not see it.
+                self.lock.let_go();
+                return Err(error.to_string());
+            }
         }
         Ok(taken)
     }
