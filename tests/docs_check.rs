@@ -37,10 +37,6 @@ const MEASURED_HEADING: &str = "## What it is measured to do";
 /// File extensions that are source code, not results: none may live under `traces/`.
 const SOURCE_EXTENSIONS: [&str; 9] = ["c", "h", "cc", "cpp", "py", "sh", "rs", "patch", "diff"];
 
-/// The source files `traces/` may still hold, each with its reason: the queue's driver, being
-/// written by its owner while this check was (issue 71); its place is `crates/bench/python/`.
-const TRACE_SOURCES_ALLOWED: [&str; 1] = ["traces/queue/bench.py"];
-
 /// The languages of fenced blocks whose lines are commands.
 const SHELL: [&str; 4] = ["sh", "bash", "shell", "console"];
 
@@ -542,7 +538,6 @@ fn traces_hold_results_and_no_source_files() {
         .iter()
         .filter(|path| path.extension().is_some_and(|ext| SOURCE_EXTENSIONS.iter().any(|s| ext == *s)))
         .map(|path| path.display().to_string())
-        .filter(|path| !TRACE_SOURCES_ALLOWED.contains(&path.as_str()))
         .collect();
     assert!(
         sources.is_empty(),

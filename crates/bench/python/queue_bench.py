@@ -8,7 +8,7 @@ write), total wall time, peak memory (the most MemAvailable fell below its level
 batch, sampled every 50 ms: other users of this shared machine move it too), exit codes (none
 stopped: all 0).
 
-Usage: python3 traces/queue/bench.py target/debug/stageload > traces/queue/bench.json
+Usage: python3 crates/bench/python/queue_bench.py target/debug/stageload > traces/queue/bench.json
 """
 
 import json
