@@ -11,12 +11,12 @@
 //! place. So release and reload in place work as for any model, and a run after a reload
 //! registers the refilled constants again (the runner caches their addresses).
 //!
-//! Checked at load, before the package's compiled code is loaded or run ([`target`]): the
+//! Checked at load, before the package's compiled code is loaded or run (`pt2/target.rs`): the
 //! platform and machine it was compiled for, and the instructions its code needs
 //! (`stageload.target`, recorded by the export helper, or libtorch's own `AOTI_CPU_ISA`), against
 //! this one (a clear error instead of an illegal instruction or a library that will not load),
-//! its device kind against the model's, that its weights are not inside its library ([`record`]),
-//! and every constant against the checkpoint: present (a non-persistent buffer is easy to leave
+//! its device kind against the model's, that its weights are not inside its library
+//! (`pt2/record.rs`), and every constant against the checkpoint: present (a non-persistent buffer is easy to leave
 //! out; libtorch would warn and then crash), of the dtype and the shape the package was compiled
 //! for (the shape as the package records it for its runner, so a transposed weight of the right
 //! size is refused). The checkpoint may hold entries no constant reads (`ep.state_dict`'s
