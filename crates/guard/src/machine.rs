@@ -47,6 +47,19 @@ pub trait Clock {
     fn sleep(&mut self, duration: Duration);
 }
 
+/// Time that moves only when slept (tests of the pure rules: admission, the queue's wait).
+#[derive(Debug, Default)]
+pub struct FakeClock(pub Duration);
+
+impl Clock for FakeClock {
+    fn now(&self) -> Duration {
+        self.0
+    }
+    fn sleep(&mut self, duration: Duration) {
+        self.0 += duration;
+    }
+}
+
 /// The monotonic clock and real sleeps.
 pub struct SystemClock(Instant);
 

@@ -441,6 +441,7 @@ pub fn wait_turn(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::machine::FakeClock;
 
     fn ticket(joined_ns: u64, pid: i32) -> Ticket {
         Ticket { joined_ns, pid }
@@ -647,16 +648,6 @@ mod tests {
             assert_eq!(self.holding, 1, "locked under the hold");
             self.locks_tried += 1;
             Ok(self.lock_free)
-        }
-    }
-
-    struct FakeClock(Duration);
-    impl Clock for FakeClock {
-        fn now(&self) -> Duration {
-            self.0
-        }
-        fn sleep(&mut self, duration: Duration) {
-            self.0 += duration;
         }
     }
 

@@ -64,11 +64,14 @@ pub fn run_guarded_with_env(
     match wait_for_room(config, readings, clock, log, signals) {
         Admitted::Start(memory) => run_admitted(command, env, &memory, config, readings, clock, log, signals),
         Admitted::NoRoom(_) => Outcome::NoRoom,
-        Admitted::Signal(signal) => {
-            log.note("signal", &format!("got {} before starting the command", signal_name(signal)), None);
-            Outcome::GuardSignal(signal)
-        }
+        Admitted::Signal(signal) => signalled_before_start(signal, log),
     }
+}
+
+/// The ending of a run that got `signal` before its command started, said in the log.
+pub fn signalled_before_start(signal: i32, log: &mut GuardLog) -> Outcome {
+    log.note("signal", &format!("got {} before starting the command", signal_name(signal)), None);
+    Outcome::GuardSignal(signal)
 }
 
 /// The part of [`run_guarded_with_env`] after admission: starts `command` now and watches it,

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use regex::Regex;
 use stageload_guard::{
-    run_guarded, Clock, GuardConfig, GuardLog, LimitFrom, Outcome, Readings, Signals, Stop, SystemClock,
+    run_guarded, Clock, FakeClock, GuardConfig, GuardLog, LimitFrom, Outcome, Readings, Signals, Stop, SystemClock,
 };
 use stageload_probe::{ProbeError, ProcessEntry, SystemMemory};
 use stageload_units::GIB;
@@ -69,19 +69,6 @@ impl Readings for Scripted {
         } else {
             Ok(self.tables.remove(0))
         }
-    }
-}
-
-/// Time that moves only when the guard sleeps: for admission alone (a watched command runs in
-/// real time, so its tests use the real clock).
-struct FakeClock(Duration);
-
-impl Clock for FakeClock {
-    fn now(&self) -> Duration {
-        self.0
-    }
-    fn sleep(&mut self, duration: Duration) {
-        self.0 += duration;
     }
 }
 

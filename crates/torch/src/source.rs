@@ -60,11 +60,6 @@ impl FileStamp {
         std::fs::metadata(path).map(|m| FileStamp::from(&m))
     }
 
-    /// The file's size in bytes.
-    pub fn size(&self) -> u64 {
-        self.size
-    }
-
     /// What differs in `self` from the `earlier` stamp of the same path; `None`: nothing.
     pub fn change_since(&self, earlier: &FileStamp) -> Option<FileChange> {
         if (self.device, self.inode) != (earlier.device, earlier.inode) {

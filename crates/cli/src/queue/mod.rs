@@ -21,7 +21,8 @@ use clap::Args;
 use serde_json::json;
 use stageload_guard::queue::{self as rules, wait_turn, Asking, Lane, Turn, DEFAULT_LANE};
 use stageload_guard::{
-    exit, run_admitted, wait_for_room, Admitted, Clock, GuardConfig, Outcome, Readings, SystemClock,
+    exit, run_admitted, signalled_before_start, wait_for_room, Admitted, Clock, GuardConfig, Outcome, Readings,
+    SystemClock,
 };
 use stageload_plan::request::Mode;
 use stageload_probe::{ProbeError, ProcessEntry};
@@ -210,11 +211,7 @@ fn queued(args: RunArgs) -> Result<i32, Refused> {
     match turn {
         Turn::Taken(_) => {}
         Turn::NoTurn(_) => return Ok(exit::NO_ROOM),
-        Turn::Signal(signal) => {
-            let name = stageload_guard::signals::name(signal);
-            log.note("signal", &format!("got {name} before starting the command"), None);
-            return Ok(Outcome::GuardSignal(signal).exit_code());
-        }
+        Turn::Signal(signal) => return Ok(signalled_before_start(signal, &mut log).exit_code()),
     }
     // One --start-timeout from joining to the start.
     config.start_timeout = config.start_timeout.saturating_sub(clock.now());
@@ -222,11 +219,7 @@ fn queued(args: RunArgs) -> Result<i32, Refused> {
     let at_start = match wait_for_room(&config, &mut readings, &mut clock, &mut log, &signals) {
         Admitted::Start(memory) => memory,
         Admitted::NoRoom(_) => return Ok(exit::NO_ROOM),
-        Admitted::Signal(signal) => {
-            let name = stageload_guard::signals::name(signal);
-            log.note("signal", &format!("got {name} before starting the command"), None);
-            return Ok(Outcome::GuardSignal(signal).exit_code());
-        }
+        Admitted::Signal(signal) => return Ok(signalled_before_start(signal, &mut log).exit_code()),
     };
     let waited = clock.now();
     let started_ns = home::now_ns();
