@@ -11,6 +11,7 @@
 #   STAGELOAD_SD_SMALL (printed) the small Stable Diffusion export (text_encoder/unet/vae_decoder .pt)
 #   STAGELOAD_SHAP_E_SMALL (printed) the small Shap-E export (image_encoder/prior/renderer .pt)
 #   STAGELOAD_WAN_SMALL (printed) the small Wan2.1 export (text_encoder/transformer/vae_decoder .pt)
+#   STAGELOAD_ORIGINAL (printed) the original Python stageload 0.1.1, a folder for PYTHONPATH
 set -euo pipefail
 log() { echo "setup-reference: $*" >&2; }
 python=${STAGELOAD_PYTHON:?run scripts/setup-libtorch.sh first (eval its output): it sets STAGELOAD_PYTHON}
@@ -85,3 +86,19 @@ if [[ ! -f "$pt2/done" ]]; then
     mv "$pt2.tmp" "$pt2"
 fi
 echo "export STAGELOAD_PT2_FIXTURES='$pt2'"
+
+# The original Python stageload, which the Python package (crates/python) keeps the API of and is
+# measured against: installed into a folder of its own, not into the torch environment, whose bin/
+# is on PATH (its `stageload` command would stand before this project's). Tests and benchmarks put
+# the folder on PYTHONPATH.
+ORIGINAL_VERSION=0.1.1
+original="$cache/original-stageload-$ORIGINAL_VERSION"
+if [[ ! -f "$original/stageload-$ORIGINAL_VERSION.dist-info/METADATA" ]]; then
+    log "installing the original stageload==$ORIGINAL_VERSION into $original (once per machine)"
+    rm -rf "$original"
+    if ! "$python" -m pip install --disable-pip-version-check --no-cache-dir -q --no-deps --target "$original" "stageload==$ORIGINAL_VERSION" >&2; then
+        log "could not install stageload==$ORIGINAL_VERSION from the Python package registry; the Python package's tests compare with it."
+        exit 1
+    fi
+fi
+echo "export STAGELOAD_ORIGINAL='$original'"

@@ -167,6 +167,8 @@ mod guide {
     struct Pipelines;
     #[doc = include_str!("../../../docs/plans.md")]
     struct Plans;
+    #[doc = include_str!("../../../docs/python.md")]
+    struct Python;
     #[doc = include_str!("../../../docs/setup.md")]
     struct Setup;
     #[doc = include_str!("../../../docs/staging.md")]

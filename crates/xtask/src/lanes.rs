@@ -2,9 +2,11 @@
 //! torch-free crates (named here: the workspace's default members include the library too, so
 //! that `cargo run --example NAME` works at the root); the macOS readings compile-checked for
 //! Apple silicon; the torch-free tests.
-//! Then, unless `--torch-free`: libtorch, the reference packages and Ray set up (installed on
-//! first use), clippy of the whole workspace, the tests of every crate that links libtorch, and
-//! the docs lane (every crate's documentation, broken links and bad markup refused).
+//! Then, unless `--torch-free`: libtorch, the reference packages, Ray and the Python package set
+//! up (installed on first use), clippy of the whole workspace, the tests of every crate that
+//! links libtorch, the docs lane (every crate's documentation, broken links and bad markup
+//! refused), and the Python lane (the Python package's formatting, clippy and ruff, and its
+//! tests under pytest).
 
 use crate::shell::{free_bytes, Error, Setup, Shell};
 use stageload_units::format_bytes;
@@ -52,11 +54,32 @@ fn lanes(shell: &mut Shell, torch_free_only: bool, args: &[String]) -> Result<()
     if torch_free_only {
         return Ok(());
     }
-    shell.set_up(&[Setup::Libtorch, Setup::Reference, Setup::Ray])?;
+    shell.set_up(&[Setup::Libtorch, Setup::Reference, Setup::Ray, Setup::Python])?;
     shell.run(&mut shell.cargo(&["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"]))?;
     let packages = TORCH.iter().flat_map(|p| ["-p", p]);
     shell.run(shell.cargo(&["test", "--no-fail-fast"]).args(packages).args(&args))?;
-    shell.run(shell.cargo(&["doc", "--workspace", "--no-deps", "--quiet"]).env("RUSTDOCFLAGS", "-D warnings"))
+    shell.run(shell.cargo(&["doc", "--workspace", "--no-deps", "--quiet"]).env("RUSTDOCFLAGS", "-D warnings"))?;
+    python_lane(shell)
+}
+
+/// The Python package (crates/python, a workspace of its own built into target/python by
+/// `scripts/setup-python.sh`): rustfmt and clippy of its crate, ruff's lint and formatting of its
+/// Python, then its tests under pytest with the torch environment's Python (and the CLI, which
+/// they read a trace back with).
+fn python_lane(shell: &Shell) -> Result<(), Error> {
+    let manifest = ["--manifest-path", "crates/python/Cargo.toml"];
+    shell.run(shell.cargo(&["fmt", "--check"]).args(manifest))?;
+    let target = shell.target("python");
+    let clippy = ["clippy", "--release", "--all-targets", "--", "-D", "warnings"];
+    shell.run(shell.cargo(&clippy[..1]).args(manifest).args(&clippy[1..]).env("CARGO_TARGET_DIR", &target))?;
+    let ruff = shell.var("STAGELOAD_RUFF").ok_or("scripts/setup-python.sh printed no STAGELOAD_RUFF")?;
+    shell.run(&mut shell.cmd(&ruff, &["check", "--quiet", "crates/python"]))?;
+    shell.run(&mut shell.cmd(&ruff, &["format", "--check", "--quiet", "crates/python"]))?;
+    // The tests read a trace back with the CLI (built by the torch-free lane's tests already).
+    shell.run(&mut shell.cargo(&["build", "--quiet", "-p", "stageload-cli", "--bin", "stageload"]))?;
+    let python = shell.var("STAGELOAD_PYTHON").ok_or("scripts/setup-libtorch.sh printed no STAGELOAD_PYTHON")?;
+    let pytest = ["-m", "pytest", "-q", "-p", "no:cacheprovider", "crates/python/tests"];
+    shell.run(shell.cmd(&python, &pytest).env("STAGELOAD_CLI", shell.target("debug/stageload")))
 }
 
 /// The macOS readings (crates/probe/src/macos.rs) compile-checked for Apple silicon, where the

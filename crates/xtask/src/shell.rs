@@ -27,6 +27,9 @@ pub enum Setup {
     /// `scripts/setup-load-peers.sh`: the load benchmark's loader peers, pinned, in their own
     /// environment over the torch one (needs `Libtorch` first).
     LoadPeers,
+    /// `scripts/setup-python.sh`: the Python package (crates/python) built and installed into the
+    /// torch environment, with pytest, maturin and ruff (needs `Libtorch` first).
+    Python,
 }
 
 impl Setup {
@@ -36,6 +39,7 @@ impl Setup {
             Setup::Reference => "scripts/setup-reference.sh",
             Setup::Ray => "scripts/setup-ray.sh",
             Setup::LoadPeers => "scripts/setup-load-peers.sh",
+            Setup::Python => "scripts/setup-python.sh",
         }
     }
 }

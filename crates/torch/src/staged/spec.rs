@@ -277,7 +277,8 @@ pub(crate) enum Init {
     /// [`ModelSpec::skip_init`]: built without initial values; the checkpoint writes every
     /// weight (a load leaving one out is refused, whatever the name rules).
     Skipped,
-    /// Read from a file by the loader ([`ModelSpec::torchscript`]): nothing is drawn, and a
+    /// Read from a file by the loader ([`ModelSpec::torchscript`],
+    /// [`ModelSpec::loader_reads_checkpoint`]): nothing is drawn, and a
     /// declared checkpoint is only checked against the model after a build (it refills the
     /// model after a release).
     Deserialized,
@@ -421,6 +422,16 @@ impl ModelSpec {
     /// whether a mismatch is an error (default: same names, nothing ignored, strict).
     pub fn names(mut self, rules: NameRules) -> Self {
         self.names = rules;
+        self
+    }
+
+    /// Says that the loader reads the model's weights itself from the declared checkpoint (as
+    /// Python's `from_pretrained` does): a build draws nothing, so it may be prefetched, and the
+    /// checkpoint is checked against the built model (names, shapes, dtypes) without being copied
+    /// again; after a release it refills the model in place. The checkpoint must be the files the
+    /// loader reads: they are the ones a reload comes back from.
+    pub fn loader_reads_checkpoint(mut self) -> Self {
+        self.init = Init::Deserialized;
         self
     }
 

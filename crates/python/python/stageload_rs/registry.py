@@ -1,0 +1,263 @@
+"""StagedModels: a pipeline's models, only the current stage's in memory, kept by the Rust
+registry.
+
+The registry holds the Python modules themselves. A release frees their parameter and buffer
+storages in place (the memory goes back to the OS while the pipeline still holds the modules);
+a model with a checkpoint comes back into the same module objects, refilled from safetensors,
+with no rebuild and no random draw. Everything else (building, rebuilding, prefetching, the host
+tier, snapshots, the memory meter) is the core's, as in the Rust API.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from . import _native
+from .events import Event, EventSink
+from .meter import MemoryMeter
+from .release import guard, unguard
+from .rng import PythonGenerators
+
+if TYPE_CHECKING:
+    from torch import nn
+
+Loader = Callable[[], "nn.Module"]
+_NO_DEFAULT = object()
+
+
+def _names_known(what: str, names: Iterable[str], known: Mapping[str, Any]) -> None:
+    unknown = sorted(set(names) - known.keys())
+    if unknown:
+        raise KeyError(f"{what} name models that have no loader: {unknown}")
+
+
+class StagedModels(MutableMapping[str, "nn.Module"]):
+    """Holds a pipeline's models; only the models the current stage needs stay in memory.
+
+    ``models[name]`` loads a model the first time it is asked for. ``enter(stage)`` releases
+    every loaded model that the stage does not list and that is not pinned. Membership tests,
+    ``len`` and iteration over names never load anything, and ``values()``/``items()`` only
+    yield models that are loaded right now. With ``preserve_rng`` (the default) a build leaves
+    torch's CPU, CUDA and MPS generators, Python's ``random`` and NumPy's global generator where
+    they were, so a model built in the middle of a seeded run does not change its noise.
+
+    ``models[name] = module`` stores a module that has no loader: once released, it stays gone.
+    ``del models[name]`` and ``clear()`` release without loading anything. ``pop`` and
+    ``popitem`` hand a model over: loaded first if it was not, and forgotten without a release.
+
+    What the Rust core adds, as keywords:
+
+    - ``checkpoints={name: [files]}``: the model's safetensors files (its state-dict names). They
+      fill the model after its build, and a released model comes back from them in place: the
+      same module and ``Parameter`` objects, no loader call, nothing drawn. A file changed since
+      the model's first load is refused (:class:`~stageload_rs.SourceChangedError`).
+    - ``loader_reads_checkpoint=[names]``: those loaders read their checkpoint themselves (as
+      ``from_pretrained`` does): it is checked against the model, not copied again.
+    - ``skip_init=[names]``: those models are built without initial values (torch's random and
+      constant fills are skipped while their loader runs); every weight comes from the checkpoint.
+    - ``prefetch=True``: entering a stage starts loading the next stage's models in the
+      background (only loads that draw no random number: refills, and builds of the two above).
+    - ``host_tier=bytes``: released models keep a copy in host memory within that budget and come
+      back from it (for models on a GPU).
+    - ``snapshots=folder``: a model with no checkpoint is written there at its first release and
+      comes back from that file, not from its loader.
+    - ``strict=True``: asking for a model outside a stage that lists it is an error.
+    - ``events=MemoryMeter(path)``: the trace in the project's schema (``stageload summary``,
+      ``plot`` and ``plan --from-trace`` read it); any other sink gets :class:`Event` objects.
+    """
+
+    def __init__(
+        self,
+        loaders: Mapping[str, Loader],
+        *,
+        stages: Mapping[str, Iterable[str]],
+        pinned: Iterable[str] = (),
+        events: EventSink | None = None,
+        preserve_rng: bool = True,
+        checkpoints: Mapping[str, Sequence[str | os.PathLike[str]]] | None = None,
+        loader_reads_checkpoint: Iterable[str] = (),
+        skip_init: Iterable[str] = (),
+        prefetch: bool = False,
+        host_tier: int | None = None,
+        snapshots: str | os.PathLike[str] | None = None,
+        strict: bool = False,
+    ) -> None:
+        stages = {stage: list(names) for stage, names in stages.items()}
+        pinned = list(pinned)
+        checkpoints = {
+            name: [os.fspath(f) for f in files] for name, files in (checkpoints or {}).items()
+        }
+        reads, skips = set(loader_reads_checkpoint), set(skip_init)
+        _names_known("stages", (n for names in stages.values() for n in names), loaders)
+        _names_known("pinned models", pinned, loaders)
+        _names_known("checkpoints", checkpoints, loaders)
+        _names_known("loader_reads_checkpoint", reads, loaders)
+        _names_known("skip_init", skips, loaders)
+        for name in sorted((reads | skips) - checkpoints.keys()):
+            raise ValueError(f"model {name!r} is built without its weights: give it checkpoints=")
+        for name in sorted(reads & skips):
+            raise ValueError(f"model {name!r} is in both loader_reads_checkpoint and skip_init")
+        for name, files in checkpoints.items():
+            for file in files:
+                if not os.path.isfile(file):
+                    raise FileNotFoundError(f"checkpoint of model {name!r}: no file {file}")
+        for name, loader in loaders.items():
+            if not callable(loader):
+                raise TypeError(
+                    f"the loader of model {name!r} is a {type(loader).__name__}, not a callable"
+                )
+
+        def init(name: str) -> str:
+            return "reads" if name in reads else "skip" if name in skips else "loader"
+
+        self._events = events
+        # every module object handed out or given, by model: the one a release guards
+        self._modules: dict[str, nn.Module] = {}
+        meter = events.native() if isinstance(events, MemoryMeter) else None
+        # the registry calls back through a weak reference: a strong one would be a cycle through
+        # the Rust object, which Python's collector cannot see, and the models would never go
+        me = weakref.ref(self)
+
+        def on_event(line: str) -> None:
+            staged = me()
+            if staged is not None:
+                staged._on_event(line)
+
+        self._registry = _native.Registry(
+            [
+                (name, loader, checkpoints.get(name, []), init(name))
+                for name, loader in loaders.items()
+            ],
+            list(stages.items()),
+            pinned=pinned,
+            preserve_rng=preserve_rng,
+            generators=PythonGenerators() if preserve_rng else None,
+            events=on_event,
+            meter=meter,
+            prefetch=prefetch,
+            host_tier=host_tier,
+            snapshots=os.fspath(snapshots) if snapshots is not None else None,
+            strict=strict,
+        )
+
+    def _on_event(self, line: str) -> None:
+        """The registry's events (called from the thread that did the work): a released module
+        is guarded, one refilled in place unguarded; then the user's sink hears of it."""
+        event = Event.from_line(line)
+        module = self._modules.get(event.name) if event.name is not None else None
+        if module is not None:
+            if event.kind == "release":
+                guard(module, event.name, event.stage)
+            elif event.kind == "load" or (
+                event.kind == "reload" and event.fields.get("from") != "rebuilt"
+            ):
+                unguard(module)
+        if self._events is not None and not isinstance(self._events, MemoryMeter):
+            self._events.emit(event)
+
+    def __getitem__(self, name: str) -> nn.Module:
+        module = self._registry.get(name)
+        self._modules[name] = module
+        return module
+
+    def __setitem__(self, name: str, module: nn.Module) -> None:
+        if self._modules.get(name) is module and self._registry.state(name) == "resident":
+            return
+        self._registry.insert(name, module)
+        self._modules[name] = module
+
+    def __delitem__(self, name: str) -> None:
+        self._registry.remove(name)
+        self._modules.pop(name, None)
+
+    def pop(self, name: str, default: Any = _NO_DEFAULT) -> Any:
+        if name not in self._registry:
+            if default is _NO_DEFAULT:
+                raise KeyError(name)
+            return default
+        module = self._registry.take(name)
+        self._modules.pop(name, None)
+        return module
+
+    def popitem(self) -> tuple[str, nn.Module]:
+        names = self._registry.names()
+        if not names:
+            raise KeyError("popitem(): no models")
+        return names[-1], self.pop(names[-1])
+
+    def clear(self) -> None:
+        self.close()
+        for name in self._registry.names():
+            del self[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._registry.names())
+
+    def __len__(self) -> int:
+        return len(self._registry)
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and name in self._registry
+
+    def loaded(self) -> list[str]:
+        """The models holding their weights now (never loads)."""
+        return self._registry.resident()
+
+    def values(self) -> list[nn.Module]:  # type: ignore[override]
+        return [self[name] for name in self.loaded()]
+
+    def items(self) -> list[tuple[str, nn.Module]]:  # type: ignore[override]
+        return [(name, self[name]) for name in self.loaded()]
+
+    @property
+    def current_stage(self) -> str | None:
+        return self._registry.current_stage()
+
+    def enter(self, stage: str) -> None:
+        """Enters ``stage``: releases every loaded model it does not list and that is not pinned
+        (and, with ``prefetch``, starts loading the next stage's)."""
+        self._registry.enter(stage)
+
+    def pin(self, name: str) -> None:
+        self._registry.pin(name)
+
+    def unpin(self, name: str) -> None:
+        self._registry.unpin(name)
+
+    def close(self) -> None:
+        """Releases every loaded model, pinned ones too; the registry loads nothing after."""
+        self._registry.close()
+
+    def load(self, name: str) -> None:
+        """Loads (or brings back) ``name`` now, without handing it out."""
+        self._registry.load(name)
+
+    def prefetch(self, stage: str) -> list[str]:
+        """Starts loading ``stage``'s models in the background; returns those started."""
+        return self._registry.prefetch(stage)
+
+    def wait_prefetch(self, stage: str) -> None:
+        self._registry.wait_prefetch(stage)
+
+    def states(self) -> dict[str, str]:
+        """Each model's state: unloaded, loading, resident, release_pending, released, failed."""
+        return dict(self._registry.states())
+
+    def mark(self, label: str) -> None:
+        """A ``mark`` event with ``label`` (a line in the trace)."""
+        self._registry.mark(label)
+
+    def accept_changed_files(self, name: str) -> None:
+        """Takes ``name``'s changed checkpoint files as they are now, at its next load."""
+        self._registry.accept_changed_files(name)
+
+    def resident_bytes(self) -> int:
+        """Bytes of the distinct storages of every model holding weights."""
+        return self._registry.resident_bytes()
+
+    def host_tier(self) -> tuple[int, int] | None:
+        """The host tier's budget and the bytes its copies hold (``None``: no tier)."""
+        return self._registry.host_tier()

@@ -1,0 +1,62 @@
+"""What the Python package's tests share: small models, their checkpoints, and readings of this
+process's memory from /proc."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+
+def rss_bytes() -> int:
+    """This process's resident memory, exact (``Rss`` of /proc/self/smaps_rollup, in kB)."""
+    for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
+        if line.startswith("Rss:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("/proc/self/smaps_rollup has no Rss line")
+
+
+def storage_bytes(module: nn.Module) -> int:
+    """Bytes of the distinct storages of a module's parameters and buffers."""
+    storages = {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+        for t in module.state_dict().values()
+    }
+    return sum(storages.values())
+
+
+class Counted:
+    """A loader that counts its calls."""
+
+    def __init__(self, build: Callable[[], nn.Module]) -> None:
+        self.build = build
+        self.calls = 0
+
+    def __call__(self) -> nn.Module:
+        self.calls += 1
+        return self.build()
+
+
+def mlp(width: int = 16) -> nn.Module:
+    return nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 4))
+
+
+@pytest.fixture
+def saved(tmp_path: Path) -> Callable[[str, nn.Module], Path]:
+    """Writes a module's state dict as a safetensors file named after the model."""
+
+    def save(name: str, module: nn.Module) -> Path:
+        path = tmp_path / f"{name}.safetensors"
+        save_file({k: v.contiguous() for k, v in module.state_dict().items()}, str(path))
+        return path
+
+    return save
+
+
+@pytest.fixture(autouse=True)
+def seeded() -> None:
+    torch.manual_seed(0)
