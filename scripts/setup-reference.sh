@@ -8,7 +8,8 @@
 #
 #   STAGELOAD_PYTHON   the cached environment's python (set by scripts/setup-libtorch.sh)
 #   STAGELOAD_MINILM   (printed) the all-MiniLM-L6-v2 model folder
-#   STAGELOAD_SD_SMALL (printed) the small Stable Diffusion export (text_encoder/unet/vae_decoder .pt)
+#   STAGELOAD_SD_SMALL (printed) the small Stable Diffusion export (text_encoder/unet/vae_decoder .pt;
+#                      each export also as a diffusers folder, DIR/diffusers)
 #   STAGELOAD_SHAP_E_SMALL (printed) the small Shap-E export (image_encoder/prior/renderer .pt)
 #   STAGELOAD_WAN_SMALL (printed) the small Wan2.1 export (text_encoder/transformer/vae_decoder .pt)
 #   STAGELOAD_ORIGINAL (printed) the original Python stageload 0.1.1, a folder for PYTHONPATH
@@ -46,6 +47,15 @@ if ! "$python" "$here/reference/sd_export.py" --size small --out "$cache/sd-smal
     log "exporting the small Stable Diffusion into $cache/sd-small failed (see above); the Stable Diffusion tests need it."
     exit 1
 fi
+# Each small export also as a diffusers folder (DIR/diffusers, save_pretrained of the same weights),
+# which the Python package's diffusers tests load as a user would: seconds, once per version.
+diffusers_folder() {
+    if ! "$python" "$here/reference/diffusers_folder.py" --pipeline "$1" --components "$2" >&2; then
+        log "writing $2/diffusers failed (see above); the Python package's diffusers tests need it."
+        exit 1
+    fi
+}
+diffusers_folder sd "$cache/sd-small"
 echo "export STAGELOAD_SD_SMALL='$cache/sd-small'"
 
 # The small Shap-E (image to 3D) the Shap-E tests run against diffusers: exported once per
@@ -59,6 +69,7 @@ if ! "$python" "$here/reference/shap_e_pt2.py" --components "$cache/shap-e-small
     log "compiling the small Shap-E's image encoder and prior as AOTInductor packages failed (see above); the Shap-E .pt2 test needs them."
     exit 1
 fi
+diffusers_folder shap-e "$cache/shap-e-small"
 echo "export STAGELOAD_SHAP_E_SMALL='$cache/shap-e-small'"
 
 # The small Wan2.1 (text to video) the Wan tests run against diffusers: exported once per version of
@@ -67,6 +78,7 @@ if ! "$python" "$here/reference/wan_export.py" --size small --out "$cache/wan-sm
     log "exporting the small Wan2.1 into $cache/wan-small failed (see above); the Wan tests need it."
     exit 1
 fi
+diffusers_folder wan "$cache/wan-small"
 echo "export STAGELOAD_WAN_SMALL='$cache/wan-small'"
 
 # The AOTInductor packages the .pt2 tests load (tests/fixtures/pt2_modules.py through the export

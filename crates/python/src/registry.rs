@@ -19,9 +19,9 @@ use crate::meter::Meter;
 /// The model object the registry holds: the Python module.
 struct PyModel(Py<PyAny>);
 
-/// The module's parameters and buffers with their names (each tensor once: a tied weight under
-/// its first name), as `tch` tensors on the same `TensorImpl`s. Refuses anything but an
-/// `nn.Module`.
+/// The module's weights with their names (`stageload_rs.release.weights`: parameters and
+/// persistent buffers, each tensor once), as `tch` tensors on the same `TensorImpl`s. Refuses
+/// anything but an `nn.Module`.
 fn module_tensors(module: &Bound<'_, PyAny>, model: &str) -> PyResult<Vec<(String, tch::Tensor)>> {
     let py = module.py();
     let nn_module = py.import("torch.nn")?.getattr("Module")?;
@@ -32,14 +32,8 @@ fn module_tensors(module: &Bound<'_, PyAny>, model: &str) -> PyResult<Vec<(Strin
             format!("the loader of '{model}' returned a {type_name}, not a torch.nn.Module: return the module itself"),
         ));
     }
-    let mut tensors = Vec::new();
-    for method in ["named_parameters", "named_buffers"] {
-        for item in module.call_method0(method)?.try_iter()? {
-            let (name, tensor): (String, PyTensor) = item?.extract()?;
-            tensors.push((name, tensor.0));
-        }
-    }
-    Ok(tensors)
+    let weights = py.import("stageload_rs.release")?.getattr("weights")?.call1((module,))?;
+    weights.try_iter()?.map(|item| item?.extract::<(String, PyTensor)>().map(|(n, t)| (n, t.0))).collect()
 }
 
 /// What the registry is given for a module: the module and its tensors.

@@ -3,6 +3,13 @@ process's memory from /proc."""
 
 from __future__ import annotations
 
+import os
+
+# MKL's CPU matrix products round by the operands' addresses unless told not to; a reload in place
+# puts weights at other addresses than a first load, so the comparisons bit for bit need it (set
+# before torch's first product: torch is imported below)
+os.environ.setdefault("MKL_CBWR", "COMPATIBLE")
+
 from collections.abc import Callable
 from pathlib import Path
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from . import _native
 from .events import Event, EventSink
 from .meter import MemoryMeter
-from .release import guard, unguard
+from .release import guard, is_freed, unguard
 from .rng import PythonGenerators
 
 if TYPE_CHECKING:
@@ -116,6 +116,8 @@ class StagedModels(MutableMapping[str, "nn.Module"]):
         self._events = events
         # every module object handed out or given, by model: the one a release guards
         self._modules: dict[str, nn.Module] = {}
+        # the stage each model was last released at, for its guard's message
+        self._released_at: dict[str, str | None] = {}
         meter = events.native() if isinstance(events, MemoryMeter) else None
         # the registry calls back through a weak reference: a strong one would be a cycle through
         # the Rust object, which Python's collector cannot see, and the models would never go
@@ -144,23 +146,35 @@ class StagedModels(MutableMapping[str, "nn.Module"]):
         )
 
     def _on_event(self, line: str) -> None:
-        """The registry's events (called from the thread that did the work): a released module
-        is guarded, one refilled in place unguarded; then the user's sink hears of it."""
+        """The registry's events (called from the thread that did the work): a module released
+        or brought back is guarded or unguarded; then the user's sink hears of it."""
         event = Event.from_line(line)
-        module = self._modules.get(event.name) if event.name is not None else None
-        if module is not None:
-            if event.kind == "release":
-                guard(module, event.name, event.stage)
-            elif event.kind == "load" or (
-                event.kind == "reload" and event.fields.get("from") != "rebuilt"
-            ):
-                unguard(module)
+        if event.kind == "release" and event.name is not None:
+            self._released_at[event.name] = event.stage
+        if event.kind in ("release", "load", "reload") and event.name is not None:
+            self._settle(event.name)
         if self._events is not None and not isinstance(self._events, MemoryMeter):
             self._events.emit(event)
 
+    def _settle(self, name: str) -> None:
+        """Guards the module handed out as ``name`` while its weights are freed, and only then:
+        read from its storages when an event or a get comes, so an event told late (a
+        prefetch's, from its thread) cannot leave it wrong."""
+        module = self._modules.get(name)
+        if module is None:
+            return
+        if is_freed(module):
+            guard(module, name, self._released_at.get(name))
+        else:
+            unguard(module)
+
     def __getitem__(self, name: str) -> nn.Module:
         module = self._registry.get(name)
+        old = self._modules.get(name)
         self._modules[name] = module
+        if old is not None and old is not module:
+            guard(old, name, self._released_at.get(name))  # rebuilt: the old object stays released
+        self._settle(name)
         return module
 
     def __setitem__(self, name: str, module: nn.Module) -> None:

@@ -25,10 +25,28 @@ class ReleaseStats:
     kept: int
 
 
+def weights(module: nn.Module) -> list[tuple[str, Any]]:
+    """What the registry releases and refills of ``module``: its parameters and persistent
+    buffers under their state-dict names, each tensor once (a tied weight under its first name).
+    Non-persistent buffers are computed by the module, not weights: no checkpoint has them, so
+    they stay as the module made them."""
+    buffers = []
+    for name, buffer in module.named_buffers():
+        owner, _, attr = name.rpartition(".")
+        if attr not in module.get_submodule(owner)._non_persistent_buffers_set:
+            buffers.append((name, buffer))
+    return [*module.named_parameters(), *buffers]
+
+
 def _holds_freed(module: nn.Module) -> bool:
     """Whether a tensor of ``module``'s own (not its submodules') has lost its storage."""
     own = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
     return any(t.numel() > 0 and t.untyped_storage().nbytes() == 0 for t in own)
+
+
+def is_freed(module: nn.Module) -> bool:
+    """Whether any weight of ``module`` (or of its submodules) has lost its storage."""
+    return any(_holds_freed(sub) for sub in module.modules())
 
 
 def guard(module: nn.Module, name: str | None, stage: str | None) -> None:
@@ -44,19 +62,31 @@ def guard(module: nn.Module, name: str | None, stage: str | None) -> None:
     if not any(sub is module for sub in freed):
         freed.insert(0, module)
 
-    def refuse(_module: Any, _args: Any) -> None:
-        raise ReleasedModuleError(name, stage)
+    # the hooks go when the weights come back; a call already running its hooks when that
+    # happens (a stage hook before this one brought them back) finds the guard down
+    guard = _Guard([])
 
-    handles = [sub.register_forward_pre_hook(refuse) for sub in freed]
-    object.__setattr__(module, _GUARD, handles)
+    def refuse(_module: Any, _args: Any) -> None:
+        if guard.up:
+            raise ReleasedModuleError(name, stage)
+
+    guard.handles.extend(sub.register_forward_pre_hook(refuse) for sub in freed)
+    object.__setattr__(module, _GUARD, guard)
+
+
+class _Guard:
+    def __init__(self, handles: list[Any]) -> None:
+        self.handles = handles
+        self.up = True
 
 
 def unguard(module: nn.Module) -> None:
     """Takes :func:`guard`'s hooks off again (the module's weights are back)."""
-    handles = getattr(module, _GUARD, None)
-    if handles is None:
+    guard = getattr(module, _GUARD, None)
+    if guard is None:
         return
-    for handle in handles:
+    guard.up = False
+    for handle in guard.handles:
         handle.remove()
     object.__delattr__(module, _GUARD)
 

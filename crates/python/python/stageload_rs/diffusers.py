@@ -1,0 +1,249 @@
+"""A diffusers pipeline, staged as it is: one call, from its folder, its code untouched.
+
+``staged_pipeline(StableDiffusionPipeline, folder)`` gives the pipeline object diffusers would
+give, and the registry behind it. Each model component (the UNet, the VAE, the text encoder) is
+in the pipeline from the start as an empty module of its class, built from its config (its
+tensors allocated, not touched: no memory in use); the first call into it enters its stage and
+loads it with the class's own ``from_pretrained``, whose module it then becomes (the module's
+state moves into the object the pipeline holds). A release frees its storages in place; the next
+call refills them from the folder's safetensors files, into the same objects. The non-model
+components (tokenizers, schedulers, processors) load as diffusers loads them.
+
+Stages are entered on the components' own methods: the model's ``forward``, and for a VAE or a
+renderer the method the pipeline calls (``decode``, ``decode_to_image``). The three pipelines
+the project checks have their plan here (``PLANS``); any other takes ``stages=``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import warnings
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .hooks import on_call
+from .registry import StagedModels
+
+# (stage, component, the component's methods whose call enters the stage), in call order
+Stage = tuple[str, str, Sequence[str]]
+
+PLANS: dict[str, list[Stage]] = {
+    "StableDiffusionPipeline": [
+        ("encode", "text_encoder", ["forward"]),
+        ("denoise", "unet", ["forward"]),
+        ("decode", "vae", ["decode"]),
+    ],
+    "ShapEImg2ImgPipeline": [
+        ("encode", "image_encoder", ["forward"]),
+        ("denoise", "prior", ["forward"]),
+        ("decode", "shap_e_renderer", ["decode_to_image", "decode_to_mesh"]),
+    ],
+    "WanPipeline": [
+        ("encode", "text_encoder", ["forward"]),
+        ("denoise", "transformer", ["forward"]),
+        ("decode", "vae", ["decode"]),
+    ],
+}
+
+MODES = ("eager", "staged", "prefetch")
+
+
+def _component_class(library: str, name: str) -> type:
+    """The class a `model_index.json` entry names: a library's (`diffusers`, `transformers`) or,
+    as diffusers writes its pipelines' own components (`shap_e`), a diffusers pipeline module's."""
+    try:
+        module = importlib.import_module(library)
+    except ImportError:
+        module = importlib.import_module(f"diffusers.pipelines.{library}")
+    return getattr(module, name)
+
+
+def _checkpoint(folder: Path, component: str) -> list[Path]:
+    files = sorted((folder / component).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(
+            f"component {component!r} of {folder} has no .safetensors file: save the pipeline with "
+            "save_pretrained(..., safe_serialization=True)"
+        )
+    return files
+
+
+def _checkpoint_dtypes(files: Iterable[Path]) -> dict[str, torch.dtype]:
+    from safetensors import safe_open
+
+    dtypes = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                dtypes[name] = f.get_slice(name).get_dtype()
+    return {
+        name: getattr(torch, _SAFETENSORS_DTYPES.get(d, d.lower())) for name, d in dtypes.items()
+    }
+
+
+_SAFETENSORS_DTYPES = {
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "F64": "float64",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U8": "uint8",
+    "BOOL": "bool",
+}
+
+
+def _loaded_dtypes(
+    cls: type, files: Iterable[Path], torch_dtype: torch.dtype | None
+) -> dict[str, torch.dtype]:
+    """The dtype each tensor has once ``cls.from_pretrained`` loaded it: ``torch_dtype`` for
+    floating tensors when given; else the checkpoint's for a transformers model (its default is
+    "auto") and float32 for a diffusers model (its default)."""
+    stored = _checkpoint_dtypes(files)
+    if torch_dtype is None and hasattr(cls, "config_class"):
+        return stored
+    floating = torch_dtype or torch.float32
+    return {name: floating if dtype.is_floating_point else dtype for name, dtype in stored.items()}
+
+
+def empty_component(
+    cls: type, folder: Path, component: str, dtypes: dict[str, torch.dtype]
+) -> nn.Module:
+    """The component as its class builds it from its config, its tensors allocated on the CPU in
+    the checkpoint's dtypes and not touched (the pages come when something is written)."""
+    path = str(folder / component)
+    with torch.device("meta"):
+        if hasattr(cls, "config_class") and hasattr(cls, "_from_config"):  # transformers
+            module = cls._from_config(cls.config_class.from_pretrained(path))
+        else:  # diffusers
+            module = cls.from_config(cls.load_config(path))
+    with torch.no_grad():
+        for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+            if name in dtypes and tensor.dtype != dtypes[name]:
+                tensor.data = tensor.data.to(dtypes[name])
+    return module.to_empty(device="cpu").eval()
+
+
+# nn.Module's hook tables (a hook's handle holds its table, so the shell's tables stay)
+_HOOKS = (
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+)
+
+
+def adopt(shell: nn.Module, loaded: nn.Module) -> nn.Module:
+    """Makes ``shell`` the module ``loaded`` is: its whole state (submodules, tensors, config,
+    flags, hooks) moves in, and what was set on ``shell`` (the stage hooks) stays."""
+    foreseen = {name: t.dtype for name, t in shell.state_dict().items()}
+    differ = sorted(
+        n for n, t in loaded.state_dict().items() if n in foreseen and foreseen[n] != t.dtype
+    )
+    if differ:
+        warnings.warn(
+            f"{type(loaded).__name__}: before its load, {len(differ)} tensor(s) had another dtype than "
+            f"from_pretrained gave them (first: {differ[0]}); pass torch_dtype= to staged_pipeline",
+            stacklevel=3,
+        )
+    state = dict(loaded.__dict__)
+    for key, value in shell.__dict__.items():
+        if key in _HOOKS and key in state:
+            # the shell's own dicts, its hooks first: their handles remove from these objects
+            value.update(state[key])
+            state[key] = value
+        state.setdefault(key, value)
+    shell.__dict__.clear()
+    shell.__dict__.update(state)
+    return shell
+
+
+def staged_pipeline(
+    pipeline_class: type,
+    folder: str | os.PathLike[str],
+    *,
+    mode: str = "staged",
+    stages: Sequence[Stage] | None = None,
+    torch_dtype: torch.dtype | None = None,
+    **options: Any,
+) -> tuple[Any, StagedModels]:
+    """The pipeline ``pipeline_class.from_pretrained(folder)`` gives, with its model components
+    staged (``mode="staged"``), staged with the next stage prefetched (``"prefetch"``), or all
+    loaded before it runs and never released (``"eager"``). ``options`` go to
+    :class:`StagedModels` (``events=``, ``host_tier=``, ...). Returns the pipeline and its
+    registry."""
+    if mode not in MODES:
+        raise ValueError(f"mode {mode!r}: one of {', '.join(MODES)}")
+    if mode != "eager" and torch.backends.mkl.is_available() and not os.environ.get("MKL_CBWR"):
+        warnings.warn(
+            "MKL_CBWR is not set: MKL's CPU matrix products can round differently for the same "
+            "weights at other addresses, and a reload puts them elsewhere than from_pretrained "
+            "did; start the process with MKL_CBWR=COMPATIBLE for the same results bit for bit",
+            stacklevel=2,
+        )
+    folder = Path(folder)
+    plan = list(stages) if stages is not None else PLANS.get(pipeline_class.__name__)
+    if plan is None:
+        raise ValueError(
+            f"no stage plan for {pipeline_class.__name__}: give stages=[(stage, component, "
+            f"[methods]), ...] (the plans there are: {', '.join(PLANS)})"
+        )
+    index = pipeline_class.load_config(str(folder))
+    shells: dict[str, nn.Module] = {}
+    loaders = {}
+    checkpoints = {}
+    for _, component, _ in plan:
+        entry = index.get(component)
+        if not (isinstance(entry, (list, tuple)) and len(entry) == 2 and entry[0]):
+            raise KeyError(f"{folder / 'model_index.json'} has no component {component!r}")
+        cls = _component_class(*entry)
+        files = _checkpoint(folder, component)
+        shell = empty_component(cls, folder, component, _loaded_dtypes(cls, files, torch_dtype))
+
+        def load(
+            cls: type = cls, component: str = component, shell: nn.Module = shell
+        ) -> nn.Module:
+            kwargs = {"torch_dtype": torch_dtype} if torch_dtype is not None else {}
+            return adopt(shell, cls.from_pretrained(str(folder), subfolder=component, **kwargs))
+
+        shells[component], loaders[component], checkpoints[component] = shell, load, files
+    stage_models = {stage: [component] for stage, component, _ in plan}
+    if mode == "eager":
+        stage_models = {stage: list(shells) for stage in stage_models}
+    models = StagedModels(
+        loaders,
+        stages=stage_models,
+        checkpoints=checkpoints,
+        loader_reads_checkpoint=list(shells),
+        prefetch=mode == "prefetch",
+        **options,
+    )
+    pipe = pipeline_class.from_pretrained(str(folder), **shells)
+    for stage, component, methods in plan:
+
+        def enter(
+            *_args: Any, stage: str = stage, component: str = component, **_kwargs: Any
+        ) -> None:
+            if models.current_stage != stage:
+                models.enter(stage)
+            models[component]  # loaded, or refilled in place, before the call runs
+
+        for method in methods:
+            if method == "forward":
+                # before every other forward pre-hook (a released module's guard among them)
+                shells[component].register_forward_pre_hook(enter, prepend=True)
+            elif hasattr(shells[component], method):
+                on_call(shells[component], method, before=enter)
+    if mode == "eager":
+        models.enter(plan[0][0])
+        for component in shells:
+            models[component]
+    return pipe, models

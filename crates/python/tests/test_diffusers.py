@@ -1,0 +1,178 @@
+"""diffusers pipelines staged as they are (``stageload_rs.diffusers.staged_pipeline``), against
+the same pipeline unwrapped: Stable Diffusion, Shap-E image to 3D and Wan2.1 text to video, from
+the diffusers folders of the small exports (``scripts/reference/diffusers_folder.py``, seeded
+random weights at small configurations), eager, staged and with prefetch, two runs each in one
+process, every output equal bit for bit."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import diffusers
+import numpy as np
+import pytest
+import stageload_rs as sl
+import torch
+from PIL import Image
+from stageload_rs.diffusers import staged_pipeline
+
+
+def folder(variable: str) -> Path:
+    root = os.environ.get(variable)
+    assert root, f"{variable} names the small export (scripts/setup-reference.sh prints it)"
+    path = Path(root) / "diffusers"
+    assert (path / "model_index.json").is_file(), f"{path}: run scripts/setup-reference.sh"
+    return path
+
+
+def stable_diffusion() -> tuple[type, Path, Callable[[Any], torch.Tensor]]:
+    path = folder("STAGELOAD_SD_SMALL")
+    prompt = (path / "prompt.txt").read_text()
+
+    def run(pipe: Any) -> torch.Tensor:
+        generator = torch.Generator().manual_seed(7)
+        out = pipe(
+            prompt,
+            num_inference_steps=3,
+            guidance_scale=7.5,
+            generator=generator,
+            output_type="pt",
+            height=16,
+            width=16,
+        )
+        return out.images
+
+    return diffusers.StableDiffusionPipeline, path, run
+
+
+def shap_e() -> tuple[type, Path, Callable[[Any], torch.Tensor]]:
+    path = folder("STAGELOAD_SHAP_E_SMALL")
+    pixels = (np.random.default_rng(3).random((64, 64, 3)) * 255).astype(np.uint8)
+    image = Image.fromarray(pixels)
+
+    def run(pipe: Any) -> torch.Tensor:
+        generator = torch.Generator().manual_seed(7)
+        out = pipe(
+            image,
+            num_inference_steps=2,
+            guidance_scale=3.0,
+            frame_size=32,
+            generator=generator,
+            output_type="np",
+        )
+        return torch.from_numpy(np.stack(out.images))
+
+    return diffusers.ShapEImg2ImgPipeline, path, run
+
+
+def wan() -> tuple[type, Path, Callable[[Any], torch.Tensor]]:
+    path = folder("STAGELOAD_WAN_SMALL")
+    prompt = (path / "prompt.txt").read_text()
+
+    def run(pipe: Any) -> torch.Tensor:
+        generator = torch.Generator().manual_seed(7)
+        out = pipe(
+            prompt=prompt,
+            negative_prompt="",
+            height=32,
+            width=32,
+            num_frames=9,
+            num_inference_steps=2,
+            guidance_scale=5.0,
+            generator=generator,
+            output_type="np",
+            max_sequence_length=16,
+        )
+        return torch.from_numpy(out.frames)
+
+    return diffusers.WanPipeline, path, run
+
+
+PIPELINES = {"stable_diffusion": stable_diffusion, "shap_e": shap_e, "wan": wan}
+# the components each pipeline stages, in the order its stages run
+COMPONENTS = {
+    "stable_diffusion": ["text_encoder", "unet", "vae"],
+    "shap_e": ["image_encoder", "prior", "shap_e_renderer"],
+    "wan": ["text_encoder", "transformer", "vae"],
+}
+
+
+@pytest.fixture(scope="module")
+def unwrapped() -> dict[str, torch.Tensor]:
+    """Each pipeline's output, unwrapped (``from_pretrained``), once per test module."""
+    outputs = {}
+    for name, make in PIPELINES.items():
+        cls, path, run = make()
+        outputs[name] = run(cls.from_pretrained(str(path)))
+    return outputs
+
+
+@pytest.mark.parametrize("mode", ["eager", "staged", "prefetch"])
+@pytest.mark.parametrize("pipeline", list(PIPELINES))
+def test_a_staged_pipeline_gives_the_unwrapped_pipelines_output_bit_for_bit(
+    pipeline, mode, unwrapped
+):
+    cls, path, run = PIPELINES[pipeline]()
+    events = sl.ListSink()
+    pipe, _ = staged_pipeline(cls, path, mode=mode, events=events)
+    components = [getattr(pipe, c) for c in COMPONENTS[pipeline]]
+    for attempt in range(2):  # the second image comes back from reloads in place
+        assert torch.equal(run(pipe), unwrapped[pipeline]), (
+            f"{pipeline} {mode}, image {attempt + 1}"
+        )
+    assert [getattr(pipe, c) for c in COMPONENTS[pipeline]] == components, "the same objects"
+    loads = [
+        (e.name, e.kind, e.fields.get("from"))
+        for e in events.events
+        if e.kind in ("load", "reload")
+    ]
+    if mode == "eager":
+        assert loads == [(c, "load", None) for c in COMPONENTS[pipeline]]
+    else:
+        assert sorted(loads) == sorted(
+            [(c, "load", None) for c in COMPONENTS[pipeline]]
+            + [(c, "reload", "in_place") for c in COMPONENTS[pipeline]]
+        )
+    if mode == "prefetch":
+        assert any(
+            e.fields.get("prefetched") for e in events.events if e.kind in ("load", "reload")
+        )
+
+
+def test_stages_follow_the_pipelines_own_calls_and_nothing_loads_before_its_stage():
+    cls, path, run = stable_diffusion()
+    events = sl.ListSink()
+    pipe, models = staged_pipeline(cls, path, events=events)
+    assert set(models.states().values()) == {"unloaded"}
+    run(pipe)
+    stages = [e.stage for e in events.of_kind("stage")]
+    assert stages == ["encode", "denoise", "decode"]
+    releases = [(e.name, e.stage) for e in events.of_kind("release")]
+    assert releases == [("text_encoder", "denoise"), ("unet", "decode")]
+    # a part of a released component, called past the component (whose call enters its stage)
+    with pytest.raises(sl.ReleasedModuleError) as raised:
+        pipe.unet.conv_in(torch.zeros(1, 4, 8, 8))
+    assert (raised.value.name, raised.value.stage) == ("unet", "decode")
+    # the component itself, called, enters its stage and comes back
+    run(pipe)
+    assert [e.stage for e in events.of_kind("stage")][3:] == ["encode", "denoise", "decode"]
+
+
+def test_a_pipeline_without_a_plan_or_a_component_without_safetensors_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="no stage plan for StableDiffusionImg2ImgPipeline"):
+        staged_pipeline(diffusers.StableDiffusionImg2ImgPipeline, folder("STAGELOAD_SD_SMALL"))
+    with pytest.raises(ValueError, match="mode 'lazy'"):
+        staged_pipeline(
+            diffusers.StableDiffusionPipeline, folder("STAGELOAD_SD_SMALL"), mode="lazy"
+        )
+    copy = tmp_path / "sd"
+    for file in folder("STAGELOAD_SD_SMALL").rglob("*"):
+        if file.is_file() and not (file.parent.name == "unet" and file.suffix == ".safetensors"):
+            target = copy / file.relative_to(folder("STAGELOAD_SD_SMALL"))
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(file.read_bytes())
+    with pytest.raises(FileNotFoundError, match="component 'unet'"):
+        staged_pipeline(diffusers.StableDiffusionPipeline, copy)
