@@ -102,7 +102,7 @@ pub fn ab(args: AbArgs) -> i32 {
     };
     let mut guard = Guard {
         config: &config,
-        readings: &mut SystemReadings,
+        readings: &mut SystemReadings::new(),
         clock: &mut SystemClock::new(),
         log: &mut log,
         signals: &signals,

@@ -8,9 +8,7 @@ use std::time::Duration;
 use clap::Args;
 use regex::Regex;
 use stageload_guard::config::{defaults, ranges, within};
-use stageload_guard::{
-    exit, run_guarded, GuardConfig, GuardLog, Outcome, Readings, Signals, SystemClock, SystemReadings,
-};
+use stageload_guard::{exit, run_guarded, GuardConfig, GuardLog, Outcome, Signals, SystemClock, SystemReadings};
 use stageload_plan::request::Mode;
 use stageload_units::format_gb;
 
@@ -18,7 +16,7 @@ use crate::args::{duration, size};
 use crate::out;
 
 pub(crate) mod held;
-use held::{Held, TraceTail};
+use held::{CommandReadings, Held};
 
 const EXIT_CODES: &str = "\
 Exit codes:
@@ -215,12 +213,9 @@ pub fn run(args: GuardArgs) -> i32 {
         return check(&config, &mut log);
     }
     // Made before the command starts: a trace already there is a previous run's.
-    let mut tail = args.trace.as_deref().map(TraceTail::new);
-    let readings: &mut dyn Readings = match tail.as_mut() {
-        Some(tail) => tail,
-        None => &mut SystemReadings,
-    };
-    let outcome = run_guarded(&args.command, &config, readings, &mut SystemClock::new(), &mut log, &signals);
+    let mut readings = CommandReadings::new(args.trace.as_deref());
+    let outcome = run_guarded(&args.command, &config, &mut readings, &mut SystemClock::new(), &mut log, &signals);
+    let tail = readings.tail;
     if let (Some(held), Outcome::Stopped(stop)) = (&held, &outcome) {
         if let Some(over) = held.over_plan(stop, tail.as_ref()) {
             log.record("over_plan", &over.message(), None, over.detail());
@@ -240,7 +235,7 @@ pub fn run(args: GuardArgs) -> i32 {
 
 /// `--check`: one look at the machine, printed to stdout.
 fn check(config: &GuardConfig, log: &mut GuardLog) -> i32 {
-    let (reasons, memory) = stageload_guard::check_once(config, &mut SystemReadings, log);
+    let (reasons, memory) = stageload_guard::check_once(config, &mut SystemReadings::new(), log);
     if let Some(memory) = &memory {
         out::line(&format!(
             "memory: {:.0}% available ({} of {}), swap used {} of {}",

@@ -3,10 +3,11 @@
 
 use std::time::{Duration, Instant};
 
-use stageload_probe::{ProbeError, ProcessEntry, ProcessMemory, SystemMemory};
+use stageload_probe::{Probe, ProbeError, ProcessEntry, ProcessMemory, SystemMemory};
 
-/// Where the guard gets its readings. The default methods read the real machine; tests replace
-/// some of them with scripted values while the command itself stays real.
+/// Where the guard gets its readings. The default methods read the real machine, opening their
+/// files at each call ([`SystemReadings`] keeps them open between polls); tests replace some of
+/// them with scripted values while the command itself stays real.
 pub trait Readings {
     /// The machine's memory and swap (or the cgroup's).
     fn memory(&mut self) -> Result<SystemMemory, ProbeError> {
@@ -34,10 +35,29 @@ pub trait Readings {
     }
 }
 
-/// The real machine.
-pub struct SystemReadings;
+/// The real machine, read through a [`Probe`]: the files read every poll stay open between
+/// polls (and a cgroup's limit is read about once a second).
+#[derive(Debug, Default)]
+pub struct SystemReadings(Probe);
 
-impl Readings for SystemReadings {}
+impl SystemReadings {
+    /// Readings with nothing open yet.
+    pub fn new() -> Self {
+        Self::default()
+    }
+}
+
+impl Readings for SystemReadings {
+    fn memory(&mut self) -> Result<SystemMemory, ProbeError> {
+        self.0.system_memory()
+    }
+    fn subtree(&mut self, root: i32) -> Result<Vec<ProcessEntry>, ProbeError> {
+        self.0.subtree(root)
+    }
+    fn process_memory(&mut self, pid: i32) -> Result<ProcessMemory, ProbeError> {
+        self.0.process_memory(pid)
+    }
+}
 
 /// Time as the guard sees it; tests use a clock whose `sleep` only moves it forward.
 pub trait Clock {

@@ -400,7 +400,7 @@ impl Drop for Job {
             return;
         }
         // Left without a stop and a reap: nothing the guard started may outlive it unwatched.
-        let _ = self.alive(&mut SystemReadings);
+        let _ = self.alive(&mut SystemReadings::new());
         self.send(Signal::SIGKILL);
         // No clock reaches a drop: the real one bounds the wait.
         self.reap(&mut GuardLog::silent(), &mut SystemClock::new());

@@ -49,11 +49,7 @@ fn stat_field(dir: &Path, field: &str) -> u64 {
 
 /// Reads one group's folder; `None` when it has no limit below `machine_total`.
 fn read_group(dir: &Path, v2: bool, machine_total: u64) -> Option<CgroupMemory> {
-    let (limit_file, usage_file, reclaim_field) = if v2 {
-        ("memory.max", "memory.current", "inactive_file")
-    } else {
-        ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
-    };
+    let (limit_file, usage_file, reclaim_field) = names(v2);
     let limit = read_number(&dir.join(limit_file)).filter(|&limit| limit < machine_total)?;
     let usage = read_number(&dir.join(usage_file))?;
     Some(CgroupMemory { path: dir.to_path_buf(), limit, usage, reclaimable: stat_field(dir, reclaim_field) })
@@ -122,6 +118,148 @@ pub fn cgroup_memory(proc_cgroup: &str, cgroup_root: &Path, machine_total: u64) 
     tightest(&group_dirs(proc_cgroup, cgroup_root), machine_total)
 }
 
+/// How long a limit read stays in use: a group's limit seldom changes (a container's is set once),
+/// so [`KeptGroups`] reads the limit files about once a second, and the usage every reading.
+#[cfg(target_os = "linux")]
+pub const LIMIT_REFRESH: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// A file of a group: not opened yet, open, or missing (not there, or unreadable, at the last
+/// try: tried again only at the next refresh of the limits, not every reading).
+#[cfg(target_os = "linux")]
+#[derive(Debug)]
+enum Slot {
+    Closed,
+    Open(crate::kept::Kept),
+    Missing,
+}
+
+#[cfg(target_os = "linux")]
+impl Slot {
+    /// The file's content now, opening it first if it is closed, or missing and `retry` is set.
+    /// A file that cannot be opened or read is missing from then on.
+    fn read<'b>(&mut self, path: &Path, retry: bool, opens: &mut u64, buffer: &'b mut Vec<u8>) -> Option<&'b [u8]> {
+        if matches!(self, Slot::Closed) || (retry && matches!(self, Slot::Missing)) {
+            *opens += 1;
+            *self = crate::kept::Kept::open(path).map_or(Slot::Missing, Slot::Open);
+        }
+        let Slot::Open(file) = self else { return None };
+        match file.read(buffer) {
+            Ok(text) => Some(text),
+            Err(_) => {
+                *self = Slot::Missing;
+                None
+            }
+        }
+    }
+}
+
+/// One group's memory files, kept open, and its limit as last read (`None`: no limit, or none
+/// could be read).
+#[cfg(target_os = "linux")]
+#[derive(Debug)]
+struct KeptGroup {
+    dir: GroupDir,
+    limit_file: Slot,
+    usage_file: Slot,
+    stat_file: Slot,
+    limit: Option<u64>,
+}
+
+/// The memory files of a process's groups ([`group_dirs`]), kept open between readings: what
+/// [`tightest`] reads, at the cost of one read per file instead of an open, a read and a close.
+/// The limits are read again every [`LIMIT_REFRESH`], usage and reclaimable cache at every reading of a
+/// group whose limit counts; a file that is missing is tried again only at a refresh.
+#[cfg(target_os = "linux")]
+#[derive(Debug)]
+pub struct KeptGroups {
+    groups: Vec<KeptGroup>,
+    /// When the limits were last read.
+    refreshed: Option<std::time::Instant>,
+    buffer: Vec<u8>,
+    /// Files opened or tried, all told.
+    opens: u64,
+}
+
+#[cfg(target_os = "linux")]
+impl KeptGroups {
+    /// The groups in `dirs`; nothing is opened until the first [`tightest`](Self::tightest).
+    pub fn new(dirs: Vec<GroupDir>) -> Self {
+        let groups = dirs
+            .into_iter()
+            .map(|dir| KeptGroup {
+                dir,
+                limit_file: Slot::Closed,
+                usage_file: Slot::Closed,
+                stat_file: Slot::Closed,
+                limit: None,
+            })
+            .collect();
+        KeptGroups { groups, refreshed: None, buffer: Vec::new(), opens: 0 }
+    }
+
+    /// As [`tightest`] at `now` (the limits as read at the last refresh, at most
+    /// [`LIMIT_REFRESH`] before it).
+    pub fn tightest(&mut self, now: std::time::Instant, machine_total: u64) -> Option<CgroupMemory> {
+        let refresh = self.refreshed.is_none_or(|at| now.saturating_duration_since(at) >= LIMIT_REFRESH);
+        if refresh {
+            self.refreshed = Some(now);
+        }
+        let KeptGroups { groups, buffer, opens, .. } = self;
+        let mut tightest: Option<CgroupMemory> = None;
+        for group in groups.iter_mut() {
+            let (limit_name, usage_name, reclaim_field) = names(group.dir.v2);
+            if refresh {
+                let text = group.limit_file.read(&group.dir.path.join(limit_name), true, opens, buffer);
+                group.limit = text.and_then(number);
+            }
+            let Some(limit) = group.limit.filter(|&limit| limit < machine_total) else { continue };
+            let usage_path = group.dir.path.join(usage_name);
+            let Some(usage) = group.usage_file.read(&usage_path, refresh, opens, buffer).and_then(number) else {
+                continue;
+            };
+            let stat_path = group.dir.path.join("memory.stat");
+            let reclaimable = group
+                .stat_file
+                .read(&stat_path, refresh, opens, buffer)
+                .map_or(0, |text| stat_value(text, reclaim_field).unwrap_or(0));
+            let found = CgroupMemory { path: group.dir.path.clone(), limit, usage, reclaimable };
+            if tightest.as_ref().is_none_or(|best| found.headroom() < best.headroom()) {
+                tightest = Some(found);
+            }
+        }
+        tightest
+    }
+
+    /// Files opened or tried so far (each reading of a kept one costs none).
+    pub fn opens(&self) -> u64 {
+        self.opens
+    }
+}
+
+/// The limit file, usage file and reclaimable field of `memory.stat`, for v2 or v1.
+fn names(v2: bool) -> (&'static str, &'static str, &'static str) {
+    if v2 {
+        ("memory.max", "memory.current", "inactive_file")
+    } else {
+        ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+    }
+}
+
+/// A file holding one number (`max` and anything else that is not a number: `None`).
+#[cfg(target_os = "linux")]
+fn number(text: &[u8]) -> Option<u64> {
+    crate::kept::parse_u64(text.trim_ascii())
+}
+
+/// The value of `field` in `memory.stat` text (`name value` lines).
+#[cfg(target_os = "linux")]
+fn stat_value(text: &[u8], field: &str) -> Option<u64> {
+    text.split(|&b| b == b'\n').find_map(|line| {
+        let rest = line.strip_prefix(field.as_bytes())?.strip_prefix(b" ")?;
+        crate::kept::parse_u64(rest.trim_ascii())
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -171,6 +309,69 @@ mod tests {
         write(&memory, "memory.stat", "total_inactive_file 1024\n");
         let group = cgroup_memory(text, root, 16 * GB).unwrap();
         assert_eq!((group.limit, group.usage, group.reclaimable), (8 * GB, 5042298880, 1024));
+    }
+
+    #[test]
+    #[cfg(target_os = "linux")]
+    fn kept_groups_read_usage_afresh_every_time_and_limits_once_a_second() {
+        use std::time::{Duration, Instant};
+        let folder = temp_root();
+        let root = folder.path();
+        write(root, "cgroup.controllers", "memory\n");
+        let job = root.join("job");
+        write(&job, "memory.max", &format!("{}\n", 4 * GB));
+        write(&job, "memory.current", &format!("{}\n", GB));
+        write(&job, "memory.stat", "anon 1\ninactive_file 1024\n");
+        let mut kept = KeptGroups::new(group_dirs("0::/job\n", root));
+        let t0 = Instant::now();
+        let at = |ms: u64| t0 + Duration::from_millis(ms);
+        let first = kept.tightest(t0, 16 * GB).unwrap();
+        assert_eq!((first.path.clone(), first.limit, first.usage, first.reclaimable), (job.clone(), 4 * GB, GB, 1024));
+        let opened = kept.opens();
+        // The usage is read through the kept file at every reading: a new value, no new open.
+        write(&job, "memory.current", &format!("{}\n", 2 * GB));
+        assert_eq!(kept.tightest(at(100), 16 * GB).unwrap().usage, 2 * GB);
+        // A new limit counts from the next refresh on, not before.
+        write(&job, "memory.max", &format!("{}\n", 8 * GB));
+        assert_eq!(kept.tightest(at(900), 16 * GB).unwrap().limit, 4 * GB);
+        assert_eq!(kept.opens(), opened);
+        assert_eq!(kept.tightest(at(1000), 16 * GB).unwrap().limit, 8 * GB);
+        // The job's limit file was read again, not opened again; only the mount root's, which
+        // is missing, was tried again.
+        assert_eq!(kept.opens(), opened + 1);
+        // A limit set to "max" is no limit; a group no longer limited reads none of its files.
+        write(&job, "memory.max", "max\n");
+        assert_eq!(kept.tightest(at(2000), 16 * GB), None);
+    }
+
+    #[test]
+    #[cfg(target_os = "linux")]
+    fn a_missing_limit_file_is_tried_again_at_a_refresh_not_every_reading() {
+        use std::time::{Duration, Instant};
+        let folder = temp_root();
+        let root = folder.path();
+        write(root, "cgroup.controllers", "memory\n");
+        let job = root.join("job");
+        fs::create_dir_all(&job).unwrap();
+        // The job's folder and the mount's root: two limit files, both missing.
+        let mut kept = KeptGroups::new(group_dirs("0::/job\n", root));
+        let t0 = Instant::now();
+        assert_eq!(kept.tightest(t0, 16 * GB), None);
+        assert_eq!(kept.opens(), 2);
+        for poll in 1..10 {
+            assert_eq!(kept.tightest(t0 + Duration::from_millis(100 * poll), 16 * GB), None);
+        }
+        assert_eq!(kept.opens(), 2, "nine readings within the second tried no file again");
+        // A limit that appears is seen at the next refresh.
+        write(&job, "memory.max", &format!("{}\n", 4 * GB));
+        write(&job, "memory.current", "100\n");
+        assert_eq!(kept.tightest(t0 + Duration::from_millis(999), 16 * GB), None);
+        let group = kept.tightest(t0 + Duration::from_secs(1), 16 * GB).unwrap();
+        assert_eq!(
+            (group.limit, group.usage, group.reclaimable),
+            (4 * GB, 100, 0),
+            "no memory.stat: nothing reclaimable"
+        );
     }
 
     #[test]

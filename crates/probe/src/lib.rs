@@ -1,7 +1,9 @@
 //! stageload-probe: memory readings of this machine and of processes, for the guard (is there
 //! room, is the command growing too much) and the meter (where a run's memory went). Torch-free.
 //!
-//! Linux reads `/proc` (through the `procfs` crate) and cgroupfs ([`cgroup`]); macOS uses
+//! Linux reads `/proc` (its own parsers for what is read every poll, the `procfs` crate for the
+//! rest) and cgroupfs ([`cgroup`]); a [`Probe`] keeps the files of the readings a watcher repeats
+//! open between them. macOS uses
 //! `sysinfo`, plus `sysctl`, `proc_pid_rusage` and `getpgid` for what it lacks. A reading the platform lacks is `None`, never a panic; a
 //! reading that fails is an error naming the file or call, and callers decide what to do (the
 //! guard treats it as "unknown", the meter records it once).
@@ -10,6 +12,8 @@
 
 pub mod cgroup;
 
+#[cfg(target_os = "linux")]
+mod kept;
 #[cfg(target_os = "linux")]
 mod linux;
 #[cfg(target_os = "linux")]
@@ -204,6 +208,53 @@ pub fn process_subtree(root: i32) -> Result<Vec<ProcessEntry>, ProbeError> {
     let table = process_tree()?;
     let below = descendants(&table, root);
     Ok(table.into_iter().filter(|e| below.contains(&e.pid)).collect())
+}
+
+/// The readings a watcher takes every poll (the machine's memory, a process tree, its members'
+/// memory), with the same results as [`system_memory`], [`process_subtree`] and
+/// [`process_memory`], at less cost: Linux keeps their files open between readings and reads
+/// them again from their start (`/proc/meminfo`, the cgroup files, each member's `stat`,
+/// `status` and `children`), reads a cgroup's limit about once a second
+/// ([`cgroup::LIMIT_REFRESH`]) and tries a missing file again only then, and lets a member's
+/// files go once it is reaped or leaves the tree. Elsewhere the free functions.
+#[derive(Debug, Default)]
+pub struct Probe {
+    #[cfg(target_os = "linux")]
+    system: linux::System,
+    #[cfg(target_os = "linux")]
+    tree: linux::Tree,
+}
+
+impl Probe {
+    /// A probe with nothing open yet.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// As [`system_memory`] (a cgroup's limit as read at most [`cgroup::LIMIT_REFRESH`] ago).
+    pub fn system_memory(&mut self) -> Result<SystemMemory, ProbeError> {
+        #[cfg(target_os = "linux")]
+        return self.system.read();
+        #[cfg(not(target_os = "linux"))]
+        system_memory()
+    }
+
+    /// As [`process_subtree`].
+    pub fn subtree(&mut self, root: i32) -> Result<Vec<ProcessEntry>, ProbeError> {
+        #[cfg(target_os = "linux")]
+        if let Some(found) = self.tree.subtree(root)? {
+            return Ok(found);
+        }
+        process_subtree(root)
+    }
+
+    /// As [`process_memory`].
+    pub fn process_memory(&mut self, pid: i32) -> Result<ProcessMemory, ProbeError> {
+        #[cfg(target_os = "linux")]
+        return self.tree.process_memory(pid);
+        #[cfg(not(target_os = "linux"))]
+        process_memory(pid)
+    }
 }
 
 /// `pid` and its chain of parents, stopping before pid 1, at an unknown parent or at a cycle.

@@ -12,9 +12,10 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use serde_json::{json, Value};
-use stageload_guard::{GuardConfig, Readings, Stop};
+use stageload_guard::{GuardConfig, Readings, Stop, SystemReadings};
 use stageload_plan::request::{Mode, Request};
 use stageload_plan::{plan, Budget, Pipeline, Plan};
+use stageload_probe::{ProbeError, ProcessEntry, ProcessMemory, SystemMemory};
 use stageload_trace::event::What;
 use stageload_trace::{Event, Record};
 use stageload_units::format_bytes;
@@ -455,13 +456,46 @@ impl TraceTail {
     }
 }
 
-/// The machine's readings, and the command's device memory from its trace.
-impl Readings for TraceTail {
-    fn command_device_memory(&mut self) -> Option<u64> {
+impl TraceTail {
+    /// The most device memory the trace reported since the last call; `None` when nothing new
+    /// was (what [`Readings::command_device_memory`] asks every poll).
+    pub fn command_device_memory(&mut self) -> Option<u64> {
         self.poll();
         let reading = self.progress.take_device();
         self.device_seen |= reading.is_some();
         reading
+    }
+}
+
+/// The machine's readings (kept open between polls), and the command's device memory from its
+/// trace when `--trace` names one.
+#[derive(Default)]
+pub struct CommandReadings {
+    machine: SystemReadings,
+    /// The command's own trace.
+    pub tail: Option<TraceTail>,
+}
+
+impl CommandReadings {
+    /// The machine's readings, and the trace at `trace` if any (made before the command starts:
+    /// a trace already there is a previous run's).
+    pub fn new(trace: Option<&Path>) -> Self {
+        CommandReadings { machine: SystemReadings::new(), tail: trace.map(TraceTail::new) }
+    }
+}
+
+impl Readings for CommandReadings {
+    fn memory(&mut self) -> Result<SystemMemory, ProbeError> {
+        self.machine.memory()
+    }
+    fn subtree(&mut self, root: i32) -> Result<Vec<ProcessEntry>, ProbeError> {
+        self.machine.subtree(root)
+    }
+    fn process_memory(&mut self, pid: i32) -> Result<ProcessMemory, ProbeError> {
+        self.machine.process_memory(pid)
+    }
+    fn command_device_memory(&mut self) -> Option<u64> {
+        self.tail.as_mut().and_then(TraceTail::command_device_memory)
     }
 }
 

@@ -7,13 +7,15 @@ use std::io;
 use std::path::{Path, PathBuf};
 
 use serde_json::Value;
-use stageload_probe::{ProbeError, ProcessMemory};
+use stageload_probe::{Probe, ProbeError, ProcessMemory, SystemMemory};
 use stageload_trace::summary::Swap;
 use stageload_trace::{read_trace, summarize, Meter, MeterOptions, MeterReadings};
 
-/// The memory of every live process below `root`, summed.
+/// The memory of every live process below `root`, summed, and the machine's, read through a
+/// [`Probe`] (their files kept open between samples).
 struct Tree {
     root: i32,
+    probe: Probe,
 }
 
 fn add(total: &mut Option<u64>, part: Option<u64>) {
@@ -24,7 +26,7 @@ fn add(total: &mut Option<u64>, part: Option<u64>) {
 
 impl MeterReadings for Tree {
     fn process(&mut self) -> Result<ProcessMemory, ProbeError> {
-        let members = stageload_probe::process_subtree(self.root)?;
+        let members = self.probe.subtree(self.root)?;
         let mut sum = ProcessMemory {
             rss: 0,
             rss_anon: None,
@@ -39,7 +41,7 @@ impl MeterReadings for Tree {
         for memory in members
             .iter()
             .filter(|m| !m.zombie && m.pid != self.root)
-            .filter_map(|m| stageload_probe::process_memory(m.pid).ok())
+            .filter_map(|m| self.probe.process_memory(m.pid).ok())
         {
             sum.rss = sum.rss.saturating_add(memory.rss);
             add(&mut sum.rss_anon, memory.rss_anon);
@@ -48,6 +50,10 @@ impl MeterReadings for Tree {
             add(&mut sum.footprint, memory.footprint);
         }
         Ok(sum)
+    }
+
+    fn system(&mut self) -> Result<SystemMemory, ProbeError> {
+        self.probe.system_memory()
     }
 
     fn reset_peak(&mut self) -> Result<(), ProbeError> {
@@ -76,7 +82,7 @@ pub struct Footprint {
 /// Starts metering the processes below this one into `path` (created with its folders),
 /// `meta` in the header.
 pub fn start(path: &Path, meta: Value) -> io::Result<RunMeter> {
-    let mut options = MeterOptions::default().readings(Tree { root: std::process::id() as i32 });
+    let mut options = MeterOptions::default().readings(Tree { root: std::process::id() as i32, probe: Probe::new() });
     if let Value::Object(fields) = meta {
         options.meta = fields;
     }

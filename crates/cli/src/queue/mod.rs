@@ -25,11 +25,11 @@ use stageload_guard::{
     SystemClock,
 };
 use stageload_plan::request::Mode;
-use stageload_probe::{ProbeError, ProcessEntry};
+use stageload_probe::{ProbeError, ProcessEntry, ProcessMemory, SystemMemory};
 use stageload_units::format_bytes;
 
 use crate::args::size;
-use crate::guard::held::{Held, TraceTail};
+use crate::guard::held::{CommandReadings, Held, TraceTail};
 use crate::guard::{log_and_signals, GuardFlags};
 use crate::out;
 use home::{look, utc_now, EntryFile, FileState, Finished, Home, LaneView, QueueError};
@@ -215,7 +215,7 @@ fn queued(args: RunArgs) -> Result<i32, Refused> {
     }
     // One --start-timeout from joining to the start.
     config.start_timeout = config.start_timeout.saturating_sub(clock.now());
-    let mut readings = WithoutQueue { home: home.clone(), tail: None };
+    let mut readings = WithoutQueue { home: home.clone(), command: CommandReadings::new(None) };
     let at_start = match wait_for_room(&config, &mut readings, &mut clock, &mut log, &signals) {
         Admitted::Start(memory) => memory,
         Admitted::NoRoom(_) => return Ok(exit::NO_ROOM),
@@ -255,16 +255,16 @@ fn queued(args: RunArgs) -> Result<i32, Refused> {
         log.note("queue_lock", &error, None);
     }
     // Made before the command starts: a trace already there is a previous run's.
-    readings.tail = args.trace.as_deref().map(TraceTail::new);
+    readings.command.tail = args.trace.as_deref().map(TraceTail::new);
     let began = clock.now();
     let outcome = run_admitted(&args.command, &[], &at_start, &config, &mut readings, &mut clock, &mut log, &signals);
     let ran = clock.now().saturating_sub(began);
     if let (Some(held), Outcome::Stopped(stop)) = (&held, &outcome) {
-        if let Some(over) = held.over_plan(stop, readings.tail.as_ref()) {
+        if let Some(over) = held.over_plan(stop, readings.command.tail.as_ref()) {
             log.record("over_plan", &over.message(), None, over.detail());
         }
     }
-    if let (Some(tail), Some(_)) = (&readings.tail, config.max_device_memory) {
+    if let (Some(tail), Some(_)) = (&readings.command.tail, config.max_device_memory) {
         if tail.never_read_device() {
             let message = format!(
                 "the trace {} carried no device reading: the device limit was never checked",
@@ -344,8 +344,9 @@ fn round1(duration: Duration) -> f64 {
 /// lane would wait for the runs behind it and none would ever start. What they started counts.
 struct WithoutQueue {
     home: Home,
-    /// The command's own trace (`--trace`), read for its device memory.
-    tail: Option<TraceTail>,
+    /// The machine's readings, and the command's own trace (`--trace`), read for its device
+    /// memory.
+    command: CommandReadings,
 }
 
 /// A `stageload guard` or `stageload run` command line (not yet its command).
@@ -366,8 +367,17 @@ impl Readings for WithoutQueue {
         Ok(table.into_iter().filter(|p| !queued.contains(&p.pid) && !is_wrapper(&p.cmdline)).collect())
     }
 
+    fn memory(&mut self) -> Result<SystemMemory, ProbeError> {
+        self.command.memory()
+    }
+    fn subtree(&mut self, root: i32) -> Result<Vec<ProcessEntry>, ProbeError> {
+        self.command.subtree(root)
+    }
+    fn process_memory(&mut self, pid: i32) -> Result<ProcessMemory, ProbeError> {
+        self.command.process_memory(pid)
+    }
     fn command_device_memory(&mut self) -> Option<u64> {
-        self.tail.as_mut().and_then(|tail| tail.command_device_memory())
+        self.command.command_device_memory()
     }
 }
 
