@@ -1,6 +1,7 @@
 //! The demos: the README's main job (the cascade under `stageload ab`, its plan checked against
 //! the runs), block streaming (a model bigger than its guard's limit, streamed; step times; the
-//! hot set), and Stable Diffusion 1.5, Shap-E and Wan2.1 at their published sizes against diffusers. Each keeps going
+//! hot set), Stable Diffusion 1.5, Shap-E and Wan2.1 at their published sizes against diffusers, and
+//! the Python package beside the original Python stageload. Each keeps going
 //! after a failed check, so that one run shows every result, and fails at the end.
 
 use std::path::{Path, PathBuf};
@@ -30,6 +31,8 @@ pub enum Part {
     ShapE,
     /// Wan2.1 at its published size.
     Wan,
+    /// The Python package beside the original, Stable Diffusion 1.5 at its published size.
+    Python,
 }
 
 /// The README's main job (see the module docs), without the parts in `skip`; results in `out`.
@@ -53,7 +56,7 @@ pub fn demo(shell: &mut Shell, out: &Path, skip: &[Part], cascade: &[String]) ->
         failures.keep(save(shell, &mut command, &out.join(file), against == "staged"));
     }
     type Run = fn(&mut Shell, &Path) -> Result<(), Error>;
-    let parts: [(Part, &str, &str, Run); 4] = [
+    let parts: [(Part, &str, &str, Run); 5] = [
         (Part::Stream, "block streaming (cargo xtask stream-demo)", "stream", stream_demo),
         (Part::Sd, "Stable Diffusion 1.5 against diffusers (cargo xtask sd-demo)", "stable-diffusion", sd_demo),
         (Part::ShapE, "Shap-E image-to-3D against diffusers (cargo xtask shap-e-demo)", "shap-e", shap_e_demo),
@@ -62,6 +65,12 @@ pub fn demo(shell: &mut Shell, out: &Path, skip: &[Part], cascade: &[String]) ->
             "Wan2.1 text-to-video against diffusers (cargo xtask wan-demo; skipped without the memory or disk)",
             "wan",
             wan_demo,
+        ),
+        (
+            Part::Python,
+            "Stable Diffusion 1.5 from Python: unwrapped, the original stageload, stageload_rs (cargo xtask python-demo)",
+            "python",
+            |shell, out| python_demo(shell, out, 2),
         ),
     ];
     for (part, what, folder, run) in parts {
@@ -295,6 +304,37 @@ fn published_demo(shell: &mut Shell, out: &Path, published: &Published, args: &[
     compare.args(&base).args(["--mode", "staged", "--compare-python"]);
     failures.keep(save(shell, &mut compare, &out.join("compare.txt"), true));
     failures.end()
+}
+
+/// The Python package side by side (crates/bench/python/python_side_by_side.py): Stable Diffusion
+/// 1.5 at its published size (the SD part's export, made once, written once more as a diffusers
+/// folder), 256x256, 4 DDIM steps, two images per process: unwrapped, under the original Python
+/// stageload 0.1.1, and staged by stageload_rs (staged, prefetch), `rounds` runs of each arm
+/// alternating, each under `stageload guard`. Per-stage peaks and times, memory kept, and every
+/// image against the unwrapped pipeline's (any difference fails). Results in `out`.
+pub fn python_demo(shell: &mut Shell, out: &Path, rounds: u16) -> Result<(), Error> {
+    shell.set_up(&[Setup::Libtorch, Setup::Reference, Setup::Python])?;
+    let out = shell.folder(out)?;
+    let published = Published {
+        what: "Stable Diffusion",
+        small: "STAGELOAD_SD_SMALL",
+        folder: "sd-sd15",
+        export: &["scripts/reference/sd_export.py", "--size", "sd15"],
+        example: "stable_diffusion",
+        reference: "StableDiffusionPipeline",
+        guard_latent: None,
+        plan_below_because: None,
+    };
+    let components = published_folder(shell, &published)?;
+    let python = shell.var("STAGELOAD_PYTHON").ok_or("scripts/setup-libtorch.sh set no STAGELOAD_PYTHON")?;
+    println!("== the published-size export in {} and its diffusers folder (made once)", components.display());
+    shell.run(shell.cmd(&python, published.export).arg("--out").arg(&components))?;
+    let folder = ["scripts/reference/diffusers_folder.py", "--pipeline", "sd", "--components"];
+    shell.run(shell.cmd(&python, &folder).arg(&components))?;
+    shell.run(&mut shell.cargo(&["build", "-p", "stageload-cli", "--bin", "stageload"]))?;
+    let mut bench = shell.cmd(&python, &["crates/bench/python/python_side_by_side.py", "--folder"]);
+    bench.arg(components.join("diffusers")).arg("--out").arg(&out).arg("--guard").arg(shell.target("debug/stageload"));
+    shell.run(bench.args(["--rounds", &rounds.to_string(), "--steps", "4", "--size", "256"]))
 }
 
 /// Shap-E image-to-3D at its published component sizes (seeded random weights), exported once

@@ -91,6 +91,15 @@ enum Task {
         #[arg(long, default_value = "target/demo/wan")]
         out: PathBuf,
     },
+    /// The Python package: Stable Diffusion 1.5 from a diffusers folder, unwrapped, under the
+    /// original Python stageload and staged by stageload_rs, side by side
+    PythonDemo {
+        #[arg(long, default_value = "target/demo/python")]
+        out: PathBuf,
+        /// Runs of each arm
+        #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u16).range(1..=100))]
+        rounds: u16,
+    },
     /// The hot set of a streamed model under a router's access, from the page cache and the disk
     HotSetBench {
         #[arg(long, default_value = "target/hot-set-bench")]
@@ -143,6 +152,7 @@ fn main() -> ExitCode {
         Task::Example { name, release, args } => demos::example(&mut shell, &name, release, &args),
         Task::StreamDemo { out } => demos::stream_demo(&mut shell, &out),
         Task::SdDemo { out } => demos::sd_demo(&mut shell, &out),
+        Task::PythonDemo { out, rounds } => demos::python_demo(&mut shell, &out, rounds),
         Task::ShapEDemo { out } => demos::shap_e_demo(&mut shell, &out),
         Task::WanDemo { out } => demos::wan_demo(&mut shell, &out),
         Task::HotSetBench { out, runs } => benches::hot_set(&mut shell, &out, runs),

@@ -1,0 +1,326 @@
+"""Stable Diffusion from one diffusers folder, side by side in one run: the pipeline unwrapped
+(`from_pretrained`, everything loaded), the original Python stageload 0.1.1 wrapping it, and
+stageload_rs (`staged_pipeline`, staged and with prefetch). Each run is a process of its own
+under `stageload guard`, the arms alternating, two images per process.
+
+    python python_side_by_side.py --folder SD/diffusers --out DIR --guard target/debug/stageload
+        [--rounds 2] [--steps 4] [--size 256] [--arms unwrapped,original,staged,prefetch]
+
+Per stage of each image (setup: building the pipeline; encode: from the call to the scheduler's
+set_timesteps; denoise: to the end of the last step; decode: to the call's return) a run records
+its wall time (load, first forward and compute together: `from_pretrained` maps files and pays on
+first use, so a load time alone compares nothing) and its peak resident set, the kernel's exact
+counter (VmHWM, reset through /proc/self/clear_refs at every boundary); after both images, what
+the process still holds beyond its start (`kept`, with every model released). DIR gets one JSON
+per run, the images (`.npy`), and summary.md: medians per arm and stage, the ratios to the
+original's, and whether every image equals the unwrapped pipeline's bit for bit.
+
+The original arm wraps diffusers as its users must: stand-in modules carrying each component's
+config (read by hand) and a device, the models set in past the pipeline's `__setattr__` at its
+methods (`encode_prompt`, `prepare_latents`) and, since no method runs between the loop and
+`vae.decode`, at the last step's `callback_on_step_end`; a released model's place goes back to its
+stand-in (an event sink), or the pipeline would take its device from a module on `meta`. diffusers' own offloading is not an
+arm: on the CPU it has no device to offload from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+STAGES = ("setup", "encode", "denoise", "decode")
+
+
+def vm_hwm() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("/proc/self/status has no VmHWM")
+
+
+def vm_rss() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("/proc/self/status has no VmRSS")
+
+
+class Stages:
+    """Times and peaks between boundaries; each boundary resets the kernel's peak counter."""
+
+    def __init__(self) -> None:
+        self.rows: list[dict] = []
+        self.reset("setup")
+
+    def reset(self, stage: str) -> None:
+        Path("/proc/self/clear_refs").write_text("5")
+        self.stage, self.start = stage, time.perf_counter()
+
+    def boundary(self, next_stage: str | None) -> None:
+        peak, now = vm_hwm(), time.perf_counter()
+        self.rows.append({"stage": self.stage, "seconds": now - self.start, "peak": peak})
+        if next_stage is not None:
+            self.reset(next_stage)
+
+
+def original_pipeline(folder: Path):
+    """The original stageload around StableDiffusionPipeline, as its users write it."""
+    import stageload as original
+    import torch
+    from diffusers import AutoencoderKL, DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+    from transformers import AutoTokenizer, CLIPTextModel
+
+    classes = {"text_encoder": CLIPTextModel, "unet": UNet2DConditionModel, "vae": AutoencoderKL}
+
+    class StandIn(torch.nn.Module):
+        """Holds a component's place (and config) until its stage: the pipeline reads configs,
+        its device and dtype before it calls the models."""
+
+        def __init__(self, config) -> None:
+            super().__init__()
+            self.config = config
+            self.anchor = torch.nn.Parameter(torch.zeros(1), requires_grad=False)
+
+        @property
+        def device(self):
+            return self.anchor.device
+
+        @property
+        def dtype(self):
+            return self.anchor.dtype
+
+    def config_of(component: str):
+        cls = classes[component]
+        if hasattr(cls, "config_class"):
+            return cls.config_class.from_pretrained(str(folder / component))
+        from diffusers.configuration_utils import FrozenDict
+
+        return FrozenDict(cls.load_config(str(folder / component)))
+
+    standins = {c: StandIn(config_of(c)) for c in classes}
+    pipe = None
+
+    class PutBack:
+        """A released model's place goes back to its stand-in: the pipeline reads its device from
+        its first module, and a released one is on `meta`."""
+
+        def emit(self, event) -> None:
+            if event.kind == "release" and pipe is not None:
+                object.__setattr__(pipe, event.name, standins[event.name])
+
+    models = original.StagedModels(
+        {c: (lambda c=c: classes[c].from_pretrained(str(folder), subfolder=c).eval()) for c in classes},
+        stages={"encode": ["text_encoder"], "denoise": ["unet"], "decode": ["vae"]},
+        events=PutBack(),
+    )
+    pipe = StableDiffusionPipeline(
+        vae=standins["vae"],
+        text_encoder=standins["text_encoder"],
+        tokenizer=AutoTokenizer.from_pretrained(str(folder / "tokenizer")),
+        unet=standins["unet"],
+        scheduler=DDIMScheduler.from_pretrained(str(folder), subfolder="scheduler"),
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
+    )
+
+    def bring(stage: str, component: str):
+        def before(*_args, **_kwargs) -> None:
+            models.enter(stage)
+            object.__setattr__(pipe, component, models[component])
+
+        return before
+
+    original.on_call(pipe, "encode_prompt", before=bring("encode", "text_encoder"))
+    original.on_call(pipe, "prepare_latents", before=bring("denoise", "unet"))
+    decode = bring("decode", "vae")
+
+    def last_step(pipeline, i, t, kwargs):
+        if i == pipeline.num_timesteps - 1:
+            decode()
+        return {}
+
+    return pipe, models, last_step
+
+
+def run_arm(args) -> None:
+    import numpy as np
+    import torch
+
+    import diffusers  # noqa: F401  (the baseline holds what every arm imports)
+
+    if args.run != "original":
+        import stageload_rs  # noqa: F401
+    else:
+        import stageload  # noqa: F401
+    start_rss = vm_rss()
+    stages = Stages()
+    folder = Path(args.folder)
+    callback = None
+    models = None
+    if args.run == "unwrapped":
+        from diffusers import StableDiffusionPipeline
+
+        pipe = StableDiffusionPipeline.from_pretrained(str(folder))
+    elif args.run == "original":
+        pipe, models, callback = original_pipeline(folder)
+    else:
+        from diffusers import StableDiffusionPipeline
+
+        from stageload_rs.diffusers import staged_pipeline
+
+        pipe, models = staged_pipeline(StableDiffusionPipeline, folder, mode=args.run)
+    pipe.set_progress_bar_config(disable=True)
+    prompt = (folder / "prompt.txt").read_text()
+    set_timesteps = pipe.scheduler.set_timesteps
+
+    def timesteps(*a, **k):
+        stages.boundary("denoise")
+        return set_timesteps(*a, **k)
+
+    pipe.scheduler.set_timesteps = timesteps
+
+    def on_step_end(pipeline, i, t, kwargs):
+        if i == pipeline.num_timesteps - 1:
+            stages.boundary("decode")  # before the arm's own callback: its load is decode's
+        return callback(pipeline, i, t, kwargs) if callback is not None else {}
+
+    images = []
+    runs = []
+    for image in range(2):
+        stages.boundary("encode")
+        out = pipe(prompt, num_inference_steps=args.steps, guidance_scale=7.5, height=args.size,
+                   width=args.size, generator=torch.Generator().manual_seed(7), output_type="np",
+                   callback_on_step_end=on_step_end)
+        stages.boundary(None)
+        runs.append(stages.rows)
+        stages.rows = []
+        stages.reset("between")
+        images.append(out.images)
+    if models is not None:
+        models.close()
+    import gc
+
+    gc.collect()
+    kept = vm_rss() - start_rss
+    out_dir = Path(args.out)
+    np.save(out_dir / f"{args.tag}.npy", np.stack(images))
+    record = {"arm": args.run, "images": runs, "kept": kept, "baseline": start_rss}
+    (out_dir / f"{args.tag}.json").write_text(json.dumps(record))
+
+
+def drive(args) -> None:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, MKL_CBWR="COMPATIBLE")
+    original = env.get("STAGELOAD_ORIGINAL")
+    if not original:
+        raise SystemExit("python_side_by_side: STAGELOAD_ORIGINAL is not set (scripts/setup-reference.sh prints it)")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (original, env.get("PYTHONPATH")) if p)
+    arms = args.arms.split(",")
+    for round_ in range(args.rounds):
+        for arm in arms:
+            tag = f"{arm}-{round_ + 1}"
+            command = [args.guard, "guard", "--", sys.executable, __file__, "--run", arm, "--tag", tag,
+                       "--folder", args.folder, "--out", args.out, "--steps", str(args.steps),
+                       "--size", str(args.size)]
+            began = time.time()
+            done = subprocess.run(command, env=env, check=False, timeout=3600)
+            print(f"{tag}: exit {done.returncode} in {time.time() - began:.0f} s", file=sys.stderr, flush=True)
+            if done.returncode != 0:
+                raise SystemExit(f"python_side_by_side: {tag} failed (exit {done.returncode})")
+    if not summarize(out, arms, args):
+        raise SystemExit("python_side_by_side: an arm's images differ from the unwrapped pipeline's")
+
+
+def summarize(out: Path, arms: list[str], args) -> bool:
+    """Writes summary.md; whether every arm's images equal the unwrapped pipeline's."""
+    import numpy as np
+
+    runs = {arm: [json.loads(p.read_text()) for p in sorted(out.glob(f"{arm}-*.json"))] for arm in arms}
+    reference = np.load(out / "unwrapped-1.npy") if "unwrapped" in arms else None
+    gib = 1 << 30
+
+    def median(arm: str, image: int, stage: str, key: str) -> float:
+        return statistics.median(
+            row[key] for run in runs[arm] for row in run["images"][image] if row["stage"] == stage
+        )
+
+    lines = [
+        f"# Stable Diffusion, {args.size}x{args.size}, {args.steps} DDIM steps, side by side",
+        "",
+        f"Median of {args.rounds} runs per arm, each its own process under `stageload guard`, alternating. "
+        "Peak: VmHWM reset at each boundary (GiB); time in seconds; ratios to the original's.",
+        "",
+    ]
+    for image in range(2):
+        lines += [f"## Image {image + 1}", "", "| arm | " + " | ".join(f"{s} peak | {s} s" for s in STAGES) + " |",
+                  "|---|" + "---|---|" * len(STAGES)]
+        for arm in arms:
+            cells = []
+            for stage in STAGES:
+                try:
+                    cells += [f"{median(arm, image, stage, 'peak') / gib:.3f}", f"{median(arm, image, stage, 'seconds'):.2f}"]
+                except statistics.StatisticsError:
+                    cells += ["", ""]
+            lines.append(f"| {arm} | " + " | ".join(cells) + " |")
+        lines.append("")
+        if "original" in arms:
+            lines += ["| arm / original | " + " | ".join(f"{s} peak | {s} s" for s in STAGES) + " |",
+                      "|---|" + "---|---|" * len(STAGES)]
+            for arm in arms:
+                cells = []
+                for stage in STAGES:
+                    try:
+                        cells += [f"{median(arm, image, stage, k) / median('original', image, stage, k):.3f}"
+                                  for k in ("peak", "seconds")]
+                    except (statistics.StatisticsError, ZeroDivisionError):
+                        cells += ["", ""]
+                lines.append(f"| {arm} | " + " | ".join(cells) + " |")
+            lines.append("")
+    lines += ["## Kept after both images, every model released (GiB), and outputs", ""]
+    all_equal = True
+    for arm in arms:
+        kept = statistics.median(run["kept"] for run in runs[arm]) / gib
+        same = ""
+        if reference is not None:
+            equal = all(np.array_equal(np.load(p), reference) for p in sorted(out.glob(f"{arm}-*.npy")))
+            same = "both images equal to the unwrapped pipeline's bit for bit" if equal else "IMAGES DIFFER"
+            all_equal = all_equal and equal
+        lines.append(f"- {arm}: kept {kept:.3f} GiB; {same}")
+    (out / "summary.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return all_equal
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--folder", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--guard", help="the stageload binary (driver)")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--size", type=int, default=256)
+    ap.add_argument("--arms", default="unwrapped,original,staged,prefetch")
+    ap.add_argument("--run", choices=["unwrapped", "original", "staged", "prefetch"], help="one arm, in this process")
+    ap.add_argument("--tag")
+    ap.add_argument("--summarize-only", action="store_true")
+    args = ap.parse_args()
+    if args.run:
+        run_arm(args)
+    elif args.summarize_only:
+        summarize(Path(args.out), args.arms.split(","), args)
+    else:
+        if not args.guard:
+            raise SystemExit("python_side_by_side: --guard names the stageload binary")
+        drive(args)
+
+
+if __name__ == "__main__":
+    main()
