@@ -251,7 +251,7 @@ impl Registry {
         py.allow_threads(|| self.models.current_stage())
     }
 
-    fn stages(&self, py: Python<'_>, stage: &str) -> PyResult<Vec<String>> {
+    fn stage_models(&self, py: Python<'_>, stage: &str) -> PyResult<Vec<String>> {
         self.run(py, |m| m.stage_models(stage))
     }
 

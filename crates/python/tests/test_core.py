@@ -52,6 +52,7 @@ def test_a_reload_refills_the_same_module_objects_bit_for_bit(saved):
         "the checkpoint's values, not the loader's"
     )
     assert torch.equal(again(x), before)
+    assert models.load_report("m")["used"] == 4, "the four tensors, each from its entry"
 
 
 def test_a_release_gives_the_memory_back_to_the_os_while_references_live(saved):
@@ -270,7 +271,9 @@ def test_prefetch_brings_the_next_stage_back_in_the_background_bit_for_bit(saved
     models.enter("b")
     models["n"]
     models.enter("a")  # "b" comes next: n, released now, is refilled in the background
+    assert models.stage_models("b") == ["n"]
     models.wait_prefetch("b")
+    assert models.prefetching() == []
     (reload,) = [e for e in events.of_kind("reload") if e.name == "n"]
     assert reload.fields.get("prefetched") is True
     models.enter("b")

@@ -10,6 +10,7 @@ tier, snapshots, the memory meter) is the core's, as in the Rust API.
 
 from __future__ import annotations
 
+import json
 import os
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping, Sequence
@@ -254,7 +255,16 @@ class StagedModels(MutableMapping[str, "nn.Module"]):
         return self._registry.prefetch(stage)
 
     def wait_prefetch(self, stage: str) -> None:
+        """Waits until every prefetch started for ``stage`` has ended (loaded or failed)."""
         self._registry.wait_prefetch(stage)
+
+    def prefetching(self) -> list[str]:
+        """The models being loaded in the background now."""
+        return self._registry.prefetching()
+
+    def stage_models(self, stage: str) -> list[str]:
+        """The models ``stage`` lists."""
+        return self._registry.stage_models(stage)
 
     def states(self) -> dict[str, str]:
         """Each model's state: unloaded, loading, resident, release_pending, released, failed."""
@@ -275,3 +285,13 @@ class StagedModels(MutableMapping[str, "nn.Module"]):
     def host_tier(self) -> tuple[int, int] | None:
         """The host tier's budget and the bytes its copies hold (``None``: no tier)."""
         return self._registry.host_tier()
+
+    def set_host_tier_budget(self, nbytes: int) -> None:
+        """Sets the host tier's budget now (shrinking evicts the least recently used copies)."""
+        self._registry.set_host_tier_budget(nbytes)
+
+    def load_report(self, name: str) -> dict[str, Any] | None:
+        """How the last load of ``name`` met its checkpoint (used, converted, unused, ignored and
+        missing names); ``None`` before a load from one."""
+        report = self._registry.load_report(name)
+        return json.loads(report) if report is not None else None

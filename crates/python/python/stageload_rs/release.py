@@ -91,10 +91,6 @@ def unguard(module: nn.Module) -> None:
     object.__delattr__(module, _GUARD)
 
 
-def is_released(module: nn.Module) -> bool:
-    return getattr(module, _GUARD, None) is not None
-
-
 def release(
     module: nn.Module,
     *,
