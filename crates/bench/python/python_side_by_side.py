@@ -60,11 +60,12 @@ class Stages:
 
     def reset(self, stage: str) -> None:
         Path("/proc/self/clear_refs").write_text("5")
-        self.stage, self.start = stage, time.perf_counter()
+        self.stage, self.start, self.start_rss = stage, time.perf_counter(), vm_rss()
 
     def boundary(self, next_stage: str | None) -> None:
         peak, now = vm_hwm(), time.perf_counter()
-        self.rows.append({"stage": self.stage, "seconds": now - self.start, "peak": peak})
+        self.rows.append({"stage": self.stage, "seconds": now - self.start, "peak": peak, "start_rss": self.start_rss,
+                          "end_rss": vm_rss()})
         if next_stage is not None:
             self.reset(next_stage)
 

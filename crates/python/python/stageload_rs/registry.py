@@ -10,6 +10,7 @@ tier, snapshots, the memory meter) is the core's, as in the Rust API.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import weakref
@@ -27,6 +28,14 @@ if TYPE_CHECKING:
 
 Loader = Callable[[], "nn.Module"]
 _NO_DEFAULT = object()
+
+
+def _collect_file_maps() -> None:
+    """Runs Python's collector after a release. A module ``from_pretrained`` loaded has tensors on
+    the safetensors files' mappings, which Python objects in reference cycles can keep mapped after
+    their storages are freed; the original stageload collects after each release for the same
+    reason. Measured: 0.27 GiB of Stable Diffusion 1.5's text encoder stayed mapped without it."""
+    gc.collect()
 
 
 def _names_known(what: str, names: Iterable[str], known: Mapping[str, Any]) -> None:
@@ -66,6 +75,10 @@ class StagedModels(MutableMapping[str, "nn.Module"]):
     - ``snapshots=folder``: a model with no checkpoint is written there at its first release and
       comes back from that file, not from its loader.
     - ``strict=True``: asking for a model outside a stage that lists it is an error.
+    - ``cache_host_blocks=True``: torch's CPU allocations of 1 MiB or more go through the core's
+      host block cache (process-wide), which keeps freed blocks for the next request of their size
+      within a stage. Off by default here: it holds a stage's freed activations until the next
+      stage, which put Stable Diffusion 1.5's stage peaks 0.2-0.3 GiB above the original's.
     - ``events=MemoryMeter(path)``: the trace in the project's schema (``stageload summary``,
       ``plot`` and ``plan --from-trace`` read it); any other sink gets :class:`Event` objects.
     """
@@ -85,6 +98,7 @@ class StagedModels(MutableMapping[str, "nn.Module"]):
         host_tier: int | None = None,
         snapshots: str | os.PathLike[str] | None = None,
         strict: bool = False,
+        cache_host_blocks: bool = False,
     ) -> None:
         stages = {stage: list(names) for stage, names in stages.items()}
         pinned = list(pinned)
@@ -144,6 +158,7 @@ class StagedModels(MutableMapping[str, "nn.Module"]):
             host_tier=host_tier,
             snapshots=os.fspath(snapshots) if snapshots is not None else None,
             strict=strict,
+            cache_host_blocks=cache_host_blocks,
         )
 
     def _on_event(self, line: str) -> None:
@@ -234,7 +249,9 @@ class StagedModels(MutableMapping[str, "nn.Module"]):
     def enter(self, stage: str) -> None:
         """Enters ``stage``: releases every loaded model it does not list and that is not pinned
         (and, with ``prefetch``, starts loading the next stage's)."""
-        self._registry.enter(stage)
+        freed, _ = self._registry.enter(stage)
+        if freed:
+            _collect_file_maps()
 
     def pin(self, name: str) -> None:
         self._registry.pin(name)
@@ -244,7 +261,9 @@ class StagedModels(MutableMapping[str, "nn.Module"]):
 
     def close(self) -> None:
         """Releases every loaded model, pinned ones too; the registry loads nothing after."""
-        self._registry.close()
+        freed, _ = self._registry.close()
+        if freed:
+            _collect_file_maps()
 
     def load(self, name: str) -> None:
         """Loads (or brings back) ``name`` now, without handing it out."""
