@@ -145,7 +145,7 @@ const GET_TRIES: usize = 3;
 #[pymethods]
 impl Registry {
     #[new]
-    #[pyo3(signature = (models, stages, *, pinned, preserve_rng, generators, events, meter, prefetch, host_tier, snapshots, strict, cache_host_blocks))]
+    #[pyo3(signature = (models, stages, *, pinned, preserve_rng, generators, events, meter, prefetch, host_tier, snapshots, strict, cache_host_blocks, map_large_host_blocks))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -161,12 +161,14 @@ impl Registry {
         snapshots: Option<PathBuf>,
         strict: bool,
         cache_host_blocks: bool,
+        map_large_host_blocks: bool,
     ) -> PyResult<Self> {
         let mut builder = StagedModels::builder()
             .preserve_rng(preserve_rng)
             .prefetch_next(prefetch)
             .strict(strict)
-            .cache_host_blocks(cache_host_blocks);
+            .cache_host_blocks(cache_host_blocks)
+            .map_large_host_blocks(map_large_host_blocks);
         for model in models {
             builder = builder.model(model_spec(py, model)?);
         }

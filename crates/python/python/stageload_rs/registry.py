@@ -75,10 +75,13 @@ class StagedModels(MutableMapping[str, "nn.Module"]):
     - ``snapshots=folder``: a model with no checkpoint is written there at its first release and
       comes back from that file, not from its loader.
     - ``strict=True``: asking for a model outside a stage that lists it is an error.
-    - ``cache_host_blocks=True``: torch's CPU allocations of 1 MiB or more go through the core's
-      host block cache (process-wide), which keeps freed blocks for the next request of their size
-      within a stage. Off by default here: it holds a stage's freed activations until the next
-      stage, which put Stable Diffusion 1.5's stage peaks 0.2-0.3 GiB above the original's.
+    - ``map_large_host_blocks=True`` and ``cache_host_blocks=True``: the Rust core's process-wide
+      allocator settings (glibc's mmap threshold fixed at 1 MiB, so freed blocks go back to the OS
+      at once; and a cache of freed blocks of 1 MiB or more for the next request of their size
+      within a stage). Both off by default here, where Python's allocator is as torch leaves it:
+      on Stable Diffusion 1.5 the threshold alone made every step fault its activations in again
+      (denoise 1.18x the original stageload's time) and the cache held a stage's freed
+      activations to its end (stage peaks 0.2-0.3 GiB above the original's).
     - ``events=MemoryMeter(path)``: the trace in the project's schema (``stageload summary``,
       ``plot`` and ``plan --from-trace`` read it); any other sink gets :class:`Event` objects.
     """
@@ -99,6 +102,7 @@ class StagedModels(MutableMapping[str, "nn.Module"]):
         snapshots: str | os.PathLike[str] | None = None,
         strict: bool = False,
         cache_host_blocks: bool = False,
+        map_large_host_blocks: bool = False,
     ) -> None:
         stages = {stage: list(names) for stage, names in stages.items()}
         pinned = list(pinned)
@@ -159,6 +163,7 @@ class StagedModels(MutableMapping[str, "nn.Module"]):
             snapshots=os.fspath(snapshots) if snapshots is not None else None,
             strict=strict,
             cache_host_blocks=cache_host_blocks,
+            map_large_host_blocks=map_large_host_blocks,
         )
 
     def _on_event(self, line: str) -> None:
