@@ -19,7 +19,7 @@ from __future__ import annotations
 import importlib
 import os
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -73,7 +73,7 @@ def _checkpoint(folder: Path, component: str) -> list[Path]:
     return files
 
 
-def _checkpoint_dtypes(files: Iterable[Path]) -> dict[str, torch.dtype]:
+def _checkpoint_dtypes(files: list[Path]) -> dict[str, torch.dtype]:
     from safetensors import safe_open
 
     dtypes = {}
@@ -81,9 +81,12 @@ def _checkpoint_dtypes(files: Iterable[Path]) -> dict[str, torch.dtype]:
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 dtypes[name] = f.get_slice(name).get_dtype()
-    return {
-        name: getattr(torch, _SAFETENSORS_DTYPES.get(d, d.lower())) for name, d in dtypes.items()
-    }
+    unknown = sorted({d for d in dtypes.values() if d not in _SAFETENSORS_DTYPES})
+    if unknown:
+        raise ValueError(
+            f"{', '.join(map(str, files))}: tensors of dtype {unknown}, which this reader does not know"
+        )
+    return {name: getattr(torch, _SAFETENSORS_DTYPES[d]) for name, d in dtypes.items()}
 
 
 _SAFETENSORS_DTYPES = {
@@ -97,11 +100,13 @@ _SAFETENSORS_DTYPES = {
     "I8": "int8",
     "U8": "uint8",
     "BOOL": "bool",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
 }
 
 
 def _loaded_dtypes(
-    cls: type, files: Iterable[Path], torch_dtype: torch.dtype | None
+    cls: type, files: list[Path], torch_dtype: torch.dtype | None
 ) -> dict[str, torch.dtype]:
     """The dtype each tensor has once ``cls.from_pretrained`` loaded it: ``torch_dtype`` for
     floating tensors when given; else the checkpoint's for a transformers model (its default is
@@ -117,7 +122,8 @@ def empty_component(
     cls: type, folder: Path, component: str, dtypes: dict[str, torch.dtype]
 ) -> nn.Module:
     """The component as its class builds it from its config, its tensors allocated on the CPU in
-    the checkpoint's dtypes and not touched (the pages come when something is written)."""
+    ``dtypes`` (those ``from_pretrained`` will give them) and not touched (the pages come when
+    something is written)."""
     path = str(folder / component)
     with torch.device("meta"):
         if hasattr(cls, "config_class") and hasattr(cls, "_from_config"):  # transformers
