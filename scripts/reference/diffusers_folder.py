@@ -71,19 +71,13 @@ def wan(dir_, cfg):
     import torch
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
     from safetensors.torch import load_file
-    from transformers import UMT5Config, UMT5EncoderModel
-    from wan_reference import load_into, strip
+    from wan_reference import bf16_umt5, load_into, strip
 
     comps, prefix = cfg["components"], cfg["wrapper_prefix"]
     # as wan_export.py builds them (bf16 umT5), the VAE whole: its encoder, which the export
     # leaves out and the pipeline never calls, keeps the seeded values it is built with
     torch.manual_seed(0)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        text_encoder = UMT5EncoderModel(UMT5Config(**comps["text_encoder"]["config"]))
-    finally:
-        torch.set_default_dtype(previous)
+    text_encoder = bf16_umt5(comps["text_encoder"]["config"])
     transformer = WanTransformer3DModel(**comps["transformer"]["config"])
     vae = AutoencoderKLWan(**comps["vae_decoder"]["config"])
     state = torch.jit.load(os.path.join(dir_, comps["text_encoder"]["file"])).state_dict()

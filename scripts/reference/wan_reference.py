@@ -67,6 +67,19 @@ def load_into(model, state, what, allowed_missing=()):
         raise SystemExit(f"wan_reference: {what}: missing {missing[:5]}, unexpected {result.unexpected_keys[:5]}")
 
 
+def bf16_umt5(config):
+    """The umT5 encoder as wan_export.py builds it: its tensors made in bfloat16."""
+    import torch
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        return UMT5EncoderModel(UMT5Config(**config))
+    finally:
+        torch.set_default_dtype(previous)
+
+
 class Tokens:
     """Stands in for the umT5 tokenizer: the export's ids for the prompt ("prompt") and the empty
     negative prompt, with their masks (WanPipeline asks for padding to max_length, truncation,
@@ -99,7 +112,6 @@ def main(args):
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
     from diffusers.image_processor import VaeImageProcessor
     from safetensors.torch import load_file
-    from transformers import UMT5Config, UMT5EncoderModel
     import numpy as np
 
     torch.set_grad_enabled(False)
@@ -109,12 +121,7 @@ def main(args):
     prefix = cfg["wrapper_prefix"]
 
     with init_empty_weights():
-        previous = torch.get_default_dtype()
-        torch.set_default_dtype(torch.bfloat16)
-        try:
-            text_encoder = UMT5EncoderModel(UMT5Config(**comps["text_encoder"]["config"]))
-        finally:
-            torch.set_default_dtype(previous)
+        text_encoder = bf16_umt5(comps["text_encoder"]["config"])
         transformer = WanTransformer3DModel(**comps["transformer"]["config"])
         vae = AutoencoderKLWan(**comps["vae_decoder"]["config"])
     state = torch.jit.load(os.path.join(args.components, comps["text_encoder"]["file"])).state_dict()

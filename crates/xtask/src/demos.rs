@@ -226,18 +226,20 @@ fn same_latent(reference: &Path, run: &Path, log: &Log) -> Result<(), Error> {
 /// then a staged run checked against diffusers' StableDiffusionPipeline on the same weights,
 /// embeddings and initial latents (within 1e-5 of each value range, or it fails). Results in `out`.
 pub fn sd_demo(shell: &mut Shell, out: &Path) -> Result<(), Error> {
-    let published = Published {
-        what: "Stable Diffusion",
-        small: "STAGELOAD_SD_SMALL",
-        folder: "sd-sd15",
-        export: &["scripts/reference/sd_export.py", "--size", "sd15"],
-        example: "stable_diffusion",
-        reference: "StableDiffusionPipeline",
-        guard_latent: None,
-        plan_below_because: None,
-    };
-    published_demo(shell, out, &published, &[])
+    published_demo(shell, out, &SD15, &[])
 }
+
+/// Stable Diffusion 1.5 at its published size: the SD part's and the Python part's.
+const SD15: Published<'static> = Published {
+    what: "Stable Diffusion",
+    small: "STAGELOAD_SD_SMALL",
+    folder: "sd-sd15",
+    export: &["scripts/reference/sd_export.py", "--size", "sd15"],
+    example: "stable_diffusion",
+    reference: "StableDiffusionPipeline",
+    guard_latent: None,
+    plan_below_because: None,
+};
 
 /// A pipeline written by others, at its published size, against diffusers.
 struct Published<'a> {
@@ -315,20 +317,10 @@ fn published_demo(shell: &mut Shell, out: &Path, published: &Published, args: &[
 pub fn python_demo(shell: &mut Shell, out: &Path, rounds: u16) -> Result<(), Error> {
     shell.set_up(&[Setup::Libtorch, Setup::Reference, Setup::Python])?;
     let out = shell.folder(out)?;
-    let published = Published {
-        what: "Stable Diffusion",
-        small: "STAGELOAD_SD_SMALL",
-        folder: "sd-sd15",
-        export: &["scripts/reference/sd_export.py", "--size", "sd15"],
-        example: "stable_diffusion",
-        reference: "StableDiffusionPipeline",
-        guard_latent: None,
-        plan_below_because: None,
-    };
-    let components = published_folder(shell, &published)?;
+    let components = published_folder(shell, &SD15)?;
     let python = shell.var("STAGELOAD_PYTHON").ok_or("scripts/setup-libtorch.sh set no STAGELOAD_PYTHON")?;
     println!("== the published-size export in {} and its diffusers folder (made once)", components.display());
-    shell.run(shell.cmd(&python, published.export).arg("--out").arg(&components))?;
+    shell.run(shell.cmd(&python, SD15.export).arg("--out").arg(&components))?;
     let folder = ["scripts/reference/diffusers_folder.py", "--pipeline", "sd", "--components"];
     shell.run(shell.cmd(&python, &folder).arg(&components))?;
     shell.run(&mut shell.cargo(&["build", "-p", "stageload-cli", "--bin", "stageload"]))?;

@@ -238,9 +238,10 @@ def staged_pipeline(
         def enter(
             *_args: Any, stage: str = stage, component: str = component, **_kwargs: Any
         ) -> None:
+            # once per stage: every later call of the stage finds its model resident
             if models.current_stage != stage:
                 models.enter(stage)
-            models[component]  # loaded, or refilled in place, before the call runs
+                models[component]  # loaded, or refilled in place, before the call runs
 
         for method in methods:
             if method == "forward":
