@@ -586,3 +586,69 @@ impl Inner {
         Ok((bytes, report))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::Ordering;
+
+    use tch::{Device, Kind, Tensor};
+
+    use super::super::{Built, ModelSpec, StagedModels};
+
+    /// A model of one `[8]` float tensor.
+    fn model(name: &str) -> ModelSpec {
+        ModelSpec::new(name, |_| {
+            let w = Tensor::zeros([8], (Kind::Float, Device::Cpu));
+            Ok(Built::from_tensors(w.shallow_clone(), vec![("w".to_string(), w)]))
+        })
+    }
+
+    /// How many times `f` takes the registry's state lock.
+    fn state_locks(models: &StagedModels, f: impl FnOnce()) -> u64 {
+        let before = models.inner.state_locks.load(Ordering::Relaxed);
+        f();
+        models.inner.state_locks.load(Ordering::Relaxed) - before
+    }
+
+    #[test]
+    fn a_get_takes_the_state_lock_once_to_hand_out_a_resident_model_and_twice_to_load_one() {
+        let models = StagedModels::builder()
+            .preserve_rng(false)
+            .model(model("a"))
+            .model(model("b"))
+            .stage("one", ["a"])
+            .stage("two", ["b"])
+            .build()
+            .unwrap();
+        models.enter("one").unwrap();
+        let build = state_locks(&models, || drop(models.get::<Tensor>("a").unwrap()));
+        let resident = state_locks(&models, || drop(models.get::<Tensor>("a").unwrap()));
+        let enter = state_locks(&models, || _ = models.enter("two").unwrap());
+        models.get::<Tensor>("b").unwrap();
+        let rebuild = state_locks(&models, || drop(models.get::<Tensor>("a").unwrap()));
+        eprintln!("build {build} resident {resident} enter {enter} rebuild {rebuild}");
+        assert_eq!((build, resident, enter, rebuild), (2, 1, 2, 2));
+    }
+
+    #[test]
+    fn a_refill_in_place_takes_the_state_lock_twice() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("a.safetensors");
+        crate::checkpoint::save(&[("w".to_string(), Tensor::ones([8], (Kind::Float, Device::Cpu)))], &file).unwrap();
+        let models = StagedModels::builder()
+            .preserve_rng(false)
+            .model(model("a").checkpoint([&file]))
+            .stage("one", ["a"])
+            .stage("none", Vec::<String>::new())
+            .build()
+            .unwrap();
+        models.enter("one").unwrap();
+        models.load("a").unwrap();
+        models.enter("none").unwrap();
+        models.enter("one").unwrap();
+        let refill = state_locks(&models, || models.load("a").unwrap());
+        assert_eq!(models.state("a").unwrap(), super::super::ModelState::Resident);
+        eprintln!("refill {refill}");
+        assert_eq!(refill, 2);
+    }
+}
