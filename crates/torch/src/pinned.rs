@@ -15,7 +15,7 @@ use std::sync::Arc;
 use stageload_torch_sys::ShimError;
 use tch::{Kind, TchError, Tensor};
 
-use crate::checkpoint::CheckpointError;
+use crate::checkpoint::error::CheckpointError;
 
 /// What went wrong with host memory for copies bound to a device (the host tier's, a streamed
 /// model's pinned blocks, the checkpoint's pinned ring), or with a copy through it.

@@ -1,4 +1,8 @@
-//! The registry's errors. Each names the model or stage involved and says what to do.
+//! The registry's errors. Each names the model or stage involved and says what to do. They
+//! live here, apart from the files that raise them, so that every file of the registry can
+//! name them without importing another's.
+
+use std::path::PathBuf;
 
 use stageload_torch_sys::ShimError;
 
@@ -55,7 +59,7 @@ pub enum StageError {
         /// The folder given to `snapshot_dir`.
         path: std::path::PathBuf,
         /// What failed, with the system's reason.
-        source: super::snapshot::SnapshotError,
+        source: SnapshotError,
     },
     /// Two specs share one name.
     #[error("model '{name}' is defined twice")]
@@ -196,6 +200,64 @@ pub enum StageError {
         protected: u64,
         /// The budget kept, in bytes.
         budget: u64,
+    },
+}
+
+/// What went wrong with the snapshot folder or a snapshot.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum SnapshotError {
+    /// The folder could not be made.
+    #[error("snapshot folder {}: cannot create it: {source}", .dir.display())]
+    CreateDir {
+        /// The folder.
+        dir: PathBuf,
+        /// The system's reason.
+        source: std::io::Error,
+    },
+    /// The registry's lock file could not be made or locked.
+    #[error("snapshot folder {}: cannot {} its lock file {}: {source}", .dir.display(), if *.created { "lock" } else { "create" }, .path.display())]
+    LockFile {
+        /// The folder.
+        dir: PathBuf,
+        /// The lock file.
+        path: PathBuf,
+        /// It was made, and locking it failed.
+        created: bool,
+        /// The system's reason.
+        source: std::io::Error,
+    },
+    /// The folder's free space could not be read.
+    #[error("cannot read the free space of {}: {source}", .dir.display())]
+    FreeSpace {
+        /// The folder.
+        dir: PathBuf,
+        /// The system's reason.
+        source: nix::Error,
+    },
+    /// The snapshot would leave less than the keep-free bytes free.
+    #[error("{} has {} free, and the snapshot of {} would leave less than {} free", .dir.display(), fmt_bytes(*.free), fmt_bytes(*.bytes), fmt_bytes(*.keep_free))]
+    NoRoom {
+        /// The folder.
+        dir: PathBuf,
+        /// Bytes free there.
+        free: u64,
+        /// The snapshot's bytes.
+        bytes: u64,
+        /// The bytes a write leaves free.
+        keep_free: u64,
+    },
+    /// Writing the file failed.
+    #[error(transparent)]
+    Write(Box<crate::checkpoint::CheckpointError>),
+    /// The model's storages could not be read.
+    #[error("reading its storages failed: {0}")]
+    Storages(#[source] stageload_torch_sys::ShimError),
+    /// Some of the model's tensors have no memory (released meanwhile).
+    #[error("{count} of its tensors have no memory now")]
+    Unallocated {
+        /// How many.
+        count: usize,
     },
 }
 

@@ -1,7 +1,12 @@
-//! Loads: a `get` or a prefetch decides under the state lock ([`super::decide::Slot::get`]), then
-//! builds (one build at a time: the build turn), or refills in place from the host tier or the
-//! checkpoint, with the lock let go; the out-of-memory policy's one retry; a prefetch that gives
-//! up because the registry closes or drops before its build begins.
+//! Loads: the transaction a `get` or a prefetch runs for a model that is not resident. Begun
+//! under the state lock ([`Slots::begin_load`]: the decision, the ticket, the tier's lease, the
+//! recipe), run with the lock let go ([`Inner::run_load`]), finished under it once more
+//! ([`Slots::finish_load`]), then told ([`Inner::announce`]). Running it builds (the loader,
+//! then its checkpoint) or refills in place from the host tier or the checkpoint; a foreground
+//! load pauses background copies while it lasts ([`super::turn`]). Out of memory is typed where
+//! libtorch's error or the loader's is caught ([`Failing`]); the policy's one retry releases the
+//! models the stage does not list. A prefetch that gives up because the registry closes or
+//! drops puts the slot back as it was.
 
 use std::collections::HashSet;
 use std::path::PathBuf;
@@ -10,35 +15,31 @@ use std::time::Instant;
 
 use tch::{Device, Tensor};
 
-use super::decide::ReleaseMark;
-use super::decide::{self, Finish, GetAction, GetContext, Refusal, SlotState};
-use super::error::{Result, StageError};
+use super::decide;
+use super::error::{BoxError, Result, StageError};
 use super::fills::Borrow;
 use super::instance::{Instance, Weights};
-use super::placement::Placement;
 use super::registry::Inner;
 use super::release::released_message;
-use super::spec::{BuildContext, Init, Loader};
+use super::slots::{Begin, Begun, Finished, Installed, Landed, Plan, Purpose, Ran, Recipe};
+use super::spec::{BuildContext, Built, Init, Loader};
 use super::tier_copy::{self, HostCopies};
 use super::turn::{BuildHold, ForegroundLoad, Pacer, Who};
 use crate::checkpoint::{Checkpoint, CheckpointError};
 use crate::error::{is_out_of_memory, panic_message};
 use crate::names::NameRules;
 use crate::source::{changed_source, FirstReads};
-
 use crate::storage::{self, shallow};
-use crate::stream::StreamPlan;
 use crate::sync::lock;
-use stageload_plan::tier::Ticket;
+use stageload_torch_sys::ShimError;
 use stageload_trace::event::{Event, Failed, LoadReport, Loaded, ReloadFrom, Reloaded, What};
 
 /// Where a refill's bytes come from: the host tier's `copies` of the model, else its
 /// checkpoint (a `prefetch`'s copy pausable between pieces).
 #[derive(Clone, Copy)]
 struct FillFrom<'a> {
-    recipe: &'a Recipe,
+    begun: &'a Begun,
     copies: Option<&'a HostCopies>,
-    prefetch: bool,
 }
 
 /// What [`Inner::refill`] brought in: bytes, the checkpoint's report, and the borrows of the
@@ -49,16 +50,8 @@ struct Refilled<'a> {
     borrows: Vec<Borrow<'a>>,
 }
 
-/// What a load of one model needs besides its loader, taken from its entry under the lock.
-pub(crate) struct Recipe {
-    checkpoint: Vec<PathBuf>,
-    names: NameRules,
-    init: Init,
-    from_snapshot: bool,
-    placement: Placement,
-    stream: Option<Arc<StreamPlan>>,
-    first_reads: Arc<FirstReads>,
-}
+/// The shared components a build used: name, tensor, and whether this build made it.
+type SharedUsed = Vec<(String, Tensor, bool)>;
 
 /// How a load meets the model's checkpoint.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -74,24 +67,69 @@ enum Fill {
     CheckOnly,
 }
 
-/// Why a load runs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Purpose {
-    /// A `get` (or `load`) of the current stage.
-    Use,
-    /// A background load for a stage about to begin, on its way there.
-    Prefetch(decide::Trip),
+/// The model a load is for and the stage it began in: what an error caught in the load needs
+/// to be typed, out of memory included, where it is caught.
+#[derive(Clone, Copy)]
+struct Failing<'a> {
+    model: &'a str,
+    stage: &'a Option<String>,
 }
 
-/// What a load started under the state lock needs once the lock is dropped.
-enum LoadPlan {
-    Build {
-        reload: bool,
-        loader: Arc<Loader>,
-    },
-    /// In place, from the host tier's copies (leased: with the entry's ticket) or else the
-    /// checkpoint.
-    Refill(Arc<Instance>, Option<(Ticket, HostCopies)>),
+impl<'a> Failing<'a> {
+    fn of(begun: &'a Begun) -> Self {
+        Failing { model: &begun.name, stage: &begun.stage }
+    }
+
+    /// `err`, or [`StageError::OutOfMemory`] with its text when `said` (what libtorch, or the
+    /// loader, said) is that memory ran out.
+    fn typed(self, said: &str, err: StageError) -> StageError {
+        if is_out_of_memory(said) {
+            StageError::OutOfMemory {
+                model: self.model.to_string(),
+                stage: self.stage.clone(),
+                message: err.to_string(),
+            }
+        } else {
+            err
+        }
+    }
+
+    /// A storage operation's error (a reallocation's, typically).
+    fn torch(self, source: ShimError) -> StageError {
+        let said = source.to_string();
+        self.typed(&said, StageError::Torch { model: self.model.to_string(), source })
+    }
+
+    /// A checkpoint's error: a copy stopped between pieces is [`StageError::Closed`]; a copy
+    /// that ran out of memory is typed by libtorch's own error.
+    fn checkpoint(self, source: CheckpointError) -> StageError {
+        let said = match &source {
+            CheckpointError::Stopped { .. } => return StageError::Closed { model: self.model.to_string() },
+            CheckpointError::Copy { source, .. } => source.to_string(),
+            CheckpointError::Stream { source, .. } | CheckpointError::Storage { source, .. } => source.to_string(),
+            _ => String::new(),
+        };
+        self.typed(&said, StageError::Checkpoint { model: self.model.to_string(), source: Box::new(source) })
+    }
+
+    /// A loader's own error (libtorch's, typically, when it ran out of memory).
+    fn loader_failed(self, source: BoxError) -> StageError {
+        match changed_source(&*source) {
+            // A file it read is not what the model's first load read.
+            Some(changed) => StageError::SourceChanged(changed),
+            None => {
+                let said = source.to_string();
+                self.typed(&said, StageError::LoaderFailed { model: self.model.to_string(), source })
+            }
+        }
+    }
+
+    /// A loader's panic.
+    fn loader_panicked(self, panic: &(dyn std::any::Any + Send)) -> StageError {
+        let message = panic_message(panic);
+        let said = message.clone();
+        self.typed(&said, StageError::LoaderPanicked { model: self.model.to_string(), message })
+    }
 }
 
 impl Inner {
@@ -109,7 +147,7 @@ impl Inner {
     /// Releases the unpinned resident models the current stage does not list (the
     /// out-of-memory policy's remedy).
     fn release_unlisted(&self) {
-        let mut state = self.state();
+        let mut state = self.slots.lock();
         let mut positions = state.resident_positions();
         positions.retain(|&p| !state.planned_here(&state.entries()[p].name));
         let instances: Vec<Arc<Instance>> = positions.into_iter().filter_map(|p| state.request_release(p)).collect();
@@ -117,213 +155,97 @@ impl Inner {
         self.release_all(instances);
     }
 
+    /// The instance of `name` for `purpose`: the load transaction (see the module docs), or
+    /// the resident instance.
     pub(crate) fn instance_for(self: &Arc<Self>, name: &str, purpose: Purpose) -> Result<Arc<Instance>> {
-        let prefetch = matches!(purpose, Purpose::Prefetch(_));
-        let mut state = self.state();
-        let (ticket, plan, recipe, before) = loop {
-            let position = state.position(name)?;
-            if let Purpose::Prefetch(trip) = purpose {
-                // Closed or dropped, or overtaken by the stages entered since it was asked for:
-                // nothing begun (its thread drops this error; the slot is as it was).
-                if self.cancelled() || state.overtaken(name, trip) {
-                    return Err(StageError::Closed { model: name.to_string() });
-                }
-            }
-            let planned_here = prefetch || state.planned_here(name);
-            let in_tier = state.in_tier(name);
-            let ctx = GetContext { closed: state.is_closed(), strict: self.builds.strict(), planned_here, in_tier };
-            let entry = &state.entries()[position];
-            let plan = match entry.slot().get(ctx) {
-                GetAction::Use(instance) => return Ok(instance),
-                GetAction::Wait => {
-                    // A prefetch's paced copy goes at full speed while the foreground waits.
-                    let _awaiting = (!prefetch).then(|| self.turns.awaiting());
-                    state = self.wait_changed(state);
-                    continue;
-                }
-                GetAction::Revive(instance) => {
-                    // The release's claim takes the state lock too, so it cannot begin between
-                    // this look at the mark and the revival.
-                    let freeing = !matches!(instance.mark(), ReleaseMark::Requested(_));
-                    if let Some(resident) = entry.slot().revive(freeing) {
-                        state.set_state(position, resident);
-                        self.notify_changed();
-                        return Ok(instance);
-                    }
-                    // Its storages are being freed right now: wait for that to finish.
-                    state = self.wait_changed(state);
-                    continue;
-                }
-                GetAction::Refuse(Refusal::Closed) => return Err(StageError::Closed { model: name.to_string() }),
-                GetAction::Refuse(Refusal::OutsideStage) => {
-                    return Err(StageError::OutsideStage {
-                        model: name.to_string(),
-                        stage: state.current().unwrap_or_default().to_string(),
-                    })
-                }
-                GetAction::Refuse(Refusal::NoLoader { stage }) => {
-                    return Err(StageError::NoLoader { model: name.to_string(), stage })
-                }
-                GetAction::Refill(instance) => {
-                    let leased = state.tier_mut().and_then(|tier| tier.lease(name));
-                    let copies = leased.map(|(ticket, copies)| (ticket, HostCopies::shallow(copies)));
-                    LoadPlan::Refill(instance, copies)
-                }
-                GetAction::Build { reload } => match &entry.loader {
-                    Some(loader) => LoadPlan::Build { reload, loader: Arc::clone(loader) },
-                    None => return Err(StageError::NoLoader { model: name.to_string(), stage: None }),
-                },
-            };
-            let ticket = state.take_ticket();
-            let entry = &state.entries()[position];
-            let before = entry.slot().state.clone();
-            let loading = entry.slot().start_load(ticket);
-            let recipe = Recipe {
-                checkpoint: entry.checkpoint.clone(),
-                names: entry.names.clone(),
-                init: entry.init,
-                from_snapshot: entry.from_snapshot,
-                placement: entry.placement,
-                stream: entry.stream.clone(),
-                first_reads: Arc::clone(&entry.first_reads),
-            };
-            state.set_state(position, loading);
-            break (ticket, plan, recipe, before);
+        let begun = match self.slots.begin_load(name, purpose, &self.turns, self.builds.strict())? {
+            Begin::Use(instance) => return Ok(instance),
+            Begin::Load(begun) => begun,
         };
-        let stage = state.current().map(str::to_string);
-        let outside_stage = !prefetch && !state.planned_here(name);
-        drop(state);
-
         let started = Instant::now();
         // Background copies pause while this lives (see super::turn).
-        let foreground = (!prefetch).then(|| self.turns.foreground_load());
-        // The storages the model relies on without having filled them, borrowed until it is
-        // installed (see super::fills).
-        let mut borrows = Vec::new();
-        let result = match &plan {
-            LoadPlan::Build { loader, .. } => {
-                let who = if prefetch { Who::Background } else { Who::Foreground };
-                self.build(name, loader, &recipe, who).and_then(|(instance, bytes, report)| {
-                    let from = FillFrom { recipe: &recipe, copies: None, prefetch };
-                    let refilled = self.refill(&instance, from, foreground.as_ref(), false)?;
-                    borrows = refilled.borrows;
-                    Ok((instance, bytes + refilled.bytes, report))
-                })
-            }
-            LoadPlan::Refill(instance, copies) => {
-                let from = FillFrom { recipe: &recipe, copies: copies.as_ref().map(|(_, copies)| copies), prefetch };
-                self.refill(instance, from, foreground.as_ref(), true).map(|refilled| {
-                    borrows = refilled.borrows;
-                    (Arc::clone(instance), refilled.bytes, refilled.report)
-                })
-            }
-        };
-        if prefetch && matches!(result, Err(StageError::Closed { .. })) {
+        let foreground = (!purpose.is_prefetch()).then(|| self.turns.foreground_load());
+        let ran = self.run_load(&begun, foreground.as_ref());
+        if purpose.is_prefetch() && matches!(ran, Err(StageError::Closed { .. })) {
             // The registry closed or dropped while the prefetch waited for the build turn, or
             // during its checkpoint copy, which stopped between pieces: the slot goes back to
             // what it was (a refill freed its storages again, a build's model is dropped).
-            self.give_up(name, ticket, before);
-            return result.map(|(instance, ..)| instance);
+            let Err(closed) = ran else { unreachable!() };
+            self.slots.give_up(*begun);
+            return Err(closed);
         }
         let seconds = started.elapsed().as_secs_f64();
-        let accepted = recipe.first_reads.end_load();
-
-        let mut state = self.state();
-        // A reload from the tier gives its copy up (the weights are on the device again); a
-        // failed one leaves it for the next try. By the lease's ticket: an insert meanwhile
-        // replaced the entry with another instance's, which stays as it is.
-        let leased = match &plan {
-            LoadPlan::Refill(_, Some((ticket, _))) => Some(*ticket),
-            _ => None,
-        };
-        let from_tier = leased.is_some();
-        let mut restored = None;
-        if let (Some(ticket), Some(tier)) = (leased, state.tier_mut()) {
-            match result {
-                Ok(_) => restored = tier.withdraw(name, ticket),
-                Err(_) => tier.unlease(name, ticket),
-            }
-        }
-        let tier = if from_tier { state.tier_usage() } else { None };
-        let position = state.find(name);
-        let outcome = result.as_ref().ok().map(|(instance, ..)| Arc::clone(instance));
-        let finish = position.map_or(Finish::Discard, |p| state.entries()[p].slot().finish_load(ticket, outcome));
-        self.notify_changed();
-        let Finish::Install(installed) = finish else {
-            drop(state);
-            // An insert or a remove overtook this load: what it built is dropped.
-            return match result {
-                Ok(_) => self.instance(name),
-                Err(err) => Err(err),
-            };
-        };
-        let position = position.expect("a load installs only into a slot that exists");
-        state.set_state(position, installed);
-        // Installed: the model holds what it relied on, as any resident model does.
-        drop(borrows);
-        match result {
-            Ok((instance, bytes, report)) => {
-                state.count_load(position, report.clone());
-                // A prefetch that ends after `close` (nobody will ask for the model, and close
-                // promised its memory back) or overtaken by the stages entered meanwhile (the
-                // current stage's plan does not count it): released at once.
-                let overtaken = match purpose {
-                    Purpose::Prefetch(trip) => state.is_closed() || state.overtaken(name, trip),
-                    Purpose::Use => false,
-                };
-                let give_back = if overtaken { state.request_release(position) } else { None };
-                let resident = state.resident_bytes();
-                drop(state);
-                drop(restored);
-                let load = Loaded {
-                    stage,
-                    model: name.to_string(),
-                    bytes: Some(bytes),
-                    seconds: Some(seconds),
-                    outside_stage,
-                    prefetched: prefetch,
-                    streamed: false,
-                    report: report.map(Box::new),
-                    resident: Some(resident),
-                    accepted,
-                };
-                let from = match plan {
-                    LoadPlan::Build { reload: false, .. } => None,
-                    LoadPlan::Build { reload: true, .. } => Some(ReloadFrom::Rebuilt),
-                    LoadPlan::Refill(_, Some(_)) => Some(ReloadFrom::HostTier),
-                    LoadPlan::Refill(_, None) if recipe.from_snapshot => Some(ReloadFrom::Snapshot),
-                    LoadPlan::Refill(_, None) => Some(ReloadFrom::InPlace),
-                };
-                self.emit(Event::now(match from {
-                    None => What::Load(load),
-                    Some(from) => What::Reload(Reloaded { from, tier, load }),
-                }));
-                if let Some(released) = give_back {
-                    tracing::debug!(model = name, "prefetch ended after close or overtaken: released at once");
-                    self.release_all(vec![released]);
-                }
-                Ok(instance)
-            }
-            Err(err) => {
-                drop(state);
-                let err = match err {
-                    StageError::OutOfMemory { .. } => err,
-                    other if is_out_of_memory(&other.to_string()) => StageError::OutOfMemory {
-                        model: name.to_string(),
-                        stage: stage.clone(),
-                        message: other.to_string(),
-                    },
-                    other => other,
-                };
+        let accepted = begun.recipe.first_reads.end_load();
+        let Finished { landed, restored } = self.slots.finish_load(&begun, ran);
+        drop(restored);
+        match landed {
+            Landed::Loaded(installed) => Ok(self.announce(&begun, installed, seconds, accepted)),
+            Landed::Failed(err) => {
                 self.emit(Event::now(Failed {
-                    stage,
-                    model: Some(name.to_string()),
+                    stage: begun.stage.clone(),
+                    model: Some(begun.name.clone()),
                     seconds: Some(seconds),
                     note: err.to_string(),
                 }));
                 Err(err)
             }
+            // An insert or a remove overtook this load: what it built is dropped.
+            Landed::Overtaken(ran) => ran.and_then(|()| self.instance(name)),
         }
+    }
+
+    /// Runs a load begun, with the state lock let go: builds (then fills what shared storages
+    /// another refill is filling), or refills in place. A `foreground` load counts as not
+    /// loading while it waits for another refill.
+    fn run_load(self: &Arc<Self>, begun: &Begun, foreground: Option<&ForegroundLoad<'_>>) -> Result<Ran<'_>> {
+        match &begun.plan {
+            Plan::Build { loader, .. } => {
+                let who = if begun.purpose.is_prefetch() { Who::Background } else { Who::Foreground };
+                let (instance, bytes, report) = self.build(begun, loader, who)?;
+                let refilled = self.refill(&instance, FillFrom { begun, copies: None }, foreground, false)?;
+                Ok(Ran { instance, bytes: bytes + refilled.bytes, report, borrows: refilled.borrows })
+            }
+            Plan::Refill(instance, lease) => {
+                let from = FillFrom { begun, copies: lease.as_ref().map(|(_, copies)| copies) };
+                let refilled = self.refill(instance, from, foreground, true)?;
+                let Refilled { bytes, report, borrows } = refilled;
+                Ok(Ran { instance: Arc::clone(instance), bytes, report, borrows })
+            }
+        }
+    }
+
+    /// Tells a load installed in a `load` or `reload` event, then carries out the release of a
+    /// prefetch that ended after `close` or overtaken; the instance to hand out.
+    fn announce(&self, begun: &Begun, installed: Installed, seconds: f64, accepted: Vec<String>) -> Arc<Instance> {
+        let Installed { instance, bytes, report, resident, tier, give_back } = installed;
+        let load = Loaded {
+            stage: begun.stage.clone(),
+            model: begun.name.clone(),
+            bytes: Some(bytes),
+            seconds: Some(seconds),
+            outside_stage: begun.outside_stage,
+            prefetched: begun.purpose.is_prefetch(),
+            streamed: false,
+            report: report.map(Box::new),
+            resident: Some(resident),
+            accepted,
+        };
+        let from = match begun.plan {
+            Plan::Build { reload: false, .. } => None,
+            Plan::Build { reload: true, .. } => Some(ReloadFrom::Rebuilt),
+            Plan::Refill(_, Some(_)) => Some(ReloadFrom::HostTier),
+            Plan::Refill(_, None) if begun.recipe.from_snapshot => Some(ReloadFrom::Snapshot),
+            Plan::Refill(_, None) => Some(ReloadFrom::InPlace),
+        };
+        self.emit(Event::now(match from {
+            None => What::Load(load),
+            Some(from) => What::Reload(Reloaded { from, tier, load }),
+        }));
+        if let Some(released) = give_back {
+            tracing::debug!(model = begun.name.as_str(), "prefetch ended after close or overtaken: released at once");
+            self.release_all(vec![released]);
+        }
+        instance
     }
 
     /// Whether `close` or dropping the registry asked prefetches that have not begun to give up.
@@ -331,36 +253,68 @@ impl Inner {
         self.turns.cancelled()
     }
 
-    /// Puts the slot of a load that gave up before it began back as it was `before`, unless an
-    /// insert or a remove took the slot over meanwhile; wakes whoever waits for the load.
-    fn give_up(&self, name: &str, ticket: u64, before: SlotState<Arc<Instance>>) {
-        let mut state = self.state();
-        if let Some(position) = state.find(name) {
-            if let Some(back) = state.entries()[position].slot().give_up(ticket, before) {
-                state.set_state(position, back);
-            }
-        }
-        self.notify_changed();
-    }
-
-    /// Runs a loader (a foreground one under preserved RNG and the build turn), catching
-    /// panics, and fills the model from its checkpoint. Returns the instance, the bytes it
-    /// brought in, and the load report.
+    /// Builds the model begun: runs its loader ([`Self::run_loader`]), places its tensors and
+    /// the shared components it made, fills them from its checkpoint. Returns the instance, the
+    /// bytes it brought in, and the load report.
     fn build(
         self: &Arc<Self>,
-        name: &str,
+        begun: &Begun,
         loader: &Arc<Loader>,
-        recipe: &Recipe,
         who: Who,
     ) -> Result<(Arc<Instance>, u64, Option<LoadReport>)> {
-        let Recipe { checkpoint, names, init, placement, stream, first_reads, .. } = recipe;
+        let (name, failing) = (begun.name.as_str(), Failing::of(begun));
+        let Recipe { checkpoint, names, init, placement, first_reads, .. } = &begun.recipe;
         // A prefetch whose build has not begun gives up when the registry closes or drops.
         let hold = BuildHold::new(&self.turns, who).map_err(|_| StageError::Closed { model: name.to_string() })?;
+        let (mut built, shared) = self.run_loader(begun, loader, &hold, who)?;
+        // Shared components built by this build are this model's to place and convert too
+        // (shallow copies: the conversion reaches every holder).
+        let mut fresh: Vec<(String, Tensor)> =
+            shared.iter().filter(|(_, _, fresh)| *fresh).map(|(n, t, _)| (n.clone(), t.shallow_clone())).collect();
+        for tensors in [&mut built.tensors, &mut fresh] {
+            // A conversion to the file's dtype allocates: it may run out of memory.
+            placement.apply(name, tensors).map_err(|err| failing.typed(&err.to_string(), err))?;
+        }
+        let mut report = None;
+        if !checkpoint.is_empty() {
+            let mut targets = shallow(&built.tensors);
+            targets.extend(fresh);
+            // Shared components another model loaded are not filled again, and a model built
+            // without initial values must get every tensor from the file (entries no tensor
+            // reads are refused only by strict rules).
+            let names =
+                names.clone().filled_elsewhere(shared.iter().filter(|(_, _, fresh)| !fresh).map(|(n, _, _)| n.clone()));
+            let names = if *init == Init::Skipped { names.complete() } else { names };
+            // The file a deserialised model came from holds its weights: its checkpoint is only
+            // checked now (it refills the model after a release). A background build that holds
+            // no turn copies as background work.
+            let fill = match (*init, who) {
+                (Init::Deserialized, _) => Fill::CheckOnly,
+                (_, Who::Background) if !hold.holds_turn() => Fill::Background,
+                _ => Fill::Whole,
+            };
+            report = Some(self.load_checkpoint(failing, checkpoint, first_reads, &targets, &names, fill)?);
+        }
+        self.built_instance(name, built, shared, report)
+    }
+
+    /// Runs `loader` for the model begun (a foreground one under preserved RNG, the turn held
+    /// for its run; without initial values when its recipe says so), catching panics. Returns
+    /// the model built and the shared components it used (name, tensor, made by this build).
+    fn run_loader(
+        &self,
+        begun: &Begun,
+        loader: &Arc<Loader>,
+        hold: &BuildHold,
+        who: Who,
+    ) -> Result<(Built, SharedUsed)> {
+        let Recipe { init, placement, stream, first_reads, .. } = &begun.recipe;
+        let name = begun.name.as_str();
         // A prefetched build draws nothing (skip_init, see decide::Slot::prefetch): it must not
         // save and restore the generators the foreground is drawing from.
         let rng = self.builds.preserve_rng(who == Who::Foreground).map_err(StageError::Rng)?;
         let context = BuildContext {
-            hold: &hold,
+            hold,
             components: self.builds.components(),
             model: name,
             device: placement.device,
@@ -381,22 +335,14 @@ impl Inner {
         // components to fill.
         drop(rng);
         hold.loader_done();
-        let mut built = match ran {
+        let built = match ran {
             Ok(Ok(built)) => built,
             // The registry closed meanwhile (its turn for a shared component refused): it gives up.
             Ok(Err(_)) if who == Who::Background && self.cancelled() => {
                 return Err(StageError::Closed { model: name.to_string() })
             }
-            // A file it read is not what the model's first load read.
-            Ok(Err(source)) => {
-                return Err(match changed_source(&*source) {
-                    Some(changed) => StageError::SourceChanged(changed),
-                    None => StageError::LoaderFailed { model: name.to_string(), source },
-                })
-            }
-            Err(panic) => {
-                return Err(StageError::LoaderPanicked { model: name.to_string(), message: panic_message(&*panic) })
-            }
+            Ok(Err(source)) => return Err(Failing::of(begun).loader_failed(source)),
+            Err(panic) => return Err(Failing::of(begun).loader_panicked(&*panic)),
         };
         if stream.is_some() && !context.stream_taken.into_inner() {
             // It has no checkpoint: built whole, its weights would stay as the loader left them.
@@ -406,33 +352,20 @@ impl Inner {
             });
         }
         let shared = context.shared_tensors.into_inner().unwrap_or_else(|e| e.into_inner());
-        // Shared components built by this build are this model's to place and convert too
-        // (shallow copies: the conversion reaches every holder).
-        let mut fresh: Vec<(String, Tensor)> =
-            shared.iter().filter(|(_, _, fresh)| *fresh).map(|(n, t, _)| (n.clone(), t.shallow_clone())).collect();
-        placement.apply(name, &mut built.tensors)?;
-        placement.apply(name, &mut fresh)?;
-        let mut report = None;
-        if !checkpoint.is_empty() {
-            let mut targets = shallow(&built.tensors);
-            targets.extend(fresh);
-            // Shared components another model loaded are not filled again, and a model built
-            // without initial values must get every tensor from the file (entries no tensor
-            // reads are refused only by strict rules).
-            let names =
-                names.clone().filled_elsewhere(shared.iter().filter(|(_, _, fresh)| !fresh).map(|(n, _, _)| n.clone()));
-            let names = if *init == Init::Skipped { names.complete() } else { names };
-            // The file a deserialised model came from holds its weights: its checkpoint is only
-            // checked now (it refills the model after a release). A background build that holds
-            // no turn copies as background work.
-            let fill = match (*init, who) {
-                (Init::Deserialized, _) => Fill::CheckOnly,
-                (_, Who::Background) if !hold.holds_turn() => Fill::Background,
-                _ => Fill::Whole,
-            };
-            report = Some(self.load_checkpoint(name, checkpoint, first_reads, &targets, &names, fill)?);
-        }
-        // Shared components another model already built are not loaded again: not counted.
+        Ok((built, shared))
+    }
+
+    /// The instance of a model built, with the `shared` components it used, and the bytes it
+    /// brought in: shared components another model already built are not loaded again, so not
+    /// counted; what the checkpoint lacks (`report`'s missing), nothing can refill, so a release
+    /// keeps it resident.
+    fn built_instance(
+        self: &Arc<Self>,
+        name: &str,
+        mut built: Built,
+        shared: SharedUsed,
+        report: Option<LoadReport>,
+    ) -> Result<(Arc<Instance>, u64, Option<LoadReport>)> {
         let reused: Vec<(String, Tensor)> =
             shared.iter().filter(|(_, _, fresh)| !fresh).map(|(n, t, _)| (n.clone(), t.shallow_clone())).collect();
         let reused: HashSet<u64> = storage::distinct_storages(&reused)
@@ -441,7 +374,6 @@ impl Inner {
             .map(|r| r.id)
             .collect();
         built.tensors.extend(shared.into_iter().map(|(n, t, _)| (n, t)));
-        // What the checkpoint lacks, nothing can refill: a release keeps it resident.
         let unrefillable = report.as_ref().map_or(&[][..], |report| &report.missing[..]);
         let instance = Instance::new(name, built, unrefillable, Arc::<Inner>::downgrade(self))?;
         let bytes = instance.storage_sizes.iter().filter(|(id, _)| !reused.contains(id)).map(|(_, bytes)| bytes).sum();
@@ -452,18 +384,15 @@ impl Inner {
     /// found to be what the model's first load read (`first_reads`).
     fn load_checkpoint(
         &self,
-        model: &str,
+        failing: Failing<'_>,
         files: &[PathBuf],
         first_reads: &FirstReads,
         targets: &[(String, Tensor)],
         names: &NameRules,
         fill: Fill,
     ) -> Result<LoadReport> {
-        let wrap = |source| match source {
-            CheckpointError::Stopped { .. } => StageError::Closed { model: model.to_string() },
-            source => StageError::Checkpoint { model: model.to_string(), source: Box::new(source) },
-        };
-        let mut checkpoint = Checkpoint::open(files).map_err(wrap)?;
+        let model = failing.model;
+        let mut checkpoint = Checkpoint::open(files).map_err(|source| failing.checkpoint(source))?;
         first_reads.meet_all(model, checkpoint.files(), checkpoint.stamps())?;
         if fill == Fill::Background {
             let turns = Arc::clone(&self.turns);
@@ -484,7 +413,7 @@ impl Inner {
                 checkpoint.load_named(targets, names, |progress| self.builds.tell_progress(model, progress))
             }
         }
-        .map_err(wrap)?;
+        .map_err(|source| failing.checkpoint(source))?;
         if !report.unused.is_empty() || !report.missing.is_empty() {
             tracing::warn!(model, unused = ?report.unused, missing = ?report.missing, "checkpoint and model names differ (lenient load)");
         }
@@ -508,7 +437,7 @@ impl Inner {
         mut first: bool,
     ) -> Result<Refilled<'_>> {
         let name = &instance.name;
-        let torch = |source| StageError::Torch { model: name.clone(), source };
+        let failing = Failing::of(from.begun);
         // Waits only for a release of this very instance still freeing its storages.
         let _body = lock(&instance.body);
         let weights = lock(&instance.weights);
@@ -516,7 +445,8 @@ impl Inner {
         loop {
             // SAFETY: the body lock keeps every user of the model away until the fill below has
             // filled the claimed storages (or freed them again).
-            let (claim, others, borrow) = unsafe { self.fills.claim(&weights.storages) }.map_err(torch)?;
+            let (claim, others, borrow) =
+                unsafe { self.fills.claim(&weights.storages) }.map_err(|source| failing.torch(source))?;
             borrows.push(borrow);
             if first || !claim.ids.is_empty() {
                 match self.fill(instance, &weights, &claim.ids, from) {
@@ -527,7 +457,8 @@ impl Inner {
                         // SAFETY: still under the body lock; nothing has used the half-filled
                         // storages. Freed before the claim ends, so a refill waiting for them
                         // finds them freed and fills them itself.
-                        unsafe { storage::free_ids(&weights.storages, &claim.ids, &message) }.map_err(torch)?;
+                        unsafe { storage::free_ids(&weights.storages, &claim.ids, &message) }
+                            .map_err(|source| failing.torch(source))?;
                         return Err(err);
                     }
                 }
@@ -551,9 +482,9 @@ impl Inner {
         instance: &Instance,
         weights: &Weights,
         ids: &HashSet<u64>,
-        FillFrom { recipe, copies, prefetch }: FillFrom<'_>,
+        FillFrom { begun, copies }: FillFrom<'_>,
     ) -> Result<(u64, Option<LoadReport>)> {
-        let name = &instance.name;
+        let (name, recipe, failing) = (&instance.name, &begun.recipe, Failing::of(begun));
         // The others are filled already, or by another refill: their entries are not unused.
         let (targets, elsewhere): (Vec<_>, Vec<_>) = weights
             .tensors
@@ -567,18 +498,21 @@ impl Inner {
                     .before_copy(name, false)
                     .and_then(|()| tier_copy::copy_in(&targets, copies, device))
                     .map(|()| None)
-                    .map_err(|source| StageError::HostTier { model: name.clone(), source })
+                    .map_err(|source| {
+                        let said = source.to_string();
+                        failing.typed(&said, StageError::HostTier { model: name.clone(), source })
+                    })
             }
             // Every reallocated storage must be filled: a tensor the checkpoint cannot fill is
             // an error here (its storage should have been kept, see `Instance::kept`).
             None => self
                 .load_checkpoint(
-                    name,
+                    failing,
                     &recipe.checkpoint,
                     &recipe.first_reads,
                     &targets,
                     &recipe.names.clone().complete().filled_elsewhere(elsewhere.into_iter().map(|(n, _)| n)),
-                    if prefetch { Fill::Background } else { Fill::Whole },
+                    if begun.purpose.is_prefetch() { Fill::Background } else { Fill::Whole },
                 )
                 .map(Some),
         }?;
@@ -589,8 +523,6 @@ impl Inner {
 
 #[cfg(test)]
 mod tests {
-    use std::sync::atomic::Ordering;
-
     use tch::{Device, Kind, Tensor};
 
     use super::super::{Built, ModelSpec, StagedModels};
@@ -605,9 +537,9 @@ mod tests {
 
     /// How many times `f` takes the registry's state lock.
     fn state_locks(models: &StagedModels, f: impl FnOnce()) -> u64 {
-        let before = models.inner.state_locks.load(Ordering::Relaxed);
+        let before = models.inner.slots.locks();
         f();
-        models.inner.state_locks.load(Ordering::Relaxed) - before
+        models.inner.slots.locks() - before
     }
 
     #[test]
@@ -626,7 +558,6 @@ mod tests {
         let enter = state_locks(&models, || _ = models.enter("two").unwrap());
         models.get::<Tensor>("b").unwrap();
         let rebuild = state_locks(&models, || drop(models.get::<Tensor>("a").unwrap()));
-        eprintln!("build {build} resident {resident} enter {enter} rebuild {rebuild}");
         assert_eq!((build, resident, enter, rebuild), (2, 1, 2, 2));
     }
 
@@ -648,7 +579,6 @@ mod tests {
         models.enter("one").unwrap();
         let refill = state_locks(&models, || models.load("a").unwrap());
         assert_eq!(models.state("a").unwrap(), super::super::ModelState::Resident);
-        eprintln!("refill {refill}");
         assert_eq!(refill, 2);
     }
 }

@@ -18,22 +18,25 @@
 //! next `get` copies them back in place: no checkpoint read, no rebuild, no random number drawn.
 //!
 //! Files (all private; what users need is re-exported here and at the crate root): `decide`
-//! (the slot state machine, pure), `registry` (carrying its decisions out:
-//! the state, stage entry), `load` (builds and refills), `release` (frees in place, in
-//! batches; writes snapshots before), `prefetch` (background loads), `placement` (the pipeline
-//! file's device and dtype), `tier_copy` (the host tier's copies; its budget, leases and
+//! (the slot state machine, pure), `slots` (the slot table behind the state lock, and the load
+//! transaction's steps under it), `registry` (the registry's parts; stage entry, insert, remove,
+//! close), `load` (a load run with the lock let go: builds and refills), `release` (frees in
+//! place, in batches; writes snapshots before), `prefetch` (background loads), `placement` (the
+//! pipeline file's device and dtype), `tier_copy` (the host tier's copies; its budget, leases and
 //! evictions are the pure [`stageload_plan::tier`]), `tier_store` (the registry storing into
 //! it), `instance` (a model object, its handle and guard), `spec` (what loaders get and return,
-//! and what builds go by), `snapshot` (the snapshot folder's files), `builder`, `error`.
+//! and what builds go by), `snapshot` (the snapshot folder's files), `builder`, `error` (every
+//! error of the registry, so that no file imports another's for its error).
 //!
 //! The registry's parts that keep state of their own are owners, each with its fields private
-//! to its file, and none of those files reaches back into the registry: the build turn
-//! (`turn`), what builds go by (`spec::Builds`), what prefetches go by and their threads
-//! (`background`), the host tier's allocator and test hooks (`tier_copy::TierSide`), the
-//! snapshot folder (`snapshot`), the heap's trim (`caches`). The slots, stages and the host
-//! tier's bookkeeping are the state behind one lock (`registry`); the files that carry the
-//! registry's decisions out (`load`, `release`, `prefetch`, `tier_store`) are `impl Inner`
-//! blocks that take it for bookkeeping only.
+//! to its file, and none of those files reaches back into the registry: the slot table
+//! (`slots`), the build turn (`turn`), what builds go by (`spec::Builds`), what prefetches go by
+//! and their threads (`background`), the host tier's allocator and test hooks
+//! (`tier_copy::TierSide`), the snapshot folder (`snapshot`), the heap's trim (`caches`), the
+//! storages refills fill (`fills`). The files that carry the registry's decisions out (`load`,
+//! `release`, `prefetch`, `tier_store`) are `impl Inner` blocks that take the state lock through
+//! the slot table, for bookkeeping only; a load's own bookkeeping is the slot table's
+//! transaction (`Slots::begin_load`, `Slots::finish_load`).
 
 mod background;
 mod builder;
@@ -47,6 +50,7 @@ mod placement;
 mod prefetch;
 mod registry;
 mod release;
+mod slots;
 mod snapshot;
 mod spec;
 mod tier_copy;
@@ -59,9 +63,8 @@ use std::sync::Arc;
 
 pub use builder::StagedModelsBuilder;
 pub use decide::{ModelState, OutOfMemory};
-pub use error::{BoxError, StageError};
+pub use error::{BoxError, SnapshotError, StageError};
 pub use instance::{Handle, ModelGuard};
-pub use snapshot::SnapshotError;
 pub use spec::{named_tensors, BuildContext, Built, ModelSpec};
 pub use turn::{PrefetchPace, UnknownPace};
 
@@ -202,7 +205,7 @@ impl StagedModels {
     /// The state of the model `name` (never loads); [`StageError::UnknownModel`] when there is
     /// none of that name.
     pub fn state(&self, name: &str) -> Result<ModelState> {
-        self.inner.state().model_state(name)
+        self.inner.slots.lock().model_state(name)
     }
 
     /// How the last load of `name` met its checkpoint (used, converted, unused, ignored,
@@ -231,7 +234,7 @@ impl StagedModels {
     /// # Ok(()) }
     /// ```
     pub fn accept_changed_files(&self, name: &str) -> Result<()> {
-        let state = self.inner.state();
+        let state = self.inner.slots.lock();
         let position = state.position(name)?;
         state.entries()[position].first_reads.accept_changes();
         Ok(())
@@ -239,12 +242,12 @@ impl StagedModels {
 
     /// Whether a model of that name exists (never loads).
     pub fn contains(&self, name: &str) -> bool {
-        self.inner.state().find(name).is_some()
+        self.inner.slots.lock().find(name).is_some()
     }
 
     /// Number of models (never loads).
     pub fn len(&self) -> usize {
-        self.inner.state().entries().len()
+        self.inner.slots.lock().entries().len()
     }
 
     /// Whether the registry has no model (never loads).
@@ -264,12 +267,12 @@ impl StagedModels {
 
     /// The stage entered last, if any.
     pub fn current_stage(&self) -> Option<String> {
-        self.inner.state().current().map(str::to_string)
+        self.inner.slots.lock().current().map(str::to_string)
     }
 
     /// The models a stage lists.
     pub fn stage_models(&self, stage: &str) -> Result<Vec<String>> {
-        Ok(self.inner.state().stage_models(stage)?.iter().cloned().collect())
+        Ok(self.inner.slots.lock().stage_models(stage)?.iter().cloned().collect())
     }
 
     /// Sets the host tier's byte budget at run time (a registry built without a tier gets one).
@@ -292,7 +295,7 @@ impl StagedModels {
 
     /// Keeps `name` resident across stages. Does not load it.
     pub fn pin(&self, name: &str) -> Result<()> {
-        let mut state = self.inner.state();
+        let mut state = self.inner.slots.lock();
         if !state.set_pin(name, true) {
             return Err(StageError::UnknownModel {
                 name: name.to_string(),
@@ -304,7 +307,7 @@ impl StagedModels {
 
     /// Ends a pin; the next `enter` releases the model if its stage does not list it.
     pub fn unpin(&self, name: &str) {
-        self.inner.state().set_pin(name, false);
+        self.inner.slots.lock().set_pin(name, false);
     }
 
     /// Emits a `mark` event with `label`.

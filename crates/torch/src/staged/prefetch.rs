@@ -9,8 +9,8 @@ use std::sync::Arc;
 use tch::Device;
 
 use super::error::Result;
-use super::load::Purpose;
-use super::registry::{Entry, Inner};
+use super::registry::Inner;
+use super::slots::{Entry, Purpose};
 use crate::sync::lock;
 use stageload_trace::event::{Event, Prefetching};
 
@@ -21,7 +21,7 @@ impl Inner {
     /// Starts background loads of `stage`'s models (see [`super::StagedModels::prefetch`]): of
     /// the occurrence that entering it now would enter. Returns the models started.
     pub(crate) fn prefetch(self: &Arc<Self>, stage: &str) -> Result<Vec<String>> {
-        let state = self.state();
+        let state = self.slots.lock();
         let Some(index) = state.occurrence(stage) else {
             return Err(state.unknown_stage(stage));
         };
@@ -77,7 +77,7 @@ impl Inner {
         // Listed before their threads start, so that `prefetching` names them as soon as this
         // returns; each thread takes its own off when it ends.
         let ids: Vec<u64> = {
-            let mut state = self.state();
+            let mut state = self.slots.lock();
             started.iter().map(|(name, _, _)| state.start_prefetch(name, stage)).collect()
         };
         let mut spawned = Vec::with_capacity(started.len());
@@ -127,9 +127,9 @@ impl Inner {
     /// cores or a shared bus two loads at once finish no sooner together, and each later).
     /// `false` once the registry is closed or dropped.
     fn prefetch_turn(&self, id: u64) -> bool {
-        let mut state = self.state();
+        let mut state = self.slots.lock();
         while !self.cancelled() && !state.prefetch_first(id) {
-            state = self.wait_changed(state);
+            state = self.slots.wait(state);
         }
         !self.cancelled()
     }
@@ -137,17 +137,17 @@ impl Inner {
     /// The models being prefetched now, in the order their prefetches started (a model named
     /// once however many prefetches of it run).
     pub(crate) fn prefetching(&self) -> Vec<String> {
-        self.state().prefetching()
+        self.slots.lock().prefetching()
     }
 
     /// Waits until every prefetch started for `stage` has ended (see
     /// [`super::StagedModels::wait_prefetch`]).
     pub(crate) fn wait_prefetch(&self, stage: &str) -> Result<()> {
-        let mut state = self.state();
+        let mut state = self.slots.lock();
         state.stage_models(stage)?;
         let _awaiting = self.turns.awaiting();
         while state.prefetching_for(stage) {
-            state = self.wait_changed(state);
+            state = self.slots.wait(state);
         }
         Ok(())
     }
@@ -158,13 +158,13 @@ impl Inner {
     /// taken here after the flag is set, so no wake-up is lost.
     pub(crate) fn cancel_prefetches(&self) {
         self.turns.cancel();
-        drop(self.state());
-        self.notify_changed();
+        drop(self.slots.lock());
+        self.slots.notify();
     }
 
     /// The stage after the one entered last, in the plan's sequence.
     pub(crate) fn next_stage(&self) -> Option<String> {
-        self.state().next_stage().map(str::to_string)
+        self.slots.lock().next_stage().map(str::to_string)
     }
 }
 
@@ -177,10 +177,10 @@ struct Ended {
 
 impl Drop for Ended {
     fn drop(&mut self) {
-        let mut state = self.inner.state();
+        let mut state = self.inner.slots.lock();
         state.end_prefetch(self.id);
         drop(state);
-        self.inner.notify_changed();
+        self.inner.slots.notify();
     }
 }
 

@@ -23,7 +23,8 @@ use super::caches;
 use super::decide::{self, ReleaseMark};
 use super::error::StageError;
 use super::instance::Instance;
-use super::registry::{Inner, State};
+use super::registry::Inner;
+use super::slots::State;
 use crate::storage::ReleaseStats;
 use crate::sync::lock;
 use stageload_trace::event::{Event, Failed, Released, SnapshotAction, SnapshotTaken, What};
@@ -51,7 +52,7 @@ impl Inner {
     /// Releases `instances` (already marked): claims them under one taking of the state lock,
     /// then carries them out ([`Self::release_batch`]). Adds up what was freed now.
     pub(crate) fn release_all(&self, instances: Vec<Arc<Instance>>) -> ReleaseStats {
-        let batch = self.claim_batch(&self.state(), &instances);
+        let batch = self.claim_batch(&self.slots.lock(), &instances);
         self.release_batch(batch)
     }
 
@@ -85,7 +86,7 @@ impl Inner {
         // refill (tensors its checkpoint lacks): both counted as kept. In the batch, a storage
         // two of its models share is freed by the later one, as if they were released one
         // after the other.
-        let keeps = keeps.unwrap_or_else(|| self.state().kept_in_batch(&instances_of(&claimed)));
+        let keeps = keeps.unwrap_or_else(|| self.slots.lock().kept_in_batch(&instances_of(&claimed)));
         let freed: Vec<(Result<ReleaseStats, _>, f64)> = claimed
             .iter()
             .zip(&keeps)
@@ -102,7 +103,7 @@ impl Inner {
             .collect();
         // Settled either way: a failed free leaves what it could not free allocated, and the
         // next `get` refills the rest; nobody waits for these releases any longer.
-        let mut state = self.state();
+        let mut state = self.slots.lock();
         let mut settled = Vec::with_capacity(claimed.len());
         for release in &claimed {
             let instance = release.instance;
@@ -116,7 +117,7 @@ impl Inner {
             }
             settled.push((comes_back, state.resident_bytes()));
         }
-        self.notify_changed();
+        self.slots.notify();
         drop(state);
         let mut total = ReleaseStats::default();
         let mut events = Vec::with_capacity(claimed.len());
@@ -194,14 +195,14 @@ impl Inner {
                         && entry.released().is_some_and(|held| std::ptr::eq(held.as_ref(), instance))
                 })
         };
-        if !wanted(&self.state()) {
+        if !wanted(&self.slots.lock()) {
             return;
         }
         let started = Instant::now();
         let (bytes, written) = snapshots.write_instance(instance);
         let (action, detail) = match written {
             Ok((path, stamp)) => {
-                let mut state = self.state();
+                let mut state = self.slots.lock();
                 if let Some(position) = state.find(name).filter(|_| wanted(&state)) {
                     state.entry_mut(position).refill_from_snapshot(path.clone(), stamp);
                     (SnapshotAction::Written, path.display().to_string())
@@ -267,8 +268,6 @@ fn share_give_back(events: &mut [What], seconds: f64, freed: u64) {
 
 #[cfg(test)]
 mod tests {
-    use std::sync::atomic::Ordering;
-
     use tch::{Device, Kind, Tensor};
 
     use super::super::{Built, ModelSpec, StagedModels};
@@ -315,9 +314,9 @@ mod tests {
             .into_iter()
             .map(|count| {
                 let models = registry(count, false);
-                let before = models.inner.state_locks.load(Ordering::Relaxed);
+                let before = models.inner.slots.locks();
                 let stats = models.enter("none").unwrap();
-                let locks = models.inner.state_locks.load(Ordering::Relaxed) - before;
+                let locks = models.inner.slots.locks() - before;
                 assert_eq!(models.resident_bytes(), 0, "{count} models: all released");
                 assert!(stats.freed > 0);
                 locks

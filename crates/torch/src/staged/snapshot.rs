@@ -23,6 +23,7 @@ use std::sync::Mutex;
 use nix::fcntl::{Flock, FlockArg};
 use tch::Tensor;
 
+use super::error::SnapshotError;
 use super::instance::Instance;
 use crate::source::FileStamp;
 use crate::sync::lock;
@@ -30,68 +31,6 @@ use crate::sync::lock;
 /// What a write leaves free on the snapshot folder's file system by default, for everything
 /// else on the machine (a shared machine's other users, the trace, the OS).
 pub(crate) const KEEP_FREE: u64 = 1 << 30;
-
-/// What went wrong with the snapshot folder or a snapshot.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum SnapshotError {
-    /// The folder could not be made.
-    #[error("snapshot folder {}: cannot create it: {source}", .dir.display())]
-    CreateDir {
-        /// The folder.
-        dir: PathBuf,
-        /// The system's reason.
-        source: std::io::Error,
-    },
-    /// The registry's lock file could not be made or locked.
-    #[error("snapshot folder {}: cannot {} its lock file {}: {source}", .dir.display(), if *.created { "lock" } else { "create" }, .path.display())]
-    LockFile {
-        /// The folder.
-        dir: PathBuf,
-        /// The lock file.
-        path: PathBuf,
-        /// It was made, and locking it failed.
-        created: bool,
-        /// The system's reason.
-        source: std::io::Error,
-    },
-    /// The folder's free space could not be read.
-    #[error("cannot read the free space of {}: {source}", .dir.display())]
-    FreeSpace {
-        /// The folder.
-        dir: PathBuf,
-        /// The system's reason.
-        source: nix::Error,
-    },
-    /// The snapshot would leave less than the keep-free bytes free.
-    #[error("{} has {} free, and the snapshot of {} would leave less than {} free", .dir.display(), format_bytes(*.free), format_bytes(*.bytes), format_bytes(*.keep_free))]
-    NoRoom {
-        /// The folder.
-        dir: PathBuf,
-        /// Bytes free there.
-        free: u64,
-        /// The snapshot's bytes.
-        bytes: u64,
-        /// The bytes a write leaves free.
-        keep_free: u64,
-    },
-    /// Writing the file failed.
-    #[error(transparent)]
-    Write(Box<crate::checkpoint::CheckpointError>),
-    /// The model's storages could not be read.
-    #[error("reading its storages failed: {0}")]
-    Storages(#[source] stageload_torch_sys::ShimError),
-    /// Some of the model's tensors have no memory (released meanwhile).
-    #[error("{count} of its tensors have no memory now")]
-    Unallocated {
-        /// How many.
-        count: usize,
-    },
-}
-
-fn format_bytes(bytes: u64) -> String {
-    stageload_units::format_bytes(bytes)
-}
 
 /// Registries of this process so far: each gets a name of its own in a shared folder.
 static REGISTRIES: AtomicU64 = AtomicU64::new(0);

@@ -19,7 +19,7 @@ impl Inner {
     /// body lock, with the state lock taken only to reserve and to fill the entry.
     pub(super) fn store_in_tier(&self, instance: &Instance, stage: &Option<String>) {
         let name = instance.name.as_str();
-        let mut state = self.state();
+        let mut state = self.slots.lock();
         // Not when closing, nor for an instance that left its slot (removed, replaced).
         let still_held = state
             .find(name)
@@ -79,7 +79,7 @@ impl Inner {
             .tier_side
             .before_copy(name, true)
             .and_then(|()| tier_copy::copy_out(views, device, self.tier_side.host_memory()));
-        let mut state = self.state();
+        let mut state = self.slots.lock();
         let Some(tier) = state.tier_mut() else { return };
         let (what, dropped) = match copied {
             // The ticket, not the name: the model may have been replaced (and the new instance
@@ -131,7 +131,7 @@ impl Inner {
     /// Sets the host tier's budget (see [`super::StagedModels::set_host_tier_budget`]); the
     /// pinned memory of the copies it evicts goes back to the OS.
     pub(crate) fn set_tier_budget(&self, bytes: u64) -> Result<()> {
-        let mut state = self.state();
+        let mut state = self.slots.lock();
         let protected = state.pinned_now();
         let stage = state.current().map(str::to_string);
         let tier = state.tier_or_new(bytes);
@@ -157,7 +157,7 @@ impl Inner {
     }
 
     pub(crate) fn tier_usage(&self) -> Option<TierUsage> {
-        self.state().tier_usage()
+        self.slots.lock().tier_usage()
     }
 }
 
