@@ -91,7 +91,7 @@ pub(super) struct Ahead {
     /// The slot it reads into (through views of the slot's buffer), which the block's storages
     /// are pointed into once it is joined; `None`: it gives them memory itself.
     pub(super) attach: Option<usize>,
-    /// Started for this step while the step before ended ([`super::carry`]).
+    /// Started for this step while the step before ended ([`super::slots`]).
     pub(super) carried: bool,
 }
 

@@ -9,7 +9,7 @@
 //! async copy on a side stream from pinned host copies of every block, read once at set-up) and
 //! freed in place just after, with the next streamed block read on a background
 //! thread while the current one computes (on the CPU, across the step boundary too: the last
-//! block runs while the next step's first streamed block is read, `carry.rs`).
+//! block runs while the next step's first streamed block is read, `slots.rs`).
 //! The forward code stays the same except for one call
 //! at each block boundary, [`Step::block`](step::Step::block):
 //!
@@ -58,9 +58,10 @@
 //! after it; `step.rs` the call at a block boundary.
 
 mod block;
-mod carry;
+mod readings;
 mod refill;
 mod run;
+mod slots;
 mod step;
 mod streamer;
 

@@ -28,7 +28,7 @@ impl StreamedModel {
     /// Waits for the refill ahead, if any; `Ok` once its block is filled (or freed again on
     /// failure, reported here).
     pub(super) fn join_ahead(&mut self) -> Result<(), StreamError> {
-        let Some(Ahead { block, thread, attach, .. }) = self.ahead.take() else { return Ok(()) };
+        let Some(Ahead { block, thread, attach, .. }) = self.slots.take_ahead() else { return Ok(()) };
         let outcome = thread.join().unwrap_or_else(|panic| {
             Err(StreamError::Step { model: self.name.clone(), message: panic_message(&*panic) })
         });
@@ -53,7 +53,7 @@ impl StreamedModel {
     /// Starts refilling `index` on its own thread, unless it is filled or a refill runs;
     /// `running` is the block the forward runs meanwhile.
     pub(super) fn start_ahead(&mut self, index: usize, running: Option<usize>) {
-        if self.ahead.is_some() || index >= self.blocks.len() || self.blocks[index].allocated {
+        if self.slots.ahead().is_some() || index >= self.blocks.len() || self.blocks[index].allocated {
             return;
         }
         let (job, attach) = match self.refill_job(index, running) {
@@ -61,17 +61,17 @@ impl StreamedModel {
             // Refilled (and reported) when the forward reaches the block.
             Err(_) => return,
         };
-        self.ahead = Some(Ahead { block: index, thread: std::thread::spawn(job), attach, carried: false });
+        self.slots.start_ahead(Ahead { block: index, thread: std::thread::spawn(job), attach, carried: false });
     }
 
     /// Brings block `index` in for the forward: found hot (counted), or filled by
     /// [`ensure`](Self::ensure); the hot set notes the use.
     pub(super) fn bring_in(&mut self, index: usize) -> Result<(), StreamError> {
-        let in_flight = self.ahead.as_ref().map(|a| a.block) == Some(index);
+        let in_flight = self.slots.ahead_block() == Some(index);
         if self.hot.holds(index) && self.blocks[index].allocated && !in_flight {
             self.stats.hot_hits += 1;
         }
-        let carried = self.is_carried(index);
+        let carried = self.slots.is_carried(index);
         self.ensure(index)?;
         self.stats.carried += u64::from(carried);
         self.hot.used(index);
@@ -80,7 +80,7 @@ impl StreamedModel {
 
     /// The block to read ahead while `index` runs, in order: the next streamed block of this
     /// step, or after the last block the next step's first (its read carried across the step
-    /// boundary, [`super::carry`]); none without look-ahead, in any order, or once the forward
+    /// boundary, [`super::slots`]); none without look-ahead, in any order, or once the forward
     /// names its next blocks itself.
     pub(super) fn next_in_order(&self, index: usize) -> Option<usize> {
         if !self.guesses_by_index() {
@@ -100,11 +100,11 @@ impl StreamedModel {
 
     /// Makes block `index` filled: joins its refill ahead, or refills it here.
     pub(super) fn ensure(&mut self, index: usize) -> Result<(), StreamError> {
-        if self.blocks[index].allocated && self.ahead.as_ref().map(|a| a.block) != Some(index) {
+        if self.blocks[index].allocated && self.slots.ahead_block() != Some(index) {
             return Ok(());
         }
         let start = Instant::now();
-        let outcome = if self.ahead.as_ref().map(|a| a.block) == Some(index) {
+        let outcome = if self.slots.ahead_block() == Some(index) {
             self.join_ahead()
         } else {
             let outcome = self.refill_job(index, None).and_then(|(job, attach)| {
@@ -123,8 +123,7 @@ impl StreamedModel {
         if !self.split.is_streamed(index) {
             return Ok(false);
         }
-        let protected: Vec<usize> =
-            [Some(index), running, self.ahead.as_ref().map(|a| a.block)].into_iter().flatten().collect();
+        let protected: Vec<usize> = [Some(index), running, self.slots.ahead_block()].into_iter().flatten().collect();
         let Some(victims) = self.hot.admit(index, &self.sizes.blocks, self.split.hot, &protected) else {
             return Ok(false);
         };
@@ -144,18 +143,15 @@ impl StreamedModel {
             return None;
         }
         let bytes = self.sizes.blocks[index];
-        let fits = |(buffer, holder): &(Tensor, Option<usize>)| holder.is_none() && buffer.numel() as u64 >= bytes;
-        let Some(free) = self.slots.iter().position(fits) else {
+        let free = self.slots.take_for(index, &mut self.blocks[index], bytes);
+        if free.is_none() {
             tracing::warn!(
                 "streamed model '{}': no free slot for block '{}'; it takes the allocator's memory",
                 self.name,
                 self.blocks[index].name
             );
-            return None;
-        };
-        self.slots[free].1 = Some(index);
-        self.blocks[index].slot = Some(free);
-        Some(free)
+        }
+        free
     }
 
     /// Gives the slot buffers (CPU) what the split needs: each as large as the largest streamed
@@ -168,29 +164,13 @@ impl StreamedModel {
         if self.device != Device::Cpu {
             return Ok(());
         }
-        while self.slots.len() < 2 {
-            self.slots.push((empty_buffer()?, None));
-        }
         let bytes = i64::try_from(self.sizes.slot(self.split.resident)).unwrap_or(i64::MAX);
-        let wanted: Vec<i64> = (0..self.slots.len()).map(|i| if i < self.split.slots() { bytes } else { 0 }).collect();
-        let changing: Vec<usize> =
-            (0..self.slots.len()).filter(|&i| self.slots[i].0.numel() as i64 != wanted[i]).collect();
-        debug_assert!(changing.iter().all(|&i| self.slots[i].1.is_none()), "a slot resized while in use");
-        for &i in &changing {
-            self.slots[i].0.f_set_data(&empty_buffer()?)?;
-        }
-        for &i in &changing {
-            // Zeroed, so that its pages are faulted in once, here.
-            let buffer = Tensor::f_zeros([wanted[i]], (tch::Kind::Uint8, Device::Cpu))?;
-            self.slots[i].0.f_set_data(&buffer)?;
-        }
-        Ok(())
+        Ok(self.slots.fit(bytes, self.split.slots())?)
     }
 
+    /// Block `index` leaves its slot, if it holds one.
     pub(super) fn let_go_of_slot(&mut self, index: usize) {
-        if let Some(slot) = self.blocks[index].slot.take() {
-            self.slots[slot].1 = None;
-        }
+        self.slots.let_go(&mut self.blocks[index]);
     }
 
     /// The refill of block `index` as a job any thread can run (while the forward runs
@@ -214,10 +194,20 @@ impl StreamedModel {
             }
         }
         self.keep_hot(index, running)?;
+        let read = self.checkpoint_reader();
+        match self.take_slot(index) {
+            Some(slot) => self.slot_job(index, slot, read),
+            None => self.allocator_job(index, read),
+        }
+    }
+
+    /// Reads the model's checkpoint into targets (and, uncached, drops what it read from the
+    /// page cache), on any thread.
+    fn checkpoint_reader(&self) -> impl Fn(&[(String, Tensor)]) -> Result<(), StreamError> + Send + 'static {
         let model = self.name.clone();
         let checkpoint = Arc::clone(&self.checkpoint);
         let uncached = self.uncached;
-        let read = move |targets: &[(String, Tensor)]| {
+        move |targets: &[(String, Tensor)]| {
             checkpoint
                 .load_into(targets, |_| {})
                 .and_then(|_| match uncached {
@@ -225,28 +215,46 @@ impl StreamedModel {
                     false => Ok(()),
                 })
                 .map_err(|source| StreamError::Checkpoint { model: model.clone(), source: Box::new(source) })
-        };
-        if let Some(slot) = self.take_slot(index) {
-            let direct = self.direct_read(index, slot);
-            let views = self.views_in(index, &self.slots[slot].0).inspect_err(|_| self.let_go_of_slot(index))?;
-            let (checkpoint, model, read_directly) =
-                (Arc::clone(&self.checkpoint), self.name.clone(), Arc::clone(&self.read_directly));
-            let job = move || {
-                let start = Instant::now();
-                let direct = match direct {
-                    Some(direct) => direct
-                        .run(&checkpoint)
-                        .map_err(|source| StreamError::Checkpoint { model, source: Box::new(source) })?,
-                    None => None,
-                };
-                match direct {
-                    Some(bytes) => _ = read_directly.fetch_add(bytes, Ordering::Relaxed),
-                    None => read(&views)?,
-                }
-                Ok(start.elapsed().as_secs_f64())
-            };
-            return Ok((Box::new(job), Some(slot)));
         }
+    }
+
+    /// The job reading block `index` into `slot` through views of the slot's buffer (past the
+    /// page cache where this step's refills read that way), touching none of the block's
+    /// storages.
+    fn slot_job(
+        &mut self,
+        index: usize,
+        slot: usize,
+        read: impl Fn(&[(String, Tensor)]) -> Result<(), StreamError> + Send + 'static,
+    ) -> Result<(Job, Option<usize>), StreamError> {
+        let direct = self.direct_read(index, slot);
+        let views = self.views_in(index, self.slots.buffer(slot)).inspect_err(|_| self.let_go_of_slot(index))?;
+        let (checkpoint, model, read_directly) =
+            (Arc::clone(&self.checkpoint), self.name.clone(), Arc::clone(&self.read_directly));
+        let job = move || {
+            let start = Instant::now();
+            let direct = match direct {
+                Some(direct) => direct
+                    .run(&checkpoint)
+                    .map_err(|source| StreamError::Checkpoint { model, source: Box::new(source) })?,
+                None => None,
+            };
+            match direct {
+                Some(bytes) => _ = read_directly.fetch_add(bytes, Ordering::Relaxed),
+                None => read(&views)?,
+            }
+            Ok(start.elapsed().as_secs_f64())
+        };
+        Ok((Box::new(job), Some(slot)))
+    }
+
+    /// The job giving block `index`'s storages the allocator's memory (kept hot, no slot free,
+    /// CUDA) and reading or copying into them, freeing them again when that fails.
+    fn allocator_job(
+        &self,
+        index: usize,
+        read: impl Fn(&[(String, Tensor)]) -> Result<(), StreamError> + Send + 'static,
+    ) -> Result<(Job, Option<usize>), StreamError> {
         let block = &self.blocks[index];
         let model = self.name.clone();
         let block_name = block.name.clone();
@@ -294,7 +302,7 @@ impl StreamedModel {
     /// (`shift`; 0 for any other read), in the room [`FILE_PHASE_ROOM`](stageload_plan::split::FILE_PHASE_ROOM)
     /// keeps for it.
     fn direct_read(&mut self, index: usize, slot: usize) -> Option<DirectRead> {
-        let buffer = &self.slots[slot].0;
+        let buffer = self.slots.buffer(slot);
         let block = &mut self.blocks[index];
         block.shift = 0;
         let span = block.span.clone().filter(|_| self.uncached && self.direct)?;
@@ -340,7 +348,7 @@ impl StreamedModel {
     ) -> Result<f64, StreamError> {
         let (Some(slot), Ok(seconds)) = (slot, &outcome) else { return outcome };
         let block = &self.blocks[index];
-        let base = (self.slots[slot].0.data_ptr() as *mut u8).wrapping_add(block.shift);
+        let base = (self.slots.buffer(slot).data_ptr() as *mut u8).wrapping_add(block.shift);
         // The slot's buffer is this block's alone while the block is its holder, as large as the
         // block's layout beyond its shift, and each storage's place is aligned for its dtype (the
         // allocator aligns to 64, the offsets are multiples of 64, and a shift is taken only where
@@ -350,6 +358,42 @@ impl StreamedModel {
         unsafe { storage::attach(&block.storages, base, &block.offsets) }
             .map(|_| *seconds)
             .map_err(torch(&self.name, "give a block its slot"))
+    }
+
+    /// At the end of a step: a read ahead still in flight into a slot goes on as the carried
+    /// read ([`BlockSlots::carry`](super::slots::BlockSlots::carry)); any other read ahead is
+    /// joined.
+    pub(super) fn carry(&mut self) -> Result<(), StreamError> {
+        match self.slots.carry(&mut self.blocks, self.split) {
+            true => Ok(()),
+            false => self.join_ahead(),
+        }
+    }
+
+    /// Puts the carried read back as the read ahead of its block
+    /// ([`BlockSlots::resume`](super::slots::BlockSlots::resume)). It stays only at a step's start
+    /// (`keep`), under the split it was started under, for a block that passes; otherwise it is
+    /// joined and thrown away, so that nothing is in flight in a slot between steps.
+    pub(super) fn resume_carried(&mut self, keep: bool) -> Result<(), StreamError> {
+        let Some(split) = self.slots.resume(&mut self.blocks)? else { return Ok(()) };
+        let stays = |block: usize| keep && split == self.split && self.passes(block);
+        if !self.slots.ahead_block().is_some_and(stays) {
+            self.discard_ahead()?;
+        }
+        Ok(())
+    }
+
+    /// Throws away the read ahead (a guess not taken): waits for it and frees its block. Its
+    /// failure is no error of the caller's, which never asked for that block: it is logged.
+    pub(super) fn discard_ahead(&mut self) -> Result<(), StreamError> {
+        let Some(block) = self.slots.ahead_block() else { return Ok(()) };
+        match self.join_ahead() {
+            Ok(()) => self.release(block),
+            Err(err) => {
+                tracing::warn!("streamed model '{}': a read ahead not used failed: {err}", self.name);
+                Ok(())
+            }
+        }
     }
 
     /// Whether block `index` is freed after it runs: streamed and not held hot.
@@ -366,7 +410,7 @@ impl StreamedModel {
 
     /// Frees block `index` in place (after its refill ahead, if one runs).
     pub(super) fn release(&mut self, index: usize) -> Result<(), StreamError> {
-        if self.ahead.as_ref().map(|a| a.block) == Some(index) {
+        if self.slots.ahead_block() == Some(index) {
             self.join_ahead()?;
         }
         if !self.blocks[index].allocated {
@@ -390,11 +434,6 @@ impl StreamedModel {
         self.let_go_of_slot(index);
         Ok(())
     }
-}
-
-/// A slot buffer without memory.
-pub(super) fn empty_buffer() -> Result<Tensor, tch::TchError> {
-    Tensor::f_zeros([0], (tch::Kind::Uint8, Device::Cpu))
 }
 
 /// A refill read past the page cache straight into its slot: the file's whole units from the

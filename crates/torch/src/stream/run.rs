@@ -10,7 +10,7 @@ use std::time::Instant;
 use stageload_trace::event::{Event, Residency, ResidencyChanged};
 use tch::Device;
 
-use super::split::{evict, govern, refit, relieve, Refit};
+use super::split::{evict, refit, Refit};
 use super::step::Step;
 use super::streamer::StreamedModel;
 use super::StreamError;
@@ -85,21 +85,13 @@ impl StreamedModel {
     /// comes back from the allocator; streamed blocks a shrunk split still held go; hot blocks
     /// past a shrunk room go, weakest first), sizes the slots for it and, in order, starts the
     /// first streamed block's refill (unless a read carried from the step before has it,
-    /// [`super::carry`], or the forward names its blocks itself).
+    /// [`super::slots`], or the forward names its blocks itself).
     fn begin(&mut self) -> Result<(), StreamError> {
-        if let Some((floor, available)) = self.governor.as_mut() {
-            if let Some(next) = available().and_then(|now| govern(&self.sizes, self.split, now, *floor)) {
-                self.set_split(next, "memory pressure", None);
-            }
+        if let Some(next) = self.readings.by_available(&self.sizes, self.split) {
+            self.set_split(next, "memory pressure", None);
         }
-        if let Some(governor) = self.pressure.as_mut() {
-            let since = governor.last.map(|at| at.elapsed());
-            let (sizes, split) = (&self.sizes, self.split);
-            let relief = (governor.reading)().and_then(|now| relieve(sizes, split, now, governor.threshold, since));
-            if let Some(next) = relief {
-                governor.last = Some(Instant::now());
-                self.set_split(next, "memory pressure (PSI)", None);
-            }
+        if let Some(next) = self.readings.by_pressure(&self.sizes, self.split) {
+            self.set_split(next, "memory pressure (PSI)", None);
         }
         self.resume_carried(true)?;
         self.let_go()?;
@@ -112,7 +104,7 @@ impl StreamedModel {
 
     /// Frees what the split no longer holds: hot blocks past the room (weakest first), and
     /// every streamed block not kept hot or still in a slot (a read carried from the step
-    /// before stays when the step's start took it, [`super::carry`]); then sizes the slots for
+    /// before stays when the step's start took it, [`super::slots`]); then sizes the slots for
     /// the split. Nothing may run on the blocks.
     pub(super) fn let_go(&mut self) -> Result<(), StreamError> {
         self.resume_carried(false)?;
@@ -124,7 +116,7 @@ impl StreamedModel {
                 // Resident now: its memory stays, wherever it came from.
                 self.hot.drop_block(index, self.sizes.blocks[index]);
             }
-            if (self.passes(index) || self.blocks[index].slot.is_some()) && !self.is_carried(index) {
+            if (self.passes(index) || self.blocks[index].slot.is_some()) && !self.slots.is_carried(index) {
                 self.release(index)?;
             }
         }
@@ -199,13 +191,13 @@ impl StreamedModel {
 
     /// The high-water mark of the memory steps are measured in, now.
     pub(super) fn peak_now(&mut self) -> Option<u64> {
-        (self.peak)()
+        self.readings.peak()
     }
 
     /// The reading and the weights held now (the block in flight ahead left out: its refill
     /// may not have taken its memory yet), for working-memory estimates.
     pub(super) fn measure_point(&mut self) -> Option<(u64, u64)> {
-        let reading = (self.reading)()?;
+        let reading = self.readings.memory()?;
         Some((reading, self.held_outside_ahead()))
     }
 }

@@ -37,7 +37,7 @@ impl Step<'_> {
             self.streamed_yet = true;
             // A read carried from the step before for another block guessed wrong: its slot
             // is needed.
-            if model.ahead.as_ref().is_some_and(|a| a.carried && a.block != index) {
+            if model.slots.ahead().is_some_and(|a| a.carried && a.block != index) {
                 model.discard_ahead()?;
             }
         }
@@ -80,7 +80,7 @@ impl Step<'_> {
         }
         self.model.named = true;
         let model = &*self.model;
-        let coming = |index: usize| model.ahead.as_ref().is_some_and(|a| a.block == index);
+        let coming = |index: usize| model.slots.ahead_block() == Some(index);
         let running = |index: usize| Some(index) == self.active && model.passes(index);
         let wanted = next.iter().copied().find(|&i| running(i) || !model.blocks[i].allocated && !coming(i));
         match wanted {

@@ -1,12 +1,15 @@
-//! The streamed model: its state (every field, in one struct), its set-up in named steps (the
-//! parts of [`super::block`], the split, the host copies, the resident part read), its options
-//! and what it reports. Its steps live in [`super::run`], refills in [`super::refill`], the
+//! The streamed model: its state, its set-up in named steps (the parts of [`super::block`], the
+//! split, the host copies, the resident part read), its options and what it reports. The parts
+//! of its state that change together are owners of their own, each taken by what changes it:
+//! the slot buffers and the reads in flight ([`super::slots::BlockSlots`]), the readings of
+//! memory and the governors ([`super::readings::Readings`]), the hot set
+//! ([`stageload_plan::hot`]). Its steps live in [`super::run`], refills in [`super::refill`], the
 //! block boundary in [`super::step`].
 //!
 //! Nothing here takes a lock: the model is `&mut` for a step, and the only other thread is the
 //! one refilling the block ahead, whose storages nothing else touches until it is joined (a read
 //! into a slot touches none of them: it writes through views of the slot's buffer, which between
-//! steps no tensor of the model holds, [`super::carry`]).
+//! steps no tensor of the model holds, [`super::slots`]).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -15,10 +18,11 @@ use std::time::Instant;
 use stageload_trace::event::{Event, EventSink, Loaded};
 use tch::{Device, Tensor};
 
-use super::block::{pinned_copies, Ahead, Block, HostBlocks, Parts};
+use super::block::{pinned_copies, Block, HostBlocks, Parts};
 use super::blocks::BlockSpec;
-use super::carry::Carried;
 use super::hot::HotSet;
+use super::readings::{Reading, Readings};
+use super::slots::BlockSlots;
 use super::split::{describe, fit_within, DirectReads, Sizes, Split};
 use super::{torch, StreamError};
 use crate::checkpoint::Checkpoint;
@@ -55,8 +59,6 @@ pub struct StreamStats {
 }
 
 /// Reads the memory a step's working set shows up in (process RSS, or the CUDA allocator's).
-type Reading = Box<dyn FnMut() -> Option<u64> + Send>;
-
 /// A streamed model as a pipeline file describes it (`stream = { ... }` in its entry), handed
 /// to its loader by [`BuildContext::stream`](crate::BuildContext::stream): the registry gives
 /// such a model no checkpoint (it would load it whole); [`StreamedModel::planned`] reads it.
@@ -97,13 +99,6 @@ impl std::fmt::Debug for StreamPlan {
     }
 }
 
-/// The governor on memory pressure: the threshold (percent), the reading, when it last acted.
-pub(super) struct PressureGovernor {
-    pub(super) threshold: f64,
-    pub(super) reading: Box<dyn FnMut() -> Option<f64> + Send>,
-    pub(super) last: Option<Instant>,
-}
-
 /// What set-up fits the split to.
 struct Fit {
     budget: u64,
@@ -138,19 +133,10 @@ pub struct StreamedModel {
     /// Working memory measured so far (the largest step).
     pub(super) working: u64,
     pub(super) checkpoint: Arc<Checkpoint>,
-    pub(super) ahead: Option<Ahead>,
-    /// CPU, between steps: the read ahead in flight when the last step ended, for the next
-    /// ([`super::carry`]).
-    pub(super) carried: Option<Carried>,
-    pub(super) reading: Reading,
-    /// The high-water mark of the same memory (VmHWM; the CUDA allocator's peak), which sees
-    /// the transients inside a block that boundary readings miss. Never reset here: a meter
-    /// resets it per stage; a step that raises it says how high it went.
-    pub(super) peak: Reading,
-    /// The governor: (bytes the machine must keep available, what it has available now).
-    pub(super) governor: Option<(u64, Reading)>,
-    /// The governor on memory pressure (PSI).
-    pub(super) pressure: Option<PressureGovernor>,
+    /// The slot buffers (CPU), the read ahead and the read carried between steps.
+    pub(super) slots: BlockSlots,
+    /// The memory steps are measured in, its high-water mark, and the governors.
+    pub(super) readings: Readings,
     pub(super) sink: Option<Arc<dyn EventSink>>,
     /// Where a registry reads what the split holds ([`StreamPlan`]'s `held`).
     pub(super) held_for_registry: Option<Arc<AtomicU64>>,
@@ -163,11 +149,6 @@ pub struct StreamedModel {
     /// checkpoint once at set-up; refills copy from them on a side stream. `None`: refills read
     /// the checkpoint (the CPU, or pinning failed).
     pub(super) host: Option<HostBlocks>,
-    /// CPU: the two buffers the streamed blocks are read into, faulted in once and reused, so
-    /// that a refill runs at the page cache's speed instead of the page faults' of fresh memory;
-    /// with the block each one holds. Sized by the split ([`Sizes::slot`]): a buffer the split
-    /// does not use is empty.
-    pub(super) slots: Vec<(Tensor, Option<usize>)>,
     /// The fixed tensors' storages (in no block; always resident).
     pub(super) fixed: Vec<StorageRecord>,
     /// A streamed block is read while the one before it runs ([`Self::look_ahead`]).
@@ -269,7 +250,6 @@ impl StreamedModel {
         if device == Device::Cpu {
             stageload_torch_sys::map_large_host_blocks();
         }
-        let (reading, peak) = readings(device);
         let mut streamed = StreamedModel {
             name,
             device,
@@ -286,17 +266,12 @@ impl StreamedModel {
             read_directly: Arc::default(),
             working,
             checkpoint: Arc::new(checkpoint),
-            ahead: None,
-            carried: None,
-            reading,
-            peak,
-            governor: None,
-            pressure: None,
+            slots: BlockSlots::default(),
+            readings: Readings::of(device),
             sink: None,
             held_for_registry: None,
             stats: StreamStats::default(),
             setup: (0, 0.0),
-            slots: Vec::new(),
             fixed: fixed_storages,
             look_ahead: true,
             tensors: Vec::new(),
@@ -380,8 +355,7 @@ impl StreamedModel {
     /// the CUDA allocator's bytes, and without a high-water mark unless
     /// [`peak_reading`](Self::peak_reading) gives one.
     pub fn reading(&mut self, reading: impl FnMut() -> Option<u64> + Send + 'static) -> &mut Self {
-        self.reading = Box::new(reading);
-        self.peak = Box::new(|| None);
+        self.readings.set_memory(Box::new(reading));
         self
     }
 
@@ -390,7 +364,7 @@ impl StreamedModel {
     /// model gives memory back while others need it. The count only goes down ([`reset`](Self::reset)).
     pub fn governor(&mut self, floor: u64) -> &mut Self {
         let available: Reading = Box::new(|| stageload_probe::system_memory().ok().map(|m| m.budget_available()));
-        self.governor = Some((floor, available));
+        self.readings.set_governor(floor, available);
         self
     }
 
@@ -400,7 +374,7 @@ impl StreamedModel {
         floor: u64,
         available: impl FnMut() -> Option<u64> + Send + 'static,
     ) -> &mut Self {
-        self.governor = Some((floor, Box::new(available)));
+        self.readings.set_governor(floor, Box::new(available));
         self
     }
 
@@ -431,13 +405,13 @@ impl StreamedModel {
                 ),
             });
         }
-        self.pressure = Some(PressureGovernor { threshold, reading: Box::new(pressure), last: None });
+        self.readings.set_pressure(threshold, Box::new(pressure));
         Ok(self)
     }
 
     /// The high-water mark of what [`reading`](Self::reading) reads.
     pub fn peak_reading(&mut self, peak: impl FnMut() -> Option<u64> + Send + 'static) -> &mut Self {
-        self.peak = Box::new(peak);
+        self.readings.set_peak(Box::new(peak));
         self
     }
 
@@ -458,9 +432,7 @@ impl StreamedModel {
     /// checkpoint on its spec, so that it comes back by a rebuild, which reads only the resident
     /// part again). Between steps nothing runs on any of them.
     pub fn tensors(&self) -> Vec<(String, Tensor)> {
-        let slots =
-            self.slots.iter().enumerate().map(|(i, (buffer, _))| (format!("stream-slot.{i}"), buffer.shallow_clone()));
-        storage::shallow(&self.tensors).into_iter().chain(slots).collect()
+        storage::shallow(&self.tensors).into_iter().chain(self.slots.named()).collect()
     }
 
     /// The model's name.
@@ -520,7 +492,7 @@ impl StreamedModel {
     /// stay). Bytes on the model's device; on CUDA the pinned host copies refills copy from are
     /// [`pinned_bytes`](Self::pinned_bytes). What the budget bounds (see [`super`]).
     pub fn held_bytes(&self) -> u64 {
-        let ahead = self.ahead.as_ref().filter(|a| self.blocks[a.block].slot.is_none());
+        let ahead = self.slots.ahead().filter(|a| self.blocks[a.block].slot.is_none());
         self.held_outside_ahead().saturating_add(ahead.map_or(0, |a| self.sizes.blocks[a.block]))
     }
 
@@ -538,16 +510,10 @@ impl StreamedModel {
     /// [`held_bytes`](Self::held_bytes) less the block being refilled ahead, whose storages its
     /// refill thread owns until joined: read without touching them.
     pub(super) fn held_outside_ahead(&self) -> u64 {
-        let ahead = self.ahead.as_ref().map(|a| a.block);
-        let slots = self.slots.iter().map(|(buffer, _)| storage::allocated_bytes(buffer));
+        let ahead = self.slots.ahead_block();
         let blocks = self.blocks.iter().enumerate().filter(|(i, b)| b.slot.is_none() && Some(*i) != ahead);
         let storages = self.fixed.iter().chain(blocks.flat_map(|(_, b)| &b.storages));
-        let carried = self.carried.as_ref().map(Carried::bytes);
-        storages
-            .map(|s| storage::allocated_bytes(&s.tensor))
-            .chain(slots)
-            .chain(carried)
-            .fold(0u64, u64::saturating_add)
+        storages.map(|s| storage::allocated_bytes(&s.tensor)).fold(self.slots.bytes(), u64::saturating_add)
     }
 
     /// Keeps at most `resident` blocks resident, and none hot, from the next step on (to stream
@@ -641,16 +607,14 @@ impl Drop for StreamedModel {
     /// Joins the refill ahead, says what the model moved (an `end` residency event), then frees
     /// every block in a slot before the slots go.
     fn drop(&mut self) {
-        if let Some(carried) = self.carried.take() {
-            carried.abandon();
-        }
+        self.slots.abandon_carried();
         let _ = self.join_ahead();
         self.announce_totals();
         for index in 0..self.blocks.len() {
             if self.blocks[index].slot.is_some() && self.release(index).is_err() {
                 // The storage still points into the slot: keep the slot's memory alive.
                 if let Some(slot) = self.blocks[index].slot {
-                    std::mem::forget(self.slots[slot].0.shallow_clone());
+                    self.slots.leak(slot);
                 }
             }
         }
@@ -674,22 +638,4 @@ pub fn place(model: &str, tensors: &[(String, Tensor)], device: Device) -> Resul
         unsafe { stageload_torch_sys::free_storage(&moved, &message) }.map_err(torch(model, "place a tensor"))?;
     }
     Ok(())
-}
-
-/// What a step's working memory is read from on `device`, and its high-water mark: the CUDA
-/// allocator's bytes there, else the process's RSS and VmHWM.
-fn readings(device: Device) -> (Reading, Reading) {
-    match device {
-        Device::Cuda(index) => (
-            Box::new(move || stageload_torch_sys::cuda_memory(index).ok().map(|m| m.allocated)),
-            Box::new(move || stageload_torch_sys::cuda_memory(index).ok().map(|m| m.peak_allocated)),
-        ),
-        _ => {
-            let pid = std::process::id() as i32;
-            (
-                Box::new(move || stageload_probe::process_memory(pid).ok().map(|m| m.rss)),
-                Box::new(move || stageload_probe::process_memory(pid).ok().and_then(|m| m.peak)),
-            )
-        }
-    }
 }
