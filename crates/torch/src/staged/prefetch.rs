@@ -8,32 +8,63 @@ use std::sync::Arc;
 
 use tch::Device;
 
+use super::decide;
 use super::error::Result;
 use super::registry::Inner;
 use super::slots::{Entry, Purpose};
 use crate::sync::lock;
 use stageload_trace::event::{Event, Prefetching};
 
+/// A model a prefetch may load: its name, the bytes it will hold if known (a streamed model's
+/// plan, else its released instance), else its checkpoint files to measure, and its CUDA device.
+type Candidate = (String, Option<u64>, Vec<std::path::PathBuf>, Option<usize>);
+
 /// The nice value of a prefetch's thread: the lowest priority.
 const BACKGROUND_NICE: i32 = 19;
 
 impl Inner {
     /// Starts background loads of `stage`'s models (see [`super::StagedModels::prefetch`]): of
-    /// the occurrence that entering it now would enter. Returns the models started.
+    /// the occurrence that entering it now would enter, those a prefetch may load
+    /// ([`Self::candidates`]) and the prefetch budget holds ([`Self::within_budget`]), a thread
+    /// each ([`Self::spawn_prefetch`]). Returns the models started.
     pub(crate) fn prefetch(self: &Arc<Self>, stage: &str) -> Result<Vec<String>> {
+        let (trip, candidates, resident, working) = self.candidates(stage)?;
+        let started = self.within_budget(stage, candidates, resident, working);
+        // Listed before their threads start, so that `prefetching` names them as soon as this
+        // returns; each thread takes its own off when it ends.
+        let ids: Vec<u64> = {
+            let mut state = self.slots.lock();
+            started.iter().map(|(name, _, _)| state.start_prefetch(name, stage)).collect()
+        };
+        let mut spawned = Vec::with_capacity(started.len());
+        for ((name, bytes, cuda), id) in started.into_iter().zip(ids) {
+            self.emit(Event::now(Prefetching {
+                stage: Some(stage.to_string()),
+                model: name.clone(),
+                bytes: Some(bytes),
+            }));
+            // (A thread that could not start dropped its `Ended`, which took its entry off.)
+            match self.spawn_prefetch(&name, id, trip, cuda) {
+                Ok(handle) => {
+                    self.background.track(handle);
+                    spawned.push(name);
+                }
+                Err(err) => tracing::warn!(model = name.as_str(), stage, %err, "prefetch not started: no thread"),
+            }
+        }
+        Ok(spawned)
+    }
+
+    /// Under one taking of the state lock: the trip to `stage`'s next occurrence, the models it
+    /// plans that a prefetch may load (see [`Candidate`]), the resident bytes and the working
+    /// memory of the current stage.
+    fn candidates(&self, stage: &str) -> Result<(decide::Trip, Vec<Candidate>, u64, u64)> {
         let state = self.slots.lock();
         let Some(index) = state.occurrence(stage) else {
             return Err(state.unknown_stage(stage));
         };
-        let trip = state.trip_to(index);
-        let planned = state.planned_at(index);
-        let resident = state.resident_bytes();
-        let working = self.background.working_of(state.current());
-        // (name, bytes it will hold (a streamed model's plan, else its released instance), or
-        // its checkpoint files to measure, its CUDA device) — the files are measured once the
-        // state lock is dropped.
         let mut candidates = Vec::new();
-        for name in planned {
+        for name in state.planned_at(index) {
             let Some(position) = state.find(name) else { continue };
             let entry = &state.entries()[position];
             let in_tier = state.in_tier(name);
@@ -45,11 +76,24 @@ impl Inner {
                 Err(skip) => tracing::debug!(model = name.as_str(), stage, ?skip, "not prefetched"),
             }
         }
-        drop(state);
+        let working = self.background.working_of(state.current());
+        Ok((state.trip_to(index), candidates, state.resident_bytes(), working))
+    }
+
+    /// The candidates the prefetch budget holds, in order, with the bytes each will hold (its
+    /// checkpoint files measured, with the state lock let go, where nothing else says) and its
+    /// CUDA device. Without a budget, a declared working memory leaves what the machine has
+    /// available now less that working memory.
+    fn within_budget(
+        &self,
+        stage: &str,
+        candidates: Vec<Candidate>,
+        resident: u64,
+        working: u64,
+    ) -> Vec<(String, u64, Option<usize>)> {
         let mut budget_left = match self.background.budget() {
             Some(budget) => Some(budget.saturating_sub(resident).saturating_sub(working)),
-            // Working memory declared and no budget: what the machine has available now (the
-            // resident weights are already out of it), less that working memory.
+            // The resident weights are already out of what the machine has available.
             None if working > 0 => {
                 stageload_probe::system_memory().ok().map(|m| m.budget_available().saturating_sub(working))
             }
@@ -74,52 +118,41 @@ impl Inner {
             }
             started.push((name, bytes, cuda));
         }
-        // Listed before their threads start, so that `prefetching` names them as soon as this
-        // returns; each thread takes its own off when it ends.
-        let ids: Vec<u64> = {
-            let mut state = self.slots.lock();
-            started.iter().map(|(name, _, _)| state.start_prefetch(name, stage)).collect()
-        };
-        let mut spawned = Vec::with_capacity(started.len());
-        for ((name, bytes, cuda), id) in started.into_iter().zip(ids) {
-            self.emit(Event::now(Prefetching {
-                stage: Some(stage.to_string()),
-                model: name.clone(),
-                bytes: Some(bytes),
-            }));
-            let ended = Ended { inner: Arc::clone(self), id };
-            let (inner, model) = (Arc::clone(self), name.clone());
-            let thread = std::thread::Builder::new().name(format!("prefetch {name}")).spawn(move || {
-                let _ended = ended;
-                // One prefetch loads at a time, in the order they were asked for; closed or
-                // dropped before this one's turn came: nothing begun, nothing to do.
-                if !inner.prefetch_turn(id) {
-                    return;
-                }
-                // The stage computing now goes first for the cores: this thread, and the readers
-                // it starts (they inherit it), take what the stage leaves.
-                if let Err(error) = stageload_torch_sys::set_thread_nice(BACKGROUND_NICE) {
-                    tracing::debug!(%error, "the prefetch thread keeps its priority");
-                }
-                // On CUDA the copies go on a side stream of the model's device (device 0 when
-                // neither the file nor an earlier load says which), beside the foreground's kernels.
-                let _side = (stageload_torch_sys::cuda_device_count().unwrap_or(0) > 0)
-                    .then(|| stageload_torch_sys::cuda_side_stream(cuda.unwrap_or(0)).ok())
-                    .flatten();
-                // A failure is told in an `error` event; the `get` that needs the model tries
-                // the load again, and its caller gets the error if that fails too.
-                let _ = inner.instance_for(&model, Purpose::Prefetch(trip));
-            });
-            // (A thread that could not start dropped its `Ended`, which took its entry off.)
-            match thread {
-                Ok(handle) => {
-                    self.background.track(handle);
-                    spawned.push(name);
-                }
-                Err(err) => tracing::warn!(model = name.as_str(), stage, %err, "prefetch not started: no thread"),
+        started
+    }
+
+    /// The thread of prefetch `id` of model `name`, on `trip`: it waits for its turn, lowers its
+    /// priority, goes to a side stream of its CUDA device, and loads.
+    fn spawn_prefetch(
+        self: &Arc<Self>,
+        name: &str,
+        id: u64,
+        trip: decide::Trip,
+        cuda: Option<usize>,
+    ) -> std::io::Result<std::thread::JoinHandle<()>> {
+        let ended = Ended { inner: Arc::clone(self), id };
+        let (inner, model) = (Arc::clone(self), name.to_string());
+        std::thread::Builder::new().name(format!("prefetch {name}")).spawn(move || {
+            let _ended = ended;
+            // One prefetch loads at a time, in the order they were asked for; closed or
+            // dropped before this one's turn came: nothing begun, nothing to do.
+            if !inner.prefetch_turn(id) {
+                return;
             }
-        }
-        Ok(spawned)
+            // The stage computing now goes first for the cores: this thread, and the readers
+            // it starts (they inherit it), take what the stage leaves.
+            if let Err(error) = stageload_torch_sys::set_thread_nice(BACKGROUND_NICE) {
+                tracing::debug!(%error, "the prefetch thread keeps its priority");
+            }
+            // On CUDA the copies go on a side stream of the model's device (device 0 when
+            // neither the file nor an earlier load says which), beside the foreground's kernels.
+            let _side = (stageload_torch_sys::cuda_device_count().unwrap_or(0) > 0)
+                .then(|| stageload_torch_sys::cuda_side_stream(cuda.unwrap_or(0)).ok())
+                .flatten();
+            // A failure is told in an `error` event; the `get` that needs the model tries
+            // the load again, and its caller gets the error if that fails too.
+            let _ = inner.instance_for(&model, Purpose::Prefetch(trip));
+        })
     }
 
     /// Waits until prefetch `id` is the earliest not ended: prefetches load one at a time, in

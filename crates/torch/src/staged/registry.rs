@@ -28,12 +28,13 @@
 //!    the rest of the registry stays usable.
 //! 3. The shared components (`Inner::components`, [`super::BuildContext::shared`]): held across
 //!    a component's build, inside a model's build turn, with nothing else of the registry held.
-//! 4. The state lock ([`super::slots::Slots`], `Inner::slots`): the slots, stages, pins and the host tier's bookkeeping
-//!    (its copies run with the lock let go, see [`super::tier_store`]). Held for bookkeeping
-//!    only, never while a model is built, read from disk, freed, or in use; a `get` of a model
-//!    another thread is loading waits on the `changed` condition variable, which gives the lock
-//!    up while it waits. The decisions of [`super::decide`] are made under it, a release's
-//!    claim too ([`decide::ReleaseMark::claim`]), so a revival and a release never both win.
+//! 4. The state lock ([`super::slots::Slots`], `Inner::slots`): the slots, stages, pins and the
+//!    host tier's bookkeeping (its copies run with the lock let go, see [`super::tier_store`]).
+//!    Held for bookkeeping only, never while a model is built, read from disk, freed, or in
+//!    use; a `get` of a model another thread is loading waits on the slot table's condition
+//!    variable, which gives the lock up while it waits. The decisions of [`super::decide`] are
+//!    made under it, a release's claim too ([`super::decide::ReleaseMark::claim`]), so a revival
+//!    and a release never both win.
 //! 5. Leaves, held for a few statements with nothing taken under them but 6: an instance's
 //!    `ctl` (its release mark and holder) and `weights` (its tensors and storages), the
 //!    prefetch threads' list (`Inner::prefetching`), the snapshot list, a generator of
@@ -46,11 +47,12 @@
 //!    own fill has ended.
 //!
 //! Cost. What a call costs does not grow with the number of models: the slots holding storage
-//! are indexed (kept by `State::set_state`, the one way a slot's state changes), so `enter`, a load's resident total and a release's shared-storage check walk the
-//! models resident, not every slot; a stage's occurrences and the pin spans are looked up by
-//! name. Listing calls (`states`, `names`) and `remove` (positions shift) walk every slot.
-//! A `get` takes the state lock once for a resident model, twice for a load (begin and finish,
-//! [`super::slots`]). `enter` takes the state lock twice however many models it releases: once to decide, claim
+//! are indexed (kept by `State::set_state`, the one way a slot's state changes), so `enter`, a
+//! load's resident total and a release's shared-storage check walk the models resident, not
+//! every slot; a stage's occurrences and the pin spans are looked up by name. Listing calls
+//! (`states`, `names`) and `remove` (positions shift) walk every slot. A `get` takes the state
+//! lock once for a resident model, twice for a load (begin and finish, [`super::slots`]).
+//! `enter` takes the state lock twice however many models it releases: once to decide, claim
 //! the batch of releases and read the storages others keep live, and once to settle them after
 //! the frees ([`super::release`]); a copy into the host tier or a snapshot before the frees
 //! reads the kept storages again after it and adds its own bookkeeping.
@@ -62,7 +64,7 @@
 //! ticket (`decide::Slot::finish_load`), a prefetch is such a load; a release settles only the
 //! slot still holding its instance (`Arc::ptr_eq` in `release`); the host tier's entries carry
 //! the ticket `Tier::admit` handed out, and the copy's `fill` or `withdraw` and a reload's
-//! `withdraw` or `unlease` name it (`tier_store`, `load`), so a copy of one instance never lands
+//! `withdraw` or `unlease` name it (`tier_store`, `slots`), so a copy of one instance never lands
 //! in another's entry. A streamed model's residency report (its plan's `held`) comes only from
 //! the instance that runs: a released streamed model is dropped, never run again.
 

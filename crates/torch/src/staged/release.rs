@@ -27,6 +27,7 @@ use super::registry::Inner;
 use super::slots::State;
 use crate::storage::ReleaseStats;
 use crate::sync::lock;
+use stageload_torch_sys::ShimError;
 use stageload_trace::event::{Event, Failed, Released, SnapshotAction, SnapshotTaken, What};
 
 /// The releases of one batch, claimed under the state lock.
@@ -70,7 +71,8 @@ impl Inner {
     }
 
     /// Carries out a claimed batch: each model's storages freed in place (after its copy into
-    /// the host tier or its snapshot), settled under one more taking of the state lock.
+    /// the host tier or its snapshot), settled under one more taking of the state lock
+    /// ([`State::settle_releases`]), then told.
     pub(super) fn release_batch(&self, batch: Batch<'_>) -> ReleaseStats {
         let Batch { claimed, tier, keeps } = batch;
         if claimed.is_empty() {
@@ -87,9 +89,24 @@ impl Inner {
         // two of its models share is freed by the later one, as if they were released one
         // after the other.
         let keeps = keeps.unwrap_or_else(|| self.slots.lock().kept_in_batch(&instances_of(&claimed)));
-        let freed: Vec<(Result<ReleaseStats, _>, f64)> = claimed
+        let freed = self.free_batch(&claimed, &keeps);
+        // Settled either way: a failed free leaves what it could not free allocated, and the
+        // next `get` refills the rest; nobody waits for these releases any longer.
+        let settled = self.slots.lock().settle_releases(&instances_of(&claimed));
+        self.slots.notify();
+        self.tell_released(claimed, freed, settled)
+    }
+
+    /// Frees each claimed model's storages in place but those of its `keeps`: the outcome and
+    /// the seconds each took.
+    fn free_batch(
+        &self,
+        claimed: &[Claimed<'_>],
+        keeps: &[HashSet<u64>],
+    ) -> Vec<(Result<ReleaseStats, ShimError>, f64)> {
+        claimed
             .iter()
-            .zip(&keeps)
+            .zip(keeps)
             .map(|(release, keep)| {
                 let started = Instant::now();
                 let message = released_message(&release.instance.name, &release.stage);
@@ -100,25 +117,18 @@ impl Inner {
                 let result = unsafe { self.fills.release(&weights.storages, keep, &message) };
                 (result, started.elapsed().as_secs_f64())
             })
-            .collect();
-        // Settled either way: a failed free leaves what it could not free allocated, and the
-        // next `get` refills the rest; nobody waits for these releases any longer.
-        let mut state = self.slots.lock();
-        let mut settled = Vec::with_capacity(claimed.len());
-        for release in &claimed {
-            let instance = release.instance;
-            let in_tier = state.in_tier(&instance.name);
-            let mut comes_back = true;
-            if let Some(position) = state.find(&instance.name) {
-                if let Some(done) = state.entries()[position].slot().finish_release(instance, in_tier) {
-                    comes_back = done.comes_back;
-                    state.set_state(position, done.state);
-                }
-            }
-            settled.push((comes_back, state.resident_bytes()));
-        }
-        self.slots.notify();
-        drop(state);
+            .collect()
+    }
+
+    /// Ends a batch carried out and settled (`settled`: whether each comes back in place, and
+    /// the resident bytes after it): drops the model objects that never come back, gives the
+    /// memory back to the OS once, then emits a `release` (or `error`) event each. The total.
+    fn tell_released(
+        &self,
+        claimed: Vec<Claimed<'_>>,
+        freed: Vec<(Result<ReleaseStats, ShimError>, f64)>,
+        settled: Vec<(bool, u64)>,
+    ) -> ReleaseStats {
         let mut total = ReleaseStats::default();
         let mut events = Vec::with_capacity(claimed.len());
         let mut any_dropped = false;
@@ -131,30 +141,19 @@ impl Inner {
                 any_dropped = true;
             }
             drop(body);
-            let event = match result {
+            let model = instance.name.clone();
+            events.push(match result {
                 Ok(stats) => {
                     total.freed += stats.freed;
                     total.kept += stats.kept;
-                    What::from(Released {
-                        stage,
-                        model: instance.name.clone(),
-                        bytes: Some(stats.freed),
-                        seconds: Some(seconds),
-                        kept_bytes: stats.kept,
-                        resident: Some(resident),
-                    })
+                    let (bytes, seconds, kept_bytes) = (Some(stats.freed), Some(seconds), stats.kept);
+                    What::from(Released { stage, model, bytes, seconds, kept_bytes, resident: Some(resident) })
                 }
                 Err(source) => {
-                    let err = StageError::Torch { model: instance.name.clone(), source };
-                    What::from(Failed {
-                        stage,
-                        model: Some(instance.name.clone()),
-                        seconds: None,
-                        note: err.to_string(),
-                    })
+                    let note = StageError::Torch { model: model.clone(), source }.to_string();
+                    What::from(Failed { stage, model: Some(model), seconds: None, note })
                 }
-            };
-            events.push(event);
+            });
         }
         if any_dropped || total.freed > 0 {
             // Before the events, so that a meter reading at them sees the memory gone.

@@ -1000,6 +1000,21 @@ impl State {
         LetGo { old, stale, snapshot: entry.snapshot_file() }
     }
 
+    /// Settles the releases of `instances`, their storages freed (or a free failed: what it
+    /// could not free stays allocated, and the next `get` refills the rest): each slot still
+    /// holding its instance is released, no longer pending. For each, whether it comes back in
+    /// place, and the resident bytes after it.
+    pub(crate) fn settle_releases(&mut self, instances: &[&Arc<Instance>]) -> Vec<(bool, u64)> {
+        let settle = |state: &mut State, instance: &Arc<Instance>| {
+            let in_tier = state.in_tier(&instance.name);
+            let position = state.find(&instance.name)?;
+            let done = state.entries[position].slot.finish_release(instance, in_tier)?;
+            state.set_state(position, done.state);
+            Some(done.comes_back)
+        };
+        instances.iter().map(|instance| (settle(self, instance).unwrap_or(true), self.resident_bytes())).collect()
+    }
+
     /// Whether the slot at `position` is loading.
     pub(crate) fn is_loading(&self, position: usize) -> bool {
         matches!(self.entries[position].slot.state, SlotState::Loading { .. })
