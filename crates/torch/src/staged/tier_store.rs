@@ -5,75 +5,24 @@
 
 use std::time::Instant;
 
+use tch::Device;
+
 use super::error::{Result, StageError};
 use super::instance::Instance;
 use super::registry::Inner;
 use super::tier_copy::{self, HostCopies};
 use crate::sync::lock;
-use stageload_plan::tier::Evicted;
+use stageload_plan::tier::{Evicted, Ticket};
 use stageload_trace::event::{Event, TierAction, TierChanged, TierUsage};
 
 impl Inner {
     /// Copies a device model's weights into the host tier before its release frees them, when
     /// the tier has (or can make) room; says why when it does not. Runs under the instance's
-    /// body lock, with the state lock taken only to reserve and to fill the entry.
+    /// body lock, with the state lock taken only to reserve ([`Self::reserve_in_tier`]) and to
+    /// fill the entry.
     pub(super) fn store_in_tier(&self, instance: &Instance, stage: &Option<String>) {
         let name = instance.name.as_str();
-        let mut state = self.slots.lock();
-        // Not when closing, nor for an instance that left its slot (removed, replaced).
-        let still_held = state
-            .find(name)
-            .and_then(|p| state.entries()[p].released())
-            .is_some_and(|held| std::ptr::eq(held.as_ref(), instance));
-        if state.tier().is_none() || state.is_closed() || !still_held {
-            return;
-        }
-        // Lock order: the state lock, then the instance's weights.
-        let weights = lock(&instance.weights);
-        let Some(device) = weights.tensors.first().map(|(_, t)| t.device()) else { return };
-        if !self.tier_side.applies(device) {
-            drop(weights);
-            let usage = state.tier_usage();
-            drop(state);
-            if self.tier_side.first_cpu_model() {
-                let why = format!(
-                    "'{name}' lives on the CPU, where its weights are host memory already; the host tier holds device models"
-                );
-                self.tier_event(stage, name, None, None, not_stored(why), usage);
-            }
-            return;
-        }
-        let views = tier_copy::Views::of(&weights.tensors);
-        drop(weights);
-        // Before the tier makes room: a copy that cannot be whole evicts nothing.
-        let views = match views {
-            Ok(views) if views.unallocated() == 0 => Ok(views),
-            Ok(views) => Err(format!(
-                "'{name}' has {} tensors with no memory now (a streamed model's blocks between steps: it keeps its own copies); it is rebuilt when needed",
-                views.unallocated()
-            )),
-            Err(err) => Err(err.to_string()),
-        };
-        let views = match views {
-            Ok(views) => views,
-            Err(why) => {
-                let usage = state.tier_usage();
-                drop(state);
-                return self.tier_event(stage, name, None, None, not_stored(why), usage);
-            }
-        };
-        let bytes = views.bytes();
-        let protected = state.pinned_now();
-        let admitted = state.tier_mut().map(|tier| tier.admit(name, bytes, &protected));
-        let usage = state.tier_usage();
-        drop(state);
-        let (ticket, evicted) = match admitted {
-            Some(Ok(admitted)) => (admitted.ticket, admitted.evicted),
-            Some(Err(why)) => return self.tier_event(stage, name, Some(bytes), None, not_stored(why), usage),
-            None => return,
-        };
-        drop(self.evicted(stage, evicted, usage));
-
+        let Some((views, device, ticket, bytes)) = self.reserve_in_tier(instance, stage) else { return };
         let started = Instant::now();
         let copied = self
             .tier_side
@@ -91,6 +40,78 @@ impl Inner {
         drop(state);
         drop(dropped);
         self.tier_event(stage, name, Some(bytes), Some(started.elapsed().as_secs_f64()), what, usage);
+    }
+
+    /// Under the state lock: reserves room in the host tier for a copy of `instance`'s weights
+    /// (evicting what must go, told), if the tier takes it: the tensors to copy, their device,
+    /// the reservation's ticket and its bytes. `None`, said in an event where it is news, when
+    /// there is no tier, it is closing, the instance left its slot, it lives on the CPU, it
+    /// cannot be copied whole, or the tier has no room.
+    fn reserve_in_tier(
+        &self,
+        instance: &Instance,
+        stage: &Option<String>,
+    ) -> Option<(tier_copy::Views, Device, Ticket, u64)> {
+        let name = instance.name.as_str();
+        let mut state = self.slots.lock();
+        // Not when closing, nor for an instance that left its slot (removed, replaced).
+        let still_held = state
+            .find(name)
+            .and_then(|p| state.entries()[p].released())
+            .is_some_and(|held| std::ptr::eq(held.as_ref(), instance));
+        if state.tier().is_none() || state.is_closed() || !still_held {
+            return None;
+        }
+        // Lock order: the state lock, then the instance's weights.
+        let weights = lock(&instance.weights);
+        let device = weights.tensors.first().map(|(_, t)| t.device())?;
+        if !self.tier_side.applies(device) {
+            drop(weights);
+            let usage = state.tier_usage();
+            drop(state);
+            if self.tier_side.first_cpu_model() {
+                let why = format!(
+                    "'{name}' lives on the CPU, where its weights are host memory already; the host tier holds device models"
+                );
+                self.tier_event(stage, name, None, None, not_stored(why), usage);
+            }
+            return None;
+        }
+        let views = tier_copy::Views::of(&weights.tensors);
+        drop(weights);
+        // Before the tier makes room: a copy that cannot be whole evicts nothing.
+        let views = match views {
+            Ok(views) if views.unallocated() == 0 => Ok(views),
+            Ok(views) => Err(format!(
+                "'{name}' has {} tensors with no memory now (a streamed model's blocks between steps: it keeps its own copies); it is rebuilt when needed",
+                views.unallocated()
+            )),
+            Err(err) => Err(err.to_string()),
+        };
+        let views = match views {
+            Ok(views) => views,
+            Err(why) => {
+                let usage = state.tier_usage();
+                drop(state);
+                self.tier_event(stage, name, None, None, not_stored(why), usage);
+                return None;
+            }
+        };
+        let bytes = views.bytes();
+        let protected = state.pinned_now();
+        let admitted = state.tier_mut().map(|tier| tier.admit(name, bytes, &protected));
+        let usage = state.tier_usage();
+        drop(state);
+        let (ticket, evicted) = match admitted {
+            Some(Ok(admitted)) => (admitted.ticket, admitted.evicted),
+            Some(Err(why)) => {
+                self.tier_event(stage, name, Some(bytes), None, not_stored(why), usage);
+                return None;
+            }
+            None => return None,
+        };
+        drop(self.evicted(stage, evicted, usage));
+        Some((views, device, ticket, bytes))
     }
 
     /// Says which copies were evicted (the state lock let go); returns them for the caller to drop.
