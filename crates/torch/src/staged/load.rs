@@ -1,7 +1,8 @@
 //! Loads: the transaction a `get` or a prefetch runs for a model that is not resident. Begun
-//! under the state lock ([`Slots::begin_load`]: the decision, the ticket, the tier's lease, the
-//! recipe), run with the lock let go ([`Inner::run_load`]), finished under it once more
-//! ([`Slots::finish_load`]), then told ([`Inner::announce`]). Running it builds (the loader,
+//! under the state lock ([`Slots::begin_load`](super::slots::Slots::begin_load): the decision,
+//! the ticket, the tier's lease, the recipe), run with the lock let go ([`Inner::run_load`]),
+//! finished under it once more ([`Slots::finish_load`](super::slots::Slots::finish_load)), then
+//! told ([`Inner::announce`]). Running it builds (the loader,
 //! then its checkpoint) or refills in place from the host tier or the checkpoint; a foreground
 //! load pauses background copies while it lasts ([`super::turn`]). Out of memory is typed where
 //! libtorch's error or the loader's is caught ([`Failing`]); the policy's one retry releases the
