@@ -6,13 +6,14 @@
 //! (`refill.rs`) change them.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
 use tch::Tensor;
 
 use super::blocks::{assign, BlockSpec};
-use super::split::Sizes;
+use super::split::{DirectReads, Sizes};
 use super::{torch, StreamError};
 use crate::checkpoint::{Checkpoint, CheckpointError};
 use crate::names::NameRules;
@@ -93,6 +94,56 @@ pub(super) struct Ahead {
     pub(super) attach: Option<usize>,
     /// Started for this step while the step before ended ([`super::slots`]).
     pub(super) carried: bool,
+}
+
+/// How refills read the checkpoint: through the page cache, or past it. Uncached, what they
+/// read is dropped from the page cache; after a step limited by its compute, uncached refills
+/// into a slot read with `O_DIRECT` straight into it ([`stageload_plan::split::direct_reads`]).
+pub(super) struct ReadMode {
+    /// Refills drop what they read from the page cache
+    /// ([`StreamedModel::uncached`](super::StreamedModel::uncached)).
+    pub(super) uncached: bool,
+    /// Uncached refills read past the page cache straight into their slots this step.
+    direct: bool,
+    /// When they do ([`StreamedModel::direct_reads`](super::StreamedModel::direct_reads)).
+    mode: DirectReads,
+    /// Bytes refills read that way
+    /// ([`StreamStats::bytes_direct`](super::StreamStats::bytes_direct)), added to by their
+    /// threads.
+    pub(super) read_directly: Arc<AtomicU64>,
+}
+
+impl ReadMode {
+    /// Through the page cache, kept there.
+    pub(super) fn new() -> Self {
+        ReadMode { uncached: false, direct: false, mode: DirectReads::Adaptive, read_directly: Arc::default() }
+    }
+
+    /// Whether a refill into a slot reads past the page cache now.
+    pub(super) fn direct_now(&self) -> bool {
+        self.uncached && self.direct
+    }
+
+    /// After a step of `seconds` that waited `waited` of them for refills: whether the next
+    /// step's refills read past the page cache, as the mode says.
+    pub(super) fn after_step(&mut self, waited: f64, seconds: f64) {
+        self.direct = self.mode.next(self.direct, waited, seconds);
+    }
+
+    /// Reads past the page cache as `mode` says, from the next refill on.
+    pub(super) fn set_mode(&mut self, mode: DirectReads) {
+        self.mode = mode;
+        self.direct = match mode {
+            DirectReads::Never => false,
+            DirectReads::Adaptive => self.direct,
+            DirectReads::Always => true,
+        };
+    }
+
+    /// Bytes read past the page cache so far.
+    pub(super) fn bytes_direct(&self) -> u64 {
+        self.read_directly.load(Ordering::Relaxed)
+    }
 }
 
 /// A model's tensors as set-up cuts them: the blocks, and the fixed tensors (in no block,

@@ -206,7 +206,7 @@ impl StreamedModel {
     fn checkpoint_reader(&self) -> impl Fn(&[(String, Tensor)]) -> Result<(), StreamError> + Send + 'static {
         let model = self.name.clone();
         let checkpoint = Arc::clone(&self.checkpoint);
-        let uncached = self.uncached;
+        let uncached = self.reads.uncached;
         move |targets: &[(String, Tensor)]| {
             checkpoint
                 .load_into(targets, |_| {})
@@ -230,7 +230,7 @@ impl StreamedModel {
         let direct = self.direct_read(index, slot);
         let views = self.views_in(index, self.slots.buffer(slot)).inspect_err(|_| self.let_go_of_slot(index))?;
         let (checkpoint, model, read_directly) =
-            (Arc::clone(&self.checkpoint), self.name.clone(), Arc::clone(&self.read_directly));
+            (Arc::clone(&self.checkpoint), self.name.clone(), Arc::clone(&self.reads.read_directly));
         let job = move || {
             let start = Instant::now();
             let direct = match direct {
@@ -305,7 +305,7 @@ impl StreamedModel {
         let buffer = self.slots.buffer(slot);
         let block = &mut self.blocks[index];
         block.shift = 0;
-        let span = block.span.clone().filter(|_| self.uncached && self.direct)?;
+        let span = block.span.clone().filter(|_| self.reads.direct_now())?;
         let unit = DIRECT_UNIT as usize;
         let at = (unit - buffer.data_ptr() as usize % unit) % unit;
         let shift = at + (span.start % DIRECT_UNIT) as usize;

@@ -47,7 +47,7 @@ impl StreamedModel {
                     self.stats.steps += 1;
                     let waited = self.stats.waited_seconds - waited;
                     let seconds = started.elapsed().as_secs_f64();
-                    self.direct = self.direct_mode.next(self.direct, waited, seconds);
+                    self.reads.after_step(waited, seconds);
                     self.after_step(working);
                     return Ok(result);
                 }

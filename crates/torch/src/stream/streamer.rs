@@ -11,14 +11,14 @@
 //! into a slot touches none of them: it writes through views of the slot's buffer, which between
 //! steps no tensor of the model holds, [`super::slots`]).
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 use std::time::Instant;
 
 use stageload_trace::event::{Event, EventSink, Loaded};
 use tch::{Device, Tensor};
 
-use super::block::{pinned_copies, Block, HostBlocks, Parts};
+use super::block::{pinned_copies, Block, HostBlocks, Parts, ReadMode};
 use super::blocks::BlockSpec;
 use super::hot::HotSet;
 use super::readings::{Reading, Readings};
@@ -121,15 +121,8 @@ pub struct StreamedModel {
     /// The forward has named a block it runs next ([`Step::prefetch`](super::Step::prefetch)):
     /// from then on only what it names is read ahead, in order too (no guess by index).
     pub(super) named: bool,
-    /// Refills drop what they read from the page cache ([`Self::uncached`]).
-    pub(super) uncached: bool,
-    /// Uncached refills read past the page cache straight into their slots this step
-    /// ([`stageload_plan::split::direct_reads`]).
-    pub(super) direct: bool,
-    /// When they do ([`Self::direct_reads`]).
-    pub(super) direct_mode: DirectReads,
-    /// Bytes refills read that way ([`StreamStats::bytes_direct`]), added to by their threads.
-    pub(super) read_directly: Arc<AtomicU64>,
+    /// How refills read the checkpoint ([`Self::uncached`], [`Self::direct_reads`]).
+    pub(super) reads: ReadMode,
     /// Working memory measured so far (the largest step).
     pub(super) working: u64,
     pub(super) checkpoint: Arc<Checkpoint>,
@@ -260,10 +253,7 @@ impl StreamedModel {
             hot: HotSet::new(split.blocks),
             any_order,
             named: false,
-            uncached: false,
-            direct: false,
-            direct_mode: DirectReads::Adaptive,
-            read_directly: Arc::default(),
+            reads: ReadMode::new(),
             working,
             checkpoint: Arc::new(checkpoint),
             slots: BlockSlots::default(),
@@ -457,7 +447,7 @@ impl StreamedModel {
 
     /// What has moved so far.
     pub fn stats(&self) -> StreamStats {
-        StreamStats { bytes_direct: self.read_directly.load(Ordering::Relaxed), ..self.stats }
+        StreamStats { bytes_direct: self.reads.bytes_direct(), ..self.stats }
     }
 
     /// `NoSuchBlock` unless the model has block `index`.
@@ -561,7 +551,7 @@ impl StreamedModel {
     /// ([`StreamStats::bytes_direct`]), which leaves the forward's cores the CPU a buffered
     /// read takes.
     pub fn uncached(&mut self) -> &mut Self {
-        self.uncached = true;
+        self.reads.uncached = true;
         self
     }
 
@@ -571,12 +561,7 @@ impl StreamedModel {
     /// through the page cache: for a file system whose direct reads are slow, or to measure what
     /// they save) or [`Always`](DirectReads::Always). From the next refill on.
     pub fn direct_reads(&mut self, mode: DirectReads) -> &mut Self {
-        self.direct_mode = mode;
-        self.direct = match mode {
-            DirectReads::Never => false,
-            DirectReads::Adaptive => self.direct,
-            DirectReads::Always => true,
-        };
+        self.reads.set_mode(mode);
         self
     }
 
