@@ -7,8 +7,9 @@
 //!
 //! And the house around it (issue 72): each cell of the README's measured table is one short
 //! claim ([`TABLE_CELL_BUDGET`]), `traces/` holds results and no source files (the programs
-//! behind them are in `crates/bench/`), and `docs/layout.md`'s tree names every top-level folder,
-//! crate, example and test file of the checkout, and nothing that is not there.
+//! behind them are in `crates/bench/`), `docs/layout.md`'s tree names every top-level folder,
+//! crate, example and test file of the checkout, and nothing that is not there, and the README and
+//! the guide hold no words of a lab notebook or a commit ([`PROCESS_PHRASES`]).
 //!
 //! The tasks and commands are read from the clap definitions, as text: the `#[derive(Parser)]`
 //! struct of `crates/xtask/src` and of `crates/cli/src`, its `#[command(subcommand)]` field's
@@ -36,6 +37,17 @@ const MEASURED_HEADING: &str = "## What it is measured to do";
 
 /// File extensions that are source code, not results: none may live under `traces/`.
 const SOURCE_EXTENSIONS: [&str; 9] = ["c", "h", "cc", "cpp", "py", "sh", "rs", "patch", "diff"];
+
+/// Words of a lab notebook or a commit message, which a reader of the README and the guide cannot
+/// act on: who was lent which machine in which working session, an issue's number (the guide says
+/// what is so, not which ticket asked for it), and unfinished work (it belongs in an issue). Each
+/// is matched as whole words, case-insensitive, except the markers, which only count in capitals
+/// (`xxx` may stand for digits in a file name).
+const PROCESS_PHRASES: [&str; 6] =
+    ["was lent", "were lent", "this session", "the session that", "this work", "the issue's"];
+
+/// Markers of unfinished work, matched as whole words in capitals.
+const PROCESS_MARKERS: [&str; 3] = ["TODO", "FIXME", "XXX"];
 
 /// The languages of fenced blocks whose lines are commands.
 const SHELL: [&str; 4] = ["sh", "bash", "shell", "console"];
@@ -638,6 +650,76 @@ fn table_cells_and_layout_entries_are_read_as_written() {
         words("two_models (the README example), cascade;"),
         BTreeSet::from(["README", "cascade", "example", "the", "two_models"])
     );
+}
+
+/// The process words on each line of `text`, as (line number from 1, what was found): the phrases
+/// of [`PROCESS_PHRASES`] and the markers of [`PROCESS_MARKERS`] as whole words, and an issue's
+/// number (`issue 72`, `issues 45 and 69`, `#72`). Web addresses are left out: a link to another
+/// project's issue is a reference, not a note.
+fn process_words(text: &str) -> Vec<(usize, String)> {
+    let mut found = Vec::new();
+    for (number, line) in text.lines().enumerate() {
+        let kept: Vec<&str> = line.split_whitespace().filter(|chunk| !chunk.contains("://")).collect();
+        let tokens: Vec<&str> = kept
+            .iter()
+            .flat_map(|chunk| chunk.split(|c: char| !(c.is_alphanumeric() || c == '\'' || c == '#' || c == '_')))
+            .map(|token| token.trim_matches('\''))
+            .filter(|token| !token.is_empty())
+            .collect();
+        let lower: Vec<String> = tokens.iter().map(|token| token.to_lowercase()).collect();
+        for phrase in PROCESS_PHRASES {
+            let words: Vec<&str> = phrase.split(' ').collect();
+            if lower.windows(words.len()).any(|window| window.iter().zip(&words).all(|(a, b)| a == b)) {
+                found.push((number + 1, format!("\"{phrase}\"")));
+            }
+        }
+        for marker in PROCESS_MARKERS {
+            if tokens.contains(&marker) {
+                found.push((number + 1, marker.to_string()));
+            }
+        }
+        let is_number = |token: &str| !token.is_empty() && token.chars().all(|c| c.is_ascii_digit());
+        for (i, token) in lower.iter().enumerate() {
+            let numbered = (token == "issue" || token == "issues")
+                && lower.get(i + 1).is_some_and(|next| is_number(next.trim_start_matches('#')));
+            if numbered {
+                found.push((number + 1, format!("an issue's number (`{} {}`)", tokens[i], tokens[i + 1])));
+            } else if token.strip_prefix('#').is_some_and(is_number) {
+                found.push((number + 1, format!("an issue's number (`{}`)", tokens[i])));
+            }
+        }
+    }
+    found
+}
+
+#[test]
+fn the_readme_and_the_guide_hold_no_process_words() {
+    let mut found = Vec::new();
+    for (path, text) in documents() {
+        found.extend(process_words(&text).into_iter().map(|(line, what)| format!("{}:{line}: {what}", path.display())));
+    }
+    assert!(
+        found.is_empty(),
+        "words of a lab notebook or a commit in the README or the guide: say what is so for the reader \
+         (the run's history belongs in its trace's README, the reason for a change in its commit):\n{}",
+        found.join("\n")
+    );
+}
+
+#[test]
+fn process_words_are_found_as_words_and_nothing_else() {
+    let text = "Not run on a GPU: no device was lent to this work.\n\
+                The thread issues each piece; the issue's goal.\n\
+                As asked in issue 72 (and #45); see https://github.com/o/r/issues/12.\n\
+                TODO: the rest. A todo list, files named 00xxx, a session of the queue, excellent.\n";
+    let found: Vec<(usize, String)> = process_words(text);
+    let lines: Vec<usize> = found.iter().map(|(line, _)| *line).collect();
+    assert_eq!(lines, [1, 1, 2, 3, 3, 4], "{found:?}");
+    assert_eq!(found[0].1, "\"was lent\"");
+    assert_eq!(found[1].1, "\"this work\"");
+    assert_eq!(found[3].1, "an issue's number (`issue 72`)");
+    assert_eq!(found[4].1, "an issue's number (`#45`)");
+    assert_eq!(found[5].1, "TODO");
 }
 
 /// Every fenced block of the documents, as (document, block).
