@@ -8,7 +8,8 @@
 //! And the house around it (issue 72): each row of the README's measured table is one short
 //! claim with its figure ([`CLAIM_BUDGET`]) and a link to the run behind it, `traces/` holds results and no source files (the programs
 //! behind them are in `crates/bench/`), `docs/layout.md`'s tree names every top-level folder,
-//! crate, example and test file of the checkout, and nothing that is not there, and the README and
+//! crate, example and test file of the checkout and each crate's top-level modules
+//! (`crates/*/src`), and nothing that is not there, and the README and
 //! the guide hold no words of a lab notebook or a commit ([`PROCESS_PHRASES`]).
 //!
 //! The tasks and commands are read from the clap definitions, as text: the `#[derive(Parser)]`
@@ -603,13 +604,28 @@ fn names_in(folder: &str, folders: bool, ext: Option<&str>) -> Vec<String> {
     names
 }
 
+/// The top-level modules of `crates/<krate>/src`: each `NAME.rs` and each folder `NAME/`, less the
+/// crate roots (`lib.rs`, `main.rs`) and `bin/` (binaries, named by the crate's entry as it likes).
+fn top_level_modules(krate: &str) -> Vec<String> {
+    let src = format!("crates/{krate}/src");
+    if !checkout().join(&src).is_dir() {
+        return Vec::new();
+    }
+    let mut modules = names_in(&src, false, Some("rs"));
+    modules.extend(names_in(&src, true, None));
+    modules.retain(|name| !["lib", "main", "bin"].contains(&name.as_str()));
+    modules.sort();
+    modules.dedup();
+    modules
+}
+
 /// The words of `text`: runs of letters, digits and `_`.
 fn words(text: &str) -> BTreeSet<&str> {
     text.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_')).filter(|w| !w.is_empty()).collect()
 }
 
 #[test]
-fn the_layout_doc_names_every_folder_crate_example_and_test_of_the_tree_and_nothing_else() {
+fn the_layout_doc_names_every_folder_crate_module_example_and_test_of_the_tree_and_nothing_else() {
     let entries = layout_entries();
     assert!(entries.len() > 10, "{} entries read from docs/layout.md's tree: the reader is broken", entries.len());
     let named: BTreeSet<&str> = entries.iter().map(|(name, _)| name.as_str()).collect();
@@ -638,6 +654,12 @@ fn the_layout_doc_names_every_folder_crate_example_and_test_of_the_tree_and_noth
             wrong.push(format!("the {kind} `{name}` is not named in `{entry}`"));
         }
     };
+    for krate in names_in("crates", true, None) {
+        let entry = format!("crates/{krate}/");
+        if named.contains(entry.as_str()) {
+            within(&entry, top_level_modules(&krate), "module");
+        }
+    }
     within("examples/", names_in("examples", false, Some("rs")), "example");
     within("tests/", names_in("tests", false, Some("rs")), "test file");
     within("tests/", names_in("tests", true, None), "test folder");
@@ -656,6 +678,12 @@ fn table_cells_and_layout_entries_are_read_as_written() {
         words("two_models (the README example), cascade;"),
         BTreeSet::from(["README", "cascade", "example", "the", "two_models"])
     );
+    let modules = top_level_modules("torch");
+    for module in ["staged", "checkpoint", "pt2", "rng"] {
+        assert!(modules.contains(&module.to_string()), "{module} not read from crates/torch/src: {modules:?}");
+    }
+    assert!(!modules.contains(&"lib".to_string()), "{modules:?}");
+    assert!(!top_level_modules("bench").contains(&"bin".to_string()));
 }
 
 /// The process words on each line of `text`, as (line number from 1, what was found): the phrases
