@@ -6,11 +6,12 @@
 //! a pipeline description by the reader `stageload plan` uses, Python by Python.
 //!
 //! And the house around it (issue 72): each row of the README's measured table is one short
-//! claim with its figure ([`CLAIM_BUDGET`]) and a link to the run behind it, `traces/` holds results and no source files (the programs
-//! behind them are in `crates/bench/`), `docs/layout.md`'s tree names every top-level folder,
-//! crate, example and test file of the checkout and each crate's top-level modules
-//! (`crates/*/src`), and nothing that is not there, and the README and
-//! the guide hold no words of a lab notebook or a commit ([`PROCESS_PHRASES`]).
+//! claim with its figure ([`CLAIM_BUDGET`]) and a link to the run behind it; `traces/` holds
+//! results and no source files (the programs behind them are in `crates/bench/`), and its index,
+//! `traces/README.md`, links every entry of it, by links that resolve; `docs/layout.md`'s tree
+//! names every top-level folder, crate, example and test file of the checkout and each crate's
+//! top-level modules (`crates/*/src`), and nothing that is not there; and the README and the
+//! guide hold no words of a lab notebook or a commit ([`PROCESS_PHRASES`]).
 //!
 //! The tasks and commands are read from the clap definitions, as text: the `#[derive(Parser)]`
 //! struct of `crates/xtask/src` and of `crates/cli/src`, its `#[command(subcommand)]` field's
@@ -564,6 +565,32 @@ fn traces_hold_results_and_no_source_files() {
          patches/) and point the trace's README at them:\n{}",
         sources.join("\n")
     );
+}
+
+#[test]
+fn the_traces_index_links_every_entry_of_traces_and_its_links_resolve() {
+    let index =
+        fs::read_to_string(checkout().join("traces/README.md")).expect("traces/README.md (the index) is missing");
+    let targets: Vec<String> = link_targets(&split(&index).prose);
+    assert!(targets.len() > 10, "{} links read from traces/README.md: the reader is broken", targets.len());
+    let mut wrong = Vec::new();
+    for target in &targets {
+        let Some(relative) = relative_path(target) else { continue };
+        match resolve(Path::new("traces"), relative) {
+            Some(resolved) if checkout().join(&resolved).exists() => {}
+            _ => wrong.push(format!("the link `{target}` does not resolve")),
+        }
+    }
+    let mut entries = names_in("traces", true, None).into_iter().map(|name| format!("{name}/")).collect::<Vec<_>>();
+    let files = fs::read_dir(checkout().join("traces")).unwrap().map(|entry| entry.unwrap().path());
+    entries
+        .extend(files.filter(|path| path.is_file()).filter_map(|path| Some(path.file_name()?.to_str()?.to_string())));
+    for entry in entries.iter().filter(|entry| *entry != "README.md") {
+        if !targets.iter().any(|target| target.starts_with(entry.as_str())) {
+            wrong.push(format!("`traces/{entry}` is not linked from the index"));
+        }
+    }
+    assert!(wrong.is_empty(), "traces/README.md, the index of the recorded runs:\n{}", wrong.join("\n"));
 }
 
 /// The entries of the folder tree in `docs/layout.md` (its first `text` block): each line that
