@@ -10,8 +10,8 @@
 //! results and no source files (the programs behind them are in `crates/bench/`), and its index,
 //! `traces/README.md`, links every entry of it, by links that resolve; `docs/layout.md`'s tree
 //! names every top-level folder, crate, example and test file of the checkout and each crate's
-//! top-level modules (`crates/*/src`), and nothing that is not there; and the README and the
-//! guide hold no words of a lab notebook or a commit ([`PROCESS_PHRASES`]).
+//! top-level modules (`crates/*/src`), and nothing that is not there; and the README, the guide
+//! and the traces' index hold no words of a lab notebook or a commit ([`PROCESS_PHRASES`]).
 //!
 //! The tasks and commands are read from the clap definitions, as text: the `#[derive(Parser)]`
 //! struct of `crates/xtask/src` and of `crates/cli/src`, its `#[command(subcommand)]` field's
