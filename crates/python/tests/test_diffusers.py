@@ -161,6 +161,18 @@ def test_stages_follow_the_pipelines_own_calls_and_nothing_loads_before_its_stag
     assert [e.stage for e in events.of_kind("stage")][3:] == ["encode", "denoise", "decode"]
 
 
+@pytest.mark.parametrize("pipeline", list(PIPELINES))
+def test_a_staged_pipeline_is_assembled_as_from_pretrained_assembles_it(pipeline: str):
+    cls, path, _ = PIPELINES[pipeline]()
+    pipe, models = staged_pipeline(cls, path)
+    plain = cls.from_pretrained(str(path))
+    assert type(pipe) is cls
+    assert dict(pipe.config) == dict(plain.config)
+    kinds = {name: type(c) for name, c in pipe.components.items()}
+    assert kinds == {name: type(c) for name, c in plain.components.items()}
+    models.close()
+
+
 def answers(module: torch.nn.Module) -> tuple:
     config = module.config  # transformers: a PretrainedConfig; diffusers: a FrozenDict
     as_dict = config.to_dict() if hasattr(config, "to_dict") else dict(config)
