@@ -181,29 +181,6 @@ def adopt(shell: nn.Module, loaded: nn.Module) -> nn.Module:
     return shell
 
 
-def _assemble(
-    pipeline_class: type, folder: Path, index: dict[str, Any], shells: dict[str, nn.Module]
-) -> Any:
-    """The pipeline ``pipeline_class.from_pretrained(folder, **shells)`` gives, assembled as it
-    assembles it (each other component by its class's ``from_pretrained`` on its subfolder, the
-    index's settings as keywords, the folder recorded as ``_name_or_path``), without the loader's
-    own machinery: it imports every scheduler and pipeline module, megabytes that stay."""
-    components, settings = pipeline_class._get_signature_keys(pipeline_class)
-    kwargs: dict[str, Any] = {}
-    for name in components:
-        entry = index.get(name)
-        if name in shells:
-            kwargs[name] = shells[name]
-        elif isinstance(entry, (list, tuple)) and len(entry) == 2 and entry[0] is not None:
-            kwargs[name] = _component_class(*entry).from_pretrained(str(folder / name))
-        else:
-            kwargs[name] = None
-    kwargs.update((name, index[name]) for name in settings if name in index)
-    pipe = pipeline_class(**kwargs)
-    pipe.register_to_config(_name_or_path=str(folder))
-    return pipe
-
-
 def staged_pipeline(
     pipeline_class: type,
     folder: str | os.PathLike[str],
@@ -264,7 +241,7 @@ def staged_pipeline(
         prefetch=mode == "prefetch",
         **options,
     )
-    pipe = _assemble(pipeline_class, folder, index, shells)
+    pipe = pipeline_class.from_pretrained(str(folder), **shells)
     for stage, component, methods in plan:
 
         def enter(
