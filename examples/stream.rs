@@ -9,7 +9,10 @@
 //! `StreamPlan` (`ctx.stream()`). The loader builds the model touching none of its memory, makes
 //! a `StreamedModel` over its tensors, and returns it with `Built::from_tensors`; a forward then
 //! runs inside `streamed.run(|step| ...)`, each block fetched from the checkpoint as the step
-//! reaches it (`--any-order`: a hot set of the blocks used most instead of a resident prefix).
+//! reaches it (`--any-order`: a hot set of the blocks used most instead of a resident prefix;
+//! `--resident-at-most N`: at most N blocks kept, the rest streamed). The hot-set benchmark's
+//! knobs (routes, reads past the page cache, a cold start, the disk's rate, reads beside a whole
+//! flow) are the bench binary `bench_stream` (`crates/bench`).
 //!
 //!     cargo run --example stream -- --budget 200MiB --trace stream.jsonl
 //!     stageload guard --max-memory 450MiB -- target/debug/examples/stream --budget 200MiB
@@ -26,13 +29,12 @@ use std::time::Instant;
 use clap::Parser;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
-use stageload::stream::{DirectReads, StreamedModel};
+use stageload::stream::StreamedModel;
 use stageload::{BoxError, Built, EventSink, ModelSpec, Pipeline, SharedRng, StagedModels};
 use stageload_demo_kit::args::{parse_device, positive_scale};
-use stageload_demo_kit::beside::ReadsBeside;
 use stageload_demo_kit::models::{cascade_seed, cascade_shapes};
 use stageload_demo_kit::sampler::sample_flow_with;
-use stageload_demo_kit::weights::{cache_root, disk_read_rate, drop_page_cache};
+use stageload_demo_kit::weights::cache_root;
 use stageload_demo_kit::{cached_checkpoint, schedule, tokens_at, Transformer, CHANNELS};
 use stageload_plan::{ModelEntry, PipelineFile, StageEntry, StreamEntry};
 use stageload_units::{format_bytes, parse_size};
@@ -55,41 +57,10 @@ struct Args {
     /// Keep at most this many blocks resident, and none hot (streams more than the budget asks)
     #[arg(long)]
     resident_at_most: Option<usize>,
-    /// Which blocks each forward runs: `all` in order, or `experts` (a fixed router: blocks 0
-    /// and 1 every call, one of the last three and one of the others in turn)
-    #[arg(long, value_enum, default_value_t = Route::All)]
-    route: Route,
     /// Stream the blocks in any order (with a budget): no prefix, the budget's room is the hot
     /// set of the blocks used most, and each forward names its next block ahead
     #[arg(long)]
     any_order: bool,
-    /// Refills read past the page cache (each drops what it read), as a model bigger than
-    /// memory streams from disk (with `--read-beside`, those reads do)
-    #[arg(long)]
-    uncached: bool,
-    /// With `--uncached`: every refill reads through the page cache, never straight into its
-    /// slot with `O_DIRECT` (`StreamedModel::direct_reads(DirectReads::Never)`)
-    #[arg(long, requires = "uncached")]
-    buffered: bool,
-    /// Whole model only: read this many blocks of the checkpoint beside the flow, spread over
-    /// its calls, as refills read them but waited for by nothing (`ReadsBeside`): the least
-    /// time a streamed flow reading as many blocks can take on this machine
-    #[arg(long, value_name = "BLOCKS", conflicts_with = "budget")]
-    read_beside: Option<usize>,
-    /// Drop the checkpoint's pages from the page cache before set-up: its first reads come from
-    /// the disk
-    #[arg(long)]
-    cold: bool,
-    /// Measure the disk's read rate on the checkpoint before set-up and again after the flow
-    /// (its pages dropped before and after each read), for a from-disk run's limit:
-    /// `disk_bytes_per_second` and `reading_seconds` in the result
-    #[arg(long)]
-    disk_rate: bool,
-    /// Serve every host allocation of 1 MiB or more with its own mapping, as a streamed model on
-    /// the CPU makes the process do (`map_large_host_blocks`): the resident model's control for
-    /// what that costs
-    #[arg(long)]
-    map_large_blocks: bool,
     /// Model sizes relative to the cascade's default (1.0: texture_flow is 0.6 GB)
     #[arg(long, default_value_t = 1.0, value_parser = positive_scale)]
     scale: f64,
@@ -121,23 +92,6 @@ struct Args {
     /// budget, one stage) to this file
     #[arg(long)]
     pipeline: Option<PathBuf>,
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, clap::ValueEnum, serde::Serialize)]
-#[serde(rename_all = "lowercase")]
-enum Route {
-    All,
-    Experts,
-}
-
-/// The blocks forward call `n` runs, in order: every block, or (experts, at least 6 blocks)
-/// blocks 0 and 1, one of the middle blocks in turn (each in one call of `depth - 5`) and one of
-/// the last three in turn (each in one call of three).
-fn route(route: Route, n: usize, depth: usize) -> Vec<usize> {
-    match route {
-        Route::Experts if depth >= 6 => vec![0, 1, 2 + n % (depth - 5), depth - 1 - n % 3],
-        _ => (0..depth).collect(),
-    }
 }
 
 /// The pipeline file of this run: the model streamed under `budget` (whole without one).
@@ -195,7 +149,6 @@ struct Outcome {
     seconds: f64,
     /// Seconds per forward.
     seconds_per_step: f64,
-    route: Route,
     any_order: bool,
     /// Forward calls, and the blocks they ran.
     calls: usize,
@@ -207,27 +160,8 @@ struct Outcome {
     /// The most the streamed model held at a block boundary, from its storages.
     most_held: u64,
     bytes_refilled: u64,
-    /// Of those, bytes read past the page cache straight into the slots (`--uncached`, after a
-    /// step limited by its compute).
-    bytes_direct: u64,
     refill_seconds: f64,
     waited_seconds: f64,
-    /// The disk's read rate over its two measurements (`--disk-rate`): the checkpoint read
-    /// once before set-up and once after the flow, bytes over seconds of both. This shared
-    /// virtual disk's rate drifts (up to 1.7x between the two reads of one run here); the two
-    /// reads bracket the flow.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    disk_bytes_per_second: Option<f64>,
-    /// Each of the two measurements, before and after.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    disk_rates: Option<[f64; 2]>,
-    /// Bytes read beside a whole model's flow (`--read-beside`).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    bytes_read_beside: Option<u64>,
-    /// `bytes_refilled` (or `bytes_read_beside`) read at `disk_bytes_per_second`: the time the flow cannot go below when
-    /// its reads are what bounds it.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    reading_seconds: Option<f64>,
 }
 
 /// The model as the registry holds it: whole, or with its streamer.
@@ -277,16 +211,8 @@ fn run(args: Args) -> Result<(), BoxError> {
         )?)),
         None => None,
     };
-    if args.map_large_blocks {
-        stageload_torch_sys::map_large_host_blocks();
-    }
     let base = rss()?;
-    let rate_before = if args.disk_rate { Some(disk_read_rate(&file)?) } else { None };
-    if args.cold {
-        drop_page_cache(&file)?;
-    }
-    let (device, uncached, buffered, resident_at_most, built) =
-        (args.device, args.uncached, args.buffered, args.resident_at_most, shape.clone());
+    let (device, resident_at_most, built) = (args.device, args.resident_at_most, shape.clone());
     let mut builder = StagedModels::builder().pipeline(&pipeline);
     if let Some(meter) = &meter {
         builder = builder.events(Arc::clone(meter) as Arc<dyn EventSink>);
@@ -310,10 +236,6 @@ fn run(args: Args) -> Result<(), BoxError> {
                     stageload::stream::place(MODEL, &tensors, device)?;
                 }
                 let mut streamed = StreamedModel::planned(MODEL, tensors, plan)?;
-                if uncached {
-                    let direct = if buffered { DirectReads::Never } else { DirectReads::Adaptive };
-                    streamed.uncached().direct_reads(direct);
-                }
                 if let Some(at_most) = resident_at_most {
                     streamed.limit_resident(at_most)?;
                 }
@@ -333,56 +255,29 @@ fn run(args: Args) -> Result<(), BoxError> {
     let x = Tensor::randn([tokens, CHANNELS], (Kind::Float, args.device));
     let cond = Tensor::randn([1, CHANNELS], (Kind::Float, args.device));
     let times = schedule(args.steps, &chacha);
-    let depth = shape.depth as usize;
-    let (mut calls, mut blocks_run) = (0, 0);
-    // The next call's blocks, and the call's after it (the route is fixed).
-    let mut next_route = || {
-        let blocks = route(args.route, calls, depth);
-        calls += 1;
-        blocks_run += blocks.len();
-        (blocks, route(args.route, calls, depth))
-    };
+    // Every forward runs every block in order; a streamed one names the next call's first
+    // blocks ahead while its last block runs.
+    let all: Vec<usize> = (0..shape.depth as usize).collect();
+    let mut calls = 0;
     // Set-up (the whole load, or the streamer's resident part) before the clock starts.
     models.get::<Flow>(MODEL)?;
-    let beside = match args.read_beside {
-        Some(_) => {
-            if args.uncached {
-                drop_page_cache(&file)?;
-            }
-            Some(ReadsBeside::start(&file, "model.blocks", args.uncached)?)
-        }
-        None => None,
-    };
-    // Block reads asked for beside call `call` of `steps`: reads spread evenly over the calls.
-    let (reads, steps) = (args.read_beside.unwrap_or(0), args.steps as usize);
-    let (mut call, mut asked) = (0, 0);
     let start = Instant::now();
     let (latent, stats, streamed) = models.call(MODEL, |flow: &mut Flow| -> Result<_, BoxError> {
         let latent = match flow.streamed.as_mut() {
             Some(streamed) => sample_flow_with(x, &cond, &times, |input| {
-                let (blocks, then) = next_route();
-                streamed.run(|step| flow.model.forward_routed_streamed(input, step, &blocks, &then))
+                calls += 1;
+                streamed.run(|step| flow.model.forward_routed_streamed(input, step, &all, &all))
             })?,
             None => sample_flow_with(x, &cond, &times, |input| {
-                if let Some(beside) = &beside {
-                    while asked < reads && asked * steps / reads <= call {
-                        beside.read(asked % depth);
-                        asked += 1;
-                    }
-                }
-                call += 1;
-                Ok::<_, BoxError>(flow.model.forward_routed(input, &next_route().0))
+                calls += 1;
+                Ok::<_, BoxError>(flow.model.forward_routed(input, &all))
             })?,
         };
         let streamed = flow.streamed.as_ref();
         let stats = streamed.map(|s| s.stats()).unwrap_or_default();
         Ok((latent, stats, streamed.map(|s| (s.residency(), s.split().resident))))
     })??;
-    let bytes_read_beside = beside.map(ReadsBeside::finish).transpose()?;
     let seconds = start.elapsed().as_secs_f64();
-    let disk_rates = rate_before.map(|before| disk_read_rate(&file).map(|after| [before, after])).transpose()?;
-    // Both reads are of the whole checkpoint: their combined rate is the harmonic mean.
-    let disk_bytes_per_second = disk_rates.map(|[before, after]| 2.0 / (1.0 / before + 1.0 / after));
     let mut latents = stageload::latents::Latents::with_env(args.latents.clone());
     let fingerprint = latents.record("texture", &latent);
     latents.save()?;
@@ -398,12 +293,11 @@ fn run(args: Args) -> Result<(), BoxError> {
     );
     if let Some((residency, _)) = &streamed {
         println!(
-            "{residency}; refilled {} ({} blocks, {} carried from the call before, {} found hot; {} read direct) in {:.3} s ({:.2} GB/s), waited {:.3} s",
+            "{residency}; refilled {} ({} blocks, {} carried from the call before, {} found hot) in {:.3} s ({:.2} GB/s), waited {:.3} s",
             format_bytes(stats.bytes_refilled),
             stats.refills,
             stats.carried,
             stats.hot_hits,
-            format_bytes(stats.bytes_direct),
             stats.refill_seconds,
             stats.bytes_refilled as f64 / stats.refill_seconds.max(1e-9) / 1e9,
             stats.waited_seconds
@@ -422,23 +316,16 @@ fn run(args: Args) -> Result<(), BoxError> {
             peak_rss,
             seconds,
             seconds_per_step: seconds / args.steps.max(1) as f64,
-            route: args.route,
             any_order: args.any_order,
             calls,
-            blocks_run,
+            blocks_run: calls * all.len(),
             refills: stats.refills,
             hot_hits: stats.hot_hits,
             carried: stats.carried,
             most_held: stats.most_held,
             bytes_refilled: stats.bytes_refilled,
-            bytes_direct: stats.bytes_direct,
             refill_seconds: stats.refill_seconds,
             waited_seconds: stats.waited_seconds,
-            disk_bytes_per_second,
-            disk_rates,
-            bytes_read_beside,
-            reading_seconds: disk_bytes_per_second
-                .map(|rate| (stats.bytes_refilled + bytes_read_beside.unwrap_or(0)) as f64 / rate),
         };
         std::fs::write(path, serde_json::to_string_pretty(&outcome)?)?;
     }

@@ -1,4 +1,4 @@
-//! The Rust Heun scheduler (`crates/demo-kit/src/heun.rs`) against diffusers'
+//! The Rust Heun scheduler (`crates/pipelines/src/schedulers/heun.rs`) against diffusers'
 //! `HeunDiscreteScheduler` as `ShapEImg2ImgPipeline` configures it, run by the cached Python
 //! environment (`scripts/reference/heun_reference.py`): sigmas, timesteps and `init_noise_sigma`
 //! equal bit for bit for every step count from 1 to 128 and a spread up to 1024, and whole runs
@@ -12,7 +12,7 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::Duration;
 
-use stageload_demo_kit::heun::{Heun, HeunConfig, HeunError, HeunState};
+use stageload_pipelines::schedulers::heun::{Heun, HeunConfig, HeunError, HeunState};
 use tch::{Kind, Tensor};
 
 /// Every step count from 1 to 128, then a spread up to the training schedule's 1024.

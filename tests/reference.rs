@@ -30,7 +30,7 @@ pub fn run(
     let started = Instant::now();
     let mut command = Command::new(&python);
     command.arg(&script).args(args);
-    stageload_demo_kit::pipeline::run_script(command, "the reference", &log, deadline)?;
+    stageload_pipelines::compare::run_script(command, "the reference", &log, deadline)?;
     let tensors = Tensor::read_safetensors(output).map_err(|e| format!("reading {}: {e}", output.display()))?;
     eprintln!(
         "{} in {:.1} s",

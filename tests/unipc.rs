@@ -1,4 +1,4 @@
-//! The Rust UniPC scheduler (`crates/demo-kit/src/unipc.rs`) against diffusers'
+//! The Rust UniPC scheduler (`crates/pipelines/src/schedulers/unipc.rs`) against diffusers'
 //! `UniPCMultistepScheduler` as the Wan2.1 text-to-video pipeline configures it, run by the cached
 //! Python environment (`scripts/reference/unipc_reference.py`): the configuration read from the
 //! JSON diffusers writes, timesteps and sigmas equal bit for bit for every step count from 1 to 100
@@ -17,7 +17,7 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use serde_json::json;
-use stageload_demo_kit::unipc::{FinalSigma, UniPc, UniPcConfig, UniPcError, FLOW_SHIFT_720P};
+use stageload_pipelines::schedulers::unipc::{FinalSigma, UniPc, UniPcConfig, UniPcError, FLOW_SHIFT_720P};
 use tch::{Device, Kind, Tensor};
 
 /// Every step count from 1 to 100, then a spread up to the training schedule's 1000.

@@ -1,24 +1,14 @@
-//! What the pipelines someone else wrote share (Stable Diffusion, Shap-E, Wan): how an export's
-//! components are read ([`ComponentFiles`], [`Format`]), the registry a pipeline runs on for a
-//! [`Loading`] ([`registry`]), what a run calls ([`StageRunner`], [`forward`]), and the
-//! comparison against the Python original: its script ([`reference_script`], [`run_script`]) and
-//! the largest differences ([`Difference`], [`TOLERANCE`]); and writing an output file whole or
-//! not at all ([`write_atomically`], [`FileError`]).
+//! Reading an export: the folder a script in `scripts/reference/` writes, with a `config.json`
+//! and each component's module and checkpoint ([`ComponentFiles`]) in one [`Format`]. One reader
+//! ([`ExportDir`]) and one error ([`ExportError`], naming the file and the script that makes it
+//! again) serve every pipeline; a pipeline's `Export` adds its own checks on top (and says what
+//! it runs: `runner::PipelineExport`).
 
-use std::fmt;
-use std::fs::File;
-use std::io::BufWriter;
 use std::path::{Path, PathBuf};
-use std::process::Command;
-use std::sync::Arc;
-use std::time::{Duration, Instant};
 
+use serde::de::DeserializeOwned;
 use serde::Deserialize;
-use stageload::pt2::Pt2Module;
-use stageload::{BoxError, EventSink, ModelSpec, StagedModels};
-use tch::{CModule, Device, Kind, Tensor};
-
-use crate::run::DemoRun;
+use stageload::{BoxError, ModelSpec};
 
 /// A component's TorchScript file and its safetensors checkpoint (the traced module's names),
 /// relative to the export's folder.
@@ -40,308 +30,161 @@ pub enum Format {
     Pt2,
 }
 
-/// How the registry loads the models.
+/// The scripts in `scripts/reference/` that make a pipeline's export: what an error tells the
+/// reader to run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Loading {
-    /// Every model loaded up front and kept.
-    Eager,
-    /// Each stage's model loaded when the stage calls it; the others released when a stage
-    /// begins.
-    Staged,
-    /// Staged, and each stage's entry starts loading the next stage's model in the background.
-    Prefetch,
+pub struct Scripts {
+    /// The export script (`sd_export.py`).
+    pub export: &'static str,
+    /// Its `--size` choices (`small|sd15`).
+    pub sizes: &'static str,
+    /// The script compiling the `.pt2` packages into `pt2/`, where the pipeline has one.
+    pub pt2: Option<&'static str>,
 }
 
-impl Loading {
-    /// `eager`, `staged` or `prefetch`.
-    pub fn name(self) -> &'static str {
-        match self {
-            Loading::Eager => "eager",
-            Loading::Staged => "staged",
-            Loading::Prefetch => "prefetch",
-        }
-    }
-}
-
-/// A registry of `specs` with `stages` (each with the models it runs) for `loading`, its events to
-/// `events`. Eager: every model pinned and loaded now, so nothing is ever released. (The command
-/// line places models on other devices through `DemoRun`'s pipeline file.)
-pub fn registry<'a>(
-    specs: Vec<ModelSpec>,
-    stages: impl IntoIterator<Item = (&'a str, &'a [&'a str])>,
-    loading: Loading,
-    events: Option<Arc<dyn EventSink>>,
-) -> Result<StagedModels, BoxError> {
-    let names: Vec<String> = specs.iter().map(|spec| spec.name().to_string()).collect();
-    let mut builder = StagedModels::builder().prefetch_next(loading == Loading::Prefetch);
-    if let Some(sink) = events {
-        builder = builder.events(sink);
-    }
-    for spec in specs {
-        builder = builder.model(spec);
-    }
-    for (stage, models) in stages {
-        builder = builder.stage(stage, models.iter().copied());
-    }
-    if loading == Loading::Eager {
-        for model in &names {
-            builder = builder.pin(model);
-        }
-    }
-    let models = builder.build()?;
-    if loading == Loading::Eager {
-        for model in &names {
-            models.load(model)?;
-        }
-    }
-    Ok(models)
-}
-
-/// What the pipeline runs on: stages to enter and models to call (a registry, or a demo run with
-/// its meter and checks). Tests wrap one to watch every call.
-pub trait StageRunner {
-    /// Enters `stage` (releasing what it does not list).
-    fn enter(&self, stage: &str) -> Result<(), BoxError>;
-    /// Calls `f` on the model `model`, loaded if needed.
-    fn call<M: 'static, R>(&self, model: &str, f: impl FnOnce(&mut M) -> R) -> Result<R, BoxError>;
-}
-
-impl StageRunner for StagedModels {
-    fn enter(&self, stage: &str) -> Result<(), BoxError> {
-        StagedModels::enter(self, stage)?;
-        Ok(())
-    }
-
-    fn call<M: 'static, R>(&self, model: &str, f: impl FnOnce(&mut M) -> R) -> Result<R, BoxError> {
-        Ok(StagedModels::call(self, model, f)?)
-    }
-}
-
-impl StageRunner for DemoRun {
-    fn enter(&self, stage: &str) -> Result<(), BoxError> {
-        DemoRun::enter(self, stage)
-    }
-
-    fn call<M: 'static, R>(&self, model: &str, f: impl FnOnce(&mut M) -> R) -> Result<R, BoxError> {
-        DemoRun::call(self, model, f)
-    }
-}
-
-/// Runs the model `model` (of `format`) on `inputs`; a failing forward is an error naming it.
-pub fn forward(runner: &impl StageRunner, format: Format, model: &str, inputs: &[Tensor]) -> Result<Tensor, BoxError> {
-    let failed = |e: &dyn std::fmt::Display| format!("{model}: forward failed: {e}");
-    match format {
-        Format::Torchscript => {
-            runner.call(model, |m: &mut CModule| m.forward_ts(inputs))?.map_err(|e| failed(&e).into())
-        }
-        Format::Pt2 => {
-            let inputs: Vec<&Tensor> = inputs.iter().collect();
-            let mut outputs = runner.call(model, |m: &mut Pt2Module| m.forward(&inputs))?.map_err(|e| failed(&e))?;
-            match outputs.len() {
-                1 => Ok(outputs.remove(0)),
-                n => Err(failed(&format!("{n} outputs, not one")).into()),
-            }
-        }
-    }
-}
-
-/// `scripts/reference/NAME` in this checkout; for a binary carried into a checkout on another
-/// machine (the GPU check's device kit), the one in the checkout holding the binary.
-pub fn reference_script(name: &str) -> PathBuf {
-    let script = Path::new("scripts/reference").join(name);
-    let built = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..").join(&script);
-    if built.exists() {
-        return built;
-    }
-    let exe = std::env::current_exe().ok();
-    exe.and_then(|exe| exe.ancestors().map(|dir| dir.join(&script)).find(|path| path.exists())).unwrap_or(built)
-}
-
-/// The Python a comparison runs: `given`, else `$STAGELOAD_PYTHON`, else the cached environment
-/// `scripts/setup-libtorch.sh` makes.
-pub fn python(given: Option<&Path>) -> PathBuf {
-    given
-        .map(Path::to_path_buf)
-        .or_else(|| std::env::var_os("STAGELOAD_PYTHON").map(PathBuf::from))
-        .unwrap_or_else(|| crate::weights::stageload_cache().join("torch-2.13.0/bin/python"))
-}
-
-/// The largest difference between two tensors, and the reference's value range.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Difference {
-    /// max |rust - reference|.
-    pub largest: f64,
-    /// max - min of the reference.
-    pub range: f64,
-}
-
-impl Difference {
-    /// `rust` against `reference`: their dtypes and shapes must agree, and neither may be empty.
-    pub fn of(what: &str, rust: &Tensor, reference: &Tensor) -> Result<Difference, BoxError> {
-        if (rust.kind(), rust.size()) != (reference.kind(), reference.size()) || reference.numel() == 0 {
-            return Err(format!(
-                "{what}: Rust's {:?} {:?} against the reference's {:?} {:?} (both the same, not empty)",
-                rust.kind(),
-                rust.size(),
-                reference.kind(),
-                reference.size()
-            )
-            .into());
-        }
-        let (rust, reference) = (rust.to_device(Device::Cpu).to_kind(Kind::Double), reference.to_kind(Kind::Double));
-        let largest = (&rust - &reference).abs().f_max()?.f_double_value(&[])?;
-        let range = (reference.f_max()? - reference.f_min()?).f_double_value(&[])?;
-        Ok(Difference { largest, range })
-    }
-
-    /// The largest difference as a fraction of the range.
-    pub fn relative(&self) -> f64 {
-        if self.range > 0.0 {
-            self.largest / self.range
-        } else {
-            self.largest
-        }
-    }
-
-    /// Whether the largest difference is within `tolerance` of the range (a NaN on either side
-    /// never is).
-    pub fn within(&self, tolerance: f64) -> bool {
-        self.relative() <= tolerance
-    }
-}
-
-impl fmt::Display for Difference {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{:.3e} ({:.3e} of the range {:.4})", self.largest, self.relative(), self.range)
-    }
-}
-
-/// The largest difference from diffusers allowed, as a fraction of the reference's value range.
-pub const TOLERANCE: f64 = 1e-5;
-
-/// A run against the Python original: each compared tensor's largest difference, and the checks
-/// that hold or not (the timesteps, a mesh's faces, a video's pixels, ...).
-#[derive(Debug, Default)]
-pub struct Comparison {
-    /// (what, difference) for every tensor both sides have.
-    pub differences: Vec<(&'static str, Difference)>,
-    /// (what, whether it holds).
-    pub equal: Vec<(&'static str, bool)>,
-}
-
-impl Comparison {
-    /// What is not as the original has it: each check that fails and each tensor whose largest
-    /// difference is not within [`TOLERANCE`] of its range. Empty: the run matches.
-    pub fn failures(&self) -> Vec<String> {
-        let checks = self.equal.iter().filter(|(_, ok)| !ok).map(|(what, _)| format!("{what}: not equal"));
-        let tensors = self
-            .differences
-            .iter()
-            .filter(|(_, d)| !d.within(TOLERANCE))
-            .map(|(what, d)| format!("{what}: largest difference {d}, over {TOLERANCE:e} of the range"));
-        checks.chain(tensors).collect()
-    }
-
-    /// Whether every tensor equals the original's (largest difference 0) and every check holds.
-    pub fn identical(&self) -> bool {
-        self.differences.iter().all(|(_, d)| d.largest == 0.0) && self.equal.iter().all(|(_, ok)| *ok)
-    }
-}
-
-impl fmt::Display for Comparison {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        for (what, difference) in &self.differences {
-            writeln!(f, "{what:<16} {difference}")?;
-        }
-        let checks: Vec<String> =
-            self.equal.iter().map(|(what, ok)| format!("{what} {}", if *ok { "equal" } else { "DIFFER" })).collect();
-        write!(f, "{}", checks.join(", "))
-    }
-}
-
-/// Runs `command` (a reference script, `what`) offline with its output into `log`, within
-/// `deadline`: one that runs past it is killed by its own pid. An error carries the log.
-pub fn run_script(mut command: Command, what: &str, log: &Path, deadline: Duration) -> Result<(), String> {
-    let stdout = File::create(log).map_err(|e| format!("creating {}: {e}", log.display()))?;
-    let stderr = stdout.try_clone().map_err(|e| format!("{}: {e}", log.display()))?;
-    let started = Instant::now();
-    let mut child = command
-        .env("HF_HUB_OFFLINE", "1")
-        .stdout(stdout)
-        .stderr(stderr)
-        .spawn()
-        .map_err(|e| format!("could not start {what}: {e}"))?;
-    let read_log = || std::fs::read_to_string(log).unwrap_or_default();
-    let status = loop {
-        match child.try_wait() {
-            Ok(Some(status)) => break status,
-            Ok(None) if started.elapsed() < deadline => std::thread::sleep(Duration::from_millis(50)),
-            Ok(None) => {
-                let pid = child.id();
-                // Child::kill sends SIGKILL to this child's pid (never by name).
-                let _ = child.kill();
-                let _ = child.wait();
-                return Err(format!(
-                    "{what} (pid {pid}) ran past {} s and was killed; its output:\n{}",
-                    deadline.as_secs(),
-                    read_log()
-                ));
-            }
-            Err(e) => return Err(format!("waiting for {what}: {e}")),
-        }
-    };
-    if !status.success() {
-        return Err(format!("{what} failed ({status}):\n{}", read_log()));
-    }
-    Ok(())
-}
-
-/// Why an output file could not be written; names the file.
+/// Why an export could not be read or is not one its pipeline runs. Each variant names the file;
+/// a missing or unreadable one names the script that writes it.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
-pub enum FileError {
-    /// Writing, flushing or renaming failed.
-    #[error("writing {}: {source}", path.display())]
-    Io {
-        /// The destination.
+pub enum ExportError {
+    /// A file cannot be read.
+    #[error("cannot read {}: {source}; export the components with scripts/reference/{} --size {} --out DIR", path.display(), scripts.export, scripts.sizes)]
+    Read {
+        /// The file.
         path: PathBuf,
         /// The system's error.
         source: std::io::Error,
+        /// The scripts that make the export.
+        scripts: Scripts,
     },
-    /// Encoding the image failed.
-    #[error("encoding {}: {source}", path.display())]
-    Encode {
-        /// The destination.
+    /// `config.json` is not the JSON the export script writes.
+    #[error("{} is not the config.json scripts/reference/{} writes: {source}", path.display(), scripts.export)]
+    Parse {
+        /// The file.
         path: PathBuf,
-        /// The encoder's error.
-        source: image::ImageError,
+        /// The JSON parser's error.
+        source: serde_json::Error,
+        /// The scripts that make the export.
+        scripts: Scripts,
     },
-    /// The tensors do not have the shapes this writer takes, or a count does not fit its field.
+    /// The export describes something this pipeline does not run (another scheduler, sizes that
+    /// do not agree, a file that is not a regular file).
     #[error("{}: {message}", path.display())]
-    Shape {
-        /// The destination.
+    Unsupported {
+        /// The file.
         path: PathBuf,
-        /// What does not fit.
+        /// What does not agree.
         message: String,
+    },
+    /// A `.pt2` package is missing: `--format pt2` needs them compiled.
+    #[error("cannot read {}: {source}; compile the packages with scripts/reference/{} --components DIR", path.display(), scripts.pt2.unwrap_or("*_pt2.py"))]
+    MissingPackage {
+        /// The package or its checkpoint.
+        path: PathBuf,
+        /// The system's error.
+        source: std::io::Error,
+        /// The scripts that make the export.
+        scripts: Scripts,
+    },
+    /// The scheduler's configuration is not one the port runs.
+    #[error("{}: the scheduler: {source}", path.display())]
+    Scheduler {
+        /// The file.
+        path: PathBuf,
+        /// The port's error.
+        source: BoxError,
+    },
+    /// The image processor's configuration cannot be read or is not one the port runs.
+    #[error("{}: the image processor: {source}", path.display())]
+    Preprocessor {
+        /// The file.
+        path: PathBuf,
+        /// The port's error.
+        source: crate::clip_image::ClipImageError,
     },
 }
 
-/// Runs `write` into a temporary file beside `path` and renames it over `path` once complete.
-pub fn write_atomically(
-    path: &Path,
-    write: impl FnOnce(&mut BufWriter<File>) -> std::io::Result<()>,
-) -> Result<(), FileError> {
-    let io = |source| FileError::Io { path: path.to_path_buf(), source };
-    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-    let temporary = path.with_file_name(format!(".{name}.tmp-{}", std::process::id()));
-    let result = (|| {
-        let mut out = BufWriter::new(File::create(&temporary)?);
-        write(&mut out)?;
-        out.into_inner().map_err(|e| e.into_error())?.sync_all()?;
-        std::fs::rename(&temporary, path)
-    })();
-    if result.is_err() {
-        let _ = std::fs::remove_file(&temporary);
+/// An export's folder with its `config.json` read as `C`: the one reader every pipeline's
+/// `Export` starts from.
+#[derive(Debug, Clone)]
+pub struct ExportDir<C> {
+    dir: PathBuf,
+    config: C,
+    scripts: Scripts,
+}
+
+impl<C: DeserializeOwned> ExportDir<C> {
+    /// Reads `dir/config.json` as `C`; `scripts` are named in every error.
+    pub fn read(dir: impl Into<PathBuf>, scripts: Scripts) -> Result<ExportDir<C>, ExportError> {
+        let dir = dir.into();
+        let path = dir.join("config.json");
+        let text = std::fs::read_to_string(&path).map_err(|source| ExportError::Read {
+            path: path.clone(),
+            source,
+            scripts,
+        })?;
+        let config = serde_json::from_str(&text).map_err(|source| ExportError::Parse { path, source, scripts })?;
+        Ok(ExportDir { dir, config, scripts })
     }
-    result.map_err(io)
+}
+
+impl<C> ExportDir<C> {
+    /// The export's folder.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Its `config.json`, read.
+    pub fn config(&self) -> &C {
+        &self.config
+    }
+
+    /// `config.json`'s path.
+    pub fn config_path(&self) -> PathBuf {
+        self.dir.join("config.json")
+    }
+
+    /// An [`ExportError::Unsupported`] about `config.json`.
+    pub fn unsupported(&self, message: impl Into<String>) -> ExportError {
+        ExportError::Unsupported { path: self.config_path(), message: message.into() }
+    }
+
+    /// `config.json`'s `format` number against the one the pipeline reads.
+    pub fn check_format(&self, found: u32, wanted: u32) -> Result<(), ExportError> {
+        if found == wanted {
+            return Ok(());
+        }
+        Err(self.unsupported(format!(
+            "format {found} is not {wanted}, the one this pipeline reads; export again with scripts/reference/{}",
+            self.scripts.export
+        )))
+    }
+
+    /// Checks that each (model, file) is there and a regular file: a missing file in `pt2/` is a
+    /// [`ExportError::MissingPackage`], any other an [`ExportError::Read`].
+    pub fn check_files<'a>(&self, files: impl IntoIterator<Item = (&'a str, PathBuf)>) -> Result<(), ExportError> {
+        let scripts = self.scripts;
+        for (model, file) in files {
+            let metadata =
+                std::fs::metadata(&file).map_err(|source| match file.parent() == Some(&self.dir.join("pt2")) {
+                    true => ExportError::MissingPackage { path: file.clone(), source, scripts },
+                    false => ExportError::Read { path: file.clone(), source, scripts },
+                })?;
+            if !metadata.is_file() {
+                return Err(self.unsupported(format!("{model}'s {} is not a regular file", file.display())));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The registry model of a component: a `.pt2` package with its checkpoint, or a TorchScript
+/// module with its safetensors as the checkpoint that refills it after a release (without one, a
+/// released module is read from its file again).
+pub fn component_spec(name: &str, module: PathBuf, weights: Option<PathBuf>) -> ModelSpec {
+    match (module.extension().and_then(|e| e.to_str()), weights) {
+        (Some("pt2"), weights) => ModelSpec::pt2(name, module, weights),
+        (_, Some(weights)) => ModelSpec::torchscript(name, module).checkpoint([weights]),
+        (_, None) => ModelSpec::torchscript(name, module),
+    }
 }

@@ -10,7 +10,8 @@ use stageload::BoxError;
 use tch::Tensor;
 
 use super::{Export, Generated, Sampling, Surface};
-use crate::pipeline::{reference_script, run_script, Comparison, Difference};
+pub use crate::compare::Comparison;
+use crate::compare::{reference_script, run_script, Difference};
 
 /// What diffusers computed.
 #[derive(Debug)]
