@@ -1,7 +1,7 @@
 //! The demos: the README's main job (the cascade under `stageload ab`, its plan checked against
 //! the runs), block streaming (a model bigger than its guard's limit, streamed; with the published
 //! sizes also step times and the hot set), Stable Diffusion, Shap-E and Wan2.1 against diffusers
-//! at their small sizes (the exports `scripts/setup-reference.sh` makes; about ten minutes in
+//! at their small sizes (the exports `scripts/setup-reference.sh` makes; about 6 minutes in
 //! all after the build) or, with `--published`, at their published sizes, and then the Python
 //! package beside the original Python stageload. The demo says how long it will take before it
 //! starts and where it is as it goes. Each part keeps going after a failed check, so that one
@@ -55,7 +55,7 @@ impl Sizes {
     fn duration(self) -> &'static str {
         match self {
             Sizes::Small => {
-                "about 10 minutes on 2 cores after the build: the cascade, block streaming, and Stable Diffusion, \
+                "about 6 minutes on 2 cores after the build: the cascade, block streaming, and Stable Diffusion, \
                  Shap-E and Wan2.1 at small sizes against diffusers (--published: the published sizes, about an hour)"
             }
             Sizes::Published => {
@@ -76,7 +76,7 @@ pub fn demo(shell: &mut Shell, out: &Path, skip: &[Part], cascade: &[String], si
     println!("== cargo xtask demo: {}", sizes.duration());
     shell.set_up(&[Setup::Libtorch])?;
     let out = shell.folder(out)?;
-    println!("== [1/6] the cascade eager, staged and prefetch under stageload ab (about 4 minutes)");
+    println!("== [1/6] the cascade eager, staged and prefetch under stageload ab (about 4 minutes, 6 runs)");
     let stageload = build(shell, &["--example", "cascade"])?;
     let log = Log::create(&out.join("ab.log"))?;
     log.line("== stageload ab: eager, staged, prefetch, twice each, alternating, under the guard");
@@ -138,28 +138,28 @@ fn parts(sizes: Sizes) -> [DemoPart; 5] {
             part: Part::Stream,
             what: "block streaming (cargo xtask stream-demo)",
             folder: "stream",
-            expected: at("2 minutes", "8 minutes"),
+            expected: at("20 seconds", "8 minutes"),
             run: stream_part,
         },
         DemoPart {
             part: Part::Sd,
             what: "Stable Diffusion against diffusers (cargo xtask sd-demo)",
             folder: "stable-diffusion",
-            expected: at("1 minute", "4 minutes, and 8 more the first time for its export"),
+            expected: at("30 seconds", "4 minutes, and 8 more the first time for its export"),
             run: |shell, out, sizes| published_demo(shell, out, &SD15, &[], sizes),
         },
         DemoPart {
             part: Part::ShapE,
             what: "Shap-E image-to-3D against diffusers (cargo xtask shap-e-demo)",
             folder: "shap-e",
-            expected: at("1 minute", "25 minutes, and 30 more the first time for its export"),
+            expected: at("a minute", "25 minutes, and 30 more the first time for its export"),
             run: |shell, out, sizes| published_demo(shell, out, &SHAP_E, &shap_e_args(out), sizes),
         },
         DemoPart {
             part: Part::Wan,
             what: "Wan2.1 text-to-video against diffusers (cargo xtask wan-demo; published: skipped without the memory or disk)",
             folder: "wan",
-            expected: at("1 minute", "25 minutes, and 18 more the first time for its export"),
+            expected: at("20 seconds", "25 minutes, and 18 more the first time for its export"),
             run: wan_part,
         },
         DemoPart {
@@ -629,6 +629,18 @@ fn wan_part(shell: &mut Shell, out: &Path, sizes: Sizes) -> Result<(), Error> {
 #[cfg(test)]
 mod wan_tests {
     use super::*;
+
+    #[test]
+    fn the_small_demo_runs_every_pipeline_and_leaves_python_to_the_published_one() {
+        let small = parts(Sizes::Small);
+        let pipelines = [Part::Sd, Part::ShapE, Part::Wan];
+        assert!(small.iter().filter(|p| pipelines.contains(&p.part)).all(|p| p.expected.is_some()));
+        assert!(small.iter().any(|p| p.part == Part::Stream && p.expected.is_some()));
+        assert!(small.iter().any(|p| p.part == Part::Python && p.expected.is_none()));
+        assert!(parts(Sizes::Published).iter().all(|p| p.expected.is_some()));
+        assert!(Sizes::Small.duration().starts_with("about 6 minutes"));
+        assert!(Sizes::Published.duration().starts_with("about an hour"));
+    }
 
     #[test]
     fn the_wan_part_is_skipped_with_the_reason_when_memory_or_disk_is_short() {

@@ -44,7 +44,7 @@ enum Task {
         #[arg(last = true)]
         args: Vec<String>,
     },
-    /// The README's main job, about ten minutes on 2 cores after its build: the cascade eager,
+    /// The README's main job, about 6 minutes on 2 cores after its build: the cascade eager,
     /// staged and staged with prefetch under `stageload ab`, the plan checked against the runs,
     /// then block streaming, and Stable Diffusion, Shap-E and Wan2.1 at small sizes against
     /// diffusers
