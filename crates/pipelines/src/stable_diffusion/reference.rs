@@ -4,14 +4,16 @@
 
 use std::path::Path;
 use std::process::Command;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use stageload::BoxError;
 use tch::{Device, Kind, Tensor};
 
 use super::{Export, Generated, Sampling};
 pub use crate::compare::Comparison;
-use crate::compare::{reference_script, run_script, Difference};
+use crate::compare::{
+    reference_script, reference_tensor, run_reference_script, CompareError, Difference, ScriptOutput,
+};
 
 /// What diffusers' `StableDiffusionPipeline` gave on the same weights and inputs.
 #[derive(Debug)]
@@ -56,7 +58,6 @@ pub fn run_reference(
     ];
     Tensor::write_safetensors(&named, &inputs).map_err(|e| format!("writing {}: {e}", inputs.display()))?;
     let script = reference_script("sd_reference.py");
-    let started = Instant::now();
     let mut command = Command::new(python);
     command
         .arg(&script)
@@ -68,19 +69,12 @@ pub fn run_reference(
         .args(["--device", &stageload::device::name(generated.latents.device())])
         .arg("--out")
         .arg(&output);
-    run_script(command, &script.display().to_string(), &log, deadline)?;
-    let seconds = started.elapsed().as_secs_f64();
-    let tensors = Tensor::read_safetensors(&output).map_err(|e| format!("reading {}: {e}", output.display()))?;
-    let take = |name: &str| {
-        tensors
-            .iter()
-            .position(|(n, _)| n == name)
-            .map(|i| tensors[i].1.shallow_clone())
-            .ok_or_else(|| format!("{} holds no {name}", output.display()))
-    };
+    let ScriptOutput { tensors, seconds } =
+        run_reference_script(command, &script.display().to_string(), &log, &output, deadline)?;
+    let take = |name: &str| reference_tensor(&tensors, name).map(Tensor::shallow_clone);
     let timesteps = take("timesteps")?;
     let timesteps = Vec::<i64>::try_from(&timesteps.to_kind(Kind::Int64).flatten(0, -1))
-        .map_err(|e| format!("{}: timesteps: {e}", output.display()))?;
+        .map_err(|source| CompareError::Tensor { what: "timesteps".to_string(), source })?;
     Ok(Reference {
         image: take("image")?,
         embeds: take("embeds")?,
