@@ -163,7 +163,7 @@ fn main() -> Result<(), BoxError> {
         p.load_everything()?;
     }
     // The run seeds once, after eager loading and before any lazy build.
-    tch::manual_seed(args.seed as i64);
+    tch::manual_seed(args.torch_seed());
     *chacha.lock() = ChaCha8Rng::seed_from_u64(args.seed);
     let image = noise(image_tokens);
     p.latent("image", &image);

@@ -109,7 +109,7 @@ fn run(args: &Args) -> Result<(), BoxError> {
     )?;
     // A missing .pt2 package is an error naming scripts/reference/shap_e_pt2.py.
     let export = Export::open_as(&dir, args.format)?;
-    let seed = i64::try_from(common.seed).map_err(|_| format!("--seed {} is above {}", common.seed, i64::MAX))?;
+    let seed = common.torch_seed();
     let image = match &args.image {
         Some(path) => load_image(path)?,
         None => image::DynamicImage::ImageRgb8(example_image()),

@@ -133,7 +133,7 @@ fn run(args: &Args) -> Result<(), BoxError> {
         p.load_everything()?;
     }
     // The starting noise, drawn before any lazy build, from torch's CPU generator.
-    let noise = export.initial_latents(common.seed as i64).to_device(common.device);
+    let noise = export.initial_latents(common.torch_seed()).to_device(common.device);
     p.latent("noise", &noise);
     let generated = generate(&p, &export, &noise, sampling)?;
     p.latent("embeds", &generated.embeds);

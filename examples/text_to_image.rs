@@ -89,7 +89,7 @@ fn main() -> Result<(), BoxError> {
     if p.loading() == Loading::Eager {
         p.load_everything()?;
     }
-    tch::manual_seed(common.seed as i64);
+    tch::manual_seed(common.torch_seed());
     *chacha.lock() = ChaCha8Rng::seed_from_u64(common.seed);
     let latent_tokens = tokens_at(1024, common.scale);
     // The starting noise, drawn before any lazy build.

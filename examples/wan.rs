@@ -98,7 +98,7 @@ fn run(args: &Args) -> Result<(), BoxError> {
         "about 15 GB of disk, 12 GB of free memory, one component per process",
     )?;
     let export = Export::open(&dir)?;
-    let seed = i64::try_from(common.seed).map_err(|_| format!("--seed {} is above {}", common.seed, i64::MAX))?;
+    let seed = common.torch_seed();
     let prompt = args.prompt_ids.clone().unwrap_or_else(|| export.prompt_ids().to_vec());
     let negative = args.negative_ids.clone().unwrap_or_else(|| export.negative_ids().to_vec());
     let sampling = Sampling {

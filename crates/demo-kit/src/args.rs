@@ -28,8 +28,8 @@ pub struct CommonArgs {
     /// Model and token sizes relative to the default (1.0: about 3 GB of weights; 4 for bigger machines)
     #[arg(long, default_value_t = 1.0, value_parser = positive_scale)]
     pub scale: f64,
-    /// Seed of the run
-    #[arg(long, default_value_t = 7)]
+    /// Seed of the run (0 to 2^63 - 1: torch's generators take it too)
+    #[arg(long, default_value_t = 7, value_parser = clap::value_parser!(u64).range(..=i64::MAX as u64))]
     pub seed: u64,
     /// Sampler steps per flow stage
     #[arg(long, default_value_t = 3)]
@@ -107,6 +107,12 @@ pub fn parse_device(text: &str) -> Result<Device, String> {
 }
 
 impl CommonArgs {
+    /// `--seed` as torch's generators and the pipelines' noise take it (the parser keeps it at
+    /// most `i64::MAX`, so it is the same number).
+    pub fn torch_seed(&self) -> i64 {
+        self.seed as i64
+    }
+
     /// How the models load: `--mode` (`--prefetch` with `--mode staged` is `prefetch`).
     pub fn loading(&self) -> Loading {
         match (self.mode, self.prefetch) {
@@ -188,10 +194,34 @@ pub fn parse_pipeline<A: clap::Parser>(
     Ok(args)
 }
 
+/// No export where a pipeline example looks for it by default.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "no export at {} (the default --components). Make it once ({cost}):\n  $STAGELOAD_PYTHON \
+     scripts/reference/{export} --out {}\n(eval \"$(scripts/setup-libtorch.sh)\"; eval \
+     \"$(scripts/setup-reference.sh)\" sets STAGELOAD_PYTHON and installs torch and diffusers), or give \
+     --components DIR",
+    dir.display(),
+    dir.display()
+)]
+pub struct NoExport {
+    /// The folder looked in.
+    pub dir: PathBuf,
+    /// The export script and its arguments (`sd_export.py --size sd15`).
+    pub export: &'static str,
+    /// What making it takes (`about 7.7 GB`).
+    pub cost: &'static str,
+}
+
 /// The export a pipeline example runs: `given` (`--components`), else `folder` in the stageload
 /// cache, where the published size is exported once. Missing there, the error gives the command
 /// that makes it: `export` (`sd_export.py --size sd15`), which takes `cost` (`about 7.7 GB`).
-pub fn export_folder(given: Option<&Path>, folder: &str, export: &str, cost: &str) -> Result<PathBuf, String> {
+pub fn export_folder(
+    given: Option<&Path>,
+    folder: &str,
+    export: &'static str,
+    cost: &'static str,
+) -> Result<PathBuf, NoExport> {
     if let Some(given) = given {
         return Ok(given.to_path_buf());
     }
@@ -199,13 +229,7 @@ pub fn export_folder(given: Option<&Path>, folder: &str, export: &str, cost: &st
     if dir.join("config.json").is_file() {
         return Ok(dir);
     }
-    Err(format!(
-        "no export at {dir} (the default --components). Make it once ({cost}):\n  $STAGELOAD_PYTHON \
-         scripts/reference/{export} --out {dir}\n(eval \"$(scripts/setup-libtorch.sh)\"; eval \
-         \"$(scripts/setup-reference.sh)\" sets STAGELOAD_PYTHON and installs torch and diffusers), or give \
-         --components DIR",
-        dir = dir.display()
-    ))
+    Err(NoExport { dir, export, cost })
 }
 
 /// A pipeline example's exit: success, or `name: error` on stderr and failure.
