@@ -12,50 +12,29 @@
 //!
 //! `--result FILE` writes what the run did as JSON (the benchmark reads it).
 
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
 use clap::Parser;
-use rand::SeedableRng;
-use rand_chacha::ChaCha8Rng;
 use stageload::stream::{DirectReads, StreamedModel};
-use stageload::{BoxError, Built, EventSink, ModelSpec, Pipeline, SharedRng, StagedModels};
-use stageload_demo_kit::args::{parse_device, positive_scale};
+use stageload::{BoxError, Built, EventSink, ModelSpec, StagedModels};
 use stageload_demo_kit::beside::ReadsBeside;
-use stageload_demo_kit::models::{cascade_seed, cascade_shapes};
 use stageload_demo_kit::sampler::sample_flow_with;
-use stageload_demo_kit::weights::{cache_root, disk_read_rate, drop_page_cache};
-use stageload_demo_kit::{cached_checkpoint, schedule, tokens_at, Transformer, CHANNELS};
-use stageload_plan::{ModelEntry, PipelineFile, StageEntry, StreamEntry};
-use stageload_units::{format_bytes, parse_size};
+use stageload_demo_kit::streaming::{self, Checkpoint, Flow, Inputs, Measured, Outcome, StreamArgs, MODEL};
+use stageload_demo_kit::weights::{disk_read_rate, drop_page_cache};
+use stageload_demo_kit::Transformer;
+use stageload_units::format_bytes;
 use tch::nn::VarStore;
-use tch::{Device, Kind, Tensor};
-
-/// The cascade's model this demo streams.
-const MODEL: &str = "texture_flow";
+use tch::Device;
 
 #[derive(Parser)]
 struct Args {
-    /// Bytes the model may hold at once (weights and working memory), e.g. 200MiB; without it
-    /// the model is loaded whole
-    #[arg(long, value_parser = |t: &str| parse_size(t).map_err(|e| e.to_string()))]
-    budget: Option<u64>,
-    /// Working memory a step needs (from a resident run: its peak over set-up less the model's
-    /// bytes); the split keeps room for it
-    #[arg(long, value_parser = |t: &str| parse_size(t).map_err(|e| e.to_string()))]
-    working: Option<u64>,
-    /// Keep at most this many blocks resident, and none hot (streams more than the budget asks)
-    #[arg(long)]
-    resident_at_most: Option<usize>,
+    #[command(flatten)]
+    stream: StreamArgs,
     /// Which blocks each forward runs: `all` in order, or `experts` (a fixed router: blocks 0
     /// and 1 every call, one of the last three and one of the others in turn)
     #[arg(long, value_enum, default_value_t = Route::All)]
     route: Route,
-    /// Stream the blocks in any order (with a budget): no prefix, the budget's room is the hot
-    /// set of the blocks used most, and each forward names its next block ahead
-    #[arg(long)]
-    any_order: bool,
     /// Refills read past the page cache (each drops what it read), as a model bigger than
     /// memory streams from disk (with `--read-beside`, those reads do)
     #[arg(long)]
@@ -83,37 +62,6 @@ struct Args {
     /// what that costs
     #[arg(long)]
     map_large_blocks: bool,
-    /// Model sizes relative to the cascade's default (1.0: texture_flow is 0.6 GB)
-    #[arg(long, default_value_t = 1.0, value_parser = positive_scale)]
-    scale: f64,
-    /// Tokens of the latent (default: the cascade's texture stage at this scale)
-    #[arg(long, value_parser = clap::value_parser!(i64).range(1..=1_000_000))]
-    tokens: Option<i64>,
-    /// Sampler steps
-    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(i64).range(1..=10_000))]
-    steps: i64,
-    #[arg(long, default_value_t = 7)]
-    seed: u64,
-    /// Folder of the cached checkpoints (default: the cascade's)
-    #[arg(long)]
-    cache: Option<PathBuf>,
-    /// auto, cpu, cuda, cuda:N
-    #[arg(long, default_value = "auto", value_parser = parse_device)]
-    device: Device,
-    /// The JSONL trace of the run (with a `residency` event per split)
-    #[arg(long)]
-    trace: Option<PathBuf>,
-    /// What the run did, as JSON (default: $STAGELOAD_RESULT when set)
-    #[arg(long, env = stageload_trace::meter::RESULT_ENV, hide_env = true)]
-    result: Option<PathBuf>,
-    /// Write the latent (safetensors) to this file and its fingerprint to FILE.sha256 (default:
-    /// $STAGELOAD_LATENTS when set)
-    #[arg(long, value_name = "FILE")]
-    latents: Option<PathBuf>,
-    /// Write the pipeline description `stageload plan` reads (the model with its blocks and
-    /// budget, one stage) to this file
-    #[arg(long)]
-    pipeline: Option<PathBuf>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, clap::ValueEnum, serde::Serialize)]
@@ -133,78 +81,15 @@ fn route(route: Route, n: usize, depth: usize) -> Vec<usize> {
     }
 }
 
-/// The pipeline file of this run: the model streamed under `budget` (whole without one).
-fn description(file: &std::path::Path, args: &Args) -> PipelineFile {
-    let spec = Transformer::block_spec("model");
-    let stream = args.budget.map(|budget| StreamEntry {
-        blocks: spec.blocks().to_vec(),
-        resident: spec.resident_prefixes().to_vec(),
-        budget: Some(budget.to_string()),
-        working: args.working.map(|w| w.to_string()),
-        any_order: args.any_order,
-    });
-    PipelineFile {
-        pinned: Vec::new(),
-        reserve: None,
-        host_tier: None,
-        memory: None,
-        device_memory: None,
-        snapshot_dir: None,
-        snapshot_keep_free: None,
-        cpus: None,
-        pins: Vec::new(),
-        models: vec![ModelEntry {
-            name: MODEL.to_string(),
-            files: vec![file.to_path_buf()],
-            weights: None,
-            device: stageload::device::name(args.device),
-            dtype: None,
-            ignore: Vec::new(),
-            stream,
-        }],
-        stages: vec![StageEntry {
-            name: "texture".into(),
-            models: vec![MODEL.into()],
-            working: None,
-            device_working: None,
-        }],
-    }
-}
-
+/// The example's outcome, and what this binary's knobs add.
 #[derive(serde::Serialize)]
-struct Outcome {
-    mode: &'static str,
-    fingerprint: String,
-    model_bytes: u64,
-    budget: Option<u64>,
-    residency: Option<String>,
-    resident_blocks: Option<usize>,
-    blocks: usize,
-    /// RSS after set-up's start (libtorch loaded, nothing of the model yet).
-    base_rss: u64,
-    /// The process's peak RSS (VmHWM).
-    peak_rss: u64,
-    /// Seconds of the flow (set-up excluded).
-    seconds: f64,
-    /// Seconds per forward.
-    seconds_per_step: f64,
+struct BenchOutcome {
+    #[serde(flatten)]
+    outcome: Outcome,
     route: Route,
-    any_order: bool,
-    /// Forward calls, and the blocks they ran.
-    calls: usize,
-    blocks_run: usize,
-    refills: u64,
-    hot_hits: u64,
-    /// Refills read while the call before ended (the call's first streamed block).
-    carried: u64,
-    /// The most the streamed model held at a block boundary, from its storages.
-    most_held: u64,
-    bytes_refilled: u64,
-    /// Of those, bytes read past the page cache straight into the slots (`--uncached`, after a
-    /// step limited by its compute).
+    /// Of the bytes refilled, those read past the page cache straight into the slots
+    /// (`--uncached`, after a step limited by its compute).
     bytes_direct: u64,
-    refill_seconds: f64,
-    waited_seconds: f64,
     /// The disk's read rate over its two measurements (`--disk-rate`): the checkpoint read
     /// once before set-up and once after the flow, bytes over seconds of both. This shared
     /// virtual disk's rate drifts (up to 1.7x between the two reads of one run here); the two
@@ -223,12 +108,6 @@ struct Outcome {
     reading_seconds: Option<f64>,
 }
 
-/// The model as the registry holds it: whole, or with its streamer.
-struct Flow {
-    model: Transformer,
-    streamed: Option<StreamedModel>,
-}
-
 fn rss() -> Result<stageload_probe::ProcessMemory, BoxError> {
     Ok(stageload_probe::process_memory(std::process::id() as i32)?)
 }
@@ -244,42 +123,25 @@ fn main() -> std::process::ExitCode {
     }
 }
 
-fn run(args: Args) -> Result<(), BoxError> {
+fn run(bench: Args) -> Result<(), BoxError> {
+    let args = &bench.stream;
     let _no_grad = tch::no_grad_guard();
     tch::set_num_threads(std::thread::available_parallelism().map_or(1, |n| n.get()) as i32);
-    let all = cascade_shapes(args.scale);
-    let index = all.iter().position(|s| s.name == MODEL).expect("the cascade has texture_flow");
-    let shape = all[index].clone();
-    let folder = args.cache.clone().unwrap_or_else(cache_root).join(format!("cascade-scale-{}", args.scale));
-    let file = cached_checkpoint(&folder, &shape, &["model"], cascade_seed(index))?;
-    // The run is the pipeline file's: the model, whole or streamed (its blocks, budget, working
-    // memory, order), in one stage, through StagedModels; `stageload plan` reads the same file.
-    let text = toml::to_string(&description(&file, &args))?;
-    let described = args.pipeline.clone().unwrap_or_else(|| folder.join("stream-demo.toml"));
-    if args.pipeline.is_some() {
-        std::fs::write(&described, &text)?;
-    }
-    let pipeline = Pipeline::parse(&text, &described)?;
+    let checkpoint = Checkpoint::cached(args.scale, args.cache.clone())?;
+    let file = &checkpoint.file;
+    let pipeline = streaming::pipeline(&checkpoint, args.device, args.streaming(), args.pipeline.as_deref())?;
     let model_bytes = pipeline.models[0].bytes;
-    let meter = match stageload::meter::trace_path(args.trace.clone()) {
-        Some(path) => Some(Arc::new(stageload::meter::start(
-            path,
-            args.device,
-            stageload::meter::MeterOptions::default()
-                .meta("mode", if args.budget.is_some() { "streamed" } else { "resident" }),
-        )?)),
-        None => None,
-    };
-    if args.map_large_blocks {
+    let meter = streaming::meter(args.trace.clone(), args.device, args.budget.is_some())?;
+    if bench.map_large_blocks {
         stageload_torch_sys::map_large_host_blocks();
     }
     let base = rss()?;
-    let rate_before = if args.disk_rate { Some(disk_read_rate(&file)?) } else { None };
-    if args.cold {
-        drop_page_cache(&file)?;
+    let rate_before = if bench.disk_rate { Some(disk_read_rate(file)?) } else { None };
+    if bench.cold {
+        drop_page_cache(file)?;
     }
     let (device, uncached, buffered, resident_at_most, built) =
-        (args.device, args.uncached, args.buffered, args.resident_at_most, shape.clone());
+        (args.device, bench.uncached, bench.buffered, args.resident_at_most, checkpoint.shape.clone());
     let mut builder = StagedModels::builder().pipeline(&pipeline);
     if let Some(meter) = &meter {
         builder = builder.events(Arc::clone(meter) as Arc<dyn EventSink>);
@@ -288,14 +150,11 @@ fn run(args: Args) -> Result<(), BoxError> {
         .model(
             ModelSpec::new(MODEL, move |ctx| {
                 let Some(plan) = ctx.stream() else {
-                    // Whole: built without initial values on the device, filled by the registry
-                    // from the file's checkpoint.
                     let vs = VarStore::new(device);
                     let model = Transformer::new(vs.root() / "model", &built);
                     return Ok(Built::new(Flow { model, streamed: None }, &vs));
                 };
-                // Streamed: built on the CPU touching none of its memory and placed on its device
-                // one tensor at a time, without memory: the device never holds it whole.
+                // Built and placed as the example builds it; the refills' reads as the knobs say.
                 let vs = VarStore::new(Device::Cpu);
                 let model = stageload_torch_sys::without_fills(|| Transformer::new(vs.root() / "model", &built));
                 let tensors = stageload::named_tensors(&vs);
@@ -319,35 +178,29 @@ fn run(args: Args) -> Result<(), BoxError> {
         .build()?;
     models.enter("texture")?;
 
-    // The texture stage's inputs: seeded noise and a conditioning row, as the cascade draws them.
-    tch::manual_seed(args.seed as i64);
-    let chacha = SharedRng::new(ChaCha8Rng::seed_from_u64(args.seed));
-    let tokens = args.tokens.unwrap_or_else(|| tokens_at(1024, args.scale));
-    let x = Tensor::randn([tokens, CHANNELS], (Kind::Float, args.device));
-    let cond = Tensor::randn([1, CHANNELS], (Kind::Float, args.device));
-    let times = schedule(args.steps, &chacha);
-    let depth = shape.depth as usize;
+    let Inputs { x, cond, times } = Inputs::seeded(args.seed, args.tokens, args.scale, args.steps, args.device);
+    let depth = checkpoint.shape.depth as usize;
     let (mut calls, mut blocks_run) = (0, 0);
     // The next call's blocks, and the call's after it (the route is fixed).
     let mut next_route = || {
-        let blocks = route(args.route, calls, depth);
+        let blocks = route(bench.route, calls, depth);
         calls += 1;
         blocks_run += blocks.len();
-        (blocks, route(args.route, calls, depth))
+        (blocks, route(bench.route, calls, depth))
     };
     // Set-up (the whole load, or the streamer's resident part) before the clock starts.
     models.get::<Flow>(MODEL)?;
-    let beside = match args.read_beside {
+    let beside = match bench.read_beside {
         Some(_) => {
-            if args.uncached {
-                drop_page_cache(&file)?;
+            if bench.uncached {
+                drop_page_cache(file)?;
             }
-            Some(ReadsBeside::start(&file, "model.blocks", args.uncached)?)
+            Some(ReadsBeside::start(file, "model.blocks", bench.uncached)?)
         }
         None => None,
     };
     // Block reads asked for beside call `call` of `steps`: reads spread evenly over the calls.
-    let (reads, steps) = (args.read_beside.unwrap_or(0), args.steps as usize);
+    let (reads, steps) = (bench.read_beside.unwrap_or(0), args.steps as usize);
     let (mut call, mut asked) = (0, 0);
     let start = Instant::now();
     let (latent, stats, streamed) = models.call(MODEL, |flow: &mut Flow| -> Result<_, BoxError> {
@@ -373,23 +226,24 @@ fn run(args: Args) -> Result<(), BoxError> {
     })??;
     let bytes_read_beside = beside.map(ReadsBeside::finish).transpose()?;
     let seconds = start.elapsed().as_secs_f64();
-    let disk_rates = rate_before.map(|before| disk_read_rate(&file).map(|after| [before, after])).transpose()?;
+    let disk_rates = rate_before.map(|before| disk_read_rate(file).map(|after| [before, after])).transpose()?;
     // Both reads are of the whole checkpoint: their combined rate is the harmonic mean.
     let disk_bytes_per_second = disk_rates.map(|[before, after]| 2.0 / (1.0 / before + 1.0 / after));
     let mut latents = stageload::latents::Latents::with_env(args.latents.clone());
     let fingerprint = latents.record("texture", &latent);
     latents.save()?;
     let peak = rss()?;
-    let peak_rss = peak.peak.unwrap_or(peak.rss);
-    println!("latent {fingerprint}");
-    println!(
-        "peak RSS {} ({} over the {} before set-up); {seconds:.2} s for {} steps",
-        format_bytes(peak_rss),
-        format_bytes(peak_rss.saturating_sub(base.rss)),
-        format_bytes(base.rss),
-        args.steps
-    );
-    if let Some((residency, _)) = &streamed {
+    let measured = Measured {
+        fingerprint,
+        base_rss: base.rss,
+        peak_rss: peak.peak.unwrap_or(peak.rss),
+        seconds,
+        calls,
+        blocks_run,
+    };
+    let outcome = Outcome::new(args, model_bytes, depth, streamed, &stats, measured);
+    outcome.print(args.steps);
+    if let Some(residency) = &outcome.residency {
         println!(
             "{residency}; refilled {} ({} blocks, {} carried from the call before, {} found hot; {} read direct) in {:.3} s ({:.2} GB/s), waited {:.3} s",
             format_bytes(stats.bytes_refilled),
@@ -403,30 +257,10 @@ fn run(args: Args) -> Result<(), BoxError> {
         );
     }
     if let Some(path) = &args.result {
-        let outcome = Outcome {
-            mode: if streamed.is_some() { "streamed" } else { "resident" },
-            fingerprint,
-            model_bytes,
-            budget: args.budget,
-            residency: streamed.as_ref().map(|(residency, _)| residency.clone()),
-            resident_blocks: streamed.as_ref().map(|(_, resident)| *resident),
-            blocks: shape.depth as usize,
-            base_rss: base.rss,
-            peak_rss,
-            seconds,
-            seconds_per_step: seconds / args.steps.max(1) as f64,
-            route: args.route,
-            any_order: args.any_order,
-            calls,
-            blocks_run,
-            refills: stats.refills,
-            hot_hits: stats.hot_hits,
-            carried: stats.carried,
-            most_held: stats.most_held,
-            bytes_refilled: stats.bytes_refilled,
+        let outcome = BenchOutcome {
+            outcome,
+            route: bench.route,
             bytes_direct: stats.bytes_direct,
-            refill_seconds: stats.refill_seconds,
-            waited_seconds: stats.waited_seconds,
             disk_bytes_per_second,
             disk_rates,
             bytes_read_beside,
