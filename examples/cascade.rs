@@ -26,11 +26,11 @@ use std::sync::Arc;
 use clap::Parser;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
-use stageload::{BoxError, BuildContext, Built, ModelSpec, Shared, SharedRng, StagedModels};
+use stageload::{BoxError, BuildContext, Built, ModelSpec, Shared, SharedRng};
 use stageload_demo_kit::models::{cascade_seed, cascade_shapes, transformer_loader};
-use stageload_demo_kit::run::{progress_at_terminal, Demo};
+use stageload_demo_kit::run::Demo;
 use stageload_demo_kit::{
-    cached, cached_checkpoint, sample_flow, schedule, tokens_at, CommonArgs, DemoRun, DemoSpec, Mode, ModelShape,
+    cached, cached_checkpoint, sample_flow, schedule, tokens_at, CommonArgs, DemoRun, DemoSpec, Loading, ModelShape,
     Transformer, CHANNELS,
 };
 use stageload_plan::PinEntry;
@@ -148,20 +148,8 @@ fn main() -> Result<(), BoxError> {
     // events to the meter, the ChaCha generator preserved around builds, and prefetch.
     let spec = spec(&args)?;
     let demo = Demo::start(&spec, &args)?;
-    let mut builder = StagedModels::builder()
-        .events(demo.meter())
-        .register_rng(Arc::new(chacha.clone()))
-        .preserve_rng(!args.no_preserve_rng)
-        .cache_host_blocks(!args.no_host_cache)
-        .huge_host_pages(!args.no_huge_pages)
-        .prefetch_next(args.prefetch)
-        .prefetch_pace(args.prefetch_pace)
-        .pipeline(demo.plan());
-    for model in spec.models {
-        // Prefetched builds must draw nothing: every weight comes from the checkpoint.
-        builder = builder.model(if args.prefetch { model.skip_init(true) } else { model });
-    }
-    let mut p = demo.run(progress_at_terminal(builder).build()?);
+    let models = demo.builder(spec.models).register_rng(Arc::new(chacha.clone())).build()?;
+    let mut p = demo.run(models);
     let noise = |tokens: i64| Tensor::randn([tokens, CHANNELS], (Kind::Float, args.device));
     let (image_tokens, t_structure, t_512, t_1024) = (
         tokens_at(256, args.scale),
@@ -171,11 +159,11 @@ fn main() -> Result<(), BoxError> {
     );
 
     p.enter("setup")?;
-    if p.mode() == Mode::Eager {
+    if p.loading() == Loading::Eager {
         p.load_everything()?;
     }
     // The run seeds once, after eager loading and before any lazy build.
-    tch::manual_seed(args.seed as i64);
+    tch::manual_seed(args.torch_seed());
     *chacha.lock() = ChaCha8Rng::seed_from_u64(args.seed);
     let image = noise(image_tokens);
     p.latent("image", &image);

@@ -9,7 +9,7 @@
 //! `decode` stage, and the registry releases and refills the model as a whole. The stages are
 //! `encode` (image_encoder), `denoise` (prior), `decode` (renderer) and `export`, which holds no
 //! model while the files are written: during it, nothing is resident. The operations themselves
-//! (`stageload_demo_kit::shap_e::generate`, diffusers' `ShapEImg2ImgPipeline` step for step) are
+//! (`stageload_pipelines::shap_e::generate`, diffusers' `ShapEImg2ImgPipeline` step for step) are
 //! shared with `tests/shap_e.rs`, which checks them against diffusers.
 //!
 //! `--format pt2` runs the image encoder and the prior as AOTInductor packages
@@ -29,16 +29,17 @@ use std::process::ExitCode;
 use std::time::Instant;
 
 use clap::Parser;
-use stageload::{BoxError, ModelSpec, StagedModels};
-use stageload_demo_kit::args::{parse_pipeline, CompareArgs, PipelineArgs};
-use stageload_demo_kit::clip_image::{load_image, preprocess};
-use stageload_demo_kit::pipeline::{Format, TOLERANCE};
-use stageload_demo_kit::run::{progress_at_terminal, Demo};
-use stageload_demo_kit::shap_e::files::{write_ply, write_views_png};
-use stageload_demo_kit::shap_e::reference::{compare, run_reference};
-use stageload_demo_kit::shap_e::{example_image, generate, Export, Sampling, Surface, STAGES};
-use stageload_demo_kit::weights::stageload_cache;
-use stageload_demo_kit::{CommonArgs, DemoSpec, Mode};
+use stageload::{BoxError, ModelSpec};
+use stageload_demo_kit::args::{exit, export_folder, parse_pipeline, CompareArgs, PipelineArgs};
+use stageload_demo_kit::run::Demo;
+use stageload_demo_kit::{CommonArgs, DemoSpec, Loading};
+use stageload_pipelines::clip_image::{load_image, preprocess};
+use stageload_pipelines::compare::TOLERANCE;
+use stageload_pipelines::export::Format;
+use stageload_pipelines::runner::PipelineExport;
+use stageload_pipelines::shap_e::files::{write_ply, write_views_png};
+use stageload_pipelines::shap_e::reference::{compare, run_reference};
+use stageload_pipelines::shap_e::{example_image, generate, Export, Sampling, Surface, STAGES};
 
 /// Shap-E image-to-3D (CLIP image encoder, prior with Heun, NeRF/STF renderer) on an export of
 /// scripts/reference/shap_e_export.py, eager, staged or prefetched, with per-stage peaks
@@ -94,33 +95,21 @@ fn parse() -> Result<Args, clap::Error> {
 
 fn main() -> ExitCode {
     let args = parse().unwrap_or_else(|e| e.exit());
-    match run(&args) {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(error) => {
-            eprintln!("shap_e: {error}");
-            ExitCode::FAILURE
-        }
-    }
+    exit("shap_e", run(&args))
 }
 
 fn run(args: &Args) -> Result<(), BoxError> {
     let common = &args.common;
     let _no_grad = tch::no_grad_guard();
-    let dir = args.components.clone().unwrap_or_else(|| stageload_cache().join("shap-e-published"));
-    if args.components.is_none() && !dir.join("config.json").is_file() {
-        return Err(format!(
-            "no export at {} (the default --components). Make it once (about 3.4 GB, a few minutes):\n  \
-             $STAGELOAD_PYTHON scripts/reference/shap_e_export.py --size published --out {}\n(eval \
-             \"$(scripts/setup-libtorch.sh)\"; eval \"$(scripts/setup-reference.sh)\" sets STAGELOAD_PYTHON and installs \
-             diffusers), or give --components DIR",
-            dir.display(),
-            dir.display()
-        )
-        .into());
-    }
+    let dir = export_folder(
+        args.components.as_deref(),
+        "shap-e-published",
+        "shap_e_export.py --size published",
+        "about 3.4 GB, a few minutes",
+    )?;
     // A missing .pt2 package is an error naming scripts/reference/shap_e_pt2.py.
     let export = Export::open_as(&dir, args.format)?;
-    let seed = i64::try_from(common.seed).map_err(|_| format!("--seed {} is above {}", common.seed, i64::MAX))?;
+    let seed = common.torch_seed();
     let image = match &args.image {
         Some(path) => load_image(path)?,
         None => image::DynamicImage::ImageRgb8(example_image()),
@@ -141,41 +130,26 @@ fn run(args: &Args) -> Result<(), BoxError> {
         std::fs::create_dir_all(dir).map_err(|e| format!("creating {}: {e}", dir.display()))?;
     }
     println!(
-        "shap-e {} from {}: {} steps, guidance {}, frame {}, seed {}, mode {}{}",
+        "shap-e {} from {}: {} steps, guidance {}, frame {}, seed {}, mode {}",
         export.config().size,
         dir.display(),
         sampling.steps,
         sampling.guidance,
         sampling.frame_size,
         common.seed,
-        common.mode.name(),
-        if common.prefetch { " with prefetch" } else { "" }
+        common.loading().name(),
     );
 
     // The three models (TorchScript, or .pt2 packages for the encoder and the prior), each refilled
     // in place from its safetensors after a release.
     let models: Vec<ModelSpec> = export.model_specs();
     // encode: image_encoder; denoise: prior; decode: renderer; export: nothing resident.
-    let stages = STAGES
-        .iter()
-        .map(|(stage, models)| (stage.to_string(), models.iter().map(|m| m.to_string()).collect()))
-        .collect();
-    let spec = DemoSpec { name: "shap_e", models, stages, pinned: Vec::new(), pins: Vec::new(), weights: Vec::new() };
+    let spec = DemoSpec::staged("shap_e", models, &STAGES);
     let started = Instant::now();
     let demo = Demo::start(&spec, common)?;
-    let mut builder = StagedModels::builder()
-        .events(demo.meter())
-        .preserve_rng(!common.no_preserve_rng)
-        .cache_host_blocks(!common.no_host_cache)
-        .huge_host_pages(!common.no_huge_pages)
-        .prefetch_next(common.prefetch)
-        .prefetch_pace(common.prefetch_pace)
-        .pipeline(demo.plan());
-    for model in spec.models {
-        builder = builder.model(if common.prefetch { model.skip_init(true) } else { model });
-    }
-    let mut p = demo.run(progress_at_terminal(builder).build()?);
-    if p.mode() == Mode::Eager {
+    let models = demo.builder(spec.models).build()?;
+    let mut p = demo.run(models);
+    if p.loading() == Loading::Eager {
         p.load_everything()?;
     }
     // The starting noise, drawn before any lazy build, from torch's CPU generator.

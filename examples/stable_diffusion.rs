@@ -6,7 +6,7 @@
 //! a traced module as a model (a `tch::CModule`, called with `forward_ts`), and its safetensors
 //! checkpoint lets a released module come back in place; the stages are the pipeline's three
 //! steps, one model each. `--format pt2` runs the same modules as AOTInductor packages
-//! (`ModelSpec::pt2(name, package, checkpoint)`, a `stageload::pt2::Pt2Module`). The steps themselves (`stageload_demo_kit::stable_diffusion::generate`:
+//! (`ModelSpec::pt2(name, package, checkpoint)`, a `stageload::pt2::Pt2Module`). The steps themselves (`stageload_pipelines::stable_diffusion::generate`:
 //! `models.enter(stage)` then `call(model, |m: &mut CModule| m.forward_ts(inputs))`, the
 //! operations diffusers' `StableDiffusionPipeline` does, in its order) are shared with
 //! `tests/stable_diffusion.rs`, which checks them against diffusers.
@@ -27,13 +27,14 @@ use std::time::Instant;
 use clap::Parser;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
-use stageload::{BoxError, ModelSpec, SharedRng, StagedModels};
-use stageload_demo_kit::args::{parse_pipeline, CompareArgs, PipelineArgs};
-use stageload_demo_kit::pipeline::{Format, TOLERANCE};
-use stageload_demo_kit::run::{progress_at_terminal, Demo};
-use stageload_demo_kit::stable_diffusion::{generate, run_reference, Comparison, Export, Sampling, STAGES};
-use stageload_demo_kit::weights::stageload_cache;
-use stageload_demo_kit::{CommonArgs, DemoSpec, Mode};
+use stageload::{BoxError, ModelSpec, SharedRng};
+use stageload_demo_kit::args::{exit, export_folder, parse_pipeline, CompareArgs, PipelineArgs};
+use stageload_demo_kit::run::Demo;
+use stageload_demo_kit::{CommonArgs, DemoSpec, Loading};
+use stageload_pipelines::compare::TOLERANCE;
+use stageload_pipelines::export::Format;
+use stageload_pipelines::stable_diffusion::reference::{compare, run_reference};
+use stageload_pipelines::stable_diffusion::{generate, Export, Sampling, STAGES};
 
 /// Stable Diffusion (text encoder, UNet with DDIM, VAE decoder) on an export of
 /// scripts/reference/sd_export.py, eager, staged or prefetched, with per-stage peaks
@@ -72,31 +73,13 @@ fn parse() -> Result<Args, clap::Error> {
 
 fn main() -> ExitCode {
     let args = parse().unwrap_or_else(|e| e.exit());
-    match run(&args) {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(error) => {
-            eprintln!("stable_diffusion: {error}");
-            ExitCode::FAILURE
-        }
-    }
+    exit("stable_diffusion", run(&args))
 }
 
 fn run(args: &Args) -> Result<(), BoxError> {
     let common = &args.common;
     let _no_grad = tch::no_grad_guard();
-    let dir = args.components.clone().unwrap_or_else(|| stageload_cache().join("sd-sd15"));
-    if args.components.is_none() && !dir.join("config.json").is_file() {
-        let python = std::env::var("STAGELOAD_PYTHON")
-            .unwrap_or_else(|_| stageload_cache().join("torch-2.13.0/bin/python").display().to_string());
-        return Err(format!(
-            "no export at {} (the default --components). Make it once (about 7.7 GB):\n  {python} \
-             scripts/reference/sd_export.py --size sd15 --out {}\n(the cached Python: eval \"$(scripts/setup-libtorch.sh)\"; \
-             eval \"$(scripts/setup-reference.sh)\" installs torch and diffusers into it), or give --components DIR",
-            dir.display(),
-            dir.display()
-        )
-        .into());
-    }
+    let dir = export_folder(args.components.as_deref(), "sd-sd15", "sd_export.py --size sd15", "about 7.7 GB")?;
     if args.format == Format::Pt2 && !dir.join("pt2").is_dir() {
         return Err(format!(
             "no .pt2 packages in {}: compile them once from the same modules (minutes per component on a CPU):\n  \
@@ -109,7 +92,7 @@ fn run(args: &Args) -> Result<(), BoxError> {
     let export = Export::open_as(&dir, args.format)?;
     let config = export.config();
     println!(
-        "stable diffusion {} from {}: latents {:?} -> image {:?}, {} steps, guidance {}, seed {}, mode {}{}",
+        "stable diffusion {} from {}: latents {:?} -> image {:?}, {} steps, guidance {}, seed {}, mode {}",
         config.size,
         dir.display(),
         config.latent_size,
@@ -117,8 +100,7 @@ fn run(args: &Args) -> Result<(), BoxError> {
         common.steps,
         args.guidance,
         common.seed,
-        common.mode.name(),
-        if common.prefetch { " with prefetch" } else { "" }
+        common.loading().name(),
     );
     let sampling = Sampling { steps: common.steps, guidance: args.guidance };
 
@@ -136,15 +118,7 @@ fn run(args: &Args) -> Result<(), BoxError> {
         })
         .collect();
     // One model per stage: encode (text_encoder), denoise (unet), decode (vae_decoder).
-    let stages = STAGES.iter().map(|(stage, model)| (stage.to_string(), vec![model.to_string()])).collect();
-    let spec = DemoSpec {
-        name: "stable_diffusion",
-        models,
-        stages,
-        pinned: Vec::new(),
-        pins: Vec::new(),
-        weights: Vec::new(),
-    };
+    let spec = DemoSpec::staged("stable_diffusion", models, &STAGES);
 
     // Nothing here draws from a ChaCha generator; the demo run registers one as every demo does.
     let chacha = SharedRng::new(ChaCha8Rng::seed_from_u64(common.seed));
@@ -153,24 +127,13 @@ fn run(args: &Args) -> Result<(), BoxError> {
     let folder = common.cache_folder("stable_diffusion");
     std::fs::create_dir_all(&folder).map_err(|e| format!("creating {}: {e}", folder.display()))?;
     let demo = Demo::start(&spec, common)?;
-    let mut builder = StagedModels::builder()
-        .events(demo.meter())
-        .register_rng(std::sync::Arc::new(chacha))
-        .preserve_rng(!common.no_preserve_rng)
-        .cache_host_blocks(!common.no_host_cache)
-        .huge_host_pages(!common.no_huge_pages)
-        .prefetch_next(common.prefetch)
-        .prefetch_pace(common.prefetch_pace)
-        .pipeline(demo.plan());
-    for model in spec.models {
-        builder = builder.model(if common.prefetch { model.skip_init(true) } else { model });
-    }
-    let mut p = demo.run(progress_at_terminal(builder).build()?);
-    if p.mode() == Mode::Eager {
+    let models = demo.builder(spec.models).register_rng(std::sync::Arc::new(chacha)).build()?;
+    let mut p = demo.run(models);
+    if p.loading() == Loading::Eager {
         p.load_everything()?;
     }
     // The starting noise, drawn before any lazy build, from torch's CPU generator.
-    let noise = export.initial_latents(common.seed as i64).to_device(common.device);
+    let noise = export.initial_latents(common.torch_seed()).to_device(common.device);
     p.latent("noise", &noise);
     let generated = generate(&p, &export, &noise, sampling)?;
     p.latent("embeds", &generated.embeds);
@@ -191,7 +154,7 @@ fn run(args: &Args) -> Result<(), BoxError> {
             Ok(reference) => reference,
             Err(error) => return Err(format!("{error}\n(its files are in {})", folder.display()).into()),
         };
-        let comparison = Comparison::of(&generated, &reference)?;
+        let comparison = compare(&generated, &reference)?;
         for line in reference.log.lines().filter(|line| line.starts_with("sd_reference:")) {
             println!("{line}");
         }

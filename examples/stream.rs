@@ -5,11 +5,14 @@
 //!
 //! What it teaches: a model bigger than the memory it is given. The pipeline file's model entry
 //! has a `stream` table (its blocks as a `BlockSpec` names them, the prefixes that stay resident,
-//! the budget and the working memory), and `StagedModels` built from that file hands the loader a
+//! the budget and the working memory; `stageload_demo_kit::streaming::pipeline` writes it), and `StagedModels` built from that file hands the loader a
 //! `StreamPlan` (`ctx.stream()`). The loader builds the model touching none of its memory, makes
 //! a `StreamedModel` over its tensors, and returns it with `Built::from_tensors`; a forward then
 //! runs inside `streamed.run(|step| ...)`, each block fetched from the checkpoint as the step
-//! reaches it (`--any-order`: a hot set of the blocks used most instead of a resident prefix).
+//! reaches it (`--any-order`: a hot set of the blocks used most instead of a resident prefix;
+//! `--resident-at-most N`: at most N blocks kept, the rest streamed). The hot-set benchmark's
+//! knobs (routes, reads past the page cache, a cold start, the disk's rate, reads beside a whole
+//! flow) are the bench binary `bench_stream` (`crates/bench`).
 //!
 //!     cargo run --example stream -- --budget 200MiB --trace stream.jsonl
 //!     stageload guard --max-memory 450MiB -- target/debug/examples/stream --budget 200MiB
@@ -19,221 +22,23 @@
 //! `--pipeline FILE` writes the pipeline file the run follows; `stageload plan --check` compares
 //! that file's plan with the run's trace.
 
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
 use clap::Parser;
-use rand::SeedableRng;
-use rand_chacha::ChaCha8Rng;
-use stageload::stream::{DirectReads, StreamedModel};
-use stageload::{BoxError, Built, EventSink, ModelSpec, Pipeline, SharedRng, StagedModels};
-use stageload_demo_kit::args::{parse_device, positive_scale};
-use stageload_demo_kit::beside::ReadsBeside;
-use stageload_demo_kit::models::{cascade_seed, cascade_shapes};
+use stageload::stream::StreamedModel;
+use stageload::{BoxError, Built, EventSink, ModelSpec, StagedModels};
 use stageload_demo_kit::sampler::sample_flow_with;
-use stageload_demo_kit::weights::{cache_root, disk_read_rate, drop_page_cache};
-use stageload_demo_kit::{cached_checkpoint, schedule, tokens_at, Transformer, CHANNELS};
-use stageload_plan::{ModelEntry, PipelineFile, StageEntry, StreamEntry};
-use stageload_units::{format_bytes, parse_size};
+use stageload_demo_kit::streaming::{self, Checkpoint, Flow, Inputs, Measured, Outcome, StreamArgs, MODEL};
+use stageload_demo_kit::Transformer;
+use stageload_units::format_bytes;
 use tch::nn::VarStore;
-use tch::{Device, Kind, Tensor};
-
-/// The cascade's model this demo streams.
-const MODEL: &str = "texture_flow";
+use tch::Device;
 
 #[derive(Parser)]
 struct Args {
-    /// Bytes the model may hold at once (weights and working memory), e.g. 200MiB; without it
-    /// the model is loaded whole
-    #[arg(long, value_parser = |t: &str| parse_size(t).map_err(|e| e.to_string()))]
-    budget: Option<u64>,
-    /// Working memory a step needs (from a resident run: its peak over set-up less the model's
-    /// bytes); the split keeps room for it
-    #[arg(long, value_parser = |t: &str| parse_size(t).map_err(|e| e.to_string()))]
-    working: Option<u64>,
-    /// Keep at most this many blocks resident, and none hot (streams more than the budget asks)
-    #[arg(long)]
-    resident_at_most: Option<usize>,
-    /// Which blocks each forward runs: `all` in order, or `experts` (a fixed router: blocks 0
-    /// and 1 every call, one of the last three and one of the others in turn)
-    #[arg(long, value_enum, default_value_t = Route::All)]
-    route: Route,
-    /// Stream the blocks in any order (with a budget): no prefix, the budget's room is the hot
-    /// set of the blocks used most, and each forward names its next block ahead
-    #[arg(long)]
-    any_order: bool,
-    /// Refills read past the page cache (each drops what it read), as a model bigger than
-    /// memory streams from disk (with `--read-beside`, those reads do)
-    #[arg(long)]
-    uncached: bool,
-    /// With `--uncached`: every refill reads through the page cache, never straight into its
-    /// slot with `O_DIRECT` (`StreamedModel::direct_reads(DirectReads::Never)`)
-    #[arg(long, requires = "uncached")]
-    buffered: bool,
-    /// Whole model only: read this many blocks of the checkpoint beside the flow, spread over
-    /// its calls, as refills read them but waited for by nothing (`ReadsBeside`): the least
-    /// time a streamed flow reading as many blocks can take on this machine
-    #[arg(long, value_name = "BLOCKS", conflicts_with = "budget")]
-    read_beside: Option<usize>,
-    /// Drop the checkpoint's pages from the page cache before set-up: its first reads come from
-    /// the disk
-    #[arg(long)]
-    cold: bool,
-    /// Measure the disk's read rate on the checkpoint before set-up and again after the flow
-    /// (its pages dropped before and after each read), for a from-disk run's limit:
-    /// `disk_bytes_per_second` and `reading_seconds` in the result
-    #[arg(long)]
-    disk_rate: bool,
-    /// Serve every host allocation of 1 MiB or more with its own mapping, as a streamed model on
-    /// the CPU makes the process do (`map_large_host_blocks`): the resident model's control for
-    /// what that costs
-    #[arg(long)]
-    map_large_blocks: bool,
-    /// Model sizes relative to the cascade's default (1.0: texture_flow is 0.6 GB)
-    #[arg(long, default_value_t = 1.0, value_parser = positive_scale)]
-    scale: f64,
-    /// Tokens of the latent (default: the cascade's texture stage at this scale)
-    #[arg(long, value_parser = clap::value_parser!(i64).range(1..=1_000_000))]
-    tokens: Option<i64>,
-    /// Sampler steps
-    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(i64).range(1..=10_000))]
-    steps: i64,
-    #[arg(long, default_value_t = 7)]
-    seed: u64,
-    /// Folder of the cached checkpoints (default: the cascade's)
-    #[arg(long)]
-    cache: Option<PathBuf>,
-    /// auto, cpu, cuda, cuda:N
-    #[arg(long, default_value = "auto", value_parser = parse_device)]
-    device: Device,
-    /// The JSONL trace of the run (with a `residency` event per split)
-    #[arg(long)]
-    trace: Option<PathBuf>,
-    /// What the run did, as JSON (default: $STAGELOAD_RESULT when set)
-    #[arg(long, env = stageload_trace::meter::RESULT_ENV, hide_env = true)]
-    result: Option<PathBuf>,
-    /// Write the latent (safetensors) to this file and its fingerprint to FILE.sha256 (default:
-    /// $STAGELOAD_LATENTS when set)
-    #[arg(long, value_name = "FILE")]
-    latents: Option<PathBuf>,
-    /// Write the pipeline description `stageload plan` reads (the model with its blocks and
-    /// budget, one stage) to this file
-    #[arg(long)]
-    pipeline: Option<PathBuf>,
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, clap::ValueEnum, serde::Serialize)]
-#[serde(rename_all = "lowercase")]
-enum Route {
-    All,
-    Experts,
-}
-
-/// The blocks forward call `n` runs, in order: every block, or (experts, at least 6 blocks)
-/// blocks 0 and 1, one of the middle blocks in turn (each in one call of `depth - 5`) and one of
-/// the last three in turn (each in one call of three).
-fn route(route: Route, n: usize, depth: usize) -> Vec<usize> {
-    match route {
-        Route::Experts if depth >= 6 => vec![0, 1, 2 + n % (depth - 5), depth - 1 - n % 3],
-        _ => (0..depth).collect(),
-    }
-}
-
-/// The pipeline file of this run: the model streamed under `budget` (whole without one).
-fn description(file: &std::path::Path, args: &Args) -> PipelineFile {
-    let spec = Transformer::block_spec("model");
-    let stream = args.budget.map(|budget| StreamEntry {
-        blocks: spec.blocks().to_vec(),
-        resident: spec.resident_prefixes().to_vec(),
-        budget: Some(budget.to_string()),
-        working: args.working.map(|w| w.to_string()),
-        any_order: args.any_order,
-    });
-    PipelineFile {
-        pinned: Vec::new(),
-        reserve: None,
-        host_tier: None,
-        memory: None,
-        device_memory: None,
-        snapshot_dir: None,
-        snapshot_keep_free: None,
-        cpus: None,
-        pins: Vec::new(),
-        models: vec![ModelEntry {
-            name: MODEL.to_string(),
-            files: vec![file.to_path_buf()],
-            weights: None,
-            device: stageload::device::name(args.device),
-            dtype: None,
-            ignore: Vec::new(),
-            stream,
-        }],
-        stages: vec![StageEntry {
-            name: "texture".into(),
-            models: vec![MODEL.into()],
-            working: None,
-            device_working: None,
-        }],
-    }
-}
-
-#[derive(serde::Serialize)]
-struct Outcome {
-    mode: &'static str,
-    fingerprint: String,
-    model_bytes: u64,
-    budget: Option<u64>,
-    residency: Option<String>,
-    resident_blocks: Option<usize>,
-    blocks: usize,
-    /// RSS after set-up's start (libtorch loaded, nothing of the model yet).
-    base_rss: u64,
-    /// The process's peak RSS (VmHWM).
-    peak_rss: u64,
-    /// Seconds of the flow (set-up excluded).
-    seconds: f64,
-    /// Seconds per forward.
-    seconds_per_step: f64,
-    route: Route,
-    any_order: bool,
-    /// Forward calls, and the blocks they ran.
-    calls: usize,
-    blocks_run: usize,
-    refills: u64,
-    hot_hits: u64,
-    /// Refills read while the call before ended (the call's first streamed block).
-    carried: u64,
-    /// The most the streamed model held at a block boundary, from its storages.
-    most_held: u64,
-    bytes_refilled: u64,
-    /// Of those, bytes read past the page cache straight into the slots (`--uncached`, after a
-    /// step limited by its compute).
-    bytes_direct: u64,
-    refill_seconds: f64,
-    waited_seconds: f64,
-    /// The disk's read rate over its two measurements (`--disk-rate`): the checkpoint read
-    /// once before set-up and once after the flow, bytes over seconds of both. This shared
-    /// virtual disk's rate drifts (up to 1.7x between the two reads of one run here); the two
-    /// reads bracket the flow.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    disk_bytes_per_second: Option<f64>,
-    /// Each of the two measurements, before and after.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    disk_rates: Option<[f64; 2]>,
-    /// Bytes read beside a whole model's flow (`--read-beside`).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    bytes_read_beside: Option<u64>,
-    /// `bytes_refilled` (or `bytes_read_beside`) read at `disk_bytes_per_second`: the time the flow cannot go below when
-    /// its reads are what bounds it.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    reading_seconds: Option<f64>,
-}
-
-/// The model as the registry holds it: whole, or with its streamer.
-struct Flow {
-    model: Transformer,
-    streamed: Option<StreamedModel>,
+    #[command(flatten)]
+    stream: StreamArgs,
 }
 
 fn rss() -> Result<stageload_probe::ProcessMemory, BoxError> {
@@ -242,7 +47,7 @@ fn rss() -> Result<stageload_probe::ProcessMemory, BoxError> {
 
 fn main() -> std::process::ExitCode {
     stageload_demo_kit::logging::init();
-    match run(Args::parse()) {
+    match run(Args::parse().stream) {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(err) => {
             eprintln!("error: {err}");
@@ -251,42 +56,17 @@ fn main() -> std::process::ExitCode {
     }
 }
 
-fn run(args: Args) -> Result<(), BoxError> {
+fn run(args: StreamArgs) -> Result<(), BoxError> {
     let _no_grad = tch::no_grad_guard();
     tch::set_num_threads(std::thread::available_parallelism().map_or(1, |n| n.get()) as i32);
-    let all = cascade_shapes(args.scale);
-    let index = all.iter().position(|s| s.name == MODEL).expect("the cascade has texture_flow");
-    let shape = all[index].clone();
-    let folder = args.cache.clone().unwrap_or_else(cache_root).join(format!("cascade-scale-{}", args.scale));
-    let file = cached_checkpoint(&folder, &shape, &["model"], cascade_seed(index))?;
+    let checkpoint = Checkpoint::cached(args.scale, args.cache.clone())?;
     // The run is the pipeline file's: the model, whole or streamed (its blocks, budget, working
     // memory, order), in one stage, through StagedModels; `stageload plan` reads the same file.
-    let text = toml::to_string(&description(&file, &args))?;
-    let described = args.pipeline.clone().unwrap_or_else(|| folder.join("stream-demo.toml"));
-    if args.pipeline.is_some() {
-        std::fs::write(&described, &text)?;
-    }
-    let pipeline = Pipeline::parse(&text, &described)?;
+    let pipeline = streaming::pipeline(&checkpoint, args.device, args.streaming(), args.pipeline.as_deref())?;
     let model_bytes = pipeline.models[0].bytes;
-    let meter = match stageload::meter::trace_path(args.trace.clone()) {
-        Some(path) => Some(Arc::new(stageload::meter::start(
-            path,
-            args.device,
-            stageload::meter::MeterOptions::default()
-                .meta("mode", if args.budget.is_some() { "streamed" } else { "resident" }),
-        )?)),
-        None => None,
-    };
-    if args.map_large_blocks {
-        stageload_torch_sys::map_large_host_blocks();
-    }
+    let meter = streaming::meter(args.trace.clone(), args.device, args.budget.is_some())?;
     let base = rss()?;
-    let rate_before = if args.disk_rate { Some(disk_read_rate(&file)?) } else { None };
-    if args.cold {
-        drop_page_cache(&file)?;
-    }
-    let (device, uncached, buffered, resident_at_most, built) =
-        (args.device, args.uncached, args.buffered, args.resident_at_most, shape.clone());
+    let (device, resident_at_most, built) = (args.device, args.resident_at_most, checkpoint.shape.clone());
     let mut builder = StagedModels::builder().pipeline(&pipeline);
     if let Some(meter) = &meter {
         builder = builder.events(Arc::clone(meter) as Arc<dyn EventSink>);
@@ -310,10 +90,6 @@ fn run(args: Args) -> Result<(), BoxError> {
                     stageload::stream::place(MODEL, &tensors, device)?;
                 }
                 let mut streamed = StreamedModel::planned(MODEL, tensors, plan)?;
-                if uncached {
-                    let direct = if buffered { DirectReads::Never } else { DirectReads::Adaptive };
-                    streamed.uncached().direct_reads(direct);
-                }
                 if let Some(at_most) = resident_at_most {
                     streamed.limit_resident(at_most)?;
                 }
@@ -327,119 +103,57 @@ fn run(args: Args) -> Result<(), BoxError> {
     models.enter("texture")?;
 
     // The texture stage's inputs: seeded noise and a conditioning row, as the cascade draws them.
-    tch::manual_seed(args.seed as i64);
-    let chacha = SharedRng::new(ChaCha8Rng::seed_from_u64(args.seed));
-    let tokens = args.tokens.unwrap_or_else(|| tokens_at(1024, args.scale));
-    let x = Tensor::randn([tokens, CHANNELS], (Kind::Float, args.device));
-    let cond = Tensor::randn([1, CHANNELS], (Kind::Float, args.device));
-    let times = schedule(args.steps, &chacha);
-    let depth = shape.depth as usize;
-    let (mut calls, mut blocks_run) = (0, 0);
-    // The next call's blocks, and the call's after it (the route is fixed).
-    let mut next_route = || {
-        let blocks = route(args.route, calls, depth);
-        calls += 1;
-        blocks_run += blocks.len();
-        (blocks, route(args.route, calls, depth))
-    };
+    let Inputs { x, cond, times } = Inputs::seeded(args.seed, args.tokens, args.scale, args.steps, args.device);
+    // Every forward runs every block in order; a streamed one names the next call's first
+    // blocks ahead while its last block runs.
+    let all: Vec<usize> = (0..checkpoint.shape.depth as usize).collect();
+    let mut calls = 0;
     // Set-up (the whole load, or the streamer's resident part) before the clock starts.
     models.get::<Flow>(MODEL)?;
-    let beside = match args.read_beside {
-        Some(_) => {
-            if args.uncached {
-                drop_page_cache(&file)?;
-            }
-            Some(ReadsBeside::start(&file, "model.blocks", args.uncached)?)
-        }
-        None => None,
-    };
-    // Block reads asked for beside call `call` of `steps`: reads spread evenly over the calls.
-    let (reads, steps) = (args.read_beside.unwrap_or(0), args.steps as usize);
-    let (mut call, mut asked) = (0, 0);
     let start = Instant::now();
     let (latent, stats, streamed) = models.call(MODEL, |flow: &mut Flow| -> Result<_, BoxError> {
         let latent = match flow.streamed.as_mut() {
             Some(streamed) => sample_flow_with(x, &cond, &times, |input| {
-                let (blocks, then) = next_route();
-                streamed.run(|step| flow.model.forward_routed_streamed(input, step, &blocks, &then))
+                calls += 1;
+                streamed.run(|step| flow.model.forward_routed_streamed(input, step, &all, &all))
             })?,
             None => sample_flow_with(x, &cond, &times, |input| {
-                if let Some(beside) = &beside {
-                    while asked < reads && asked * steps / reads <= call {
-                        beside.read(asked % depth);
-                        asked += 1;
-                    }
-                }
-                call += 1;
-                Ok::<_, BoxError>(flow.model.forward_routed(input, &next_route().0))
+                calls += 1;
+                Ok::<_, BoxError>(flow.model.forward_routed(input, &all))
             })?,
         };
         let streamed = flow.streamed.as_ref();
         let stats = streamed.map(|s| s.stats()).unwrap_or_default();
         Ok((latent, stats, streamed.map(|s| (s.residency(), s.split().resident))))
     })??;
-    let bytes_read_beside = beside.map(ReadsBeside::finish).transpose()?;
     let seconds = start.elapsed().as_secs_f64();
-    let disk_rates = rate_before.map(|before| disk_read_rate(&file).map(|after| [before, after])).transpose()?;
-    // Both reads are of the whole checkpoint: their combined rate is the harmonic mean.
-    let disk_bytes_per_second = disk_rates.map(|[before, after]| 2.0 / (1.0 / before + 1.0 / after));
     let mut latents = stageload::latents::Latents::with_env(args.latents.clone());
     let fingerprint = latents.record("texture", &latent);
     latents.save()?;
     let peak = rss()?;
-    let peak_rss = peak.peak.unwrap_or(peak.rss);
-    println!("latent {fingerprint}");
-    println!(
-        "peak RSS {} ({} over the {} before set-up); {seconds:.2} s for {} steps",
-        format_bytes(peak_rss),
-        format_bytes(peak_rss.saturating_sub(base.rss)),
-        format_bytes(base.rss),
-        args.steps
-    );
-    if let Some((residency, _)) = &streamed {
+    let measured = Measured {
+        fingerprint,
+        base_rss: base.rss,
+        peak_rss: peak.peak.unwrap_or(peak.rss),
+        seconds,
+        calls,
+        blocks_run: calls * all.len(),
+    };
+    let outcome = Outcome::new(&args, model_bytes, all.len(), streamed, &stats, measured);
+    outcome.print(args.steps);
+    if let Some(residency) = &outcome.residency {
         println!(
-            "{residency}; refilled {} ({} blocks, {} carried from the call before, {} found hot; {} read direct) in {:.3} s ({:.2} GB/s), waited {:.3} s",
+            "{residency}; refilled {} ({} blocks, {} carried from the call before, {} found hot) in {:.3} s ({:.2} GB/s), waited {:.3} s",
             format_bytes(stats.bytes_refilled),
             stats.refills,
             stats.carried,
             stats.hot_hits,
-            format_bytes(stats.bytes_direct),
             stats.refill_seconds,
             stats.bytes_refilled as f64 / stats.refill_seconds.max(1e-9) / 1e9,
             stats.waited_seconds
         );
     }
     if let Some(path) = &args.result {
-        let outcome = Outcome {
-            mode: if streamed.is_some() { "streamed" } else { "resident" },
-            fingerprint,
-            model_bytes,
-            budget: args.budget,
-            residency: streamed.as_ref().map(|(residency, _)| residency.clone()),
-            resident_blocks: streamed.as_ref().map(|(_, resident)| *resident),
-            blocks: shape.depth as usize,
-            base_rss: base.rss,
-            peak_rss,
-            seconds,
-            seconds_per_step: seconds / args.steps.max(1) as f64,
-            route: args.route,
-            any_order: args.any_order,
-            calls,
-            blocks_run,
-            refills: stats.refills,
-            hot_hits: stats.hot_hits,
-            carried: stats.carried,
-            most_held: stats.most_held,
-            bytes_refilled: stats.bytes_refilled,
-            bytes_direct: stats.bytes_direct,
-            refill_seconds: stats.refill_seconds,
-            waited_seconds: stats.waited_seconds,
-            disk_bytes_per_second,
-            disk_rates,
-            bytes_read_beside,
-            reading_seconds: disk_bytes_per_second
-                .map(|rate| (stats.bytes_refilled + bytes_read_beside.unwrap_or(0)) as f64 / rate),
-        };
         std::fs::write(path, serde_json::to_string_pretty(&outcome)?)?;
     }
     models.close();

@@ -16,12 +16,12 @@ use clap::Parser;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use sha2::{Digest, Sha256};
-use stageload::{BoxError, ModelSpec, SharedRng, StagedModels};
+use stageload::{BoxError, ModelSpec, SharedRng};
 use stageload_demo_kit::models::transformer_loader;
-use stageload_demo_kit::run::{progress_at_terminal, Demo};
+use stageload_demo_kit::run::Demo;
 use stageload_demo_kit::{
-    cached_checkpoint, sample_flow, schedule, tokens_at, width_at, CommonArgs, DemoSpec, Mode, ModelShape, Transformer,
-    CHANNELS,
+    cached_checkpoint, sample_flow, schedule, tokens_at, width_at, CommonArgs, DemoSpec, Loading, ModelShape,
+    Transformer, CHANNELS,
 };
 use tch::nn::Module;
 use tch::{Device, Kind, Tensor};
@@ -84,23 +84,12 @@ fn main() -> Result<(), BoxError> {
     // meter as its event sink and the ChaCha generator preserved around builds.
     let chacha = SharedRng::new(ChaCha8Rng::seed_from_u64(common.seed));
     let demo = Demo::start(&spec, &common)?;
-    let mut builder = StagedModels::builder()
-        .events(demo.meter())
-        .register_rng(Arc::new(chacha.clone()))
-        .preserve_rng(!common.no_preserve_rng)
-        .cache_host_blocks(!common.no_host_cache)
-        .huge_host_pages(!common.no_huge_pages)
-        .prefetch_next(common.prefetch)
-        .prefetch_pace(common.prefetch_pace)
-        .pipeline(demo.plan());
-    for model in spec.models {
-        builder = builder.model(if common.prefetch { model.skip_init(true) } else { model });
-    }
-    let mut p = demo.run(progress_at_terminal(builder).build()?);
-    if p.mode() == Mode::Eager {
+    let models = demo.builder(spec.models).register_rng(Arc::new(chacha.clone())).build()?;
+    let mut p = demo.run(models);
+    if p.loading() == Loading::Eager {
         p.load_everything()?;
     }
-    tch::manual_seed(common.seed as i64);
+    tch::manual_seed(common.torch_seed());
     *chacha.lock() = ChaCha8Rng::seed_from_u64(common.seed);
     let latent_tokens = tokens_at(1024, common.scale);
     // The starting noise, drawn before any lazy build.

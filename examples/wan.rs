@@ -10,8 +10,8 @@
 //! again if a later stage asked for it. The transformer and the VAE decoder are refilled in place
 //! from their safetensors (`.checkpoint([file])`). The stages are `encode` (text_encoder),
 //! `denoise` (transformer), `decode` (vae_decoder) and `export`, which holds no model while the
-//! frames are written. The operations themselves (`stageload_demo_kit::wan::generate`, diffusers'
-//! `WanPipeline` step for step, with the UniPC scheduler ported in `stageload_demo_kit::unipc`)
+//! frames are written. The operations themselves (`stageload_pipelines::wan::generate`, diffusers'
+//! `WanPipeline` step for step, with the UniPC scheduler ported in `stageload_pipelines::schedulers::unipc`)
 //! are shared with `tests/wan.rs`, which checks them against diffusers.
 //!
 //! No tokenizer runs: a prompt is its umT5 token ids (`--prompt-ids`, default the export's). Writes
@@ -26,15 +26,15 @@ use std::process::ExitCode;
 use std::time::Instant;
 
 use clap::{CommandFactory, Parser};
-use stageload::{BoxError, StagedModels};
-use stageload_demo_kit::args::{parse_pipeline, CompareArgs, PipelineArgs};
-use stageload_demo_kit::pipeline::TOLERANCE;
-use stageload_demo_kit::run::{progress_at_terminal, Demo};
-use stageload_demo_kit::wan::files::{write_frames, write_gif};
-use stageload_demo_kit::wan::reference::{compare, run_reference};
-use stageload_demo_kit::wan::{check_inputs, generate, Export, Sampling, STAGES};
-use stageload_demo_kit::weights::stageload_cache;
-use stageload_demo_kit::{CommonArgs, DemoSpec, Mode};
+use stageload::BoxError;
+use stageload_demo_kit::args::{exit, export_folder, parse_pipeline, CompareArgs, PipelineArgs};
+use stageload_demo_kit::run::Demo;
+use stageload_demo_kit::{CommonArgs, DemoSpec, Loading};
+use stageload_pipelines::compare::TOLERANCE;
+use stageload_pipelines::runner::PipelineExport;
+use stageload_pipelines::wan::files::{write_frames, write_gif};
+use stageload_pipelines::wan::reference::{compare, run_reference};
+use stageload_pipelines::wan::{check_inputs, generate, Export, Sampling, STAGES};
 
 /// Wan2.1 text-to-video (umT5 text encoder, transformer with UniPC, video VAE decoder) on an
 /// export of scripts/reference/wan_export.py, eager, staged or prefetched, with per-stage peaks
@@ -85,32 +85,20 @@ fn parse() -> Result<Args, clap::Error> {
 
 fn main() -> ExitCode {
     let args = parse().unwrap_or_else(|e| e.exit());
-    match run(&args) {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(error) => {
-            eprintln!("wan: {error}");
-            ExitCode::FAILURE
-        }
-    }
+    exit("wan", run(&args))
 }
 
 fn run(args: &Args) -> Result<(), BoxError> {
     let common = &args.common;
     let _no_grad = tch::no_grad_guard();
-    let dir = args.components.clone().unwrap_or_else(|| stageload_cache().join("wan-published"));
-    if args.components.is_none() && !dir.join("config.json").is_file() {
-        return Err(format!(
-            "no export at {} (the default --components). Make it once (about 15 GB of disk, 12 GB of free memory, \
-             one component per process):\n  $STAGELOAD_PYTHON scripts/reference/wan_export.py --size published --out \
-             {}\n(eval \"$(scripts/setup-libtorch.sh)\"; eval \"$(scripts/setup-reference.sh)\" sets STAGELOAD_PYTHON \
-             and installs diffusers), or give --components DIR",
-            dir.display(),
-            dir.display()
-        )
-        .into());
-    }
+    let dir = export_folder(
+        args.components.as_deref(),
+        "wan-published",
+        "wan_export.py --size published",
+        "about 15 GB of disk, 12 GB of free memory, one component per process",
+    )?;
     let export = Export::open(&dir)?;
-    let seed = i64::try_from(common.seed).map_err(|_| format!("--seed {} is above {}", common.seed, i64::MAX))?;
+    let seed = common.torch_seed();
     let prompt = args.prompt_ids.clone().unwrap_or_else(|| export.prompt_ids().to_vec());
     let negative = args.negative_ids.clone().unwrap_or_else(|| export.negative_ids().to_vec());
     let sampling = Sampling {
@@ -129,7 +117,7 @@ fn run(args: &Args) -> Result<(), BoxError> {
     }
     let c = export.config();
     println!(
-        "wan {} from {}: {} frames of {}x{}, {} prompt ids, {} steps, guidance {}, seed {}, mode {}{}",
+        "wan {} from {}: {} frames of {}x{}, {} prompt ids, {} steps, guidance {}, seed {}, mode {}",
         c.size,
         dir.display(),
         c.num_frames,
@@ -139,36 +127,21 @@ fn run(args: &Args) -> Result<(), BoxError> {
         sampling.steps,
         sampling.guidance,
         common.seed,
-        common.mode.name(),
-        if common.prefetch { " with prefetch" } else { "" }
+        common.loading().name(),
     );
 
     // The text encoder from its module file alone; the transformer and the VAE decoder refilled
     // in place from their safetensors after a release.
     let models = export.model_specs();
     // encode: text_encoder; denoise: transformer; decode: vae_decoder; export: nothing resident.
-    let stages = STAGES
-        .iter()
-        .map(|(stage, models)| (stage.to_string(), models.iter().map(|m| m.to_string()).collect()))
-        .collect();
     // The text encoder's size for the plan, from the export (it has no checkpoint whose headers give it).
     let weights = vec![("text_encoder".to_string(), c.components.text_encoder.bytes)];
-    let spec = DemoSpec { name: "wan", models, stages, pinned: Vec::new(), pins: Vec::new(), weights };
+    let spec = DemoSpec { weights, ..DemoSpec::staged("wan", models, &STAGES) };
     let started = Instant::now();
     let demo = Demo::start(&spec, common)?;
-    let mut builder = StagedModels::builder()
-        .events(demo.meter())
-        .preserve_rng(!common.no_preserve_rng)
-        .cache_host_blocks(!common.no_host_cache)
-        .huge_host_pages(!common.no_huge_pages)
-        .prefetch_next(common.prefetch)
-        .prefetch_pace(common.prefetch_pace)
-        .pipeline(demo.plan());
-    for model in spec.models {
-        builder = builder.model(if common.prefetch { model.skip_init(true) } else { model });
-    }
-    let mut p = demo.run(progress_at_terminal(builder).build()?);
-    if p.mode() == Mode::Eager {
+    let models = demo.builder(spec.models).build()?;
+    let mut p = demo.run(models);
+    if p.loading() == Loading::Eager {
         p.load_everything()?;
     }
     let generated = generate(&p, &export, &prompt, &negative, &latents, sampling)?;

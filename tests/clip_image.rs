@@ -1,4 +1,4 @@
-//! The Rust CLIP image preprocessing (`crates/demo-kit/src/clip_image.rs`) against transformers'
+//! The Rust CLIP image preprocessing (`crates/pipelines/src/clip_image.rs`) against transformers'
 //! `CLIPImageProcessor` as `ShapEImg2ImgPipeline` calls it, run by the cached Python environment
 //! (`scripts/reference/clip_image_reference.py`): the pixel values of every test image equal bit
 //! for bit, under the published openai/shap-e-img2img configuration and under one whose crop is
@@ -19,7 +19,7 @@ use std::time::Duration;
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use stageload_demo_kit::clip_image::{load_image, preprocess, ClipImageConfig, ClipImageError, ResizeTo};
+use stageload_pipelines::clip_image::{load_image, preprocess, ClipImageConfig, ClipImageError, ResizeTo};
 use tch::{Kind, Tensor};
 
 const SEED: u64 = 224;

@@ -1,4 +1,4 @@
-//! The Rust DDIM scheduler (`src/ddim.rs`) against diffusers' `DDIMScheduler`, run by the cached
+//! The Rust DDIM scheduler (`crates/pipelines/src/schedulers/ddim.rs`) against diffusers' `DDIMScheduler`, run by the cached
 //! Python environment (`scripts/reference/ddim_reference.py`): the schedule and every step equal
 //! bit for bit, for 1, 4, 20 and 50 inference steps, one step at a time and chained. The Rust side
 //! draws the noise predictions and samples from a seed and hands them to Python in a safetensors
@@ -10,7 +10,8 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use rand::{Rng, SeedableRng};
-use stageload_demo_kit::ddim::{Ddim, DdimConfig, DdimError};
+use stageload_pipelines::schedulers::ddim::{Ddim, DdimConfig, DdimError};
+use stageload_pipelines::schedulers::Scheduler;
 use stageload_test_support::torch as support;
 use tch::{Kind, Tensor};
 
@@ -139,6 +140,33 @@ fn a_chained_rust_ddim_run_equals_diffusers_chained_run_bit_for_bit() {
                     output(outputs, &format!("n{n}.chained.{i}")),
                 );
             }
+        }
+    });
+}
+
+#[test]
+fn a_run_through_the_scheduler_trait_equals_diffusers_chained_run_and_stops_after_the_last_step() {
+    let _generator = support::generator();
+    let inputs = inputs();
+    with_reference(|outputs| {
+        for n in STEP_COUNTS {
+            let mut ddim = scheduler(n);
+            let timesteps: Vec<f64> = Ddim::timesteps(&ddim).iter().map(|&t| t as f64).collect();
+            assert_eq!(Scheduler::timesteps(&ddim), timesteps, "{n} steps: the trait's timesteps");
+            assert_eq!(Scheduler::init_noise_sigma(&ddim), 1.0);
+            let mut sample = inputs[&format!("n{n}.sample.0")].shallow_clone();
+            for i in 0..n as usize {
+                let input = ddim.scale_model_input(&sample, i).unwrap();
+                assert!(input.equal(&sample), "{n} steps, call {i}: DDIM's model input is the sample");
+                sample = Scheduler::step(&mut ddim, &inputs[&format!("n{n}.noise.{i}")], &sample).unwrap();
+                assert_bits_equal(
+                    &format!("{n} steps through the trait, after step {i}"),
+                    &sample,
+                    output(outputs, &format!("n{n}.chained.{i}")),
+                );
+            }
+            let past = Scheduler::step(&mut ddim, &sample, &sample).unwrap_err();
+            assert_eq!(past, DdimError::Finished { steps: n });
         }
     });
 }

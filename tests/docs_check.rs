@@ -5,10 +5,13 @@
 //! compiles each document as the library's doc-tests (`crates/torch/src/lib.rs`, module `guide`),
 //! a pipeline description by the reader `stageload plan` uses, Python by Python.
 //!
-//! And the house around it (issue 72): each cell of the README's measured table is one short
-//! claim ([`TABLE_CELL_BUDGET`]), `traces/` holds results and no source files (the programs
-//! behind them are in `crates/bench/`), and `docs/layout.md`'s tree names every top-level folder,
-//! crate, example and test file of the checkout, and nothing that is not there.
+//! And the house around it (issue 72): each row of the README's measured table is one short
+//! claim with its figure ([`CLAIM_BUDGET`]) and a link to the run behind it; `traces/` holds
+//! results and no source files (the programs behind them are in `crates/bench/`), and its index,
+//! `traces/README.md`, links every entry of it, by links that resolve; `docs/layout.md`'s tree
+//! names every top-level folder, crate, example and test file of the checkout and each crate's
+//! top-level modules (`crates/*/src`), and nothing that is not there; and the README, the guide
+//! and the traces' index hold no words of a lab notebook or a commit ([`PROCESS_PHRASES`]).
 //!
 //! The tasks and commands are read from the clap definitions, as text: the `#[derive(Parser)]`
 //! struct of `crates/xtask/src` and of `crates/cli/src`, its `#[command(subcommand)]` field's
@@ -27,15 +30,27 @@ use std::path::{Component, Path, PathBuf};
 /// The most lines `README.md` may have.
 const README_BUDGET: usize = 300;
 
-/// The most characters a cell of the README's measured table may have: one claim with its figure
-/// (the run's conditions, dates and earlier figures belong in the trace's own README).
-const TABLE_CELL_BUDGET: usize = 200;
+/// The most characters a row of the README's measured table may have before its last cell (what
+/// is measured and the figure): one claim (the run's conditions, dates and earlier figures belong
+/// in the trace's own README, which the last cell links to).
+const CLAIM_BUDGET: usize = 200;
 
 /// The heading of the README's measured table.
 const MEASURED_HEADING: &str = "## What it is measured to do";
 
 /// File extensions that are source code, not results: none may live under `traces/`.
 const SOURCE_EXTENSIONS: [&str; 9] = ["c", "h", "cc", "cpp", "py", "sh", "rs", "patch", "diff"];
+
+/// Words of a lab notebook or a commit message, which a reader of the README and the guide cannot
+/// act on: who was lent which machine in which working session, an issue's number (the guide says
+/// what is so, not which ticket asked for it), and unfinished work (it belongs in an issue). Each
+/// is matched as whole words, case-insensitive, except the markers, which only count in capitals
+/// (`xxx` may stand for digits in a file name).
+const PROCESS_PHRASES: [&str; 6] =
+    ["was lent", "were lent", "this session", "the session that", "this work", "the issue's"];
+
+/// Markers of unfinished work, matched as whole words in capitals.
+const PROCESS_MARKERS: [&str; 3] = ["TODO", "FIXME", "XXX"];
 
 /// The languages of fenced blocks whose lines are commands.
 const SHELL: [&str; 4] = ["sh", "bash", "shell", "console"];
@@ -493,21 +508,26 @@ fn table_after(text: &str, heading: &str) -> Vec<(usize, Vec<String>)> {
 }
 
 #[test]
-fn every_cell_of_the_readmes_measured_table_is_one_short_claim() {
+fn every_row_of_the_readmes_measured_table_is_one_short_claim_with_a_link_to_its_run() {
     let readme = fs::read_to_string(checkout().join("README.md")).unwrap();
     let rows = table_after(&readme, MEASURED_HEADING);
     assert!(rows.len() >= 10, "README.md: {} rows found under `{MEASURED_HEADING}`: the reader is broken", rows.len());
-    let long: Vec<String> = rows
-        .iter()
-        .flat_map(|(line, cells)| cells.iter().map(move |cell| (line, cell)))
-        .filter(|(_, cell)| cell.chars().count() > TABLE_CELL_BUDGET)
-        .map(|(line, cell)| format!("README.md:{line}: {} characters: {cell}", cell.chars().count()))
-        .collect();
+    let mut wrong = Vec::new();
+    for (line, cells) in &rows {
+        let Some((record, claim)) = cells.split_last() else { continue };
+        let length: usize = claim.iter().map(|cell| cell.chars().count()).sum();
+        if claim.is_empty() || length > CLAIM_BUDGET {
+            wrong.push(format!("README.md:{line}: a claim of {length} characters: {}", claim.join(" | ")));
+        }
+        if !record.contains("](") {
+            wrong.push(format!("README.md:{line}: the last cell links to no recorded run: {record}"));
+        }
+    }
     assert!(
-        long.is_empty(),
-        "cells of the measured table over {TABLE_CELL_BUDGET} characters: one claim and its figure per \
-         row; the run's conditions and history go in the trace's README:\n{}",
-        long.join("\n")
+        wrong.is_empty(),
+        "rows of the measured table: one claim and its figure in at most {CLAIM_BUDGET} characters, then a \
+         link to the run; the run's conditions and history go in the trace's README:\n{}",
+        wrong.join("\n")
     );
 }
 
@@ -545,6 +565,32 @@ fn traces_hold_results_and_no_source_files() {
          patches/) and point the trace's README at them:\n{}",
         sources.join("\n")
     );
+}
+
+#[test]
+fn the_traces_index_links_every_entry_of_traces_and_its_links_resolve() {
+    let index =
+        fs::read_to_string(checkout().join("traces/README.md")).expect("traces/README.md (the index) is missing");
+    let targets: Vec<String> = link_targets(&split(&index).prose);
+    assert!(targets.len() > 10, "{} links read from traces/README.md: the reader is broken", targets.len());
+    let mut wrong = Vec::new();
+    for target in &targets {
+        let Some(relative) = relative_path(target) else { continue };
+        match resolve(Path::new("traces"), relative) {
+            Some(resolved) if checkout().join(&resolved).exists() => {}
+            _ => wrong.push(format!("the link `{target}` does not resolve")),
+        }
+    }
+    let mut entries = names_in("traces", true, None).into_iter().map(|name| format!("{name}/")).collect::<Vec<_>>();
+    let files = fs::read_dir(checkout().join("traces")).unwrap().map(|entry| entry.unwrap().path());
+    entries
+        .extend(files.filter(|path| path.is_file()).filter_map(|path| Some(path.file_name()?.to_str()?.to_string())));
+    for entry in entries.iter().filter(|entry| *entry != "README.md") {
+        if !targets.iter().any(|target| target.starts_with(entry.as_str())) {
+            wrong.push(format!("`traces/{entry}` is not linked from the index"));
+        }
+    }
+    assert!(wrong.is_empty(), "traces/README.md, the index of the recorded runs:\n{}", wrong.join("\n"));
 }
 
 /// The entries of the folder tree in `docs/layout.md` (its first `text` block): each line that
@@ -585,13 +631,28 @@ fn names_in(folder: &str, folders: bool, ext: Option<&str>) -> Vec<String> {
     names
 }
 
+/// The top-level modules of `crates/<krate>/src`: each `NAME.rs` and each folder `NAME/`, less the
+/// crate roots (`lib.rs`, `main.rs`) and `bin/` (binaries, named by the crate's entry as it likes).
+fn top_level_modules(krate: &str) -> Vec<String> {
+    let src = format!("crates/{krate}/src");
+    if !checkout().join(&src).is_dir() {
+        return Vec::new();
+    }
+    let mut modules = names_in(&src, false, Some("rs"));
+    modules.extend(names_in(&src, true, None));
+    modules.retain(|name| !["lib", "main", "bin"].contains(&name.as_str()));
+    modules.sort();
+    modules.dedup();
+    modules
+}
+
 /// The words of `text`: runs of letters, digits and `_`.
 fn words(text: &str) -> BTreeSet<&str> {
     text.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_')).filter(|w| !w.is_empty()).collect()
 }
 
 #[test]
-fn the_layout_doc_names_every_folder_crate_example_and_test_of_the_tree_and_nothing_else() {
+fn the_layout_doc_names_every_folder_crate_module_example_and_test_of_the_tree_and_nothing_else() {
     let entries = layout_entries();
     assert!(entries.len() > 10, "{} entries read from docs/layout.md's tree: the reader is broken", entries.len());
     let named: BTreeSet<&str> = entries.iter().map(|(name, _)| name.as_str()).collect();
@@ -620,6 +681,12 @@ fn the_layout_doc_names_every_folder_crate_example_and_test_of_the_tree_and_noth
             wrong.push(format!("the {kind} `{name}` is not named in `{entry}`"));
         }
     };
+    for krate in names_in("crates", true, None) {
+        let entry = format!("crates/{krate}/");
+        if named.contains(entry.as_str()) {
+            within(&entry, top_level_modules(&krate), "module");
+        }
+    }
     within("examples/", names_in("examples", false, Some("rs")), "example");
     within("tests/", names_in("tests", false, Some("rs")), "test file");
     within("tests/", names_in("tests", true, None), "test folder");
@@ -638,6 +705,85 @@ fn table_cells_and_layout_entries_are_read_as_written() {
         words("two_models (the README example), cascade;"),
         BTreeSet::from(["README", "cascade", "example", "the", "two_models"])
     );
+    let modules = top_level_modules("torch");
+    for module in ["staged", "checkpoint", "pt2", "rng"] {
+        assert!(modules.contains(&module.to_string()), "{module} not read from crates/torch/src: {modules:?}");
+    }
+    assert!(!modules.contains(&"lib".to_string()), "{modules:?}");
+    assert!(!top_level_modules("bench").contains(&"bin".to_string()));
+}
+
+/// The process words on each line of `text`, as (line number from 1, what was found): the phrases
+/// of [`PROCESS_PHRASES`] and the markers of [`PROCESS_MARKERS`] as whole words, and an issue's
+/// number (`issue 72`, `issues 45 and 69`, `#72`). Web addresses are left out: a link to another
+/// project's issue is a reference, not a note.
+fn process_words(text: &str) -> Vec<(usize, String)> {
+    let mut found = Vec::new();
+    for (number, line) in text.lines().enumerate() {
+        let kept: Vec<&str> = line.split_whitespace().filter(|chunk| !chunk.contains("://")).collect();
+        let tokens: Vec<&str> = kept
+            .iter()
+            .flat_map(|chunk| chunk.split(|c: char| !(c.is_alphanumeric() || c == '\'' || c == '#' || c == '_')))
+            .map(|token| token.trim_matches('\''))
+            .filter(|token| !token.is_empty())
+            .collect();
+        let lower: Vec<String> = tokens.iter().map(|token| token.to_lowercase()).collect();
+        for phrase in PROCESS_PHRASES {
+            let words: Vec<&str> = phrase.split(' ').collect();
+            if lower.windows(words.len()).any(|window| window.iter().zip(&words).all(|(a, b)| a == b)) {
+                found.push((number + 1, format!("\"{phrase}\"")));
+            }
+        }
+        for marker in PROCESS_MARKERS {
+            if tokens.contains(&marker) {
+                found.push((number + 1, marker.to_string()));
+            }
+        }
+        let is_number = |token: &str| !token.is_empty() && token.chars().all(|c| c.is_ascii_digit());
+        for (i, token) in lower.iter().enumerate() {
+            let numbered = (token == "issue" || token == "issues")
+                && lower.get(i + 1).is_some_and(|next| is_number(next.trim_start_matches('#')));
+            if numbered {
+                found.push((number + 1, format!("an issue's number (`{} {}`)", tokens[i], tokens[i + 1])));
+            } else if token.strip_prefix('#').is_some_and(is_number) {
+                found.push((number + 1, format!("an issue's number (`{}`)", tokens[i])));
+            }
+        }
+    }
+    found
+}
+
+#[test]
+fn the_readme_the_guide_and_the_traces_index_hold_no_process_words() {
+    let mut found = Vec::new();
+    // The traces' index too: the runs' own READMEs are their lab notebooks, the index is not.
+    let index = PathBuf::from("traces/README.md");
+    let index_text = fs::read_to_string(checkout().join(&index)).unwrap();
+    for (path, text) in documents().into_iter().chain([(index, index_text)]) {
+        found.extend(process_words(&text).into_iter().map(|(line, what)| format!("{}:{line}: {what}", path.display())));
+    }
+    assert!(
+        found.is_empty(),
+        "words of a lab notebook or a commit in the README or the guide: say what is so for the reader \
+         (the run's history belongs in its trace's README, the reason for a change in its commit):\n{}",
+        found.join("\n")
+    );
+}
+
+#[test]
+fn process_words_are_found_as_words_and_nothing_else() {
+    let text = "Not run on a GPU: no device was lent to this work.\n\
+                The thread issues each piece; the issue's goal.\n\
+                As asked in issue 72 (and #45); see https://github.com/o/r/issues/12.\n\
+                TODO: the rest. A todo list, files named 00xxx, a session of the queue, excellent.\n";
+    let found: Vec<(usize, String)> = process_words(text);
+    let lines: Vec<usize> = found.iter().map(|(line, _)| *line).collect();
+    assert_eq!(lines, [1, 1, 2, 3, 3, 4], "{found:?}");
+    assert_eq!(found[0].1, "\"was lent\"");
+    assert_eq!(found[1].1, "\"this work\"");
+    assert_eq!(found[3].1, "an issue's number (`issue 72`)");
+    assert_eq!(found[4].1, "an issue's number (`#45`)");
+    assert_eq!(found[5].1, "TODO");
 }
 
 /// Every fenced block of the documents, as (document, block).

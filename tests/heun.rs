@@ -1,4 +1,4 @@
-//! The Rust Heun scheduler (`crates/demo-kit/src/heun.rs`) against diffusers'
+//! The Rust Heun scheduler (`crates/pipelines/src/schedulers/heun.rs`) against diffusers'
 //! `HeunDiscreteScheduler` as `ShapEImg2ImgPipeline` configures it, run by the cached Python
 //! environment (`scripts/reference/heun_reference.py`): sigmas, timesteps and `init_noise_sigma`
 //! equal bit for bit for every step count from 1 to 128 and a spread up to 1024, and whole runs
@@ -12,7 +12,8 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::Duration;
 
-use stageload_demo_kit::heun::{Heun, HeunConfig, HeunError, HeunState};
+use stageload_pipelines::schedulers::heun::{Heun, HeunConfig, HeunError, HeunState};
+use stageload_pipelines::schedulers::Scheduler;
 use tch::{Kind, Tensor};
 
 /// Every step count from 1 to 128, then a spread up to the training schedule's 1024.
@@ -204,6 +205,31 @@ fn a_whole_rust_heun_run_equals_diffusers_run_bit_for_bit_call_by_call() {
                 }
             }
             assert_eq!(heun.step(&sample, &sample).unwrap_err(), HeunError::Finished { calls: 2 * n - 1 });
+        }
+    });
+}
+
+#[test]
+fn a_run_through_the_scheduler_trait_equals_diffusers_run_bit_for_bit_call_by_call() {
+    with_reference(|reference| {
+        for n in RUN_STEPS {
+            let mut heun = Heun::new(&reference.config, n).unwrap_or_else(|e| panic!("{n} steps: {e}"));
+            let timesteps = Scheduler::timesteps(&heun);
+            assert_eq!(timesteps, heun.timesteps().iter().map(|&t| f64::from(t)).collect::<Vec<_>>());
+            let latents = output(reference, &format!("n{n}.latents"));
+            let mut sample = latents * Scheduler::init_noise_sigma(&heun);
+            for (i, t) in timesteps.iter().enumerate() {
+                let at = format!("{n} steps through the trait, call {i} (t = {t})");
+                let scaled = Scheduler::scale_model_input(&heun, &sample, i).unwrap_or_else(|e| panic!("{at}: {e}"));
+                assert_bits_equal(
+                    &format!("{at}: scale_model_input"),
+                    &scaled,
+                    output(reference, &format!("n{n}.scaled.{i}")),
+                );
+                let model_output = output(reference, &format!("n{n}.model_output.{i}"));
+                sample = Scheduler::step(&mut heun, model_output, &sample).unwrap_or_else(|e| panic!("{at}: {e}"));
+                assert_bits_equal(&format!("{at}: step"), &sample, output(reference, &format!("n{n}.prev.{i}")));
+            }
         }
     });
 }

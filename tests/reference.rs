@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::ffi::OsStr;
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use tch::Tensor;
 
@@ -27,15 +27,10 @@ pub fn run(
     })?;
     let log = folder.join("reference.log");
     let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("scripts/reference").join(script);
-    let started = Instant::now();
     let mut command = Command::new(&python);
     command.arg(&script).args(args);
-    stageload_demo_kit::pipeline::run_script(command, "the reference", &log, deadline)?;
-    let tensors = Tensor::read_safetensors(output).map_err(|e| format!("reading {}: {e}", output.display()))?;
-    eprintln!(
-        "{} in {:.1} s",
-        std::fs::read_to_string(&log).unwrap_or_default().trim(),
-        started.elapsed().as_secs_f64()
-    );
-    Ok(tensors.into_iter().collect())
+    let ran = stageload_pipelines::compare::run_reference_script(command, "the reference", &log, output, deadline)
+        .map_err(|e| e.to_string())?;
+    eprintln!("{} in {:.1} s", std::fs::read_to_string(&log).unwrap_or_default().trim(), ran.seconds);
+    Ok(ran.tensors)
 }

@@ -1,4 +1,4 @@
-//! Shap-E image-to-3D in four stages (`crates/demo-kit/src/shap_e.rs`) at the small size of
+//! Shap-E image-to-3D in four stages (`crates/pipelines/src/shap_e/`) at the small size of
 //! `scripts/reference/shap_e_export.py` (2 Heun steps, 32-pixel views, the 128³ mesh grid): the
 //! image embedding, initial and final latents, rendered views, mesh vertices, faces and colours
 //! match diffusers' `ShapEImg2ImgPipeline` on the same weights, pixels and seed
@@ -17,11 +17,13 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use stageload::{BoxError, Event, EventKind, EventSink, ListSink};
-use stageload_demo_kit::clip_image::preprocess;
-use stageload_demo_kit::pipeline::{Difference, Format, Loading, StageRunner, TOLERANCE};
-use stageload_demo_kit::shap_e::files::{write_ply, write_views_png};
-use stageload_demo_kit::shap_e::reference::{compare, run_reference, Reference};
-use stageload_demo_kit::shap_e::{
+use stageload_pipelines::clip_image::preprocess;
+use stageload_pipelines::compare::{Difference, TOLERANCE};
+use stageload_pipelines::export::Format;
+use stageload_pipelines::runner::{Loading, PipelineExport, StageRunner};
+use stageload_pipelines::shap_e::files::{write_ply, write_views_png};
+use stageload_pipelines::shap_e::reference::{compare, run_reference, Reference};
+use stageload_pipelines::shap_e::{
     example_image, generate, Export, ExportError, Generated, RunError, Sampling, Surface,
 };
 use stageload_test_support::torch as support;
@@ -134,7 +136,7 @@ fn with_reference(check: impl FnOnce(&Runs, &Reference)) {
     })
 }
 
-fn mesh(generated: &Generated) -> &stageload_demo_kit::shap_e::Mesh {
+fn mesh(generated: &Generated) -> &stageload_pipelines::shap_e::Mesh {
     match &generated.surface {
         Some(Surface::Mesh(mesh)) => mesh,
         other => panic!("no mesh: {other:?}"),
@@ -154,7 +156,7 @@ fn the_embedding_latents_views_and_mesh_match_diffusers_bit_for_bit() {
             assert_eq!(difference.largest, 0.0, "{what}: {difference}");
             assert!(difference.range > 0.0, "{what} is constant: the comparison says nothing");
         }
-        let rays = stageload_demo_kit::shap_e::pan_rays(SAMPLING.frame_size).unwrap_or_else(|e| panic!("{e}"));
+        let rays = stageload_pipelines::shap_e::pan_rays(SAMPLING.frame_size).unwrap_or_else(|e| panic!("{e}"));
         assert_bits_equal("the cameras' rays", &rays, &reference.tensors["rays"]);
         assert_eq!(generated.timesteps, [1023.0, 0.0, 0.0]);
         // A surface with faces and colours that vary over it: the mesh comparison is not of a

@@ -1,4 +1,4 @@
-//! Stable Diffusion in three stages (`src/stable_diffusion.rs`) at the small size of
+//! Stable Diffusion in three stages (`crates/pipelines/src/stable_diffusion/`) at the small size of
 //! `scripts/reference/sd_export.py` (8x8 latents, a 16x16 image): eager, staged and staged with
 //! prefetch give the same bits; the image, embeddings and final latents match diffusers'
 //! `StableDiffusionPipeline` on the same weights (`scripts/reference/sd_reference.py`, run once
@@ -12,10 +12,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use stageload::{BoxError, Event, EventKind, EventSink, ListSink};
-use stageload_demo_kit::pipeline::Loading;
-use stageload_demo_kit::stable_diffusion::{
-    generate, run_reference, Comparison, Export, Generated, Reference, Sampling,
-};
+use stageload_pipelines::runner::{Loading, PipelineExport};
+use stageload_pipelines::stable_diffusion::reference::{compare, run_reference, Reference};
+use stageload_pipelines::stable_diffusion::{generate, Export, Generated, Sampling};
 use stageload_test_support::torch as support;
 use tch::Kind;
 
@@ -144,12 +143,13 @@ fn eager_staged_and_prefetch_give_the_same_image_embeddings_and_latents_bit_for_
 fn the_image_embeddings_and_final_latents_match_diffusers_within_1e_5_of_their_range() {
     let _generator = support::generator();
     with_reference(|runs, reference| {
-        let comparison = Comparison::of(&runs.eager.generated, reference).unwrap_or_else(|e| panic!("{e}"));
+        let comparison = compare(&runs.eager.generated, reference).unwrap_or_else(|e| panic!("{e}"));
         eprintln!("Rust against diffusers:\n{comparison}");
         assert!(
-            comparison.timesteps_equal,
+            runs.eager.generated.timesteps == reference.timesteps,
             "timesteps: Rust {:?}, diffusers {:?}",
-            runs.eager.generated.timesteps, reference.timesteps
+            runs.eager.generated.timesteps,
+            reference.timesteps
         );
         assert_eq!(comparison.failures(), Vec::<String>::new());
         // The comparison means something only where the clamp to [0, 1] left the pixels alone.

@@ -4,20 +4,31 @@
 //! than the budget leaves beside that working memory, and the process's RSS must grow by no more
 //! than the budget after set-up, within what the working memory's measurement does not cover. A
 //! budget under one block is refused naming both sizes. A run told its result and latents files
-//! through the environment, as `stageload ab` tells each run, writes them there.
+//! through the environment, as `stageload ab` tells each run, writes them there. The benchmark's
+//! knobs are the bench binary `bench_stream`'s: blocks read beside a whole flow change nothing it
+//! computes.
 
 use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
-use stageload_test_support::build::example;
+use stageload_test_support::build::{binary, example};
 use stageload_test_support::pids::wait_for;
 
 const MIB: u64 = 1 << 20;
 
 /// The demo on the CPU at scale 0.25 (64 tokens, 2 steps, checkpoints in `cache`) with `args`.
 fn demo(cache: &Path, args: &[&str]) -> Command {
-    let mut command = Command::new(example("stream"));
+    on_cpu(Command::new(example("stream")), cache, args)
+}
+
+/// The bench binary `bench_stream` as [`demo`] runs the example.
+fn bench(cache: &Path, args: &[&str]) -> Command {
+    on_cpu(Command::new(binary("stageload-bench", "bench_stream")), cache, args)
+}
+
+/// `command` on the CPU at scale 0.25 (64 tokens, 2 steps, checkpoints in `cache`) with `args`.
+fn on_cpu(mut command: Command, cache: &Path, args: &[&str]) -> Command {
     command
         .args(["--device", "cpu", "--scale", "0.25", "--tokens", "64", "--steps", "2", "--cache"])
         .arg(cache)
@@ -84,7 +95,8 @@ fn blocks_read_beside_a_whole_flow_are_all_read_and_change_nothing_it_computes()
     let (cache, result) = (folder.path().join("cache"), folder.path().join("result.json"));
     let whole = run(&cache, &result, &[]);
     // Five blocks over the two calls, dropped from the page cache as they are read.
-    let beside = run(&cache, &result, &["--read-beside", "5", "--uncached"]);
+    finish(bench(&cache, &["--read-beside", "5", "--uncached"]).arg("--result").arg(&result));
+    let beside: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&result).unwrap()).unwrap();
     assert_eq!(beside["fingerprint"], whole["fingerprint"], "{beside}");
     // Blocks 0-4, each its tensors' bytes in the checkpoint (all blocks are the same size).
     let file = std::fs::read_dir(cache.join("cascade-scale-0.25"))
@@ -106,7 +118,7 @@ fn blocks_read_beside_a_whole_flow_are_all_read_and_change_nothing_it_computes()
 
 #[test]
 fn reads_beside_a_streamed_model_are_refused_naming_both_flags() {
-    let out = Command::new(example("stream"))
+    let out = Command::new(binary("stageload-bench", "bench_stream"))
         .args(["--device", "cpu", "--read-beside", "3", "--budget", "60MiB"])
         .output()
         .unwrap();
@@ -147,6 +159,17 @@ fn a_budget_under_one_block_is_refused_with_both_sizes() {
     // The run's pipeline file refuses it before anything is built.
     assert!(stderr.contains("model 'texture_flow': stream: a budget of 4.0 MiB"), "{stderr}");
     assert!(stderr.contains("one block 12."), "the block's size: {stderr}");
+}
+
+#[test]
+fn the_example_leaves_the_benchmark_s_knobs_to_the_bench_binary() {
+    for flag in ["--read-beside", "--uncached", "--route", "--disk-rate", "--cold", "--map-large-blocks", "--buffered"]
+    {
+        let out = Command::new(example("stream")).args(["--device", "cpu", flag]).output().unwrap();
+        assert_eq!(out.status.code(), Some(2), "{flag}");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains(flag), "{flag}: {stderr}");
+    }
 }
 
 #[test]

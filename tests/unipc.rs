@@ -1,4 +1,4 @@
-//! The Rust UniPC scheduler (`crates/demo-kit/src/unipc.rs`) against diffusers'
+//! The Rust UniPC scheduler (`crates/pipelines/src/schedulers/unipc.rs`) against diffusers'
 //! `UniPCMultistepScheduler` as the Wan2.1 text-to-video pipeline configures it, run by the cached
 //! Python environment (`scripts/reference/unipc_reference.py`): the configuration read from the
 //! JSON diffusers writes, timesteps and sigmas equal bit for bit for every step count from 1 to 100
@@ -17,7 +17,8 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use serde_json::json;
-use stageload_demo_kit::unipc::{FinalSigma, UniPc, UniPcConfig, UniPcError, FLOW_SHIFT_720P};
+use stageload_pipelines::schedulers::unipc::{FinalSigma, UniPc, UniPcConfig, UniPcError, FLOW_SHIFT_720P};
+use stageload_pipelines::schedulers::Scheduler;
 use tch::{Device, Kind, Tensor};
 
 /// Every step count from 1 to 100, then a spread up to the training schedule's 1000.
@@ -248,6 +249,29 @@ fn check_runs(reference: &Reference, config_name: &str, dtype: &str) {
         }
         assert_eq!(unipc.step(&sample, &sample).unwrap_err(), UniPcError::Finished { steps: n });
     }
+}
+
+#[test]
+fn a_wan_run_through_the_scheduler_trait_equals_diffusers_bit_for_bit_step_by_step() {
+    with_reference(|reference| {
+        let (_, _, steps) = runs().into_iter().find(|(name, kind, _)| (*name, *kind) == ("wan", "float32")).unwrap();
+        for n in steps {
+            let prefix = format!("wan.float32.n{n}");
+            let mut unipc = UniPc::new(config(reference, "wan"), n).unwrap_or_else(|e| panic!("{prefix}: {e}"));
+            let timesteps = Scheduler::timesteps(&unipc);
+            assert_eq!(timesteps, unipc.timesteps().iter().map(|&t| t as f64).collect::<Vec<_>>());
+            assert_eq!(Scheduler::init_noise_sigma(&unipc), 1.0, "flow matching starts from unscaled noise");
+            let mut sample = output(reference, &format!("{prefix}.sample")).shallow_clone();
+            for i in 0..timesteps.len() {
+                let at = format!("{prefix} through the trait, step {i}");
+                let input = Scheduler::scale_model_input(&unipc, &sample, i).unwrap_or_else(|e| panic!("{at}: {e}"));
+                assert!(input.equal(&sample), "{at}: UniPC's model input is the sample");
+                let model_output = output(reference, &format!("{prefix}.model_output.{i}"));
+                sample = Scheduler::step(&mut unipc, model_output, &sample).unwrap_or_else(|e| panic!("{at}: {e}"));
+                assert_bits_equal(&format!("{at}: step"), &sample, output(reference, &format!("{prefix}.prev.{i}")));
+            }
+        }
+    });
 }
 
 #[test]

@@ -1,4 +1,4 @@
-//! Wan2.1 text-to-video in four stages (`crates/demo-kit/src/wan.rs`) at the small size of
+//! Wan2.1 text-to-video in four stages (`crates/pipelines/src/wan/`) at the small size of
 //! `scripts/reference/wan_export.py` (9 frames of 32 × 32 pixels, sequence length 16, 4 UniPC
 //! steps, guidance 5): the embeddings, initial and final latents, the video and its frames' pixels
 //! match diffusers' `WanPipeline` on the same weights, token ids and seed
@@ -17,10 +17,10 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use stageload::{BoxError, Event, EventKind, EventSink, ListSink, ReloadFrom};
-use stageload_demo_kit::pipeline::Loading;
-use stageload_demo_kit::wan::files::{write_frames, write_gif, FPS};
-use stageload_demo_kit::wan::reference::{compare, run_reference, Reference};
-use stageload_demo_kit::wan::{generate, Export, ExportError, Generated, RunError, Sampling};
+use stageload_pipelines::runner::{Loading, PipelineExport};
+use stageload_pipelines::wan::files::{write_frames, write_gif, FPS};
+use stageload_pipelines::wan::reference::{compare, run_reference, Reference};
+use stageload_pipelines::wan::{generate, Export, ExportError, Generated, RunError, Sampling};
 use stageload_test_support::torch as support;
 use tch::{Kind, Tensor};
 

@@ -6,7 +6,7 @@
 use std::sync::Mutex;
 
 use stageload::{BoxError, Event, EventKind, StagedModels};
-use stageload_demo_kit::pipeline::StageRunner;
+use stageload_pipelines::runner::StageRunner;
 use tch::{Kind, Tensor};
 
 /// One model call as the watching runner saw it: the stage, the model, what was resident.

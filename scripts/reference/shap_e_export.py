@@ -1,6 +1,6 @@
 """Exports the neural parts of diffusers' ShapEImg2ImgPipeline (OpenAI's Shap-E, image to 3D) as
 TorchScript modules with seeded random weights (trained weights cannot be fetched here), for
-stageload's staged Shap-E pipeline (crates/demo-kit/src/shap_e.rs) and for
+stageload's staged Shap-E pipeline (crates/pipelines/src/shap_e/mod.rs) and for
 scripts/reference/shap_e_reference.py, which runs diffusers' own pipeline on the same weights.
 
     python shap_e_export.py --size {small,published} --out DIR

@@ -1,5 +1,5 @@
 """The scheduler of diffusers' ShapEImg2ImgPipeline (openai/shap-e-img2img) and its export for
-stageload's Rust port (crates/demo-kit/src/heun.rs).
+stageload's Rust port (crates/pipelines/src/schedulers/heun.rs).
 
     python shap_e_scheduler.py OUT.json
 

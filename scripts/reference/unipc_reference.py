@@ -1,5 +1,5 @@
 """Reference schedules and runs of diffusers' UniPCMultistepScheduler as the Wan2.1 text-to-video
-pipeline configures it (CPU), for tests/unipc.rs and the Rust port in crates/demo-kit/src/unipc.rs.
+pipeline configures it (CPU), for tests/unipc.rs and the Rust port in crates/pipelines/src/schedulers/unipc.rs.
 
     python unipc_reference.py SPEC.json OUT_DIR
 

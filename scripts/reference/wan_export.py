@@ -1,6 +1,6 @@
 """Exports the three neural parts of diffusers' WanPipeline (Wan2.1 text-to-video 1.3B) as TorchScript
 modules with seeded random weights (trained weights cannot be fetched here), for stageload's staged
-Wan pipeline (crates/demo-kit/src/wan.rs) and for scripts/reference/wan_reference.py, which runs
+Wan pipeline (crates/pipelines/src/wan/mod.rs) and for scripts/reference/wan_reference.py, which runs
 diffusers' own pipeline on the same weights.
 
     python wan_export.py --size {small,published} --out DIR

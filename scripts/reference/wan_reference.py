@@ -1,5 +1,5 @@
 """Runs diffusers' own WanPipeline (text to video) on an export of wan_export.py: the same weights,
-token ids and seed as stageload's Rust pipeline (crates/demo-kit/src/wan.rs), and writes what it
+token ids and seed as stageload's Rust pipeline (crates/pipelines/src/wan/mod.rs), and writes what it
 computed for the comparison.
 
     python wan_reference.py --components DIR --steps N --guidance G --seed S --out OUT.safetensors

@@ -1,7 +1,7 @@
 /* What reads cost a compute beside them: two threads multiply 512x512 matrices with a barrier
  * after each of 120 steps, alone and beside a reader reading the file over and over in 48 MiB
  * blocks by 4 threads in 4 MiB pieces (buffered, direct in place, direct through a bounce
- * buffer). Results: traces/hot-set/direct-reads/README.md.
+ * buffer). Results: traces/hot-set/archive/direct-reads/README.md.
  *
  *     gcc -O2 -pthread crates/bench/c/read-beside-compute.c -o /tmp/read-beside-compute
  *     /tmp/read-beside-compute FILE ROUNDS

@@ -1,7 +1,7 @@
 /* The rate and CPU cost of reading a file past the page cache (O_DIRECT) against buffered reads:
  * the file read in 48 MiB blocks, the page cache dropped first, each block read by N threads in
  * pieces, buffered (each block dropped after it) or direct into one aligned buffer. Results:
- * traces/hot-set/direct-reads/README.md.
+ * traces/hot-set/archive/direct-reads/README.md.
  *
  *     gcc -O2 -pthread crates/bench/c/read-rate.c -o /tmp/read-rate
  *     /tmp/read-rate FILE 2

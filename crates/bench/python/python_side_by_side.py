@@ -35,6 +35,12 @@ import time
 from pathlib import Path
 
 STAGES = ("setup", "encode", "denoise", "decode")
+# the model each stage runs, and the one still resident when it begins (released at its load)
+STAGE_MODELS = {
+    "encode": ("text_encoder", "vae"),
+    "denoise": ("unet", "text_encoder"),
+    "decode": ("vae", "unet"),
+}
 
 
 def vm_hwm() -> int:
@@ -64,8 +70,15 @@ class Stages:
 
     def boundary(self, next_stage: str | None) -> None:
         peak, now = vm_hwm(), time.perf_counter()
-        self.rows.append({"stage": self.stage, "seconds": now - self.start, "peak": peak, "start_rss": self.start_rss,
-                          "end_rss": vm_rss()})
+        self.rows.append(
+            {
+                "stage": self.stage,
+                "seconds": now - self.start,
+                "peak": peak,
+                "start_rss": self.start_rss,
+                "end_rss": vm_rss(),
+            }
+        )
         if next_stage is not None:
             self.reset(next_stage)
 
@@ -74,7 +87,12 @@ def original_pipeline(folder: Path):
     """The original stageload around StableDiffusionPipeline, as its users write it."""
     import stageload as original
     import torch
-    from diffusers import AutoencoderKL, DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+    from diffusers import (
+        AutoencoderKL,
+        DDIMScheduler,
+        StableDiffusionPipeline,
+        UNet2DConditionModel,
+    )
     from transformers import AutoTokenizer, CLIPTextModel
 
     classes = {"text_encoder": CLIPTextModel, "unet": UNet2DConditionModel, "vae": AutoencoderKL}
@@ -116,7 +134,10 @@ def original_pipeline(folder: Path):
                 object.__setattr__(pipe, event.name, standins[event.name])
 
     models = original.StagedModels(
-        {c: (lambda c=c: classes[c].from_pretrained(str(folder), subfolder=c).eval()) for c in classes},
+        {
+            c: (lambda c=c: classes[c].from_pretrained(str(folder), subfolder=c).eval())
+            for c in classes
+        },
         stages={"encode": ["text_encoder"], "denoise": ["unet"], "decode": ["vae"]},
         events=PutBack(),
     )
@@ -151,10 +172,9 @@ def original_pipeline(folder: Path):
 
 
 def run_arm(args) -> None:
+    import diffusers  # noqa: F401  (the baseline holds what every arm imports)
     import numpy as np
     import torch
-
-    import diffusers  # noqa: F401  (the baseline holds what every arm imports)
 
     if args.run != "original":
         import stageload_rs  # noqa: F401
@@ -173,7 +193,6 @@ def run_arm(args) -> None:
         pipe, models, callback = original_pipeline(folder)
     else:
         from diffusers import StableDiffusionPipeline
-
         from stageload_rs.diffusers import staged_pipeline
 
         pipe, models = staged_pipeline(StableDiffusionPipeline, folder, mode=args.run)
@@ -196,9 +215,16 @@ def run_arm(args) -> None:
     runs = []
     for image in range(2):
         stages.boundary("encode")
-        out = pipe(prompt, num_inference_steps=args.steps, guidance_scale=7.5, height=args.size,
-                   width=args.size, generator=torch.Generator().manual_seed(7), output_type="np",
-                   callback_on_step_end=on_step_end)
+        out = pipe(
+            prompt,
+            num_inference_steps=args.steps,
+            guidance_scale=7.5,
+            height=args.size,
+            width=args.size,
+            generator=torch.Generator().manual_seed(7),
+            output_type="np",
+            callback_on_step_end=on_step_end,
+        )
         stages.boundary(None)
         runs.append(stages.rows)
         stages.rows = []
@@ -222,29 +248,97 @@ def drive(args) -> None:
     env = dict(os.environ, MKL_CBWR="COMPATIBLE")
     original = env.get("STAGELOAD_ORIGINAL")
     if not original:
-        raise SystemExit("python_side_by_side: STAGELOAD_ORIGINAL is not set (scripts/setup-reference.sh prints it)")
+        raise SystemExit(
+            "python_side_by_side: STAGELOAD_ORIGINAL is not set (scripts/setup-reference.sh prints it)"
+        )
     env["PYTHONPATH"] = os.pathsep.join(p for p in (original, env.get("PYTHONPATH")) if p)
     arms = args.arms.split(",")
     for round_ in range(args.rounds):
         for arm in arms:
             tag = f"{arm}-{round_ + 1}"
-            command = [args.guard, "guard", "--", sys.executable, __file__, "--run", arm, "--tag", tag,
-                       "--folder", args.folder, "--out", args.out, "--steps", str(args.steps),
-                       "--size", str(args.size)]
+            command = [
+                args.guard,
+                "guard",
+                "--",
+                sys.executable,
+                __file__,
+                "--run",
+                arm,
+                "--tag",
+                tag,
+                "--folder",
+                args.folder,
+                "--out",
+                args.out,
+                "--steps",
+                str(args.steps),
+                "--size",
+                str(args.size),
+            ]
             began = time.time()
             done = subprocess.run(command, env=env, check=False, timeout=3600)
-            print(f"{tag}: exit {done.returncode} in {time.time() - began:.0f} s", file=sys.stderr, flush=True)
+            print(
+                f"{tag}: exit {done.returncode} in {time.time() - began:.0f} s",
+                file=sys.stderr,
+                flush=True,
+            )
             if done.returncode != 0:
                 raise SystemExit(f"python_side_by_side: {tag} failed (exit {done.returncode})")
     if not summarize(out, arms, args):
-        raise SystemExit("python_side_by_side: an arm's images differ from the unwrapped pipeline's")
+        raise SystemExit(
+            "python_side_by_side: an arm's images differ from the unwrapped pipeline's"
+        )
+
+
+def weights(folder: Path, component: str) -> int:
+    """The bytes of a component's tensors: its safetensors files less their headers."""
+    total = 0
+    for file in (folder / component).glob("*.safetensors"):
+        with file.open("rb") as f:
+            total += file.stat().st_size - 8 - int.from_bytes(f.read(8), "little")
+    return total
+
+
+def within_bound(runs: dict, arms: list[str], folder: Path) -> list[str]:
+    """The staged arm's peak per stage against what the stage needs: the arm's own RSS at the end
+    of setup (no model loaded), plus the larger of the model the stage before left resident and
+    the stage's model with its working memory (the rise of the unwrapped pipeline's second image
+    in that stage, every model resident and faulted in before it)."""
+    gib = 1 << 30
+    size = {c: weights(folder, c) for c, _ in STAGE_MODELS.values()}
+
+    def median(arm: str, image: int, stage: str, key) -> float:
+        return statistics.median(
+            key(row) for run in runs[arm] for row in run["images"][image] if row["stage"] == stage
+        )
+
+    lines = [
+        "## Peak against the stage's own weights and working memory",
+        "",
+        "| arm | image | " + " | ".join(f"{s} peak / need" for s in STAGE_MODELS) + " |",
+        "|---|---|" + "---|" * len(STAGE_MODELS),
+    ]
+    for arm in (a for a in arms if a == "staged"):  # prefetch holds the next stage's model too
+        base = median(arm, 0, "setup", lambda r: r["end_rss"])
+        for image in range(2):
+            cells = []
+            for stage, (model, before) in STAGE_MODELS.items():
+                working = median("unwrapped", 1, stage, lambda r: r["peak"] - r["start_rss"])
+                resident = size[before] if (image, stage) != (0, "encode") else 0
+                need = base + max(resident, size[model] + working)
+                peak = median(arm, image, stage, lambda r: r["peak"])
+                cells.append(f"{peak / gib:.3f} / {need / gib:.3f} = {peak / need:.3f}")
+            lines.append(f"| {arm} | {image + 1} | " + " | ".join(cells) + " |")
+    return lines + [""]
 
 
 def summarize(out: Path, arms: list[str], args) -> bool:
     """Writes summary.md; whether every arm's images equal the unwrapped pipeline's."""
     import numpy as np
 
-    runs = {arm: [json.loads(p.read_text()) for p in sorted(out.glob(f"{arm}-*.json"))] for arm in arms}
+    runs = {
+        arm: [json.loads(p.read_text()) for p in sorted(out.glob(f"{arm}-*.json"))] for arm in arms
+    }
     reference = np.load(out / "unwrapped-1.npy") if "unwrapped" in arms else None
     gib = 1 << 30
 
@@ -256,43 +350,64 @@ def summarize(out: Path, arms: list[str], args) -> bool:
     lines = [
         f"# Stable Diffusion, {args.size}x{args.size}, {args.steps} DDIM steps, side by side",
         "",
-        f"Median of {args.rounds} runs per arm, each its own process under `stageload guard`, alternating. "
-        "Peak: VmHWM reset at each boundary (GiB); time in seconds; ratios to the original's.",
+        (
+            f"Median of {args.rounds} runs per arm, each its own process under `stageload guard`, alternating. "
+            "Peak: VmHWM reset at each boundary (GiB); time in seconds; ratios to the original's."
+        ),
         "",
     ]
     for image in range(2):
-        lines += [f"## Image {image + 1}", "", "| arm | " + " | ".join(f"{s} peak | {s} s" for s in STAGES) + " |",
-                  "|---|" + "---|---|" * len(STAGES)]
+        lines += [
+            f"## Image {image + 1}",
+            "",
+            "| arm | " + " | ".join(f"{s} peak | {s} s" for s in STAGES) + " |",
+            "|---|" + "---|---|" * len(STAGES),
+        ]
         for arm in arms:
             cells = []
             for stage in STAGES:
                 try:
-                    cells += [f"{median(arm, image, stage, 'peak') / gib:.3f}", f"{median(arm, image, stage, 'seconds'):.2f}"]
+                    cells += [
+                        f"{median(arm, image, stage, 'peak') / gib:.3f}",
+                        f"{median(arm, image, stage, 'seconds'):.2f}",
+                    ]
                 except statistics.StatisticsError:
                     cells += ["", ""]
             lines.append(f"| {arm} | " + " | ".join(cells) + " |")
         lines.append("")
         if "original" in arms:
-            lines += ["| arm / original | " + " | ".join(f"{s} peak | {s} s" for s in STAGES) + " |",
-                      "|---|" + "---|---|" * len(STAGES)]
+            lines += [
+                "| arm / original | " + " | ".join(f"{s} peak | {s} s" for s in STAGES) + " |",
+                "|---|" + "---|---|" * len(STAGES),
+            ]
             for arm in arms:
                 cells = []
                 for stage in STAGES:
                     try:
-                        cells += [f"{median(arm, image, stage, k) / median('original', image, stage, k):.3f}"
-                                  for k in ("peak", "seconds")]
+                        cells += [
+                            f"{median(arm, image, stage, k) / median('original', image, stage, k):.3f}"
+                            for k in ("peak", "seconds")
+                        ]
                     except (statistics.StatisticsError, ZeroDivisionError):
                         cells += ["", ""]
                 lines.append(f"| {arm} | " + " | ".join(cells) + " |")
             lines.append("")
+    if "unwrapped" in arms:
+        lines += within_bound(runs, arms, Path(args.folder))
     lines += ["## Kept after both images, every model released (GiB), and outputs", ""]
     all_equal = True
     for arm in arms:
         kept = statistics.median(run["kept"] for run in runs[arm]) / gib
         same = ""
         if reference is not None:
-            equal = all(np.array_equal(np.load(p), reference) for p in sorted(out.glob(f"{arm}-*.npy")))
-            same = "both images equal to the unwrapped pipeline's bit for bit" if equal else "IMAGES DIFFER"
+            equal = all(
+                np.array_equal(np.load(p), reference) for p in sorted(out.glob(f"{arm}-*.npy"))
+            )
+            same = (
+                "both images equal to the unwrapped pipeline's bit for bit"
+                if equal
+                else "IMAGES DIFFER"
+            )
             all_equal = all_equal and equal
         lines.append(f"- {arm}: kept {kept:.3f} GiB; {same}")
     (out / "summary.md").write_text("\n".join(lines) + "\n")
@@ -301,7 +416,9 @@ def summarize(out: Path, arms: list[str], args) -> bool:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--folder", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--guard", help="the stageload binary (driver)")
@@ -309,7 +426,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--size", type=int, default=256)
     ap.add_argument("--arms", default="unwrapped,original,staged,prefetch")
-    ap.add_argument("--run", choices=["unwrapped", "original", "staged", "prefetch"], help="one arm, in this process")
+    ap.add_argument(
+        "--run",
+        choices=["unwrapped", "original", "staged", "prefetch"],
+        help="one arm, in this process",
+    )
     ap.add_argument("--tag")
     ap.add_argument("--summarize-only", action="store_true")
     args = ap.parse_args()

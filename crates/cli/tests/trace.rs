@@ -71,6 +71,24 @@ fn summary_prints_tables_and_a_side_by_side_comparison() {
 }
 
 #[test]
+fn summary_lists_a_cascades_setup_stage_once_with_its_weights() {
+    // The cascade's registry enters its own `setup` stage (occurrence 0) 4 ms after the meter
+    // starts: one row from 0 with the models it loaded, not a zero-length row without weights and
+    // then the real one. (Traces written before stage events named their occurrence, such as
+    // traces/cascade/'s, never showed it.)
+    let trace =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../traces/prefetch/huge-pages/cascade5/staged-1.jsonl");
+    let (output, text) = stageload(&["summary", trace.to_str().unwrap()]);
+    assert_eq!(output.status.code(), Some(0), "{text}");
+    let setups: Vec<&str> = text.lines().filter(|line| line.split_whitespace().next() == Some("setup")).collect();
+    assert_eq!(setups.len(), 1, "{text}");
+    let cells: Vec<&str> = setups[0].split_whitespace().collect();
+    assert_eq!(cells[1], "0.00", "the setup row starts at 0: {}", setups[0]);
+    assert_ne!(cells[2], "0.00", "the setup row lasts until the next stage: {}", setups[0]);
+    assert!(!setups[0].ends_with(" 0 B"), "the setup row has the weights loaded in it: {}", setups[0]);
+}
+
+#[test]
 fn summary_and_plot_refuse_missing_and_broken_traces() {
     let folder = scratch("bad");
     let dir = folder.path();

@@ -1,30 +1,13 @@
 //! The command line the demo pipelines share, and its checks.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
 
 use stageload::PrefetchPace;
+use stageload_pipelines::runner::Loading;
 use tch::Device;
 
 use crate::weights::cache_root;
-
-/// How the pipeline loads its models.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum Mode {
-    /// Every model loaded up front and kept (the baseline).
-    Eager,
-    /// Each stage's models loaded on first use and released when a stage does not list them.
-    Staged,
-}
-
-impl Mode {
-    /// `eager` or `staged`, as traces and results name the mode.
-    pub fn name(self) -> &'static str {
-        match self {
-            Mode::Eager => "eager",
-            Mode::Staged => "staged",
-        }
-    }
-}
 
 /// A `--scale`: a finite number above zero.
 pub fn positive_scale(text: &str) -> Result<f64, String> {
@@ -37,14 +20,16 @@ pub fn positive_scale(text: &str) -> Result<f64, String> {
 /// What the examples' command lines share.
 #[derive(Debug, Clone, clap::Args)]
 pub struct CommonArgs {
-    /// eager: load everything up front; staged: per stage
+    /// eager: load everything up front; staged: per stage; prefetch: staged, the next stage's
+    /// models loaded in the background while a stage computes (models built without random
+    /// initialisation)
     #[arg(long, value_enum, default_value = "staged")]
-    pub mode: Mode,
+    mode: Loading,
     /// Model and token sizes relative to the default (1.0: about 3 GB of weights; 4 for bigger machines)
     #[arg(long, default_value_t = 1.0, value_parser = positive_scale)]
     pub scale: f64,
-    /// Seed of the run
-    #[arg(long, default_value_t = 7)]
+    /// Seed of the run (0 to 2^63 - 1: torch's generators take it too)
+    #[arg(long, default_value_t = 7, value_parser = clap::value_parser!(u64).range(..=i64::MAX as u64))]
     pub seed: u64,
     /// Sampler steps per flow stage
     #[arg(long, default_value_t = 3)]
@@ -77,11 +62,10 @@ pub struct CommonArgs {
     /// fresh memory faults in on its own)
     #[arg(long)]
     pub no_huge_pages: bool,
-    /// Staged: load the next stage's models in the background while a stage computes (models
-    /// built without random initialisation)
-    #[arg(long)]
-    pub prefetch: bool,
-    /// With --prefetch: how the background copy into CPU memory goes while the stage computes:
+    /// The same as --mode prefetch (kept for one release)
+    #[arg(long, hide = true)]
+    prefetch: bool,
+    /// With --mode prefetch: how the background copy into CPU memory goes while the stage computes:
     /// auto (paced to a quarter of one core where torch's threads take every core), paced, or
     /// full
     #[arg(long, default_value = "auto", value_parser = |t: &str| t.parse::<PrefetchPace>().map_err(|e| e.to_string()))]
@@ -123,6 +107,20 @@ pub fn parse_device(text: &str) -> Result<Device, String> {
 }
 
 impl CommonArgs {
+    /// `--seed` as torch's generators and the pipelines' noise take it (the parser keeps it at
+    /// most `i64::MAX`, so it is the same number).
+    pub fn torch_seed(&self) -> i64 {
+        self.seed as i64
+    }
+
+    /// How the models load: `--mode` (`--prefetch` with `--mode staged` is `prefetch`).
+    pub fn loading(&self) -> Loading {
+        match (self.mode, self.prefetch) {
+            (Loading::Staged, true) => Loading::Prefetch,
+            (loading, _) => loading,
+        }
+    }
+
     /// The checkpoint folder for `pipeline` at this scale.
     pub fn cache_folder(&self, pipeline: &str) -> PathBuf {
         self.cache.clone().unwrap_or_else(cache_root).join(format!("{pipeline}-scale-{}", self.scale))
@@ -149,7 +147,7 @@ pub struct CompareArgs {
 impl CompareArgs {
     /// The Python to run: `--python`, else `$STAGELOAD_PYTHON`, else the cached environment.
     pub fn python(&self) -> PathBuf {
-        crate::pipeline::python(self.python.as_deref())
+        stageload_pipelines::compare::python(self.python.as_deref())
     }
 
     /// `--python-deadline`.
@@ -175,42 +173,72 @@ pub struct PipelineArgs {
 
 /// Parses the command line of a pipeline example (`examples/stable_diffusion.rs`, `shap_e.rs`,
 /// `wan.rs`): `A`'s arguments with [`CommonArgs`] flattened in, `--steps` and `--device` (default
-/// `cpu`) as `how` says, `--mode` taking `eager`, `staged` or `prefetch` (staged, with
-/// `--prefetch` set), `--scale` hidden (an export has one size), another device than the CPU
+/// `cpu`) as `how` says, `--scale` hidden (an export has one size), another device than the CPU
 /// refused where `how.cpu_only` says so. `common` gives `A`'s [`CommonArgs`].
 pub fn parse_pipeline<A: clap::Parser>(
     how: PipelineArgs,
     common: fn(&mut A) -> &mut CommonArgs,
 ) -> Result<A, clap::Error> {
-    use clap::builder::TypedValueParser;
-
-    let modes = clap::builder::PossibleValuesParser::new(["eager", "staged", "prefetch"]).map(|mode| {
-        if mode == "eager" {
-            Mode::Eager
-        } else {
-            Mode::Staged
-        }
-    });
     let command = A::command()
         .mut_arg("steps", |a| a.default_value(how.steps).help(how.steps_help))
-        .mut_arg("mode", |a| {
-            a.value_parser(modes).help(
-                "eager: load everything up front; staged: per stage; prefetch: staged, the next stage loaded in the \
-                 background",
-            )
-        })
         .mut_arg("device", |a| a.default_value("cpu").help(how.device_help))
         .mut_arg("scale", |a| a.hide(true))
         .after_help(how.example);
     let matches = command.try_get_matches()?;
     let mut args = A::from_arg_matches(&matches)?;
-    if matches.get_raw("mode").into_iter().flatten().any(|raw| raw == "prefetch") {
-        common(&mut args).prefetch = true;
-    }
     if let Some(why) = how.cpu_only.filter(|_| common(&mut args).device != Device::Cpu) {
         return Err(
             A::command().error(clap::error::ErrorKind::ArgumentConflict, format!("{why}: run with --device cpu"))
         );
     }
     Ok(args)
+}
+
+/// No export where a pipeline example looks for it by default.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "no export at {} (the default --components). Make it once ({cost}):\n  $STAGELOAD_PYTHON \
+     scripts/reference/{export} --out {}\n(eval \"$(scripts/setup-libtorch.sh)\"; eval \
+     \"$(scripts/setup-reference.sh)\" sets STAGELOAD_PYTHON and installs torch and diffusers), or give \
+     --components DIR",
+    dir.display(),
+    dir.display()
+)]
+pub struct NoExport {
+    /// The folder looked in.
+    pub dir: PathBuf,
+    /// The export script and its arguments (`sd_export.py --size sd15`).
+    pub export: &'static str,
+    /// What making it takes (`about 7.7 GB`).
+    pub cost: &'static str,
+}
+
+/// The export a pipeline example runs: `given` (`--components`), else `folder` in the stageload
+/// cache, where the published size is exported once. Missing there, the error gives the command
+/// that makes it: `export` (`sd_export.py --size sd15`), which takes `cost` (`about 7.7 GB`).
+pub fn export_folder(
+    given: Option<&Path>,
+    folder: &str,
+    export: &'static str,
+    cost: &'static str,
+) -> Result<PathBuf, NoExport> {
+    if let Some(given) = given {
+        return Ok(given.to_path_buf());
+    }
+    let dir = stageload_pipelines::stageload_cache().join(folder);
+    if dir.join("config.json").is_file() {
+        return Ok(dir);
+    }
+    Err(NoExport { dir, export, cost })
+}
+
+/// A pipeline example's exit: success, or `name: error` on stderr and failure.
+pub fn exit(name: &str, result: Result<(), stageload::BoxError>) -> ExitCode {
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("{name}: {error}");
+            ExitCode::FAILURE
+        }
+    }
 }

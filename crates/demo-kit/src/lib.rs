@@ -9,45 +9,66 @@
 //! - [`run`]: a demo run's plumbing around the registry the example builds: the meter, the
 //!   pipeline file for its mode, residency checks at every call, latent fingerprints, and the
 //!   JSON result tests read.
+//! - [`streaming`]: the stream demo's set-up (its model, checkpoint, pipeline file, command line,
+//!   inputs and outcome), shared by the example and the bench binary `bench_stream`.
 //! - [`sampler`]: the flow sampler and its step schedule.
 //! - [`progress`]: a progress bar for checkpoint loads.
 //! - [`logging`]: the `tracing` subscriber every binary installs (`RUST_LOG`, stderr).
-//! - [`pipeline`]: what the pipelines someone else wrote share: export formats, the registry for
-//!   eager, staged or prefetch, the stage runner, running the Python original and comparing.
-//! - [`stable_diffusion`]: Stable Diffusion over the TorchScript export of
-//!   `scripts/reference/sd_export.py` (text encoder, UNet with DDIM, VAE decoder) in three stages,
-//!   and its comparison against diffusers.
-//! - [`heun`]: diffusers' `HeunDiscreteScheduler` as Shap-E configures it, bit for bit.
-//! - [`clip_image`]: transformers' `CLIPImageProcessor` (PIL backend), bit for bit on PNG inputs.
-//! - [`shap_e`]: Shap-E image-to-3D over the TorchScript export of
-//!   `scripts/reference/shap_e_export.py` (image encoder, prior with Heun, renderer: views and a
-//!   coloured mesh) in four stages, its PLY and PNG outputs, and its comparison against diffusers.
-//! - [`wan`]: Wan2.1 text-to-video over the TorchScript export of
-//!   `scripts/reference/wan_export.py` (umT5 text encoder, transformer with UniPC, video VAE
-//!   decoder) in four stages, its PNG frames and GIF, and its comparison against diffusers.
-//! - [`unipc`]: diffusers' `UniPCMultistepScheduler` as Wan2.1 text-to-video configures it, bit for bit.
+//!
+//! The pipelines written for Python (Stable Diffusion, Shap-E, Wan2.1, their schedulers and the
+//! comparison against the original) are the crate `stageload-pipelines`; a demo run is one of
+//! their `StageRunner`s.
 
 #![warn(missing_docs)]
 
 pub mod args;
 pub mod beside;
-pub mod clip_image;
-pub mod ddim;
-pub mod heun;
 pub mod logging;
 pub mod models;
-pub mod pipeline;
 pub mod progress;
 pub mod run;
 pub mod sampler;
-pub mod shap_e;
-pub mod stable_diffusion;
-pub mod unipc;
-pub mod wan;
+pub mod streaming;
 pub mod weights;
 
-pub use args::{CommonArgs, Mode};
+pub use args::CommonArgs;
+pub use stageload_pipelines::runner::Loading;
+
+/// How the pipeline loads its models: the one name is [`Loading`] (`--mode eager|staged|prefetch`).
+#[deprecated(note = "use Loading (CommonArgs::loading)")]
+pub type Mode = Loading;
 pub use models::{tokens_at, width_at, ModelShape, Transformer, CHANNELS};
 pub use run::{progress_at_terminal, Demo, DemoRun, DemoSpec};
 pub use sampler::{sample_flow, schedule};
 pub use weights::{cached, cached_checkpoint};
+
+/// The ports moved to the crate `stageload-pipelines`; these paths name them for one release.
+macro_rules! moved {
+    ($($name:ident => $path:path;)*) => {$(
+        #[deprecated(note = "moved to the crate stageload-pipelines")]
+        #[doc = concat!("Moved: `", stringify!($path), "`.")]
+        pub mod $name {
+            pub use $path::*;
+        }
+    )*};
+}
+
+moved! {
+    ddim => stageload_pipelines::schedulers::ddim;
+    heun => stageload_pipelines::schedulers::heun;
+    unipc => stageload_pipelines::schedulers::unipc;
+    clip_image => stageload_pipelines::clip_image;
+    stable_diffusion => stageload_pipelines::stable_diffusion;
+    shap_e => stageload_pipelines::shap_e;
+    wan => stageload_pipelines::wan;
+}
+
+/// Moved to the crate `stageload-pipelines` (`export`, `runner`, `compare`, `files`); this path
+/// names them for one release.
+#[deprecated(note = "moved to the crate stageload-pipelines: export, runner, compare, files")]
+pub mod pipeline {
+    pub use stageload_pipelines::compare::*;
+    pub use stageload_pipelines::export::*;
+    pub use stageload_pipelines::files::*;
+    pub use stageload_pipelines::runner::*;
+}

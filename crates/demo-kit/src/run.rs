@@ -1,7 +1,8 @@
 //! A demo run's plumbing around the registry the example builds: the meter, the pipeline file
-//! `stageload plan` checks (eager: everything pinned), residency checks at every model call, the
-//! latents' fingerprints, and at the end a JSON result (`--result FILE`) that tests read instead
-//! of stdout.
+//! `stageload plan` checks (eager: everything pinned), the registry's builder with the options
+//! every example shares ([`Demo::builder`]), residency checks at every model call, the latents'
+//! fingerprints, and at the end a JSON result (`--result FILE`) that tests read instead of
+//! stdout.
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
@@ -15,8 +16,10 @@ use stageload_plan::{ModelEntry, PinEntry, PipelineFile, StageEntry};
 use stageload_units::format_bytes;
 use tch::{Device, Tensor};
 
-use crate::args::{CommonArgs, Mode};
+use crate::args::CommonArgs;
 use crate::progress::progress_bar;
+use stageload::PrefetchPace;
+use stageload_pipelines::runner::{Loading, StageRunner};
 
 /// A demo pipeline: its models, stages in order, models pinned for the whole run and pins over a
 /// span of stages.
@@ -37,6 +40,16 @@ pub struct DemoSpec {
 }
 
 impl DemoSpec {
+    /// A pipeline of `models` run through `stages` in order (each with the models it calls),
+    /// nothing pinned, every model with a checkpoint.
+    pub fn staged(name: &'static str, models: Vec<ModelSpec>, stages: &[(&str, &[&str])]) -> DemoSpec {
+        let stages = stages
+            .iter()
+            .map(|(stage, models)| (stage.to_string(), models.iter().map(|m| m.to_string()).collect()))
+            .collect();
+        DemoSpec { name, models, stages, pinned: Vec::new(), pins: Vec::new(), weights: Vec::new() }
+    }
+
     /// Writes the pipeline description `stageload plan` reads (models with their checkpoint
     /// files, stages, pins) to `path`, replacing it in one rename.
     pub fn write_description(&self, path: &Path, device: Device, host_tier: Option<u64>) -> Result<(), BoxError> {
@@ -112,11 +125,17 @@ struct RunResult {
 
 /// A demo's set-up before its registry: the meter, and the pipeline file written for `stageload
 /// plan` and read back as the plan the registry runs (eager: every model in every stage, all
-/// pinned). The example builds its `StagedModels` over [`plan`](Self::plan) with the meter as
-/// its event sink, then [`run`](Self::run)s it.
+/// pinned). The example builds its `StagedModels` from [`builder`](Self::builder) (the plan, the
+/// meter as its event sink, the command line's options), then [`run`](Self::run)s it.
 pub struct Demo {
-    /// Staged or eager.
-    pub mode: Mode,
+    /// Eager, staged or prefetch.
+    loading: Loading,
+    /// The registry options the command line sets (`--no-preserve-rng`, `--no-host-cache`,
+    /// `--no-huge-pages`, `--prefetch-pace`).
+    preserve_rng: bool,
+    host_cache: bool,
+    huge_pages: bool,
+    prefetch_pace: PrefetchPace,
     /// What the run follows: the description (staged), or every model everywhere (eager).
     plan: stageload_plan::Pipeline,
     meter: Arc<Meter>,
@@ -124,8 +143,6 @@ pub struct Demo {
     /// The trace was not asked for: it goes away after the stage peaks are printed.
     temporary_trace: bool,
     check_residency: bool,
-    /// The next stage's models are loaded ahead (`--prefetch`): they are planned residents too.
-    prefetch: bool,
     latents: Latents,
     result_file: Option<PathBuf>,
     /// The pipeline description written for the run.
@@ -139,19 +156,20 @@ impl Demo {
     /// every model is pinned (nothing is ever released; the example loads them all before seeding).
     pub fn start(spec: &DemoSpec, args: &CommonArgs) -> Result<Demo, BoxError> {
         crate::logging::init();
+        let loading = args.loading();
         let asked = meter::trace_path(args.trace.clone());
         let trace = asked.clone().unwrap_or_else(|| {
             std::env::temp_dir().join(format!("stageload-{}-{}.jsonl", spec.name, std::process::id()))
         });
         let options = MeterOptions::default()
-            .meta("mode", args.mode.name())
+            .meta("mode", mode_name(loading))
             .meta("pipeline", spec.name)
             .meta("scale", args.scale)
             .meta("seed", args.seed)
             .meta("preserve_rng", !args.no_preserve_rng)
             .meta("host_cache", !args.no_host_cache)
             .meta("huge_pages", !args.no_huge_pages)
-            .meta("prefetch", args.prefetch)
+            .meta("prefetch", loading == Loading::Prefetch)
             .meta("prefetch_pace", args.prefetch_pace.to_string())
             .meta("host_tier", args.host_tier.unwrap_or(0))
             .meta("cold", args.cold)
@@ -168,7 +186,7 @@ impl Demo {
         spec.write_description(&description, args.device, args.host_tier)?;
         println!("pipeline description {} (stageload plan reads it)", description.display());
         let mut plan = stageload::Pipeline::load(&description)?;
-        if args.mode == Mode::Eager {
+        if loading == Loading::Eager {
             for stage in &mut plan.stages {
                 stage.models = names.clone();
             }
@@ -176,22 +194,52 @@ impl Demo {
             plan.pins.clear();
         }
         Ok(Demo {
-            mode: args.mode,
+            loading,
+            preserve_rng: !args.no_preserve_rng,
+            host_cache: !args.no_host_cache,
+            huge_pages: !args.no_huge_pages,
+            prefetch_pace: args.prefetch_pace,
             plan,
             meter,
             temporary_trace: asked.is_none(),
             trace,
             latents: Latents::with_env(args.latents.clone()),
             check_residency: args.check_residency,
-            prefetch: args.prefetch,
             result_file: args.result.clone(),
             description,
         })
     }
 
-    /// The plan the registry runs: give it to [`StagedModelsBuilder::pipeline`].
+    /// The plan the registry runs ([`builder`](Self::builder) gives it to the registry).
     pub fn plan(&self) -> &stageload_plan::Pipeline {
         &self.plan
+    }
+
+    /// Eager, staged or prefetch (`--mode`).
+    pub fn loading(&self) -> Loading {
+        self.loading
+    }
+
+    /// The registry's builder with `models` and what every demo sets: the [`plan`](Self::plan),
+    /// the meter as its event sink, the command line's options (generators preserved around
+    /// builds, the host block cache and its huge pages, prefetch and its pace), and a progress
+    /// bar at a terminal. With prefetch, every model is built without random initialisation
+    /// (`skip_init`): a build in the background must draw nothing, every weight comes from the
+    /// checkpoint. The example adds what its lesson adds (a registered generator, ...) and builds.
+    pub fn builder(&self, models: Vec<ModelSpec>) -> StagedModelsBuilder {
+        let prefetch = self.loading == Loading::Prefetch;
+        let mut builder = StagedModels::builder()
+            .events(self.meter())
+            .preserve_rng(self.preserve_rng)
+            .cache_host_blocks(self.host_cache)
+            .huge_host_pages(self.huge_pages)
+            .prefetch_next(prefetch)
+            .prefetch_pace(self.prefetch_pace)
+            .pipeline(&self.plan);
+        for model in models {
+            builder = builder.model(if prefetch { model.skip_init(true) } else { model });
+        }
+        progress_at_terminal(builder)
     }
 
     /// The meter, the registry's event sink: every stage, load and release goes into the trace.
@@ -214,6 +262,16 @@ pub fn progress_at_terminal(builder: StagedModelsBuilder) -> StagedModelsBuilder
     }
 }
 
+impl StageRunner for DemoRun {
+    fn enter(&self, stage: &str) -> Result<(), BoxError> {
+        DemoRun::enter(self, stage)
+    }
+
+    fn call<M: 'static, R>(&self, model: &str, f: impl FnOnce(&mut M) -> R) -> Result<R, BoxError> {
+        DemoRun::call(self, model, f)
+    }
+}
+
 /// A demo run: the registry, and the checks and records around every call.
 pub struct DemoRun {
     /// The registry.
@@ -224,9 +282,15 @@ pub struct DemoRun {
 }
 
 impl DemoRun {
-    /// Staged or eager.
-    pub fn mode(&self) -> Mode {
-        self.demo.mode
+    /// Eager, staged or prefetch (`--mode`).
+    pub fn loading(&self) -> Loading {
+        self.demo.loading
+    }
+
+    /// [`loading`](Self::loading), by its old name.
+    #[deprecated(note = "use DemoRun::loading")]
+    pub fn mode(&self) -> Loading {
+        self.demo.loading
     }
 
     /// Eager mode: loads every model now.
@@ -263,7 +327,8 @@ impl DemoRun {
         let stages = &self.demo.plan.stages;
         let planned: BTreeSet<&String> = index
             .map(|i| {
-                let next = stages.get(i + 1).filter(|_| self.demo.prefetch).map(|s| s.models.iter());
+                let prefetch = self.demo.loading == Loading::Prefetch;
+                let next = stages.get(i + 1).filter(|_| prefetch).map(|s| s.models.iter());
                 stages[i].models.iter().chain(self.demo.plan.pinned_at(i)).chain(next.into_iter().flatten()).collect()
             })
             .unwrap_or_default();
@@ -308,7 +373,7 @@ impl DemoRun {
         self.demo.latents.save()?;
         if let Some(path) = &self.demo.result_file {
             let result = RunResult {
-                mode: self.demo.mode.name().to_string(),
+                mode: mode_name(self.demo.loading).to_string(),
                 latents: self.demo.latents.fingerprints().map(|(n, p)| (n.to_string(), p.to_string())).collect(),
                 calls: std::mem::take(&mut *stageload_trace::sync::lock(&self.calls)),
                 trace: (!self.demo.temporary_trace).then(|| self.demo.trace.clone()),
@@ -318,5 +383,14 @@ impl DemoRun {
             std::fs::write(path, serde_json::to_string_pretty(&result)?)?;
         }
         Ok(())
+    }
+}
+
+/// The mode as traces and results name it: `eager`, or `staged` (prefetch is staged, with the
+/// trace's `prefetch` meta set).
+fn mode_name(loading: Loading) -> &'static str {
+    match loading {
+        Loading::Eager => "eager",
+        Loading::Staged | Loading::Prefetch => "staged",
     }
 }

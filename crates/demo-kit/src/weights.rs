@@ -9,25 +9,14 @@ use tch::Device;
 
 use crate::models::{ModelShape, Transformer};
 
-/// Where the demos cache their checkpoints: `$STAGELOAD_CACHE`, else `$XDG_CACHE_HOME/stageload`,
-/// else `~/.cache/stageload`, else `target/`; then `demo-weights/`.
+/// Where the demos cache their checkpoints: `demo-weights/` in the stageload cache
+/// ([`stageload_cache`]: `$STAGELOAD_CACHE`, else `$XDG_CACHE_HOME/stageload`, else
+/// `~/.cache/stageload`, else `target/`).
 pub fn cache_root() -> PathBuf {
-    let home_cache = || std::env::var_os("HOME").map(|home| PathBuf::from(home).join(".cache"));
-    std::env::var_os("STAGELOAD_CACHE")
-        .map(PathBuf::from)
-        .or_else(|| {
-            std::env::var_os("XDG_CACHE_HOME").map(PathBuf::from).or_else(home_cache).map(|c| c.join("stageload"))
-        })
-        .unwrap_or_else(|| PathBuf::from("target"))
-        .join("demo-weights")
+    stageload_cache().join("demo-weights")
 }
 
-/// The stageload cache: the folder holding `demo-weights/` ([`cache_root`]), the cached Python
-/// environment (`torch-2.13.0/`) and the pipelines' published-size exports.
-pub fn stageload_cache() -> PathBuf {
-    let root = cache_root();
-    root.parent().map(PathBuf::from).unwrap_or(root)
-}
+pub use stageload_pipelines::stageload_cache;
 
 /// Drops `path`'s pages from the page cache (`posix_fadvise(DONTNEED)`): its next read comes
 /// from the disk, as on a cold start.

@@ -141,7 +141,7 @@ pub fn block_bytes(bytes: impl IntoIterator<Item = u64>) -> u64 {
 /// (`O_DIRECT`; `direct` now) after a step that waited `waited` of its `step` seconds for
 /// refills. A direct read costs the forward's cores almost none of a buffered read's CPU (the
 /// kernel's copy out of the page cache, the drop after it) but reads the disk more slowly
-/// (`traces/hot-set/direct-reads/`): it pays where the forward, not the disk, is the limit.
+/// (`traces/hot-set/archive/direct-reads/`): it pays where the forward, not the disk, is the limit.
 /// So a step that waited under [`DIRECT_BELOW`] of its time switches to direct reads, and one
 /// that waited over [`BUFFERED_ABOVE`] back to buffered ones; between the two nothing changes.
 pub fn direct_reads(direct: bool, waited: f64, step: f64) -> bool {

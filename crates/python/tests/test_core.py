@@ -280,6 +280,28 @@ def test_prefetch_brings_the_next_stage_back_in_the_background_bit_for_bit(saved
     assert torch.equal(models["n"][0].weight, second[0].weight)
 
 
+def test_a_host_tier_holds_no_cpu_model_says_so_and_the_reload_reads_the_checkpoint(saved):
+    first = mlp()
+    events = sl.ListSink()
+    models = staged(
+        {"m": mlp, "other": mlp},
+        checkpoints={"m": [saved("m", first)]},
+        host_tier=1 << 30,
+        events=events,
+    )
+    for _ in range(2):
+        models.enter("a")
+        models["m"]
+        models.enter("b")
+    (tier,) = events.of_kind("tier")  # said once, at the first release
+    assert (tier.name, tier.fields["action"]) == ("m", "not_stored")
+    assert "CPU" in tier.fields["detail"]
+    assert tier.fields["tier"] == {"budget": 1 << 30, "used": 0}
+    models.enter("a")
+    assert torch.equal(models["m"][0].weight, first[0].weight)
+    assert {e.fields.get("from") for e in events.of_kind("reload")} == {"in_place"}
+
+
 def test_a_model_without_a_checkpoint_comes_back_from_its_snapshot(tmp_path):
     loader = Counted(mlp)
     events = sl.ListSink()

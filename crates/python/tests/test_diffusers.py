@@ -161,6 +161,45 @@ def test_stages_follow_the_pipelines_own_calls_and_nothing_loads_before_its_stag
     assert [e.stage for e in events.of_kind("stage")][3:] == ["encode", "denoise", "decode"]
 
 
+@pytest.mark.parametrize("pipeline", list(PIPELINES))
+def test_a_staged_pipeline_is_assembled_as_from_pretrained_assembles_it(pipeline: str):
+    cls, path, _ = PIPELINES[pipeline]()
+    pipe, models = staged_pipeline(cls, path)
+    plain = cls.from_pretrained(str(path))
+    assert type(pipe) is cls
+    assert dict(pipe.config) == dict(plain.config)
+    kinds = {name: type(c) for name, c in pipe.components.items()}
+    assert kinds == {name: type(c) for name, c in plain.components.items()}
+    models.close()
+
+
+def answers(module: torch.nn.Module) -> tuple:
+    config = module.config  # transformers: a PretrainedConfig; diffusers: a FrozenDict
+    as_dict = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+    return type(module), module.dtype, module.device, as_dict
+
+
+@pytest.mark.parametrize("pipeline", list(PIPELINES))
+def test_before_its_stage_a_component_holds_no_storage_and_answers_as_the_loaded_model(
+    pipeline: str,
+):
+    cls, path, _ = PIPELINES[pipeline]()
+    pipe, models = staged_pipeline(cls, path)
+    stages = dict(zip(COMPONENTS[pipeline], ["encode", "denoise", "decode"], strict=True))
+    for component, stage in stages.items():
+        shell = getattr(pipe, component)
+        tensors = [*shell.parameters(), *shell.buffers()]
+        assert sum(t.untyped_storage().nbytes() for t in tensors) == 0
+        # what a pipeline asks before the first call (WanPipeline asks the transformer's dtype)
+        before = answers(shell)
+        models.enter(stage)
+        loaded = models[component]
+        assert loaded is shell
+        assert answers(loaded) == before
+        assert sum(t.untyped_storage().nbytes() for t in loaded.parameters()) > 0
+    models.close()
+
+
 def test_a_pipeline_without_a_plan_or_a_component_without_safetensors_is_refused(tmp_path):
     with pytest.raises(ValueError, match="no stage plan for StableDiffusionImg2ImgPipeline"):
         staged_pipeline(diffusers.StableDiffusionImg2ImgPipeline, folder("STAGELOAD_SD_SMALL"))

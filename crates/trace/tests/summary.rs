@@ -278,6 +278,18 @@ fn the_committed_traces_are_read_summarized_and_plotted_with_typed_events() {
         let summary = summarize(&trace);
         // A run may be one stage from its first millisecond (the streamed demo's): no setup window.
         assert!(summary.loads.count > 0 && !summary.stages.is_empty(), "{}", path.display());
+        // One window per stage entry: `setup` once at most (a cascade's own setup stage merges
+        // with the synthetic window before it), and never one occurrence in two windows.
+        let setups = summary.stages.iter().filter(|window| window.stage == "setup").count();
+        assert!(setups <= 1, "{}: setup listed {setups} times", path.display());
+        for pair in summary.stages.windows(2) {
+            assert!(
+                (&pair[0].stage, pair[0].position) != (&pair[1].stage, pair[1].position),
+                "{}: `{}` listed twice in a row",
+                path.display(),
+                pair[0].stage
+            );
+        }
         reloads_in_place += trace
             .records
             .iter()

@@ -7,7 +7,8 @@ use std::path::Path;
 use crate::ab::{build, cascade_arms, guard_flags, Arm, Comparison};
 use crate::shell::{check, words, Error, Failures, Log, Setup, Shell};
 
-/// The hot set's arms: name, and the stream example's flags for it.
+/// The hot set's arms: name, and the flags of the bench binary `bench_stream` (the stream
+/// example with the benchmark's knobs) for it.
 const HOT_SET_ARMS: [(&str, &[&str]); 8] = [
     // The whole model loaded.
     ("resident", &[]),
@@ -34,7 +35,7 @@ const BESIDE: [(&str, &str); 3] = [("hot", "beside-hot"), ("no-hot", "beside-no-
 
 /// The hot set of a streamed model whose forward runs only some blocks per call (a fixed router
 /// over texture_flow's 12 blocks at scale 1: blocks 0 and 1 every call, one of the last three and
-/// one of the middle seven in turn; `stream --route experts`) on the CPU, the arms of
+/// one of the middle seven in turn; `bench_stream --route experts`) on the CPU, the arms of
 /// [`HOT_SET_ARMS`]; once with refills from the page cache, once from the disk (`--cold
 /// --uncached`: the checkpoint's pages dropped before set-up, and each refill drops what it read,
 /// as a model bigger than memory streams). `runs` runs per arm, alternating, under `stageload
@@ -43,8 +44,9 @@ const BESIDE: [(&str, &str); 3] = [("hot", "beside-hot"), ("no-hot", "beside-no-
 pub fn hot_set(shell: &mut Shell, out: &Path, runs: u16) -> Result<(), Error> {
     shell.set_up(&[Setup::Libtorch])?;
     let out = shell.folder(out)?;
-    let stageload = build(shell, &["--example", "stream"])?;
-    let stream = shell.target("debug/examples/stream");
+    let stageload = build(shell, &["--lib"])?;
+    shell.run(&mut shell.cargo(&["build", "-p", "stageload-bench", "--bin", "bench_stream"]))?;
+    let stream = shell.target("debug/bench_stream");
     let log = Log::create(&out.join("bench.log"))?;
     let mut failures = Failures::default();
     for source in ["cache", "disk"] {

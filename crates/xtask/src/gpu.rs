@@ -96,7 +96,7 @@ fn build(shell: &mut Shell, kit: &Path) -> Result<(), Error> {
         }
         pins.push(format!("{name}=={}", version.trim()));
     }
-    // The GPU machine's Python is 3.12 on x86-64 (../.library/device).
+    // The GPU machine's Python is 3.12 on x86-64 (the GPU machine's image).
     let wheels = staged.join("wheels").display().to_string();
     let mut download = shell.cmd(
         "python3",

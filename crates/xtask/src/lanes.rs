@@ -25,11 +25,12 @@ const TORCH_FREE: [&str; 9] = [
 ];
 
 /// The crates that link libtorch: every other workspace member.
-const TORCH: [&str; 6] = [
+const TORCH: [&str; 7] = [
     "stageload",
     "stageload-torch-sys",
     "stageload-build",
     "stageload-demo-kit",
+    "stageload-pipelines",
     "stageload-bench",
     "stageload-test-support",
 ];

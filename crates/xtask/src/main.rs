@@ -44,15 +44,19 @@ enum Task {
         #[arg(last = true)]
         args: Vec<String>,
     },
-    /// The README's main job: the cascade eager, staged and staged with prefetch under
-    /// `stageload ab`, the plan checked against the runs, then the stream demo, and Stable
-    /// Diffusion, Shap-E and Wan2.1 at their published sizes against diffusers
+    /// The README's main job, about 6 minutes on 2 cores after its build: the cascade eager,
+    /// staged and staged with prefetch under `stageload ab`, the plan checked against the runs,
+    /// then block streaming, and Stable Diffusion, Shap-E and Wan2.1 at small sizes against
+    /// diffusers
     Demo {
         /// The folder for every file
         #[arg(long, default_value = "target/demo")]
         out: PathBuf,
-        /// Parts to leave out, comma-separated (the published-size pipelines take about 25
-        /// minutes each here, and their exports once more)
+        /// The pipelines at their published sizes, streaming's step times and hot set, and Python
+        /// beside the original: about an hour on 2 cores, and the exports once more the first time
+        #[arg(long)]
+        published: bool,
+        /// Parts to leave out, comma-separated
         #[arg(long, value_delimiter = ',', value_enum)]
         skip: Vec<demos::Part>,
         /// More cascade arguments for every run (e.g. --scale 0.1)
@@ -148,7 +152,10 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let done = shell::Shell::here().and_then(|mut shell| match cli.task {
         Task::Test { torch_free, args } => lanes::test(&mut shell, torch_free, &args),
-        Task::Demo { out, skip, cascade } => demos::demo(&mut shell, &out, &skip, &cascade),
+        Task::Demo { out, published, skip, cascade } => {
+            let sizes = if published { demos::Sizes::Published } else { demos::Sizes::Small };
+            demos::demo(&mut shell, &out, &skip, &cascade, sizes)
+        }
         Task::Example { name, release, args } => demos::example(&mut shell, &name, release, &args),
         Task::StreamDemo { out } => demos::stream_demo(&mut shell, &out),
         Task::SdDemo { out } => demos::sd_demo(&mut shell, &out),

@@ -2,8 +2,8 @@
 
 ``staged_pipeline(StableDiffusionPipeline, folder)`` gives the pipeline object diffusers would
 give, and the registry behind it. Each model component (the UNet, the VAE, the text encoder) is
-in the pipeline from the start as an empty module of its class, built from its config (its
-tensors allocated, not touched: no memory in use); the first call into it enters its stage and
+in the pipeline from the start as a placeholder of its class (its config, no submodule, no
+storage: see :func:`empty_component`); the first call into it enters its stage and
 loads it with the class's own ``from_pretrained``, whose module it then becomes (the module's
 state moves into the object the pipeline holds). A release frees its storages in place; the next
 call refills them from the folder's safetensors files, into the same objects. The non-model
@@ -121,20 +121,33 @@ def _loaded_dtypes(
 def empty_component(
     cls: type, folder: Path, component: str, dtypes: dict[str, torch.dtype]
 ) -> nn.Module:
-    """The component as its class builds it from its config, its tensors allocated on the CPU in
-    ``dtypes`` (those ``from_pretrained`` will give them) and not touched (the pages come when
-    something is written)."""
+    """An instance of ``cls`` that holds the component's place until its first load: its config
+    and attributes as the class builds them from the folder's config, no submodule, and one
+    empty parameter (no storage) in the dtype ``from_pretrained`` will give the model, so that
+    what the pipeline asks before the first call (``device``, ``dtype``, ``config``) has the
+    loaded model's answer. Its first load moves the loaded model's state in (:func:`adopt`)."""
     path = str(folder / component)
     with torch.device("meta"):
         if hasattr(cls, "config_class") and hasattr(cls, "_from_config"):  # transformers
-            module = cls._from_config(cls.config_class.from_pretrained(path))
+            config = cls.config_class.from_pretrained(path)
+            config.name_or_path = str(folder)  # as from_pretrained(folder, subfolder=...) says
+            built = cls._from_config(config)
         else:  # diffusers
-            module = cls.from_config(cls.load_config(path))
+            built = cls.from_config(cls.load_config(path))
+            built.register_to_config(_name_or_path=str(folder))  # as from_pretrained does
     with torch.no_grad():
-        for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+        for name, tensor in [*built.named_parameters(), *built.named_buffers()]:
             if name in dtypes and tensor.dtype != dtypes[name]:
                 tensor.data = tensor.data.to(dtypes[name])
-    return module.to_empty(device="cpu").eval()
+    dtype = built.dtype  # the class's own rule (first floating tensor, fp32-kept modules skipped)
+    shell = cls.__new__(cls)
+    nn.Module.__init__(shell)
+    emptied = {"_parameters", "_buffers", "_non_persistent_buffers_set", "_modules"}
+    shell.__dict__.update((k, v) for k, v in built.__dict__.items() if k not in emptied)
+    shell.register_parameter(
+        "stageload_placeholder", nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
+    )
+    return shell.eval()
 
 
 # nn.Module's hook tables (a hook's handle holds its table, so the shell's tables stay)
@@ -150,14 +163,10 @@ _HOOKS = (
 def adopt(shell: nn.Module, loaded: nn.Module) -> nn.Module:
     """Makes ``shell`` the module ``loaded`` is: its whole state (submodules, tensors, config,
     flags, hooks) moves in, and what was set on ``shell`` (the stage hooks) stays."""
-    foreseen = {name: t.dtype for name, t in shell.state_dict().items()}
-    differ = sorted(
-        n for n, t in loaded.state_dict().items() if n in foreseen and foreseen[n] != t.dtype
-    )
-    if differ:
+    if shell.dtype != loaded.dtype:
         warnings.warn(
-            f"{type(loaded).__name__}: before its load, {len(differ)} tensor(s) had another dtype than "
-            f"from_pretrained gave them (first: {differ[0]}); pass torch_dtype= to staged_pipeline",
+            f"{type(loaded).__name__}: before its load its dtype was {shell.dtype}, and "
+            f"from_pretrained gave it {loaded.dtype}; pass torch_dtype= to staged_pipeline",
             stacklevel=3,
         )
     state = dict(loaded.__dict__)

@@ -19,7 +19,7 @@
 //! - **denoise**: for each of the `2N - 1` Heun calls at timestep t (a 0-d float32 tensor): the
 //!   prior on `scale_model_input(cat([x, x]))`, its first D output channels (`split(D, dim=2)[0]`)
 //!   chunked into (uncond, cond), `uncond + G * (cond - uncond)`, then the Heun step
-//!   ([`crate::heun`]).
+//!   ([`crate::schedulers::heun`]).
 //! - **decode**: the renderer's `forward` projects the latent into the weights of the MLP's first
 //!   four layers. Views: the 20 pan cameras' rays ([`pan_rays`]) in batches of 4096, each batch
 //!   after `manual_seed(0)` (diffusers' `StratifiedRaySampler` reseeds torch's global generators
@@ -45,16 +45,17 @@ pub mod files;
 pub mod reference;
 
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 
 use serde::Deserialize;
 use stageload::rng::PreservedRng;
-use stageload::{BoxError, EventSink, ModelSpec, StagedModels};
+use stageload::{BoxError, ModelSpec};
 use tch::{CModule, IValue, Kind, Tensor};
 
 use crate::clip_image::ClipImageConfig;
-use crate::heun::{Heun, HeunConfig};
-use crate::pipeline::{ComponentFiles, Format, Loading, StageRunner};
+pub use crate::export::ExportError;
+use crate::export::{component_spec, ComponentFiles, ExportDir, Format, Scripts};
+use crate::runner::{PipelineExport, StageRunner};
+use crate::schedulers::heun::{Heun, HeunConfig};
 
 /// The three models, in the order the pipeline runs them.
 pub const MODELS: [&str; 3] = ["image_encoder", "prior", "renderer"];
@@ -83,60 +84,9 @@ const BBOX: ([f32; 3], [f32; 3]) = ([-1.0; 3], [1.0; 3]);
 const MAX_LATENT: i64 = 1 << 24;
 /// The export format this file reads.
 const FORMAT: u32 = 1;
-
-/// Why an export could not be read or is not one this pipeline runs. Each variant names the file.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum ExportError {
-    /// A file cannot be read.
-    #[error("cannot read {}: {source}; export the components with scripts/reference/shap_e_export.py --size small|published --out DIR", path.display())]
-    Read {
-        /// The file.
-        path: PathBuf,
-        /// The system's error.
-        source: std::io::Error,
-    },
-    /// `config.json` is not the JSON `shap_e_export.py` writes.
-    #[error("{} is not the config.json scripts/reference/shap_e_export.py writes: {source}", path.display())]
-    Parse {
-        /// The file.
-        path: PathBuf,
-        /// The JSON parser's error.
-        source: serde_json::Error,
-    },
-    /// The export describes something this pipeline does not run.
-    #[error("{}: {message}", path.display())]
-    Unsupported {
-        /// The file.
-        path: PathBuf,
-        /// What does not agree.
-        message: String,
-    },
-    /// The scheduler's file cannot be read or describes another scheduler.
-    #[error("{}: {source}", path.display())]
-    Scheduler {
-        /// The file.
-        path: PathBuf,
-        /// The scheduler port's error.
-        source: crate::heun::HeunError,
-    },
-    /// A `.pt2` package is missing: `--format pt2` needs them compiled.
-    #[error("cannot read {}: {source}; compile the packages with scripts/reference/shap_e_pt2.py --components DIR", path.display())]
-    MissingPackage {
-        /// The package or its checkpoint.
-        path: PathBuf,
-        /// The system's error.
-        source: std::io::Error,
-    },
-    /// The image processor's file cannot be read.
-    #[error("{}: {source}", path.display())]
-    Preprocessor {
-        /// The file.
-        path: PathBuf,
-        /// The processor port's error.
-        source: crate::clip_image::ClipImageError,
-    },
-}
+/// The scripts that make an export: named in every [`ExportError`].
+pub const SCRIPTS: Scripts =
+    Scripts { export: "shap_e_export.py", sizes: "small|published", pt2: Some("shap_e_pt2.py") };
 
 /// Why a run could not start or a model's output is not what the pipeline expects.
 #[derive(Debug, thiserror::Error)]
@@ -235,9 +185,8 @@ pub struct Components {
 /// An export read and checked.
 #[derive(Debug, Clone)]
 pub struct Export {
-    dir: PathBuf,
+    read: ExportDir<ExportConfig>,
     format: Format,
-    config: ExportConfig,
     scheduler: HeunConfig,
     preprocessor: ClipImageConfig,
 }
@@ -254,19 +203,10 @@ impl Export {
     /// `dir/pt2` (the renderer stays TorchScript: torch.export refuses its data-dependent ray
     /// sampling and marching cubes).
     pub fn open_as(dir: impl Into<PathBuf>, format: Format) -> Result<Export, ExportError> {
-        let dir = dir.into();
-        let path = dir.join("config.json");
-        let text = std::fs::read_to_string(&path).map_err(|source| ExportError::Read { path: path.clone(), source })?;
-        let config: ExportConfig =
-            serde_json::from_str(&text).map_err(|source| ExportError::Parse { path: path.clone(), source })?;
-        let unsupported = |message: String| ExportError::Unsupported { path: path.clone(), message };
-        if config.format != FORMAT {
-            return Err(unsupported(format!(
-                "format {} is not {FORMAT}, the one this pipeline reads; export again with scripts/reference/shap_e_export.py",
-                config.format
-            )));
-        }
-        let c = &config;
+        let read: ExportDir<ExportConfig> = ExportDir::read(dir, SCRIPTS)?;
+        let unsupported = |message: String| read.unsupported(message);
+        read.check_format(read.config().format, FORMAT)?;
+        let c = read.config();
         // diffusers fixes these sizes, and the renderer's methods are traced and checked at them.
         let fixed = [
             ("image_size", c.image_size, IMAGE_SIZE),
@@ -295,35 +235,26 @@ impl Export {
                  rows (a positive multiple of 4) by a width, at most {MAX_LATENT} values"
             )));
         }
-        let scheduler_path = dir.join(&c.scheduler);
+        let scheduler_path = read.dir().join(&c.scheduler);
         let scheduler = HeunConfig::from_json_file(&scheduler_path)
-            .map_err(|source| ExportError::Scheduler { path: scheduler_path, source })?;
-        let preprocessor_path = dir.join(&c.preprocessor);
+            .map_err(|source| ExportError::Scheduler { path: scheduler_path, source: source.into() })?;
+        let preprocessor_path = read.dir().join(&c.preprocessor);
         let preprocessor = ClipImageConfig::from_json_file(&preprocessor_path)
             .map_err(|source| ExportError::Preprocessor { path: preprocessor_path, source })?;
-        let export = Export { dir, format, config, scheduler, preprocessor };
-        for (model, module, weights) in export.files() {
-            for file in [module, weights] {
-                std::fs::metadata(&file).map_err(|source| match file.parent() == Some(&export.dir.join("pt2")) {
-                    true => ExportError::MissingPackage { path: file.clone(), source },
-                    false => ExportError::Read { path: file.clone(), source },
-                })?;
-                if !file.is_file() {
-                    return Err(unsupported(format!("{model}'s {} is not a regular file", file.display())));
-                }
-            }
-        }
+        let export = Export { read, format, scheduler, preprocessor };
+        let files = export.files().into_iter().flat_map(|(model, module, weights)| [(model, module), (model, weights)]);
+        export.read.check_files(files)?;
         Ok(export)
     }
 
     /// The export's folder.
     pub fn dir(&self) -> &Path {
-        &self.dir
+        self.read.dir()
     }
 
     /// Its `config.json`.
     pub fn config(&self) -> &ExportConfig {
-        &self.config
+        self.read.config()
     }
 
     /// The scheduler's configuration with its `log_sigmas` table.
@@ -343,40 +274,33 @@ impl Export {
 
     /// Each model with its module file and its checkpoint, in the order of [`MODELS`].
     pub fn files(&self) -> [(&'static str, PathBuf, PathBuf); 3] {
-        let c = &self.config.components;
+        let (c, dir) = (&self.config().components, self.dir());
         [(MODELS[0], &c.image_encoder), (MODELS[1], &c.prior), (MODELS[2], &c.renderer)].map(|(name, files)| {
             if self.format == Format::Pt2 && name != "renderer" {
-                let pt2 = self.dir.join("pt2");
+                let pt2 = dir.join("pt2");
                 (name, pt2.join(format!("{name}.pt2")), pt2.join(format!("{name}.safetensors")))
             } else {
-                (name, self.dir.join(&files.file), self.dir.join(&files.weights))
+                (name, dir.join(&files.file), dir.join(&files.weights))
             }
         })
-    }
-
-    /// The three models: each its module (a TorchScript file or a `.pt2` package), with its
-    /// safetensors as the checkpoint that refills it after a release.
-    pub fn model_specs(&self) -> Vec<ModelSpec> {
-        self.files()
-            .into_iter()
-            .map(|(name, module, weights)| match module.extension().and_then(|e| e.to_str()) {
-                Some("pt2") => ModelSpec::pt2(name, module, [weights]),
-                _ => ModelSpec::torchscript(name, module).checkpoint([weights]),
-            })
-            .collect()
-    }
-
-    /// A registry of the three models on the CPU for `loading`, its events to `events`. Eager:
-    /// every model pinned and loaded now.
-    pub fn registry(&self, loading: Loading, events: Option<Arc<dyn EventSink>>) -> Result<StagedModels, BoxError> {
-        crate::pipeline::registry(self.model_specs(), STAGES, loading, events)
     }
 
     /// The initial noise of `seed`, before scaling: `tch::manual_seed(seed)`, then `randn([1, E * D])`
     /// from torch's CPU generator (what `torch.Generator().manual_seed(seed)` draws).
     pub fn noise(&self, seed: i64) -> Tensor {
+        let c = self.config();
         tch::manual_seed(seed);
-        Tensor::randn([1, self.config.num_embeddings * self.config.embedding_dim], (Kind::Float, tch::Device::Cpu))
+        Tensor::randn([1, c.num_embeddings * c.embedding_dim], (Kind::Float, tch::Device::Cpu))
+    }
+}
+
+impl PipelineExport for Export {
+    const STAGES: &'static [(&'static str, &'static [&'static str])] = &STAGES;
+
+    /// The three models: each its module (a TorchScript file or a `.pt2` package), with its
+    /// safetensors as the checkpoint that refills it after a release.
+    fn model_specs(&self) -> Vec<ModelSpec> {
+        self.files().into_iter().map(|(name, module, weights)| component_spec(name, module, Some(weights))).collect()
     }
 }
 
@@ -466,7 +390,7 @@ fn forward(
     inputs: &[Tensor],
     shape: &[i64],
 ) -> Result<Tensor, BoxError> {
-    checked(crate::pipeline::forward(runner, format, model, inputs)?, model, "forward", shape)
+    checked(crate::runner::forward(runner, format, model, inputs)?, model, "forward", shape)
 }
 
 /// Calls `method` and takes its tuple of `n` tensors.

@@ -4,13 +4,16 @@
 use std::collections::HashMap;
 use std::path::Path;
 use std::process::Command;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use stageload::BoxError;
 use tch::Tensor;
 
 use super::{Export, Generated, Sampling};
-use crate::pipeline::{reference_script, run_script, Comparison, Difference};
+pub use crate::compare::Comparison;
+use crate::compare::{
+    read_summary, reference_script, reference_tensor, run_reference_script, Difference, ScriptOutput,
+};
 
 /// What diffusers computed.
 #[derive(Debug)]
@@ -48,12 +51,10 @@ pub fn run_reference(
         .arg(&output)
         .arg("--summary")
         .arg(&summary);
-    let started = Instant::now();
-    run_script(command, "diffusers' WanPipeline", &folder.join("reference.log"), deadline)?;
-    let seconds = started.elapsed().as_secs_f64();
-    let tensors = Tensor::read_safetensors(&output)?.into_iter().collect();
-    let text = std::fs::read_to_string(&summary).map_err(|e| format!("reading {}: {e}", summary.display()))?;
-    let summary = serde_json::from_str(&text).map_err(|e| format!("{}: {e}", summary.display()))?;
+    let log = folder.join("reference.log");
+    let ScriptOutput { tensors, seconds } =
+        run_reference_script(command, "diffusers' WanPipeline", &log, &output, deadline)?;
+    let summary = read_summary(&summary)?;
     Ok(Reference { tensors, summary, seconds })
 }
 
@@ -62,7 +63,7 @@ pub fn run_reference(
 /// video; the timesteps and the frames' pixels equal or not. A tensor the reference did not write
 /// is an error.
 pub fn compare(generated: &Generated, reference: &Reference) -> Result<Comparison, BoxError> {
-    let get = |name: &str| reference.tensors.get(name).ok_or_else(|| format!("the reference wrote no {name}"));
+    let get = |name: &str| reference_tensor(&reference.tensors, name);
     let mut differences = Vec::new();
     let mut equal = Vec::new();
     let pairs = [

@@ -4,13 +4,16 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use stageload::BoxError;
 use tch::Tensor;
 
 use super::{Export, Generated, Sampling, Surface};
-use crate::pipeline::{reference_script, run_script, Comparison, Difference};
+pub use crate::compare::Comparison;
+use crate::compare::{
+    read_summary, reference_script, reference_tensor, run_reference_script, Difference, ScriptOutput,
+};
 
 /// What diffusers computed.
 #[derive(Debug)]
@@ -63,12 +66,10 @@ pub fn run_reference(
     } else {
         command.arg("--no-mesh");
     }
-    let started = Instant::now();
-    run_script(command, "diffusers' ShapEImg2ImgPipeline", &folder.join("reference.log"), deadline)?;
-    let seconds = started.elapsed().as_secs_f64();
-    let tensors = Tensor::read_safetensors(&output)?.into_iter().collect();
-    let text = std::fs::read_to_string(&summary).map_err(|e| format!("reading {}: {e}", summary.display()))?;
-    let summary = serde_json::from_str(&text).map_err(|e| format!("{}: {e}", summary.display()))?;
+    let log = folder.join("reference.log");
+    let ScriptOutput { tensors, seconds } =
+        run_reference_script(command, "diffusers' ShapEImg2ImgPipeline", &log, &output, deadline)?;
+    let summary = read_summary(&summary)?;
     let ply = ply.is_file().then_some(ply);
     Ok(Reference { tensors, summary, seconds, ply })
 }
@@ -76,7 +77,7 @@ pub fn run_reference(
 /// The differences between `generated` and `reference`. A tensor the run made and the reference
 /// did not write is an error; a mesh on one side only is a failed check.
 pub fn compare(generated: &Generated, reference: &Reference) -> Result<Comparison, BoxError> {
-    let get = |name: &str| reference.tensors.get(name).ok_or_else(|| format!("the reference wrote no {name}"));
+    let get = |name: &str| reference_tensor(&reference.tensors, name);
     let mut differences = vec![
         ("image_embeds", Difference::of("image_embeds", &generated.image_embeds, get("image_embeds")?)?),
         ("initial_latents", Difference::of("initial_latents", &generated.initial_latents, get("initial_latents")?)?),

@@ -39,7 +39,7 @@ impl DdimConfig {
     }
 }
 
-/// Why a scheduler could not be built.
+/// Why a scheduler could not be built or a step could not be taken.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum DdimError {
@@ -68,6 +68,12 @@ pub enum DdimError {
         /// The training schedule's steps.
         train_steps: i64,
     },
+    /// [`Scheduler::step`](super::Scheduler::step) was called after the last timestep.
+    #[error("the run's {steps} steps are all taken; build a new scheduler for another run")]
+    Finished {
+        /// The inference steps the scheduler is set to.
+        steps: i64,
+    },
 }
 
 /// A DDIM scheduler set to a number of inference steps (diffusers' `DDIMScheduler` after
@@ -79,6 +85,8 @@ pub struct Ddim {
     alphas_cumprod: Tensor,
     final_alpha_cumprod: Tensor,
     timesteps: Vec<i64>,
+    /// The index in `timesteps` of the next [`Scheduler::step`](super::Scheduler::step).
+    next: usize,
 }
 
 impl Ddim {
@@ -113,12 +121,20 @@ impl Ddim {
         } else {
             alphas_cumprod.select(0, 0)
         };
-        Ok(Ddim { config, inference_steps, alphas_cumprod, final_alpha_cumprod, timesteps })
+        Ok(Ddim { config, inference_steps, alphas_cumprod, final_alpha_cumprod, timesteps, next: 0 })
     }
 
     /// The inference timesteps, descending (diffusers' `scheduler.timesteps`).
     pub fn timesteps(&self) -> &[i64] {
         &self.timesteps
+    }
+
+    /// The timestep of the next [`Scheduler::step`](super::Scheduler::step), which moves past it;
+    /// `None` once every one was taken.
+    pub(super) fn next_timestep(&mut self) -> Option<i64> {
+        let timestep = self.timesteps.get(self.next).copied();
+        self.next += timestep.is_some() as usize;
+        timestep
     }
 
     /// The cumulative alpha products of the training schedule: `train_steps` float32 values.

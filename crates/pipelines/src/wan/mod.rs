@@ -24,7 +24,7 @@
 //!   `prepare_latents`): T = (frames - 1) / 4 + 1 latent frames, h × w = the frame size / 8.
 //! - **denoise**: for each UniPC timestep t: the transformer on `latents.to(bfloat16)`, `[t]`
 //!   (int64) and the prompt's embeddings, then (guidance above 1) on the negative embeddings,
-//!   `uncond + G * (cond - uncond)` in bfloat16, then the UniPC step ([`crate::unipc`]) in float32.
+//!   `uncond + G * (cond - uncond)` in bfloat16, then the UniPC step ([`crate::schedulers::unipc`]) in float32.
 //! - **decode**: the VAE decoder's module runs what the pipeline runs after the loop:
 //!   `latents / (1 / latents_std) + latents_mean`, then `AutoencoderKLWan.decode`, which decodes
 //!   one latent frame at a time with its causal convolution cache (the export traced that loop, so
@@ -41,14 +41,15 @@ pub mod files;
 pub mod reference;
 
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 
 use serde::Deserialize;
-use stageload::{BoxError, EventSink, ModelSpec, StagedModels};
+use stageload::{BoxError, ModelSpec};
 use tch::{Device, Kind, Tensor};
 
-use crate::pipeline::{forward, registry, Format, Loading, StageRunner};
-use crate::unipc::{UniPc, UniPcConfig, UniPcError};
+pub use crate::export::ExportError;
+use crate::export::{component_spec, ExportDir, Format, Scripts};
+use crate::runner::{forward, PipelineExport, StageRunner};
+use crate::schedulers::unipc::{UniPc, UniPcConfig};
 
 /// The three models, in the order the pipeline runs them.
 pub const MODELS: [&str; 3] = ["text_encoder", "transformer", "vae_decoder"];
@@ -69,46 +70,10 @@ const MAX_FRAMES: i64 = 257;
 const MAX_SIDE: i64 = 2048;
 /// The export format this file reads.
 const FORMAT: u32 = 1;
+/// The scripts that make an export: named in every [`ExportError`].
+pub const SCRIPTS: Scripts = Scripts { export: "wan_export.py", sizes: "small|published", pt2: None };
 /// umT5's padding id.
 const PAD: i64 = 0;
-
-/// Why an export could not be read or is not one this pipeline runs. Each variant names the file.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum ExportError {
-    /// A file cannot be read.
-    #[error("cannot read {}: {source}; export the components with scripts/reference/wan_export.py --size small|published --out DIR", path.display())]
-    Read {
-        /// The file.
-        path: PathBuf,
-        /// The system's error.
-        source: std::io::Error,
-    },
-    /// `config.json` is not the JSON `wan_export.py` writes.
-    #[error("{} is not the config.json scripts/reference/wan_export.py writes: {source}", path.display())]
-    Parse {
-        /// The file.
-        path: PathBuf,
-        /// The JSON parser's error.
-        source: serde_json::Error,
-    },
-    /// The export describes something this pipeline does not run.
-    #[error("{}: {message}", path.display())]
-    Unsupported {
-        /// The file.
-        path: PathBuf,
-        /// What does not agree.
-        message: String,
-    },
-    /// The scheduler's configuration is not one the UniPC port runs.
-    #[error("{}: the scheduler: {source}", path.display())]
-    Scheduler {
-        /// The file.
-        path: PathBuf,
-        /// The port's error.
-        source: UniPcError,
-    },
-}
 
 /// Why a run could not start or a model's output is not what the pipeline expects.
 #[derive(Debug, thiserror::Error)]
@@ -184,7 +149,7 @@ pub struct ModuleFile {
     /// The TorchScript file.
     pub file: String,
     /// Its safetensors checkpoint, if the export wrote one (not for the text encoder: see
-    /// [`Export::model_specs`]).
+    /// [`PipelineExport::model_specs`]).
     #[serde(default)]
     pub weights: Option<String>,
     /// Its parameters' and buffers' bytes (the plan's size for a module without a checkpoint).
@@ -256,8 +221,7 @@ pub struct ExportConfig {
 /// An export read and checked.
 #[derive(Debug, Clone)]
 pub struct Export {
-    dir: PathBuf,
-    config: ExportConfig,
+    read: ExportDir<ExportConfig>,
     scheduler: UniPcConfig,
     prompt_ids: Vec<i64>,
     negative_ids: Vec<i64>,
@@ -267,19 +231,10 @@ impl Export {
     /// Reads `dir/config.json`, checks that its sizes are ones the pipeline runs, reads its
     /// scheduler's configuration, and checks that every file it names is there.
     pub fn open(dir: impl Into<PathBuf>) -> Result<Export, ExportError> {
-        let dir = dir.into();
-        let path = dir.join("config.json");
-        let text = std::fs::read_to_string(&path).map_err(|source| ExportError::Read { path: path.clone(), source })?;
-        let config: ExportConfig =
-            serde_json::from_str(&text).map_err(|source| ExportError::Parse { path: path.clone(), source })?;
-        let unsupported = |message: String| ExportError::Unsupported { path: path.clone(), message };
-        let c = &config;
-        if c.format != FORMAT {
-            return Err(unsupported(format!(
-                "format {} is not {FORMAT}, the one this pipeline reads; export again with scripts/reference/wan_export.py",
-                c.format
-            )));
-        }
+        let read: ExportDir<ExportConfig> = ExportDir::read(dir, SCRIPTS)?;
+        let unsupported = |message: String| read.unsupported(message);
+        let c = read.config();
+        read.check_format(c.format, FORMAT)?;
         if !(1..=MAX_FRAMES).contains(&c.num_frames) || (c.num_frames - 1) % TEMPORAL_SCALE != 0 {
             return Err(unsupported(format!(
                 "num_frames = {}: the VAE decodes 4k + 1 frames (1, 5, 9, ..., up to {MAX_FRAMES})",
@@ -312,27 +267,24 @@ impl Export {
         let negative_ids =
             unpadded("negative prompt", &t.negative, &t.negative_mask, length, vocab).map_err(&unsupported)?;
         let scheduler = UniPcConfig::from_json(&c.scheduler.config.to_string())
-            .map_err(|source| ExportError::Scheduler { path: path.clone(), source })?;
-        let export = Export { dir, config, scheduler, prompt_ids, negative_ids };
-        export.check_traces().map_err(&unsupported)?;
-        for file in export.files().into_iter().flat_map(|(_, module, weights)| std::iter::once(module).chain(weights)) {
-            let metadata =
-                std::fs::metadata(&file).map_err(|source| ExportError::Read { path: file.clone(), source })?;
-            if !metadata.is_file() {
-                return Err(unsupported(format!("{} is not a regular file", file.display())));
-            }
-        }
+            .map_err(|source| ExportError::Scheduler { path: read.config_path(), source: source.into() })?;
+        let export = Export { read, scheduler, prompt_ids, negative_ids };
+        export.check_traces().map_err(|message| export.read.unsupported(message))?;
+        let files = export.files().into_iter().flat_map(|(model, module, weights)| {
+            std::iter::once((model, module)).chain(weights.map(|weights| (model, weights)))
+        });
+        export.read.check_files(files)?;
         Ok(export)
     }
 
     /// The export's folder.
     pub fn dir(&self) -> &Path {
-        &self.dir
+        self.read.dir()
     }
 
     /// Its `config.json`.
     pub fn config(&self) -> &ExportConfig {
-        &self.config
+        self.read.config()
     }
 
     /// The scheduler's configuration.
@@ -342,7 +294,7 @@ impl Export {
 
     /// The latents' shape: [1, 16, T, h, w].
     pub fn latent_shape(&self) -> [i64; 5] {
-        let c = &self.config;
+        let c = self.config();
         let frames = (c.num_frames - 1) / TEMPORAL_SCALE + 1;
         [1, LATENT_CHANNELS, frames, c.height / SPATIAL_SCALE, c.width / SPATIAL_SCALE]
     }
@@ -359,14 +311,14 @@ impl Export {
 
     /// The video's shape as the VAE decoder gives it: [1, 3, F, H, W].
     fn video_shape(&self) -> [i64; 5] {
-        let c = &self.config;
+        let c = self.config();
         [1, 3, c.num_frames, c.height, c.width]
     }
 
     /// The traces' recorded shapes against the sizes the config states, and the checkpoints the
     /// transformer and the VAE decoder must have.
     fn check_traces(&self) -> Result<(), String> {
-        let c = &self.config;
+        let c = self.config();
         let (length, width, latent) = (c.max_sequence_length, c.text_dim, self.latent_shape().to_vec());
         let parts = &c.components;
         let expected = [
@@ -393,32 +345,9 @@ impl Export {
 
     /// Each model with its module file and its checkpoint, in the order of [`MODELS`].
     pub fn files(&self) -> [(&'static str, PathBuf, Option<PathBuf>); 3] {
-        let c = &self.config.components;
+        let (c, dir) = (&self.config().components, self.dir());
         [(MODELS[0], &c.text_encoder), (MODELS[1], &c.transformer), (MODELS[2], &c.vae_decoder)]
-            .map(|(name, files)| (name, self.dir.join(&files.file), files.weights.as_ref().map(|w| self.dir.join(w))))
-    }
-
-    /// The three models as TorchScript modules. The transformer and the VAE decoder have their
-    /// safetensors as the checkpoint that refills them after a release; the text encoder has none
-    /// (the published one is 11.4 GB, and the pipeline encodes once): released, it is read from
-    /// its module file again.
-    pub fn model_specs(&self) -> Vec<ModelSpec> {
-        self.files()
-            .into_iter()
-            .map(|(name, module, weights)| {
-                let spec = ModelSpec::torchscript(name, module);
-                match weights {
-                    Some(weights) => spec.checkpoint([weights]),
-                    None => spec,
-                }
-            })
-            .collect()
-    }
-
-    /// A registry of the three models on the CPU for `loading`, its events to `events`. Eager:
-    /// every model pinned and loaded now.
-    pub fn registry(&self, loading: Loading, events: Option<Arc<dyn EventSink>>) -> Result<StagedModels, BoxError> {
-        registry(self.model_specs(), STAGES, loading, events)
+            .map(|(name, files)| (name, dir.join(&files.file), files.weights.as_ref().map(|w| dir.join(w))))
     }
 
     /// The initial latents of `seed`: `tch::manual_seed(seed)`, then `randn` of
@@ -427,6 +356,18 @@ impl Export {
     pub fn noise(&self, seed: i64) -> Tensor {
         tch::manual_seed(seed);
         Tensor::randn(self.latent_shape(), (Kind::Float, Device::Cpu))
+    }
+}
+
+impl PipelineExport for Export {
+    const STAGES: &'static [(&'static str, &'static [&'static str])] = &STAGES;
+
+    /// The three models as TorchScript modules. The transformer and the VAE decoder have their
+    /// safetensors as the checkpoint that refills them after a release; the text encoder has none
+    /// (the published one is 11.4 GB, and the pipeline encodes once): released, it is read from
+    /// its module file again.
+    fn model_specs(&self) -> Vec<ModelSpec> {
+        self.files().into_iter().map(|(name, module, weights)| component_spec(name, module, weights)).collect()
     }
 }
 

@@ -10,7 +10,7 @@ use std::path::Path;
 use tch::{Kind, Tensor};
 
 use super::Mesh;
-use crate::pipeline::{write_atomically, FileError};
+use crate::files::{write_atomically, FileError};
 
 /// The mesh as binary little-endian PLY: float x, y, z and uchar red, green, blue per vertex (the
 /// linear colours times 255.499, rounded half to even, as diffusers' `export_to_ply` computes them

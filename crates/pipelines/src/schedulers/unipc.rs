@@ -35,7 +35,7 @@
 //!   sigma (1, or within an ulp of it) by 1e-6, and takes the timesteps as `s * N` truncated to int64 and the
 //!   sigmas (with a final 0) rounded to float32. These are additions, multiplications and
 //!   divisions only, correctly rounded in numpy's SIMD loops as in Rust (no transcendental
-//!   function, so no table from Python is needed, unlike [`crate::heun`]); the tests check every
+//!   function, so no table from Python is needed, unlike [`super::heun`]); the tests check every
 //!   step count from 1 to 100 and a spread up to 1000, for the 480p and 720p shifts.
 //! - **What diffusers computes on torch tensors is computed here by the same libtorch ops, in the
 //!   same order, on the same kinds**: the 0-d float32 sigmas selected from the schedule (moved to

@@ -4,8 +4,8 @@
 //! `vae_decoder`), eager, staged, or staged with the next stage prefetched. This file owns
 //! reading an export (`config.json` and its files, checked), the models and stages, the pipeline
 //! run (the operations diffusers' `StableDiffusionPipeline` does, in its order, so that the
-//! image matches it), and running and comparing against diffusers itself
-//! (`scripts/reference/sd_reference.py`). `examples/stable_diffusion.rs` builds its registry
+//! image matches it); running and comparing against diffusers itself
+//! (`scripts/reference/sd_reference.py`) is [`reference`](mod@reference). `examples/stable_diffusion.rs` builds its registry
 //! and runs it; `tests/stable_diffusion.rs` checks it at the small size.
 //!
 //! The run, as diffusers does it: conditioning = cat([negative, positive]) from the text encoder
@@ -15,57 +15,27 @@
 //! scaling_factor), then (image * 0.5 + 0.5).clamp(0, 1). The initial latents are torch's CPU
 //! generator's `randn` after `manual_seed(seed)`.
 
-use std::fmt;
+pub mod reference;
+
 use std::path::{Path, PathBuf};
-use std::process::Command;
-use std::sync::Arc;
-use std::time::{Duration, Instant};
 
 use serde::Deserialize;
-use stageload::{BoxError, EventSink, ModelSpec, StagedModels};
+use stageload::{BoxError, ModelSpec};
 use tch::{Device, Kind, Tensor};
 
-use crate::ddim::{Ddim, DdimConfig};
-use crate::pipeline::{
-    forward, reference_script, registry, run_script, ComponentFiles, Difference, Format, Loading, StageRunner,
-    TOLERANCE,
-};
+pub use crate::export::ExportError;
+use crate::export::{component_spec, ComponentFiles, ExportDir, Format, Scripts};
+use crate::runner::{forward, PipelineExport, StageRunner};
+use crate::schedulers::ddim::{Ddim, DdimConfig};
+use crate::schedulers::Scheduler;
 
 /// The three models, in the order the pipeline runs them.
 pub const MODELS: [&str; 3] = ["text_encoder", "unet", "vae_decoder"];
 /// The stages, each with its one model (`MODELS` in the same order).
-pub const STAGES: [(&str, &str); 3] = [("encode", "text_encoder"), ("denoise", "unet"), ("decode", "vae_decoder")];
-
-/// Why an export could not be read or is not one this pipeline runs. Each variant names the file.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum ExportError {
-    /// `config.json` (or a file it names) cannot be read.
-    #[error("cannot read {}: {source}; export the components with scripts/reference/sd_export.py --size small|sd15 --out DIR", path.display())]
-    Read {
-        /// The file.
-        path: PathBuf,
-        /// The system's error.
-        source: std::io::Error,
-    },
-    /// `config.json` is not the JSON `sd_export.py` writes.
-    #[error("{} is not the config.json scripts/reference/sd_export.py writes: {source}", path.display())]
-    Parse {
-        /// The file.
-        path: PathBuf,
-        /// The JSON parser's error.
-        source: serde_json::Error,
-    },
-    /// `config.json` describes something this pipeline does not run (another scheduler, token
-    /// ids of the wrong length, sizes that do not agree).
-    #[error("{}: {message}", path.display())]
-    Unsupported {
-        /// The file.
-        path: PathBuf,
-        /// What this pipeline does not run.
-        message: String,
-    },
-}
+pub const STAGES: [(&str, &[&str]); 3] =
+    [("encode", &["text_encoder"]), ("denoise", &["unet"]), ("decode", &["vae_decoder"])];
+/// The scripts that make an export: named in every [`ExportError`].
+pub const SCRIPTS: Scripts = Scripts { export: "sd_export.py", sizes: "small|sd15", pt2: Some("sd_pt2.py") };
 
 /// The fields of an export's `config.json` the pipeline reads.
 #[derive(Debug, Clone, Deserialize)]
@@ -147,8 +117,7 @@ pub struct Components {
 /// An export read and checked: its folder, its `config.json` and the format of its modules.
 #[derive(Debug, Clone)]
 pub struct Export {
-    dir: PathBuf,
-    config: ExportConfig,
+    read: ExportDir<ExportConfig>,
     format: Format,
 }
 
@@ -161,27 +130,15 @@ impl Export {
 
     /// [`open`](Self::open) for the modules in `format`: its files must be there.
     pub fn open_as(dir: impl Into<PathBuf>, format: Format) -> Result<Export, ExportError> {
-        let dir = dir.into();
-        let path = dir.join("config.json");
-        let text = std::fs::read_to_string(&path).map_err(|source| ExportError::Read { path: path.clone(), source })?;
-        let config: ExportConfig =
-            serde_json::from_str(&text).map_err(|source| ExportError::Parse { path: path.clone(), source })?;
-        let export = Export { dir, config, format };
-        export.check().map_err(|message| ExportError::Unsupported { path: path.clone(), message })?;
-        for (model, module, weights) in export.files() {
-            for file in [module, weights] {
-                std::fs::metadata(&file).map_err(|source| ExportError::Read { path: file.clone(), source })?;
-                if !file.is_file() {
-                    let message = format!("{model}'s {} is not a regular file", file.display());
-                    return Err(ExportError::Unsupported { path, message });
-                }
-            }
-        }
+        let export = Export { read: ExportDir::read(dir, SCRIPTS)?, format };
+        export.check().map_err(|message| export.read.unsupported(message))?;
+        let files = export.files().into_iter().flat_map(|(model, module, weights)| [(model, module), (model, weights)]);
+        export.read.check_files(files)?;
         Ok(export)
     }
 
     fn check(&self) -> Result<(), String> {
-        let c = &self.config;
+        let c = self.read.config();
         for (what, ids) in [("prompt", &c.token_ids.prompt), ("empty", &c.token_ids.empty)] {
             if ids.len() != c.seq_len {
                 return Err(format!("token_ids.{what} has {} ids, seq_len is {}", ids.len(), c.seq_len));
@@ -225,22 +182,22 @@ impl Export {
 
     /// The export's folder.
     pub fn dir(&self) -> &Path {
-        &self.dir
+        self.read.dir()
     }
 
     /// Its `config.json`.
     pub fn config(&self) -> &ExportConfig {
-        &self.config
+        self.read.config()
     }
 
     /// Each model with its module file and its checkpoint, in the order of [`MODELS`].
     pub fn files(&self) -> [(&'static str, PathBuf, PathBuf); 3] {
-        let c = &self.config.components;
+        let (c, dir) = (&self.config().components, self.dir());
         [(MODELS[0], &c.text_encoder), (MODELS[1], &c.unet), (MODELS[2], &c.vae_decoder)].map(
             |(name, files)| match self.format {
-                Format::Torchscript => (name, self.dir.join(&files.file), self.dir.join(&files.weights)),
+                Format::Torchscript => (name, dir.join(&files.file), dir.join(&files.weights)),
                 Format::Pt2 => {
-                    let pt2 = self.dir.join("pt2");
+                    let pt2 = dir.join("pt2");
                     (name, pt2.join(format!("{name}.pt2")), pt2.join(format!("{name}.safetensors")))
                 }
             },
@@ -254,7 +211,7 @@ impl Export {
 
     /// The scheduler `config.json` describes.
     pub fn ddim_config(&self) -> DdimConfig {
-        let s = &self.config.scheduler.config;
+        let s = &self.config().scheduler.config;
         DdimConfig {
             train_steps: s.num_train_timesteps,
             beta_start: s.beta_start,
@@ -264,32 +221,22 @@ impl Export {
         }
     }
 
-    /// The three models: each its module (a TorchScript file or a `.pt2` package), with its
-    /// safetensors as the checkpoint that refills it after a release.
-    pub fn model_specs(&self) -> Vec<ModelSpec> {
-        self.files()
-            .into_iter()
-            .map(|(name, module, weights)| match self.format {
-                Format::Torchscript => ModelSpec::torchscript(name, module).checkpoint([weights]),
-                Format::Pt2 => ModelSpec::pt2(name, module, [weights]),
-            })
-            .collect()
-    }
-
-    /// A registry of the three models on the CPU for `loading`, its events to `events`. Eager:
-    /// every model pinned and loaded now, so nothing is ever released. (The command line places
-    /// models on other devices through `DemoRun`'s pipeline file.)
-    pub fn registry(&self, loading: Loading, events: Option<Arc<dyn EventSink>>) -> Result<StagedModels, BoxError> {
-        let stages = STAGES.iter().map(|(stage, model)| (*stage, std::slice::from_ref(model)));
-        registry(self.model_specs(), stages, loading, events)
-    }
-
     /// The initial latents of `seed`: `tch::manual_seed(seed)`, then `randn` from torch's CPU
     /// generator, [1, channels, h, w] float32 (as `torch.manual_seed(seed); torch.randn(...)`).
     pub fn initial_latents(&self, seed: i64) -> Tensor {
-        let [h, w] = self.config.latent_size;
+        let [h, w] = self.config().latent_size;
         tch::manual_seed(seed);
-        Tensor::randn([1, self.config.latent_channels, h, w], (Kind::Float, Device::Cpu))
+        Tensor::randn([1, self.config().latent_channels, h, w], (Kind::Float, Device::Cpu))
+    }
+}
+
+impl PipelineExport for Export {
+    const STAGES: &'static [(&'static str, &'static [&'static str])] = &STAGES;
+
+    /// The three models: each its module (a TorchScript file or a `.pt2` package), with its
+    /// safetensors as the checkpoint that refills it after a release.
+    fn model_specs(&self) -> Vec<ModelSpec> {
+        self.files().into_iter().map(|(name, module, weights)| component_spec(name, module, Some(weights))).collect()
     }
 }
 
@@ -350,7 +297,8 @@ pub fn generate(
         )
         .into());
     }
-    let ddim = Ddim::new(export.ddim_config(), sampling.steps)?;
+    let mut ddim = Ddim::new(export.ddim_config(), sampling.steps)?;
+    let timesteps = ddim.timesteps().to_vec();
     let ids = |ids: &[i64]| Tensor::from_slice(ids).view([1, -1]).to_device(device);
 
     runner.enter("encode")?;
@@ -363,8 +311,8 @@ pub fn generate(
     let conditioning = Tensor::cat(&[&negative_embeds, &embeds], 0);
 
     runner.enter("denoise")?;
-    let mut x = latents * ddim.init_noise_sigma();
-    for &t in ddim.timesteps() {
+    let mut x = latents * Scheduler::init_noise_sigma(&ddim);
+    for &t in &timesteps {
         let input = Tensor::cat(&[&x, &x], 0);
         let timestep = Tensor::scalar_tensor(t as f64, (Kind::Int64, device));
         let noise = forward(runner, export.format(), "unet", &[input, timestep, conditioning.shallow_clone()])?;
@@ -376,155 +324,11 @@ pub fn generate(
         let halves = noise.chunk(2, 0);
         let (uncond, text) = (&halves[0], &halves[1]);
         let eps = uncond + (text - uncond) * sampling.guidance;
-        x = ddim.step(&eps, t, &x);
+        x = Scheduler::step(&mut ddim, &eps, &x)?;
     }
 
     runner.enter("decode")?;
     let decoded = forward(runner, export.format(), "vae_decoder", &[&x / config.vae_scaling_factor])?;
     let image = (decoded * 0.5 + 0.5).clamp(0.0, 1.0);
-    Ok(Generated {
-        latents: latents.shallow_clone(),
-        embeds,
-        negative_embeds,
-        final_latents: x,
-        image,
-        timesteps: ddim.timesteps().to_vec(),
-    })
-}
-
-/// What diffusers' `StableDiffusionPipeline` gave on the same weights and inputs.
-#[derive(Debug)]
-pub struct Reference {
-    /// The decoded image.
-    pub image: Tensor,
-    /// The prompt's text embeddings.
-    pub embeds: Tensor,
-    /// The empty prompt's text embeddings.
-    pub negative_embeds: Tensor,
-    /// The latents after the last step.
-    pub final_latents: Tensor,
-    /// The scheduler's timesteps.
-    pub timesteps: Vec<i64>,
-    /// The script's output (its JSON summary and its log).
-    pub log: String,
-    /// How long the script ran.
-    pub seconds: f64,
-}
-
-/// Runs `sd_reference.py` with `python` on `export`, given `generated`'s embeddings and initial
-/// latents, in `folder` (its inputs, output and log go there), and reads what it wrote. Past
-/// `deadline` the script is killed (by its pid) and that is the error.
-pub fn run_reference(
-    python: &Path,
-    export: &Export,
-    generated: &Generated,
-    sampling: Sampling,
-    folder: &Path,
-    deadline: Duration,
-) -> Result<Reference, BoxError> {
-    let (inputs, output, log) = (
-        folder.join("sd-inputs.safetensors"),
-        folder.join("sd-reference.safetensors"),
-        folder.join("sd-reference.log"),
-    );
-    let cpu = |t: &Tensor| t.to_device(Device::Cpu).contiguous();
-    let named = [
-        ("prompt_embeds", cpu(&generated.embeds)),
-        ("negative_prompt_embeds", cpu(&generated.negative_embeds)),
-        ("latents", cpu(&generated.latents)),
-    ];
-    Tensor::write_safetensors(&named, &inputs).map_err(|e| format!("writing {}: {e}", inputs.display()))?;
-    let script = reference_script("sd_reference.py");
-    let started = Instant::now();
-    let mut command = Command::new(python);
-    command
-        .arg(&script)
-        .arg("--components")
-        .arg(export.dir())
-        .arg("--inputs")
-        .arg(&inputs)
-        .args(["--steps", &sampling.steps.to_string(), "--guidance", &sampling.guidance.to_string()])
-        .args(["--device", &stageload::device::name(generated.latents.device())])
-        .arg("--out")
-        .arg(&output);
-    run_script(command, &script.display().to_string(), &log, deadline)?;
-    let seconds = started.elapsed().as_secs_f64();
-    let tensors = Tensor::read_safetensors(&output).map_err(|e| format!("reading {}: {e}", output.display()))?;
-    let take = |name: &str| {
-        tensors
-            .iter()
-            .position(|(n, _)| n == name)
-            .map(|i| tensors[i].1.shallow_clone())
-            .ok_or_else(|| format!("{} holds no {name}", output.display()))
-    };
-    let timesteps = take("timesteps")?;
-    let timesteps = Vec::<i64>::try_from(&timesteps.to_kind(Kind::Int64).flatten(0, -1))
-        .map_err(|e| format!("{}: timesteps: {e}", output.display()))?;
-    Ok(Reference {
-        image: take("image")?,
-        embeds: take("embeds")?,
-        negative_embeds: take("negative_embeds")?,
-        final_latents: take("final_latents")?,
-        timesteps,
-        log: std::fs::read_to_string(&log).unwrap_or_default(),
-        seconds,
-    })
-}
-
-/// A run against the reference.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Comparison {
-    /// Of the decoded images.
-    pub image: Difference,
-    /// Of the prompt's embeddings.
-    pub embeds: Difference,
-    /// Of the empty prompt's embeddings.
-    pub negative_embeds: Difference,
-    /// Of the final latents.
-    pub final_latents: Difference,
-    /// Whether the timesteps are the same.
-    pub timesteps_equal: bool,
-}
-
-impl Comparison {
-    /// What is not as diffusers has it: timesteps that differ, and each tensor whose largest
-    /// difference is over [`TOLERANCE`] of its range. Empty: the run matches.
-    pub fn failures(&self) -> Vec<String> {
-        let mut failures = Vec::new();
-        if !self.timesteps_equal {
-            failures.push("the timesteps differ".to_string());
-        }
-        for (what, difference) in [
-            ("image", self.image),
-            ("embeds", self.embeds),
-            ("negative embeds", self.negative_embeds),
-            ("final latents", self.final_latents),
-        ] {
-            if difference.relative() > TOLERANCE {
-                failures.push(format!("{what}: largest difference {difference}, over {TOLERANCE:e} of the range"));
-            }
-        }
-        failures
-    }
-
-    /// The differences between a run and the reference.
-    pub fn of(generated: &Generated, reference: &Reference) -> Result<Comparison, BoxError> {
-        Ok(Comparison {
-            image: Difference::of("image", &generated.image, &reference.image)?,
-            embeds: Difference::of("embeds", &generated.embeds, &reference.embeds)?,
-            negative_embeds: Difference::of("negative_embeds", &generated.negative_embeds, &reference.negative_embeds)?,
-            final_latents: Difference::of("final_latents", &generated.final_latents, &reference.final_latents)?,
-            timesteps_equal: generated.timesteps == reference.timesteps,
-        })
-    }
-}
-
-impl fmt::Display for Comparison {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        writeln!(f, "image            {}", self.image)?;
-        writeln!(f, "embeds           {}", self.embeds)?;
-        writeln!(f, "negative_embeds  {}", self.negative_embeds)?;
-        writeln!(f, "final_latents    {}", self.final_latents)?;
-        write!(f, "timesteps        {}", if self.timesteps_equal { "equal" } else { "DIFFER" })
-    }
+    Ok(Generated { latents: latents.shallow_clone(), embeds, negative_embeds, final_latents: x, image, timesteps })
 }

@@ -13,7 +13,7 @@ use image::codecs::gif::{GifEncoder, Repeat};
 use image::{Delay, Frame, RgbImage};
 use tch::{Kind, Tensor};
 
-use crate::pipeline::{write_atomically, FileError};
+use crate::files::{write_atomically, FileError};
 
 /// Wan2.1's frame rate (the model card's `export_to_video(output, "output.mp4", fps=16)`).
 pub const FPS: u32 = 16;
