@@ -131,7 +131,7 @@ pub enum HostRead {
     /// `pread`: from the disk, each run stays one sequential stream for the kernel's read-ahead.
     /// On the load benchmark's checkpoint (1 GB, warm, 7 rounds) 1.26x the rate of `pread`, with
     /// 64-byte stores (`crates/bench/c/load-bench-mapped-stores.c`); cold 0.96x before a reader
-    /// kept to `pread` after its first uncached piece (`traces/load-bench-mapped/`). At most one
+    /// kept to `pread` after its first uncached piece (`traces/archive/load-bench-mapped/`). At most one
     /// piece per reader is mapped at a time: [`readers`] × [`PIECE`] bytes of the file's pages in
     /// the process's RSS during a load (streamed models, whose budget covers the RSS, read with
     /// `pread`: [`crate::stream::REFILL_READS`]).
@@ -723,7 +723,7 @@ fn warn_pageable_once(reason: &crate::HostCopyError) {
 /// Threads that read at once: two per core, at most 8. A cold read spends most of its time
 /// waiting on the disk, which serves more with more requests in flight: on 2 cores, 4 readers
 /// read cold at 0.97-0.98x the one-thread `pread` loop's rate against 0.81-0.84x with 2, warm
-/// unchanged within the runs' spread (`traces/load-bench-cold.md`).
+/// unchanged within the runs' spread (`traces/archive/load-bench-cold.md`).
 pub fn readers() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get()).saturating_mul(2).min(8)
 }
