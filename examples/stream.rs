@@ -5,7 +5,7 @@
 //!
 //! What it teaches: a model bigger than the memory it is given. The pipeline file's model entry
 //! has a `stream` table (its blocks as a `BlockSpec` names them, the prefixes that stay resident,
-//! the budget and the working memory; `stageload_demo_kit::streaming::pipeline` writes it), and `StagedModels` built from that file hands the loader a
+//! the budget and the working memory; `stageload_demo_kit::run::stream::pipeline` writes it), and `StagedModels` built from that file hands the loader a
 //! `StreamPlan` (`ctx.stream()`). The loader builds the model touching none of its memory, makes
 //! a `StreamedModel` over its tensors, and returns it with `Built::from_tensors`; a forward then
 //! runs inside `streamed.run(|step| ...)`, each block fetched from the checkpoint as the step
@@ -28,8 +28,10 @@ use std::time::Instant;
 use clap::Parser;
 use stageload::stream::StreamedModel;
 use stageload::{BoxError, Built, EventSink, ModelSpec, StagedModels};
+use stageload_demo_kit::run::stream::{
+    self as streaming, Checkpoint, Flow, Inputs, Measured, Outcome, StreamArgs, MODEL,
+};
 use stageload_demo_kit::sampler::sample_flow_with;
-use stageload_demo_kit::streaming::{self, Checkpoint, Flow, Inputs, Measured, Outcome, StreamArgs, MODEL};
 use stageload_demo_kit::Transformer;
 use stageload_units::format_bytes;
 use tch::nn::VarStore;

@@ -8,9 +8,8 @@
 //! - [`args`]: the command line the demo pipelines share (mode, scale, device, trace, ...).
 //! - [`run`]: a demo run's plumbing around the registry the example builds: the meter, the
 //!   pipeline file for its mode, residency checks at every call, latent fingerprints, and the
-//!   JSON result tests read.
-//! - [`streaming`]: the stream demo's set-up (its model, checkpoint, pipeline file, command line,
-//!   inputs and outcome), shared by the example and the bench binary `bench_stream`.
+//!   JSON result tests read; [`run::stream`], the stream demo's set-up, which the example and the
+//!   bench binary `bench_stream` share.
 //! - [`sampler`]: the flow sampler and its step schedule.
 //! - [`progress`]: a progress bar for checkpoint loads.
 //! - [`logging`]: the `tracing` subscriber every binary installs (`RUST_LOG`, stderr).
@@ -28,7 +27,6 @@ pub mod models;
 pub mod progress;
 pub mod run;
 pub mod sampler;
-pub mod streaming;
 pub mod weights;
 
 pub use args::CommonArgs;

@@ -2,7 +2,10 @@
 //! `stageload plan` checks (eager: everything pinned), the registry's builder with the options
 //! every example shares ([`Demo::builder`]), residency checks at every model call, the latents'
 //! fingerprints, and at the end a JSON result (`--result FILE`) that tests read instead of
-//! stdout.
+//! stdout. [`stream`]: the same for the stream demo, which builds its one model's registry from
+//! its own pipeline file.
+
+pub mod stream;
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};

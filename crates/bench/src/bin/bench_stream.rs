@@ -19,8 +19,10 @@ use clap::Parser;
 use stageload::stream::{DirectReads, StreamedModel};
 use stageload::{BoxError, Built, EventSink, ModelSpec, StagedModels};
 use stageload_demo_kit::beside::ReadsBeside;
+use stageload_demo_kit::run::stream::{
+    self as streaming, Checkpoint, Flow, Inputs, Measured, Outcome, StreamArgs, MODEL,
+};
 use stageload_demo_kit::sampler::sample_flow_with;
-use stageload_demo_kit::streaming::{self, Checkpoint, Flow, Inputs, Measured, Outcome, StreamArgs, MODEL};
 use stageload_demo_kit::weights::{disk_read_rate, drop_page_cache};
 use stageload_demo_kit::Transformer;
 use stageload_units::format_bytes;
