@@ -165,11 +165,13 @@ impl<C> ExportDir<C> {
     pub fn check_files<'a>(&self, files: impl IntoIterator<Item = (&'a str, PathBuf)>) -> Result<(), ExportError> {
         let scripts = self.scripts;
         for (model, file) in files {
-            let metadata =
-                std::fs::metadata(&file).map_err(|source| match file.parent() == Some(&self.dir.join("pt2")) {
-                    true => ExportError::MissingPackage { path: file.clone(), source, scripts },
-                    false => ExportError::Read { path: file.clone(), source, scripts },
-                })?;
+            let metadata = std::fs::metadata(&file).map_err(|source| {
+                if file.parent() == Some(&self.dir.join("pt2")) {
+                    ExportError::MissingPackage { path: file.clone(), source, scripts }
+                } else {
+                    ExportError::Read { path: file.clone(), source, scripts }
+                }
+            })?;
             if !metadata.is_file() {
                 return Err(self.unsupported(format!("{model}'s {} is not a regular file", file.display())));
             }
