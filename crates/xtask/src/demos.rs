@@ -76,7 +76,9 @@ pub fn demo(shell: &mut Shell, out: &Path, skip: &[Part], cascade: &[String], si
     println!("== cargo xtask demo: {}", sizes.duration());
     shell.set_up(&[Setup::Libtorch])?;
     let out = shell.folder(out)?;
-    println!("== [1/6] the cascade eager, staged and prefetch under stageload ab (about 4 minutes, 6 runs)");
+    let parts = parts(sizes);
+    let total = parts.len() + 1;
+    println!("== [1/{total}] the cascade eager, staged and prefetch under stageload ab (about 4 minutes, 6 runs)");
     let stageload = build(shell, &["--example", "cascade"])?;
     let log = Log::create(&out.join("ab.log"))?;
     log.line("== stageload ab: eager, staged, prefetch, twice each, alternating, under the guard");
@@ -94,8 +96,8 @@ pub fn demo(shell: &mut Shell, out: &Path, skip: &[Part], cascade: &[String], si
         failures.keep(save(shell, &mut command, &out.join(file), against == "staged"));
     }
     println!("   the cascade took {:.0} s", started.elapsed().as_secs_f64());
-    for (number, part) in parts(sizes).into_iter().enumerate() {
-        let place = format!("[{}/6] {}", number + 2, part.what);
+    for (number, part) in parts.into_iter().enumerate() {
+        let place = format!("[{}/{total}] {}", number + 2, part.what);
         if skip.contains(&part.part) {
             println!("== {place}: skipped (--skip)");
             continue;
