@@ -1,4 +1,5 @@
-//! Comparing a run against its Python original: the script ([`reference_script`], run by
+//! Comparing a run against its Python original: the script ([`reference_script`], its command
+//! line begun by [`reference_command`], run by
 //! [`run_script`] with the [`python`] given, or by [`run_reference_script`], which reads back the
 //! tensors it wrote), the largest difference of two tensors ([`Difference`]), and a run's
 //! differences and checks against [`TOLERANCE`] ([`Comparison`]). Every failure is a
@@ -123,6 +124,28 @@ pub fn reference_script(name: &str) -> PathBuf {
     }
     let exe = std::env::current_exe().ok();
     exe.and_then(|exe| exe.ancestors().map(|dir| dir.join(&script)).find(|path| path.exists())).unwrap_or(built)
+}
+
+/// `python scripts/reference/{script} --components {components} --steps {steps} --guidance
+/// {guidance} --out {output}`: what every pipeline's reference run is given; the pipeline adds
+/// its own arguments.
+pub fn reference_command(
+    python: &Path,
+    script: &str,
+    components: &Path,
+    steps: impl fmt::Display,
+    guidance: impl fmt::Display,
+    output: &Path,
+) -> Command {
+    let mut command = Command::new(python);
+    command
+        .arg(reference_script(script))
+        .arg("--components")
+        .arg(components)
+        .args(["--steps", &steps.to_string(), "--guidance", &guidance.to_string()])
+        .arg("--out")
+        .arg(output);
+    command
 }
 
 /// The Python a comparison runs: `given`, else `$STAGELOAD_PYTHON`, else the cached environment

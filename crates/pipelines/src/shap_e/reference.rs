@@ -3,7 +3,6 @@
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::time::Duration;
 
 use stageload::BoxError;
@@ -12,7 +11,7 @@ use tch::Tensor;
 use super::{Export, Generated, Sampling, Surface};
 pub use crate::compare::Comparison;
 use crate::compare::{
-    read_summary, reference_script, reference_tensor, run_reference_script, Difference, ScriptOutput,
+    read_summary, reference_command, reference_tensor, run_reference_script, Difference, ScriptOutput,
 };
 
 /// What diffusers computed.
@@ -43,18 +42,12 @@ pub fn run_reference(
     let output = folder.join("reference.safetensors");
     let summary = folder.join("summary.json");
     Tensor::write_safetensors(&[("pixel_values", pixels)], &inputs)?;
-    let script = reference_script("shap_e_reference.py");
-    let mut command = Command::new(python);
+    let mut command =
+        reference_command(python, "shap_e_reference.py", export.dir(), sampling.steps, sampling.guidance, &output);
     command
-        .arg(&script)
-        .arg("--components")
-        .arg(export.dir())
         .arg("--pixels")
         .arg(&inputs)
-        .args(["--steps", &sampling.steps.to_string(), "--guidance", &sampling.guidance.to_string()])
         .args(["--frame-size", &sampling.frame_size.to_string(), "--seed", &seed.to_string()])
-        .arg("--out")
-        .arg(&output)
         .arg("--summary")
         .arg(&summary);
     if !sampling.views {

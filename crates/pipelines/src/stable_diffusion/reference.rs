@@ -3,7 +3,6 @@
 //! two ([`compare`]).
 
 use std::path::Path;
-use std::process::Command;
 use std::time::Duration;
 
 use stageload::BoxError;
@@ -12,7 +11,7 @@ use tch::{Device, Kind, Tensor};
 use super::{Export, Generated, Sampling};
 pub use crate::compare::Comparison;
 use crate::compare::{
-    reference_script, reference_tensor, run_reference_script, CompareError, Difference, ScriptOutput,
+    reference_command, reference_tensor, run_reference_script, CompareError, Difference, ScriptOutput,
 };
 
 /// What diffusers' `StableDiffusionPipeline` gave on the same weights and inputs.
@@ -57,20 +56,11 @@ pub fn run_reference(
         ("latents", cpu(&generated.latents)),
     ];
     Tensor::write_safetensors(&named, &inputs).map_err(|e| format!("writing {}: {e}", inputs.display()))?;
-    let script = reference_script("sd_reference.py");
-    let mut command = Command::new(python);
-    command
-        .arg(&script)
-        .arg("--components")
-        .arg(export.dir())
-        .arg("--inputs")
-        .arg(&inputs)
-        .args(["--steps", &sampling.steps.to_string(), "--guidance", &sampling.guidance.to_string()])
-        .args(["--device", &stageload::device::name(generated.latents.device())])
-        .arg("--out")
-        .arg(&output);
-    let ScriptOutput { tensors, seconds } =
-        run_reference_script(command, &script.display().to_string(), &log, &output, deadline)?;
+    let mut command =
+        reference_command(python, "sd_reference.py", export.dir(), sampling.steps, sampling.guidance, &output);
+    command.arg("--inputs").arg(&inputs).args(["--device", &stageload::device::name(generated.latents.device())]);
+    let what = "diffusers' StableDiffusionPipeline (sd_reference.py)";
+    let ScriptOutput { tensors, seconds } = run_reference_script(command, what, &log, &output, deadline)?;
     let take = |name: &str| reference_tensor(&tensors, name).map(Tensor::shallow_clone);
     let timesteps = take("timesteps")?;
     let timesteps = Vec::<i64>::try_from(&timesteps.to_kind(Kind::Int64).flatten(0, -1))

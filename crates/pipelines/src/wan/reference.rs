@@ -3,7 +3,6 @@
 
 use std::collections::HashMap;
 use std::path::Path;
-use std::process::Command;
 use std::time::Duration;
 
 use stageload::BoxError;
@@ -12,7 +11,7 @@ use tch::Tensor;
 use super::{Export, Generated, Sampling};
 pub use crate::compare::Comparison;
 use crate::compare::{
-    read_summary, reference_script, reference_tensor, run_reference_script, Difference, ScriptOutput,
+    read_summary, reference_command, reference_tensor, run_reference_script, Difference, ScriptOutput,
 };
 
 /// What diffusers computed.
@@ -39,18 +38,9 @@ pub fn run_reference(
 ) -> Result<Reference, BoxError> {
     let output = folder.join("reference.safetensors");
     let summary = folder.join("summary.json");
-    let script = reference_script("wan_reference.py");
-    let mut command = Command::new(python);
-    command
-        .arg(&script)
-        .arg("--components")
-        .arg(export.dir())
-        .args(["--steps", &sampling.steps.to_string(), "--guidance", &sampling.guidance.to_string()])
-        .args(["--seed", &seed.to_string()])
-        .arg("--out")
-        .arg(&output)
-        .arg("--summary")
-        .arg(&summary);
+    let mut command =
+        reference_command(python, "wan_reference.py", export.dir(), sampling.steps, sampling.guidance, &output);
+    command.args(["--seed", &seed.to_string()]).arg("--summary").arg(&summary);
     let log = folder.join("reference.log");
     let ScriptOutput { tensors, seconds } =
         run_reference_script(command, "diffusers' WanPipeline", &log, &output, deadline)?;
