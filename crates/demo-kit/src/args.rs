@@ -9,6 +9,10 @@ use tch::Device;
 
 use crate::weights::cache_root;
 
+/// How the pipeline loads its models: the one name is [`Loading`] (`--mode eager|staged|prefetch`).
+#[deprecated(note = "use Loading (CommonArgs::loading)")]
+pub type Mode = Loading;
+
 /// A `--scale`: a finite number above zero.
 pub fn positive_scale(text: &str) -> Result<f64, String> {
     match text.parse::<f64>() {

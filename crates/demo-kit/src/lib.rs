@@ -30,14 +30,12 @@ pub mod sampler;
 pub mod weights;
 
 pub use args::CommonArgs;
-pub use stageload_pipelines::runner::Loading;
-
-/// How the pipeline loads its models: the one name is [`Loading`] (`--mode eager|staged|prefetch`).
-#[deprecated(note = "use Loading (CommonArgs::loading)")]
-pub type Mode = Loading;
+#[allow(deprecated)]
+pub use args::Mode;
 pub use models::{tokens_at, width_at, ModelShape, Transformer, CHANNELS};
 pub use run::{progress_at_terminal, Demo, DemoRun, DemoSpec};
 pub use sampler::{sample_flow, schedule};
+pub use stageload_pipelines::runner::Loading;
 pub use weights::{cached, cached_checkpoint};
 
 /// The ports moved to the crate `stageload-pipelines`; these paths name them for one release.
