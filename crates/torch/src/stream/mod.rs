@@ -54,14 +54,20 @@
 //! [`split`]: what stays, what streams, when a governor or a step's memory changes that;
 //! [`hot`]: the hot set); `block.rs` what a model is cut into and its host copies;
 //! `streamer.rs` the model's state, set-up and options; `refill.rs` a block's refill and
-//! release; `carry.rs` the read carried across a step boundary; `run.rs` a step and the changes
-//! after it; `step.rs` the call at a block boundary.
+//! release, over what refills read (`Setting`) and what they change (`Memory`); `order.rs` the
+//! order the forward runs blocks in; `direct.rs` a read past the page cache into a slot;
+//! `slots.rs` the slot buffers and the read carried across a step boundary; `readings.rs` the
+//! memory readings and governors; `stats.rs` what the model moved; `run.rs` a step and the
+//! changes after it; `step.rs` the call at a block boundary.
 
 mod block;
+mod direct;
+mod order;
 mod readings;
 mod refill;
 mod run;
 mod slots;
+mod stats;
 mod step;
 mod streamer;
 
@@ -71,8 +77,9 @@ pub use stageload_plan::{blocks, hot, split};
 
 pub use blocks::{BlockError, BlockSpec};
 pub use split::{DirectReads, Split, TooSmall};
+pub use stats::StreamStats;
 pub use step::Step;
-pub use streamer::{place, StreamPlan, StreamStats, StreamedModel};
+pub use streamer::{place, StreamPlan, StreamedModel};
 
 use crate::checkpoint::{CheckpointError, HostRead};
 

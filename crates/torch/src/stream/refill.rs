@@ -2,6 +2,11 @@
 //! demand) into a slot (CPU: two buffers faulted in once and reused) or the allocator's memory,
 //! from the checkpoint (`pread`) or, on CUDA, from pinned host copies by async copies on a side
 //! stream; and the release in place after the block ran.
+//!
+//! Refills and releases are methods of [`Memory`], what they change (the blocks, the slot
+//! buffers and reads in flight, the hot set, the counts), given the [`Setting`] they only read
+//! (the model's name, device and sizes, the split, the order, where the bytes come from), never
+//! the whole model.
 
 use std::collections::HashSet;
 use std::sync::atomic::Ordering;
@@ -12,11 +17,16 @@ use stageload_plan::split::DIRECT_UNIT;
 
 use tch::{Device, Tensor};
 
-use super::block::{Ahead, FileSpan, Job};
-use super::streamer::StreamedModel;
+use super::block::{Ahead, Block, HostBlocks, Job, ReadMode};
+use super::direct::DirectRead;
+use super::hot::HotSet;
+use super::order::Order;
+use super::slots::BlockSlots;
+use super::split::{Sizes, Split};
+use super::stats::StreamStats;
 use super::torch;
 use super::StreamError;
-use crate::checkpoint::Direct;
+use crate::checkpoint::Checkpoint;
 use crate::error::panic_message;
 use crate::storage::{self, StorageRecord};
 
@@ -24,60 +34,27 @@ fn shallow(storages: &[StorageRecord]) -> Vec<StorageRecord> {
     storages.iter().map(|s| StorageRecord { id: s.id, nbytes: s.nbytes, tensor: s.tensor.shallow_clone() }).collect()
 }
 
-impl StreamedModel {
-    /// Waits for the refill ahead, if any; `Ok` once its block is filled (or freed again on
-    /// failure, reported here).
-    pub(super) fn join_ahead(&mut self) -> Result<(), StreamError> {
-        let Some(Ahead { block, thread, attach, .. }) = self.slots.take_ahead() else { return Ok(()) };
-        let outcome = thread.join().unwrap_or_else(|panic| {
-            Err(StreamError::Step { model: self.name.clone(), message: panic_message(&*panic) })
-        });
-        let outcome = self.attach_read(block, attach, outcome);
-        self.settle(block, outcome)
-    }
+/// What refills read and never change: the model's name, device and block sizes, where its
+/// blocks' bytes come from and how they are read, and the split and order its steps run under
+/// (both changed only between steps, by the model's options and after a step).
+pub(super) struct Setting {
+    pub(super) name: String,
+    pub(super) device: Device,
+    pub(super) sizes: Sizes,
+    pub(super) split: Split,
+    /// The order the forward runs the blocks in, and whether one is read ahead.
+    pub(super) order: Order,
+    pub(super) checkpoint: Arc<Checkpoint>,
+    /// CUDA: every block's tensors in pinned host memory (the model's host tier), read from the
+    /// checkpoint once at set-up; refills copy from them on a side stream. `None`: refills read
+    /// the checkpoint (the CPU, or pinning failed).
+    pub(super) host: Option<HostBlocks>,
+    /// How refills read the checkpoint ([`StreamedModel::uncached`](super::StreamedModel::uncached),
+    /// [`StreamedModel::direct_reads`](super::StreamedModel::direct_reads)).
+    pub(super) reads: ReadMode,
+}
 
-    /// Books a finished refill of `block`: filled, or (failed) its slot free again.
-    pub(super) fn settle(&mut self, block: usize, outcome: Result<f64, StreamError>) -> Result<(), StreamError> {
-        self.blocks[block].allocated = outcome.is_ok();
-        if outcome.is_err() {
-            self.let_go_of_slot(block);
-            self.hot.drop_block(block, self.sizes.blocks[block]);
-        }
-        let seconds = outcome?;
-        self.stats.refills += 1;
-        self.stats.bytes_refilled += storage::layout(&self.blocks[block].storages).1 as u64;
-        self.stats.refill_seconds += seconds;
-        Ok(())
-    }
-
-    /// Starts refilling `index` on its own thread, unless it is filled or a refill runs;
-    /// `running` is the block the forward runs meanwhile.
-    pub(super) fn start_ahead(&mut self, index: usize, running: Option<usize>) {
-        if self.slots.ahead().is_some() || index >= self.blocks.len() || self.blocks[index].allocated {
-            return;
-        }
-        let (job, attach) = match self.refill_job(index, running) {
-            Ok(job) => job,
-            // Refilled (and reported) when the forward reaches the block.
-            Err(_) => return,
-        };
-        self.slots.start_ahead(Ahead { block: index, thread: std::thread::spawn(job), attach, carried: false });
-    }
-
-    /// Brings block `index` in for the forward: found hot (counted), or filled by
-    /// [`ensure`](Self::ensure); the hot set notes the use.
-    pub(super) fn bring_in(&mut self, index: usize) -> Result<(), StreamError> {
-        let in_flight = self.slots.ahead_block() == Some(index);
-        if self.hot.holds(index) && self.blocks[index].allocated && !in_flight {
-            self.stats.hot_hits += 1;
-        }
-        let carried = self.slots.is_carried(index);
-        self.ensure(index)?;
-        self.stats.carried += u64::from(carried);
-        self.hot.used(index);
-        Ok(())
-    }
-
+impl Setting {
     /// The block to read ahead while `index` runs, in order: the next streamed block of this
     /// step, or after the last block the next step's first (its read carried across the step
     /// boundary, [`super::slots`]); none without look-ahead, in any order, or once the forward
@@ -89,116 +66,13 @@ impl StreamedModel {
         let next = if index + 1 < self.split.resident { self.split.resident } else { index + 1 };
         // Past the last block only where a read can be carried: into a slot, on the CPU.
         let first = Some(self.split.resident).filter(|_| self.device == Device::Cpu);
-        [Some(next), first].into_iter().flatten().find(|&block| block < self.blocks.len())
+        [Some(next), first].into_iter().flatten().find(|&block| block < self.sizes.blocks.len())
     }
 
     /// Whether the look-ahead reads the next block by index: in order, until the forward names
     /// its next blocks itself ([`super::Step::prefetch`]).
     pub(super) fn guesses_by_index(&self) -> bool {
-        self.split.look_ahead && !self.any_order && !self.named
-    }
-
-    /// Makes block `index` filled: joins its refill ahead, or refills it here.
-    pub(super) fn ensure(&mut self, index: usize) -> Result<(), StreamError> {
-        if self.blocks[index].allocated && self.slots.ahead_block() != Some(index) {
-            return Ok(());
-        }
-        let start = Instant::now();
-        let outcome = if self.slots.ahead_block() == Some(index) {
-            self.join_ahead()
-        } else {
-            let outcome = self.refill_job(index, None).and_then(|(job, attach)| {
-                let outcome = job();
-                self.attach_read(index, attach, outcome)
-            });
-            self.settle(index, outcome)
-        };
-        self.stats.waited_seconds += start.elapsed().as_secs_f64();
-        outcome
-    }
-
-    /// Whether streamed block `index` is kept hot once refilled (the weaker blocks it displaces
-    /// freed first); never displaces `running` or the block in flight ahead.
-    pub(super) fn keep_hot(&mut self, index: usize, running: Option<usize>) -> Result<bool, StreamError> {
-        if !self.split.is_streamed(index) {
-            return Ok(false);
-        }
-        let protected: Vec<usize> = [Some(index), running, self.slots.ahead_block()].into_iter().flatten().collect();
-        let Some(victims) = self.hot.admit(index, &self.sizes.blocks, self.split.hot, &protected) else {
-            return Ok(false);
-        };
-        for victim in victims {
-            self.drop_hot(victim)?;
-        }
-        self.hot.keep(index, self.sizes.blocks[index]);
-        Ok(true)
-    }
-
-    /// A free slot for streamed block `index` on the CPU, now the block's, or `None` for the
-    /// allocator (a resident or hot block, or CUDA). The split's slots always have one
-    /// free for the block the forward reaches: the block before it left its slot first, and the
-    /// one read ahead takes the other.
-    pub(super) fn take_slot(&mut self, index: usize) -> Option<usize> {
-        if self.device != Device::Cpu || !self.passes(index) {
-            return None;
-        }
-        let bytes = self.sizes.blocks[index];
-        let free = self.slots.take_for(index, &mut self.blocks[index], bytes);
-        if free.is_none() {
-            tracing::warn!(
-                "streamed model '{}': no free slot for block '{}'; it takes the allocator's memory",
-                self.name,
-                self.blocks[index].name
-            );
-        }
-        free
-    }
-
-    /// Gives the slot buffers (CPU) what the split needs: each as large as the largest streamed
-    /// block ([`Sizes::slot`](super::split::Sizes::slot)), two with a look-ahead, one without,
-    /// none when every block is resident; a buffer the split does not use is emptied. Only
-    /// between steps, when no block is in a slot. The buffers keep their identity (a registry
-    /// that holds them as `stream-slot.N` sees their new memory), and every buffer that changes
-    /// is emptied before any is filled, so a change never holds the old and the new at once.
-    pub(super) fn fit_slots(&mut self) -> Result<(), StreamError> {
-        if self.device != Device::Cpu {
-            return Ok(());
-        }
-        let bytes = i64::try_from(self.sizes.slot(self.split.resident)).unwrap_or(i64::MAX);
-        Ok(self.slots.fit(bytes, self.split.slots())?)
-    }
-
-    /// Block `index` leaves its slot, if it holds one.
-    pub(super) fn let_go_of_slot(&mut self, index: usize) {
-        self.slots.let_go(&mut self.blocks[index]);
-    }
-
-    /// The refill of block `index` as a job any thread can run (while the forward runs
-    /// `running`), and the slot it reads into. Into a slot it reads through views of the slot's
-    /// buffer and touches none of the block's storages: [`attach_read`](Self::attach_read)
-    /// points them into the slot once the job is done, on the model's thread. Otherwise (kept
-    /// hot, no slot free, CUDA) it gives the storages the allocator's memory and reads or
-    /// copies into them, freeing them again when that fails. Refused before anything is taken:
-    /// a tensor reshaped since set-up.
-    pub(super) fn refill_job(
-        &mut self,
-        index: usize,
-        running: Option<usize>,
-    ) -> Result<(Job, Option<usize>), StreamError> {
-        let block = &self.blocks[index];
-        for ((tensor, was), (_, target)) in block.shapes.iter().zip(&block.targets) {
-            let now = target.size();
-            if now != *was {
-                let (model, block) = (self.name.clone(), block.name.clone());
-                return Err(StreamError::Reshaped { model, block, tensor: tensor.clone(), was: was.clone(), now });
-            }
-        }
-        self.keep_hot(index, running)?;
-        let read = self.checkpoint_reader();
-        match self.take_slot(index) {
-            Some(slot) => self.slot_job(index, slot, read),
-            None => self.allocator_job(index, read),
-        }
+        self.order.guesses_by_index(self.split)
     }
 
     /// Reads the model's checkpoint into targets (and, uncached, drops what it read from the
@@ -217,20 +91,206 @@ impl StreamedModel {
                 .map_err(|source| StreamError::Checkpoint { model: model.clone(), source: Box::new(source) })
         }
     }
+}
+
+/// What refills and releases change: the blocks (their memory, their slot), the slot buffers and
+/// the reads in flight, the hot set, and the counts of what moved.
+pub(super) struct Memory {
+    pub(super) blocks: Vec<Block>,
+    /// The slot buffers (CPU), the read ahead and the read carried between steps.
+    pub(super) slots: BlockSlots,
+    /// Streamed blocks kept after they run, in the split's room for them.
+    pub(super) hot: HotSet,
+    pub(super) stats: StreamStats,
+}
+
+impl Memory {
+    /// `blocks` with no slot, nothing hot and nothing moved yet, for `split`.
+    pub(super) fn new(blocks: Vec<Block>, split: Split) -> Self {
+        Memory { blocks, slots: BlockSlots::default(), hot: HotSet::new(split.blocks), stats: StreamStats::default() }
+    }
+
+    /// Waits for the refill ahead, if any; `Ok` once its block is filled (or freed again on
+    /// failure, reported here).
+    pub(super) fn join_ahead(&mut self, setting: &Setting) -> Result<(), StreamError> {
+        let Some(Ahead { block, thread, attach, .. }) = self.slots.take_ahead() else { return Ok(()) };
+        let outcome = thread.join().unwrap_or_else(|panic| {
+            Err(StreamError::Step { model: setting.name.clone(), message: panic_message(&*panic) })
+        });
+        let outcome = self.attach_read(setting, block, attach, outcome);
+        self.settle(setting, block, outcome)
+    }
+
+    /// Books a finished refill of `block`: filled, or (failed) its slot free again.
+    pub(super) fn settle(
+        &mut self,
+        setting: &Setting,
+        block: usize,
+        outcome: Result<f64, StreamError>,
+    ) -> Result<(), StreamError> {
+        self.blocks[block].allocated = outcome.is_ok();
+        if outcome.is_err() {
+            self.let_go_of_slot(block);
+            self.hot.drop_block(block, setting.sizes.blocks[block]);
+        }
+        let seconds = outcome?;
+        self.stats.refills += 1;
+        self.stats.bytes_refilled += storage::layout(&self.blocks[block].storages).1 as u64;
+        self.stats.refill_seconds += seconds;
+        Ok(())
+    }
+
+    /// Starts refilling `index` on its own thread, unless it is filled or a refill runs;
+    /// `running` is the block the forward runs meanwhile.
+    pub(super) fn start_ahead(&mut self, setting: &Setting, index: usize, running: Option<usize>) {
+        if self.slots.ahead().is_some() || index >= self.blocks.len() || self.blocks[index].allocated {
+            return;
+        }
+        let (job, attach) = match self.refill_job(setting, index, running) {
+            Ok(job) => job,
+            // Refilled (and reported) when the forward reaches the block.
+            Err(_) => return,
+        };
+        self.slots.start_ahead(Ahead { block: index, thread: std::thread::spawn(job), attach, carried: false });
+    }
+
+    /// Brings block `index` in for the forward: found hot (counted), or filled by
+    /// [`ensure`](Self::ensure); the hot set notes the use.
+    pub(super) fn bring_in(&mut self, setting: &Setting, index: usize) -> Result<(), StreamError> {
+        let in_flight = self.slots.ahead_block() == Some(index);
+        if self.hot.holds(index) && self.blocks[index].allocated && !in_flight {
+            self.stats.hot_hits += 1;
+        }
+        let carried = self.slots.is_carried(index);
+        self.ensure(setting, index)?;
+        self.stats.carried += u64::from(carried);
+        self.hot.used(index);
+        Ok(())
+    }
+
+    /// Makes block `index` filled: joins its refill ahead, or refills it here.
+    pub(super) fn ensure(&mut self, setting: &Setting, index: usize) -> Result<(), StreamError> {
+        if self.blocks[index].allocated && self.slots.ahead_block() != Some(index) {
+            return Ok(());
+        }
+        let start = Instant::now();
+        let outcome = if self.slots.ahead_block() == Some(index) {
+            self.join_ahead(setting)
+        } else {
+            let outcome = self.refill_job(setting, index, None).and_then(|(job, attach)| {
+                let outcome = job();
+                self.attach_read(setting, index, attach, outcome)
+            });
+            self.settle(setting, index, outcome)
+        };
+        self.stats.waited_seconds += start.elapsed().as_secs_f64();
+        outcome
+    }
+
+    /// Whether streamed block `index` is kept hot once refilled (the weaker blocks it displaces
+    /// freed first); never displaces `running` or the block in flight ahead.
+    pub(super) fn keep_hot(
+        &mut self,
+        setting: &Setting,
+        index: usize,
+        running: Option<usize>,
+    ) -> Result<bool, StreamError> {
+        if !setting.split.is_streamed(index) {
+            return Ok(false);
+        }
+        let protected: Vec<usize> = [Some(index), running, self.slots.ahead_block()].into_iter().flatten().collect();
+        let Some(victims) = self.hot.admit(index, &setting.sizes.blocks, setting.split.hot, &protected) else {
+            return Ok(false);
+        };
+        for victim in victims {
+            self.drop_hot(setting, victim)?;
+        }
+        self.hot.keep(index, setting.sizes.blocks[index]);
+        Ok(true)
+    }
+
+    /// A free slot for streamed block `index` on the CPU, now the block's, or `None` for the
+    /// allocator (a resident or hot block, or CUDA). The split's slots always have one
+    /// free for the block the forward reaches: the block before it left its slot first, and the
+    /// one read ahead takes the other.
+    pub(super) fn take_slot(&mut self, setting: &Setting, index: usize) -> Option<usize> {
+        if setting.device != Device::Cpu || !self.passes(setting, index) {
+            return None;
+        }
+        let bytes = setting.sizes.blocks[index];
+        let free = self.slots.take_for(index, &mut self.blocks[index], bytes);
+        if free.is_none() {
+            tracing::warn!(
+                "streamed model '{}': no free slot for block '{}'; it takes the allocator's memory",
+                setting.name,
+                self.blocks[index].name
+            );
+        }
+        free
+    }
+
+    /// Gives the slot buffers (CPU) what the split needs: each as large as the largest streamed
+    /// block ([`Sizes::slot`](super::split::Sizes::slot)), two with a look-ahead, one without,
+    /// none when every block is resident; a buffer the split does not use is emptied. Only
+    /// between steps, when no block is in a slot. The buffers keep their identity (a registry
+    /// that holds them as `stream-slot.N` sees their new memory), and every buffer that changes
+    /// is emptied before any is filled, so a change never holds the old and the new at once.
+    pub(super) fn fit_slots(&mut self, setting: &Setting) -> Result<(), StreamError> {
+        if setting.device != Device::Cpu {
+            return Ok(());
+        }
+        let bytes = i64::try_from(setting.sizes.slot(setting.split.resident)).unwrap_or(i64::MAX);
+        Ok(self.slots.fit(bytes, setting.split.slots())?)
+    }
+
+    /// Block `index` leaves its slot, if it holds one.
+    pub(super) fn let_go_of_slot(&mut self, index: usize) {
+        self.slots.let_go(&mut self.blocks[index]);
+    }
+
+    /// The refill of block `index` as a job any thread can run (while the forward runs
+    /// `running`), and the slot it reads into. Into a slot it reads through views of the slot's
+    /// buffer and touches none of the block's storages: [`attach_read`](Self::attach_read)
+    /// points them into the slot once the job is done, on the model's thread. Otherwise (kept
+    /// hot, no slot free, CUDA) it gives the storages the allocator's memory and reads or
+    /// copies into them, freeing them again when that fails. Refused before anything is taken:
+    /// a tensor reshaped since set-up.
+    pub(super) fn refill_job(
+        &mut self,
+        setting: &Setting,
+        index: usize,
+        running: Option<usize>,
+    ) -> Result<(Job, Option<usize>), StreamError> {
+        let block = &self.blocks[index];
+        for ((tensor, was), (_, target)) in block.shapes.iter().zip(&block.targets) {
+            let now = target.size();
+            if now != *was {
+                let (model, block) = (setting.name.clone(), block.name.clone());
+                return Err(StreamError::Reshaped { model, block, tensor: tensor.clone(), was: was.clone(), now });
+            }
+        }
+        self.keep_hot(setting, index, running)?;
+        let read = setting.checkpoint_reader();
+        match self.take_slot(setting, index) {
+            Some(slot) => self.slot_job(setting, index, slot, read),
+            None => self.allocator_job(setting, index, read),
+        }
+    }
 
     /// The job reading block `index` into `slot` through views of the slot's buffer (past the
     /// page cache where this step's refills read that way), touching none of the block's
     /// storages.
     fn slot_job(
         &mut self,
+        setting: &Setting,
         index: usize,
         slot: usize,
         read: impl Fn(&[(String, Tensor)]) -> Result<(), StreamError> + Send + 'static,
     ) -> Result<(Job, Option<usize>), StreamError> {
-        let direct = self.direct_read(index, slot);
+        let direct = self.direct_read(setting, index, slot);
         let views = self.views_in(index, self.slots.buffer(slot)).inspect_err(|_| self.let_go_of_slot(index))?;
         let (checkpoint, model, read_directly) =
-            (Arc::clone(&self.checkpoint), self.name.clone(), Arc::clone(&self.reads.read_directly));
+            (Arc::clone(&setting.checkpoint), setting.name.clone(), Arc::clone(&setting.reads.read_directly));
         let job = move || {
             let start = Instant::now();
             let direct = match direct {
@@ -252,17 +312,18 @@ impl StreamedModel {
     /// CUDA) and reading or copying into them, freeing them again when that fails.
     fn allocator_job(
         &self,
+        setting: &Setting,
         index: usize,
         read: impl Fn(&[(String, Tensor)]) -> Result<(), StreamError> + Send + 'static,
     ) -> Result<(Job, Option<usize>), StreamError> {
         let block = &self.blocks[index];
-        let model = self.name.clone();
+        let model = setting.name.clone();
         let block_name = block.name.clone();
         let targets = storage::shallow(&block.targets);
         let storages = shallow(&block.storages);
         let host: Option<Vec<Tensor>> =
-            self.host.as_ref().map(|copies| copies.block(index).iter().map(Tensor::shallow_clone).collect());
-        let device = self.device;
+            setting.host.as_ref().map(|copies| copies.block(index).iter().map(Tensor::shallow_clone).collect());
+        let device = setting.device;
         let job = move || {
             let start = Instant::now();
             // On CUDA the block's memory comes from a side stream's pool, where its copy runs:
@@ -298,14 +359,14 @@ impl StreamedModel {
 
     /// The read past the page cache of block `index` into `slot`, when this step's refills read
     /// that way ([`stageload_plan::split::direct_reads`]) and the block lies in its file as the
-    /// slot lays it out ([`FileSpan`]): the block then sits in the slot at its file phase
-    /// (`shift`; 0 for any other read), in the room [`FILE_PHASE_ROOM`](stageload_plan::split::FILE_PHASE_ROOM)
-    /// keeps for it.
-    fn direct_read(&mut self, index: usize, slot: usize) -> Option<DirectRead> {
+    /// slot lays it out ([`FileSpan`](super::block::FileSpan)): the block then sits in the slot
+    /// at its file phase (`shift`; 0 for any other read), in the room
+    /// [`FILE_PHASE_ROOM`](stageload_plan::split::FILE_PHASE_ROOM) keeps for it.
+    fn direct_read(&mut self, setting: &Setting, index: usize, slot: usize) -> Option<DirectRead> {
         let buffer = self.slots.buffer(slot);
         let block = &mut self.blocks[index];
         block.shift = 0;
-        let span = block.span.clone().filter(|_| self.reads.direct_now())?;
+        let span = block.span.clone().filter(|_| setting.reads.direct_now())?;
         let unit = DIRECT_UNIT as usize;
         let at = (unit - buffer.data_ptr() as usize % unit) % unit;
         let shift = at + (span.start % DIRECT_UNIT) as usize;
@@ -342,6 +403,7 @@ impl StreamedModel {
     /// block's storages into the slot, where the read put their bytes.
     pub(super) fn attach_read(
         &mut self,
+        setting: &Setting,
         index: usize,
         slot: Option<usize>,
         outcome: Result<f64, StreamError>,
@@ -357,16 +419,16 @@ impl StreamedModel {
         // SAFETY: as said above, the buffer at `base` holds the layout for as long as the storages do.
         unsafe { storage::attach(&block.storages, base, &block.offsets) }
             .map(|_| *seconds)
-            .map_err(torch(&self.name, "give a block its slot"))
+            .map_err(torch(&setting.name, "give a block its slot"))
     }
 
     /// At the end of a step: a read ahead still in flight into a slot goes on as the carried
     /// read ([`BlockSlots::carry`](super::slots::BlockSlots::carry)); any other read ahead is
     /// joined.
-    pub(super) fn carry(&mut self) -> Result<(), StreamError> {
-        match self.slots.carry(&mut self.blocks, self.split) {
+    pub(super) fn carry(&mut self, setting: &Setting) -> Result<(), StreamError> {
+        match self.slots.carry(&mut self.blocks, setting.split) {
             true => Ok(()),
-            false => self.join_ahead(),
+            false => self.join_ahead(setting),
         }
     }
 
@@ -374,113 +436,64 @@ impl StreamedModel {
     /// ([`BlockSlots::resume`](super::slots::BlockSlots::resume)). It stays only at a step's start
     /// (`keep`), under the split it was started under, for a block that passes; otherwise it is
     /// joined and thrown away, so that nothing is in flight in a slot between steps.
-    pub(super) fn resume_carried(&mut self, keep: bool) -> Result<(), StreamError> {
+    pub(super) fn resume_carried(&mut self, setting: &Setting, keep: bool) -> Result<(), StreamError> {
         let Some(split) = self.slots.resume(&mut self.blocks)? else { return Ok(()) };
-        let stays = |block: usize| keep && split == self.split && self.passes(block);
+        let stays = |block: usize| keep && split == setting.split && self.passes(setting, block);
         if !self.slots.ahead_block().is_some_and(stays) {
-            self.discard_ahead()?;
+            self.discard_ahead(setting)?;
         }
         Ok(())
     }
 
     /// Throws away the read ahead (a guess not taken): waits for it and frees its block. Its
     /// failure is no error of the caller's, which never asked for that block: it is logged.
-    pub(super) fn discard_ahead(&mut self) -> Result<(), StreamError> {
+    pub(super) fn discard_ahead(&mut self, setting: &Setting) -> Result<(), StreamError> {
         let Some(block) = self.slots.ahead_block() else { return Ok(()) };
-        match self.join_ahead() {
-            Ok(()) => self.release(block),
+        match self.join_ahead(setting) {
+            Ok(()) => self.release(setting, block),
             Err(err) => {
-                tracing::warn!("streamed model '{}': a read ahead not used failed: {err}", self.name);
+                tracing::warn!("streamed model '{}': a read ahead not used failed: {err}", setting.name);
                 Ok(())
             }
         }
     }
 
     /// Whether block `index` is freed after it runs: streamed and not held hot.
-    pub(super) fn passes(&self, index: usize) -> bool {
-        self.split.is_streamed(index) && !self.hot.holds(index)
+    pub(super) fn passes(&self, setting: &Setting, index: usize) -> bool {
+        setting.split.is_streamed(index) && !self.hot.holds(index)
     }
 
     /// Frees hot block `index` and forgets it.
-    pub(super) fn drop_hot(&mut self, index: usize) -> Result<(), StreamError> {
-        self.release(index)?;
-        self.hot.drop_block(index, self.sizes.blocks[index]);
+    pub(super) fn drop_hot(&mut self, setting: &Setting, index: usize) -> Result<(), StreamError> {
+        self.release(setting, index)?;
+        self.hot.drop_block(index, setting.sizes.blocks[index]);
         Ok(())
     }
 
     /// Frees block `index` in place (after its refill ahead, if one runs).
-    pub(super) fn release(&mut self, index: usize) -> Result<(), StreamError> {
+    pub(super) fn release(&mut self, setting: &Setting, index: usize) -> Result<(), StreamError> {
         if self.slots.ahead_block() == Some(index) {
-            self.join_ahead()?;
+            self.join_ahead(setting)?;
         }
         if !self.blocks[index].allocated {
             return Ok(());
         }
-        if let Device::Cuda(device) = self.device {
+        if let Device::Cuda(device) = setting.device {
             // The kernels that read the block must be done before its memory goes to a refill,
             // which writes on another stream.
-            stageload_torch_sys::cuda_sync_current_stream(device).map_err(torch(&self.name, "wait for the GPU"))?;
+            stageload_torch_sys::cuda_sync_current_stream(device).map_err(torch(&setting.name, "wait for the GPU"))?;
         }
         let block = &self.blocks[index];
         let message = format!(
             "block '{}' of streamed model '{}' is streamed: call Step::block({index}) before using it",
-            block.name, self.name
+            block.name, setting.name
         );
         // SAFETY: nothing runs on the block: the forward has moved past it (CPU ops return when
         // done; CUDA waited for above) and its refill, if any, was joined above.
         unsafe { storage::release(&block.storages, &HashSet::new(), &message) }
-            .map_err(torch(&self.name, "free a block"))?;
+            .map_err(torch(&setting.name, "free a block"))?;
         self.blocks[index].allocated = false;
         self.let_go_of_slot(index);
         Ok(())
-    }
-}
-
-/// A refill read past the page cache straight into its slot: the file's whole units from the
-/// one holding the block's first byte, into the slot buffer from its first unit boundary `at`
-/// (the block's storages start `shift` into it, [`StreamedModel::direct_read`]); the part of the
-/// last unit the block ends in through the page cache, dropped after.
-pub(super) struct DirectRead {
-    buffer: Tensor,
-    at: usize,
-    span: FileSpan,
-    /// The block's first entry, for errors.
-    name: String,
-}
-
-impl DirectRead {
-    /// Reads the block; the bytes read past the page cache, or `None` where the file system
-    /// cannot read that way (nothing read: read it buffered).
-    fn run(&self, checkpoint: &crate::checkpoint::Checkpoint) -> Result<Option<u64>, crate::CheckpointError> {
-        let FileSpan { file, start, end } = self.span;
-        let first = start - start % DIRECT_UNIT;
-        let whole = end - end % DIRECT_UNIT;
-        let total = usize::try_from(end - first).unwrap_or(usize::MAX);
-        if self.at.saturating_add(total) > self.buffer.numel() {
-            // Cannot be (`direct_read` checked the layout, which holds the span): read buffered.
-            return Ok(None);
-        }
-        checkpoint.unchanged()?;
-        let base = (self.buffer.data_ptr() as *mut u8).wrapping_add(self.at);
-        // The slot buffer is the block's alone until its refill is joined (`take_slot` gave it;
-        // only `attach_read` or `let_go_of_slot`, after the join, give it up).
-        // SAFETY: so no other reference to this memory exists meanwhile; it holds `at + total`
-        // bytes (checked above).
-        let memory = unsafe { std::slice::from_raw_parts_mut(base, total) };
-        let direct = usize::try_from(whole.saturating_sub(first)).unwrap_or(0);
-        let (units, rest) = memory.split_at_mut(direct.min(total));
-        if !units.is_empty() && checkpoint.read_direct(file, first, units, &self.name)? == Direct::Unsupported {
-            return Ok(None);
-        }
-        // The last unit's part (`rest` starts at `whole`), or a block inside one unit whole:
-        // from its first byte on.
-        let from = start.max(whole);
-        let skip = usize::try_from(from - whole).unwrap_or(0);
-        if let Some(tail) = rest.get_mut(skip..).filter(|tail| !tail.is_empty()) {
-            checkpoint.read_and_drop(file, from, tail, &self.name)?;
-        }
-        // Written while it was read: the block may hold a mix of both versions.
-        checkpoint.unchanged()?;
-        Ok(Some(units.len() as u64))
     }
 }

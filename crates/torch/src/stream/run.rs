@@ -25,34 +25,34 @@ impl StreamedModel {
         loop {
             if let Err(err) = self.begin() {
                 // A read carried into this step may be in flight again: nothing is, after.
-                let _ = self.join_ahead();
+                let _ = self.memory.join_ahead(&self.setting);
                 return Err(err);
             }
             let base = self.measure_point();
             let peak = self.peak_now();
-            let (started, waited) = (Instant::now(), self.stats.waited_seconds);
+            let (started, waited) = (Instant::now(), self.memory.stats.waited_seconds);
             let mut step =
                 Step { model: &mut *self, active: None, base, peak, most_held: 0, working: 0, streamed_yet: false };
             let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(&mut step)));
             let working = step.finish();
             // A read ahead still in flight is carried to the next step after a step that ran.
             let tidy = match (&outcome, &working) {
-                (Ok(Ok(_)), Ok(_)) => self.carry(),
-                _ => self.join_ahead(),
+                (Ok(Ok(_)), Ok(_)) => self.memory.carry(&self.setting),
+                _ => self.memory.join_ahead(&self.setting),
             };
             let working = working.and_then(|working| tidy.map(|()| working));
             let error = match outcome {
                 Ok(Ok(result)) => {
                     let working = working?;
-                    self.stats.steps += 1;
-                    let waited = self.stats.waited_seconds - waited;
+                    self.memory.stats.steps += 1;
+                    let waited = self.memory.stats.waited_seconds - waited;
                     let seconds = started.elapsed().as_secs_f64();
-                    self.reads.after_step(waited, seconds);
+                    self.setting.reads.after_step(waited, seconds);
                     self.after_step(working);
                     return Ok(result);
                 }
                 Ok(Err(error)) => error,
-                Err(panic) => StreamError::Step { model: self.name.clone(), message: panic_message(&*panic) },
+                Err(panic) => StreamError::Step { model: self.setting.name.clone(), message: panic_message(&*panic) },
             };
             // The step's own error says more than a failure to tidy up after it.
             drop(working);
@@ -60,10 +60,10 @@ impl StreamedModel {
             if !is_out_of_memory(&message) {
                 return Err(error);
             }
-            match evict(&self.sizes, self.split) {
+            match evict(&self.setting.sizes, self.setting.split) {
                 Some(next) => {
-                    self.stats.retries += 1;
-                    if let Device::Cuda(_) = self.device {
+                    self.memory.stats.retries += 1;
+                    if let Device::Cuda(_) = self.setting.device {
                         let _ = stageload_torch_sys::cuda_empty_cache();
                     }
                     self.set_split(next, "out of memory", None);
@@ -72,7 +72,7 @@ impl StreamedModel {
                     // The error's first line; libtorch appends its C++ backtrace.
                     let message = message.lines().next().unwrap_or_default().to_string();
                     return Err(StreamError::OutOfMemory {
-                        model: self.name.clone(),
+                        model: self.setting.name.clone(),
                         residency: self.residency(),
                         message,
                     });
@@ -87,16 +87,16 @@ impl StreamedModel {
     /// first streamed block's refill (unless a read carried from the step before has it,
     /// [`super::slots`], or the forward names its blocks itself).
     fn begin(&mut self) -> Result<(), StreamError> {
-        if let Some(next) = self.readings.by_available(&self.sizes, self.split) {
+        if let Some(next) = self.readings.by_available(&self.setting.sizes, self.setting.split) {
             self.set_split(next, "memory pressure", None);
         }
-        if let Some(next) = self.readings.by_pressure(&self.sizes, self.split) {
+        if let Some(next) = self.readings.by_pressure(&self.setting.sizes, self.setting.split) {
             self.set_split(next, "memory pressure (PSI)", None);
         }
-        self.resume_carried(true)?;
+        self.memory.resume_carried(&self.setting, true)?;
         self.let_go()?;
-        if self.guesses_by_index() {
-            self.start_ahead(self.split.resident, None);
+        if self.setting.guesses_by_index() {
+            self.memory.start_ahead(&self.setting, self.setting.split.resident, None);
         }
         self.note_held();
         Ok(())
@@ -107,29 +107,31 @@ impl StreamedModel {
     /// before stays when the step's start took it, [`super::slots`]); then sizes the slots for
     /// the split. Nothing may run on the blocks.
     pub(super) fn let_go(&mut self) -> Result<(), StreamError> {
-        self.resume_carried(false)?;
-        for victim in self.hot.over(&self.sizes.blocks, self.split.hot, &[]) {
-            self.drop_hot(victim)?;
+        self.memory.resume_carried(&self.setting, false)?;
+        for victim in self.memory.hot.over(&self.setting.sizes.blocks, self.setting.split.hot, &[]) {
+            self.memory.drop_hot(&self.setting, victim)?;
         }
-        for index in 0..self.blocks.len() {
-            if !self.split.is_streamed(index) {
+        for index in 0..self.memory.blocks.len() {
+            if !self.setting.split.is_streamed(index) {
                 // Resident now: its memory stays, wherever it came from.
-                self.hot.drop_block(index, self.sizes.blocks[index]);
+                self.memory.hot.drop_block(index, self.setting.sizes.blocks[index]);
             }
-            if (self.passes(index) || self.blocks[index].slot.is_some()) && !self.slots.is_carried(index) {
-                self.release(index)?;
+            if (self.memory.passes(&self.setting, index) || self.memory.blocks[index].slot.is_some())
+                && !self.memory.slots.is_carried(index)
+            {
+                self.memory.release(&self.setting, index)?;
             }
         }
-        self.fit_slots()
+        self.memory.fit_slots(&self.setting)
     }
 
     fn after_step(&mut self, working: u64) {
-        self.hot.decay();
+        self.memory.hot.decay();
         if working <= self.working {
             return;
         }
         self.working = working;
-        match refit(&self.sizes, self.split, self.budget, working) {
+        match refit(&self.setting.sizes, self.setting.split, self.budget, working) {
             Refit::Keep => {}
             Refit::Shrink(next) => self.set_split(next, "working memory", None),
             Refit::Over { split, over } => self.set_split(split, "working memory", Some(over)),
@@ -156,13 +158,16 @@ impl StreamedModel {
     /// Tells the registry (a planned model's) what the split holds now.
     pub(super) fn publish_holding(&self) {
         if let Some(held) = &self.held_for_registry {
-            held.store(self.sizes.holding(self.split, self.any_order).held, Ordering::Relaxed);
+            held.store(
+                self.setting.sizes.holding(self.setting.split, self.setting.order.any()).held,
+                Ordering::Relaxed,
+            );
         }
     }
 
     /// Sends an `end` residency event with the model's totals (when it goes).
     pub(super) fn announce_totals(&self) {
-        let stats = self.stats;
+        let stats = self.memory.stats;
         self.residency_event("end", self.residency(), |change| {
             (change.bytes, change.seconds) = (Some(stats.bytes_refilled), Some(stats.refill_seconds));
             (change.residency.refills, change.residency.hot_hits) = (stats.refills, stats.hot_hits);
@@ -172,12 +177,13 @@ impl StreamedModel {
     /// A `residency` event with the split now, `line` as its note, finished by `finish`.
     fn residency_event(&self, reason: &str, line: String, finish: impl FnOnce(&mut ResidencyChanged)) {
         let Some(sink) = &self.sink else { return };
-        let mut change = ResidencyChanged { model: self.name.clone(), note: line, ..ResidencyChanged::default() };
+        let mut change =
+            ResidencyChanged { model: self.setting.name.clone(), note: line, ..ResidencyChanged::default() };
         change.residency = Residency {
-            blocks: self.split.blocks,
-            resident: self.split.resident,
-            streamed_per_step: self.sizes.streamed_per_step(self.split.resident),
-            hot: self.split.hot,
+            blocks: self.setting.split.blocks,
+            resident: self.setting.split.resident,
+            streamed_per_step: self.setting.sizes.streamed_per_step(self.setting.split.resident),
+            hot: self.setting.split.hot,
             budget: self.budget,
             working: self.working,
             held: self.held_bytes(),

@@ -30,23 +30,23 @@ impl Step<'_> {
     pub fn block(&mut self, index: usize) -> Result<(), StreamError> {
         let model = &mut *self.model;
         model.check_index(index)?;
-        if let Some(previous) = self.active.filter(|&p| p != index && model.passes(p)) {
-            model.release(previous)?;
+        if let Some(previous) = self.active.filter(|&p| p != index && model.memory.passes(&model.setting, p)) {
+            model.memory.release(&model.setting, previous)?;
         }
-        if !self.streamed_yet && model.passes(index) {
+        if !self.streamed_yet && model.memory.passes(&model.setting, index) {
             self.streamed_yet = true;
             // A read carried from the step before for another block guessed wrong: its slot
             // is needed.
-            if model.slots.ahead().is_some_and(|a| a.carried && a.block != index) {
-                model.discard_ahead()?;
+            if model.memory.slots.ahead().is_some_and(|a| a.carried && a.block != index) {
+                model.memory.discard_ahead(&model.setting)?;
             }
         }
-        model.bring_in(index)?;
+        model.memory.bring_in(&model.setting, index)?;
         self.active = Some(index);
         self.sample();
         let model = &mut *self.model;
-        if let Some(next) = model.next_in_order(index) {
-            model.start_ahead(next, Some(index));
+        if let Some(next) = model.setting.next_in_order(index) {
+            model.memory.start_ahead(&model.setting, next, Some(index));
         }
         model.note_held();
         Ok(())
@@ -61,9 +61,9 @@ impl Step<'_> {
     pub fn prefetch(&mut self, index: usize) -> Result<(), StreamError> {
         let model = &mut *self.model;
         model.check_index(index)?;
-        model.named = true;
+        model.setting.order.set_named();
         if model.split().look_ahead && Some(index) != self.active {
-            model.start_ahead(index, self.active);
+            model.memory.start_ahead(&model.setting, index, self.active);
         }
         Ok(())
     }
@@ -78,11 +78,11 @@ impl Step<'_> {
         for &index in next {
             self.model.check_index(index)?;
         }
-        self.model.named = true;
+        self.model.setting.order.set_named();
         let model = &*self.model;
-        let coming = |index: usize| model.slots.ahead_block() == Some(index);
-        let running = |index: usize| Some(index) == self.active && model.passes(index);
-        let wanted = next.iter().copied().find(|&i| running(i) || !model.blocks[i].allocated && !coming(i));
+        let coming = |index: usize| model.memory.slots.ahead_block() == Some(index);
+        let running = |index: usize| Some(index) == self.active && model.memory.passes(&model.setting, index);
+        let wanted = next.iter().copied().find(|&i| running(i) || !model.memory.blocks[i].allocated && !coming(i));
         match wanted {
             Some(index) if Some(index) != self.active => self.prefetch(index),
             _ => Ok(()),
@@ -128,8 +128,8 @@ impl Step<'_> {
     pub(super) fn finish(mut self) -> Result<u64, StreamError> {
         self.sample();
         self.note_peak();
-        if let Some(last) = self.active.filter(|&a| self.model.passes(a)) {
-            self.model.release(last)?;
+        if let Some(last) = self.active.filter(|&a| self.model.memory.passes(&self.model.setting, a)) {
+            self.model.memory.release(&self.model.setting, last)?;
         }
         Ok(self.working)
     }

@@ -1,10 +1,12 @@
 //! The streamed model: its state, its set-up in named steps (the parts of [`super::block`], the
 //! split, the host copies, the resident part read), its options and what it reports. The parts
 //! of its state that change together are owners of their own, each taken by what changes it:
-//! the slot buffers and the reads in flight ([`super::slots::BlockSlots`]), the readings of
-//! memory and the governors ([`super::readings::Readings`]), the hot set
-//! ([`stageload_plan::hot`]). Its steps live in [`super::run`], refills in [`super::refill`], the
-//! block boundary in [`super::step`].
+//! what refills read ([`super::refill::Setting`]: the name, device and sizes, the split, the
+//! order of [`super::order::Order`], where the bytes come from) and what they change
+//! ([`super::refill::Memory`]: the blocks, the slot buffers and reads in flight of
+//! [`super::slots::BlockSlots`], the hot set of [`stageload_plan::hot`], the counts), and the
+//! readings of memory and the governors ([`super::readings::Readings`]). Its steps live in
+//! [`super::run`], refills in [`super::refill`], the block boundary in [`super::step`].
 //!
 //! Nothing here takes a lock: the model is `&mut` for a step, and the only other thread is the
 //! one refilling the block ahead, whose storages nothing else touches until it is joined (a read
@@ -18,47 +20,18 @@ use std::time::Instant;
 use stageload_trace::event::{Event, EventSink, Loaded};
 use tch::{Device, Tensor};
 
-use super::block::{pinned_copies, Block, HostBlocks, Parts, ReadMode};
+use super::block::{pinned_copies, Parts, ReadMode};
 use super::blocks::BlockSpec;
-use super::hot::HotSet;
+use super::order::Order;
 use super::readings::{Reading, Readings};
-use super::slots::BlockSlots;
+use super::refill::{Memory, Setting};
 use super::split::{describe, fit_within, DirectReads, Sizes, Split};
+use super::stats::StreamStats;
 use super::{torch, StreamError};
 use crate::checkpoint::Checkpoint;
 use crate::names::NameRules;
 use crate::storage::{self, StorageRecord};
 
-/// What a streamed model has moved so far.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub struct StreamStats {
-    /// Steps completed.
-    pub steps: u64,
-    /// Block refills (ahead or on demand).
-    pub refills: u64,
-    /// Bytes refilled.
-    pub bytes_refilled: u64,
-    /// Seconds the refills took, wherever they ran.
-    pub refill_seconds: f64,
-    /// Seconds [`Step::block`](super::Step::block) waited for a block (a refill not finished, or not started).
-    pub waited_seconds: f64,
-    /// Refills read for a step while the step before it ended, its last block running (counted
-    /// once the forward used them; among [`refills`](Self::refills)).
-    pub carried: u64,
-    /// Steps run again after an out-of-memory.
-    pub retries: u64,
-    /// Streamed blocks found in the hot set when the forward reached them (refills saved).
-    pub hot_hits: u64,
-    /// The most the model held at any block boundary or step's start, from its storages
-    /// ([`StreamedModel::held_bytes`]).
-    pub most_held: u64,
-    /// Bytes refills read past the page cache straight into their slots (`O_DIRECT`; among
-    /// [`bytes_refilled`](Self::bytes_refilled)): with [`StreamedModel::uncached`], after a step
-    /// limited by its compute ([`stageload_plan::split::direct_reads`]).
-    pub bytes_direct: u64,
-}
-
-/// Reads the memory a step's working set shows up in (process RSS, or the CUDA allocator's).
 /// A streamed model as a pipeline file describes it (`stream = { ... }` in its entry), handed
 /// to its loader by [`BuildContext::stream`](crate::BuildContext::stream): the registry gives
 /// such a model no checkpoint (it would load it whole); [`StreamedModel::planned`] reads it.
@@ -108,49 +81,29 @@ struct Fit {
 
 /// A model whose blocks stream through memory under a byte budget; see [`super`].
 pub struct StreamedModel {
-    pub(super) name: String,
-    pub(super) device: Device,
-    pub(super) blocks: Vec<Block>,
-    pub(super) sizes: Sizes,
+    /// What refills change: the blocks, the slots, the hot set, the counts.
+    pub(super) memory: Memory,
+    /// What refills read: name, device, sizes, split, order, checkpoint, host copies, reads.
+    pub(super) setting: Setting,
     pub(super) budget: u64,
-    pub(super) split: Split,
-    /// Streamed blocks kept after they run, in the split's room for them.
-    pub(super) hot: HotSet,
-    /// The forward runs blocks in any order or only some of them ([`Self::any_order`]).
-    pub(super) any_order: bool,
-    /// The forward has named a block it runs next ([`Step::prefetch`](super::Step::prefetch)):
-    /// from then on only what it names is read ahead, in order too (no guess by index).
-    pub(super) named: bool,
-    /// How refills read the checkpoint ([`Self::uncached`], [`Self::direct_reads`]).
-    pub(super) reads: ReadMode,
     /// Working memory measured so far (the largest step).
     pub(super) working: u64,
-    pub(super) checkpoint: Arc<Checkpoint>,
-    /// The slot buffers (CPU), the read ahead and the read carried between steps.
-    pub(super) slots: BlockSlots,
     /// The memory steps are measured in, its high-water mark, and the governors.
     pub(super) readings: Readings,
     pub(super) sink: Option<Arc<dyn EventSink>>,
     /// Where a registry reads what the split holds ([`StreamPlan`]'s `held`).
     pub(super) held_for_registry: Option<Arc<AtomicU64>>,
-    pub(super) stats: StreamStats,
     /// Bytes and seconds of set-up's load (fixed tensors and resident prefix).
     pub(super) setup: (u64, f64),
     /// The model's tensors by their names, as given.
     pub(super) tensors: Vec<(String, Tensor)>,
-    /// CUDA: every block's tensors in pinned host memory (the model's host tier), read from the
-    /// checkpoint once at set-up; refills copy from them on a side stream. `None`: refills read
-    /// the checkpoint (the CPU, or pinning failed).
-    pub(super) host: Option<HostBlocks>,
     /// The fixed tensors' storages (in no block; always resident).
     pub(super) fixed: Vec<StorageRecord>,
-    /// A streamed block is read while the one before it runs ([`Self::look_ahead`]).
-    pub(super) look_ahead: bool,
 }
 
 impl std::fmt::Debug for StreamedModel {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("StreamedModel").field("name", &self.name).field("split", &self.split).finish()
+        f.debug_struct("StreamedModel").field("name", &self.setting.name).field("split", &self.setting.split).finish()
     }
 }
 
@@ -243,50 +196,48 @@ impl StreamedModel {
         if device == Device::Cpu {
             stageload_torch_sys::map_large_host_blocks();
         }
-        let mut streamed = StreamedModel {
+        let setting = Setting {
             name,
             device,
-            blocks,
             sizes,
-            budget,
             split,
-            hot: HotSet::new(split.blocks),
-            any_order,
-            named: false,
-            reads: ReadMode::new(),
-            working,
+            order: Order::new(any_order),
             checkpoint: Arc::new(checkpoint),
-            slots: BlockSlots::default(),
+            host: None,
+            reads: ReadMode::new(),
+        };
+        let mut streamed = StreamedModel {
+            memory: Memory::new(blocks, split),
+            setting,
+            budget,
+            working,
             readings: Readings::of(device),
             sink: None,
             held_for_registry: None,
-            stats: StreamStats::default(),
             setup: (0, 0.0),
-            fixed: fixed_storages,
-            look_ahead: true,
             tensors: Vec::new(),
-            host: None,
+            fixed: fixed_storages,
         };
         streamed.pin_host_copies();
         streamed.fill_resident(fixed)?;
         streamed.tensors = tensors;
         // The slots now, so that a registry given `tensors()` frees them with the model.
-        streamed.fit_slots()?;
-        tracing::info!("{}", describe(&streamed.name, &streamed.sizes, split));
+        streamed.memory.fit_slots(&streamed.setting)?;
+        tracing::info!("{}", describe(&streamed.setting.name, &streamed.setting.sizes, split));
         Ok(streamed)
     }
 
     /// CUDA: every block's tensors read once into pinned host memory, which refills copy from;
     /// where pinning fails, refills read the checkpoint (said once, as a warning).
     fn pin_host_copies(&mut self) {
-        if !self.device.is_cuda() {
+        if !self.setting.device.is_cuda() {
             return;
         }
-        match pinned_copies(&self.blocks, &self.checkpoint) {
-            Ok(copies) => self.host = Some(copies),
+        match pinned_copies(&self.memory.blocks, &self.setting.checkpoint) {
+            Ok(copies) => self.setting.host = Some(copies),
             Err(reason) => tracing::warn!(
                 "streamed model '{}': no pinned host copies ({reason}); its blocks are refilled from the checkpoint",
-                self.name
+                self.setting.name
             ),
         }
     }
@@ -295,24 +246,25 @@ impl StreamedModel {
     /// filled, then gives the fixed tensors (`fixed`, under their entries' names) and the
     /// resident prefix memory and reads them from the checkpoint (set-up's load).
     fn fill_resident(&mut self, fixed: Vec<(String, Tensor)>) -> Result<(), StreamError> {
-        let resident = self.split.resident;
-        for index in resident..self.blocks.len() {
-            self.release(index)?;
+        let resident = self.setting.split.resident;
+        for index in resident..self.memory.blocks.len() {
+            self.memory.release(&self.setting, index)?;
         }
-        let prefix = &self.blocks[..resident];
+        let prefix = &self.memory.blocks[..resident];
         // Resident storages freed before set-up ([`place`]) get their memory back first.
         for record in self.fixed.iter().chain(prefix.iter().flat_map(|b| &b.storages)) {
             // SAFETY: during set-up no other thread has the model; the load below fills it.
             unsafe { storage::reallocate(std::slice::from_ref(record)) }
-                .map_err(torch(&self.name, "give a resident tensor memory"))?;
+                .map_err(torch(&self.setting.name, "give a resident tensor memory"))?;
         }
         let initial: Vec<(String, Tensor)> =
             fixed.into_iter().chain(prefix.iter().flat_map(|b| storage::shallow(&b.targets))).collect();
         let start = Instant::now();
         let report = self
+            .setting
             .checkpoint
             .load_into(&initial, |_| {})
-            .map_err(|source| StreamError::Checkpoint { model: self.name.clone(), source: Box::new(source) })?;
+            .map_err(|source| StreamError::Checkpoint { model: self.setting.name.clone(), source: Box::new(source) })?;
         self.setup = (report.bytes, start.elapsed().as_secs_f64());
         Ok(())
     }
@@ -324,7 +276,7 @@ impl StreamedModel {
     /// fail), so options chain at set-up and can change between steps too.
     pub fn events(&mut self, sink: Arc<dyn EventSink>) -> &mut Self {
         let load = Loaded {
-            model: self.name.clone(),
+            model: self.setting.name.clone(),
             bytes: Some(self.setup.0),
             seconds: Some(self.setup.1),
             streamed: true,
@@ -389,7 +341,7 @@ impl StreamedModel {
     ) -> Result<&mut Self, StreamError> {
         if !(threshold > 0.0 && threshold <= 100.0) {
             return Err(StreamError::Setting {
-                model: self.name.clone(),
+                model: self.setting.name.clone(),
                 message: format!(
                     "a pressure threshold of {threshold} is not a percent of time stalled: give one above 0 and at most 100 (e.g. 10)"
                 ),
@@ -411,7 +363,7 @@ impl StreamedModel {
     /// (attention scores), so a declared figure is the safer one on the CPU.
     pub fn working_memory(&mut self, bytes: u64) -> Result<&mut Self, StreamError> {
         self.working = self.working.max(bytes);
-        self.refit_to(self.split.resident, self.split.hot, "working memory")?;
+        self.refit_to(self.setting.split.resident, self.setting.split.hot, "working memory")?;
         // The blocks set-up read that no longer stay go now, not at the first step.
         self.let_go()?;
         Ok(self)
@@ -422,22 +374,22 @@ impl StreamedModel {
     /// checkpoint on its spec, so that it comes back by a rebuild, which reads only the resident
     /// part again). Between steps nothing runs on any of them.
     pub fn tensors(&self) -> Vec<(String, Tensor)> {
-        storage::shallow(&self.tensors).into_iter().chain(self.slots.named()).collect()
+        storage::shallow(&self.tensors).into_iter().chain(self.memory.slots.named()).collect()
     }
 
     /// The model's name.
     pub fn name(&self) -> &str {
-        &self.name
+        &self.setting.name
     }
 
     /// How the blocks are held now.
     pub fn split(&self) -> Split {
-        self.split
+        self.setting.split
     }
 
     /// The bytes the split was decided from.
     pub fn sizes(&self) -> &Sizes {
-        &self.sizes
+        &self.setting.sizes
     }
 
     /// The largest working memory a step was measured to need.
@@ -447,22 +399,26 @@ impl StreamedModel {
 
     /// What has moved so far.
     pub fn stats(&self) -> StreamStats {
-        StreamStats { bytes_direct: self.reads.bytes_direct(), ..self.stats }
+        StreamStats { bytes_direct: self.setting.reads.bytes_direct(), ..self.memory.stats }
     }
 
     /// `NoSuchBlock` unless the model has block `index`.
     pub(super) fn check_index(&self, index: usize) -> Result<(), StreamError> {
-        match index < self.blocks.len() {
+        match index < self.memory.blocks.len() {
             true => Ok(()),
-            false => Err(StreamError::NoSuchBlock { model: self.name.clone(), index, blocks: self.blocks.len() }),
+            false => Err(StreamError::NoSuchBlock {
+                model: self.setting.name.clone(),
+                index,
+                blocks: self.memory.blocks.len(),
+            }),
         }
     }
 
     /// The residency line (`flow: 6 of 12 blocks resident, 6 streamed, …`); in any order, the
     /// bytes per step are those of a step that runs every block.
     pub fn residency(&self) -> String {
-        let line = describe(&self.name, &self.sizes, self.split);
-        match self.any_order {
+        let line = describe(&self.setting.name, &self.setting.sizes, self.setting.split);
+        match self.setting.order.any() {
             true => line + "; in any order (a step reads only the blocks it runs and does not find hot)",
             false => line,
         }
@@ -473,7 +429,7 @@ impl StreamedModel {
     /// reaches them.
     pub fn reset(&mut self) -> Result<(), StreamError> {
         self.working = 0;
-        self.refit_to(self.blocks.len(), u64::MAX, "reset")
+        self.refit_to(self.memory.blocks.len(), u64::MAX, "reset")
     }
 
     /// What the model holds now, counted from its storages, not from the split's formula: the
@@ -482,34 +438,34 @@ impl StreamedModel {
     /// stay). Bytes on the model's device; on CUDA the pinned host copies refills copy from are
     /// [`pinned_bytes`](Self::pinned_bytes). What the budget bounds (see [`super`]).
     pub fn held_bytes(&self) -> u64 {
-        let ahead = self.slots.ahead().filter(|a| self.blocks[a.block].slot.is_none());
-        self.held_outside_ahead().saturating_add(ahead.map_or(0, |a| self.sizes.blocks[a.block]))
+        let ahead = self.memory.slots.ahead().filter(|a| self.memory.blocks[a.block].slot.is_none());
+        self.held_outside_ahead().saturating_add(ahead.map_or(0, |a| self.setting.sizes.blocks[a.block]))
     }
 
     /// Notes what the model holds now in [`StreamStats::most_held`].
     pub(super) fn note_held(&mut self) {
-        self.stats.most_held = self.stats.most_held.max(self.held_bytes());
+        self.memory.stats.most_held = self.memory.stats.most_held.max(self.held_bytes());
     }
 
     /// Bytes of host memory pinned for the blocks' copies (CUDA; 0 on the CPU or when pinning
     /// failed): their buffer, in whole pages.
     pub fn pinned_bytes(&self) -> u64 {
-        self.host.as_ref().map_or(0, |copies| copies.bytes())
+        self.setting.host.as_ref().map_or(0, |copies| copies.bytes())
     }
 
     /// [`held_bytes`](Self::held_bytes) less the block being refilled ahead, whose storages its
     /// refill thread owns until joined: read without touching them.
     pub(super) fn held_outside_ahead(&self) -> u64 {
-        let ahead = self.slots.ahead_block();
-        let blocks = self.blocks.iter().enumerate().filter(|(i, b)| b.slot.is_none() && Some(*i) != ahead);
+        let ahead = self.memory.slots.ahead_block();
+        let blocks = self.memory.blocks.iter().enumerate().filter(|(i, b)| b.slot.is_none() && Some(*i) != ahead);
         let storages = self.fixed.iter().chain(blocks.flat_map(|(_, b)| &b.storages));
-        storages.map(|s| storage::allocated_bytes(&s.tensor)).fold(self.slots.bytes(), u64::saturating_add)
+        storages.map(|s| storage::allocated_bytes(&s.tensor)).fold(self.memory.slots.bytes(), u64::saturating_add)
     }
 
     /// Keeps at most `resident` blocks resident, and none hot, from the next step on (to stream
     /// more than the budget asks, say for a benchmark); [`reset`](Self::reset) lifts it.
     pub fn limit_resident(&mut self, resident: usize) -> Result<&mut Self, StreamError> {
-        self.refit_to(resident.min(self.split.resident), 0, "limit")?;
+        self.refit_to(resident.min(self.setting.split.resident), 0, "limit")?;
         Ok(self)
     }
 
@@ -519,8 +475,8 @@ impl StreamedModel {
     /// memory measured so far kept), so the slot's bytes go to resident blocks or the hot set.
     /// From the next step on.
     pub fn look_ahead(&mut self, on: bool) -> Result<&mut Self, StreamError> {
-        self.look_ahead = on;
-        self.refit_to(self.blocks.len(), u64::MAX, if on { "look-ahead on" } else { "look-ahead off" })?;
+        self.setting.order.set_look_ahead(on);
+        self.refit_to(self.memory.blocks.len(), u64::MAX, if on { "look-ahead on" } else { "look-ahead off" })?;
         Ok(self)
     }
 
@@ -530,12 +486,12 @@ impl StreamedModel {
     /// most (the hot set, [`stageload_plan::hot`]), and the block loaded ahead is the one the
     /// forward names with [`Step::prefetch`](super::Step::prefetch) (none is guessed).
     pub fn any_order(&mut self) -> Result<&mut Self, StreamError> {
-        self.any_order = true;
+        self.setting.order.set_any();
         self.refit_to(0, u64::MAX, "any order")?;
         // The prefix set-up read stays, as hot blocks, while the room holds it; the rest goes.
-        for index in 0..self.blocks.len() {
-            if self.blocks[index].allocated && self.blocks[index].slot.is_none() {
-                self.keep_hot(index, None)?;
+        for index in 0..self.memory.blocks.len() {
+            if self.memory.blocks[index].allocated && self.memory.blocks[index].slot.is_none() {
+                self.memory.keep_hot(&self.setting, index, None)?;
             }
         }
         self.let_go()?;
@@ -551,7 +507,7 @@ impl StreamedModel {
     /// ([`StreamStats::bytes_direct`]), which leaves the forward's cores the CPU a buffered
     /// read takes.
     pub fn uncached(&mut self) -> &mut Self {
-        self.reads.uncached = true;
+        self.setting.reads.uncached = true;
         self
     }
 
@@ -561,7 +517,7 @@ impl StreamedModel {
     /// through the page cache: for a file system whose direct reads are slow, or to measure what
     /// they save) or [`Always`](DirectReads::Always). From the next refill on.
     pub fn direct_reads(&mut self, mode: DirectReads) -> &mut Self {
-        self.reads.set_mode(mode);
+        self.setting.reads.set_mode(mode);
         self
     }
 
@@ -569,9 +525,10 @@ impl StreamedModel {
     /// resident blocks and a hot set's room of at most `hot_at_most`; a change is announced, and
     /// the next step's `begin` frees what it drops.
     fn refit_to(&mut self, at_most: usize, hot_at_most: u64, reason: &str) -> Result<(), StreamError> {
-        let at_most = if self.any_order { 0 } else { at_most };
-        let split = fit_within(&self.sizes, self.budget, self.working, at_most, self.look_ahead)
-            .map_err(|source| StreamError::Budget { model: self.name.clone(), source })?;
+        let at_most = if self.setting.order.any() { 0 } else { at_most };
+        let split =
+            fit_within(&self.setting.sizes, self.budget, self.working, at_most, self.setting.order.look_ahead())
+                .map_err(|source| StreamError::Budget { model: self.setting.name.clone(), source })?;
         self.set_split(Split { hot: split.hot.min(hot_at_most), ..split }, reason, None);
         Ok(())
     }
@@ -580,9 +537,9 @@ impl StreamedModel {
     /// the next step on, announced when it differs (`over`: a step needs that much more than the
     /// budget even so). The next step's `begin` frees what it drops and sizes the slots.
     pub(super) fn set_split(&mut self, split: Split, reason: &str, over: Option<u64>) {
-        let split = Split { look_ahead: split.look_ahead && self.look_ahead, ..split };
-        if split != self.split || over.is_some() {
-            self.split = split;
+        let split = Split { look_ahead: split.look_ahead && self.setting.order.look_ahead(), ..split };
+        if split != self.setting.split || over.is_some() {
+            self.setting.split = split;
             self.announce(reason, over);
         }
     }
@@ -592,14 +549,14 @@ impl Drop for StreamedModel {
     /// Joins the refill ahead, says what the model moved (an `end` residency event), then frees
     /// every block in a slot before the slots go.
     fn drop(&mut self) {
-        self.slots.abandon_carried();
-        let _ = self.join_ahead();
+        self.memory.slots.abandon_carried();
+        let _ = self.memory.join_ahead(&self.setting);
         self.announce_totals();
-        for index in 0..self.blocks.len() {
-            if self.blocks[index].slot.is_some() && self.release(index).is_err() {
+        for index in 0..self.memory.blocks.len() {
+            if self.memory.blocks[index].slot.is_some() && self.memory.release(&self.setting, index).is_err() {
                 // The storage still points into the slot: keep the slot's memory alive.
-                if let Some(slot) = self.blocks[index].slot {
-                    self.slots.leak(slot);
+                if let Some(slot) = self.memory.blocks[index].slot {
+                    self.memory.slots.leak(slot);
                 }
             }
         }
