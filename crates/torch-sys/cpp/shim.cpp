@@ -660,6 +660,22 @@ char* sl_storage_attach(const at::Tensor* t, void* data, size_t nbytes) {
   });
 }
 
+// Memory a storage owns through its caller (a view of a checkpoint's file mapping): the storage
+// hands `context` to `release` when it lets go of the memory (freed, or destroyed).
+char* sl_storage_attach_owned(const at::Tensor* t, void* data, size_t nbytes, void* context,
+                              void (*release)(void*)) {
+  return guarded([&] {
+    c10::StorageImpl* s = storage_of(t);
+    TORCH_CHECK(s->_mutable_data_ptr_no_checks().get() == nullptr && s->nbytes() == 0,
+                "storage is still allocated (", s->nbytes(), " bytes); free it before attaching memory");
+    TORCH_CHECK(s->device().type() == c10::kCPU, "only CPU storages own attached memory, not ", s->device());
+    TORCH_CHECK(data != nullptr && release != nullptr, "no memory to attach");
+    s->set_data_ptr_noswap(c10::DataPtr(data, context, release, s->device()));
+    s->set_nbytes(nbytes);
+    clear_release_message(s);
+  });
+}
+
 char* sl_cuda_empty_cache() {
   return guarded([&] {
     TORCH_CHECK(at::hasCUDA(), "CUDA is not available");

@@ -32,6 +32,8 @@ mod aoti;
 pub use aoti::{aoti_package_metadata, AotiConstant, AotiPackage};
 mod mapped;
 pub use mapped::{read_mapped, MappedReadError};
+mod mapping;
+pub use mapping::{attach_mapped, FileMapping};
 
 mod ffi {
     use super::*;

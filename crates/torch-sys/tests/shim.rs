@@ -237,3 +237,82 @@ fn pinning_a_host_buffer_without_a_gpu_is_an_error_saying_why() {
         (_, result) => assert!(result.unwrap().0.is_pinned(Device::Cuda(0)), "registered memory is pinned for CUDA"),
     }
 }
+
+/// A file of `values` as f32 after a 16-byte prefix, written in a fresh temporary folder.
+fn float_file(values: &[f32]) -> (tempfile::TempDir, std::fs::File) {
+    use std::io::Write;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("weights.bin");
+    let mut file = std::fs::File::create(&path).unwrap();
+    file.write_all(&[0u8; 16]).unwrap();
+    for v in values {
+        file.write_all(&v.to_le_bytes()).unwrap();
+    }
+    drop(file);
+    (dir, std::fs::OpenOptions::new().read(true).write(true).open(path).unwrap())
+}
+
+#[test]
+fn a_storage_attached_to_a_mapping_reads_the_file_and_writes_to_it_stay_private() {
+    use std::os::unix::fs::FileExt;
+    let _alone = alone();
+    let values: Vec<f32> = (0..1024).map(|i| i as f32 * 0.5).collect();
+    let (_dir, file) = float_file(&values);
+    let weight = Tensor::zeros([1024], (Kind::Float, Device::Cpu));
+    // SAFETY: nothing else holds `weight`.
+    unsafe { free_storage(&weight, "released by the test") }.unwrap();
+    let mapping = FileMapping::map(&file).unwrap();
+    assert!(mapping.populate(16, 4096).unwrap() || cfg!(not(target_os = "linux")));
+    // SAFETY: as above.
+    unsafe { attach_mapped(&weight, &mapping, 16, 4096) }.unwrap();
+    assert_eq!(Vec::<f32>::try_from(&weight).unwrap(), values, "the file's bytes, in place");
+    let _ = weight.get(0).fill_(7.0);
+    assert_eq!(weight.double_value(&[0]), 7.0);
+    let mut first = [0u8; 4];
+    file.read_exact_at(&mut first, 16).unwrap();
+    assert_eq!(f32::from_le_bytes(first), 0.0, "a write to the weight never reaches the file");
+}
+
+#[test]
+fn a_mapping_lives_while_a_storage_holds_it_and_goes_with_the_last_one() {
+    let _alone = alone();
+    let (_dir, file) = float_file(&[1.0; 64]);
+    let mapping = FileMapping::map(&file).unwrap();
+    let weak = std::sync::Arc::downgrade(&mapping);
+    let (a, b) = (Tensor::zeros([32], (Kind::Float, Device::Cpu)), Tensor::zeros([32], (Kind::Float, Device::Cpu)));
+    for (tensor, offset) in [(&a, 16), (&b, 144)] {
+        // SAFETY: nothing else holds these tensors.
+        unsafe { free_storage(tensor, "released by the test") }.unwrap();
+        // SAFETY: as above.
+        unsafe { attach_mapped(tensor, &mapping, offset, 128) }.unwrap();
+    }
+    drop(mapping);
+    assert_eq!(weak.strong_count(), 2, "one per storage");
+    // SAFETY: as above.
+    unsafe { free_storage(&a, "released by the test") }.unwrap();
+    assert_eq!(weak.strong_count(), 1);
+    assert_eq!(b.sum(Kind::Float).double_value(&[]), 32.0, "the other storage still reads the file");
+    drop(b);
+    assert_eq!(weak.strong_count(), 0, "unmapped with the last storage");
+}
+
+#[test]
+fn a_range_outside_the_mapping_or_misaligned_or_an_allocated_storage_is_refused_and_holds_nothing() {
+    let _alone = alone();
+    let (_dir, file) = float_file(&[1.0; 16]);
+    let mapping = FileMapping::map(&file).unwrap();
+    let freed = Tensor::zeros([16], (Kind::Float, Device::Cpu));
+    // SAFETY: nothing else holds it.
+    unsafe { free_storage(&freed, "released by the test") }.unwrap();
+    let allocated = Tensor::zeros([16], (Kind::Float, Device::Cpu));
+    for (tensor, offset, nbytes, why) in [
+        (&freed, 16, 128, "do not lie inside"),
+        (&freed, 18, 32, "not aligned"),
+        (&allocated, 16, 64, "still allocated"),
+    ] {
+        // SAFETY: as above.
+        let err = unsafe { attach_mapped(tensor, &mapping, offset, nbytes) }.unwrap_err();
+        assert!(err.message.contains(why), "{err}");
+    }
+    assert_eq!(std::sync::Arc::strong_count(&mapping), 1, "no refused attach keeps the mapping");
+}
