@@ -22,7 +22,7 @@ use tch::{Kind, Tensor};
 
 /// How a test changes a file between a release and the reload.
 #[derive(Debug, Clone, Copy, PartialEq)]
-enum Change {
+pub(crate) enum Change {
     /// New values over the old ones: same size, same header, same inode.
     InPlace,
     /// A new file written beside it and renamed over it.
@@ -34,7 +34,7 @@ enum Change {
 const CHANGES: [Change; 3] = [Change::InPlace, Change::Rename, Change::Reorder];
 
 /// The change each way is seen as.
-fn seen_as(change: Change) -> fn(&FileChange) -> bool {
+pub(crate) fn seen_as(change: Change) -> fn(&FileChange) -> bool {
     match change {
         Change::InPlace => |c| matches!(c, FileChange::Modified | FileChange::StatusChanged),
         // Its header's offsets may print shorter or longer.
@@ -46,7 +46,7 @@ fn seen_as(change: Change) -> fn(&FileChange) -> bool {
 }
 
 /// The entries of the safetensors file at `path`, sorted by name.
-fn entries(path: &Path) -> Vec<(String, Tensor)> {
+pub(crate) fn entries(path: &Path) -> Vec<(String, Tensor)> {
     let mut entries = Tensor::read_safetensors(path).unwrap();
     entries.sort_by(|a, b| a.0.cmp(&b.0));
     entries
@@ -85,7 +85,7 @@ fn safetensors_bytes(tensors: &[(String, Tensor)]) -> Vec<u8> {
 
 /// Changes the checkpoint at `path` as `change` says; returns its entries as they are now. The
 /// new values are the old ones plus one (for `Reorder`, the same values).
-fn change_checkpoint(path: &Path, change: Change) -> Vec<(String, Tensor)> {
+pub(crate) fn change_checkpoint(path: &Path, change: Change) -> Vec<(String, Tensor)> {
     let old = entries(path);
     let new: Vec<(String, Tensor)> = old.iter().map(|(n, t)| (n.clone(), t.f_add_scalar(1).unwrap())).collect();
     match change {
@@ -150,12 +150,12 @@ fn mlp_registry(file: &Path, sink: Arc<ListSink>) -> StagedModels {
 }
 
 /// `net`'s output on the tests' input.
-fn net(models: &StagedModels) -> Result<Tensor, StageError> {
+pub(crate) fn net(models: &StagedModels) -> Result<Tensor, StageError> {
     models.call("net", |m: &mut Mlp| m.forward(&input(8)))
 }
 
 /// What an MLP filled with `entries` gives.
-fn expected(entries: &[(String, Tensor)]) -> Tensor {
+pub(crate) fn expected(entries: &[(String, Tensor)]) -> Tensor {
     let vs = tch::nn::VarStore::new(tch::Device::Cpu);
     let mlp = support::mlp(&vs, 8);
     let targets = stageload::named_tensors(&vs);
@@ -218,7 +218,7 @@ fn a_checkpoint_changed_between_a_release_and_its_reload_is_refused_until_accept
 }
 
 /// A seeded MLP's tensors, as a checkpoint holds them.
-fn build_mlp_tensors() -> Vec<(String, Tensor)> {
+pub(crate) fn build_mlp_tensors() -> Vec<(String, Tensor)> {
     tch::manual_seed(3);
     let vs = tch::nn::VarStore::new(tch::Device::Cpu);
     let _ = support::mlp(&vs, 8);

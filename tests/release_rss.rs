@@ -1,5 +1,6 @@
 //! Release and reload in place measured on the process RSS. Alone in its own test binary, so
-//! that no other test allocates or frees memory between the readings.
+//! that no other test allocates or frees memory between the readings; its tests take [`alone`]
+//! first, so that they do not run beside each other either.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -12,6 +13,12 @@ use tch::{Device, Tensor};
 
 use stageload_test_support::torch as support;
 use support::{assert_rss_moved, build_mlp, input, mlp, rss_bytes, Mlp};
+
+/// One test at a time: each reads RSS around what it does.
+fn alone() -> std::sync::MutexGuard<'static, ()> {
+    static ONE: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    ONE.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
 
 /// A checkpoint of an MLP in a folder of its own, removed when the folder is dropped.
 fn checkpoint_for(name: &str, width: i64) -> (tempfile::TempDir, PathBuf) {
@@ -26,6 +33,7 @@ fn checkpoint_for(name: &str, width: i64) -> (tempfile::TempDir, PathBuf) {
 
 #[test]
 fn release_returns_memory_and_reload_in_place_brings_it_back_without_drawing() {
+    let _alone = alone();
     const WIDTH: i64 = 2048; // two 16 MiB matrices
     let (_folder, path) = checkpoint_for("big", WIDTH);
     let sink = Arc::new(ListSink::new());
@@ -69,4 +77,54 @@ fn release_returns_memory_and_reload_in_place_brings_it_back_without_drawing() {
     let reload = &sink.of_kind(EventKind::Reload)[0];
     assert_eq!(reload.reload_from(), Some(stageload::ReloadFrom::InPlace));
     assert_eq!(reload.bytes(), Some(model_bytes as u64));
+}
+
+/// The process's anonymous and file-backed resident bytes, read exactly (`/proc/self/smaps_rollup`
+/// walks the page tables: `Anonymous`, and `Rss` less it).
+fn anonymous_and_file() -> (i64, i64) {
+    let rollup = std::fs::read_to_string("/proc/self/smaps_rollup").unwrap();
+    let field = |name: &str| -> i64 {
+        rollup
+            .lines()
+            .find_map(|line| line.strip_prefix(name)?.trim().strip_suffix("kB")?.trim().parse::<i64>().ok())
+            .unwrap_or_else(|| panic!("no {name} line in /proc/self/smaps_rollup:\n{rollup}"))
+            * 1024
+    };
+    let anonymous = field("Anonymous:");
+    (anonymous, field("Rss:") - anonymous)
+}
+
+#[test]
+fn a_reload_that_maps_brings_the_files_pages_in_and_no_anonymous_memory() {
+    let _alone = alone();
+    const WIDTH: i64 = 2048; // two 16 MiB matrices
+    let (_folder, path) = checkpoint_for("mapped", WIDTH);
+    let models = StagedModels::builder()
+        .model(ModelSpec::new("big", |_| Ok(build_mlp(WIDTH))).checkpoint([path]).reload(stageload::Reload::Map))
+        .stage("use", ["big"])
+        .stage("other", Vec::<String>::new())
+        .build()
+        .unwrap();
+    models.enter("use").unwrap();
+    let before = models.call("big", |m: &mut Mlp| m.forward(&input(WIDTH))).unwrap();
+    // What must move: the two weight matrices, each one entry of the file (the biases too, a
+    // few KiB inside the slack). The first load copied them into anonymous memory; a release
+    // frees it; the reload maps the file's pages in their place (mapped in at once) and
+    // allocates nothing for them. Allowed beside them: `rss_slack` of the matrices.
+    let matrices = 2 * WIDTH * WIDTH * 4;
+    let slack = stageload_test_support::memory::rss_slack(matrices);
+    let (anonymous, _) = anonymous_and_file();
+    models.enter("other").unwrap();
+    let (released_anonymous, released_file) = anonymous_and_file();
+    assert_rss_moved("fell (anonymous)", anonymous - released_anonymous, matrices);
+    models.enter("use").unwrap();
+    let again = models.call("big", |m: &mut Mlp| m.forward(&input(WIDTH))).unwrap();
+    let (mapped_anonymous, mapped_file) = anonymous_and_file();
+    assert_rss_moved("rose (file pages)", mapped_file - released_file, matrices);
+    let grew = mapped_anonymous - released_anonymous;
+    assert!(grew < slack, "anonymous memory grew by {grew} bytes for {matrices} mapped (slack {slack})");
+    assert!(again.equal(&before), "bit for bit");
+    models.enter("other").unwrap();
+    let (_, unmapped_file) = anonymous_and_file();
+    assert_rss_moved("fell (file pages unmapped)", mapped_file - unmapped_file, matrices);
 }

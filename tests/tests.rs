@@ -11,7 +11,8 @@
 //! - The registry: `staged`, `threads`, `prefetch`, `names`, `snapshot`, `pipeline_file`,
 //!   `host_tier`, `script` (TorchScript), `every_tensor` (modules exported the ordinary way: tied
 //!   weights, buffers a checkpoint lacks), `pt2` (AOTInductor packages), `stream` (block streaming),
-//!   `checkpoint` (I/O), `changed_files` (a file changed between a release and its reload).
+//!   `checkpoint` (I/O), `changed_files` (a file changed between a release and its reload), `mapped`
+//!   (reloads that map the checkpoint's pages).
 //! - The examples run as users run them: `readme_example` (two_models), `determinism` (cascade
 //!   and text_to_image, staged against eager), `stream_demo`, `minilm` (a published checkpoint
 //!   against its reference implementation), `stable_diffusion` and `ddim` (against diffusers),
@@ -30,6 +31,7 @@ mod every_tensor;
 mod heun;
 mod host_tier;
 mod many_jobs;
+mod mapped;
 mod minilm;
 mod names;
 mod pipeline_file;

@@ -130,7 +130,7 @@ pub use pinned::{HostCopyError, LibtorchError};
 pub use rng::SharedRng;
 pub use staged::{
     named_tensors, BoxError, BuildContext, Built, Handle, ModelGuard, ModelSpec, ModelState, OutOfMemory, PrefetchPace,
-    SnapshotError, StageError, StagedModels, StagedModelsBuilder, UnknownPace,
+    Reload, SnapshotError, StageError, StagedModels, StagedModelsBuilder, UnknownPace,
 };
 /// The pipeline description `stageload plan` checks; feed it to [`StagedModels::builder`]'s `pipeline`.
 pub use stageload_plan::Pipeline;

@@ -144,6 +144,11 @@ impl FirstReads {
         Ok(())
     }
 
+    /// The stamp the first read of `path` found, if it has been read.
+    pub(crate) fn first(&self, path: &Path) -> Option<FileStamp> {
+        lock(&self.stamps).get(path).copied()
+    }
+
     /// [`meet`](Self::meet) for each of `paths` with its stamp.
     pub(crate) fn meet_all(&self, model: &str, paths: &[PathBuf], stamps: &[FileStamp]) -> Result<(), SourceChanged> {
         paths.iter().zip(stamps).try_for_each(|(path, stamp)| self.meet(model, path, *stamp))

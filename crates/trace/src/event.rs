@@ -91,6 +91,9 @@ pub enum ReloadFrom {
     HostTier,
     /// The same object, storages reallocated and refilled from the registry's snapshot of it.
     Snapshot,
+    /// The same object, its CPU storages that are one checkpoint entry each given the file's
+    /// pages in place (a private mapping), the others reallocated and refilled from it.
+    Mapped,
 }
 
 impl ReloadFrom {
@@ -101,6 +104,7 @@ impl ReloadFrom {
             ReloadFrom::Rebuilt => "rebuilt",
             ReloadFrom::HostTier => "from the host tier",
             ReloadFrom::Snapshot => "from its snapshot",
+            ReloadFrom::Mapped => "mapped from its checkpoint",
         }
     }
 }

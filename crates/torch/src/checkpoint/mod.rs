@@ -294,6 +294,12 @@ impl Checkpoint {
         Ok(())
     }
 
+    /// The open handle of file `file` (an index into [`files`](Self::files)): the file its
+    /// open stamped, whatever is at the path now.
+    pub(crate) fn handle(&self, file: usize) -> &File {
+        &self.handles[file]
+    }
+
     /// Every entry by name.
     pub fn entries(&self) -> &HashMap<String, Entry> {
         &self.entries

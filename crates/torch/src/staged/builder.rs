@@ -374,7 +374,9 @@ impl StagedModelsBuilder {
                         first_reads: Default::default(),
                     })
                 });
-            entries.push(Entry::new(spec.name, Some(spec.loader), checkpoint, names, placement, stream, spec.init));
+            let mut entry = Entry::new(spec.name, Some(spec.loader), checkpoint, names, placement, stream, spec.init);
+            entry.reload = spec.reload;
+            entries.push(entry);
         }
         let known: HashSet<&str> = entries.iter().map(|e| e.name.as_str()).collect();
         let unknown: BTreeSet<String> = self

@@ -159,6 +159,15 @@ pub enum StageError {
     /// was filled, the model stays as it was, and the registry goes on.
     #[error(transparent)]
     SourceChanged(#[from] crate::source::SourceChanged),
+    /// A file whose pages a resident model held ([`Reload::Map`](super::Reload::Map)) was
+    /// written in place, so the model's weights may have changed with it: the registry released
+    /// the model instead of handing it out. Its next load meets the file like any reload
+    /// ([`StageError::SourceChanged`] until the first file is back or the new one accepted).
+    #[error("{source}; the model held that file's pages (Reload::Map), so its weights may have changed with it: it was released before any further use")]
+    ChangedUnderModel {
+        /// The file and what changed.
+        source: crate::source::SourceChanged,
+    },
     /// A storage operation through the shim failed (release, reallocation, copy).
     #[error("'{model}': {source}")]
     Torch {

@@ -26,6 +26,7 @@ use std::sync::{Condvar, Mutex};
 
 use stageload_torch_sys::ShimError;
 
+use super::mapped::MapPlan;
 use crate::storage::{self, ReleaseStats, StorageRecord};
 use crate::sync::{lock, wait};
 
@@ -67,13 +68,22 @@ impl Drop for Borrow<'_> {
     }
 }
 
-/// The storages one refill reallocated and fills; they stop counting as being filled when this
-/// drops.
+/// The storages one refill reallocated and fills, or gave its file's pages; they stop counting
+/// as being filled when this drops.
 #[derive(Debug)]
 pub(crate) struct Claim<'a> {
     fills: &'a Fills,
     /// The storages' ids.
     pub(crate) ids: HashSet<u64>,
+    /// Those of `ids` given their file's pages ([`MapPlan`]): filled already.
+    pub(crate) mapped: HashSet<u64>,
+}
+
+impl Claim<'_> {
+    /// The claimed storages the refill has yet to fill.
+    pub(crate) fn to_fill(&self) -> HashSet<u64> {
+        self.ids.difference(&self.mapped).copied().collect()
+    }
 }
 
 impl Drop for Claim<'_> {
@@ -89,9 +99,10 @@ impl Drop for Claim<'_> {
 }
 
 impl Fills {
-    /// Reallocates the freed storages among `storages` and claims them for the caller to fill;
-    /// with them, the ids of the storages among `storages` another refill is filling now, and
-    /// the borrow of the others, allocated already (rule 4 of the module docs).
+    /// Reallocates the freed storages among `storages` (or gives those `plan` maps their file's
+    /// pages) and claims them for the caller to fill; with them, the ids of the storages among
+    /// `storages` another refill is filling now, and the borrow of the others, allocated already
+    /// (rule 4 of the module docs).
     ///
     /// # Safety
     ///
@@ -100,15 +111,29 @@ impl Fills {
     pub(crate) unsafe fn claim(
         &self,
         storages: &[StorageRecord],
+        plan: Option<&MapPlan>,
     ) -> Result<(Claim<'_>, Vec<u64>, Borrow<'_>), ShimError> {
         let mut state = lock(&self.state);
         let others: Vec<u64> = storages.iter().map(|s| s.id).filter(|id| state.filling.contains(id)).collect();
         // A storage another refill claimed stays its own, even freed again by its failure:
         // its claim ends after that, and this refill reallocates it in a later round.
-        let free = storages.iter().filter(|s| !state.filling.contains(&s.id));
+        let free: Vec<&StorageRecord> = storages.iter().filter(|s| !state.filling.contains(&s.id)).collect();
         // SAFETY: this function's own precondition; under the lock, so no other refill
-        // reallocates the same storage.
-        let ids = unsafe { storage::reallocate(free) }?;
+        // maps or reallocates the same storage.
+        let mapped = match plan {
+            Some(plan) => unsafe { plan.attach_free(free.iter().copied()) }?,
+            None => HashSet::new(),
+        };
+        // SAFETY: as above.
+        let mut ids = match unsafe { storage::reallocate(free.into_iter().filter(|s| !mapped.contains(&s.id))) } {
+            Ok(ids) => ids,
+            Err(err) => {
+                // SAFETY: as above; nothing has read the mapped storages yet.
+                let _ = unsafe { storage::free_ids(storages, &mapped, "stageload: a refill ran out of memory") };
+                return Err(err);
+            }
+        };
+        ids.extend(mapped.iter().copied());
         state.filling.extend(ids.iter().copied());
         // Everything else is allocated now (a storage of no bytes never is): borrowed.
         let borrowed: Vec<u64> =
@@ -116,7 +141,7 @@ impl Fills {
         for id in &borrowed {
             *state.borrowed.entry(*id).or_default() += 1;
         }
-        Ok((Claim { fills: self, ids }, others, Borrow { fills: self, ids: borrowed }))
+        Ok((Claim { fills: self, ids, mapped }, others, Borrow { fills: self, ids: borrowed }))
     }
 
     /// Frees `storages` but those in `keep` and those loads in flight borrow (counted as kept),
@@ -178,16 +203,16 @@ mod tests {
         let storages = freed(8);
         let id = storages[0].id;
         // SAFETY: the test fills nothing and reads nothing.
-        let (first, others, _) = unsafe { fills.claim(&storages) }.unwrap();
+        let (first, others, _) = unsafe { fills.claim(&storages, None) }.unwrap();
         assert_eq!((first.ids.iter().copied().collect::<Vec<_>>(), others), (vec![id], vec![]));
         // SAFETY: as above.
-        let (second, others, _) = unsafe { fills.claim(&storages) }.unwrap();
+        let (second, others, _) = unsafe { fills.claim(&storages, None) }.unwrap();
         assert!(second.ids.is_empty(), "allocated already: not reallocated again");
         assert_eq!(others, [id], "the first refill still fills it");
         drop(first);
         assert!(!fills.any_filling(&[id]));
         // SAFETY: as above.
-        let (third, others, _) = unsafe { fills.claim(&storages) }.unwrap();
+        let (third, others, _) = unsafe { fills.claim(&storages, None) }.unwrap();
         assert!(third.ids.is_empty() && others.is_empty(), "filled: nothing to wait for");
     }
 
@@ -199,7 +224,7 @@ mod tests {
             storage::distinct_storages(&[("w".to_string(), Tensor::ones([8], (Kind::Float, Device::Cpu)))]).unwrap();
         let allocated = || stageload_torch_sys::storage_info(&storages[0].tensor).unwrap().allocated;
         // SAFETY: the test fills nothing and reads nothing.
-        let (claim, others, borrow) = unsafe { fills.claim(&storages) }.unwrap();
+        let (claim, others, borrow) = unsafe { fills.claim(&storages, None) }.unwrap();
         assert!(claim.ids.is_empty() && others.is_empty());
         // SAFETY: nothing runs on the storage.
         let kept = unsafe { fills.release(&storages, &HashSet::new(), "released by the test") }.unwrap();
@@ -216,7 +241,7 @@ mod tests {
         let storages = freed(8);
         let id = storages[0].id;
         // SAFETY: the test fills nothing and reads nothing.
-        let (claim, _, _) = unsafe { fills.claim(&storages) }.unwrap();
+        let (claim, _, _) = unsafe { fills.claim(&storages, None) }.unwrap();
         let (done_tx, done) = std::sync::mpsc::channel();
         let waiter = {
             let fills = Arc::clone(&fills);

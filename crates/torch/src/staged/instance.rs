@@ -19,6 +19,7 @@ use tch::Tensor;
 
 use super::decide::ReleaseMark;
 use super::error::{Result, StageError};
+use super::mapped::HeldFiles;
 use super::spec::Built;
 use crate::storage::{self, StorageRecord};
 use crate::sync::lock;
@@ -61,16 +62,20 @@ pub(crate) struct Instance {
     pub(crate) ctl: Mutex<Ctl>,
     /// The registry, for a guard that must carry out a release left to it.
     pub(crate) registry: Weak<dyn Registry>,
+    /// The files whose pages it may hold (a model that maps, on the CPU): checked before each
+    /// hand-out ([`super::mapped`], rule 4). Fixed at creation.
+    pub(crate) held: Option<HeldFiles>,
 }
 
 impl Instance {
     /// The instance of a model `built`, whose tensors named in `unrefillable` keep their
-    /// storages resident through releases.
+    /// storages resident through releases, and that may hold the pages of the `held` files.
     pub(crate) fn new(
         name: &str,
         built: Built,
         unrefillable: &[String],
         registry: Weak<dyn Registry>,
+        held: Option<HeldFiles>,
     ) -> Result<Arc<Self>> {
         let Built { model, type_id, type_name, tensors } = built;
         let torch = |source| StageError::Torch { model: name.to_string(), source };
@@ -89,6 +94,7 @@ impl Instance {
             weights: Mutex::new(Weights { tensors, storages }),
             ctl: Mutex::new(Ctl { mark: ReleaseMark::Live, holder: None }),
             registry,
+            held,
         }))
     }
 

@@ -20,10 +20,11 @@ use super::decide;
 use super::error::{BoxError, Result, StageError};
 use super::fills::Borrow;
 use super::instance::{Instance, Weights};
+use super::mapped::{HeldFiles, MapPlan};
 use super::registry::Inner;
 use super::release::released_message;
 use super::slots::{Begin, Begun, Finished, Installed, Landed, Plan, Purpose, Ran, Recipe};
-use super::spec::{BuildContext, Built, Init, Loader};
+use super::spec::{BuildContext, Built, Init, Loader, Reload};
 use super::tier_copy::{self, HostCopies};
 use super::turn::{BuildHold, ForegroundLoad, Pacer, Who};
 use crate::checkpoint::{Checkpoint, CheckpointError};
@@ -160,7 +161,7 @@ impl Inner {
     /// the resident instance.
     pub(crate) fn instance_for(self: &Arc<Self>, name: &str, purpose: Purpose) -> Result<Arc<Instance>> {
         let begun = match self.slots.begin_load(name, purpose, &self.turns, self.builds.strict())? {
-            Begin::Use(instance) => return Ok(instance),
+            Begin::Use(instance) => return self.still_its_files(instance),
             Begin::Load(begun) => begun,
         };
         let started = Instant::now();
@@ -193,6 +194,28 @@ impl Inner {
             // An insert or a remove overtook this load: what it built is dropped.
             Landed::Overtaken(ran) => ran.and_then(|()| self.instance(name)),
         }
+    }
+
+    /// `instance`, resident, to hand out, once the files whose pages it may hold are found as
+    /// its first load read them ([`super::mapped`], rule 4); one written in place since makes
+    /// this release it and answer [`StageError::ChangedUnderModel`].
+    fn still_its_files(&self, instance: Arc<Instance>) -> Result<Arc<Instance>> {
+        let Some(changed) = instance.held.as_ref().and_then(|held| held.changed(&instance.name)) else {
+            return Ok(instance);
+        };
+        let mut state = self.slots.lock();
+        let requested = state.position(&instance.name).ok().and_then(|p| state.request_release(p));
+        let stage = state.current().map(str::to_string);
+        drop(state);
+        self.release_all(requested.into_iter().collect());
+        let err = StageError::ChangedUnderModel { source: changed };
+        self.emit(Event::now(Failed {
+            stage,
+            model: Some(instance.name.clone()),
+            seconds: None,
+            note: err.to_string(),
+        }));
+        Err(err)
     }
 
     /// Runs a load begun, with the state lock let go: builds (then fills what shared storages
@@ -236,6 +259,7 @@ impl Inner {
             Plan::Build { reload: true, .. } => Some(ReloadFrom::Rebuilt),
             Plan::Refill(_, Some(_)) => Some(ReloadFrom::HostTier),
             Plan::Refill(_, None) if begun.recipe.from_snapshot => Some(ReloadFrom::Snapshot),
+            Plan::Refill(_, None) if begun.recipe.reload == Reload::Map => Some(ReloadFrom::Mapped),
             Plan::Refill(_, None) => Some(ReloadFrom::InPlace),
         };
         self.emit(Event::now(match from {
@@ -296,7 +320,11 @@ impl Inner {
             };
             report = Some(self.load_checkpoint(failing, checkpoint, first_reads, &targets, &names, fill)?);
         }
-        self.built_instance(name, built, shared, report)
+        let held = (begun.recipe.reload == Reload::Map
+            && !checkpoint.is_empty()
+            && built.tensors.iter().any(|(_, t)| t.device() == Device::Cpu))
+        .then(|| HeldFiles { files: checkpoint.clone(), first_reads: Arc::clone(first_reads) });
+        self.built_instance(name, built, shared, report, held)
     }
 
     /// Runs `loader` for the model begun (a foreground one under preserved RNG, the turn held
@@ -366,6 +394,7 @@ impl Inner {
         mut built: Built,
         shared: SharedUsed,
         report: Option<LoadReport>,
+        held: Option<HeldFiles>,
     ) -> Result<(Arc<Instance>, u64, Option<LoadReport>)> {
         let reused: Vec<(String, Tensor)> =
             shared.iter().filter(|(_, _, fresh)| !fresh).map(|(n, t, _)| (n.clone(), t.shallow_clone())).collect();
@@ -376,7 +405,7 @@ impl Inner {
             .collect();
         built.tensors.extend(shared.into_iter().map(|(n, t, _)| (n, t)));
         let unrefillable = report.as_ref().map_or(&[][..], |report| &report.missing[..]);
-        let instance = Instance::new(name, built, unrefillable, Arc::<Inner>::downgrade(self))?;
+        let instance = Instance::new(name, built, unrefillable, Arc::<Inner>::downgrade(self), held)?;
         let bytes = instance.storage_sizes.iter().filter(|(id, _)| !reused.contains(id)).map(|(_, bytes)| bytes).sum();
         Ok((instance, bytes, report))
     }
@@ -442,16 +471,28 @@ impl Inner {
         // Waits only for a release of this very instance still freeing its storages.
         let _body = lock(&instance.body);
         let weights = lock(&instance.weights);
+        let plan = self.map_plan(&weights, from)?;
         let (mut bytes, mut report, mut borrows) = (0, None, Vec::new());
         loop {
             // SAFETY: the body lock keeps every user of the model away until the fill below has
             // filled the claimed storages (or freed them again).
-            let (claim, others, borrow) =
-                unsafe { self.fills.claim(&weights.storages) }.map_err(|source| failing.torch(source))?;
+            let (claim, others, borrow) = unsafe { self.fills.claim(&weights.storages, plan.as_ref()) }
+                .map_err(|source| failing.torch(source))?;
             borrows.push(borrow);
+            if let Some(plan) = &plan {
+                plan.populate(name, claim.mapped.iter().copied());
+            }
             if first || !claim.ids.is_empty() {
-                match self.fill(instance, &weights, &claim.ids, from) {
-                    Ok((filled, read)) => (bytes, report) = (bytes + filled, report.or(read)),
+                match self.fill(instance, &weights, &claim.to_fill(), from) {
+                    Ok((filled, read)) => {
+                        let mapped: u64 = weights
+                            .storages
+                            .iter()
+                            .filter(|s| claim.mapped.contains(&s.id))
+                            .map(|s| s.nbytes as u64)
+                            .sum();
+                        (bytes, report) = (bytes + filled + mapped, report.or(read));
+                    }
                     Err(err) => {
                         let stage = instance.mark().stage().flatten();
                         let message = released_message(name, &stage);
@@ -474,6 +515,21 @@ impl Inner {
             let _waiting = foreground.map(ForegroundLoad::waiting);
             self.fills.wait_for(&others);
         }
+    }
+
+    /// For a refill from the checkpoint of a model that maps ([`Reload::Map`]), which of its
+    /// storages take the file's pages ([`MapPlan`]), once the files are found to be what the
+    /// model's first load read.
+    fn map_plan(&self, weights: &Weights, FillFrom { begun, copies }: FillFrom<'_>) -> Result<Option<MapPlan>> {
+        let recipe = &begun.recipe;
+        if recipe.reload != Reload::Map || copies.is_some() || recipe.from_snapshot || recipe.checkpoint.is_empty() {
+            return Ok(None);
+        }
+        let failing = Failing::of(begun);
+        let checkpoint = Checkpoint::open(&recipe.checkpoint).map_err(|source| failing.checkpoint(source))?;
+        recipe.first_reads.meet_all(failing.model, checkpoint.files(), checkpoint.stamps())?;
+        let plan = MapPlan::of(&checkpoint, weights, &recipe.names).map_err(|source| failing.checkpoint(source))?;
+        Ok(Some(plan))
     }
 
     /// Fills the storages `ids` of a refilled instance, from its host tier `copies` or its

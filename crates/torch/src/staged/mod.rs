@@ -46,6 +46,7 @@ mod error;
 mod fills;
 mod instance;
 mod load;
+mod mapped;
 mod placement;
 mod prefetch;
 mod registry;
@@ -65,7 +66,7 @@ pub use builder::StagedModelsBuilder;
 pub use decide::{ModelState, OutOfMemory};
 pub use error::{BoxError, SnapshotError, StageError};
 pub use instance::{Handle, ModelGuard};
-pub use spec::{named_tensors, BuildContext, Built, ModelSpec};
+pub use spec::{named_tensors, BuildContext, Built, ModelSpec, Reload};
 pub use turn::{PrefetchPace, UnknownPace};
 
 use crate::error::{is_out_of_memory, panic_message};

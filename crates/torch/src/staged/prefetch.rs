@@ -257,7 +257,7 @@ mod tests {
         // Without a file, a released model's own weights say where it lives (the CPU here).
         let weights = Tensor::zeros([2], (Kind::Float, Device::Cpu));
         let built = Built::from_tensors((), vec![("w".to_string(), weights)]);
-        let instance = Instance::new("m", built, &[], std::sync::Weak::<Inner>::new()).unwrap();
+        let instance = Instance::new("m", built, &[], std::sync::Weak::<Inner>::new(), None).unwrap();
         let released = SlotState::Released { instance, stage: None, pending: false };
         assert_eq!(cuda_device(&entry(Placement::default(), released)), None);
     }

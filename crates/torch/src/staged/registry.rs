@@ -171,7 +171,7 @@ impl Inner {
 
     /// Registers a built model under `name`, replacing (and releasing) what was there.
     pub(crate) fn insert(self: &Arc<Self>, name: &str, built: Built) -> Result<()> {
-        let instance = Instance::new(name, built, &[], Arc::<Inner>::downgrade(self))?;
+        let instance = Instance::new(name, built, &[], Arc::<Inner>::downgrade(self), None)?;
         let let_go = self.slots.lock().insert(name, instance);
         self.let_go(let_go);
         Ok(())

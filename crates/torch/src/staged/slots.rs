@@ -43,7 +43,7 @@ use super::error::{Result, StageError};
 use super::fills::Borrow;
 use super::instance::Instance;
 use super::placement::Placement;
-use super::spec::{Init, Loader};
+use super::spec::{Init, Loader, Reload};
 use super::tier_copy::HostCopies;
 use super::turn::Turns;
 use crate::names::NameRules;
@@ -226,6 +226,7 @@ pub(crate) struct Recipe {
     pub(crate) checkpoint: Vec<PathBuf>,
     pub(crate) names: NameRules,
     pub(crate) init: Init,
+    pub(crate) reload: Reload,
     pub(crate) from_snapshot: bool,
     pub(crate) placement: Placement,
     pub(crate) stream: Option<Arc<StreamPlan>>,
@@ -238,6 +239,7 @@ impl Recipe {
             checkpoint: entry.checkpoint.clone(),
             names: entry.names.clone(),
             init: entry.init,
+            reload: entry.reload,
             from_snapshot: entry.from_snapshot,
             placement: entry.placement,
             stream: entry.stream.clone(),
@@ -302,6 +304,8 @@ pub(crate) struct Entry {
     /// How the pipeline file streams the model (it then has no checkpoint).
     pub(crate) stream: Option<Arc<StreamPlan>>,
     pub(crate) init: Init,
+    /// How it comes back from its checkpoint after a release ([`Reload`]).
+    pub(crate) reload: Reload,
     /// Its checkpoint is the registry's snapshot of it (see [`super::snapshot`]).
     pub(crate) from_snapshot: bool,
     /// The files its first load read, as that load found them: every later load compares.
@@ -339,6 +343,7 @@ impl Entry {
             placement,
             stream,
             init,
+            reload: Reload::Copy,
             from_snapshot: false,
             first_reads,
             slot,
@@ -1071,7 +1076,7 @@ mod tests {
 
     fn instance() -> Arc<Instance> {
         let registry: Weak<dyn Registry> = Weak::<NoRegistry>::new();
-        Instance::new("m", built(), &[], registry).unwrap()
+        Instance::new("m", built(), &[], registry, None).unwrap()
     }
 
     /// The slot table of one model `m` with a loader, listed by stage `s`.

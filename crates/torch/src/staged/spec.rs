@@ -266,6 +266,30 @@ pub struct ModelSpec {
     pub(crate) checkpoint: Vec<PathBuf>,
     pub(crate) names: NameRules,
     pub(crate) init: Init,
+    pub(crate) reload: Reload,
+}
+
+/// How a released model comes back from its checkpoint ([`ModelSpec::reload`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Reload {
+    /// Its storages are allocated again and the checkpoint's bytes copied into them: the
+    /// weights are the process's own memory, whatever happens to the files afterwards.
+    #[default]
+    Copy,
+    /// Its storages are given the checkpoint file's pages in place, through a private mapping of
+    /// the file (as `safetensors`' `load_file` and `from_pretrained` hold weights): nothing is
+    /// allocated, zeroed or copied, and the pages are mapped in at the reload (read from the
+    /// disk where they are not cached). For each CPU storage that is exactly one entry of the
+    /// file in its dtype and shape (contiguous, from the storage's first byte, aligned for its
+    /// dtype); the others are copied. A write to a weight stays in this process. The hazard
+    /// `from_pretrained` has comes with it: a file written in place while the model holds its
+    /// pages changes the weights. So while such a model is resident, each time it is handed
+    /// out its files are checked: one written in place since its first load makes the
+    /// registry release the model and answer [`StageError::ChangedUnderModel`] instead
+    /// (a file put at the path by a rename, or deleted, changes nothing the model holds). A
+    /// file truncated under a model that is computing ends the process with SIGBUS, as it does
+    /// under `from_pretrained`.
+    Map,
 }
 
 /// Where a model's weights come from at a build.
@@ -318,6 +342,7 @@ impl ModelSpec {
             checkpoint: Vec::new(),
             names: NameRules::default(),
             init: Init::Loader,
+            reload: Reload::Copy,
         }
     }
 
@@ -432,6 +457,19 @@ impl ModelSpec {
     /// loader reads: they are the ones a reload comes back from.
     pub fn loader_reads_checkpoint(mut self) -> Self {
         self.init = Init::Deserialized;
+        self
+    }
+
+    /// How the model comes back from its checkpoint after a release ([`Reload::Copy`] unless
+    /// set). [`Reload::Map`] gives its CPU weights the file's pages instead of copies.
+    ///
+    /// ```no_run
+    /// # use stageload::{ModelSpec, Reload};
+    /// # fn loader(ctx: &stageload::BuildContext) -> Result<stageload::Built, stageload::BoxError> { todo!() }
+    /// let spec = ModelSpec::new("unet", loader).checkpoint(["unet.safetensors"]).reload(Reload::Map);
+    /// ```
+    pub fn reload(mut self, how: Reload) -> Self {
+        self.reload = how;
         self
     }
 
