@@ -41,7 +41,8 @@ pub fn stage_error(py: Python<'_>, message: String) -> PyErr {
 /// - a loader that raised, `LoaderError` naming the model, caused by what the loader raised (a
 ///   `KeyboardInterrupt` or `SystemExit` is raised again as itself);
 /// - a file changed since the model's first load, `SourceChangedError` (its `model`, `path` and
-///   `change`);
+///   `change`); one written in place under a resident model that maps it,
+///   `ChangedUnderModelError` (a `SourceChangedError` too);
 /// - anything else, `StageError` with the registry's sentence.
 pub fn raise(py: Python<'_>, error: StageError) -> PyErr {
     match error {
@@ -71,6 +72,11 @@ pub fn raise(py: Python<'_>, error: StageError) -> PyErr {
             py,
             "SourceChangedError",
             (changed.to_string(), changed.model.clone(), changed.path.clone(), changed.change.to_string()),
+        ),
+        StageError::ChangedUnderModel { ref source } => error_of(
+            py,
+            "ChangedUnderModelError",
+            (error.to_string(), source.model.clone(), source.path.clone(), source.change.to_string()),
         ),
         other => stage_error(py, other.to_string()),
     }

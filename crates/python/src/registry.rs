@@ -11,7 +11,9 @@ use std::sync::Arc;
 use pyo3::prelude::*;
 use pyo3_tch::PyTensor;
 use stageload::rng::RngSnapshot;
-use stageload::{BoxError, Built, Event, EventSink, ListSink, ModelSpec, ModelState, StageError, StagedModels, What};
+use stageload::{
+    BoxError, Built, Event, EventSink, ListSink, ModelSpec, ModelState, Reload, StageError, StagedModels, What,
+};
 
 use crate::errors::{raise, stage_error, PythonError};
 use crate::meter::Meter;
@@ -42,13 +44,19 @@ fn built(module: Bound<'_, PyAny>, model: &str) -> PyResult<Built> {
     Ok(Built::from_tensors(PyModel(module.unbind()), tensors))
 }
 
-/// A model as Python describes it: name, loader, checkpoint files, and where its weights come
+/// A model as Python describes it: name, loader, checkpoint files, where its weights come
 /// from at a build (`"loader"`: the loader's own, drawn under preserved generators, then the
 /// checkpoint's; `"skip"`: built without initial values, every weight from the checkpoint;
-/// `"reads"`: the loader reads the checkpoint itself, as `from_pretrained` does).
-type ModelArgs = (String, Py<PyAny>, Vec<PathBuf>, String);
+/// `"reads"`: the loader reads the checkpoint itself, as `from_pretrained` does), and how it
+/// comes back after a release (`"copy"` or `"map"`: [`Reload`]).
+type ModelArgs = (String, Py<PyAny>, Vec<PathBuf>, String, String);
 
-fn model_spec(py: Python<'_>, (name, loader, checkpoint, init): ModelArgs) -> PyResult<ModelSpec> {
+fn model_spec(py: Python<'_>, (name, loader, checkpoint, init, reload): ModelArgs) -> PyResult<ModelSpec> {
+    let reload = match reload.as_str() {
+        "copy" => Reload::Copy,
+        "map" => Reload::Map,
+        other => return Err(stage_error(py, format!("model '{name}': unknown reload {other:?}: 'copy' or 'map'"))),
+    };
     let model = name.clone();
     let spec = ModelSpec::new(name, move |_ctx| {
         Python::with_gil(|py| {
@@ -56,7 +64,8 @@ fn model_spec(py: Python<'_>, (name, loader, checkpoint, init): ModelArgs) -> Py
             built(module, &model).map_err(|e| Box::new(PythonError(e)) as BoxError)
         })
     })
-    .checkpoint(checkpoint);
+    .checkpoint(checkpoint)
+    .reload(reload);
     Ok(match init.as_str() {
         "loader" => spec,
         "skip" => spec.skip_init(true),

@@ -222,6 +222,63 @@ def test_a_changed_checkpoint_is_refused_and_accepting_it_takes_the_new_values(t
     assert torch.equal(models["m"][0].weight, newer[0].weight)
 
 
+def _mapped_from(tensor: torch.Tensor, path: Path) -> bool:
+    """Whether ``tensor``'s memory lies in a mapping of ``path`` (``/proc/self/maps``)."""
+    address, path = tensor.data_ptr(), str(Path(path).resolve())
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split()
+        if len(fields) >= 6 and fields[5] == path:
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            if start <= address < end:
+                return True
+    return False
+
+
+def test_a_model_that_maps_comes_back_on_its_files_pages_bit_for_bit(saved):
+    first = mlp()
+    path = saved("m", first)
+    events = sl.ListSink()
+    models = staged(
+        {"m": mlp, "other": mlp},
+        checkpoints={"m": [path]},
+        reload_mapped=["m"],
+        events=events,
+    )
+    models.enter("a")
+    module = models["m"]
+    x = torch.randn(3, 16)
+    before = module(x)
+    assert not _mapped_from(module[0].weight, path), "the first load copies"
+    models.enter("b")
+    models.enter("a")
+    assert models["m"] is module
+    assert torch.equal(module(x), before)
+    assert all(_mapped_from(p, path) for p in module.parameters()), "the file's own pages"
+    assert [e.fields.get("from") for e in events.of_kind("reload")] == ["mapped"]
+
+
+def test_a_file_written_in_place_under_a_mapped_model_releases_it_before_any_use(saved):
+    path = saved("m", mlp())
+    models = staged({"m": mlp, "other": mlp}, checkpoints={"m": [path]}, reload_mapped=["m"])
+    models.enter("a")
+    models["m"]
+    models.enter("b")
+    models.enter("a")
+    module = models["m"]
+    with open(path, "r+b") as file:  # new values over the last weight, in place
+        file.seek(-4, os.SEEK_END)
+        file.write(b"\x00\x00\x80\x7f")
+    with pytest.raises(sl.ChangedUnderModelError) as raised:
+        models["m"]
+    assert (raised.value.model, Path(raised.value.path)) == ("m", path)
+    assert isinstance(raised.value, sl.SourceChangedError)
+    assert models.states()["m"] == "released"
+    with pytest.raises(sl.ReleasedModuleError):
+        module(torch.randn(1, 16))
+    with pytest.raises(sl.SourceChangedError):
+        models["m"]
+
+
 def test_a_checkpoint_that_does_not_fit_names_the_model_and_the_tensor(saved):
     wrong = nn.Sequential(nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 4))
     models = staged({"m": mlp, "other": mlp}, checkpoints={"m": [saved("m", wrong)]})

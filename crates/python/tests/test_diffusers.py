@@ -110,14 +110,17 @@ def unwrapped() -> dict[str, torch.Tensor]:
     return outputs
 
 
-@pytest.mark.parametrize("mode", ["eager", "staged", "prefetch"])
+@pytest.mark.parametrize(
+    ("mode", "reload"),
+    [("eager", "map"), ("staged", "map"), ("prefetch", "map"), ("staged", "copy")],
+)
 @pytest.mark.parametrize("pipeline", list(PIPELINES))
 def test_a_staged_pipeline_gives_the_unwrapped_pipelines_output_bit_for_bit(
-    pipeline, mode, unwrapped
+    pipeline, mode, reload, unwrapped
 ):
     cls, path, run = PIPELINES[pipeline]()
     events = sl.ListSink()
-    pipe, _ = staged_pipeline(cls, path, mode=mode, events=events)
+    pipe, _ = staged_pipeline(cls, path, mode=mode, reload=reload, events=events)
     components = [getattr(pipe, c) for c in COMPONENTS[pipeline]]
     for attempt in range(2):  # the second image comes back from reloads in place
         assert torch.equal(run(pipe), unwrapped[pipeline]), (
@@ -134,7 +137,10 @@ def test_a_staged_pipeline_gives_the_unwrapped_pipelines_output_bit_for_bit(
     else:
         assert sorted(loads) == sorted(
             [(c, "load", None) for c in COMPONENTS[pipeline]]
-            + [(c, "reload", "in_place") for c in COMPONENTS[pipeline]]
+            + [
+                (c, "reload", "mapped" if reload == "map" else "in_place")
+                for c in COMPONENTS[pipeline]
+            ]
         )
     if mode == "prefetch":
         assert any(

@@ -29,7 +29,13 @@ if _torch.__version__.split("+", 1)[0] != _BUILT_FOR:
         f"install torch=={_BUILT_FOR}, or rebuild stageload_rs against this torch"
     )
 
-from .errors import LoaderError, ReleasedModuleError, SourceChangedError, StageError
+from .errors import (
+    ChangedUnderModelError,
+    LoaderError,
+    ReleasedModuleError,
+    SourceChangedError,
+    StageError,
+)
 from .events import Event, EventSink, ListSink
 from .hooks import on_call
 from .meter import MemoryMeter
@@ -40,6 +46,7 @@ from .share import share
 __version__ = _metadata.version("stageload-rs")
 
 __all__ = [
+    "ChangedUnderModelError",
     "Event",
     "EventSink",
     "ListSink",

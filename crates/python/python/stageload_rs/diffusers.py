@@ -188,15 +188,20 @@ def staged_pipeline(
     mode: str = "staged",
     stages: Sequence[Stage] | None = None,
     torch_dtype: torch.dtype | None = None,
+    reload: str = "map",
     **options: Any,
 ) -> tuple[Any, StagedModels]:
     """The pipeline ``pipeline_class.from_pretrained(folder)`` gives, with its model components
     staged (``mode="staged"``), staged with the next stage prefetched (``"prefetch"``), or all
-    loaded before it runs and never released (``"eager"``). ``options`` go to
-    :class:`StagedModels` (``events=``, ``host_tier=``, ...). Returns the pipeline and its
-    registry."""
+    loaded before it runs and never released (``"eager"``). A released component comes back on
+    its safetensors files' pages as ``from_pretrained`` holds them (``reload="map"``, see
+    ``reload_mapped`` of :class:`StagedModels`), or copied into memory of its own
+    (``reload="copy"``). ``options`` go to :class:`StagedModels` (``events=``, ``host_tier=``,
+    ...). Returns the pipeline and its registry."""
     if mode not in MODES:
         raise ValueError(f"mode {mode!r}: one of {', '.join(MODES)}")
+    if reload not in ("map", "copy"):
+        raise ValueError(f"reload {reload!r}: 'map' or 'copy'")
     if mode != "eager" and torch.backends.mkl.is_available() and not os.environ.get("MKL_CBWR"):
         warnings.warn(
             "MKL_CBWR is not set: MKL's CPU matrix products can round differently for the same "
@@ -238,6 +243,7 @@ def staged_pipeline(
         stages=stage_models,
         checkpoints=checkpoints,
         loader_reads_checkpoint=list(shells),
+        reload_mapped=list(shells) if reload == "map" else [],
         prefetch=mode == "prefetch",
         **options,
     )

@@ -28,6 +28,13 @@ class SourceChangedError(StageError):
         self.change = change
 
 
+class ChangedUnderModelError(SourceChangedError):
+    """A checkpoint file was written in place while a resident model held its pages
+    (``reload_mapped``): its weights may have changed with the file, so the registry released it
+    before any further use. Its next load is refused like any changed file
+    (:class:`SourceChangedError`) until the first file is back or the new one accepted."""
+
+
 class ReleasedModuleError(RuntimeError):
     """A module was called after stageload released its weights."""
 

@@ -68,6 +68,13 @@ class StagedModels(MutableMapping[str, "nn.Module"]):
       ``from_pretrained`` does): it is checked against the model, not copied again.
     - ``skip_init=[names]``: those models are built without initial values (torch's random and
       constant fills are skipped while their loader runs); every weight comes from the checkpoint.
+    - ``reload_mapped=[names]``: those models come back from a release on their checkpoint files'
+      pages (a private mapping, as ``from_pretrained`` holds weights): nothing is allocated or
+      copied, and a CPU weight that is one entry of the file in its dtype is the page cache's
+      pages (the others are copied). While such a model is resident its files are checked each
+      time it is handed out: one written in place releases it and raises
+      :class:`~stageload_rs.ChangedUnderModelError` (a truncated file under a running model ends
+      the process with SIGBUS, as under ``from_pretrained``).
     - ``prefetch=True``: entering a stage starts loading the next stage's models in the
       background (only loads that draw no random number: refills, and builds of the two above).
     - ``host_tier=bytes``: released models keep a copy in host memory within that budget and come
@@ -97,6 +104,7 @@ class StagedModels(MutableMapping[str, "nn.Module"]):
         checkpoints: Mapping[str, Sequence[str | os.PathLike[str]]] | None = None,
         loader_reads_checkpoint: Iterable[str] = (),
         skip_init: Iterable[str] = (),
+        reload_mapped: Iterable[str] = (),
         prefetch: bool = False,
         host_tier: int | None = None,
         snapshots: str | os.PathLike[str] | None = None,
@@ -109,12 +117,15 @@ class StagedModels(MutableMapping[str, "nn.Module"]):
         checkpoints = {
             name: [os.fspath(f) for f in files] for name, files in (checkpoints or {}).items()
         }
-        reads, skips = set(loader_reads_checkpoint), set(skip_init)
+        reads, skips, mapped = set(loader_reads_checkpoint), set(skip_init), set(reload_mapped)
         _names_known("stages", (n for names in stages.values() for n in names), loaders)
         _names_known("pinned models", pinned, loaders)
         _names_known("checkpoints", checkpoints, loaders)
         _names_known("loader_reads_checkpoint", reads, loaders)
         _names_known("skip_init", skips, loaders)
+        _names_known("reload_mapped", mapped, loaders)
+        for name in sorted(mapped - checkpoints.keys()):
+            raise ValueError(f"model {name!r} maps its checkpoint on reload: give it checkpoints=")
         for name in sorted((reads | skips) - checkpoints.keys()):
             raise ValueError(f"model {name!r} is built without its weights: give it checkpoints=")
         for name in sorted(reads & skips):
@@ -149,7 +160,13 @@ class StagedModels(MutableMapping[str, "nn.Module"]):
 
         self._registry = _native.Registry(
             [
-                (name, loader, checkpoints.get(name, []), init(name))
+                (
+                    name,
+                    loader,
+                    checkpoints.get(name, []),
+                    init(name),
+                    "map" if name in mapped else "copy",
+                )
                 for name, loader in loaders.items()
             ],
             list(stages.items()),
