@@ -109,8 +109,9 @@ fn a_reload_that_maps_brings_the_files_pages_in_and_no_anonymous_memory() {
     let before = models.call("big", |m: &mut Mlp| m.forward(&input(WIDTH))).unwrap();
     // What must move: the two weight matrices, each one entry of the file (the biases too, a
     // few KiB inside the slack). The first load copied them into anonymous memory; a release
-    // frees it; the reload maps the file's pages in their place (mapped in at once) and
-    // allocates nothing for them. Allowed beside them: `rss_slack` of the matrices.
+    // frees it; the reload gives the storages the file's pages in its place and allocates
+    // nothing for them, and the forward, which reads every weight, brings those pages in.
+    // Allowed beside them: `rss_slack` of the matrices.
     let matrices = 2 * WIDTH * WIDTH * 4;
     let slack = stageload_test_support::memory::rss_slack(matrices);
     let (anonymous, _) = anonymous_and_file();

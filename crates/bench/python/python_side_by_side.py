@@ -1,10 +1,11 @@
 """Stable Diffusion from one diffusers folder, side by side in one run: the pipeline unwrapped
 (`from_pretrained`, everything loaded), the original Python stageload 0.1.1 wrapping it, and
-stageload_rs (`staged_pipeline`, staged and with prefetch). Each run is a process of its own
+stageload_rs (`staged_pipeline`, staged and with prefetch, reloads mapping the checkpoint's
+pages; `copy`: staged, reloads copying into memory of its own). Each run is a process of its own
 under `stageload guard`, the arms alternating, two images per process.
 
     python python_side_by_side.py --folder SD/diffusers --out DIR --guard target/debug/stageload
-        [--rounds 2] [--steps 4] [--size 256] [--arms unwrapped,original,staged,prefetch]
+        [--rounds 2] [--steps 4] [--size 256] [--arms unwrapped,original,staged,prefetch[,copy]]
 
 Per stage of each image (setup: building the pipeline; encode: from the call to the scheduler's
 set_timesteps; denoise: to the end of the last step; decode: to the call's return) a run records
@@ -195,7 +196,8 @@ def run_arm(args) -> None:
         from diffusers import StableDiffusionPipeline
         from stageload_rs.diffusers import staged_pipeline
 
-        pipe, models = staged_pipeline(StableDiffusionPipeline, folder, mode=args.run)
+        mode, reload = ("staged", "copy") if args.run == "copy" else (args.run, "map")
+        pipe, models = staged_pipeline(StableDiffusionPipeline, folder, mode=mode, reload=reload)
     pipe.set_progress_bar_config(disable=True)
     prompt = (folder / "prompt.txt").read_text()
     set_timesteps = pipe.scheduler.set_timesteps
@@ -318,7 +320,8 @@ def within_bound(runs: dict, arms: list[str], folder: Path) -> list[str]:
         "| arm | image | " + " | ".join(f"{s} peak / need" for s in STAGE_MODELS) + " |",
         "|---|---|" + "---|" * len(STAGE_MODELS),
     ]
-    for arm in (a for a in arms if a == "staged"):  # prefetch holds the next stage's model too
+    # the original beside them, for scale; prefetch holds the next stage's model too
+    for arm in (a for a in arms if a in ("original", "staged", "copy")):
         base = median(arm, 0, "setup", lambda r: r["end_rss"])
         for image in range(2):
             cells = []
@@ -428,7 +431,7 @@ def main() -> None:
     ap.add_argument("--arms", default="unwrapped,original,staged,prefetch")
     ap.add_argument(
         "--run",
-        choices=["unwrapped", "original", "staged", "prefetch"],
+        choices=["unwrapped", "original", "staged", "prefetch", "copy"],
         help="one arm, in this process",
     )
     ap.add_argument("--tag")

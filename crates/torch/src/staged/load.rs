@@ -472,6 +472,7 @@ impl Inner {
         let _body = lock(&instance.body);
         let weights = lock(&instance.weights);
         let plan = self.map_plan(&weights, from)?;
+        let begun_prefetch = from.begun.purpose.is_prefetch();
         let (mut bytes, mut report, mut borrows) = (0, None, Vec::new());
         loop {
             // SAFETY: the body lock keeps every user of the model away until the fill below has
@@ -479,7 +480,10 @@ impl Inner {
             let (claim, others, borrow) = unsafe { self.fills.claim(&weights.storages, plan.as_ref()) }
                 .map_err(|source| failing.torch(source))?;
             borrows.push(borrow);
-            if let Some(plan) = &plan {
+            // A prefetch maps the pages in now, off the critical path; the foreground leaves
+            // them to come in as the forward touches them (as `from_pretrained`'s do), so the
+            // pages it never reads (most rows of an embedding table) stay out of memory.
+            if let (Some(plan), true) = (&plan, begun_prefetch) {
                 plan.populate(name, claim.mapped.iter().copied());
             }
             if first || !claim.ids.is_empty() {

@@ -278,8 +278,8 @@ pub enum Reload {
     Copy,
     /// Its storages are given the checkpoint file's pages in place, through a private mapping of
     /// the file (as `safetensors`' `load_file` and `from_pretrained` hold weights): nothing is
-    /// allocated, zeroed or copied, and the pages are mapped in at the reload (read from the
-    /// disk where they are not cached). For each CPU storage that is exactly one entry of the
+    /// allocated, zeroed or copied, and the pages come in as the model touches them (read from
+    /// the disk where they are not cached; a prefetch maps them in at once). For each CPU storage that is exactly one entry of the
     /// file in its dtype and shape (contiguous, from the storage's first byte, aligned for its
     /// dtype); the others are copied. A write to a weight stays in this process. The hazard
     /// `from_pretrained` has comes with it: a file written in place while the model holds its
