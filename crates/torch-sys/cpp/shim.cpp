@@ -784,3 +784,39 @@ char* sl_aoti_run(void* loader, const at::Tensor* const* inputs, size_t count, v
 }
 
 }  // extern "C"
+
+// ---- Issue 73: streams ordered by events (no host wait), registration errors cleared ----
+extern "C" {
+
+// Whether the work before `event` is done (cudaEventQuery): a query, never a wait.
+char* sl_event_query(void* event, bool* done) {
+  return guarded([&] {
+    TORCH_CHECK(event != nullptr && done != nullptr, "no event");
+    *done = static_cast<c10::Event*>(event)->query();
+  });
+}
+
+// Makes this thread's current stream of CUDA device `index` wait for `event` before the work
+// queued on it next (cudaStreamWaitEvent): the stream waits, the host does not.
+char* sl_event_block(void* event, int index) {
+  return guarded([&] {
+    TORCH_CHECK(event != nullptr, "no event");
+    generator_device(SL_CUDA, index);
+    c10::impl::VirtualGuardImpl impl(c10::DeviceType::CUDA);
+    static_cast<c10::Event*>(event)->block(impl.getStream(c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(index))));
+  });
+}
+
+// Clears this thread's last CUDA runtime error (cudaGetLastError), which a failed
+// cudaHostRegister leaves set for the check after the next kernel launch to throw; `*code` is the
+// error cleared (0: none), -1 where the process has no CUDA runtime loaded.
+char* sl_cuda_clear_last_error(int* code) {
+  return guarded([&] {
+    TORCH_CHECK(code != nullptr, "no out-pointer");
+    using GetLastError = int (*)();
+    auto get = reinterpret_cast<GetLastError>(dlsym(RTLD_DEFAULT, "cudaGetLastError"));
+    *code = get != nullptr ? get() : -1;
+  });
+}
+
+}  // extern "C"

@@ -687,3 +687,7 @@ pub fn set_thread_nice(nice: i32) -> std::io::Result<()> {
         Err(std::io::Error::new(std::io::ErrorKind::Unsupported, "a thread's own nice value is set on Linux only"))
     }
 }
+
+// Issue 73: CUDA events queried and waited on by a stream, host registration errors cleared.
+mod ordering;
+pub use ordering::{clear_cuda_error, registered_host_buffer};
