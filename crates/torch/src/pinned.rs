@@ -7,7 +7,11 @@
 //! it goes. Where memory cannot be pinned the buffer is pageable, said once per process.
 //!
 //! The allocator is behind [`HostMemory`] so that the tier's accounting is tested against a
-//! fake that counts what is taken and given back ([`Mapped`] is the real one).
+//! fake that counts what is taken and given back ([`Mapped`] is the real one). The host tier's
+//! copies bound to CUDA come first from its registered arena ([`arena`], [`carve_in_arena`]),
+//! where a store is only the copy; a buffer of their own is the fallback.
+
+mod arena;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -16,6 +20,8 @@ use stageload_torch_sys::ShimError;
 use tch::{Kind, TchError, Tensor};
 
 use crate::checkpoint::error::CheckpointError;
+
+pub(crate) use arena::{Arena, MachineRoom, Refused, Registered};
 
 /// What went wrong with host memory for copies bound to a device (the host tier's, a streamed
 /// model's pinned blocks, the checkpoint's pinned ring), or with a copy through it.
@@ -93,16 +99,18 @@ pub(crate) struct Mapped;
 
 impl HostMemory for Mapped {
     fn take(&self, bytes: usize, pin: bool) -> Result<(Tensor, u64), HostCopyError> {
-        stageload_torch_sys::host_buffer(bytes, pin).map_err(|source| HostCopyError::Allocate {
-            bytes: bytes as u64,
-            pinned: pin,
-            source: source.into(),
-        })
+        // A registration refused leaves CUDA's last error cleared (the next launch's check would
+        // report it).
+        let taken = match pin {
+            true => stageload_torch_sys::registered_host_buffer(bytes),
+            false => stageload_torch_sys::host_buffer(bytes, false),
+        };
+        taken.map_err(|source| HostCopyError::Allocate { bytes: bytes as u64, pinned: pin, source: source.into() })
     }
 }
 
-/// The page size, for [`booked`].
-fn page_size() -> u64 {
+/// The page size, for [`booked`] and the arena's pieces.
+pub(crate) fn page_size() -> u64 {
     nix::unistd::sysconf(nix::unistd::SysconfVar::PAGE_SIZE).ok().flatten().map_or(4096, |p| p.max(1) as u64)
 }
 
@@ -144,16 +152,27 @@ impl HostSet {
     }
 }
 
-/// What a buffer took, told to its allocator when the last set sharing it goes.
+/// What a buffer took, given back when the last set sharing it goes: told to its allocator, or
+/// its ranges back to the arena.
 struct Buffer {
     bytes: u64,
     pinned: bool,
-    memory: Arc<dyn HostMemory>,
+    back: Back,
+}
+
+/// Where a buffer's memory goes back to.
+enum Back {
+    /// An allocator of [`HostMemory`], told.
+    Memory(Arc<dyn HostMemory>),
+    /// The registered arena: the lease gives its ranges back when dropped.
+    Arena(#[allow(dead_code)] arena::Lease<Registered>),
 }
 
 impl Drop for Buffer {
     fn drop(&mut self) {
-        self.memory.given_back(self.bytes);
+        if let Back::Memory(memory) = &self.back {
+            memory.given_back(self.bytes);
+        }
     }
 }
 
@@ -180,18 +199,11 @@ pub(crate) fn carve(
     shapes: &[(Vec<i64>, Kind)],
     pin: bool,
 ) -> Result<HostSet, HostCopyError> {
-    let sizes: Vec<u64> = shapes
-        .iter()
-        .map(|(shape, kind)| {
-            let elements = shape.iter().try_fold(1u64, |n, &d| n.checked_mul(u64::try_from(d).ok()?));
-            elements.and_then(|n| n.checked_mul(kind.elt_size_in_bytes() as u64))
-        })
-        .collect::<Option<_>>()
-        .ok_or(HostCopyError::SizeOverflow)?;
+    let sizes = sizes_of(shapes)?;
     let (offsets, total) = layout(&sizes);
     let total = usize::try_from(total).map_err(|_| HostCopyError::TooLarge { bytes: total })?;
     let (tensor, bytes) = memory.take(total, pin)?;
-    let buffer = Arc::new(Buffer { bytes, pinned: pin, memory: Arc::clone(memory) });
+    let buffer = Arc::new(Buffer { bytes, pinned: pin, back: Back::Memory(Arc::clone(memory)) });
     let tensors = shapes
         .iter()
         .zip(offsets.iter().zip(&sizes))
@@ -200,6 +212,57 @@ pub(crate) fn carve(
         })
         .collect::<Result<Vec<_>, _>>()
         .map_err(HostCopyError::Carve)?;
+    Ok(HostSet { tensors, buffer })
+}
+
+/// The bytes of each of `shapes`.
+fn sizes_of(shapes: &[(Vec<i64>, Kind)]) -> Result<Vec<u64>, HostCopyError> {
+    shapes
+        .iter()
+        .map(|(shape, kind)| {
+            let elements = shape.iter().try_fold(1u64, |n, &d| n.checked_mul(u64::try_from(d).ok()?));
+            elements.and_then(|n| n.checked_mul(kind.elt_size_in_bytes() as u64))
+        })
+        .collect::<Option<_>>()
+        .ok_or(HostCopyError::SizeOverflow)
+}
+
+/// Why a set of copies is not in the registered arena: the arena refused it, or cutting its
+/// tensors from the arena's pieces failed.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum NotInArena {
+    /// The arena did not take it (its limits, or registering a piece failed).
+    #[error("not in the host tier's registered memory: {0}")]
+    Refused(#[from] Refused),
+    /// Its sizes or views.
+    #[error("not in the host tier's registered memory: {0}")]
+    Carve(#[from] HostCopyError),
+}
+
+/// Host tensors of `shapes` (contiguous) in ranges of the registered `arena` (page-locked),
+/// each placed on its own ([`arena`]'s rule 2); the ranges go back to the arena when the last
+/// set sharing them goes. Refused, nothing kept, where the arena does not take them.
+pub(crate) fn carve_in_arena(
+    arena: &Arc<Arena<Registered>>,
+    shapes: &[(Vec<i64>, Kind)],
+) -> Result<HostSet, NotInArena> {
+    let sizes = sizes_of(shapes)?;
+    let placed = arena.place(&sizes)?;
+    let bytes = placed.lease.ranges().iter().map(|r| r.bytes).sum();
+    let tensors = shapes
+        .iter()
+        .zip(&sizes)
+        .zip(&placed.places)
+        .map(|(((shape, kind), &size), place)| match place {
+            Some((piece, range)) => crate::sync::lock(piece)
+                .f_narrow(0, range.offset as i64, size as i64)?
+                .f_view_dtype(*kind)?
+                .f_view(shape.as_slice()),
+            None => Tensor::f_empty(shape.as_slice(), (*kind, tch::Device::Cpu)),
+        })
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| NotInArena::Carve(HostCopyError::Carve(e)))?;
+    let buffer = Arc::new(Buffer { bytes, pinned: true, back: Back::Arena(placed.lease) });
     Ok(HostSet { tensors, buffer })
 }
 
@@ -292,6 +355,31 @@ mod tests {
         assert_eq!(counting.out.load(Ordering::SeqCst), set.bytes());
         drop(set);
         assert_eq!(counting.out.load(Ordering::SeqCst), 0);
+    }
+
+    #[test]
+    fn a_registration_the_driver_refuses_leaves_the_arena_empty_and_the_copies_take_a_buffer_of_their_own() {
+        if stageload_torch_sys::cuda_device_count().unwrap_or(0) > 0 {
+            return; // A driver here registers: the refusal is the CPU machine's.
+        }
+        let arena = super::Arena::new(super::Registered, Box::new(super::MachineRoom), super::page_size());
+        arena.set_budget(1 << 30);
+        let shapes = vec![(vec![1000], Kind::Float), (vec![3, 3], Kind::BFloat16)];
+        let refused = super::carve_in_arena(&arena, &shapes).err().unwrap();
+        let why = refused.to_string();
+        assert!(matches!(&refused, super::NotInArena::Refused(super::Refused::Register { .. })), "{why}");
+        assert!(why.contains("not in the host tier's registered memory: registering"), "{why}");
+        assert!(why.contains("CUDA"), "the runtime's reason is kept: {why}");
+        assert_eq!(arena.usage(), (0, 0), "nothing registered, nothing placed");
+        // The failed registration left no error of its own behind for the next launch to report:
+        // no runtime, no error, or (no driver here) the runtime's failed start, which it reports
+        // again at every call (35: driver insufficient, 100: no device).
+        let left = stageload_torch_sys::clear_cuda_error().unwrap();
+        assert!(matches!(left, None | Some(0 | 35 | 100)), "CUDA error {left:?} left behind");
+        let memory: Arc<dyn HostMemory> = Arc::new(Mapped);
+        let set = carve_pinned_or_pageable(&memory, &shapes).unwrap();
+        assert!(!set.pinned());
+        assert_eq!(set.tensors[1].size(), [3, 3]);
     }
 
     #[test]

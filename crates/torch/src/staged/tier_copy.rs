@@ -1,10 +1,14 @@
 //! The host tier's copies: a device model's weights out to host memory before a release frees
 //! them, and back into its reallocated storages when it reloads.
 //!
-//! A model's host copies are carved from one buffer of [`crate::pinned`], page-locked when the
-//! driver allows it, else pageable (said once per process); the tier books that buffer's bytes,
-//! what the machine gives it, and it goes back when the copies are evicted or the tier closes
-//! (and the last reload reading them has ended). On CUDA both directions run on a side stream of
+//! A device model's host copies are placed in the tier's registered arena
+//! ([`crate::pinned::carve_in_arena`]: memory page-locked once, in pieces, so that a store is only
+//! the copy); where the arena does not take them (its limits, or the driver refused a piece)
+//! they are carved from one buffer of [`crate::pinned`] as before, page-locked when the driver
+//! allows it, else pageable (said once per process), and the store's event says why. The tier
+//! books the bytes of one such buffer either way; the memory goes back (to the arena, or to the
+//! machine) when the copies are evicted or the tier closes (and the last reload reading them
+//! has ended). On CUDA both directions run on a side stream of
 //! the model's device and end at a recorded event; the copy out first waits for the work the
 //! model's device already has queued. Tensors that view the same bytes (tied weights) are copied
 //! once.
@@ -16,7 +20,7 @@ use std::sync::Arc;
 use stageload_torch_sys as shim;
 use tch::{Device, Tensor};
 
-use crate::pinned::{self, HostCopyError, HostMemory, HostSet, LibtorchError};
+use crate::pinned::{self, Arena, HostCopyError, HostMemory, HostSet, LibtorchError, MachineRoom, Registered};
 
 /// A model's tensors as distinct views (tensors that view the same bytes, tied weights, once)
 /// and, per tensor name, its view: computed once per release, sized before the tier admits
@@ -108,22 +112,31 @@ fn tensor_bytes(tensor: &Tensor) -> u64 {
     (tensor.numel() as u64).saturating_mul(tensor.kind().elt_size_in_bytes() as u64)
 }
 
-/// Copies `views` (a model's weights on `device`) into host memory from `memory`, pinned for a
-/// device.
+/// Copies `views` (a model's weights on `device`) into host memory: on CUDA into `arena`'s
+/// registered memory, else (and where the arena does not take them) from `memory`, pinned for a
+/// device. With the copies, why they are not in the arena where a CUDA model's are not (for the
+/// store's event).
 pub(crate) fn copy_out(
     views: Views,
     device: Device,
     memory: &Arc<dyn HostMemory>,
-) -> Result<HostCopies, HostCopyError> {
+    arena: &Arc<Arena<Registered>>,
+) -> Result<(HostCopies, Option<String>), HostCopyError> {
     let Views { views, names, .. } = views;
     let shapes: Vec<(Vec<i64>, tch::Kind)> = views.iter().map(|v| (v.size(), v.kind())).collect();
-    let hosts = match device {
-        Device::Cpu => pinned::carve(memory, &shapes, false),
-        _ => pinned::carve_pinned_or_pageable(memory, &shapes),
-    }?;
+    let (hosts, not_in_arena) = match device {
+        Device::Cpu => (pinned::carve(memory, &shapes, false)?, None),
+        Device::Cuda(_) => match pinned::carve_in_arena(arena, &shapes) {
+            Ok(hosts) => (hosts, None),
+            Err(why) => {
+                (pinned::carve_pinned_or_pageable(memory, &shapes)?, Some(format!("{why}; a buffer of its own")))
+            }
+        },
+        _ => (pinned::carve_pinned_or_pageable(memory, &shapes)?, None),
+    };
     let pairs: Vec<(&Tensor, &Tensor)> = hosts.tensors.iter().zip(&views).collect();
     copy_all(&pairs, device, hosts.pinned()).map_err(|source| HostCopyError::Copy { to_host: true, source })?;
-    Ok(HostCopies { hosts, names: Arc::new(names) })
+    Ok((HostCopies { hosts, names: Arc::new(names) }, not_in_arena))
 }
 
 /// Copies `copies` back into `targets` (tensors of the model on `device`, their storages
@@ -165,6 +178,8 @@ fn copy_all(pairs: &[(&Tensor, &Tensor)], device: Device, pinned: bool) -> Resul
 /// models.
 pub(crate) struct TierSide {
     host_memory: Arc<dyn HostMemory>,
+    /// CUDA models' copies: registered once, within the tier's budget ([`crate::pinned::arena`]).
+    arena: Arc<Arena<Registered>>,
     said_cpu: AtomicBool,
     /// Unit tests: the host tier holds CPU models too (no device here to test it with).
     #[cfg(test)]
@@ -181,8 +196,10 @@ pub(crate) type TierCopyHook = Arc<dyn Fn(&str, bool) -> Result<(), String> + Se
 
 impl TierSide {
     pub(crate) fn new(host_memory: Arc<dyn HostMemory>) -> Self {
+        let page = pinned::page_size();
         TierSide {
             host_memory,
+            arena: Arena::new(Registered, Box::new(MachineRoom), page),
             said_cpu: AtomicBool::new(false),
             #[cfg(test)]
             on_cpu: false,
@@ -194,6 +211,11 @@ impl TierSide {
     /// Where host copies' memory comes from.
     pub(crate) fn host_memory(&self) -> &Arc<dyn HostMemory> {
         &self.host_memory
+    }
+
+    /// The registered arena CUDA models' copies go to first.
+    pub(crate) fn arena(&self) -> &Arc<Arena<Registered>> {
+        &self.arena
     }
 
     /// Whether this is the first CPU model the tier was asked to hold (it says why it does not,
@@ -245,7 +267,10 @@ mod tests {
 
         let memory: Arc<dyn HostMemory> = Arc::new(pinned::Mapped);
         let booked = views.bytes();
-        let copies = copy_out(views, Device::Cpu, &memory).unwrap();
+        let arena = Arena::new(Registered, Box::new(MachineRoom), pinned::page_size());
+        let (copies, not_in_arena) = copy_out(views, Device::Cpu, &memory, &arena).unwrap();
+        assert!(not_in_arena.is_none(), "a CPU model's copies never ask the arena");
+        assert_eq!(arena.usage(), (0, 0));
         assert_eq!(copies.hosts.tensors.len(), 2, "one copy of the tied view");
         assert_eq!(copies.bytes(), booked, "the buffer takes what was booked");
         assert!(!copies.hosts.pinned(), "a CPU model's copies are not pinned");
@@ -264,7 +289,8 @@ mod tests {
     fn a_target_without_a_copy_is_an_error_naming_the_tensor() {
         let tensors = vec![("w".to_string(), Tensor::zeros([4], (Kind::Float, Device::Cpu)))];
         let memory: Arc<dyn HostMemory> = Arc::new(pinned::Mapped);
-        let copies = copy_out(Views::of(&tensors).unwrap(), Device::Cpu, &memory).unwrap();
+        let arena = Arena::new(Registered, Box::new(MachineRoom), pinned::page_size());
+        let (copies, _) = copy_out(Views::of(&tensors).unwrap(), Device::Cpu, &memory, &arena).unwrap();
         let other = vec![("v".to_string(), Tensor::zeros([4], (Kind::Float, Device::Cpu)))];
         let err = copy_in(&other, &copies, Device::Cpu).unwrap_err();
         assert!(matches!(&err, HostCopyError::NoCopy { tensor } if tensor == "v"), "{err}");

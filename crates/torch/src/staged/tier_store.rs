@@ -22,18 +22,21 @@ impl Inner {
     /// fill the entry.
     pub(super) fn store_in_tier(&self, instance: &Instance, stage: &Option<String>) {
         let name = instance.name.as_str();
-        let Some((views, device, ticket, bytes)) = self.reserve_in_tier(instance, stage) else { return };
+        let Some((views, device, ticket, bytes, budget)) = self.reserve_in_tier(instance, stage) else { return };
         let started = Instant::now();
+        // The arena's pieces stay within the tier's budget as it is now.
+        self.tier_side.arena().set_budget(budget);
         let copied = self
             .tier_side
             .before_copy(name, true)
-            .and_then(|()| tier_copy::copy_out(views, device, self.tier_side.host_memory()));
+            .and_then(|()| tier_copy::copy_out(views, device, self.tier_side.host_memory(), self.tier_side.arena()));
         let mut state = self.slots.lock();
         let Some(tier) = state.tier_mut() else { return };
         let (what, dropped) = match copied {
             // The ticket, not the name: the model may have been replaced (and the new instance
             // released into a reservation of its own) while the copy ran.
-            Ok(copies) => ((TierAction::Stored, None), tier.fill(name, ticket, copies)),
+            // Stored; where not in the registered arena, the event says why (a buffer of its own).
+            Ok((copies, not_in_arena)) => ((TierAction::Stored, not_in_arena), tier.fill(name, ticket, copies)),
             Err(error) => (not_stored(error.to_string()), tier.withdraw(name, ticket)),
         };
         let usage = state.tier_usage();
@@ -44,14 +47,14 @@ impl Inner {
 
     /// Under the state lock: reserves room in the host tier for a copy of `instance`'s weights
     /// (evicting what must go, told), if the tier takes it: the tensors to copy, their device,
-    /// the reservation's ticket and its bytes. `None`, said in an event where it is news, when
+    /// the reservation's ticket, its bytes and the tier's budget. `None`, said in an event where it is news, when
     /// there is no tier, it is closing, the instance left its slot, it lives on the CPU, it
     /// cannot be copied whole, or the tier has no room.
     fn reserve_in_tier(
         &self,
         instance: &Instance,
         stage: &Option<String>,
-    ) -> Option<(tier_copy::Views, Device, Ticket, u64)> {
+    ) -> Option<(tier_copy::Views, Device, Ticket, u64, u64)> {
         let name = instance.name.as_str();
         let mut state = self.slots.lock();
         // Not when closing, nor for an instance that left its slot (removed, replaced).
@@ -98,6 +101,7 @@ impl Inner {
             }
         };
         let bytes = views.bytes();
+        let budget = state.tier().map_or(0, |tier| tier.budget());
         let protected = state.pinned_now();
         let admitted = state.tier_mut().map(|tier| tier.admit(name, bytes, &protected));
         let usage = state.tier_usage();
@@ -111,7 +115,7 @@ impl Inner {
             None => return None,
         };
         drop(self.evicted(stage, evicted, usage));
-        Some((views, device, ticket, bytes))
+        Some((views, device, ticket, bytes, budget))
     }
 
     /// Says which copies were evicted (the state lock let go); returns them for the caller to drop.
@@ -165,6 +169,8 @@ impl Inner {
         let usage = state.tier_usage();
         drop(state);
         drop(self.evicted(&stage, evicted, usage));
+        // The registered arena's free pieces over the new budget go back too.
+        self.tier_side.arena().set_budget(bytes);
         self.emit(Event::now(TierChanged {
             stage,
             model: None,
