@@ -139,13 +139,23 @@ pub(crate) fn copy_on_side_stream(pairs: &[(&Tensor, &Tensor)], index: usize) ->
 
 /// `dst.copy_(src)` for every pair, asynchronous on this thread's current stream of CUDA device
 /// `index`, and waited for at its end (a recorded event).
-pub(crate) fn copy_and_wait(pairs: &[(&Tensor, &Tensor)], index: usize) -> Result<(), ShimError> {
+fn copy_and_wait(pairs: &[(&Tensor, &Tensor)], index: usize) -> Result<(), ShimError> {
+    copy_queued(pairs, index)?.synchronize()
+}
+
+/// `dst.copy_(src)` for every pair, queued on this thread's current stream of CUDA device
+/// `index`, and the event after the last of them; the host does not wait (the sources must stay
+/// untouched until the event has passed).
+pub(crate) fn copy_queued(
+    pairs: &[(&Tensor, &Tensor)],
+    index: usize,
+) -> Result<stageload_torch_sys::CudaEvent, ShimError> {
     let _watched = crate::copy_watch::copying(pairs.iter().flat_map(|(dst, src)| [*dst, *src]));
     for (dst, src) in pairs {
         crate::copy_watch::piece();
         stageload_torch_sys::copy_async(dst, src)?;
     }
-    stageload_torch_sys::CudaEvent::record(index)?.synchronize()
+    stageload_torch_sys::CudaEvent::record(index)
 }
 
 /// The pinned ring, allocated once per process; `None` when pinning failed (no driver).

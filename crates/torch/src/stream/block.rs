@@ -10,6 +10,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
+use super::fences::Filled;
+
 use tch::Tensor;
 
 use super::blocks::{assign, BlockSpec};
@@ -82,13 +84,14 @@ impl FileSpan {
     }
 }
 
-/// A block's refill as a job for any thread: the seconds it took.
-pub(super) type Job = Box<dyn FnOnce() -> Result<f64, StreamError> + Send + 'static>;
+/// A block's refill as a job for any thread: the seconds it took, and on CUDA the fence its
+/// copies end at ([`super::fences`]).
+pub(super) type Job = Box<dyn FnOnce() -> Result<Filled, StreamError> + Send + 'static>;
 
 /// A refill running on its own thread.
 pub(super) struct Ahead {
     pub(super) block: usize,
-    pub(super) thread: JoinHandle<Result<f64, StreamError>>,
+    pub(super) thread: JoinHandle<Result<Filled, StreamError>>,
     /// The slot it reads into (through views of the slot's buffer), which the block's storages
     /// are pointed into once it is joined; `None`: it gives them memory itself.
     pub(super) attach: Option<usize>,

@@ -62,6 +62,7 @@
 
 mod block;
 mod direct;
+mod fences;
 mod order;
 mod readings;
 mod refill;

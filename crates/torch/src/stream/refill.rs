@@ -1,7 +1,8 @@
 //! How a streamed block gets its memory and its bytes: a refill (on the thread ahead or on
 //! demand) into a slot (CPU: two buffers faulted in once and reused) or the allocator's memory,
 //! from the checkpoint (`pread`) or, on CUDA, from pinned host copies by async copies on a side
-//! stream; and the release in place after the block ran.
+//! stream; and the release in place after the block ran. On CUDA the memory a release frees and
+//! a refill takes is ordered by events on the streams, not by the host waiting ([`super::fences`]).
 //!
 //! Refills and releases are methods of [`Memory`], what they change (the blocks, the slot
 //! buffers and reads in flight, the hot set, the counts), given the [`Setting`] they only read
@@ -19,6 +20,7 @@ use tch::{Device, Tensor};
 
 use super::block::{Ahead, Block, HostBlocks, Job, ReadMode};
 use super::direct::DirectRead;
+use super::fences::{self, Filled};
 use super::hot::HotSet;
 use super::order::Order;
 use super::slots::BlockSlots;
@@ -117,6 +119,7 @@ impl Memory {
         let outcome = thread.join().unwrap_or_else(|panic| {
             Err(StreamError::Step { model: setting.name.clone(), message: panic_message(&*panic) })
         });
+        let outcome = outcome.and_then(|filled| before_use(setting, filled));
         let outcome = self.attach_read(setting, block, attach, outcome);
         self.settle(setting, block, outcome)
     }
@@ -178,7 +181,7 @@ impl Memory {
             self.join_ahead(setting)
         } else {
             let outcome = self.refill_job(setting, index, None).and_then(|(job, attach)| {
-                let outcome = job();
+                let outcome = job().and_then(|filled| before_use(setting, filled));
                 self.attach_read(setting, index, attach, outcome)
             });
             self.settle(setting, index, outcome)
@@ -303,7 +306,7 @@ impl Memory {
                 Some(bytes) => _ = read_directly.fetch_add(bytes, Ordering::Relaxed),
                 None => read(&views)?,
             }
-            Ok(start.elapsed().as_secs_f64())
+            Ok(Filled::done(start.elapsed().as_secs_f64()))
         };
         Ok((Box::new(job), Some(slot)))
     }
@@ -337,22 +340,28 @@ impl Memory {
             };
             // SAFETY: the block's storages are free and no thread uses them: the forward reaches
             // this block only through `Step::block`, which waits for this job first; the
-            // allocator's fresh memory is filled below before use.
+            // allocator's fresh memory is filled below before use (on CUDA by copies queued
+            // after the fences of memory freed under queued kernels, which the forward's
+            // stream waits for before the block's first kernel).
             let ids = unsafe { storage::reallocate(&storages) }.map_err(torch(&model, "give a block memory"))?;
             let filled = match (&host, device) {
                 (Some(host), Device::Cuda(index)) => {
                     let pairs: Vec<(&Tensor, &Tensor)> = targets.iter().map(|(_, t)| t).zip(host).collect();
-                    crate::device_copy::copy_and_wait(&pairs, index).map_err(torch(&model, "copy a block to the GPU"))
+                    copy_after_fences(&pairs, index).map_err(torch(&model, "copy a block to the GPU")).map(Some)
                 }
-                _ => read(&targets),
+                _ => read(&targets).map(|()| None),
             };
-            if let Err(err) = filled {
-                let message = format!("block '{block_name}' of streamed model '{model}' failed to load: {err}");
-                // SAFETY: as above; the memory was never handed out.
-                let _ = unsafe { storage::free_ids(&storages, &ids, &message) };
-                return Err(err);
-            }
-            Ok(start.elapsed().as_secs_f64())
+            let fence = match filled {
+                Ok(fence) => fence,
+                Err(err) => {
+                    let message = format!("block '{block_name}' of streamed model '{model}' failed to load: {err}");
+                    // SAFETY: as above; the memory was never handed out (on CUDA, copies queued
+                    // into it before the failure run first on the stream it goes back to).
+                    let _ = unsafe { storage::free_ids(&storages, &ids, &message) };
+                    return Err(err);
+                }
+            };
+            Ok(Filled { seconds: start.elapsed().as_secs_f64(), fence })
         };
         Ok((Box::new(job), None))
     }
@@ -479,21 +488,48 @@ impl Memory {
             return Ok(());
         }
         if let Device::Cuda(device) = setting.device {
-            // The kernels that read the block must be done before its memory goes to a refill,
-            // which writes on another stream.
-            stageload_torch_sys::cuda_sync_current_stream(device).map_err(torch(&setting.name, "wait for the GPU"))?;
+            // The kernels that read the block may still be queued: its memory is written by a
+            // refill only after this fence (fences' rule 1), and the host goes on.
+            let fence = stageload_torch_sys::CudaEvent::record(device)
+                .map_err(torch(&setting.name, "record a fence after a block"))?;
+            fences::cuda().freed(fence);
         }
         let block = &self.blocks[index];
         let message = format!(
             "block '{}' of streamed model '{}' is streamed: call Step::block({index}) before using it",
             block.name, setting.name
         );
-        // SAFETY: nothing runs on the block: the forward has moved past it (CPU ops return when
-        // done; CUDA waited for above) and its refill, if any, was joined above.
+        // SAFETY: nothing runs on the block that its next user does not wait for: the forward has
+        // moved past it (CPU ops return when done; on CUDA its queued kernels are behind the
+        // fence above, which every refill's copy waits on before writing) and its refill, if
+        // any, was joined above.
         unsafe { storage::release(&block.storages, &HashSet::new(), &message) }
             .map_err(torch(&setting.name, "free a block"))?;
         self.blocks[index].allocated = false;
         self.let_go_of_slot(index);
         Ok(())
     }
+}
+
+/// The block's copies from pinned host memory, queued on this thread's current stream of CUDA
+/// device `index` (a refill's side stream) after that stream waits on every fence of memory
+/// freed under queued kernels (fences' rule 2), ended by the fence the forward waits on (rule 4).
+/// The host waits for none of it.
+fn copy_after_fences(
+    pairs: &[(&Tensor, &Tensor)],
+    index: usize,
+) -> Result<stageload_torch_sys::CudaEvent, stageload_torch_sys::ShimError> {
+    for fence in fences::cuda().before_write() {
+        fence.hold_current_stream(index)?;
+    }
+    crate::device_copy::copy_queued(pairs, index)
+}
+
+/// A joined refill's seconds, once the forward may use its block: on CUDA its stream waits on
+/// the refill's fence (fences' rule 4), the host does not.
+fn before_use(setting: &Setting, filled: Filled) -> Result<f64, StreamError> {
+    if let (Some(fence), Device::Cuda(index)) = (&filled.fence, setting.device) {
+        fence.hold_current_stream(index).map_err(torch(&setting.name, "order a block after its refill"))?;
+    }
+    Ok(filled.seconds)
 }

@@ -266,7 +266,7 @@ mod tests {
     fn a_read_in_flight_at_a_steps_end_is_carried_out_of_its_slot_and_comes_back_as_the_read_ahead() {
         let (mut slots, mut blocks) = slots();
         let slot = slots.take_for(2, &mut blocks[2], 64).unwrap();
-        let thread = std::thread::spawn(|| Ok(0.0));
+        let thread = std::thread::spawn(|| Ok(super::super::fences::Filled::done(0.0)));
         slots.start_ahead(Ahead { block: 2, thread, attach: Some(slot), carried: false });
         assert!(slots.carry(&mut blocks, split()));
         // Between steps: the block holds no slot, the slot no buffer; the read holds it.

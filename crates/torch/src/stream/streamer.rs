@@ -547,10 +547,17 @@ impl StreamedModel {
 
 impl Drop for StreamedModel {
     /// Joins the refill ahead, says what the model moved (an `end` residency event), then frees
-    /// every block in a slot before the slots go.
+    /// every block in a slot before the slots go. On CUDA the host waits here, outside any step,
+    /// for the refills' copies queued on this thread's stream, before the pinned host copies
+    /// they read go with the model.
     fn drop(&mut self) {
         self.memory.slots.abandon_carried();
         let _ = self.memory.join_ahead(&self.setting);
+        if let Device::Cuda(index) = self.setting.device {
+            if let Err(err) = stageload_torch_sys::CudaEvent::record(index).and_then(|done| done.synchronize()) {
+                tracing::warn!(%err, "streamed model '{}': waiting for its last refills", self.setting.name);
+            }
+        }
         self.announce_totals();
         for index in 0..self.memory.blocks.len() {
             if self.memory.blocks[index].slot.is_some() && self.memory.release(&self.setting, index).is_err() {
