@@ -12,15 +12,20 @@
 //! `run`: a CUDA `.pt2` package compiled there (`crates/bench/python/pt2_cuda.py`: a CUDA
 //! package runs only where it was compiled); `gpu_check` (crates/bench: the CUDA paths checked,
 //! that package as a registry model among them, checkpoint → CUDA against Python's safetensors
-//! and the pinned/pageable copy limits on one 4 GiB file); the load under other ring shapes
+//! and the pinned/pageable copy limits on one 4 GiB file; the host tier's stores, the second into
+//! its registered arena, against that limit, with page-locked bytes over booked; a hundred
+//! release and reload cycles, device memory and resident set after them); the load under other ring shapes
 //! (`STAGELOAD_RING`); the cascade on cuda:0 eager, staged, staged with prefetch and staged with
 //! a 4 GiB host tier under `stageload ab` (latents compared, wall times, peaks, charts), and
 //! staged without RNG preservation, the control, whose latents must differ; block streaming on
 //! cuda:0, compute-bound (4096 tokens, whole and 2 of 12 blocks resident); the small Stable
 //! Diffusion, traced there on CUDA, eager, staged, prefetch, and staged against diffusers'
 //! pipeline on the same GPU (`--compare-python`; `build` stages diffusers' wheel). Then
-//! `stream-ratios.json`: step time streamed over whole, refill GB/s over this run's pinned limit,
-//! each ring shape's load rate. Everything under `$OUT`; `log.txt` has every command.
+//! `stream-ratios.json`: step time streamed over whole (streamed blocks' frees ordered by events,
+//! no host sync: the goal is 1.05), refill GB/s over this run's pinned limit (on CUDA a refill's
+//! seconds are the time to queue its copies now, so this rate is an upper bound), each ring
+//! shape's load rate. Everything under `$OUT`; `log.txt` has every command and the seconds each
+//! took, `timings.json` those seconds (the whole run is meant to take about five minutes).
 
 use std::path::{Path, PathBuf};
 
@@ -66,6 +71,13 @@ pub enum Part {
 /// safetensors, no diffusers): the versions `scripts/setup-reference.sh` installed here, as wheels.
 const WHEELS: [&str; 2] = ["diffusers", "importlib_metadata"];
 
+/// The other loaders checkpoint → CUDA is measured against (issue 73), as wheels without their
+/// dependencies: torch and numpy are the GPU machine's, and what the libraries import beyond them
+/// is humanize (the Run:ai streamer; fastsafetensors' typer is its command line's only).
+/// runai-model-streamer 0.17.0 was never published; 0.17.1 is its release.
+const LOADERS: [&str; 4] =
+    ["instanttensor==0.2.2", "fastsafetensors==0.5.0", "runai-model-streamer==0.17.1", "humanize"];
+
 /// Runs `step` (see the module docs).
 pub fn task(shell: &mut Shell, step: Step) -> Result<(), Error> {
     match step {
@@ -102,8 +114,11 @@ fn build(shell: &mut Shell, kit: &Path) -> Result<(), Error> {
         "python3",
         &["-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "--python-version", "3.12"],
     );
-    download.args(["--implementation", "cp", "--platform", "manylinux2014_x86_64", "-d", &wheels]).args(&pins);
-    shell.run(&mut download)?;
+    download.args(["--implementation", "cp", "-d", &wheels]);
+    for platform in ["manylinux2014_x86_64", "manylinux_2_28_x86_64", "any"] {
+        download.args(["--platform", platform]);
+    }
+    shell.run(download.args(&pins).args(LOADERS))?;
     shell.run(&mut shell.cargo(&["build", "--release", "-p", "xtask"]))?;
     let mut copy = shell.cmd("cp", &[]);
     shell.run(copy.arg(shell.target("release/xtask")).arg(staged.join("bin/xtask")))?;
@@ -173,9 +188,22 @@ fn run(shell: &mut Shell, only: &[Part]) -> Result<(), Error> {
     let weights = scratch.join("weights").display().to_string();
     let mut failures = Failures::default();
     failures.keep(installed);
-    // Runs `command`, keeps its failure; whether it succeeded.
+    // Runs `command`, keeps its failure and the seconds it took; whether it succeeded.
+    let timings = std::cell::RefCell::new(Vec::<(String, f64)>::new());
+    let run_started = std::time::Instant::now();
+    let timed = |name: String, started: std::time::Instant| {
+        let seconds = started.elapsed().as_secs_f64();
+        log.line(&format!("  ({seconds:.1} s: {name})"));
+        timings.borrow_mut().push((name, seconds));
+    };
     let step = |command: &mut std::process::Command, failures: &mut Failures| {
+        let started = std::time::Instant::now();
         let status = shell.status(command, Some(&log)).and_then(|status| check(command, status));
+        let name = std::path::Path::new(command.get_program())
+            .file_name()
+            .map_or_else(String::new, |n| n.to_string_lossy().into_owned());
+        let first = command.get_args().next().map(|a| a.to_string_lossy().into_owned()).unwrap_or_default();
+        timed(format!("{name} {first}").trim().to_string(), started);
         let ran = status.is_ok();
         failures.keep(status);
         ran
@@ -193,8 +221,21 @@ fn run(shell: &mut Shell, only: &[Part]) -> Result<(), Error> {
         let compile = python.join("pt2_cuda.py").display().to_string();
         step(&mut shell.cmd("timeout", &["300", "python3", &compile, &pt2_text]), &mut failures);
         let peer = python.join("bench_device.py").display().to_string();
-        let mut args =
-            vec!["--out", &out_text, "--scratch", &scratch_text, "--gib", "4", "--rounds", "5", "--peer", &peer];
+        let peers = python.join("bench_peers.py").display().to_string();
+        let mut args = vec![
+            "--out",
+            &out_text,
+            "--scratch",
+            &scratch_text,
+            "--gib",
+            "4",
+            "--rounds",
+            "5",
+            "--peer",
+            &peer,
+            "--peers",
+            &peers,
+        ];
         if pt2.join("mlp.safetensors").exists() {
             args.extend(["--pt2", &pt2_text]);
         }
@@ -217,7 +258,10 @@ fn run(shell: &mut Shell, only: &[Part]) -> Result<(), Error> {
     };
     let compare = |name: &str, arms: Vec<Arm>, failures: &mut Failures| -> Option<Report> {
         let comparison = Comparison { stageload: &stageload, out: out.join(name), runs: 1, arms, flags: Vec::new() };
-        match comparison.run(shell, Some(&log)) {
+        let started = std::time::Instant::now();
+        let ran = comparison.run(shell, Some(&log));
+        timed(format!("ab {name}"), started);
+        match ran {
             Ok(report) => {
                 failures.keep(report.verdict(name));
                 Some(report)
@@ -276,6 +320,13 @@ fn run(shell: &mut Shell, only: &[Part]) -> Result<(), Error> {
     let text = serde_json::to_string_pretty(&Value::Object(ratios)).unwrap_or_default();
     log.line(&text);
     let file = out.join("stream-ratios.json");
+    failures.keep(std::fs::write(&file, text).map_err(|e| format!("cannot write {}: {e}", file.display())));
+    let steps: Vec<Value> =
+        timings.take().into_iter().map(|(step, seconds)| json!({"step": step, "seconds": seconds})).collect();
+    let total = run_started.elapsed().as_secs_f64();
+    log.line(&format!("the run took {total:.0} s"));
+    let text = serde_json::to_string_pretty(&json!({"seconds": total, "steps": steps})).unwrap_or_default();
+    let file = out.join("timings.json");
     failures.keep(std::fs::write(&file, text).map_err(|e| format!("cannot write {}: {e}", file.display())));
     failures.end()
 }
