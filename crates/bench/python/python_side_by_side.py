@@ -68,6 +68,12 @@ class Stages:
     def reset(self, stage: str) -> None:
         Path("/proc/self/clear_refs").write_text("5")
         self.stage, self.start, self.start_rss = stage, time.perf_counter(), vm_rss()
+        self.released_rss = None
+
+    def released(self) -> None:
+        """A model was released in this stage (the arm's release event): the RSS after it is
+        where the stage's own weights and working memory start from."""
+        self.released_rss = vm_rss()
 
     def boundary(self, next_stage: str | None) -> None:
         peak, now = vm_hwm(), time.perf_counter()
@@ -77,6 +83,7 @@ class Stages:
                 "seconds": now - self.start,
                 "peak": peak,
                 "start_rss": self.start_rss,
+                "released_rss": self.released_rss,
                 "end_rss": vm_rss(),
             }
         )
@@ -84,8 +91,9 @@ class Stages:
             self.reset(next_stage)
 
 
-def original_pipeline(folder: Path):
-    """The original stageload around StableDiffusionPipeline, as its users write it."""
+def original_pipeline(folder: Path, released):
+    """The original stageload around StableDiffusionPipeline, as its users write it;
+    `released()` is called after each release (the measurement's, not the user's)."""
     import stageload as original
     import torch
     from diffusers import (
@@ -133,6 +141,7 @@ def original_pipeline(folder: Path):
         def emit(self, event) -> None:
             if event.kind == "release" and pipe is not None:
                 object.__setattr__(pipe, event.name, standins[event.name])
+                released()
 
     models = original.StagedModels(
         {
@@ -191,13 +200,21 @@ def run_arm(args) -> None:
 
         pipe = StableDiffusionPipeline.from_pretrained(str(folder))
     elif args.run == "original":
-        pipe, models, callback = original_pipeline(folder)
+        pipe, models, callback = original_pipeline(folder, stages.released)
     else:
         from diffusers import StableDiffusionPipeline
         from stageload_rs.diffusers import staged_pipeline
 
         mode, reload = ("staged", "copy") if args.run == "copy" else (args.run, "map")
-        pipe, models = staged_pipeline(StableDiffusionPipeline, folder, mode=mode, reload=reload)
+
+        class Released:
+            def emit(self, event) -> None:
+                if event.kind == "release":
+                    stages.released()
+
+        pipe, models = staged_pipeline(
+            StableDiffusionPipeline, folder, mode=mode, reload=reload, events=Released()
+        )
     pipe.set_progress_bar_config(disable=True)
     prompt = (folder / "prompt.txt").read_text()
     set_timesteps = pipe.scheduler.set_timesteps
@@ -302,9 +319,9 @@ def weights(folder: Path, component: str) -> int:
 
 
 def within_bound(runs: dict, arms: list[str], folder: Path) -> list[str]:
-    """The staged arm's peak per stage against what the stage needs: the arm's own RSS at the end
-    of setup (no model loaded), plus the larger of the model the stage before left resident and
-    the stage's model with its working memory (the rise of the unwrapped pipeline's second image
+    """An arm's peak per stage against what the stage needs: the arm's RSS once the stage has
+    released the model the stage before left resident (its start, where it released none), plus
+    the stage's model and its working memory (the rise of the unwrapped pipeline's second image
     in that stage, every model resident and faulted in before it)."""
     gib = 1 << 30
     size = {c: weights(folder, c) for c, _ in STAGE_MODELS.values()}
@@ -322,13 +339,12 @@ def within_bound(runs: dict, arms: list[str], folder: Path) -> list[str]:
     ]
     # the original beside them, for scale; prefetch holds the next stage's model too
     for arm in (a for a in arms if a in ("original", "staged", "copy")):
-        base = median(arm, 0, "setup", lambda r: r["end_rss"])
         for image in range(2):
             cells = []
-            for stage, (model, before) in STAGE_MODELS.items():
+            for stage, (model, _) in STAGE_MODELS.items():
                 working = median("unwrapped", 1, stage, lambda r: r["peak"] - r["start_rss"])
-                resident = size[before] if (image, stage) != (0, "encode") else 0
-                need = base + max(resident, size[model] + working)
+                base = median(arm, image, stage, lambda r: r.get("released_rss") or r["start_rss"])
+                need = base + size[model] + working
                 peak = median(arm, image, stage, lambda r: r["peak"])
                 cells.append(f"{peak / gib:.3f} / {need / gib:.3f} = {peak / need:.3f}")
             lines.append(f"| {arm} | {image + 1} | " + " | ".join(cells) + " |")

@@ -127,10 +127,22 @@ def empty_component(
     what the pipeline asks before the first call (``device``, ``dtype``, ``config``) has the
     loaded model's answer. Its first load moves the loaded model's state in (:func:`adopt`)."""
     path = str(folder / component)
+    transformers = hasattr(cls, "config_class") and hasattr(cls, "_from_config")
+    floating = {dtype for dtype in dtypes.values() if dtype.is_floating_point}
+    if transformers:
+        config = cls.config_class.from_pretrained(path)
+        config.name_or_path = str(folder)  # as from_pretrained(folder, subfolder=...) says
+        if len(floating) == 1:
+            # one floating dtype: the model's dtype whatever its rule, so no build is needed
+            # (building one runs the model's code, 4.4 MB for CLIP's text encoder, which the
+            # first load pays anyway); the base class sets the config and its own attributes
+            from transformers import PreTrainedModel
+
+            shell = cls.__new__(cls)
+            PreTrainedModel.__init__(shell, config)
+            return _with_placeholder(shell, floating.pop())
     with torch.device("meta"):
-        if hasattr(cls, "config_class") and hasattr(cls, "_from_config"):  # transformers
-            config = cls.config_class.from_pretrained(path)
-            config.name_or_path = str(folder)  # as from_pretrained(folder, subfolder=...) says
+        if transformers:
             built = cls._from_config(config)
         else:  # diffusers
             built = cls.from_config(cls.load_config(path))
@@ -144,6 +156,11 @@ def empty_component(
     nn.Module.__init__(shell)
     emptied = {"_parameters", "_buffers", "_non_persistent_buffers_set", "_modules"}
     shell.__dict__.update((k, v) for k, v in built.__dict__.items() if k not in emptied)
+    return _with_placeholder(shell, dtype)
+
+
+def _with_placeholder(shell: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """``shell`` with one empty parameter (no storage) in ``dtype``, in evaluation mode."""
     shell.register_parameter(
         "stageload_placeholder", nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
     )
