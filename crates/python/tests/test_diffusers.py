@@ -6,7 +6,10 @@ process, every output equal bit for bit."""
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -221,3 +224,40 @@ def test_a_pipeline_without_a_plan_or_a_component_without_safetensors_is_refused
             target.write_bytes(file.read_bytes())
     with pytest.raises(FileNotFoundError, match="component 'unet'"):
         staged_pipeline(diffusers.StableDiffusionPipeline, copy)
+
+
+# Run in a process of its own, where MKL_CBWR is unset (conftest sets it for this one): the
+# unwrapped pipeline's video, then two of the staged pipeline's, and whether each equals it.
+_WITHOUT_CBWR = """
+import json, sys, warnings
+sys.path.insert(0, sys.argv[1])
+import torch
+import test_diffusers as t
+warnings.simplefilter("ignore")
+cls, path, run = t.wan()
+unwrapped = run(cls.from_pretrained(str(path)))
+pipe, _ = t.staged_pipeline(cls, path, mode="staged", reload=sys.argv[2])
+print(json.dumps([bool(torch.equal(run(pipe), unwrapped)) for _ in range(2)]))
+"""
+
+
+def _equal_without_cbwr(reload: str) -> list[bool]:
+    env = {k: v for k, v in os.environ.items() if k != "MKL_CBWR"}
+    done = subprocess.run(
+        [sys.executable, "-c", _WITHOUT_CBWR, str(Path(__file__).parent), reload],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
+    )
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_mapped_reloads_give_wan_the_unwrapped_video_without_mkl_cbwr():
+    # Mapped, the weights are at the offsets from_pretrained's mapping gives them, so MKL's
+    # products round as the unwrapped pipeline's do: both videos equal it with MKL_CBWR unset.
+    assert _equal_without_cbwr("map") == [True, True]
+    if torch.backends.mkl.is_available():
+        # the control: copied into memory of its own, the second video rounds otherwise
+        assert _equal_without_cbwr("copy") == [True, False]

@@ -219,11 +219,13 @@ def staged_pipeline(
         raise ValueError(f"mode {mode!r}: one of {', '.join(MODES)}")
     if reload not in ("map", "copy"):
         raise ValueError(f"reload {reload!r}: 'map' or 'copy'")
-    if mode != "eager" and torch.backends.mkl.is_available() and not os.environ.get("MKL_CBWR"):
+    copied = mode != "eager" and reload == "copy"
+    if copied and torch.backends.mkl.is_available() and not os.environ.get("MKL_CBWR"):
         warnings.warn(
             "MKL_CBWR is not set: MKL's CPU matrix products can round differently for the same "
-            "weights at other addresses, and a reload puts them elsewhere than from_pretrained "
-            "did; start the process with MKL_CBWR=COMPATIBLE for the same results bit for bit",
+            "weights at other addresses, and reload='copy' puts them elsewhere than "
+            "from_pretrained did; start the process with MKL_CBWR=COMPATIBLE (or reload='map') "
+            "for the same results bit for bit",
             stacklevel=2,
         )
     folder = Path(folder)
