@@ -165,12 +165,20 @@ fn run(shell: &mut Shell, only: &[Part]) -> Result<(), Error> {
     // The wheels the build staged, for every Python step; Python prints a crash's stack.
     let site = scratch.join("site").display().to_string();
     let wheels = std::fs::read_dir(kit.join("wheels")).map_err(|e| format!("{}: {e}", kit.join("wheels").display()))?;
-    let mut install = shell.cmd(
-        "python3",
-        &["-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile", "--upgrade", "--target", &site],
-    );
-    install.args(wheels.filter_map(|entry| Some(entry.ok()?.path())));
-    let installed = shell.status(&mut install, Some(&log)).and_then(|status| check(&install, status));
+    // The other loaders apart: one that does not install there (its failure logged and kept)
+    // leaves the pipeline's wheels installed.
+    let (loaders, needed): (Vec<PathBuf>, Vec<PathBuf>) =
+        wheels.filter_map(|entry| Some(entry.ok()?.path())).partition(|path| is_loader_wheel(path));
+    let mut installed = Ok(());
+    for group in [needed, loaders].iter().filter(|group| !group.is_empty()) {
+        let mut install = shell.cmd(
+            "python3",
+            &["-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile", "--upgrade", "--target", &site],
+        );
+        install.args(group);
+        let done = shell.status(&mut install, Some(&log)).and_then(|status| check(&install, status));
+        installed = installed.and(done);
+    }
     shell.set("PYTHONPATH", &site);
     shell.set("PYTHONFAULTHANDLER", "1");
     shell.set("PYTHONUNBUFFERED", "1");
@@ -203,7 +211,12 @@ fn run(shell: &mut Shell, only: &[Part]) -> Result<(), Error> {
             .file_name()
             .map_or_else(String::new, |n| n.to_string_lossy().into_owned());
         let first = command.get_args().next().map(|a| a.to_string_lossy().into_owned()).unwrap_or_default();
-        timed(format!("{name} {first}").trim().to_string(), started);
+        // The variables a step sets (a ring shape) tell its runs apart.
+        let set: Vec<String> = command
+            .get_envs()
+            .filter_map(|(key, value)| Some(format!("{}={}", key.to_string_lossy(), value?.to_string_lossy())))
+            .collect();
+        timed(format!("{name} {first} {}", set.join(" ")).trim().to_string(), started);
         let ran = status.is_ok();
         failures.keep(status);
         ran
@@ -353,6 +366,16 @@ fn control_differs(
     }
 }
 
+/// Whether `wheel` is one of [`LOADERS`]' (its file name starts with the package's name as wheels
+/// spell it: `-` as `_`).
+fn is_loader_wheel(wheel: &Path) -> bool {
+    let name = wheel.file_name().map(|n| n.to_string_lossy().to_lowercase()).unwrap_or_default();
+    LOADERS.iter().any(|pin| {
+        let package = pin.split("==").next().unwrap_or(pin).replace('-', "_");
+        name.starts_with(&format!("{package}-"))
+    })
+}
+
 /// Where the load under ring shape `ring` keeps its result.
 fn ring_file(out: &Path, ring: &str) -> PathBuf {
     out.join(format!("ring-{}.json", ring.replace(['=', ','], "-")))
@@ -377,4 +400,24 @@ fn stream_ratios(report: &Report, out: &Path, arm: &str, pinned: Option<f64>) ->
 /// A number field of the JSON object in `path`, if it has one.
 fn number_field(path: &Path, field: &str) -> Option<f64> {
     read_json(path).ok()?[field].as_f64()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_other_loaders_wheels_are_told_from_the_pipelines_by_their_file_names() {
+        let staged = [
+            "diffusers-0.42.1-py3-none-any.whl",
+            "importlib_metadata-10.2.0-py3-none-any.whl",
+            "fastsafetensors-0.5.0-cp312-cp312-manylinux_2_27_x86_64.manylinux_2_28_x86_64.whl",
+            "humanize-4.17.0-py3-none-any.whl",
+            "instanttensor-0.2.2-cp312-cp312-manylinux_2_27_x86_64.manylinux_2_28_x86_64.whl",
+            "runai_model_streamer-0.17.1-py3-none-manylinux_2_28_x86_64.whl",
+        ];
+        let loaders: Vec<&str> = staged.into_iter().filter(|name| is_loader_wheel(Path::new(name))).collect();
+        assert_eq!(loaders, &staged[2..], "the pipeline's wheels are not the loaders'");
+        assert!(!is_loader_wheel(Path::new("instanttensorx-1.0-py3-none-any.whl")), "a name only starting alike");
+    }
 }
