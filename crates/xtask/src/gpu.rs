@@ -211,9 +211,10 @@ fn run(shell: &mut Shell, only: &[Part]) -> Result<(), Error> {
             .file_name()
             .map_or_else(String::new, |n| n.to_string_lossy().into_owned());
         let first = command.get_args().next().map(|a| a.to_string_lossy().into_owned()).unwrap_or_default();
-        // The variables a step sets (a ring shape) tell its runs apart.
+        // The project's variables a step sets (a ring shape) tell its runs apart.
         let set: Vec<String> = command
             .get_envs()
+            .filter(|(key, _)| key.to_string_lossy().starts_with("STAGELOAD_"))
             .filter_map(|(key, value)| Some(format!("{}={}", key.to_string_lossy(), value?.to_string_lossy())))
             .collect();
         timed(format!("{name} {first} {}", set.join(" ")).trim().to_string(), started);
