@@ -150,8 +150,17 @@ const STREAM: [(&str, Arms); 1] = [(
     ],
 )];
 
-/// The ring shapes the load runs under, each in its own process (the ring is the process's).
-const RINGS: [&str; 4] = ["slots=64", "window=32M", "readers=8", "readers=32,slots=64"];
+/// The ring shapes the load runs under, each in its own process (the ring is the process's):
+/// more and larger buffers, fewer and more readers, and the peers' shapes (FlashPack: a reader
+/// per buffer, each buffer large; InstantTensor: many small pieces in flight).
+const RINGS: [&str; 6] = [
+    "slots=64",
+    "window=32M",
+    "readers=8",
+    "readers=32,slots=64",
+    "readers=16,slots=16,window=64M",
+    "slots=128,window=8M",
+];
 
 fn run(shell: &mut Shell, only: &[Part]) -> Result<(), Error> {
     let wanted = |part: Part| only.is_empty() || only.contains(&part);
