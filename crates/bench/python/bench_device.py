@@ -4,7 +4,12 @@ from pinned and from pageable memory). Prints one JSON object of medians in GB/s
 
     python bench_device.py FILE ROUNDS
 """
-import json, os, statistics, sys, time
+
+import json
+import os
+import statistics
+import sys
+import time
 
 import torch
 
@@ -30,7 +35,9 @@ try:
     from safetensors.torch import load_file
 
     result["load_file_cuda"] = rate(lambda: load_file(path, device="cuda"), size)
-    result["load_file_then_to_cuda"] = rate(lambda: {k: v.to("cuda") for k, v in load_file(path).items()}, size)
+    result["load_file_then_to_cuda"] = rate(
+        lambda: {k: v.to("cuda") for k, v in load_file(path).items()}, size
+    )
 except ImportError as e:
     result["safetensors"] = f"not installed: {e}"
 gib = 1 << 30

@@ -14,6 +14,7 @@ and configuration. A peer that cannot be imported or cannot load to the CPU prin
 peers read CHECKPOINT with the suffix `.pt` (the same weights, written by torch.save with
 `--write-pt`).
 """
+
 import importlib.metadata
 import json
 import os
@@ -32,7 +33,9 @@ def version(package):
     try:
         return importlib.metadata.version(package)
     except importlib.metadata.PackageNotFoundError:
-        raise Unavailable(f"{package} is not installed (scripts/setup-load-peers.sh installs it)") from None
+        raise Unavailable(
+            f"{package} is not installed (scripts/setup-load-peers.sh installs it)"
+        ) from None
 
 
 def copy_into(params, name, tensor):
@@ -62,7 +65,9 @@ def load_runai(path, params):
 def load_fastsafetensors(path, params):
     from fastsafetensors import SafeTensorsFileLoader, SingleGroup
 
-    loader = SafeTensorsFileLoader(SingleGroup(), "cpu", nogds=True, bbuf_size_kb=FST_BBUF_KB, max_threads=FST_THREADS)
+    loader = SafeTensorsFileLoader(
+        SingleGroup(), "cpu", nogds=True, bbuf_size_kb=FST_BBUF_KB, max_threads=FST_THREADS
+    )
     try:
         loader.add_filenames({0: [path]})
         buffer = loader.copy_files_to_device()
@@ -81,7 +86,9 @@ def load_instanttensor(path, params):
     try:
         opened = instant_open(path, framework="pt", device="cpu", copy=False)
     except ValueError as e:
-        raise Unavailable(f"cannot load to the CPU: safe_open(device='cpu') raises ValueError: {e}") from None
+        raise Unavailable(
+            f"cannot load to the CPU: safe_open(device='cpu') raises ValueError: {e}"
+        ) from None
     with opened as f:
         for name, tensor in f.tensors():
             copy_into(params, name, tensor)
@@ -103,7 +110,11 @@ FST_BBUF_KB = 16 * 1024
 
 # name: (package for the version, load, configuration)
 PEERS = {
-    "safetensors": ("safetensors", load_safetensors, "safetensors.torch.load_file (mmap), copied into the model"),
+    "safetensors": (
+        "safetensors",
+        load_safetensors,
+        "safetensors.torch.load_file (mmap), copied into the model",
+    ),
     "runai-model-streamer": (
         "runai-model-streamer",
         load_runai,
@@ -112,11 +123,21 @@ PEERS = {
     "fastsafetensors": (
         "fastsafetensors",
         load_fastsafetensors,
-        f"SafeTensorsFileLoader(nogds=True, max_threads={FST_THREADS}, bbuf_size_kb={FST_BBUF_KB}), "
-        "FASTSAFETENSORS_ODIRECT={}, copied into the model",
+        (
+            f"SafeTensorsFileLoader(nogds=True, max_threads={FST_THREADS}, "
+            f"bbuf_size_kb={FST_BBUF_KB}), FASTSAFETENSORS_ODIRECT={{}}, copied into the model"
+        ),
     ),
-    "instanttensor": ("instanttensor", load_instanttensor, "safe_open(copy=False), each tensor copied into the model"),
-    "torch.load": ("torch", lambda p, params: load_torch(p, params, False), "torch.load(weights_only=True) of the .pt, copied into the model"),
+    "instanttensor": (
+        "instanttensor",
+        load_instanttensor,
+        "safe_open(copy=False), each tensor copied into the model",
+    ),
+    "torch.load": (
+        "torch",
+        lambda p, params: load_torch(p, params, False),
+        "torch.load(weights_only=True) of the .pt, copied into the model",
+    ),
     "torch.load-mmap": (
         "torch",
         lambda p, params: load_torch(p, params, True),
@@ -134,7 +155,9 @@ def configuration(peer, template):
             env.get("RUNAI_STREAMER_MEMORY_LIMIT", "40 GB (default)"),
         )
     if peer == "fastsafetensors":
-        return template.format(os.environ.get("FASTSAFETENSORS_ODIRECT", "1 (its default on a local disk)"))
+        return template.format(
+            os.environ.get("FASTSAFETENSORS_ODIRECT", "1 (its default on a local disk)")
+        )
     return template
 
 
@@ -150,7 +173,7 @@ def parameters_for(path):
     """The model's parameters, one zeroed tensor per checkpoint tensor, by name (written, so resident
     before the first load, as the Rust side's model is)."""
     with safe_open(path, framework="pt") as f:
-        return {name: torch.empty(f.get_slice(name).get_shape()).fill_(0.0) for name in f.keys()}
+        return {name: torch.empty(f.get_slice(name).get_shape()).fill_(0.0) for name in f.keys()}  # noqa: SIM118 (safe_open is no dict)
 
 
 def write_pt(path):
@@ -187,15 +210,20 @@ def main(peer, path, runs, cache):
             with_file = status("VmHWM") - before
             del still_mapped
             checksum = sum(p.double().sum().item() for p in params.values())
-            print(json.dumps({
-                "seconds": seconds,
-                "bytes": model_bytes,
-                "peak_over": with_file - file_pages,
-                "peak_with_file": with_file,
-                "checksum": checksum,
-                "version": peer_version,
-                "configuration": configuration(peer, template),
-            }), flush=True)
+            print(
+                json.dumps(
+                    {
+                        "seconds": seconds,
+                        "bytes": model_bytes,
+                        "peak_over": with_file - file_pages,
+                        "peak_with_file": with_file,
+                        "checksum": checksum,
+                        "version": peer_version,
+                        "configuration": configuration(peer, template),
+                    }
+                ),
+                flush=True,
+            )
     except (Unavailable, ImportError) as e:
         print(json.dumps({"unavailable": f"{peer}: {e}"}), flush=True)
 

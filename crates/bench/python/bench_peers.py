@@ -9,7 +9,13 @@ medians in GB/s.
 
     python bench_peers.py FILE ROUNDS
 """
-import json, os, statistics, sys, time, traceback
+
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
 
 import torch
 
@@ -36,7 +42,14 @@ def resident_fraction():
 
         libc = ctypes.CDLL(None, use_errno=True)
         libc.mmap.restype = ctypes.c_void_p
-        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+        libc.mmap.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_long,
+        ]
         libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
         libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
         page = os.sysconf("SC_PAGE_SIZE")
@@ -55,7 +68,7 @@ def resident_fraction():
                 libc.munmap(address, size)
         finally:
             os.close(fd)
-    except Exception:
+    except (OSError, AttributeError, ValueError):  # no mapping or no mincore here: unknown
         return None
 
 
@@ -147,13 +160,17 @@ for name, module, make in [
         from importlib.metadata import version
 
         entry["version"] = version(module.replace("_", "-"))
-    except Exception:
-        pass
+    except ImportError:  # importlib.metadata.PackageNotFoundError
+        entry["version"] = None
     try:
         entry.update(rates(make()))
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 (a peer that fails is reported, the others still run)
         entry["error"] = f"{type(e).__name__}: {e}"
         entry["trace"] = traceback.format_exc(limit=4)
     result[name] = entry
-    print(f"{name}: {json.dumps({k: v for k, v in entry.items() if k != 'trace'})}", file=sys.stderr, flush=True)
+    print(
+        f"{name}: {json.dumps({k: v for k, v in entry.items() if k != 'trace'})}",
+        file=sys.stderr,
+        flush=True,
+    )
 print(json.dumps(result))

@@ -8,6 +8,7 @@ and weights. A CUDA package runs only where it was compiled, so this runs on the
     python3 pt2_cuda.py OUT    # OUT/mlp.pt2, mlp.safetensors, mlp.io.safetensors (input, eager
                                # output), mlp.python.safetensors (Python's loader's), mlp.json
 """
+
 import json
 import sys
 import time
@@ -17,7 +18,7 @@ import torch
 from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "scripts" / "reference"))
-from pt2 import export, run  # noqa: E402
+from pt2 import export, run
 
 out = Path(sys.argv[1])
 out.mkdir(parents=True, exist_ok=True)

@@ -319,10 +319,11 @@ def weights(folder: Path, component: str) -> int:
 
 
 def within_bound(runs: dict, arms: list[str], folder: Path) -> list[str]:
-    """An arm's peak per stage against what the stage needs: the arm's RSS once the stage has
-    released the model the stage before left resident (its start, where it released none), plus
-    the stage's model and its working memory (the rise of the unwrapped pipeline's second image
-    in that stage, every model resident and faulted in before it)."""
+    """An arm's peak per stage against what the stage needs: the larger of its RSS at the
+    stage's start (the model the stage before left resident is still there) and its RSS once the
+    stage has released that model (its start, where it released none) plus the stage's model and
+    its working memory (the rise of the unwrapped pipeline's second image in that stage, every
+    model resident and faulted in before it)."""
     gib = 1 << 30
     size = {c: weights(folder, c) for c, _ in STAGE_MODELS.values()}
 
@@ -344,7 +345,8 @@ def within_bound(runs: dict, arms: list[str], folder: Path) -> list[str]:
             for stage, (model, _) in STAGE_MODELS.items():
                 working = median("unwrapped", 1, stage, lambda r: r["peak"] - r["start_rss"])
                 base = median(arm, image, stage, lambda r: r.get("released_rss") or r["start_rss"])
-                need = base + size[model] + working
+                start = median(arm, image, stage, lambda r: r["start_rss"])
+                need = max(start, base + size[model] + working)
                 peak = median(arm, image, stage, lambda r: r["peak"])
                 cells.append(f"{peak / gib:.3f} / {need / gib:.3f} = {peak / need:.3f}")
             lines.append(f"| {arm} | {image + 1} | " + " | ".join(cells) + " |")

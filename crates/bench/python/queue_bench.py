@@ -46,7 +46,9 @@ def total():
 
 
 def overlap(intervals):
-    edges = sorted([(s, 1) for s, _ in intervals] + [(e, -1) for _, e in intervals], key=lambda x: (x[0], x[1]))
+    edges = sorted(
+        [(s, 1) for s, _ in intervals] + [(e, -1) for _, e in intervals], key=lambda x: (x[0], x[1])
+    )
     most = now = 0
     for _, step in edges:
         now += step
@@ -73,7 +75,9 @@ def batch(stageload, way, home, flags):
     runs = []
     for index in range(JOBS):
         command = [stageload] + flags(index) + ["--", sys.executable, "-c", job, times]
-        runs.append(subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        runs.append(
+            subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        )
         if way != "guards at once":
             time.sleep(0.05)  # join in order
     codes = [run.wait(timeout=600) for run in runs]
@@ -98,11 +102,40 @@ def main():
     three = 3 * 1.5 * GIB
     margin = int(machine - three - 0.1 * GIB)
     ways = [
-        ("one at a time (run, nothing declared)", lambda i: ["run", "--lane", "seq", "--no-meter", "--who", f"job-{i}"]),
-        ("packed by the plan (run --memory 1.5G --margin 2G)",
-         lambda i: ["run", "--lane", "pack", "--no-meter", "--who", f"job-{i}", "--memory", "1.5G", "--margin", "2G"]),
-        (f"packed, margin leaving room for three (--margin {margin})",
-         lambda i: ["run", "--lane", "three", "--no-meter", "--who", f"job-{i}", "--memory", "1.5G", "--margin", str(margin)]),
+        (
+            "one at a time (run, nothing declared)",
+            lambda i: ["run", "--lane", "seq", "--no-meter", "--who", f"job-{i}"],
+        ),
+        (
+            "packed by the plan (run --memory 1.5G --margin 2G)",
+            lambda i: [
+                "run",
+                "--lane",
+                "pack",
+                "--no-meter",
+                "--who",
+                f"job-{i}",
+                "--memory",
+                "1.5G",
+                "--margin",
+                "2G",
+            ],
+        ),
+        (
+            f"packed, margin leaving room for three (--margin {margin})",
+            lambda i: [
+                "run",
+                "--lane",
+                "three",
+                "--no-meter",
+                "--who",
+                f"job-{i}",
+                "--memory",
+                "1.5G",
+                "--margin",
+                str(margin),
+            ],
+        ),
         ("guards at once", lambda i: ["guard"]),
     ]
     results = []
@@ -110,8 +143,19 @@ def main():
         for way, flags in ways:
             results.append(batch(stageload, way, home, flags))
             print(json.dumps(results[-1]), file=sys.stderr)
-    print(json.dumps({"jobs": JOBS, "job_gib": JOB_GIB, "hold_s": HOLD_S, "total_gib": round(machine / GIB, 2),
-                      "cpus": os.cpu_count(), "results": results}, indent=2))
+    print(
+        json.dumps(
+            {
+                "jobs": JOBS,
+                "job_gib": JOB_GIB,
+                "hold_s": HOLD_S,
+                "total_gib": round(machine / GIB, 2),
+                "cpus": os.cpu_count(),
+                "results": results,
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

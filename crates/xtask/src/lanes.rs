@@ -65,7 +65,7 @@ fn lanes(shell: &mut Shell, torch_free_only: bool, args: &[String]) -> Result<()
 
 /// The Python package (crates/python, a workspace of its own built into target/python by
 /// `scripts/setup-python.sh`): rustfmt and clippy of its crate, ruff's lint and formatting of its
-/// Python, then its tests under pytest with the torch environment's Python (and the CLI, which
+/// Python and the benchmarks', then its tests under pytest with the torch environment's Python (and the CLI, which
 /// they read a trace back with).
 fn python_lane(shell: &Shell) -> Result<(), Error> {
     let manifest = ["--manifest-path", "crates/python/Cargo.toml"];
@@ -74,8 +74,11 @@ fn python_lane(shell: &Shell) -> Result<(), Error> {
     let clippy = ["clippy", "--release", "--all-targets", "--", "-D", "warnings"];
     shell.run(shell.cargo(&clippy[..1]).args(manifest).args(&clippy[1..]).env("CARGO_TARGET_DIR", &target))?;
     let ruff = shell.var("STAGELOAD_RUFF").ok_or("scripts/setup-python.sh printed no STAGELOAD_RUFF")?;
-    shell.run(&mut shell.cmd(&ruff, &["check", "--quiet", "crates/python"]))?;
-    shell.run(&mut shell.cmd(&ruff, &["format", "--check", "--quiet", "crates/python"]))?;
+    // The benchmarks' Python is held to the package's rules (its pyproject.toml) too.
+    let config = ["--config", "crates/python/pyproject.toml"];
+    shell.run(shell.cmd(&ruff, &["check", "--quiet", "crates/python", "crates/bench/python"]).args(config))?;
+    let format = ["format", "--check", "--quiet", "crates/python", "crates/bench/python"];
+    shell.run(shell.cmd(&ruff, &format).args(config))?;
     // The tests read a trace back with the CLI (built by the torch-free lane's tests already).
     shell.run(&mut shell.cargo(&["build", "--quiet", "-p", "stageload-cli", "--bin", "stageload"]))?;
     let python = shell.var("STAGELOAD_PYTHON").ok_or("scripts/setup-libtorch.sh printed no STAGELOAD_PYTHON")?;
