@@ -15,7 +15,7 @@ use std::sync::Arc;
 
 use stageload::checkpoint::{Checkpoint, CheckpointError};
 use stageload::source::FileChange;
-use stageload::{EventKind, ListSink, ModelSpec, ModelState, StageError, StagedModels};
+use stageload::{EventKind, ListSink, ModelSpec, ModelState, Reload, StageError, StagedModels};
 use stageload_test_support::torch::{self as support, build_mlp, input, Mlp};
 use tch::nn::Module;
 use tch::{Kind, Tensor};
@@ -139,8 +139,13 @@ fn assert_refused(err: &StageError, model: &str, path: &Path, change: Change, si
 /// `net` (an MLP of width 8 from `file`) in stage `run`, a loader-only `other` model in stage
 /// `other`.
 fn mlp_registry(file: &Path, sink: Arc<ListSink>) -> StagedModels {
+    mlp_registry_reloading(file, Reload::Copy, sink)
+}
+
+/// [`mlp_registry`] with `net` reloading as `reload` says.
+pub(crate) fn mlp_registry_reloading(file: &Path, reload: Reload, sink: Arc<ListSink>) -> StagedModels {
     StagedModels::builder()
-        .model(ModelSpec::new("net", |_| Ok(build_mlp(8))).checkpoint([file]))
+        .model(ModelSpec::new("net", |_| Ok(build_mlp(8))).checkpoint([file]).reload(reload))
         .model(ModelSpec::new("other", |_| Ok(build_mlp(8))))
         .stage("run", ["net"])
         .stage("other", ["other"])

@@ -7,23 +7,25 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use stageload::{EventKind, ListSink, ModelSpec, ModelState, Reload, ReloadFrom, StageError, StagedModels};
-use stageload_test_support::torch::{self as support, build_mlp, Mlp};
+use stageload::{EventKind, ListSink, ModelState, Reload, ReloadFrom, StageError, StagedModels};
+use stageload_test_support::torch::{self as support, Mlp};
 use tch::Kind;
 
-use crate::changed_files::{build_mlp_tensors, change_checkpoint, entries, expected, net, seen_as, Change};
+use crate::changed_files::{
+    build_mlp_tensors, change_checkpoint, entries, expected, mlp_registry_reloading, net, seen_as, Change,
+};
 
-/// `net` (an MLP of width 8 from `file`, reloading as `reload` says) in stage `run`, a
-/// loader-only `other` model in stage `other`.
-fn registry(file: &Path, reload: Reload, sink: Arc<ListSink>) -> StagedModels {
-    StagedModels::builder()
-        .model(ModelSpec::new("net", |_| Ok(build_mlp(8))).checkpoint([file]).reload(reload))
-        .model(ModelSpec::new("other", |_| Ok(build_mlp(8))))
-        .stage("run", ["net"])
-        .stage("other", ["other"])
-        .events(sink)
-        .build()
-        .unwrap()
+/// `net` from `file`, loaded, released and loaded again (`Reload::Map`), with its events and
+/// its first output, which the reload gave again.
+fn reloaded(file: &Path) -> (StagedModels, Arc<ListSink>, tch::Tensor) {
+    let sink = Arc::new(ListSink::new());
+    let models = mlp_registry_reloading(file, Reload::Map, sink.clone());
+    models.enter("run").unwrap();
+    let first = net(&models).unwrap();
+    models.enter("other").unwrap();
+    models.enter("run").unwrap();
+    assert!(net(&models).unwrap().equal(&first));
+    (models, sink, first)
 }
 
 /// How many of `net`'s weights lie in a mapping of `file` (`/proc/self/maps`).
@@ -67,7 +69,7 @@ fn a_model_that_maps_comes_back_on_its_files_pages_bit_for_bit_in_the_foreground
     for prefetch in [false, true] {
         let (_dir, file) = checkpoint();
         let sink = Arc::new(ListSink::new());
-        let models = registry(&file, Reload::Map, sink.clone());
+        let models = mlp_registry_reloading(&file, Reload::Map, sink.clone());
         models.enter("run").unwrap();
         let first = net(&models).unwrap();
         assert!(first.equal(&expected(&entries(&file))));
@@ -99,13 +101,7 @@ fn a_model_whose_weights_are_not_the_files_entries_in_their_dtype_is_copied_as_b
     let doubles: Vec<(String, tch::Tensor)> =
         build_mlp_tensors().into_iter().map(|(n, t)| (n, t.to_kind(Kind::Double))).collect();
     stageload::checkpoint::save(&doubles, &file).unwrap();
-    let sink = Arc::new(ListSink::new());
-    let models = registry(&file, Reload::Map, sink.clone());
-    models.enter("run").unwrap();
-    let first = net(&models).unwrap();
-    models.enter("other").unwrap();
-    models.enter("run").unwrap();
-    assert!(net(&models).unwrap().equal(&first));
+    let (models, _, _) = reloaded(&file);
     assert_eq!(weights_on_pages_of(&models, &file), 0, "copied, not mapped");
     assert!(!mapped_at_all(&file));
 }
@@ -114,13 +110,7 @@ fn a_model_whose_weights_are_not_the_files_entries_in_their_dtype_is_copied_as_b
 fn a_file_written_in_place_under_a_resident_model_that_maps_releases_it_before_any_further_use() {
     let _one = support::generator();
     let (_dir, file) = checkpoint();
-    let sink = Arc::new(ListSink::new());
-    let models = registry(&file, Reload::Map, sink.clone());
-    models.enter("run").unwrap();
-    let first = net(&models).unwrap();
-    models.enter("other").unwrap();
-    models.enter("run").unwrap();
-    assert!(net(&models).unwrap().equal(&first));
+    let (models, sink, _) = reloaded(&file);
 
     let now = change_checkpoint(&file, Change::InPlace);
     let err = net(&models).unwrap_err();
@@ -144,13 +134,7 @@ fn a_file_written_in_place_under_a_resident_model_that_maps_releases_it_before_a
 fn a_file_renamed_over_a_resident_model_that_maps_changes_nothing_it_holds() {
     let _one = support::generator();
     let (_dir, file) = checkpoint();
-    let sink = Arc::new(ListSink::new());
-    let models = registry(&file, Reload::Map, sink.clone());
-    models.enter("run").unwrap();
-    let first = net(&models).unwrap();
-    models.enter("other").unwrap();
-    models.enter("run").unwrap();
-    assert!(net(&models).unwrap().equal(&first));
+    let (models, _, first) = reloaded(&file);
     assert_eq!(weights_on_pages_of(&models, &file), 4);
     change_checkpoint(&file, Change::Rename);
     // The mapped file is the one first read, whatever is at the path now.

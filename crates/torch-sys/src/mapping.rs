@@ -11,7 +11,7 @@
 //! 3. A page not yet copied by a write shows the file as it is now: a file written in place
 //!    while mapped changes the weights, and one truncated under a mapping ends the process with
 //!    SIGBUS at the next touch of a page past its end. Callers check the file has not changed
-//!    before handing such weights out (the staged registry does, at every stage entry).
+//!    before handing such weights out (the staged registry does, each time it hands a model out).
 
 use std::fs::File;
 use std::os::fd::AsRawFd;
