@@ -285,7 +285,7 @@ pub enum Reload {
     /// `from_pretrained` has comes with it: a file written in place while the model holds its
     /// pages changes the weights. So while such a model is resident, each time it is handed
     /// out its files are checked: one written in place since its first load makes the
-    /// registry release the model and answer [`StageError::ChangedUnderModel`] instead
+    /// registry release the model and answer [`StageError::ChangedUnderModel`](crate::StageError::ChangedUnderModel) instead
     /// (a file put at the path by a rename, or deleted, changes nothing the model holds). A
     /// file truncated under a model that is computing ends the process with SIGBUS, as it does
     /// under `from_pretrained`.
