@@ -177,26 +177,46 @@ pub unsafe fn release(
 pub unsafe fn reallocate<'a>(
     storages: impl IntoIterator<Item = &'a StorageRecord> + Clone,
 ) -> Result<HashSet<u64>, ShimError> {
-    let mut reallocated = HashSet::new();
-    let mut give = || {
+    let give = |storage: &StorageRecord| {
+        crate::copy_watch::check_free(storage.id, "given new memory");
+        // SAFETY: this function's own precondition.
+        unsafe { shim::realloc_storage(&storage.tensor, storage.nbytes) }.map(|()| true)
+    };
+    // SAFETY: as above.
+    unsafe { give_memory(storages, give, "stageload: a refill ran out of memory") }
+}
+
+/// Calls `give` for every freed storage of `storages` that has bytes (`true`: it gave the
+/// storage memory); returns the ids given memory. On an error the storages given memory are
+/// freed again (with `message` for whoever reaches them), so none is left with memory nobody
+/// filled: the one place both a reallocation
+/// and a reload that maps ([`crate::staged`]) undo a half-done round.
+///
+/// # Safety
+///
+/// As [`shim::realloc_storage`], for what `give` does.
+pub(crate) unsafe fn give_memory<'a>(
+    storages: impl IntoIterator<Item = &'a StorageRecord> + Clone,
+    mut give: impl FnMut(&StorageRecord) -> Result<bool, ShimError>,
+    message: &str,
+) -> Result<HashSet<u64>, ShimError> {
+    let mut given = HashSet::new();
+    let mut each = || {
         for storage in storages.clone() {
-            if storage.nbytes > 0 && !shim::storage_info(&storage.tensor)?.allocated {
-                crate::copy_watch::check_free(storage.id, "given new memory");
-                // SAFETY: this function's own precondition.
-                unsafe { shim::realloc_storage(&storage.tensor, storage.nbytes) }?;
-                reallocated.insert(storage.id);
+            if storage.nbytes > 0 && !shim::storage_info(&storage.tensor)?.allocated && give(storage)? {
+                given.insert(storage.id);
             }
         }
         Ok(())
     };
-    if let Err(error) = give() {
-        for storage in storages.into_iter().filter(|s| reallocated.contains(&s.id)) {
-            // SAFETY: reallocated just now and not handed out.
-            let _ = unsafe { shim::free_storage(&storage.tensor, "stageload: a refill ran out of memory") };
+    if let Err(error) = each() {
+        for storage in storages.into_iter().filter(|s| given.contains(&s.id)) {
+            // SAFETY: given memory just now and not handed out.
+            let _ = unsafe { shim::free_storage(&storage.tensor, message) };
         }
         return Err(error);
     }
-    Ok(reallocated)
+    Ok(given)
 }
 
 /// Where each of `storages` starts in one buffer: in order, each at a multiple of

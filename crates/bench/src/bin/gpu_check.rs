@@ -140,21 +140,24 @@ fn net(vs: &VarStore) -> Net {
     Net(seq)
 }
 
+/// The checks' `net` on `device`, built without initial values, its weights from `file`.
+fn net_spec(file: &Path, device: Device) -> ModelSpec {
+    ModelSpec::new("net", move |_| {
+        let vs = VarStore::new(device);
+        let model = net(&vs);
+        Ok(Built::new(model, &vs))
+    })
+    .checkpoint([file])
+    .skip_init(true)
+}
+
 /// The registry on CUDA: skip-init draws nothing, release frees device memory, reload in place
 /// repeats the output.
 fn registry_checks(scratch: &Path, device: Device) -> Result<BTreeMap<String, serde_json::Value>, BoxError> {
     let file = scratch.join("net.safetensors");
     save_initialised(&file, |vs| drop(net(vs)))?;
     let models = StagedModels::builder()
-        .model(
-            ModelSpec::new("net", move |_| {
-                let vs = VarStore::new(device);
-                let model = net(&vs);
-                Ok(Built::new(model, &vs))
-            })
-            .checkpoint([&file])
-            .skip_init(true),
-        )
+        .model(net_spec(&file, device))
         .stage("run", ["net"])
         .stage("other", Vec::<String>::new())
         .preserve_rng(false)
@@ -314,15 +317,7 @@ fn cycle_checks(
     let _ = stageload_torch_sys::cuda_empty_cache();
     let device_before = cuda_memory(0)?;
     let models = StagedModels::builder()
-        .model(
-            ModelSpec::new("net", move |_| {
-                let vs = VarStore::new(device);
-                let model = net(&vs);
-                Ok(Built::new(model, &vs))
-            })
-            .checkpoint([&file])
-            .skip_init(true),
-        )
+        .model(net_spec(&file, device))
         .model(ModelSpec::new("big", move |_| {
             let vs = VarStore::new(device);
             let mut seq = nn::seq();

@@ -88,8 +88,8 @@ impl MapPlan {
     }
 
     /// Gives each freed storage of `storages` that the plan maps its range of the file; the ids
-    /// given pages. On failure those given pages are freed again, as [`crate::storage::reallocate`]
-    /// does.
+    /// given pages. On failure those given pages are freed again
+    /// ([`crate::storage::give_memory`]).
     ///
     /// # Safety
     ///
@@ -98,30 +98,15 @@ impl MapPlan {
         &self,
         storages: impl IntoIterator<Item = &'a StorageRecord> + Clone,
     ) -> Result<HashSet<u64>, ShimError> {
-        let mut attached = HashSet::new();
-        let mut give = || {
-            for record in storages.clone() {
-                let Some(range) = self.ranges.get(&record.id) else { continue };
-                if stageload_torch_sys::storage_info(&record.tensor)?.allocated {
-                    continue;
-                }
-                crate::copy_watch::check_free(record.id, "given a file's pages");
-                // SAFETY: this function's own precondition.
-                unsafe {
-                    stageload_torch_sys::attach_mapped(&record.tensor, &range.mapping, range.offset, range.nbytes)
-                }?;
-                attached.insert(record.id);
-            }
-            Ok(())
+        let give = |record: &StorageRecord| {
+            let Some(range) = self.ranges.get(&record.id) else { return Ok(false) };
+            crate::copy_watch::check_free(record.id, "given a file's pages");
+            // SAFETY: this function's own precondition.
+            unsafe { stageload_torch_sys::attach_mapped(&record.tensor, &range.mapping, range.offset, range.nbytes) }
+                .map(|()| true)
         };
-        if let Err(error) = give() {
-            for record in storages.into_iter().filter(|s| attached.contains(&s.id)) {
-                // SAFETY: given pages just now and not handed out.
-                let _ = unsafe { stageload_torch_sys::free_storage(&record.tensor, "stageload: a refill failed") };
-            }
-            return Err(error);
-        }
-        Ok(attached)
+        // SAFETY: as above.
+        unsafe { crate::storage::give_memory(storages, give, "stageload: a refill failed") }
     }
 
     /// Maps in the pages of the storages `ids` now (read from the disk where not cached), so

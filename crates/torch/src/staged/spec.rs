@@ -464,9 +464,16 @@ impl ModelSpec {
     /// set). [`Reload::Map`] gives its CPU weights the file's pages instead of copies.
     ///
     /// ```no_run
-    /// # use stageload::{ModelSpec, Reload};
-    /// # fn loader(ctx: &stageload::BuildContext) -> Result<stageload::Built, stageload::BoxError> { todo!() }
-    /// let spec = ModelSpec::new("unet", loader).checkpoint(["unet.safetensors"]).reload(Reload::Map);
+    /// use stageload::{Built, ModelSpec, Reload};
+    /// use tch::nn::{self, VarStore};
+    ///
+    /// let spec = ModelSpec::new("proj", |_| {
+    ///     let vs = VarStore::new(tch::Device::Cpu);
+    ///     let model = nn::linear(vs.root() / "proj", 768, 768, Default::default());
+    ///     Ok(Built::new(model, &vs))
+    /// })
+    /// .checkpoint(["proj.safetensors"])
+    /// .reload(Reload::Map); // after a release, its weights are the file's pages
     /// ```
     pub fn reload(mut self, how: Reload) -> Self {
         self.reload = how;
