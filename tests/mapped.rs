@@ -7,8 +7,8 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use stageload::{EventKind, ListSink, ModelState, Reload, ReloadFrom, StageError, StagedModels};
-use stageload_test_support::torch::{self as support, Mlp};
+use stageload::{EventKind, ListSink, ModelSpec, ModelState, Reload, ReloadFrom, StageError, StagedModels};
+use stageload_test_support::torch::{self as support, build_mlp, Mlp};
 use tch::Kind;
 
 use crate::changed_files::{
@@ -88,6 +88,39 @@ fn a_model_that_maps_comes_back_on_its_files_pages_bit_for_bit_in_the_foreground
             let reload = sink.of_kind(EventKind::Reload).pop().expect("a reload");
             assert_eq!(reload.reload_from(), Some(ReloadFrom::Mapped), "{reload}");
         }
+        assert!(sink.of_kind(EventKind::Error).is_empty());
+    }
+}
+
+#[test]
+fn a_model_built_without_initial_values_that_maps_is_on_its_files_pages_from_its_first_load() {
+    let _one = support::generator();
+    for prefetch in [false, true] {
+        let (_dir, file) = checkpoint();
+        let sink = Arc::new(ListSink::new());
+        let models = StagedModels::builder()
+            .model(ModelSpec::new("net", |_| Ok(build_mlp(8))).checkpoint([&file]).skip_init(true).reload(Reload::Map))
+            .model(ModelSpec::new("other", |_| Ok(build_mlp(8))))
+            .stage("other", ["other"])
+            .stage("run", ["net"])
+            .events(sink.clone())
+            .build()
+            .unwrap();
+        models.enter("other").unwrap();
+        if prefetch {
+            assert_eq!(models.prefetch("run").unwrap(), ["net"]);
+            models.wait_prefetch("run").unwrap();
+        }
+        models.enter("run").unwrap();
+        assert!(net(&models).unwrap().equal(&expected(&entries(&file))), "prefetch {prefetch}: the file's values");
+        assert_eq!(weights_on_pages_of(&models, &file), 4, "prefetch {prefetch}: every weight on the file's pages");
+        let load = sink.of_kind(EventKind::Load).into_iter().find(|e| e.model() == Some("net")).expect("a load");
+        let bytes: u64 = entries(&file).iter().map(|(_, t)| (t.numel() * t.kind().elt_size_in_bytes()) as u64).sum();
+        assert_eq!(load.bytes(), Some(bytes), "{load}: each weight counted once");
+        let report = load.loaded().and_then(|l| l.report.as_deref()).expect("the checkpoint's report");
+        assert_eq!((report.used, report.missing.len(), report.unused.len()), (4, 0, 0), "{load}");
+        models.enter("other").unwrap();
+        assert!(!mapped_at_all(&file), "prefetch {prefetch}: unmapped at its release");
         assert!(sink.of_kind(EventKind::Error).is_empty());
     }
 }

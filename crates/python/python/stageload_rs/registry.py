@@ -66,10 +66,11 @@ class StagedModels(MutableMapping[str, "nn.Module"]):
       the model's first load is refused (:class:`~stageload_rs.SourceChangedError`).
     - ``loader_reads_checkpoint=[names]``: those loaders read their checkpoint themselves (as
       ``from_pretrained`` does): it is checked against the model, not copied again.
-    - ``skip_init=[names]``: those models are built without initial values (torch's random and
-      constant fills are skipped while their loader runs); every weight comes from the checkpoint.
+    - ``skip_init=[names]``: those models are built without initial values (torch's random
+      fills are skipped while their loader runs); every weight comes from the checkpoint.
     - ``reload_mapped=[names]``: those models come back from a release on their checkpoint files'
-      pages (a private mapping, as ``from_pretrained`` holds weights): nothing is allocated or
+      pages (a private mapping, as ``from_pretrained`` holds weights), and with ``skip_init`` are
+      on them from their first load (what the build allocated is freed): nothing is allocated or
       copied, and a CPU weight that is one entry of the file in its dtype is the page cache's
       pages (the others are copied). While such a model is resident its files are checked each
       time it is handed out: one written in place releases it and raises

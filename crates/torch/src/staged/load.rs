@@ -226,8 +226,13 @@ impl Inner {
             Plan::Build { loader, .. } => {
                 let who = if begun.purpose.is_prefetch() { Who::Background } else { Who::Foreground };
                 let (instance, bytes, report) = self.build(begun, loader, who)?;
-                let refilled = self.refill(&instance, FillFrom { begun, copies: None }, foreground, false)?;
-                Ok(Ran { instance, bytes: bytes + refilled.bytes, report, borrows: refilled.borrows })
+                // A build whose checkpoint maps left every storage for this first refill (its
+                // report); any other fills here only what another refill shared was filling.
+                let maps = report.is_none() && maps_at_build(&begun.recipe);
+                let refilled = self.refill(&instance, FillFrom { begun, copies: None }, foreground, maps)?;
+                let (bytes, report) =
+                    if maps { (refilled.bytes, refilled.report) } else { (bytes + refilled.bytes, report) };
+                Ok(Ran { instance, bytes, report, borrows: refilled.borrows })
             }
             Plan::Refill(instance, lease) => {
                 let from = FillFrom { begun, copies: lease.as_ref().map(|(_, copies)| copies) };
@@ -279,8 +284,10 @@ impl Inner {
     }
 
     /// Builds the model begun: runs its loader ([`Self::run_loader`]), places its tensors and
-    /// the shared components it made, fills them from its checkpoint. Returns the instance, the
-    /// bytes it brought in, and the load report.
+    /// the shared components it made, fills them from its checkpoint; or, for a model that maps
+    /// at its build ([`maps_at_build`]) and shares nothing, frees them for its first refill to
+    /// give them the file's pages (no report then). Returns the instance, the bytes it brought
+    /// in, and the load report.
     fn build(
         self: &Arc<Self>,
         begun: &Begun,
@@ -292,6 +299,9 @@ impl Inner {
         // A prefetch whose build has not begun gives up when the registry closes or drops.
         let hold = BuildHold::new(&self.turns, who).map_err(|_| StageError::Closed { model: name.to_string() })?;
         let (mut built, shared) = self.run_loader(begun, loader, &hold, who)?;
+        // Built without initial values, a model that maps gets its file's pages as a reload
+        // does (the first refill, `run_load`); one that shares components is filled here.
+        let maps = maps_at_build(&begun.recipe) && shared.is_empty();
         // Shared components built by this build are this model's to place and convert too
         // (shallow copies: the conversion reaches every holder).
         let mut fresh: Vec<(String, Tensor)> =
@@ -301,7 +311,7 @@ impl Inner {
             placement.apply(name, tensors).map_err(|err| failing.typed(&err.to_string(), err))?;
         }
         let mut report = None;
-        if !checkpoint.is_empty() {
+        if !checkpoint.is_empty() && !maps {
             let mut targets = shallow(&built.tensors);
             targets.extend(fresh);
             // Shared components another model loaded are not filled again, and a model built
@@ -324,7 +334,15 @@ impl Inner {
             && !checkpoint.is_empty()
             && built.tensors.iter().any(|(_, t)| t.device() == Device::Cpu))
         .then(|| HeldFiles { files: checkpoint.clone(), first_reads: Arc::clone(first_reads) });
-        self.built_instance(name, built, shared, report, held)
+        let (instance, bytes, report) = self.built_instance(name, built, shared, report, held)?;
+        if maps {
+            let weights = lock(&instance.weights);
+            let ids = weights.storages.iter().map(|s| s.id).collect();
+            // SAFETY: nothing has the instance yet, and its storages hold no values.
+            unsafe { storage::free_ids(&weights.storages, &ids, &released_message(name, &begun.stage)) }
+                .map_err(|source| failing.torch(source))?;
+        }
+        Ok((instance, bytes, report))
     }
 
     /// Runs `loader` for the model begun (a foreground one under preserved RNG, the turn held
@@ -488,13 +506,23 @@ impl Inner {
             }
             if first || !claim.ids.is_empty() {
                 match self.fill(instance, &weights, &claim.to_fill(), from) {
-                    Ok((filled, read)) => {
+                    Ok((filled, mut read)) => {
                         let mapped: u64 = weights
                             .storages
                             .iter()
                             .filter(|s| claim.mapped.contains(&s.id))
                             .map(|s| s.nbytes as u64)
                             .sum();
+                        if let Some(read) = read.as_mut() {
+                            // The tensors on the file's pages were filled by the file too.
+                            read.used += weights
+                                .tensors
+                                .iter()
+                                .filter(|(_, t)| {
+                                    stageload_torch_sys::storage_info(t).is_ok_and(|i| claim.mapped.contains(&i.id))
+                                })
+                                .count();
+                        }
                         (bytes, report) = (bytes + filled + mapped, report.or(read));
                     }
                     Err(err) => {
@@ -580,6 +608,17 @@ impl Inner {
         let bytes = weights.storages.iter().filter(|s| ids.contains(&s.id)).map(|s| s.nbytes as u64).sum();
         Ok((bytes, report))
     }
+}
+
+/// Whether a build of `recipe` leaves its weights to the first refill, which gives them the
+/// checkpoint's pages ([`Reload::Map`], [`MapPlan`]) as a reload would: a model built without
+/// initial values ([`Init::Skipped`]) from a checkpoint of its own, not streamed.
+fn maps_at_build(recipe: &Recipe) -> bool {
+    recipe.init == Init::Skipped
+        && recipe.reload == Reload::Map
+        && !recipe.checkpoint.is_empty()
+        && !recipe.from_snapshot
+        && recipe.stream.is_none()
 }
 
 #[cfg(test)]

@@ -6,12 +6,13 @@
 //!    it from its first byte, contiguous, of the entry's dtype and shape, filling the storage to
 //!    its last byte, at an offset of the file aligned for the dtype. Every other storage is
 //!    allocated and copied as in any reload.
-//! 2. A plan is made once per refill, before its claims; the claim attaches the planned
-//!    storages under the fills' lock, as it reallocates the others ([`super::fills`]), so a
-//!    storage is mapped by exactly one refill. A prefetch maps its pages in afterwards, outside
-//!    that lock ([`MapPlan::populate`]); a foreground reload leaves them to come in as the
-//!    forward touches them, as `from_pretrained`'s do (the rows of an embedding table a prompt
-//!    never reads stay out of memory).
+//! 2. A plan is made once per refill, before its claims (a model built without initial values
+//!    that maps has its first load's fill made a refill: its build frees what it allocated);
+//!    the claim attaches the planned storages under the fills' lock, as it reallocates the
+//!    others ([`super::fills`]), so a storage is mapped by exactly one refill. A prefetch maps
+//!    its pages in afterwards, outside that lock ([`MapPlan::populate`]); a foreground reload
+//!    leaves them to come in as the forward touches them, as `from_pretrained`'s do (the rows
+//!    of an embedding table a prompt never reads stay out of memory).
 //! 3. A mapped storage holds its file's mapping alive; the file is unmapped when the last storage
 //!    on it is freed (a release) or dropped.
 //! 4. While a model that maps is resident, every hand-out first compares its files with their

@@ -461,7 +461,9 @@ impl ModelSpec {
     }
 
     /// How the model comes back from its checkpoint after a release ([`Reload::Copy`] unless
-    /// set). [`Reload::Map`] gives its CPU weights the file's pages instead of copies.
+    /// set). [`Reload::Map`] gives its CPU weights the file's pages instead of copies; with
+    /// [`skip_init`](Self::skip_init), from its first load on (the build allocates nothing it
+    /// keeps).
     ///
     /// ```no_run
     /// use stageload::{Built, ModelSpec, Reload};
