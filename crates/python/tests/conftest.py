@@ -36,6 +36,18 @@ def storage_bytes(module: nn.Module) -> int:
     return sum(storages.values())
 
 
+def mapped_from(tensor: torch.Tensor, path: Path) -> bool:
+    """Whether ``tensor``'s memory lies in a mapping of ``path`` (``/proc/self/maps``)."""
+    address, path = tensor.data_ptr(), str(Path(path).resolve())
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split()
+        if len(fields) >= 6 and fields[5] == path:
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            if start <= address < end:
+                return True
+    return False
+
+
 class Counted:
     """A loader that counts its calls."""
 

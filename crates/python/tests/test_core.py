@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import stageload_rs as sl
 import torch
-from conftest import Counted, mlp, rss_bytes, storage_bytes
+from conftest import Counted, mapped_from, mlp, rss_bytes, storage_bytes
 from safetensors.torch import save_file, save_model
 from torch import nn
 
@@ -222,18 +222,6 @@ def test_a_changed_checkpoint_is_refused_and_accepting_it_takes_the_new_values(t
     assert torch.equal(models["m"][0].weight, newer[0].weight)
 
 
-def _mapped_from(tensor: torch.Tensor, path: Path) -> bool:
-    """Whether ``tensor``'s memory lies in a mapping of ``path`` (``/proc/self/maps``)."""
-    address, path = tensor.data_ptr(), str(Path(path).resolve())
-    for line in Path("/proc/self/maps").read_text().splitlines():
-        fields = line.split()
-        if len(fields) >= 6 and fields[5] == path:
-            start, end = (int(x, 16) for x in fields[0].split("-"))
-            if start <= address < end:
-                return True
-    return False
-
-
 def test_a_model_that_maps_comes_back_on_its_files_pages_bit_for_bit(saved):
     first = mlp()
     path = saved("m", first)
@@ -248,12 +236,12 @@ def test_a_model_that_maps_comes_back_on_its_files_pages_bit_for_bit(saved):
     module = models["m"]
     x = torch.randn(3, 16)
     before = module(x)
-    assert not _mapped_from(module[0].weight, path), "the first load copies"
+    assert not mapped_from(module[0].weight, path), "the first load copies"
     models.enter("b")
     models.enter("a")
     assert models["m"] is module
     assert torch.equal(module(x), before)
-    assert all(_mapped_from(p, path) for p in module.parameters()), "the file's own pages"
+    assert all(mapped_from(p, path) for p in module.parameters()), "the file's own pages"
     assert [e.fields.get("from") for e in events.of_kind("reload")] == ["mapped"]
 
 

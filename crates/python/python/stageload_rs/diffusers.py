@@ -3,11 +3,11 @@
 ``staged_pipeline(StableDiffusionPipeline, folder)`` gives the pipeline object diffusers would
 give, and the registry behind it. Each model component (the UNet, the VAE, the text encoder) is
 in the pipeline from the start as a placeholder of its class (its config, no submodule, no
-storage: see :func:`empty_component`); the first call into it enters its stage and
-loads it with the class's own ``from_pretrained``, whose module it then becomes (the module's
-state moves into the object the pipeline holds). A release frees its storages in place; the next
-call refills them from the folder's safetensors files, into the same objects. The non-model
-components (tokenizers, schedulers, processors) load as diffusers loads them.
+storage: see :func:`empty_component`); the first call into it enters its stage and loads it with
+the class's own ``from_pretrained``, whose module it then becomes (the module's state moves into
+the object the pipeline holds). A release frees its storages in place; the next call refills them
+from the folder's safetensors files, into the same objects. The non-model components (tokenizers,
+schedulers, processors) load as diffusers loads them.
 
 Stages are entered on the components' own methods: the model's ``forward``, and for a VAE or a
 renderer the method the pipeline calls (``decode``, ``decode_to_image``). The three pipelines
@@ -17,6 +17,7 @@ the project checks have their plan here (``PLANS``); any other takes ``stages=``
 from __future__ import annotations
 
 import importlib
+import inspect
 import os
 import warnings
 from collections.abc import Sequence
@@ -141,6 +142,10 @@ def empty_component(
             shell = cls.__new__(cls)
             PreTrainedModel.__init__(shell, config)
             return _with_placeholder(shell, floating.pop())
+    elif len(floating) == 1 and hasattr(cls.__init__, "__wrapped__"):
+        # the same for a diffusers model whose constructor registers its config (the decorator
+        # wraps it): the config registered as from_config registers it, the constructor not run
+        return _with_placeholder(_configured(cls, folder, component), floating.pop())
     with torch.device("meta"):
         if transformers:
             built = cls._from_config(config)
@@ -157,6 +162,28 @@ def empty_component(
     emptied = {"_parameters", "_buffers", "_non_persistent_buffers_set", "_modules"}
     shell.__dict__.update((k, v) for k, v in built.__dict__.items() if k not in emptied)
     return _with_placeholder(shell, dtype)
+
+
+def _configured(cls: type, folder: Path, component: str) -> nn.Module:
+    """An instance of the diffusers model ``cls`` holding only the config ``from_pretrained``
+    registers for it: the folder's config through the class's ``register_to_config`` decorator
+    (its defaults, its ``ignore_for_config``) and the hidden entries, as ``from_config`` does,
+    with ``_name_or_path``; the constructor itself is not run."""
+    from diffusers.configuration_utils import register_to_config
+
+    init_dict, _, hidden = cls.extract_init_dict(cls.load_config(str(folder / component)))
+
+    def init(self: nn.Module, *args: Any, **kwargs: Any) -> None:
+        """Registers nothing more (the decorator registered the config)."""
+
+    init.__signature__ = inspect.signature(inspect.unwrap(cls.__init__))  # type: ignore[attr-defined]
+    shell = cls.__new__(cls)
+    nn.Module.__init__(shell)
+    register_to_config(init)(shell, **init_dict)
+    if "_class_name" in hidden:
+        hidden["_class_name"] = cls.__name__
+    shell.register_to_config(**hidden, _name_or_path=str(folder))
+    return shell
 
 
 def _with_placeholder(shell: nn.Module, dtype: torch.dtype) -> nn.Module:
