@@ -12,7 +12,9 @@ set_timesteps; denoise: to the end of the last step; decode: to the call's retur
 its wall time (load, first forward and compute together: `from_pretrained` maps files and pays on
 first use, so a load time alone compares nothing) and its peak resident set, the kernel's exact
 counter (VmHWM, reset through /proc/self/clear_refs at every boundary); after both images, what
-the process still holds beyond its start (`kept`, with every model released). DIR gets one JSON
+the process still holds beyond its start (`kept`, with every model released). The unwrapped arm
+gives the C heap's free pages back at each boundary (malloc_trim), so its second image's rise per
+stage is the stage's working memory, the measure of the peak-against-need table. DIR gets one JSON
 per run, the images (`.npy`), and summary.md: medians per arm and stage, the ratios to the
 original's, and whether every image equals the unwrapped pipeline's bit for bit.
 
@@ -58,14 +60,26 @@ def vm_rss() -> int:
     raise RuntimeError("/proc/self/status has no VmRSS")
 
 
-class Stages:
-    """Times and peaks between boundaries; each boundary resets the kernel's peak counter."""
+def malloc_trim() -> None:
+    """Gives the C heap's free pages back to the OS (glibc's malloc_trim, every arena)."""
+    import ctypes
 
-    def __init__(self) -> None:
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+class Stages:
+    """Times and peaks between boundaries; each boundary resets the kernel's peak counter. With
+    `trim`, the C heap's free pages go back to the OS at each boundary first, so that a stage's
+    rise counts every page its working memory touches (none left free by the stage before)."""
+
+    def __init__(self, trim: bool = False) -> None:
         self.rows: list[dict] = []
+        self.trim = trim
         self.reset("setup")
 
     def reset(self, stage: str) -> None:
+        if self.trim:
+            malloc_trim()
         Path("/proc/self/clear_refs").write_text("5")
         self.stage, self.start, self.start_rss = stage, time.perf_counter(), vm_rss()
         self.released_rss = None
@@ -191,7 +205,9 @@ def run_arm(args) -> None:
     else:
         import stageload  # noqa: F401
     start_rss = vm_rss()
-    stages = Stages()
+    # the unwrapped pipeline's second image measures each stage's working memory (its rise with
+    # every model resident and faulted in): trimmed, none of it is heap the first image left free
+    stages = Stages(trim=args.run == "unwrapped")
     folder = Path(args.folder)
     callback = None
     models = None
@@ -323,7 +339,7 @@ def within_bound(runs: dict, arms: list[str], folder: Path) -> list[str]:
     stage's start (the model the stage before left resident is still there) and its RSS once the
     stage has released that model (its start, where it released none) plus the stage's model and
     its working memory (the rise of the unwrapped pipeline's second image in that stage, every
-    model resident and faulted in before it)."""
+    model resident and faulted in before it, the C heap trimmed at its start)."""
     gib = 1 << 30
     size = {c: weights(folder, c) for c, _ in STAGE_MODELS.values()}
 
