@@ -123,10 +123,12 @@ def empty_component(
     cls: type, folder: Path, component: str, dtypes: dict[str, torch.dtype]
 ) -> nn.Module:
     """An instance of ``cls`` that holds the component's place until its first load: its config
-    and attributes as the class builds them from the folder's config, no submodule, and one
-    empty parameter (no storage) in the dtype ``from_pretrained`` will give the model, so that
-    what the pipeline asks before the first call (``device``, ``dtype``, ``config``) has the
-    loaded model's answer. Its first load moves the loaded model's state in (:func:`adopt`)."""
+    as the class registers it from the folder's config, no submodule, and one empty parameter (no
+    storage) in the dtype ``from_pretrained`` will give the model, so that what the pipeline asks
+    before the first call (``device``, ``dtype``, ``config``) has the loaded model's answer. Where
+    the weights have one floating dtype (the model's dtype then, whatever its rule) the class's
+    constructor is not run; else the model is built on ``meta`` for its dtype rule and its
+    attributes kept. Its first load moves the loaded model's state in (:func:`adopt`)."""
     path = str(folder / component)
     transformers = hasattr(cls, "config_class") and hasattr(cls, "_from_config")
     floating = {dtype for dtype in dtypes.values() if dtype.is_floating_point}
