@@ -6,6 +6,7 @@ under `stageload guard`, the arms alternating, two images per process.
 
     python python_side_by_side.py --folder SD/diffusers --out DIR --guard target/debug/stageload
         [--rounds 2] [--steps 4] [--size 256] [--arms unwrapped,original,staged,prefetch[,copy]]
+        [--without-cbwr]
 
 Per stage of each image (setup: building the pipeline; encode: from the call to the scheduler's
 set_timesteps; denoise: to the end of the last step; decode: to the call's return) a run records
@@ -280,7 +281,9 @@ def run_arm(args) -> None:
 def drive(args) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, MKL_CBWR="COMPATIBLE")
+    env = {k: v for k, v in os.environ.items() if k != "MKL_CBWR"}
+    if not args.without_cbwr:
+        env["MKL_CBWR"] = "COMPATIBLE"
     original = env.get("STAGELOAD_ORIGINAL")
     if not original:
         raise SystemExit(
@@ -467,6 +470,12 @@ def main() -> None:
         "--run",
         choices=["unwrapped", "original", "staged", "prefetch", "copy"],
         help="one arm, in this process",
+    )
+    ap.add_argument(
+        "--without-cbwr",
+        action="store_true",
+        help="run the arms without MKL_CBWR=COMPATIBLE, as a user would (the copy arm's images "
+        "may then differ: copied weights sit at other offsets than from_pretrained's mapping)",
     )
     ap.add_argument("--tag")
     ap.add_argument("--summarize-only", action="store_true")
