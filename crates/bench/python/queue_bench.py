@@ -96,6 +96,14 @@ def batch(stageload, way, home, flags):
     }
 
 
+def packed(lane: str, margin: str):
+    """The `stageload run` arguments of job i in `lane`, declaring 1.5G and keeping `margin`."""
+    return lambda i: [
+        "run", "--lane", lane, "--no-meter", "--who", f"job-{i}",
+        "--memory", "1.5G", "--margin", margin,
+    ]  # fmt: skip
+
+
 def main():
     stageload = os.path.abspath(sys.argv[1])
     machine = total()
@@ -106,35 +114,10 @@ def main():
             "one at a time (run, nothing declared)",
             lambda i: ["run", "--lane", "seq", "--no-meter", "--who", f"job-{i}"],
         ),
-        (
-            "packed by the plan (run --memory 1.5G --margin 2G)",
-            lambda i: [
-                "run",
-                "--lane",
-                "pack",
-                "--no-meter",
-                "--who",
-                f"job-{i}",
-                "--memory",
-                "1.5G",
-                "--margin",
-                "2G",
-            ],
-        ),
+        ("packed by the plan (run --memory 1.5G --margin 2G)", packed("pack", "2G")),
         (
             f"packed, margin leaving room for three (--margin {margin})",
-            lambda i: [
-                "run",
-                "--lane",
-                "three",
-                "--no-meter",
-                "--who",
-                f"job-{i}",
-                "--memory",
-                "1.5G",
-                "--margin",
-                str(margin),
-            ],
+            packed("three", str(margin)),
         ),
         ("guards at once", lambda i: ["guard"]),
     ]

@@ -225,13 +225,15 @@ impl Inner {
         match &begun.plan {
             Plan::Build { loader, .. } => {
                 let who = if begun.purpose.is_prefetch() { Who::Background } else { Who::Foreground };
-                let (instance, bytes, report) = self.build(begun, loader, who)?;
-                // A build whose checkpoint maps left every storage for this first refill (its
+                let (instance, bytes, filled) = self.build(begun, loader, who)?;
+                // A build that maps left every storage to this first refill (its bytes and
                 // report); any other fills here only what another refill shared was filling.
-                let maps = report.is_none() && maps_at_build(&begun.recipe);
+                let maps = matches!(filled, BuildFill::ToMap);
                 let refilled = self.refill(&instance, FillFrom { begun, copies: None }, foreground, maps)?;
-                let (bytes, report) =
-                    if maps { (refilled.bytes, refilled.report) } else { (bytes + refilled.bytes, report) };
+                let (bytes, report) = match filled {
+                    BuildFill::ToMap => (refilled.bytes, refilled.report),
+                    BuildFill::Done(report) => (bytes + refilled.bytes, report),
+                };
                 Ok(Ran { instance, bytes, report, borrows: refilled.borrows })
             }
             Plan::Refill(instance, lease) => {
@@ -286,14 +288,14 @@ impl Inner {
     /// Builds the model begun: runs its loader ([`Self::run_loader`]), places its tensors and
     /// the shared components it made, fills them from its checkpoint; or, for a model that maps
     /// at its build ([`maps_at_build`]) and shares nothing, frees them for its first refill to
-    /// give them the file's pages (no report then). Returns the instance, the bytes it brought
-    /// in, and the load report.
+    /// give them the file's pages. Returns the instance, the bytes it brought in, and how its
+    /// checkpoint was met.
     fn build(
         self: &Arc<Self>,
         begun: &Begun,
         loader: &Arc<Loader>,
         who: Who,
-    ) -> Result<(Arc<Instance>, u64, Option<LoadReport>)> {
+    ) -> Result<(Arc<Instance>, u64, BuildFill)> {
         let (name, failing) = (begun.name.as_str(), Failing::of(begun));
         let Recipe { checkpoint, names, init, placement, first_reads, .. } = &begun.recipe;
         // A prefetch whose build has not begun gives up when the registry closes or drops.
@@ -335,14 +337,17 @@ impl Inner {
             && built.tensors.iter().any(|(_, t)| t.device() == Device::Cpu))
         .then(|| HeldFiles { files: checkpoint.clone(), first_reads: Arc::clone(first_reads) });
         let (instance, bytes, report) = self.built_instance(name, built, shared, report, held)?;
-        if maps {
+        if !maps {
+            return Ok((instance, bytes, BuildFill::Done(report)));
+        }
+        {
             let weights = lock(&instance.weights);
             let ids = weights.storages.iter().map(|s| s.id).collect();
             // SAFETY: nothing has the instance yet, and its storages hold no values.
             unsafe { storage::free_ids(&weights.storages, &ids, &released_message(name, &begun.stage)) }
                 .map_err(|source| failing.torch(source))?;
         }
-        Ok((instance, bytes, report))
+        Ok((instance, bytes, BuildFill::ToMap))
     }
 
     /// Runs `loader` for the model begun (a foreground one under preserved RNG, the turn held
@@ -608,6 +613,14 @@ impl Inner {
         let bytes = weights.storages.iter().filter(|s| ids.contains(&s.id)).map(|s| s.nbytes as u64).sum();
         Ok((bytes, report))
     }
+}
+
+/// How a build met its checkpoint.
+enum BuildFill {
+    /// Filled (or checked) from it, with its report where it has one.
+    Done(Option<LoadReport>),
+    /// Its storages freed for the first refill, which maps them ([`maps_at_build`]).
+    ToMap,
 }
 
 /// Whether a build of `recipe` leaves its weights to the first refill, which gives them the

@@ -338,11 +338,12 @@ impl Memory {
                 ),
                 _ => None,
             };
-            // SAFETY: the block's storages are free and no thread uses them: the forward reaches
-            // this block only through `Step::block`, which waits for this job first; the
-            // allocator's fresh memory is filled below before use (on CUDA by copies queued
-            // after the fences of memory freed under queued kernels, which the forward's
-            // stream waits for before the block's first kernel).
+            // The block's storages are free and no thread uses them: the forward reaches this
+            // block only through `Step::block`, which waits for this job first; the allocator's
+            // fresh memory is filled below before use (on CUDA by copies queued after the fences
+            // of memory freed under queued kernels, which the forward's stream waits for before
+            // the block's first kernel).
+            // SAFETY: as just said, nothing reads the storages until they are filled.
             let ids = unsafe { storage::reallocate(&storages) }.map_err(torch(&model, "give a block memory"))?;
             let filled = match (&host, device) {
                 (Some(host), Device::Cuda(index)) => {
@@ -499,10 +500,11 @@ impl Memory {
             "block '{}' of streamed model '{}' is streamed: call Step::block({index}) before using it",
             block.name, setting.name
         );
-        // SAFETY: nothing runs on the block that its next user does not wait for: the forward has
-        // moved past it (CPU ops return when done; on CUDA its queued kernels are behind the
-        // fence above, which every refill's copy waits on before writing) and its refill, if
-        // any, was joined above.
+        // Nothing runs on the block that its next user does not wait for: the forward has moved
+        // past it (CPU ops return when done; on CUDA its queued kernels are behind the fence
+        // above, which every refill's copy waits on before writing) and its refill, if any, was
+        // joined above.
+        // SAFETY: as just said, no thread uses the storages when they are freed.
         unsafe { storage::release(&block.storages, &HashSet::new(), &message) }
             .map_err(torch(&setting.name, "free a block"))?;
         self.blocks[index].allocated = false;
