@@ -47,18 +47,20 @@ STAGE_MODELS = {
 }
 
 
-def vm_hwm() -> int:
+def status_bytes(field: str) -> int:
+    """A size field of /proc/self/status (VmHWM, VmRSS, RssFile, RssAnon), in bytes."""
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
+        if line.startswith(f"{field}:"):
             return int(line.split()[1]) * 1024
-    raise RuntimeError("/proc/self/status has no VmHWM")
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def vm_hwm() -> int:
+    return status_bytes("VmHWM")
 
 
 def vm_rss() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("/proc/self/status has no VmRSS")
+    return status_bytes("VmRSS")
 
 
 def malloc_trim() -> None:
@@ -83,12 +85,16 @@ class Stages:
             malloc_trim()
         Path("/proc/self/clear_refs").write_text("5")
         self.stage, self.start, self.start_rss = stage, time.perf_counter(), vm_rss()
+        # of which file pages (the libraries' code a stage ran among them) and anonymous memory
+        self.start_file, self.start_anon = status_bytes("RssFile"), status_bytes("RssAnon")
         self.released_rss = None
 
     def released(self) -> None:
-        """A model was released in this stage (the arm's release event): the RSS after it is
-        where the stage's own weights and working memory start from."""
-        self.released_rss = vm_rss()
+        """A model was released in this stage (the arm's release event): the RSS after the
+        stage's first release (entering it) is where its own weights and working memory start
+        from; a later one (the pipeline's end of call) comes after them."""
+        if self.released_rss is None:
+            self.released_rss = vm_rss()
 
     def boundary(self, next_stage: str | None) -> None:
         peak, now = vm_hwm(), time.perf_counter()
@@ -98,6 +104,8 @@ class Stages:
                 "seconds": now - self.start,
                 "peak": peak,
                 "start_rss": self.start_rss,
+                "start_file": self.start_file,
+                "start_anon": self.start_anon,
                 "released_rss": self.released_rss,
                 "end_rss": vm_rss(),
             }
@@ -372,6 +380,41 @@ def within_bound(runs: dict, arms: list[str], folder: Path) -> list[str]:
     return lines + [""]
 
 
+def second_against_first(runs: dict, arms: list[str]) -> list[str]:
+    """Each arm's second image against its first, per stage: the peak's ratio, and what the
+    process held more at the stage's start, split into file pages (the code of the kernels the
+    first image ran, libtorch's among them, paged in once) and anonymous memory."""
+    mib = 1 << 20
+
+    def median(arm: str, image: int, stage: str, key: str) -> float:
+        return statistics.median(
+            row[key] for run in runs[arm] for row in run["images"][image] if row["stage"] == stage
+        )
+
+    lines = [
+        "## The second image against the first",
+        "",
+        (
+            "Per stage: peak 2 / peak 1, and what the stage's start held more in image 2 "
+            "(MiB of file pages + MiB of anonymous memory)."
+        ),
+        "",
+        "| arm | " + " | ".join(STAGE_MODELS) + " |",
+        "|---|" + "---|" * len(STAGE_MODELS),
+    ]
+    for arm in arms:
+        if any("start_file" not in row for run in runs[arm] for row in run["images"][0]):
+            continue  # runs recorded before the split
+        cells = []
+        for stage in STAGE_MODELS:
+            ratio = median(arm, 1, stage, "peak") / median(arm, 0, stage, "peak")
+            file = (median(arm, 1, stage, "start_file") - median(arm, 0, stage, "start_file")) / mib
+            anon = (median(arm, 1, stage, "start_anon") - median(arm, 0, stage, "start_anon")) / mib
+            cells.append(f"{ratio:.3f} ({file:+.0f} + {anon:+.0f})")
+        lines.append(f"| {arm} | " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
 def summarize(out: Path, arms: list[str], args) -> bool:
     """Writes summary.md; whether every arm's images equal the unwrapped pipeline's."""
     import numpy as np
@@ -432,6 +475,7 @@ def summarize(out: Path, arms: list[str], args) -> bool:
                         cells += ["", ""]
                 lines.append(f"| {arm} | " + " | ".join(cells) + " |")
             lines.append("")
+    lines += second_against_first(runs, arms)
     if "unwrapped" in arms:
         lines += within_bound(runs, arms, Path(args.folder))
     lines += ["## Kept after both images, every model released (GiB), and outputs", ""]

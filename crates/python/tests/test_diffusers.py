@@ -22,7 +22,7 @@ import torch
 from conftest import mapped_from
 from PIL import Image
 from safetensors import safe_open
-from stageload_rs.diffusers import staged_pipeline
+from stageload_rs.diffusers import BETWEEN_CALLS, MODES, staged_pipeline
 from stageload_rs.release import weights
 
 
@@ -187,16 +187,53 @@ def test_stages_follow_the_pipelines_own_calls_and_nothing_loads_before_its_stag
     assert set(models.states().values()) == {"unloaded"}
     run(pipe)
     stages = [e.stage for e in events.of_kind("stage")]
-    assert stages == ["encode", "denoise", "decode"]
+    assert stages == ["encode", "denoise", "decode", BETWEEN_CALLS]
     releases = [(e.name, e.stage) for e in events.of_kind("release")]
-    assert releases == [("text_encoder", "denoise"), ("unet", "decode")]
+    assert releases == [("text_encoder", "denoise"), ("unet", "decode"), ("vae", BETWEEN_CALLS)]
     # a part of a released component, called past the component (whose call enters its stage)
     with pytest.raises(sl.ReleasedModuleError) as raised:
         pipe.unet.conv_in(torch.zeros(1, 4, 8, 8))
     assert (raised.value.name, raised.value.stage) == ("unet", "decode")
     # the component itself, called, enters its stage and comes back
     run(pipe)
-    assert [e.stage for e in events.of_kind("stage")][3:] == ["encode", "denoise", "decode"]
+    assert [e.stage for e in events.of_kind("stage")][4:] == [
+        "encode",
+        "denoise",
+        "decode",
+        BETWEEN_CALLS,
+    ]
+
+
+@pytest.mark.parametrize("pipeline", list(PIPELINES))
+def test_between_its_calls_a_staged_pipeline_holds_no_model_and_an_eager_one_holds_them_all(
+    pipeline: str,
+):
+    cls, path, run = PIPELINES[pipeline]()
+    for mode in MODES:
+        pipe, models = staged_pipeline(cls, path, mode=mode)
+        run(pipe)  # the pipeline's own end of call (maybe_free_model_hooks) ends its last stage
+        held = sorted(COMPONENTS[pipeline]) if mode == "eager" else []
+        assert sorted(models.loaded()) == held, f"{pipeline} {mode}"
+        if mode != "eager":
+            assert models.resident_bytes() == 0
+            assert models.current_stage == BETWEEN_CALLS
+        models.close()
+
+
+def test_a_call_that_raises_leaves_the_pipeline_between_calls_and_the_next_one_equal(unwrapped):
+    cls, path, run = stable_diffusion()
+    pipe, models = staged_pipeline(cls, path)
+
+    def interrupt(*_args: Any) -> None:
+        raise KeyboardInterrupt
+
+    handle = pipe.unet.register_forward_hook(interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        run(pipe)
+    assert (models.loaded(), models.current_stage) == ([], BETWEEN_CALLS)
+    handle.remove()
+    assert torch.equal(run(pipe), unwrapped["stable_diffusion"])
+    models.close()
 
 
 @pytest.mark.parametrize("pipeline", list(PIPELINES))
@@ -204,7 +241,9 @@ def test_a_staged_pipeline_is_assembled_as_from_pretrained_assembles_it(pipeline
     cls, path, _ = PIPELINES[pipeline]()
     pipe, models = staged_pipeline(cls, path)
     plain = cls.from_pretrained(str(path))
-    assert type(pipe) is cls
+    # its class: the pipeline's, whose call ends by releasing (see the test on between calls)
+    assert isinstance(pipe, cls)
+    assert (type(pipe).__name__, type(pipe).__module__) == (cls.__name__, cls.__module__)
     assert dict(pipe.config) == dict(plain.config)
     kinds = {name: type(c) for name, c in pipe.components.items()}
     assert kinds == {name: type(c) for name, c in plain.components.items()}

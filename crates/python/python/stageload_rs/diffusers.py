@@ -11,11 +11,15 @@ schedulers, processors) load as diffusers loads them.
 
 Stages are entered on the components' own methods: the model's ``forward``, and for a VAE or a
 renderer the method the pipeline calls (``decode``, ``decode_to_image``). The three pipelines
-the project checks have their plan here (``PLANS``); any other takes ``stages=``.
+the project checks have their plan here (``PLANS``); any other takes ``stages=``. When a call of
+the pipeline returns (or raises), the pipeline enters the stage :data:`BETWEEN_CALLS`, which lists
+no model: between calls it holds none, and the next call starts from what its first stage loads,
+as the first call did.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import os
@@ -52,6 +56,9 @@ PLANS: dict[str, list[Stage]] = {
 }
 
 MODES = ("eager", "staged", "prefetch")
+
+# the stage a staged pipeline is in between its calls: no model
+BETWEEN_CALLS = "between_calls"
 
 
 def _component_class(library: str, name: str) -> type:
@@ -242,8 +249,9 @@ def staged_pipeline(
     loaded before it runs and never released (``"eager"``). A released component comes back on
     its safetensors files' pages as ``from_pretrained`` holds them (``reload="map"``, see
     ``reload_mapped`` of :class:`StagedModels`), or copied into memory of its own
-    (``reload="copy"``). ``options`` go to :class:`StagedModels` (``events=``, ``host_tier=``,
-    ...). Returns the pipeline and its registry."""
+    (``reload="copy"``). Staged, it holds no model between its calls (:data:`BETWEEN_CALLS`).
+    ``options`` go to :class:`StagedModels` (``events=``, ``host_tier=``, ...). Returns the
+    pipeline and its registry."""
     if mode not in MODES:
         raise ValueError(f"mode {mode!r}: one of {', '.join(MODES)}")
     if reload not in ("map", "copy"):
@@ -284,8 +292,12 @@ def staged_pipeline(
 
         shells[component], loaders[component], checkpoints[component] = shell, load, files
     stage_models = {stage: [component] for stage, component, _ in plan}
+    if BETWEEN_CALLS in stage_models:
+        raise ValueError(f"stage name {BETWEEN_CALLS!r} is the pipeline's own: name it otherwise")
     if mode == "eager":
         stage_models = {stage: list(shells) for stage in stage_models}
+    else:
+        stage_models[BETWEEN_CALLS] = []
     models = StagedModels(
         loaders,
         stages=stage_models,
@@ -316,4 +328,24 @@ def staged_pipeline(
         models.enter(plan[0][0])
         for component in shells:
             models[component]
+    else:
+        pipe.__class__ = _ending_calls_between_them(type(pipe), models)
     return pipe, models
+
+
+def _ending_calls_between_them(cls: type, models: StagedModels) -> type:
+    """A subclass of the pipeline class ``cls``, of the same name, whose call enters
+    :data:`BETWEEN_CALLS` when it returns or raises. ``__call__`` is looked up on the class, so an
+    instance's own attribute (as :func:`on_call` sets) would not run; and diffusers' end-of-call
+    method (``maybe_free_model_hooks``) is not the end everywhere (Shap-E calls it before its
+    renderer)."""
+
+    @functools.wraps(cls.__call__)
+    def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return cls.__call__(self, *args, **kwargs)
+        finally:
+            models.enter(BETWEEN_CALLS)
+
+    names = {"__module__": cls.__module__, "__qualname__": cls.__qualname__, "__doc__": cls.__doc__}
+    return type(cls.__name__, (cls,), {**names, "__call__": __call__})
