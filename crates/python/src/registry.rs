@@ -23,7 +23,9 @@ struct PyModel(Py<PyAny>);
 
 /// The module's weights with their names (`stageload_rs.release.weights`: parameters and
 /// persistent buffers, each tensor once), as `tch` tensors on the same `TensorImpl`s. Refuses
-/// anything but an `nn.Module`.
+/// anything but an `nn.Module`, and a module with weights on `meta`: a loader that builds on
+/// `meta` and fills afterwards (transformers' `from_pretrained`) leaves a weight there when its
+/// fill fails, logging why and going on.
 fn module_tensors(module: &Bound<'_, PyAny>, model: &str) -> PyResult<Vec<(String, tch::Tensor)>> {
     let py = module.py();
     let nn_module = py.import("torch.nn")?.getattr("Module")?;
@@ -35,7 +37,29 @@ fn module_tensors(module: &Bound<'_, PyAny>, model: &str) -> PyResult<Vec<(Strin
         ));
     }
     let weights = py.import("stageload_rs.release")?.getattr("weights")?.call1((module,))?;
-    weights.try_iter()?.map(|item| item?.extract::<(String, PyTensor)>().map(|(n, t)| (n, t.0))).collect()
+    let mut tensors = Vec::new();
+    let mut on_meta = Vec::new();
+    for item in weights.try_iter()? {
+        let (name, tensor) = item?.extract::<(String, Bound<'_, PyAny>)>()?;
+        if tensor.getattr("is_meta")?.extract::<bool>()? {
+            on_meta.push(name);
+        } else {
+            tensors.push((name, tensor.extract::<PyTensor>()?.0));
+        }
+    }
+    if let Some(first) = on_meta.first() {
+        let total = tensors.len() + on_meta.len();
+        return Err(stage_error(
+            py,
+            format!(
+                "the loader of '{model}' returned {} of its {total} weights on the meta device, never loaded \
+                 ('{first}' first): its loader's log says why it left them (from_pretrained logs a weight it \
+                 could not read or convert); load it again once that is fixed",
+                on_meta.len()
+            ),
+        ));
+    }
+    Ok(tensors)
 }
 
 /// What the registry is given for a module: the module and its tensors.

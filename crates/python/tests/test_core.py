@@ -147,6 +147,27 @@ def test_a_loader_that_raises_is_a_loader_error_naming_the_model_and_the_registr
     assert models["m"](torch.randn(1, 16)).shape == (1, 4), "asking again runs the loader again"
 
 
+def test_a_loader_that_leaves_weights_on_meta_is_a_loader_error_naming_them(saved):
+    """As transformers' from_pretrained does when filling a weight fails: it logs, and the weight
+    stays on meta (the check of the checkpoint would call it released)."""
+
+    def unloaded() -> nn.Module:
+        module = mlp()
+        with torch.device("meta"):
+            module[2] = nn.Linear(16, 4)
+        return module
+
+    models = staged({"m": unloaded, "other": mlp}, checkpoints={"m": [saved("m", mlp())]})
+    models.enter("a")
+    with pytest.raises(sl.LoaderError) as raised:
+        models["m"]
+    assert raised.value.model == "m"
+    assert "returned 2 of its 4 weights on the meta device" in str(raised.value)
+    assert "('2.weight' first)" in str(raised.value)
+    assert models.states()["m"] == "failed"
+    assert models["other"](torch.randn(1, 16)).shape == (1, 4), "another model still loads"
+
+
 def test_a_keyboard_interrupt_during_a_load_comes_through_and_leaves_nothing_filled(saved):
     """A real SIGINT, sent by another thread while the loader runs (the loader waits for it)."""
     started = threading.Event()
