@@ -4,6 +4,7 @@ files, bad input, prefetch, snapshots and traces."""
 
 from __future__ import annotations
 
+import gc
 import os
 import random
 import signal
@@ -145,6 +146,43 @@ def test_a_loader_that_raises_is_a_loader_error_naming_the_model_and_the_registr
     assert models.states()["m"] == "failed"
     assert models["other"](torch.randn(1, 16)).shape == (1, 4), "another model still loads"
     assert models["m"](torch.randn(1, 16)).shape == (1, 4), "asking again runs the loader again"
+
+
+def test_a_release_collects_while_an_object_in_a_cycle_keeps_the_models_file_mapped(
+    saved, monkeypatch
+):
+    from stageload_rs import registry
+
+    collections = []
+    collect = registry._collect_file_maps
+    monkeypatch.setattr(
+        registry, "_collect_file_maps", lambda: (collections.append(1), collect())[1]
+    )
+    path = saved("m", mlp())
+    real = str(path.resolve())
+
+    def held_in_a_cycle() -> nn.Module:
+        # the file mapped (privately, as from_pretrained maps it) by an object in a cycle, which
+        # is garbage once the loader returns
+        cycle = {"view": torch.from_file(str(path), size=path.stat().st_size, dtype=torch.uint8)}
+        cycle["self"] = cycle
+        return mlp()
+
+    models = staged({"m": held_in_a_cycle, "other": mlp}, checkpoints={"m": [path]})
+    gc.disable()  # no automatic collection between the load and the release
+    try:
+        models.enter("a")
+        models["m"]
+        assert real in Path("/proc/self/maps").read_text()
+        models.enter("b")
+        assert collections == [1]
+        assert real not in Path("/proc/self/maps").read_text()
+        models.enter("a")
+        models["m"]  # refilled by the registry: nothing of Python's maps it
+        models.enter("b")
+        assert collections == [1]
+    finally:
+        gc.enable()
 
 
 def test_a_loader_that_leaves_weights_on_meta_is_a_loader_error_naming_them(saved):
