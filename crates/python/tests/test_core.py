@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -183,6 +184,37 @@ def test_a_release_collects_while_an_object_in_a_cycle_keeps_the_models_file_map
         assert collections == [1]
     finally:
         gc.enable()
+
+
+def test_python_loaders_run_one_at_a_time_a_prefetchs_beside_the_foregrounds(saved):
+    """The core lets a prefetch's build run its loader beside a foreground build; Python's
+    loaders (from_pretrained patches process-wide state while it builds) wait for each other."""
+    order = []
+    started = threading.Event()
+
+    def slow() -> nn.Module:
+        started.set()
+        order.append("other starts")
+        time.sleep(0.3)  # the foreground's load is asked for meanwhile
+        order.append("other ends")
+        return mlp()
+
+    def quick() -> nn.Module:
+        order.append("m runs")
+        return mlp()
+
+    models = staged(
+        {"m": quick, "other": slow},
+        checkpoints={"m": [saved("m", mlp())], "other": [saved("other", mlp())]},
+        skip_init=["m", "other"],
+        prefetch=True,
+    )
+    models.enter("a")  # starts building "other" (stage b) in the background
+    assert started.wait(10), "the prefetch's loader ran"
+    models["m"]
+    models.wait_prefetch("b")
+    assert order == ["other starts", "other ends", "m runs"]
+    models.close()
 
 
 def test_a_loader_that_leaves_weights_on_meta_is_a_loader_error_naming_them(saved):

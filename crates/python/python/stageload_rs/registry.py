@@ -13,6 +13,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -44,6 +45,22 @@ def _still_mapped(paths: Iterable[str]) -> bool:
     except OSError:
         return True
     return any(path in maps for path in paths)
+
+
+# One Python loader runs at a time in the process. The core lets a prefetch's build run its loader
+# beside a foreground build, which suits loaders that touch nothing process-wide; from_pretrained
+# does (accelerate's init_empty_weights patches nn.Module.register_parameter for the whole process
+# while diffusers builds on meta), and a text encoder built beside a UNet's prefetch came back with
+# all 196 weights on meta. Reentrant: a loader may ask the registry for another model.
+_LOADERS = threading.RLock()
+
+
+def _one_at_a_time(loader: Loader) -> Loader:
+    def run() -> nn.Module:
+        with _LOADERS:  # waits with the GIL released
+            return loader()
+
+    return run
 
 
 def _names_known(what: str, names: Iterable[str], known: Mapping[str, Any]) -> None:
@@ -178,7 +195,7 @@ class StagedModels(MutableMapping[str, "nn.Module"]):
             [
                 (
                     name,
-                    loader,
+                    _one_at_a_time(loader),
                     checkpoints.get(name, []),
                     init(name),
                     "map" if name in mapped else "copy",
