@@ -79,3 +79,15 @@ def saved(tmp_path: Path) -> Callable[[str, nn.Module], Path]:
 @pytest.fixture(autouse=True)
 def seeded() -> None:
     torch.manual_seed(0)
+
+
+@pytest.fixture
+def collections(monkeypatch) -> list[int]:
+    """Each run of the registry's collection after a release (``_collect_file_maps``) appends
+    one entry; the collection itself still runs."""
+    from stageload_rs import registry
+
+    runs: list[int] = []
+    collect = registry._collect_file_maps
+    monkeypatch.setattr(registry, "_collect_file_maps", lambda: (runs.append(1), collect())[1])
+    return runs

@@ -150,15 +150,8 @@ def test_a_loader_that_raises_is_a_loader_error_naming_the_model_and_the_registr
 
 
 def test_a_release_collects_while_an_object_in_a_cycle_keeps_the_models_file_mapped(
-    saved, monkeypatch
+    saved, collections
 ):
-    from stageload_rs import registry
-
-    collections = []
-    collect = registry._collect_file_maps
-    monkeypatch.setattr(
-        registry, "_collect_file_maps", lambda: (collections.append(1), collect())[1]
-    )
     path = saved("m", mlp())
     real = str(path.resolve())
 

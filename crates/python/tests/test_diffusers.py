@@ -233,18 +233,11 @@ def test_between_its_calls_a_staged_pipeline_holds_no_model_and_an_eager_one_hol
 
 
 def test_a_released_component_leaves_no_mapping_of_its_file_without_a_collection(
-    monkeypatch,
+    collections,
 ):
     """Python's collector (0.22 s in a process running SD 1.5) runs after a release only while a
     file of what the loader made is still mapped: from_pretrained's leave none (the test of the
     collection itself is in test_core.py)."""
-    from stageload_rs import registry
-
-    collections = []
-    collect = registry._collect_file_maps
-    monkeypatch.setattr(
-        registry, "_collect_file_maps", lambda: (collections.append(1), collect())[1]
-    )
     gc.collect()  # pipelines of earlier tests, in cycles, may still map these files
     cls, path, run = stable_diffusion()
     pipe, models = staged_pipeline(cls, path)
