@@ -306,6 +306,39 @@ fn dropping_the_registry_waits_for_the_loader_running_and_cancels_the_prefetch_b
 }
 
 #[test]
+fn stopping_the_prefetches_waits_for_the_loader_running_cancels_the_one_behind_and_leaves_loads_to_the_foreground() {
+    let _one = support::generator();
+    let builds = Arc::new(AtomicUsize::new(0));
+    let counted = builds.clone();
+    let (after_stop, b_began, after_enter) = within("stop_prefetches, then the stage", move || {
+        let (models, has_begun) = two_slow(1.0, &counted);
+        assert_eq!(models.prefetch("next").unwrap(), ["a", "b"]);
+        assert_eq!(has_begun.recv_timeout(Duration::from_secs(30)).as_deref(), Ok("a"), "a's loader begins");
+        models.stop_prefetches();
+        let after_stop = (
+            counted.load(Ordering::SeqCst),
+            models.prefetching(),
+            models.state("a").unwrap(),
+            models.state("b").unwrap(),
+        );
+        // None starts after: a prefetch asked for now gives up before its load.
+        models.prefetch("next").unwrap();
+        models.wait_prefetch("next").unwrap();
+        let b_began = has_begun.try_recv().ok();
+        models.enter("next").unwrap();
+        let y = models.call("b", |m: &mut Mlp| m.forward(&Tensor::ones([1, 4], (Kind::Float, Device::Cpu))));
+        (after_stop, b_began, (y.unwrap().size(), counted.load(Ordering::SeqCst)))
+    });
+    assert_eq!(
+        after_stop,
+        (1, Vec::<String>::new(), ModelState::Resident, ModelState::Unloaded),
+        "a's prefetch had ended, loaded; b's never began"
+    );
+    assert_eq!(b_began, None, "no prefetch loaded b after the stop");
+    assert_eq!(after_enter, (vec![1, 4], 2), "the foreground loaded b");
+}
+
+#[test]
 fn closing_gives_up_at_once_a_prefetch_waiting_for_the_one_before_it() {
     let _one = support::generator();
     let builds = Arc::new(AtomicUsize::new(0));

@@ -171,6 +171,14 @@ impl Registry {
     }
 }
 
+/// Dropping the registry joins the prefetch threads, and one may be running a Python loader,
+/// which needs the GIL: they are stopped with it released (held, the drop would wait forever).
+impl Drop for Registry {
+    fn drop(&mut self) {
+        Python::with_gil(|py| py.allow_threads(|| self.models.stop_prefetches()));
+    }
+}
+
 /// How many times `get` asks again for a model released between its load and its lock (by
 /// another thread entering a stage) before it says so.
 const GET_TRIES: usize = 3;
@@ -305,6 +313,12 @@ impl Registry {
 
     fn mark(&self, py: Python<'_>, label: &str) {
         py.allow_threads(|| self.models.mark(label))
+    }
+
+    /// Cancels the prefetches not begun and waits for those running (their loaders run with the
+    /// GIL this gives up meanwhile); none starts after.
+    fn stop_prefetches(&self, py: Python<'_>) {
+        py.allow_threads(|| self.models.stop_prefetches())
     }
 
     /// Releases every resident model and refuses loads from then on; the bytes freed and kept.

@@ -409,6 +409,62 @@ def test_prefetch_brings_the_next_stage_back_in_the_background_bit_for_bit(saved
     assert torch.equal(models["n"][0].weight, second[0].weight)
 
 
+# A prefetch's loader, in the middle of torch calls (each gives up the GIL) for a second and a
+# half when the script goes on; what the script does then follows it.
+PREFETCH_IN_A_TORCH_CALL = """
+import sys, threading, time
+import stageload_rs as sl, torch
+from torch import nn
+from safetensors.torch import save_file
+
+save_file(nn.Linear(4, 4).state_dict(), sys.argv[1])
+started = threading.Event()
+
+def busy():
+    started.set()
+    x, end = torch.ones(500, 500), time.monotonic() + 1.5
+    while time.monotonic() < end:
+        x = x @ x / 500
+    print("the loader ended", flush=True)
+    return nn.Linear(4, 4)
+
+models = sl.StagedModels(
+    {"a": lambda: nn.Linear(4, 4), "b": busy}, stages={"one": ["a"], "two": ["b"]},
+    checkpoints={"b": [sys.argv[1]]}, loader_reads_checkpoint=["b"], prefetch=True,
+)
+models.enter("one")
+assert started.wait(30) and models.prefetching() == ["b"]
+"""
+
+
+def run_script(code: str, tmp_path: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "b.safetensors")],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_the_process_exits_cleanly_while_a_prefetch_runs_a_torch_call(tmp_path):
+    """Without the exit's wait the interpreter stopped the prefetch's thread inside torch, and
+    the process aborted ("terminate called without an active exception", exit 134)."""
+    run = run_script(PREFETCH_IN_A_TORCH_CALL + "print('exits', flush=True)\n", tmp_path)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == ["exits", "the", "loader", "ended"], "the exit waited for it"
+    assert "terminate" not in run.stderr
+
+
+def test_dropping_the_models_while_a_prefetch_runs_its_loader_waits_for_it(tmp_path):
+    """The drop joins the prefetch's thread, whose loader needs the GIL: held by the drop, both
+    waited for ever (the deadline here is the subprocess's)."""
+    code = PREFETCH_IN_A_TORCH_CALL + "del models\nprint('dropped', flush=True)\n"
+    run = run_script(code, tmp_path)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == ["the", "loader", "ended", "dropped"]
+
+
 def test_a_host_tier_holds_no_cpu_model_says_so_and_the_reload_reads_the_checkpoint(saved):
     first = mlp()
     events = sl.ListSink()

@@ -10,6 +10,7 @@ tier, snapshots, the memory meter) is the core's, as in the Rust API.
 
 from __future__ import annotations
 
+import atexit
 import gc
 import json
 import os
@@ -61,6 +62,19 @@ def _one_at_a_time(loader: Loader) -> Loader:
             return loader()
 
     return run
+
+
+# The live registries, for the exit: Python's interpreter, finalizing, stops a thread that wants
+# the GIL back where it stands, and one of a prefetch's inside a torch call aborts the process
+# ("terminate called without an active exception"). Their prefetches end before it finalizes.
+# (By id: a mapping is not hashable.)
+_LIVE: weakref.WeakValueDictionary[int, StagedModels] = weakref.WeakValueDictionary()
+
+
+@atexit.register
+def _stop_prefetches_at_exit() -> None:
+    for models in list(_LIVE.values()):
+        models._registry.stop_prefetches()
 
 
 def _names_known(what: str, names: Iterable[str], known: Mapping[str, Any]) -> None:
@@ -215,6 +229,7 @@ class StagedModels(MutableMapping[str, "nn.Module"]):
             cache_host_blocks=cache_host_blocks,
             map_large_host_blocks=map_large_host_blocks,
         )
+        _LIVE[id(self)] = self
 
     def _on_event(self, line: str) -> None:
         """The registry's events (called from the thread that did the work): a module released

@@ -101,20 +101,11 @@ pub struct StagedModels {
     inner: Arc<Inner>,
 }
 
-/// Cancels the prefetches that have not begun their load (a thread not yet going, a build
-/// waiting for its turn, a prefetch waiting for another load of its model) and waits for those
-/// already running, so that none outlives the registry (or the process's libtorch, when the
-/// registry is dropped at the end of `main`). Builds run one at a time, so the wait is bounded
-/// by the one loader running when the drop begins (it is not interrupted: a loader is the
-/// user's code), or by a refill in place already reading its checkpoint or copying from the host
-/// tier, whichever takes longest.
+/// Stops the prefetches ([`StagedModels::stop_prefetches`]), so that none outlives the registry
+/// (or the process's libtorch, when the registry is dropped at the end of `main`).
 impl Drop for StagedModels {
     fn drop(&mut self) {
-        self.inner.cancel_prefetches();
-        let running = self.inner.background.take_threads();
-        for handle in running {
-            let _ = handle.join();
-        }
+        self.stop_prefetches();
     }
 }
 
@@ -196,6 +187,25 @@ impl StagedModels {
     /// the plan does not have.
     pub fn wait_prefetch(&self, stage: &str) -> Result<()> {
         self.inner.wait_prefetch(stage)
+    }
+
+    /// Cancels the prefetches that have not begun their load (a thread not yet going, a build
+    /// waiting for its turn, a prefetch waiting for another load of its model), waits for those
+    /// already running, and starts no more: what dropping the registry does first, for a host
+    /// that ends the process without dropping it (Python's interpreter, whose exit stops other
+    /// threads in the middle of a torch call and so aborts the process). Builds run one at a
+    /// time, so the wait is bounded by the one loader running (it is not interrupted: a loader
+    /// is the user's code), or by a refill in place already reading its checkpoint or copying
+    /// from the host tier, whichever takes longest. Foreground loads go on as before. Called on a
+    /// prefetch's own thread (from an event sink), it waits for the others.
+    pub fn stop_prefetches(&self) {
+        self.inner.cancel_prefetches();
+        let me = std::thread::current().id();
+        for handle in self.inner.background.take_threads() {
+            if handle.thread().id() != me {
+                let _ = handle.join();
+            }
+        }
     }
 
     /// Every model with its state, in definition order (never loads).
