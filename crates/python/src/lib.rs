@@ -12,6 +12,7 @@
 //! calls back (a loader, the event sink, Python's generators) takes the GIL for itself, so no
 //! thread waits on a registry lock while holding the GIL.
 
+mod checkpoint;
 mod errors;
 mod meter;
 mod registry;
@@ -25,5 +26,6 @@ fn native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<meter::Meter>()?;
     m.add_function(wrap_pyfunction!(registry::release_module, m)?)?;
     m.add_function(wrap_pyfunction!(meter::summarize_trace, m)?)?;
+    m.add_function(wrap_pyfunction!(checkpoint::checkpoint_dtypes, m)?)?;
     Ok(())
 }

@@ -326,6 +326,11 @@ def test_a_pipeline_without_a_plan_or_a_component_without_safetensors_is_refused
             target.write_bytes(file.read_bytes())
     with pytest.raises(FileNotFoundError, match="component 'unet'"):
         staged_pipeline(diffusers.StableDiffusionPipeline, copy)
+    # a header that is not one: its length field says more than the file holds
+    broken = copy / "unet" / "diffusion_pytorch_model.safetensors"
+    broken.write_bytes((1 << 40).to_bytes(8, "little") + b"{}")
+    with pytest.raises(sl.StageError, match="diffusion_pytorch_model.safetensors"):
+        staged_pipeline(diffusers.StableDiffusionPipeline, copy)
 
 
 # Run in a process of its own, where MKL_CBWR is unset (conftest sets it for this one): the

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import _native
 from .hooks import on_call
 from .registry import StagedModels
 
@@ -81,45 +82,15 @@ def _checkpoint(folder: Path, component: str) -> list[Path]:
     return files
 
 
-def _checkpoint_dtypes(files: list[Path]) -> dict[str, torch.dtype]:
-    from safetensors import safe_open
-
-    dtypes = {}
-    for file in files:
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                dtypes[name] = f.get_slice(name).get_dtype()
-    unknown = sorted({d for d in dtypes.values() if d not in _SAFETENSORS_DTYPES})
-    if unknown:
-        raise ValueError(
-            f"{', '.join(map(str, files))}: tensors of dtype {unknown}, which this reader does not know"
-        )
-    return {name: getattr(torch, _SAFETENSORS_DTYPES[d]) for name, d in dtypes.items()}
-
-
-_SAFETENSORS_DTYPES = {
-    "F32": "float32",
-    "F16": "float16",
-    "BF16": "bfloat16",
-    "F64": "float64",
-    "I64": "int64",
-    "I32": "int32",
-    "I16": "int16",
-    "I8": "int8",
-    "U8": "uint8",
-    "BOOL": "bool",
-    "F8_E4M3": "float8_e4m3fn",
-    "F8_E5M2": "float8_e5m2",
-}
-
-
 def _loaded_dtypes(
     cls: type, files: list[Path], torch_dtype: torch.dtype | None
 ) -> dict[str, torch.dtype]:
     """The dtype each tensor has once ``cls.from_pretrained`` loaded it: ``torch_dtype`` for
     floating tensors when given; else the checkpoint's for a transformers model (its default is
     "auto") and float32 for a diffusers model (its default)."""
-    stored = _checkpoint_dtypes(files)
+    stored = {
+        name: getattr(torch, dtype) for name, dtype in _native.checkpoint_dtypes(files).items()
+    }
     if torch_dtype is None and hasattr(cls, "config_class"):
         return stored
     floating = torch_dtype or torch.float32
