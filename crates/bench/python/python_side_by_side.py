@@ -415,6 +415,57 @@ def second_against_first(runs: dict, arms: list[str]) -> list[str]:
     return lines + [""]
 
 
+def paired(out: Path, arms: list[str]) -> list[str]:
+    """Each arm's run against the original's of the same round (run just before or after it, so
+    that both see the machine in the same state), per stage: the median of those ratios and
+    their smallest and largest, which show what the machine's noise does to one comparison."""
+
+    def by_round(arm: str) -> dict[int, dict]:
+        return {
+            int(p.stem.rsplit("-", 1)[1]): json.loads(p.read_text())
+            for p in out.glob(f"{arm}-*.json")
+        }
+
+    def value(run: dict, image: int, stage: str, key: str) -> float | None:
+        rows = [row[key] for row in run["images"][image] if row["stage"] == stage]
+        return rows[0] if rows else None
+
+    original = by_round("original")
+    lines = [
+        "## Per round, against the original's run of the same round",
+        "",
+        "Median of the ratios [smallest-largest].",
+        "",
+        "| arm | image | " + " | ".join(f"{s} peak | {s} s" for s in STAGES) + " |",
+        "|---|---|" + "---|---|" * len(STAGES),
+    ]
+    for arm in arms:
+        if arm == "original":
+            continue
+        runs = by_round(arm)
+        for image in range(2):
+            cells = []
+            for stage in STAGES:
+                for key in ("peak", "seconds"):
+                    ratios = []
+                    for round_, run in runs.items():
+                        mine = value(run, image, stage, key)
+                        theirs = (
+                            value(original[round_], image, stage, key)
+                            if round_ in original
+                            else None
+                        )
+                        if mine is not None and theirs:
+                            ratios.append(mine / theirs)
+                    cells.append(
+                        f"{statistics.median(ratios):.3f} [{min(ratios):.2f}-{max(ratios):.2f}]"
+                        if ratios
+                        else ""
+                    )
+            lines.append(f"| {arm} | {image + 1} | " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
 def summarize(out: Path, arms: list[str], args) -> bool:
     """Writes summary.md; whether every arm's images equal the unwrapped pipeline's."""
     import numpy as np
@@ -475,6 +526,8 @@ def summarize(out: Path, arms: list[str], args) -> bool:
                         cells += ["", ""]
                 lines.append(f"| {arm} | " + " | ".join(cells) + " |")
             lines.append("")
+    if "original" in arms:
+        lines += paired(out, arms)
     lines += second_against_first(runs, arms)
     if "unwrapped" in arms:
         lines += within_bound(runs, arms, Path(args.folder))
