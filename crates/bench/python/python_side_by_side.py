@@ -415,22 +415,16 @@ def second_against_first(runs: dict, arms: list[str]) -> list[str]:
     return lines + [""]
 
 
-def paired(out: Path, arms: list[str]) -> list[str]:
+def paired(rounds: dict[str, dict[int, dict]], arms: list[str]) -> list[str]:
     """Each arm's run against the original's of the same round (run just before or after it, so
     that both see the machine in the same state), per stage: the median of those ratios and
     their smallest and largest, which show what the machine's noise does to one comparison."""
-
-    def by_round(arm: str) -> dict[int, dict]:
-        return {
-            int(p.stem.rsplit("-", 1)[1]): json.loads(p.read_text())
-            for p in out.glob(f"{arm}-*.json")
-        }
 
     def value(run: dict, image: int, stage: str, key: str) -> float | None:
         rows = [row[key] for row in run["images"][image] if row["stage"] == stage]
         return rows[0] if rows else None
 
-    original = by_round("original")
+    original = rounds["original"]
     lines = [
         "## Per round, against the original's run of the same round",
         "",
@@ -442,13 +436,12 @@ def paired(out: Path, arms: list[str]) -> list[str]:
     for arm in arms:
         if arm == "original":
             continue
-        runs = by_round(arm)
         for image in range(2):
             cells = []
             for stage in STAGES:
                 for key in ("peak", "seconds"):
                     ratios = []
-                    for round_, run in runs.items():
+                    for round_, run in rounds[arm].items():
                         mine = value(run, image, stage, key)
                         theirs = (
                             value(original[round_], image, stage, key)
@@ -470,9 +463,15 @@ def summarize(out: Path, arms: list[str], args) -> bool:
     """Writes summary.md; whether every arm's images equal the unwrapped pipeline's."""
     import numpy as np
 
-    runs = {
-        arm: [json.loads(p.read_text()) for p in sorted(out.glob(f"{arm}-*.json"))] for arm in arms
+    # each arm's runs by round (the number in the file's name)
+    rounds = {
+        arm: {
+            int(p.stem.rsplit("-", 1)[1]): json.loads(p.read_text())
+            for p in out.glob(f"{arm}-*.json")
+        }
+        for arm in arms
     }
+    runs = {arm: [rounds[arm][n] for n in sorted(rounds[arm])] for arm in arms}
     reference = np.load(out / "unwrapped-1.npy") if "unwrapped" in arms else None
     gib = 1 << 30
 
@@ -527,7 +526,7 @@ def summarize(out: Path, arms: list[str], args) -> bool:
                 lines.append(f"| {arm} | " + " | ".join(cells) + " |")
             lines.append("")
     if "original" in arms:
-        lines += paired(out, arms)
+        lines += paired(rounds, arms)
     lines += second_against_first(runs, arms)
     if "unwrapped" in arms:
         lines += within_bound(runs, arms, Path(args.folder))

@@ -175,7 +175,7 @@ impl Registry {
 /// which needs the GIL: they are stopped with it released (held, the drop would wait forever).
 impl Drop for Registry {
     fn drop(&mut self) {
-        Python::with_gil(|py| py.allow_threads(|| self.models.stop_prefetches()));
+        Python::with_gil(|py| self.stop_prefetches(py));
     }
 }
 
@@ -262,8 +262,8 @@ impl Registry {
     }
 
     /// Enters `stage`; returns the bytes freed and kept (shared with a model still resident).
-    fn enter(&self, py: Python<'_>, stage: &str) -> PyResult<(u64, u64)> {
-        self.run(py, |m| m.enter(stage)).map(|s| (s.freed, s.kept))
+    fn enter(&self, py: Python<'_>, stage: &str) -> PyResult<()> {
+        self.run(py, |m| m.enter(stage)).map(|_stats| ())
     }
 
     fn prefetch(&self, py: Python<'_>, stage: &str) -> PyResult<Vec<String>> {
@@ -321,10 +321,11 @@ impl Registry {
         py.allow_threads(|| self.models.stop_prefetches())
     }
 
-    /// Releases every resident model and refuses loads from then on; the bytes freed and kept.
-    fn close(&self, py: Python<'_>) -> (u64, u64) {
-        let stats = py.allow_threads(|| self.models.close());
-        (stats.freed, stats.kept)
+    /// Releases every resident model and refuses loads from then on.
+    fn close(&self, py: Python<'_>) {
+        py.allow_threads(|| {
+            self.models.close();
+        })
     }
 
     /// Registers `module` under `name` with no loader (a model already there is released, its
